@@ -1,0 +1,40 @@
+# The README's two commands are `make quickstart` and `make test`; each creates or refreshes
+# the virtual environment in .venv (pinned by constraints.txt) before it runs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.lapheads-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps quickstart test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -q -c constraints.txt -e ".[eval,test]"
+	touch $(STAMP)
+
+# Headless Chromium renders the HTML report in one test; installed when missing (Debian).
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
+	  echo "note: chromium not installed; the HTML rendering test will be skipped")
+
+quickstart: setup
+	$(VENV)/bin/lapheads quickstart --out runs/quickstart
+
+test: setup system-deps
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

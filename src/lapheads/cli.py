@@ -1,0 +1,98 @@
+"""The ``lapheads`` command line.
+
+Commands are looked up in :data:`COMMANDS` and their modules imported only when run, so
+``lapheads --help`` is instant and a command never pays for another's imports. Each entry points
+at a function ``main(argv: list[str]) -> int | None`` that parses its own arguments.
+
+Errors caused by user input (:class:`lapheads.errors.LapheadsError`) are printed as one line and
+exit with status 2; ``--debug`` (anywhere on the line) shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Optional, Sequence
+
+# (words...) -> ("module:function", one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("quickstart",): ("lapheads.quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
+    ("train", "classify"): ("lapheads.recipes.classify:train_main", "DeiT-3 supervised classification"),
+    ("train", "lm"): ("lapheads.recipes.lm:train_main", "NanoChat-style language-model pretraining"),
+    ("train", "sft"): ("lapheads.recipes.sft:train_main", "supervised fine-tuning on chat JSONL"),
+    ("train", "dino"): ("lapheads.recipes.dino:train_main", "DINO self-supervised pretraining"),
+    ("eval", "classify"): ("lapheads.recipes.classify:eval_main", "top-1/top-5/per-class accuracy of a run"),
+    ("eval", "lm"): ("lapheads.lm.evaluate:main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
+    ("eval", "knn"): ("lapheads.recipes.probes:knn_main", "weighted k-NN on frozen features"),
+    ("eval", "linear"): ("lapheads.recipes.probes:linear_main", "linear probe on frozen features"),
+    ("eval", "segment"): ("lapheads.recipes.probes:segment_main", "linear segmentation probe (mIoU)"),
+    ("tokenizer", "train"): ("lapheads.lm.tokenizer:main", "train a byte-level BPE tokenizer"),
+    ("data", "tokenize"): ("lapheads.data.text:tokenize_main", "text/JSONL/parquet -> token shards"),
+    ("sample",): ("lapheads.lm.sample:main", "sample text from a language-model run"),
+    ("analyze",): ("lapheads.geometry.cli:main", "token-geometry analysis of runs or models"),
+    ("pca-maps",): ("lapheads.geometry.pca_maps:main", "PCA maps of patch tokens as RGB images"),
+    ("sweep",): ("lapheads.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
+    ("report",): ("lapheads.report:main", "Markdown + HTML report comparing runs"),
+}
+
+
+def _usage() -> str:
+    width = max(len(" ".join(k)) for k in COMMANDS)
+    lines = ["usage: lapheads <command> [options]   (add --help after a command for its options)", "",
+             "commands:"]
+    for words, (_, help_) in COMMANDS.items():
+        lines.append(f"  {' '.join(words):<{width}}  {help_}")
+    lines += ["", "global options:", "  --debug     show full tracebacks", "  --version   print the version"]
+    return "\n".join(lines)
+
+
+def _find(argv: Sequence[str]) -> tuple[Optional[tuple[str, ...]], list[str]]:
+    for n in (2, 1):
+        key = tuple(argv[:n])
+        if key in COMMANDS:
+            return key, list(argv[n:])
+    return None, list(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("LAPHEADS_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from . import __version__
+        print(__version__)
+        return 0
+    key, rest = _find(argv)
+    if key is None:
+        groups = sorted({k[0] for k in COMMANDS if len(k) == 2 and k[0] == argv[0]})
+        if groups:
+            subs = ", ".join(k[1] for k in COMMANDS if k[0] == argv[0])
+            print(f"lapheads: error: '{argv[0]}' needs one of: {subs}", file=sys.stderr)
+        else:
+            print(f"lapheads: error: unknown command {argv[0]!r}; run 'lapheads --help' for the list",
+                  file=sys.stderr)
+        return 2
+    target, _ = COMMANDS[key]
+    mod_name, fn_name = target.split(":")
+    from .errors import LapheadsError
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+        rc = fn(rest)
+        return int(rc or 0)
+    except LapheadsError as e:
+        if debug:
+            raise
+        msg = " ".join(str(e).split())
+        print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lapheads: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

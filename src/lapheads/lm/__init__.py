@@ -1,0 +1,1 @@
+"""Language-model pieces: tokenizer, sampling, chat evaluation and the code sandbox."""

@@ -1,0 +1,186 @@
+"""The Laplacian attention operator.
+
+A standard head outputs ``P V`` with ``P = softmax(Q K^T * scale + mask)``; a Laplacian head outputs
+``(I - P) V = V - P V`` (PAPER.md, "The operator"). Design choices:
+
+* The fused path calls ``F.scaled_dot_product_attention`` once for all heads and then subtracts
+  its output from ``v_self`` for the selected heads. No T x T matrix is ever built, so speed and
+  memory are those of SDPA plus one elementwise op.
+* ``v_self`` is the value at the query's own position: the LAST ``Tq`` positions of ``v``. For a
+  full forward pass that is all of ``v``; for a KV-cache chunk (``Tq < Tk``) it is the new tokens.
+* ``is_causal`` with ``Tq != Tk`` is aligned to the lower right (query i sits at key position
+  ``Tk - Tq + i``), the KV-cache convention, for every head. (Plain SDPA aligns it to the upper
+  left, which is never what a cache wants.)
+* Grouped-query attention (``enable_gqa=True``, fewer KV heads than query heads): query head h
+  uses KV head ``h // (H // H_kv)``, exactly as SDPA does; the identity term uses that KV head's
+  values and the subtraction is per query head.
+* Dropout (``dropout_p``) acts on P only; the identity term is never dropped.
+* A query row whose mask hides every key gives NaN, as SDPA does.
+
+The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
+standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
+the fused path against it; plots show it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ConfigError
+from .heads import head_mask
+
+__all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask"]
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> tuple[int, int]:
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ConfigError(
+            f"q, k, v must be (..., heads, seq, dim) tensors of the same rank; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    h, hkv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != hkv:
+        raise ConfigError(f"k has {hkv} heads but v has {v.shape[-3]}; they must match")
+    if k.shape[-2] != v.shape[-2]:
+        raise ConfigError(f"k has {k.shape[-2]} positions but v has {v.shape[-2]}; they must match")
+    if h != hkv:
+        if not enable_gqa:
+            raise ConfigError(
+                f"q has {h} heads but k/v have {hkv}; pass enable_gqa=True for grouped-query attention")
+        if h % hkv:
+            raise ConfigError(f"q heads ({h}) must be a multiple of k/v heads ({hkv}) for grouped-query attention")
+    return h, hkv
+
+
+def causal_lower_right_mask(tq: int, tk: int, device: Any = None) -> torch.Tensor:
+    """Boolean (Tq, Tk) mask, True = may attend: query i sees keys ``<= Tk - Tq + i``."""
+    i = torch.arange(tq, device=device).unsqueeze(1)
+    j = torch.arange(tk, device=device).unsqueeze(0)
+    return j <= i + (tk - tq)
+
+
+def _merge_causal(attn_mask: Optional[torch.Tensor], is_causal: bool, tq: int, tk: int,
+                  dtype: torch.dtype, device: Any) -> tuple[Optional[torch.Tensor], bool]:
+    """Return (mask, is_causal) to hand to SDPA, turning lower-right causality into a mask."""
+    if not is_causal:
+        return attn_mask, False
+    if attn_mask is None and tq == tk:
+        return None, True  # let SDPA use its fused causal path
+    causal = causal_lower_right_mask(tq, tk, device)
+    if attn_mask is None:
+        return causal, False
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal, False
+    neg = torch.zeros((), dtype=attn_mask.dtype, device=device).masked_fill(
+        torch.ones((), dtype=torch.bool, device=device), float("-inf"))
+    return attn_mask + torch.where(causal, torch.zeros((), dtype=attn_mask.dtype, device=device), neg), False
+
+
+def _v_self(v: torch.Tensor, tq: int, h: int, hkv: int, heads: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Values at the query's own position, one per query head (or per selected query head)."""
+    vs = v[..., v.shape[-2] - tq:, :]
+    group = h // hkv
+    if heads is None:
+        return vs if group == 1 else vs.repeat_interleave(group, dim=-3)
+    return vs.index_select(-3, heads // group)
+
+
+def laplacian_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    laplacian_heads: Any,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention where the selected heads output ``V - P V`` instead of ``P V``.
+
+    Args:
+        q: queries ``(..., H, Tq, D)``.
+        k: keys ``(..., H_kv, Tk, D)``.
+        v: values ``(..., H_kv, Tk, Dv)``.
+        laplacian_heads: which heads are Laplacian: a boolean mask of shape ``(H,)``, an int k
+            (trailing k heads), ``"all"``, ``"none"``, a list of head indices, or a uniform
+            :class:`lapheads.LaplacianHeads`.
+        attn_mask: boolean (True = attend) or additive mask broadcastable to ``(..., H, Tq, Tk)``.
+        is_causal: causal masking, aligned to the lower right when ``Tq != Tk``.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        dropout_p: dropout on the attention probabilities P (not on the identity term).
+        enable_gqa: allow fewer KV heads than query heads (grouped-query attention).
+
+    Returns:
+        ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
+    """
+    h, hkv = _check_shapes(q, k, v, enable_gqa)
+    tq, tk = q.shape[-2], k.shape[-2]
+    mask = head_mask(laplacian_heads, h, device=q.device)
+    any_lap = bool(mask.any())
+    if any_lap and tq > tk:
+        raise ConfigError(
+            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+    m, causal = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale,
+        enable_gqa=(h != hkv))
+    if not any_lap:
+        return out
+    if bool(mask.all()):
+        return _v_self(v, tq, h, hkv) - out
+    # Mixed layer: subtract only where needed; torch.where keeps autograd cheap and exact.
+    return torch.where(mask.view(h, 1, 1), _v_self(v, tq, h, hkv) - out, out)
+
+
+def laplacian_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    laplacian_heads: Any,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager twin of :func:`laplacian_attention` that materialises the operator.
+
+    Returns:
+        ``(out, operator)``: ``out`` as the fused function, and ``operator`` of shape
+        ``(..., H, Tq, Tk)``, the matrix actually applied to V per head: ``P`` for a standard head,
+        ``I - P`` for a Laplacian head (``I`` placing query i at key ``Tk - Tq + i``).
+    """
+    h, hkv = _check_shapes(q, k, v, enable_gqa)
+    tq, tk = q.shape[-2], k.shape[-2]
+    mask = head_mask(laplacian_heads, h, device=q.device)
+    if bool(mask.any()) and tq > tk:
+        raise ConfigError(
+            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+    group = h // hkv
+    if group > 1:
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * s
+    m, _ = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
+    if m is None and is_causal:  # tq == tk fused case
+        m = causal_lower_right_mask(tq, tk, q.device)
+    if m is not None:
+        if m.dtype == torch.bool:
+            scores = scores.masked_fill(~m, float("-inf"))
+        else:
+            scores = scores + m
+    p = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        p = F.dropout(p, p=dropout_p)
+    eye = torch.zeros(tq, tk, dtype=p.dtype, device=p.device)
+    if tq <= tk:
+        eye[torch.arange(tq), torch.arange(tk - tq, tk)] = 1
+    op = torch.where(mask.view(h, 1, 1), eye - p, p)
+    return op @ v, op
