@@ -106,7 +106,7 @@ class LaplacianHeads:
             return [self._trailing(self.spec, n_heads, None) for _ in range(n_layers)]
         if len(self.spec) != n_layers:
             raise ConfigError(
-                f"laplacian_heads has {len(self.spec)} per-layer entries but the model has "
+                f"laplacian_heads={self.spec!r} has {len(self.spec)} per-layer entries but the model has "
                 f"{n_layers} layers; give exactly one entry per layer")
         if self.kind == "per_layer_k":
             return [self._trailing(k, n_heads, i) for i, k in enumerate(self.spec)]
@@ -196,7 +196,8 @@ def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> to
         m = spec.resolve(1, n_heads)[0]
     elif isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
         if len(spec) != n_heads:
-            raise ConfigError(f"laplacian_heads mask has {len(spec)} entries, expected {n_heads} (one per head)")
+            raise ConfigError(
+                f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)")
         m = torch.tensor(spec, dtype=torch.bool)
     elif isinstance(spec, (list, tuple)):
         m = LaplacianHeads([list(spec)]).resolve(1, n_heads)[0]

@@ -1,0 +1,276 @@
+"""``torch.nn.MultiheadAttention`` with Laplacian heads.
+
+:class:`MultiheadAttention` is a drop-in for ``torch.nn.MultiheadAttention``: same constructor,
+same ``forward`` signature and return values, same parameters and ``state_dict`` keys (so torch's
+weights load with ``load_state_dict`` and back), plus one keyword, ``laplacian_heads``, that
+turns the selected heads into Laplacian heads (output ``V - P V``, PAPER.md "The operator").
+Design choices:
+
+* It subclasses the torch module, so parameters, initialisation, ``state_dict`` keys,
+  ``_qkv_same_embed_dim`` and pickling are torch's own; only ``forward`` is replaced.
+* ``forward`` always runs our own path, also with no Laplacian head (torch's C++ inference fast
+  path is not used). That path is tested against torch's module for many configurations, so the
+  baseline is torch's result, not an approximation of it.
+* ``need_weights=False`` calls the fused :func:`lapheads.laplacian_attention` (SDPA plus one
+  subtraction, no T x T matrix). ``need_weights=True`` calls the eager
+  :func:`lapheads.laplacian_attention_reference` and returns the operator actually applied to V:
+  ``P`` for a standard head, ``I - P`` for a Laplacian head, averaged over heads when
+  ``average_attn_weights`` (torch returns P, so the two agree when no head is Laplacian).
+* Masks follow torch, not SDPA: in a boolean ``attn_mask`` or ``key_padding_mask`` ``True``
+  means NOT allowed; float masks are added to the scores. Both are merged into one additive mask.
+* ``add_bias_kv`` / ``add_zero_attn`` add key/value positions that are no token's "own"
+  position. They are placed in FRONT of the keys internally (attention does not depend on the
+  order of keys), so the operator's identity term still picks the last ``Tq`` real values; the
+  returned weights are put back in torch's order (extra columns last).
+* Identity term: for self-attention query i uses value i. For cross-attention with ``Tq <= Tk``
+  it uses the LAST ``Tq`` value positions (the operator's KV-cache convention); with ``Tq > Tk``
+  a layer that has Laplacian heads raises :class:`lapheads.ConfigError` (a ``ValueError``).
+* ``is_causal`` is torch's hint: when ``attn_mask`` is given it is used as is. Unlike torch,
+  ``is_causal=True`` without a mask is accepted and builds the causal mask (lower-right aligned,
+  the same as torch's for ``Tq == Tk``).
+* Dropout (training only) acts on P, never on the identity term.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .errors import ConfigError
+from .heads import head_mask
+from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
+
+__all__ = ["MultiheadAttention"]
+
+
+def _additive(mask: Optional[Tensor], name: str, dtype: torch.dtype) -> Optional[Tensor]:
+    """torch MHA mask (bool: True = masked out; float: added) -> additive float mask."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    if not torch.is_floating_point(mask):
+        raise ConfigError(f"{name} must be a bool or float tensor, got dtype {mask.dtype}")
+    return mask.to(dtype)
+
+
+class MultiheadAttention(torch.nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` whose selected heads are Laplacian heads.
+
+    Args:
+        embed_dim: model width.
+        num_heads: number of heads (``embed_dim`` must be divisible by it).
+        dropout: dropout on the attention probabilities P (training only).
+        bias: biases in the input and output projections.
+        add_bias_kv: learnable key/value bias positions appended to the keys (torch's option).
+        add_zero_attn: a zero key/value position appended to the keys (torch's option).
+        kdim: key feature size (default ``embed_dim``).
+        vdim: value feature size (default ``embed_dim``).
+        batch_first: inputs are ``(N, L, E)`` instead of ``(L, N, E)``.
+        device: parameter device.
+        dtype: parameter dtype.
+        laplacian_heads: which heads are Laplacian: anything :func:`lapheads.head_mask` accepts
+            (int k = trailing k heads, ``"all"``, ``"none"``, a list of head indices, a boolean
+            list/tensor of length ``num_heads``, a uniform :class:`lapheads.LaplacianHeads`).
+            Default ``"none"``: the module computes exactly what torch's does.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        laplacian_heads: Any = "none",
+    ) -> None:
+        # Validate the head selection before allocating parameters (cheap errors first).
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
+        lap = head_mask(laplacian_heads, num_heads)
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
+                         add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
+                         device=device, dtype=dtype)
+        self.laplacian_heads = laplacian_heads
+        # A plain CPU tensor, not a buffer: state_dict keys stay exactly torch's.
+        self.laplacian_mask: Tensor = lap.cpu()
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.MultiheadAttention, laplacian_heads: Any = "none") -> "MultiheadAttention":
+        """A copy of a torch ``MultiheadAttention`` (same options and weights) with Laplacian heads."""
+        w = module.out_proj.weight
+        new = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
+                  bias=module.out_proj.bias is not None, add_bias_kv=module.bias_k is not None,
+                  add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
+                  batch_first=module.batch_first, device=w.device, dtype=w.dtype,
+                  laplacian_heads=laplacian_heads)
+        new.load_state_dict(module.state_dict())
+        new.train(module.training)
+        return new
+
+    def extra_repr(self) -> str:
+        n = int(self.laplacian_mask.sum())
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+                f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})")
+
+    # ------------------------------------------------------------------ projections
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Input projections of batch-first (N, L, E) inputs, as torch computes them."""
+        e = self.embed_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else b.split(e)
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight
+            if query is key and key is value:
+                # One GEMM for self-attention, as torch does (same rounding as torch's path).
+                return F.linear(query, w, b).chunk(3, dim=-1)
+            wq, wk, wv = w.split(e)
+            if key is value:
+                kv = F.linear(key, w[e:], None if b is None else b[e:]).chunk(2, dim=-1)
+                return F.linear(query, wq, bq), kv[0], kv[1]
+            return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+        return (F.linear(query, self.q_proj_weight, bq), F.linear(key, self.k_proj_weight, bk),
+                F.linear(value, self.v_proj_weight, bv))
+
+    # ------------------------------------------------------------------ forward
+    def forward(  # type: ignore[override]
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Same arguments and returns as ``torch.nn.MultiheadAttention.forward``.
+
+        Args:
+            query: ``(L, N, E)``, ``(N, L, E)`` with ``batch_first``, or unbatched ``(L, E)``.
+            key: ``(S, N, kdim)`` / ``(N, S, kdim)`` / ``(S, kdim)``.
+            value: ``(S, N, vdim)`` / ``(N, S, vdim)`` / ``(S, vdim)``.
+            key_padding_mask: ``(N, S)`` (``(S,)`` unbatched); bool True = ignore that key, or float
+                added to the scores.
+            need_weights: also return the operator weights (slower eager path).
+            attn_mask: ``(L, S)`` or ``(N * num_heads, L, S)`` (``(num_heads, L, S)`` unbatched);
+                bool True = not allowed, or float added to the scores.
+            average_attn_weights: average the returned weights over heads.
+            is_causal: causal hint; builds the causal mask when ``attn_mask`` is None.
+
+        Returns:
+            ``(attn_output, attn_weights)``; ``attn_weights`` is ``(N, L, S)`` (averaged) or
+            ``(N, num_heads, L, S)``, without N when unbatched, or None when ``need_weights`` is False.
+        """
+        batched = query.dim() == 3
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ConfigError(
+                f"query, key, value must all be 3-D (batched) or 2-D (unbatched); got shapes "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        same_kv, self_attn = key is value, (query is key and key is value)
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        # Restore identity after reshaping so the projection can share GEMMs like torch does.
+        if self_attn:
+            key = value = query
+        elif same_kv:
+            value = key
+        n, tq, e = query.shape
+        s = key.shape[1]
+        h, hd = self.num_heads, self.head_dim
+        if e != self.embed_dim:
+            raise ConfigError(f"query has feature size {e}, expected embed_dim={self.embed_dim}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
+            raise ConfigError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must share batch and sequence "
+                f"sizes with each other and the batch of query {tuple(query.shape)}")
+        lap = self.laplacian_mask
+        if bool(lap.any()) and tq > s:
+            raise ConfigError(
+                f"Laplacian heads need every query to have its own position among the keys, but the "
+                f"query has {tq} positions and the key only {s}")
+
+        mask = self._merged_mask(key_padding_mask, attn_mask, is_causal, n, tq, s, query.dtype, query.device)
+
+        q, k, v = self._project(query, key, value)
+        q = q.view(n, tq, h, hd).transpose(1, 2)
+        k = k.view(n, s, h, hd).transpose(1, 2)
+        v = v.view(n, s, h, hd).transpose(1, 2)
+        extra = 0
+        if self.bias_k is not None and self.bias_v is not None:
+            # In front (see module docstring): the last Tq positions stay the real tokens.
+            bk = self.bias_k.view(1, h, 1, hd).expand(n, h, 1, hd).to(k.dtype)
+            bv = self.bias_v.view(1, h, 1, hd).expand(n, h, 1, hd).to(v.dtype)
+            k, v = torch.cat([bk, k], dim=2), torch.cat([bv, v], dim=2)
+            extra += 1
+        if self.add_zero_attn:
+            k = torch.cat([k.new_zeros(n, h, 1, hd), k], dim=2)
+            v = torch.cat([v.new_zeros(n, h, 1, hd), v], dim=2)
+            extra += 1
+        if mask is not None and extra:
+            mask = F.pad(mask, (extra, 0))  # extra keys are visible to every query, as in torch
+
+        dropout_p = self.dropout if self.training else 0.0
+        weights: Optional[Tensor] = None
+        if need_weights:
+            out, op = laplacian_attention_reference(q, k, v, laplacian_heads=lap, attn_mask=mask,
+                                                    dropout_p=dropout_p)
+            if extra:
+                op = torch.cat([op[..., extra:], op[..., :extra].flip(-1)], dim=-1)  # torch's column order
+            weights = op.mean(dim=1) if average_attn_weights else op
+            if not batched:
+                weights = weights.squeeze(0)
+        else:
+            out = laplacian_attention(q, k, v, laplacian_heads=lap, attn_mask=mask, dropout_p=dropout_p)
+
+        out = out.transpose(1, 2).reshape(n, tq, e)
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _merged_mask(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool,
+                     n: int, tq: int, s: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+        """One additive mask broadcastable to (N, H, Tq, S), or None (torch semantics, see docstring)."""
+        h = self.num_heads
+        am = _additive(attn_mask, "attn_mask", dtype)
+        if am is not None:
+            if am.dim() == 2:
+                if tuple(am.shape) != (tq, s):
+                    raise ConfigError(f"2-D attn_mask has shape {tuple(am.shape)}, expected (L, S) = {(tq, s)}")
+                am = am.view(1, 1, tq, s)
+            elif am.dim() == 3:
+                if tuple(am.shape) != (n * h, tq, s):
+                    raise ConfigError(
+                        f"3-D attn_mask has shape {tuple(am.shape)}, expected (N * num_heads, L, S) = "
+                        f"{(n * h, tq, s)}")
+                am = am.view(n, h, tq, s)
+            else:
+                raise ConfigError(f"attn_mask must be 2-D or 3-D, got shape {tuple(am.shape)}")
+        elif is_causal:
+            causal = causal_lower_right_mask(tq, s, device)
+            am = torch.zeros((tq, s), dtype=dtype, device=device).masked_fill(~causal, float("-inf")).view(1, 1, tq, s)
+        kpm = _additive(key_padding_mask, "key_padding_mask", dtype)
+        if kpm is not None:
+            if tuple(kpm.shape) != (n, s):
+                raise ConfigError(
+                    f"key_padding_mask has shape {tuple(kpm.shape)}, expected (N, S) = {(n, s)} "
+                    f"((S,) = ({s},) for unbatched input)")
+            kpm = kpm.view(n, 1, 1, s)
+            am = kpm if am is None else am + kpm
+        return am
