@@ -1,0 +1,351 @@
+"""Laplacian heads in timm Vision Transformers (timm >= 1.0.23, unmodified).
+
+What this module gives:
+
+* :class:`LaplacianAttention`, a subclass of ``timm.layers.Attention`` usable as ``attn_layer=`` of
+  timm's ``VisionTransformer`` / ``Block``. The selected heads output ``V - P V`` instead of
+  ``P V`` (PAPER.md, "The operator").
+* :func:`convert` turns every ``timm.layers.Attention`` of an existing model into a
+  :class:`LaplacianAttention` IN PLACE, by swapping the instance's class: no parameter is created,
+  copied or re-initialised, so pretrained weights, optimizer references and ``state_dict`` keys are
+  all unchanged.
+* :func:`create_model` = ``timm.create_model`` + :func:`convert`, for any timm ViT.
+* Registered timm names for the paper's variants (see "Naming scheme" below), created by
+  ``timm.create_model`` once ``lapheads.timm`` has been imported.
+
+Design choices:
+
+* The head mask of a layer is a buffer ``lap_mask`` of shape ``(num_heads,)`` (bool) registered
+  with ``persistent=False``: it follows ``.to(device)`` but is NOT in the ``state_dict``, so timm
+  checkpoints load into converted models and converted checkpoints load into plain timm models.
+  The selection that rebuilds the model is stored as ``model.laplacian_heads`` (a
+  :class:`lapheads.LaplacianHeads`) and ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON);
+  a saved run records it in its config.
+* Change a layer's heads with :meth:`LaplacianAttention.set_laplacian_heads` (it also updates the
+  cached Python-side flags that pick the code path); do not write into ``lap_mask`` directly.
+* A layer with no Laplacian head runs timm's own ``Attention.forward`` unchanged, so the k = 0 model
+  is bit-identical to timm on both paths and costs nothing extra.
+* Fused path (``fused_attn=True``, timm's default): :func:`lapheads.laplacian_attention` (one SDPA
+  call, then ``v - out`` on the selected heads). Eager path (``fused_attn=False``): timm's explicit
+  softmax, ``attn_drop`` applied to P only (the identity term is never dropped), then
+  ``v - P v`` on the selected heads. ``qk_norm``, ``scale_norm`` (``self.norm``), timm's output
+  gate (``gated=True``, newer timm), ``attn_mask`` and ``is_causal`` behave exactly as in timm.
+* timm builds every block's ``attn_layer`` with the same keyword arguments and never tells it its
+  depth, so a class can only carry a selection that is the same in every layer: use
+  ``LaplacianAttention.with_heads(k)`` (a cached subclass whose default is k) as ``attn_layer``, or
+  build the model plainly and call :func:`convert`, which also takes per-layer selections.
+* Only modules whose class is exactly ``timm.layers.Attention`` (or already Laplacian) are
+  converted; other attention classes (``AttentionRope`` in EVA, attention pooling heads) are left
+  alone. A model with no convertible attention is refused with a :class:`ConfigError`.
+
+Naming scheme of the registered variants: ``<timm base name>_lap<k>`` = the timm model with the
+TRAILING k heads of EVERY layer Laplacian (the authors' convention), for the DeiT-3 ViT-S/B/L at
+patch 16 / 224 px and every k from 1 to the number of heads:
+
+    deit3_small_patch16_224_lap1 .. _lap6     (ViT-S, 6 heads; the paper's "ViT-S-5L" is _lap5)
+    deit3_base_patch16_224_lap1  .. _lap12    (ViT-B, 12 heads; "ViT-B-12L" is _lap12)
+    deit3_large_patch16_224_lap1 .. _lap16    (ViT-L, 16 heads)
+
+The baseline (k = 0) is the plain timm name. A dotted name such as ``deit3_base_patch16_224.lap12``
+is deliberately NOT used: timm reads the part after the dot as a pretrained-weight tag. No weights
+exist for these variants, so ``pretrained=True`` raises a :class:`ConfigError`; to start from
+DeiT-3 weights use ``create_model("deit3_base_patch16_224", pretrained=True, laplacian_heads=12)``.
+Other image sizes / class counts are timm keyword arguments (``img_size=192, num_classes=100``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from typing import Any, Optional
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+from timm.layers import Attention
+
+from .errors import ConfigError
+from .heads import HeadSpec, LaplacianHeads, head_mask
+from .ops import laplacian_attention
+
+__all__ = [
+    "LaplacianAttention",
+    "convert",
+    "create_model",
+    "laplacian_head_counts",
+    "laplacian_attention_layers",
+    "REGISTERED_MODELS",
+    "VARIANT_BASES",
+]
+
+#: timm base models that get registered ``_lap<k>`` variants, with their number of heads.
+VARIANT_BASES: dict[str, int] = {
+    "deit3_small_patch16_224": 6,
+    "deit3_base_patch16_224": 12,
+    "deit3_large_patch16_224": 16,
+}
+
+_LAP_NAME = re.compile(r"^(?P<base>.+)_lap(?P<k>\d+)$")
+
+
+class LaplacianAttention(Attention):
+    """timm ``Attention`` whose selected heads output ``V - softmax(QK^T)V``.
+
+    Same constructor as ``timm.layers.Attention`` plus ``laplacian_heads``.
+
+    Args:
+        dim: token width.
+        num_heads: number of heads.
+        *args: passed to ``timm.layers.Attention``.
+        laplacian_heads: the heads of THIS layer that are Laplacian: an int k (trailing k heads),
+            ``"all"``, ``"none"``, a list of head indices or a boolean mask of shape
+            ``(num_heads,)``. ``None`` uses the class default ``default_laplacian_heads``
+            (``"none"`` here; see :meth:`with_heads`).
+        **kwargs: passed to ``timm.layers.Attention`` (qkv_bias, qk_norm, attn_drop, proj_drop,
+            norm_layer, scale_norm, ...).
+    """
+
+    #: selection used when the constructor gets ``laplacian_heads=None`` (timm never passes it).
+    default_laplacian_heads: Any = "none"
+    _variants: dict[str, type] = {}
+
+    def __init__(self, dim: int, num_heads: int = 8, *args: Any, laplacian_heads: Any = None, **kwargs: Any):
+        super().__init__(dim, num_heads, *args, **kwargs)
+        self._init_laplacian(self.default_laplacian_heads if laplacian_heads is None else laplacian_heads)
+
+    # ------------------------------------------------------------------ head selection
+    def _init_laplacian(self, spec: Any) -> None:
+        # Called by __init__ and by convert() (after a __class__ swap, where __init__ never ran).
+        self.register_buffer("lap_mask", torch.zeros(self.num_heads, dtype=torch.bool), persistent=False)
+        self._lap_any = False
+        self._lap_all = False
+        self.set_laplacian_heads(spec)
+
+    def set_laplacian_heads(self, spec: Any) -> None:
+        """Choose the Laplacian heads of this layer (int k, "all", "none", indices or a bool mask)."""
+        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
+            raise ConfigError(
+                f"{spec!r} is per-layer; a single LaplacianAttention layer needs one layer's selection. "
+                "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model")
+        mask = head_mask(spec, self.num_heads).to(self.lap_mask.device)
+        self.lap_mask.copy_(mask)
+        # Python-side flags pick the code path without a device sync in forward().
+        self._lap_any = bool(mask.any())
+        self._lap_all = bool(mask.all())
+
+    @property
+    def num_laplacian_heads(self) -> int:
+        """Number of Laplacian heads in this layer."""
+        return int(self.lap_mask.sum())
+
+    @classmethod
+    def with_heads(cls, laplacian_heads: Any) -> type["LaplacianAttention"]:
+        """A subclass whose default selection is ``laplacian_heads`` (same for every layer).
+
+        Use it where timm wants a class: ``VisionTransformer(attn_layer=LaplacianAttention.with_heads(3))``.
+        The class is cached per selection, so repeated calls return the same class.
+        """
+        spec = LaplacianHeads(laplacian_heads)
+        if spec.kind not in ("k", "all", "none"):
+            raise ConfigError(
+                f"LaplacianAttention.with_heads({laplacian_heads!r}): timm builds every layer with the same "
+                "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads")
+        key = str(spec.spec)
+        if key not in cls._variants:
+            name = f"LaplacianAttention_{key}"
+            cls._variants[key] = type(name, (cls,), {"default_laplacian_heads": spec.spec, "__module__": __name__})
+        return cls._variants[key]
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        if not self._lap_any:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, _ = x.shape
+        gate_layer = getattr(self, "gate", None)  # timm >= 1.0.2x: optional sigmoid output gate
+        gate = gate_layer(x).sigmoid() if gate_layer is not None else None
+        attn_dim = getattr(self, "attn_dim", self.num_heads * self.head_dim)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.fused_attn:
+            x = laplacian_attention(
+                q, k, v,
+                laplacian_heads=self.lap_mask,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                dropout_p=self.attn_drop.p if self.training else 0.0,
+            )
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            if is_causal:  # timm's convention: is_causal wins over attn_mask
+                attn = attn + attn.new_full((N, N), float("-inf")).triu_(1)
+            elif attn_mask is not None:
+                if attn_mask.dtype == torch.bool:
+                    attn = attn.masked_fill(~attn_mask, float("-inf"))
+                else:
+                    attn = attn + attn_mask
+            attn = self.attn_drop(attn.softmax(dim=-1))  # dropout on P only
+            x = attn @ v
+            x = v - x if self._lap_all else torch.where(self.lap_mask.view(-1, 1, 1), v - x, x)
+        x = x.transpose(1, 2).reshape(B, N, attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, laplacian_heads={self.lap_mask.nonzero().flatten().tolist()}"
+
+
+# ---------------------------------------------------------------------- model-level helpers
+def laplacian_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
+    """``(name, module)`` of every convertible attention layer, in forward (block) order."""
+    return [(n, m) for n, m in model.named_modules() if type(m) is Attention or isinstance(m, LaplacianAttention)]
+
+
+def laplacian_head_counts(model: nn.Module) -> list[int]:
+    """Number of Laplacian heads in each attention layer of ``model`` (0 for a plain timm layer)."""
+    return [m.num_laplacian_heads if isinstance(m, LaplacianAttention) else 0
+            for _, m in laplacian_attention_layers(model)]
+
+
+def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
+    """Turn the attention of a timm ViT into Laplacian attention, in place, keeping every weight.
+
+    Args:
+        model: a timm model whose blocks use ``timm.layers.Attention`` (ViT, DeiT, DeiT-3, ...);
+            already converted layers are re-selected.
+        laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts: int k (trailing k heads
+            of every layer), ``"all"``, ``"none"``, a per-layer list of counts or of head indices.
+            Validated against the model before anything is changed.
+
+    Returns:
+        the same ``model`` object, with ``model.laplacian_heads`` set to the selection.
+    """
+    spec = LaplacianHeads(laplacian_heads)
+    layers = laplacian_attention_layers(model)
+    if not layers:
+        kinds = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
+        raise ConfigError(
+            f"{type(model).__name__} has no timm.layers.Attention layer to convert"
+            + (f" (it has {', '.join(kinds)}, which lapheads does not convert)" if kinds else "")
+            + "; use a timm ViT family model (vit_*, deit_*, deit3_*)")
+    # Resolve every layer first (each with its own head count) so a bad spec changes nothing.
+    masks = [spec.resolve(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
+    for (_, m), mask in zip(layers, masks):
+        if isinstance(m, LaplacianAttention):
+            m.set_laplacian_heads(mask)
+        else:
+            # Class swap: LaplacianAttention adds no parameter, so the module keeps its tensors.
+            m.__class__ = LaplacianAttention
+            m._init_laplacian(mask)
+            m.lap_mask.data = m.lap_mask.data.to(m.qkv.weight.device)
+    model.laplacian_heads = spec
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict):
+        model.pretrained_cfg = dict(cfg, laplacian_heads=spec.to_config())
+    return model
+
+
+def _split_lap_name(name: str) -> tuple[str, Optional[int]]:
+    """``deit3_base_patch16_224_lap12`` -> (``deit3_base_patch16_224``, 12); other names -> (name, None)."""
+    m = _LAP_NAME.match(name)
+    if m and m.group("base") in VARIANT_BASES:
+        return m.group("base"), int(m.group("k"))
+    return name, None
+
+
+def _unknown_model(name: str) -> ConfigError:
+    close = difflib.get_close_matches(name, timm.list_models() + REGISTERED_MODELS, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models() for names"
+    return ConfigError(f"unknown timm model name {name!r}{hint}")
+
+
+def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any) -> nn.Module:
+    """Create a timm ViT with Laplacian heads.
+
+    Args:
+        name: any timm model name whose blocks use ``timm.layers.Attention`` (``vit_small_patch16_224``,
+            ``deit3_base_patch16_224``, ``deit3_base_patch16_224.fb_in1k``, ...), or a registered
+            variant ``<base>_lap<k>`` (k then comes from the name).
+        laplacian_heads: the selection (see :func:`convert`); ``None`` = none, or k from a
+            ``_lap<k>`` name. Giving both a ``_lap<k>`` name and a different selection is an error.
+        **timm_kwargs: passed to ``timm.create_model`` (``pretrained``, ``num_classes``,
+            ``img_size``, ``patch_size``, ``embed_dim``, ``depth``, ``num_heads``, ``qk_norm``,
+            ``drop_path_rate``, ``init_values``, ...).
+
+    Returns:
+        the converted model; ``model.laplacian_heads`` holds the selection.
+    """
+    base, k = _split_lap_name(name)
+    if k is not None:
+        if laplacian_heads is not None and LaplacianHeads(laplacian_heads) != LaplacianHeads(k):
+            raise ConfigError(
+                f"model name {name!r} means laplacian_heads={k}, but laplacian_heads={laplacian_heads!r} was "
+                f"also given; use the base name {base!r} with laplacian_heads, or drop laplacian_heads")
+        laplacian_heads = k
+        if timm_kwargs.get("pretrained"):
+            raise _no_pretrained(name, base, k)
+    spec = LaplacianHeads(laplacian_heads)  # validate the type before building anything
+    if not timm.is_model(base):
+        raise _unknown_model(name)
+    model = timm.create_model(base, **timm_kwargs)
+    try:
+        return convert(model, spec)
+    except ConfigError as e:
+        raise ConfigError(f"model {name!r}: {e}") from None
+
+
+# ---------------------------------------------------------------------- timm registration
+def _no_pretrained(name: str, base: str, k: int) -> ConfigError:
+    return ConfigError(
+        f"no pretrained weights exist for {name!r}; use pretrained=False, or start from the baseline weights "
+        f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k})")
+
+
+def _make_entrypoint(base: str, k: int):
+    name = f"{base}_lap{k}"
+
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        if pretrained:
+            raise _no_pretrained(name, base, k)
+        # timm.create_model hands these to every entrypoint; they describe weights we do not have.
+        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
+            kwargs.pop(key, None)
+        model = timm.models.model_entrypoint(base)(pretrained=False, **kwargs)
+        convert(model, k)
+        model.pretrained_cfg = dict(model.pretrained_cfg, architecture=name, tag=None, hf_hub_id=None,
+                                    url="", file=None, laplacian_heads=k)
+        return model
+
+    entrypoint.__name__ = name
+    entrypoint.__qualname__ = name
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = f"timm {base} with the trailing {k} heads of every layer Laplacian (no pretrained weights)."
+    return entrypoint
+
+
+def _register_variants() -> list[str]:
+    names = []
+    mod = sys.modules[__name__]
+    for base, n_heads in VARIANT_BASES.items():
+        for k in range(1, n_heads + 1):
+            fn = _make_entrypoint(base, k)
+            setattr(mod, fn.__name__, fn)  # timm's register_model looks the function up in its module
+            if fn.__name__ not in timm.models._registry._model_entrypoints:
+                timm.models.register_model(fn)
+            names.append(fn.__name__)
+    return names
+
+
+#: every timm name registered by importing this module.
+REGISTERED_MODELS: list[str] = _register_variants()
