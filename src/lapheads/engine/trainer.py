@@ -1,0 +1,450 @@
+"""The one training loop every recipe runs on.
+
+A recipe describes WHAT to train as a :class:`Task` (model, optimizers, batches, loss,
+evaluation, extra state); :class:`Trainer` owns HOW: torchrun/DDP, bf16 autocast where the device
+has it, gradient accumulation and clipping, learning-rate schedules, EMA of weights, crash-safe
+checkpoints with exact resume, the NaN/Inf guard, tqdm progress, TensorBoard and JSONL metrics,
+and the final export.
+
+Design choices:
+
+* The learning rate is a pure function of the step (``lr = base_lr * lr_factor(step)``), so
+  resuming needs no scheduler state. Every param group's ``base_lr`` is its ``lr`` at build time.
+* Data order is the task's business but must be a pure function of ``(seed, micro_step)``:
+  ``Task.batches(start_micro_step)`` starts exactly where a resumed run left off. Together with
+  the saved RNG states (torch, numpy, python; one per rank) a resumed run is bit-identical to an
+  uninterrupted one on the CPU.
+* The non-finite guard checks the global gradient norm after the (all-reduced) backward pass, so
+  every rank takes the same decision; the message names the step and the first non-finite tensor
+  (the loss, or the first parameter whose gradient is not finite).
+* Checkpoints are written by rank 0 only, atomically (engine.checkpoint), every ``ckpt_every``
+  optimizer steps and at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError, NonFiniteError
+from . import dist as D
+from .checkpoint import (latest_checkpoint, load_tensors, load_weights, safe_torch_load, save_tensors,
+                         write_checkpoint, atomic_write_text)
+from .run import RunDir
+
+
+@dataclass
+class TrainConfig:
+    """Options of the shared engine (the ``train:`` section of every recipe)."""
+
+    seed: int = 0
+    max_steps: int = 0  # optimizer steps; 0 = the recipe decides (e.g. from epochs)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    clip_grad: float = 0.0  # max global grad norm; 0 = no clipping (the norm is still logged)
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0
+    warmdown_ratio: float = 0.2  # "wsd": fraction of steps of linear decay at the end (nanochat)
+    min_lr_ratio: float = 0.0  # final lr as a fraction of the base lr
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast on GPUs that have it
+    ema_decay: float = 0.0  # 0 = no EMA of weights
+    ckpt_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0 = only at the end
+    log_every: int = 10
+    nan_policy: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = 20  # with nan_policy=skip, stop after this many skipped steps
+    inject_nan_at_step: int = -1  # fault injection for tests: make the loss NaN at this step
+    device: str = "auto"
+    num_workers: int = 0
+    progress: bool = True
+    find_unused_parameters: bool = False
+
+    def validate(self) -> None:
+        if self.grad_accum < 1:
+            raise ConfigError(f"train.grad_accum={self.grad_accum} must be >= 1")
+        if self.max_steps < 0:
+            raise ConfigError(f"train.max_steps={self.max_steps} must be >= 0")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.warmdown_ratio <= 1.0:
+            raise ConfigError("train.warmup_ratio must be in [0, 1) and train.warmdown_ratio in [0, 1]")
+        if self.clip_grad < 0:
+            raise ConfigError(f"train.clip_grad={self.clip_grad} must be >= 0")
+
+
+def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based) of ``total``."""
+    warm = cfg.warmup_steps or int(round(cfg.warmup_ratio * total))
+    if warm > 0 and step < warm:
+        return (step + 1) / warm
+    lo = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        down = max(1, int(round(cfg.warmdown_ratio * total)))
+        start = total - down
+        if step < start:
+            return 1.0
+        frac = (step - start + 1) / down
+        return 1.0 - (1.0 - lo) * min(frac, 1.0)
+    span = max(1, total - warm)
+    frac = min(max(step - warm, 0) / span, 1.0)
+    if cfg.schedule == "linear":
+        return 1.0 - (1.0 - lo) * frac
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+class Task:
+    """What a recipe hands to the :class:`Trainer`. Override what applies.
+
+    Attributes:
+        name: recipe name (``classify``, ``lm``, ``sft``, ``dino``).
+        model: the module whose parameters are trained (DDP wraps it).
+    """
+
+    name: str = "task"
+    model: nn.Module
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        raise TypeError(f"{type(self).__name__} must override Task.optimizers()")
+
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run when ``train.max_steps`` is 0."""
+        raise ConfigError("set train.max_steps (this recipe has no epoch-based default)")
+
+    def batches(self, start_micro_step: int) -> Iterator[Any]:
+        """Micro-batches from ``start_micro_step`` on; a pure function of (seed, micro step)."""
+        raise TypeError(f"{type(self).__name__} must override Task.batches()")
+
+    def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        raise TypeError(f"{type(self).__name__} must override Task.loss()")
+
+    def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
+        return {}
+
+    def on_step_start(self, step: int, total: int) -> None:
+        """Before the micro-batches of a step (e.g. weight-decay or momentum schedules)."""
+
+    def before_optimizer_step(self, step: int) -> None:
+        """After backward, before clipping (e.g. cancel gradients of a frozen layer)."""
+
+    def after_optimizer_step(self, step: int, total: int) -> None:
+        """After the optimizer step (e.g. the DINO teacher's EMA update)."""
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Tensors to checkpoint besides model, EMA and optimizers (e.g. DINO's teacher, center)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def model_spec(self) -> dict:
+        """JSON-serialisable description that rebuilds the model (written to final/model.json)."""
+        return {}
+
+    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
+        """Extra files in ``final/`` (e.g. a transformers ``save_pretrained`` directory)."""
+
+
+class ModelEma:
+    """Exponential moving average of a module's parameters and buffers (float copies)."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.module = copy.deepcopy(model).eval()
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        ema_sd = self.module.state_dict()
+        for k, v in model.state_dict().items():
+            e = ema_sd[k]
+            if e.dtype.is_floating_point:
+                e.mul_(self.decay).add_(v.detach(), alpha=1.0 - self.decay)
+            else:
+                e.copy_(v)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    st = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_meta": [int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": torch.tensor(py_state[1], dtype=torch.int64),
+        "python_gauss": [py_state[0], py_state[2] if py_state[2] is not None else "none"],
+    }
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def _set_rng_state(st: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(st["torch"])
+    meta = st["numpy_meta"]
+    np.random.set_state(("MT19937", st["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1], meta[2]))
+    gauss = st["python_gauss"]
+    random.setstate((gauss[0], tuple(int(x) for x in st["python"].tolist()),
+                     None if gauss[1] == "none" else gauss[1]))
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _to_float(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().float().mean()) if v.numel() else float("nan")
+    return v
+
+
+class Trainer:
+    """Runs a :class:`Task` under a :class:`TrainConfig` in a :class:`RunDir`."""
+
+    def __init__(self, task: Task, cfg: TrainConfig, run: RunDir, info: Optional[D.DistInfo] = None):
+        self.task, self.cfg, self.run = task, cfg, run
+        self.info = info or D.DistInfo()
+        self.device = self.info.device
+        self.total = cfg.max_steps or task.total_steps()
+        if self.total <= 0:
+            raise ConfigError(f"the run has {self.total} optimizer steps; set train.max_steps > 0")
+        self.use_bf16 = (cfg.precision == "bf16") or (
+            cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        self.model = task.model
+        self.optims = task.optimizers()
+        for opt in self.optims:
+            for g in opt.param_groups:
+                g.setdefault("base_lr", g["lr"])
+        self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        self.ddp_model: nn.Module = self.model
+        if self.info.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            self.ddp_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                 find_unused_parameters=cfg.find_unused_parameters)
+        self.step = 0
+        self.skipped = 0
+        self._tb = None
+
+    # ------------------------------------------------------------------ state
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def state_files(self) -> dict[str, Any]:
+        files: dict[str, Any] = {"model.safetensors": self.model.state_dict()}
+        if self.ema is not None:
+            files["ema.safetensors"] = self.ema.module.state_dict()
+        extra = self.task.extra_state()
+        if extra:
+            files["extra.safetensors"] = extra
+        rng = _rng_state(self.device)
+        if self.info.distributed:
+            gathered: list[Any] = [None] * self.info.world_size
+            dist.all_gather_object(gathered, rng)
+            rngs = gathered
+        else:
+            rngs = [rng]
+        files["state.pt"] = {"step": self.step, "skipped": self.skipped,
+                             "optimizers": [o.state_dict() for o in self.optims], "rng": rngs}
+        return files
+
+    def save_checkpoint(self) -> None:
+        files = self.state_files()  # every rank takes part in the RNG gather
+        if self.info.is_main:
+            write_checkpoint(self.run.ckpt_dir, self.step, files, keep=self.cfg.keep_checkpoints)
+        D.barrier()
+
+    def load_checkpoint(self, path: Path) -> None:
+        load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
+        if self.ema is not None:
+            load_weights(self.ema.module, load_tensors(path / "ema.safetensors"), source=str(path / "ema.safetensors"))
+        if (path / "extra.safetensors").is_file():
+            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
+        st = safe_torch_load(path / "state.pt")
+        if len(st["optimizers"]) != len(self.optims):
+            raise ConfigError(f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}")
+        for opt, sd in zip(self.optims, st["optimizers"]):
+            opt.load_state_dict(sd)
+        self.step = int(st["step"])
+        self.skipped = int(st.get("skipped", 0))
+        rngs = st["rng"]
+        if len(rngs) != self.info.world_size:
+            raise ConfigError(
+                f"{path} was written by {len(rngs)} processes but this run has {self.info.world_size}; "
+                "exact resume needs the same world size")
+        _set_rng_state(rngs[self.info.rank], self.device)
+
+    # ------------------------------------------------------------------ logging
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.info.is_main:
+            return
+        rec = {k: _to_float(v) for k, v in record.items()}
+        with open(self.run.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(self.run.tb_dir))
+            except ImportError:  # tensorboard is a dependency; tolerate its absence anyway
+                self._tb = False
+        if self._tb:
+            prefix = rec.get("split", "train")
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and k not in ("step",) and math.isfinite(v):
+                    self._tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
+
+    def _truncate_metrics(self, step: int) -> None:
+        """On resume, drop records logged after the checkpoint (a killed run logged them)."""
+        if not self.info.is_main or not self.run.metrics_path.is_file():
+            return
+        keep = [r for r in self.run.metrics() if r.get("step", 0) <= step]
+        atomic_write_text(self.run.metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
+
+    # ------------------------------------------------------------------ guard
+    def _first_nonfinite_grad(self) -> str:
+        names = self._param_names()
+        for p in self.model.parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                return f"gradient of {names.get(id(p), '?')}"
+        return "the gradient norm"
+
+    # ------------------------------------------------------------------ main loop
+    def fit(self, resume: bool = False) -> dict[str, Any]:
+        cfg = self.cfg
+        seed_everything(cfg.seed + self.info.rank)
+        if resume:
+            ck = latest_checkpoint(self.run.ckpt_dir)
+            if ck is not None:
+                self.load_checkpoint(ck)
+            self._truncate_metrics(self.step)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16
+                    else contextlib.nullcontext())
+        from tqdm.auto import tqdm
+        bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.task.name}", unit="step",
+                   disable=not (self.info.is_main and cfg.progress), dynamic_ncols=True)
+        batches = self.task.batches(self.step * cfg.grad_accum)
+        last_eval: dict[str, Any] = {}
+        t_last = time.time()
+        self.model.train()
+        while self.step < self.total:
+            step = self.step
+            factor = lr_factor(step, self.total, cfg)
+            for opt in self.optims:
+                for g in opt.param_groups:
+                    g["lr"] = g["base_lr"] * factor
+            self.task.on_step_start(step, self.total)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_finite = True
+            metrics_acc: dict[str, float] = {}
+            for micro in range(cfg.grad_accum):
+                batch = next(batches)
+                sync = micro == cfg.grad_accum - 1 or not self.info.distributed
+                ctx = contextlib.nullcontext() if sync else self.ddp_model.no_sync()
+                with ctx:
+                    with autocast:
+                        loss, metrics = self.task.loss(self.ddp_model, batch, step)
+                    if step == cfg.inject_nan_at_step:
+                        loss = loss * float("nan")
+                    if not torch.isfinite(loss.detach()):
+                        loss_finite = False
+                    (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach().double().cpu() / cfg.grad_accum
+                for k, v in metrics.items():
+                    metrics_acc[k] = metrics_acc.get(k, 0.0) + float(_to_float(v)) / cfg.grad_accum
+            self.task.before_optimizer_step(step)
+            max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
+            gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+            if not torch.isfinite(gnorm):
+                what = "the loss" if not loss_finite else self._first_nonfinite_grad()
+                if cfg.nan_policy == "stop" or self.skipped >= cfg.max_skipped_steps:
+                    bar.close()
+                    ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
+                    raise NonFiniteError(
+                        f"non-finite value at step {step}: {what} is NaN/Inf; the run stopped "
+                        f"(last good checkpoint: {ck if ck else 'none'})")
+                self.skipped += 1
+                for opt in self.optims:
+                    opt.zero_grad(set_to_none=True)
+                self._log({"step": step + 1, "skipped_nonfinite": 1, "what": what})
+                self.step += 1
+                bar.update(1)
+                continue
+            for opt in self.optims:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if self.ema is not None:
+                self.ema.update(self.model)
+            self.task.after_optimizer_step(step, self.total)
+            self.step += 1
+            bar.update(1)
+            if self.step % max(1, cfg.log_every) == 0 or self.step == self.total:
+                loss_val = float(D.all_reduce_mean(loss_sum))
+                now = time.time()
+                rec = {"step": self.step, "loss": loss_val, "lr_factor": factor,
+                       "lr": self.optims[0].param_groups[0]["lr"], "grad_norm": float(gnorm),
+                       "sec_per_step": (now - t_last) / max(1, cfg.log_every), **metrics_acc}
+                t_last = now
+                self._log(rec)
+                bar.set_postfix(loss=f"{loss_val:.4f}")
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total:
+                last_eval = self._evaluate()
+            if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total:
+                self.save_checkpoint()
+        bar.close()
+        last_eval = self._evaluate()
+        self.save_checkpoint()
+        self._export_final(last_eval)
+        if self._tb:
+            self._tb.close()
+        return last_eval
+
+    def _evaluate(self) -> dict[str, Any]:
+        self.model.eval()
+        with torch.no_grad():
+            res = self.task.evaluate(self.model, self.ema.module if self.ema else None, self.step)
+        self.model.train()
+        if res:
+            self._log({"step": self.step, "split": "val", **res})
+        return res
+
+    def _export_final(self, last_eval: dict[str, Any]) -> None:
+        if self.info.is_main:
+            final = self.run.final_dir
+            tmp = final.with_name(".final.tmp")
+            if tmp.exists():
+                import shutil
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            save_tensors(tmp / "model.safetensors", self.model.state_dict())
+            if self.ema is not None:
+                save_tensors(tmp / "ema.safetensors", self.ema.module.state_dict())
+            spec = {"recipe": self.task.name, "step": self.step, **self.task.model_spec()}
+            (tmp / "model.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
+            (tmp / "metrics.json").write_text(json.dumps({k: _to_float(v) for k, v in last_eval.items()},
+                                                         indent=1), encoding="utf-8")
+            self.task.export_final(tmp, self.model, self.ema.module if self.ema else None)
+            if final.exists():
+                import shutil
+                shutil.rmtree(final)
+            import os
+            os.replace(tmp, final)
+        D.barrier()
