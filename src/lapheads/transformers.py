@@ -1,0 +1,376 @@
+"""Laplacian heads for Hugging Face ``transformers`` (5.x) models, with no fork of the model code.
+
+``import lapheads.transformers`` registers two attention implementations, each with its mask
+function, in transformers' global ``AttentionInterface`` / ``AttentionMaskInterface``:
+
+* ``"laplacian_sdpa"`` (:data:`ATTN_IMPLEMENTATION`): the fused path, one SDPA call per layer
+  and ``v_self - out`` for the Laplacian heads (:func:`lapheads.laplacian_attention`).
+* ``"laplacian_eager"`` (:data:`EAGER_ATTN_IMPLEMENTATION`): the readable path that materialises
+  the operator and returns it as the attention weights (``P`` for a standard head, ``I - P`` for a
+  Laplacian head), so ``output_attentions=True`` shows what each head applied to V.
+
+Any decoder that dispatches through the interface (NanoChat, Llama, Qwen3, GPT-2, Mistral, ...)
+gets Laplacian heads. Design choices:
+
+* Heads per layer come from ``config.laplacian_heads`` (anything :class:`lapheads.LaplacianHeads`
+  accepts: int k, per-layer list, explicit indices). It is a plain config attribute, so
+  ``save_pretrained`` writes it to ``config.json`` and ``from_pretrained`` reads it back. A missing
+  attribute means no Laplacian heads. The layer is found through ``module.layer_idx`` (every
+  supported attention module has it); the resolved mask is cached on the module, keyed by the
+  spec, so editing ``config.laplacian_heads`` takes effect on the next forward.
+* transformers does NOT save ``attn_implementation`` in ``config.json``: a plain
+  ``from_pretrained`` would silently load a Laplacian model as standard sdpa. Use
+  :func:`from_pretrained` here (it picks :data:`ATTN_IMPLEMENTATION` when the config has
+  Laplacian heads), or pass ``attn_implementation=ATTN_IMPLEMENTATION`` yourself.
+* The mask functions are transformers' own ``sdpa_mask`` / ``eager_mask``; without a registered
+  mask function transformers skips mask creation for unknown implementations and causal
+  masking would silently disappear.
+* KV cache: the identity term uses the values of the query's own positions, the LAST ``Tq``
+  positions of the cached values. That holds for the dynamic cache (and the dynamic
+  sliding-window cache, whose buffer also ends at the newest token). A static cache returns its
+  whole preallocated buffer, whose tail is empty slots, so it is refused with a ConfigError.
+  Signal (see :func:`_check_cache_layout`): the cache reports the key/value span it hands to
+  attention as ``kv_offset + kv_length``; the queries end at ``q_offset + q_length``. A cache
+  whose buffer ends at the newest query has the two equal; a static layer reports its max length
+  (and a tensor ``q_offset``). A user-built 4D mask bypasses the mask function, so the attention
+  function checks it as well: the newest query must see the last key slot.
+* Sliding-window layers (Mistral, Qwen3 ``layer_types``) are supported: the window mask comes
+  from transformers and a token's own position is always inside its window, so ``I - P`` keeps
+  its meaning (own value minus the windowed weighted mean).
+* Cross-attention modules (``module.is_cross_attention``, GPT-2 with ``add_cross_attention``) have
+  no "own position" among the keys; they always use standard attention.
+* Layers without Laplacian heads call transformers' own ``sdpa_attention_forward``, so
+  ``laplacian_heads=0`` is bit-for-bit the stock sdpa model (and may use a static cache).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Union
+
+import torch
+
+from .errors import ConfigError
+from .heads import LaplacianHeads
+from .ops import laplacian_attention, laplacian_attention_reference
+
+try:
+    from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+except ImportError as e:  # pragma: no cover - transformers is a hard dependency
+    raise ImportError("lapheads.transformers needs transformers >= 5.0 (pip install 'transformers>=5')") from e
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "EAGER_ATTN_IMPLEMENTATION",
+    "laplacian_sdpa_attention_forward",
+    "laplacian_eager_attention_forward",
+    "enable",
+    "from_pretrained",
+    "layer_head_masks",
+]
+
+#: Name of the fused implementation: ``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``.
+ATTN_IMPLEMENTATION = "laplacian_sdpa"
+#: Name of the eager implementation that returns the operator as attention weights.
+EAGER_ATTN_IMPLEMENTATION = "laplacian_eager"
+
+_STATIC_HINT = (
+    "Laplacian heads subtract the value at the query's own position, which must be the last Tq "
+    "positions of the cached values; a static (preallocated) cache returns its whole max-length "
+    "buffer, so its tail is empty slots. Use the dynamic cache (generate() default, "
+    "cache_implementation='dynamic') or set laplacian_heads=0.")
+
+
+# --------------------------------------------------------------------------- head selection
+def _config_spec(config: Any) -> Any:
+    return getattr(config, "laplacian_heads", None)
+
+
+def layer_head_masks(config: Any, n_heads: Optional[int] = None) -> list[torch.Tensor]:
+    """Resolve ``config.laplacian_heads`` to one boolean head mask per layer.
+
+    Args:
+        config: a transformers config with ``num_hidden_layers`` / ``num_attention_heads``.
+        n_heads: number of query heads, default ``config.num_attention_heads``.
+
+    Raises:
+        ConfigError: the spec is invalid or does not fit the model (e.g. more heads than a layer has).
+    """
+    n_layers = getattr(config, "num_hidden_layers", None)
+    n_heads = n_heads if n_heads is not None else getattr(config, "num_attention_heads", None)
+    if not isinstance(n_layers, int) or not isinstance(n_heads, int):
+        raise ConfigError(
+            f"{type(config).__name__} has no integer num_hidden_layers / num_attention_heads "
+            f"(got {n_layers!r} / {n_heads!r}); Laplacian heads cannot be resolved per layer")
+    return LaplacianHeads(_config_spec(config)).resolve(n_layers, n_heads)
+
+
+def _any_laplacian(config: Any) -> bool:
+    spec = _config_spec(config)
+    return spec is not None and not LaplacianHeads(spec).is_none()
+
+
+def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> torch.Tensor:
+    """The boolean head mask of ``module``'s layer, cached on the module (keyed by the spec)."""
+    config = getattr(module, "config", None)
+    layer = getattr(module, "layer_idx", None)
+    if config is None or layer is None:
+        raise ConfigError(
+            f"{type(module).__name__} has no `config` or `layer_idx`; the Laplacian attention "
+            "implementation needs both to know which heads of which layer are Laplacian")
+    key = (repr(_config_spec(config)), int(layer), n_heads, getattr(config, "num_hidden_layers", None), str(device))
+    cached = getattr(module, "_lapheads_head_mask", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    masks = layer_head_masks(config, n_heads)
+    if not 0 <= layer < len(masks):
+        raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(masks) - 1}")
+    mask = masks[layer].to(device)
+    # A plain attribute (not a buffer): never saved in state_dict, rebuilt when the spec changes.
+    object.__setattr__(module, "_lapheads_head_mask", (key, mask))
+    return mask
+
+
+# --------------------------------------------------------------------------- cache checks
+def _check_cache_layout(config: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any) -> None:
+    """Refuse a cache whose key/value buffer does not end at the newest query (a static cache).
+
+    ``q_offset + q_length`` is where the queries end; ``kv_offset + kv_length`` is where the
+    keys/values handed to attention end. Dynamic caches (full and sliding-window) keep them equal;
+    ``StaticLayer.get_mask_sizes`` reports its preallocated length and ``get_query_offset`` a
+    tensor (to avoid graph breaks), either of which identifies it.
+    """
+    if not _any_laplacian(config):
+        return
+    if isinstance(q_offset, torch.Tensor):
+        raise ConfigError(f"a static KV cache cannot serve Laplacian heads (laplacian_heads="
+                          f"{_config_spec(config)!r}). {_STATIC_HINT}")
+    if int(kv_offset) + int(kv_length) != int(q_offset) + int(q_length):
+        raise ConfigError(
+            f"the KV cache hands attention {kv_length} key positions (offset {kv_offset}) but the "
+            f"queries end at position {int(q_offset) + int(q_length)}: the cache is preallocated "
+            f"(static). {_STATIC_HINT}")
+
+
+# Weak references to the last masks that passed the check. Identity, not equality, matters here
+# (tensor == is elementwise), and weak references never keep a mask alive.
+_CHECKED_MASKS: list = []
+
+
+def _already_checked(mask: torch.Tensor) -> bool:
+    return any(r() is mask for r in _CHECKED_MASKS)
+
+
+def _remember_checked(mask: torch.Tensor) -> None:
+    _CHECKED_MASKS.append(weakref.ref(mask))
+    del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
+
+
+def _check_attention_call(module: Any, query: torch.Tensor, key: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor]) -> None:
+    """Per-layer guard for calls that bypassed the mask function (user 4D masks, empty static prefill)."""
+    tq, tk = query.shape[-2], key.shape[-2]
+    if tk == tq:
+        return  # no cache, or a fresh prefill: v_self is all of v
+    if attention_mask is None:
+        # transformers leaves the mask out with Tk > Tq only for (a) one-token decoding with a
+        # dynamic cache, and (b) the prefill of an EMPTY static cache (see sdpa_attention_forward).
+        if tq > 1:
+            raise ConfigError(f"{type(module).__name__}: {tq} queries against {tk} keys without a mask "
+                              f"(an empty static cache). {_STATIC_HINT}")
+        return
+    if _already_checked(attention_mask):
+        return  # the same mask object is shared by every layer of one forward: check it once
+    m = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    # The newest query always sees its own (last) key slot in a cache that ends at the newest
+    # token; a preallocated cache's last slot is empty and masked for every row of every batch.
+    if not bool(m[..., -1, -1].any()):
+        raise ConfigError(f"{type(module).__name__}: the newest query cannot see the last of the {tk} key "
+                          f"slots, so the cache is preallocated (static). {_STATIC_HINT}")
+    _remember_checked(attention_mask)
+
+
+def _unsupported_kwargs(kwargs: dict) -> None:
+    if kwargs.get("softcap") is not None:
+        raise ConfigError("attention logit soft-capping (softcap) is not supported by Laplacian attention; "
+                          "use a model without attention softcap")
+    if kwargs.get("position_bias") is not None:
+        raise ConfigError("attention position_bias (T5-style) is not supported by Laplacian attention")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ConfigError("attention sinks are not supported by Laplacian attention")
+
+
+def _is_causal(module: Any, q_length: int, attention_mask: Optional[torch.Tensor], kwargs: dict) -> bool:
+    is_causal = kwargs.get("is_causal")
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # Same rule as transformers' sdpa path: only a multi-token query without a mask needs the flag.
+    return bool(q_length > 1 and attention_mask is None and is_causal)
+
+
+# --------------------------------------------------------------------------- attention functions
+def laplacian_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Fused attention function registered as :data:`ATTN_IMPLEMENTATION`.
+
+    Args:
+        module: the calling attention module (needs ``config`` and ``layer_idx``).
+        query: ``(B, H, Tq, D)``; key, value: ``(B, H_kv, Tk, D)`` (after the cache update).
+        attention_mask: boolean ``(B, 1, Tq, Tk)`` from the registered mask function, or None.
+        dropout: dropout probability on P.
+        scaling: softmax scale.
+        is_causal: overrides ``module.is_causal``.
+
+    Returns:
+        ``(out, None)`` with ``out`` of shape ``(B, Tq, H, D)`` as transformers expects.
+    """
+    if getattr(module, "is_cross_attention", False):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    h = query.shape[1]
+    mask = _module_head_mask(module, h, query.device)
+    if not bool(mask.any()):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    _unsupported_kwargs(kwargs)
+    _check_attention_call(module, query, key, attention_mask)
+    causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
+    out = laplacian_attention(
+        query, key, value, laplacian_heads=mask, attn_mask=attention_mask, is_causal=causal,
+        scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def laplacian_eager_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention function registered as :data:`EAGER_ATTN_IMPLEMENTATION`.
+
+    Same arguments as :func:`laplacian_sdpa_attention_forward`; ``attention_mask`` is the additive
+    float mask of transformers' ``eager_mask``.
+
+    Returns:
+        ``(out, operator)``: ``out`` ``(B, Tq, H, D)`` and ``operator`` ``(B, H, Tq, Tk)``, the matrix
+        each head applied to V (``P`` for standard heads, ``I - P`` for Laplacian heads; rows of
+        ``I - P`` sum to 0). transformers returns it as the attentions with ``output_attentions=True``.
+    """
+    h = query.shape[1]
+    if getattr(module, "is_cross_attention", False):
+        mask = torch.zeros(h, dtype=torch.bool, device=query.device)
+    else:
+        mask = _module_head_mask(module, h, query.device)
+    _unsupported_kwargs(kwargs)
+    if bool(mask.any()):
+        _check_attention_call(module, query, key, attention_mask)
+    causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
+    out, op = laplacian_attention_reference(
+        query, key, value, laplacian_heads=mask, attn_mask=attention_mask, is_causal=causal,
+        scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
+    return out.transpose(1, 2).contiguous(), op
+
+
+def _laplacian_sdpa_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """transformers' ``sdpa_mask`` plus the static-cache refusal (it sees the cache's sizes)."""
+    _check_mask_call(args, kwargs)
+    return sdpa_mask(*args, **kwargs)
+
+
+def _laplacian_eager_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """transformers' ``eager_mask`` plus the static-cache refusal."""
+    _check_mask_call(args, kwargs)
+    return eager_mask(*args, **kwargs)
+
+
+def _check_mask_call(args: tuple, kwargs: dict) -> None:
+    names = ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset")
+    vals = dict(zip(names, args))
+    vals.update({k: kwargs[k] for k in names if k in kwargs})
+    config = kwargs.get("config")
+    if config is None or "q_length" not in vals or "kv_length" not in vals:
+        return
+    _check_cache_layout(config, vals["q_length"], vals["kv_length"], vals.get("q_offset", 0), vals.get("kv_offset", 0))
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, laplacian_sdpa_attention_forward)
+AttentionInterface.register(EAGER_ATTN_IMPLEMENTATION, laplacian_eager_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _laplacian_sdpa_mask)
+AttentionMaskInterface.register(EAGER_ATTN_IMPLEMENTATION, _laplacian_eager_mask)
+
+
+# --------------------------------------------------------------------------- user helpers
+def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_heads: Any,
+           eager: bool = False) -> Union[PreTrainedModel, PreTrainedConfig]:
+    """Give a model (or a config before the model is built) Laplacian heads, in one call.
+
+    Sets ``config.laplacian_heads`` (validated against the model shape now, not at the first
+    forward) and switches the attention implementation.
+
+    Args:
+        model_or_config: a transformers ``PreTrainedModel`` or its config.
+        laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts (int k = trailing k heads
+            of every layer, ``"all"``, a per-layer list of ints, per-layer index lists).
+        eager: use :data:`EAGER_ATTN_IMPLEMENTATION` (returns the operator as attentions).
+
+    Returns:
+        ``model_or_config``, modified in place.
+    """
+    impl = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
+    is_model = isinstance(model_or_config, PreTrainedModel)
+    config = model_or_config.config if is_model else model_or_config
+    if not isinstance(config, PreTrainedConfig):
+        raise ConfigError(f"enable() needs a transformers PreTrainedModel or PreTrainedConfig, "
+                          f"got {type(model_or_config).__name__}")
+    spec = LaplacianHeads(laplacian_heads).to_config()
+    old = getattr(config, "laplacian_heads", None)
+    config.laplacian_heads = spec
+    try:
+        layer_head_masks(config)  # raise now if k > heads or the list length != layers
+    except ConfigError:
+        config.laplacian_heads = old
+        raise
+    if is_model:
+        model_or_config.set_attn_implementation(impl)
+    else:
+        config._attn_implementation = impl
+    return model_or_config
+
+
+def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
+    """``model_class.from_pretrained`` that restores the Laplacian attention implementation.
+
+    transformers does not store ``attn_implementation`` in ``config.json``; this reads
+    ``laplacian_heads`` from the saved config and picks :data:`ATTN_IMPLEMENTATION` (or the eager
+    one) when it is set, unless ``attn_implementation`` is given explicitly.
+
+    Args:
+        path: a directory written by ``save_pretrained`` (or a hub id available locally).
+        model_class: default ``AutoModelForCausalLM``.
+        eager: pick :data:`EAGER_ATTN_IMPLEMENTATION`.
+        **kwargs: passed to ``from_pretrained``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_class = model_class or AutoModelForCausalLM
+    if "attn_implementation" not in kwargs:
+        config = kwargs.get("config") or AutoConfig.from_pretrained(path)
+        if _config_spec(config) is not None:
+            kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
+    return model_class.from_pretrained(path, **kwargs)

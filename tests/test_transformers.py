@@ -1,0 +1,287 @@
+"""lapheads.transformers: registered Laplacian attention for NanoChat, Llama, Qwen3 and GPT-2.
+
+Every model is tiny (hidden 32, 2 layers, vocab 97) and runs in float64 so greedy decoding has no
+near-ties and the comparisons can be exact or at 1e-10.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (AttentionInterface, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, NanoChatConfig, NanoChatForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+import lapheads.transformers as lt
+from lapheads import ConfigError
+
+V = 97
+
+
+def _config(arch: str, **kw):
+    if arch == "nanochat":
+        return NanoChatConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, **kw)
+    if arch == "llama":  # grouped-query attention: 4 query heads over 2 KV heads
+        return LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, **kw)
+    if arch == "qwen3":
+        return Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, **kw)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, **kw)
+    raise AssertionError(arch)
+
+
+_CLASSES = {"nanochat": NanoChatForCausalLM, "llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM,
+            "gpt2": GPT2LMHeadModel}
+ARCHS = list(_CLASSES)
+
+
+def _model(arch: str, heads=None, impl: str = "sdpa", **kw):
+    torch.manual_seed(0)
+    cfg = _config(arch, **kw)
+    model = _CLASSES[arch](cfg).double().eval()
+    if heads is not None:
+        lt.enable(model, heads)
+    elif impl != "sdpa":
+        model.set_attn_implementation(impl)
+    # No early stop: generation must run all the steps we compare.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _clone(model, impl: str, heads=None):
+    """A second model with the same weights and another attention implementation."""
+    other = type(model)(model.config.__class__(**model.config.to_dict())).double().eval()
+    other.load_state_dict(model.state_dict())
+    if heads is not None:
+        other.config.laplacian_heads = heads
+    other.set_attn_implementation(impl)
+    other.generation_config.eos_token_id = None
+    other.generation_config.pad_token_id = 0
+    return other
+
+
+# --------------------------------------------------------------------------- an independent reference
+# Written from the paper's formula, not from lapheads: explicit P per head, (I - P) V for the heads the
+# TEST picks for each layer index (trailing k), values of the query's own position = last Tq keys.
+_REF_HEADS: dict[int, int] = {}
+
+
+def _manual_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    h, hkv = query.shape[1], key.shape[1]
+    key = key.repeat_interleave(h // hkv, dim=1)
+    value = value.repeat_interleave(h // hkv, dim=1)
+    tq, tk = query.shape[2], key.shape[2]
+    scale = scaling if scaling is not None else 1 / math.sqrt(query.shape[-1])
+    scores = query @ key.transpose(-1, -2) * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    p = torch.softmax(scores, dim=-1)
+    out = p @ value
+    k = _REF_HEADS.get(module.layer_idx, 0)
+    if k:
+        own = value[:, :, tk - tq:, :]
+        out = torch.cat([out[:, : h - k], own[:, h - k:] - out[:, h - k:]], dim=1)
+    return out.transpose(1, 2).contiguous(), p
+
+
+AttentionInterface.register("test_manual_laplacian", _manual_attention)
+AttentionMaskInterface.register("test_manual_laplacian", eager_mask)
+
+
+def _left_padded(rng_seed: int = 1):
+    g = torch.Generator().manual_seed(rng_seed)
+    ids = torch.randint(3, V, (2, 9), generator=g)
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, :3] = 0  # second row is left-padded by three tokens
+    ids[1, :3] = 0
+    return ids, am
+
+
+# --------------------------------------------------------------------------- tests
+def test_registration_names():
+    assert lt.ATTN_IMPLEMENTATION in AttentionInterface._global_mapping
+    assert lt.EAGER_ATTN_IMPLEMENTATION in AttentionInterface._global_mapping
+    assert lt.ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping
+    assert lt.EAGER_ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_integration_equals_manual_reference(arch):
+    heads = [1, 3]  # different per layer, so reading the wrong layer_idx would fail
+    model = _model(arch, heads)
+    ids, am = _left_padded()
+    _REF_HEADS.clear()
+    _REF_HEADS.update({0: 1, 1: 3})
+    ref = _clone(model, "test_manual_laplacian")
+    got = model(ids, attention_mask=am).logits
+    want = ref(ids, attention_mask=am).logits
+    real = am.bool()  # padded positions are garbage in every implementation; compare real tokens
+    assert torch.allclose(got[real], want[real], atol=1e-10, rtol=0), (got - want)[real].abs().max()
+    # ... and the Laplacian heads really changed the model (the check above can fail).
+    stock = _clone(model, "sdpa")(ids, attention_mask=am).logits
+    assert (got[real] - stock[real]).abs().max() > 1e-3
+    # Gradients flow through the fused path.
+    model.train()
+    model(ids, attention_mask=am, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_explicit_head_indices(arch):
+    model = _model(arch, [[0, 2], []])
+    ids, am = _left_padded()
+    masks = lt.layer_head_masks(model.config)
+    assert masks[0].tolist() == [True, False, True, False] and not masks[1].any()
+    eager = _clone(model, lt.EAGER_ATTN_IMPLEMENTATION)
+    out = eager(ids, attention_mask=am, output_attentions=True)
+    row_sums = out.attentions[0][0].sum(-1)  # batch row 0 has no padding
+    assert torch.allclose(row_sums[[0, 2]], torch.zeros_like(row_sums[[0, 2]]), atol=1e-12)
+    assert torch.allclose(row_sums[[1, 3]], torch.ones_like(row_sums[[1, 3]]), atol=1e-12)
+    real = am.bool()
+    assert torch.allclose(model(ids, attention_mask=am).logits[real], out.logits[real], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zero_heads_equals_stock_sdpa(arch):
+    model = _model(arch, 0)
+    assert model.config._attn_implementation == lt.ATTN_IMPLEMENTATION
+    ids, am = _left_padded()
+    stock = _clone(model, "sdpa")
+    assert torch.equal(model(ids, attention_mask=am).logits, stock(ids, attention_mask=am).logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generate_with_kv_cache_equals_full_recompute(arch):
+    model = _model(arch, "all" if arch == "gpt2" else 2)
+    prompt = torch.randint(3, V, (1, 5), generator=torch.Generator().manual_seed(3))
+    n_new = 8
+    gen = model.generate(prompt, max_new_tokens=n_new, do_sample=False)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(n_new):
+            nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(gen, seq)
+    # The cache path itself (not just argmax) agrees: logits of the last step.
+    with torch.no_grad():
+        out = model(seq[:, :-1], use_cache=True)
+        step = model(seq[:, -1:], cache=out.past_key_values).logits[:, -1]
+        full = model(seq).logits[:, -1]
+    assert torch.allclose(step, full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_left_padding_generation(arch):
+    model = _model(arch, 2)
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(3, V, (1, 7), generator=g), torch.randint(3, V, (1, 4), generator=g)
+    batch = torch.zeros(2, 7, dtype=torch.long)
+    am = torch.zeros(2, 7, dtype=torch.long)
+    batch[0], am[0] = a[0], 1
+    batch[1, 3:], am[1, 3:] = b[0], 1
+    n_new = 6
+    together = model.generate(batch, attention_mask=am, max_new_tokens=n_new, do_sample=False)
+    alone_a = model.generate(a, max_new_tokens=n_new, do_sample=False)
+    alone_b = model.generate(b, max_new_tokens=n_new, do_sample=False)
+    assert torch.equal(together[0, -n_new:], alone_a[0, -n_new:])
+    assert torch.equal(together[1, -n_new:], alone_b[0, -n_new:])
+
+
+@pytest.mark.parametrize("arch", ["nanochat", "llama"])
+def test_static_cache_is_refused(arch):
+    model = _model(arch, 1)
+    prompt = torch.randint(3, V, (1, 5))
+    with pytest.raises(ConfigError, match="static"):
+        model.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    # Without Laplacian heads the stock path serves a static cache as before.
+    lt.enable(model, 0)
+    out = model.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    assert out.shape == (1, 8)
+
+
+def test_preallocated_buffer_refused_in_attention_function():
+    """A 4D mask built by the user bypasses the mask function; the attention function still refuses."""
+    model = _model("llama", 1)
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, 10, 8, dtype=torch.float64)  # 10 slots, only 5 + 2 filled
+    mask = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
+    mask[..., :6] = True
+    mask[..., 1, 6] = True
+    with pytest.raises(ConfigError, match="static"):
+        lt.laplacian_sdpa_attention_forward(attn, q, k, k.clone(), mask)
+    with pytest.raises(ConfigError, match="static"):  # empty static prefill: no mask, Tk > Tq > 1
+        lt.laplacian_sdpa_attention_forward(attn, q, k, k.clone(), None)
+    mask[..., :] = True  # a cache that ends at the newest query is fine
+    out, _ = lt.laplacian_sdpa_attention_forward(attn, q, k, k.clone(), mask)
+    assert out.shape == (1, 2, 4, 8)
+
+
+def test_sliding_window_layers_decode_like_full_recompute():
+    model = _model("qwen3", [2, 1], use_sliding_window=True, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"])
+    prompt = torch.randint(3, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    gen = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(gen, seq)
+
+
+@pytest.mark.parametrize("arch", ["nanochat", "gpt2"])
+def test_eager_returns_operator(arch):
+    model = _model(arch, 2)
+    ids = torch.randint(3, V, (2, 6))
+    eager = _clone(model, lt.EAGER_ATTN_IMPLEMENTATION)
+    out = eager(ids, output_attentions=True)
+    assert len(out.attentions) == 2
+    op = out.attentions[0]
+    assert op.shape == (2, 4, 6, 6)
+    sums = op.sum(-1)
+    assert torch.allclose(sums[:, 2:], torch.zeros_like(sums[:, 2:]), atol=1e-12)  # I - P
+    assert torch.allclose(sums[:, :2], torch.ones_like(sums[:, :2]), atol=1e-12)  # P
+    assert torch.all(op[:, :2].triu(1) == 0)  # causal
+    # The first token of a Laplacian head gets exactly zero: row 0 of I - P is 0.
+    assert torch.all(op[:, 2:, 0] == 0)
+    assert torch.allclose(out.logits, model(ids).logits, atol=1e-10, rtol=0)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = _model("nanochat", [1, 4])
+    model.save_pretrained(tmp_path)
+    loaded = lt.from_pretrained(str(tmp_path), dtype=torch.float64)
+    assert loaded.config.laplacian_heads == [1, 4]
+    assert loaded.config._attn_implementation == lt.ATTN_IMPLEMENTATION
+    ids = torch.randint(3, V, (1, 6))
+    assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+    explicit = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=lt.ATTN_IMPLEMENTATION,
+                                                    dtype=torch.float64)
+    assert torch.equal(explicit.eval()(ids).logits, model(ids).logits)
+
+
+def test_enable_on_config_and_validation():
+    cfg = _config("llama")
+    lt.enable(cfg, 3)
+    assert cfg.laplacian_heads == 3 and cfg._attn_implementation == lt.ATTN_IMPLEMENTATION
+    model = LlamaForCausalLM(cfg)
+    assert model.config._attn_implementation == lt.ATTN_IMPLEMENTATION
+    with pytest.raises(ConfigError, match="only 4 heads"):
+        lt.enable(model, 5)
+    assert model.config.laplacian_heads == 3  # a refused spec leaves the old one in place
+    with pytest.raises(ConfigError, match="per-layer entries"):
+        lt.enable(model, [1, 1, 1])
+    with pytest.raises(ConfigError):
+        lt.enable(object(), 1)
+    # A spec edited by hand after enable() is validated at the first forward.
+    model.config.laplacian_heads = 9
+    with pytest.raises(ConfigError, match="only 4 heads"):
+        model(torch.randint(0, V, (1, 4)))
