@@ -1,0 +1,274 @@
+"""In-memory geometry measures: one call on one tensor, a plain dict of floats back.
+
+These are the public functions of :mod:`lapheads.geometry` (PAPER.md, "The geometry analyses").
+Each takes ``x`` as a flat ``(N, D)`` array of tokens (torch or numpy) with ``(N,)`` integer
+``sequence_ids`` / labels, and computes in float64.
+
+Design choices:
+
+- :func:`anova` is computed directly with centred (two-pass) sums, independently of the streaming
+  :class:`~lapheads.geometry.streaming.AnovaAccumulator`, so the two check each other.
+- :func:`neural_collapse`, :func:`cdnv`, :func:`spectral_k99` and :func:`within_sequence_cosine`
+  run the streaming accumulator once over the whole input: one definition, one code path, and the
+  streaming classes give exactly these numbers batch by batch. NC4 is computed here directly
+  because all features are at hand.
+- :func:`pca_rgb` is shared with the PCA-maps command.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError
+from .streaming import (
+    ClassAccumulator,
+    CosineAccumulator,
+    GeometryAccumulator,
+    SpectraAccumulator,
+    _fractions,
+    check_inputs,
+    k_for_threshold,
+)
+
+F64 = torch.float64
+
+__all__ = ["anova", "neural_collapse", "cdnv", "spectral_k99", "spectra", "within_sequence_cosine",
+           "geometry", "pca_rgb"]
+
+
+def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
+    """Law-of-total-variance decomposition of token scatter (exactly additive).
+
+    ``total = sum ||x - mu_G||^2 = within_sequence + between_sequence`` and, with classes,
+    ``between_sequence = between_sequence_within_class + between_class``, where
+    within_sequence = sum ||x(s,t) - mu_s||^2, between_sequence_within_class =
+    sum_s T_s ||mu_s - mu_y(s)||^2 and between_class = sum_c N_c ||mu_c - mu_G||^2 (token-weighted
+    means). Every part is also given as ``frac_<part>`` = part / total.
+
+    Args:
+        x: (N, D) tokens.
+        sequence_ids: (N,) sequence id of each token.
+        class_ids: (N,) class of each token's sequence (constant within a sequence), or None for a
+            within- vs between-sequence split only (a language model).
+
+    Returns:
+        ``total``, ``within_sequence``, ``between_sequence``, [``between_sequence_within_class``,
+        ``between_class``], their ``frac_*``, and ``n_tokens``, ``n_sequences`` [, ``n_classes``].
+    """
+    x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
+    x = x.to(F64)
+    _, sid = torch.unique(sid, return_inverse=True)
+    S = int(sid.max()) + 1
+    ones = torch.ones_like(sid, dtype=F64)
+    n_s = torch.zeros(S, dtype=F64).index_add_(0, sid, ones)
+    mu_s = torch.zeros(S, x.shape[1], dtype=F64).index_add_(0, sid, x) / n_s[:, None]
+    mu_g = x.mean(0)
+    out: dict[str, float] = {
+        "n_tokens": float(x.shape[0]), "n_sequences": float(S),
+        "total": float(((x - mu_g) ** 2).sum()),
+        "within_sequence": float(((x - mu_s[sid]) ** 2).sum()),
+        "between_sequence": float((n_s * ((mu_s - mu_g) ** 2).sum(1)).sum()),
+    }
+    if cid is not None:
+        if int(cid.min()) < 0:
+            raise DataError("class_ids must be >= 0 for ANOVA (every sequence needs a class)")
+        lo = torch.full((S,), 1 << 62, dtype=torch.int64).scatter_reduce_(0, sid, cid, "amin")
+        hi = torch.full((S,), -1, dtype=torch.int64).scatter_reduce_(0, sid, cid, "amax")
+        if bool((lo != hi).any()):
+            raise DataError("class_ids must be constant within each sequence for ANOVA "
+                            "(a sequence has tokens of two classes)")
+        _, cid = torch.unique(cid, return_inverse=True)
+        C = int(cid.max()) + 1
+        n_c = torch.zeros(C, dtype=F64).index_add_(0, cid, ones)
+        mu_c = torch.zeros(C, x.shape[1], dtype=F64).index_add_(0, cid, x) / n_c[:, None]
+        out["n_classes"] = float(C)
+        out["between_sequence_within_class"] = float(((mu_s[sid] - mu_c[cid]) ** 2).sum())
+        out["between_class"] = float((n_c * ((mu_c - mu_g) ** 2).sum(1)).sum())
+    _fractions(out)
+    return out
+
+
+def neural_collapse(features: Any, labels: Any, classifier: Optional[tuple[Any, Any]] = None, *,
+                    min_count: int = 1, tile: int = 4096) -> dict[str, float]:
+    """Neural Collapse measures (Papyan, Han & Donoho 2020; CDNV of Galanti et al. 2021).
+
+    - ``nc1`` = tr(Sigma_W pinv(Sigma_B)) / C with the pooled within-class covariance Sigma_W
+      and the covariance of the centred class means Sigma_B;
+    - ``cdnv`` = mean over class pairs of (var_c + var_c') / (2 ||mu_c - mu_c'||^2), var_c the
+      mean squared distance of class c's features to its mean;
+    - ``nc2_equinorm`` = std / mean of ||mu_c - mu_G||; ``nc2_equiangular_std`` = std of the
+      cosines between centred means (c != c'), ``nc2_equiangular_mean`` their mean and
+      ``nc2_equiangular_shift`` = mean |cos + 1/(C-1)|; ``nc2_etf_distance`` = Frobenius
+      distance between the Frobenius-normalised Gram of the row-normalised centred means and that
+      of a simplex ETF;
+    - with a classifier (weight (K, D), bias (K,) or None, or an ``nn.Linear``):
+      ``nc3_self_duality`` = || W/||W|| - M/||M|| ||_F (M the centred means, W their rows) and
+      ``nc4_agreement`` = fraction of features where the classifier's argmax equals the
+      nearest class mean (both over the kept classes).
+
+    Class means are centred at the unweighted mean of the kept class means (see
+    :mod:`lapheads.geometry.streaming` for this and the ``min_count`` choice).
+
+    Args:
+        features: (N, D) features.
+        labels: (N,) integer class of each row; ``-1`` = no class (ignored).
+        classifier: optional ``(weight, bias)`` or ``nn.Linear``; row c of weight is class c.
+        min_count: classes with fewer rows are left out of the class-mean measures.
+        tile: block size of the pairwise computations.
+
+    Returns:
+        A dict of floats (also ``n_classes``, ``n_tokens``, ``n_pairs``, ``trace_sigma_w``,
+        ``trace_sigma_b``, ``within_class_variance``).
+    """
+    x, _, lab = check_inputs(features, None, labels, name="features")
+    if lab is None:
+        raise DataError("labels are required")
+    acc = ClassAccumulator(x.shape[1], min_count=min_count, tile=tile)
+    acc.update(x, lab)
+    out = acc.compute(classifier)
+    if classifier is not None:
+        if isinstance(classifier, torch.nn.Linear):
+            classifier = (classifier.weight, classifier.bias)
+        nc4 = acc.nc4_pass(*classifier)
+        keep = torch.isin(lab, nc4.classes)
+        nc4.update(x[keep], lab[keep])
+        out.update(nc4.compute())
+    return out
+
+
+def cdnv(features: Any, labels: Any, *, min_count: int = 1, tile: int = 4096) -> dict[str, float]:
+    """Class-distance normalised variance averaged over class pairs (Galanti et al. 2021).
+
+    ``cdnv`` = mean over c < c' of (var_c + var_c') / (2 ||mu_c - mu_c'||^2) where var_c is the
+    mean squared distance of class c's rows to its mean. Tiled over class blocks of ``tile``
+    so tens of thousands of classes fit in memory.
+
+    Args:
+        features: (N, D) features.
+        labels: (N,) class of each row (``-1`` = ignored).
+        min_count: classes with fewer rows are left out.
+        tile: block size of the pairwise computation.
+
+    Returns:
+        ``cdnv``, ``n_classes``, ``n_pairs``, ``n_tokens``.
+    """
+    x, _, lab = check_inputs(features, None, labels, name="features")
+    if lab is None:
+        raise DataError("labels are required")
+    acc = ClassAccumulator(x.shape[1], min_count=min_count, tile=tile)
+    acc.update(x, lab)
+    return acc.compute(cdnv_only=True)
+
+
+def spectra(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, Any]:
+    """Per-sequence and global covariance spectra with their decay curves.
+
+    Returns the numbers of :func:`spectral_k99` plus ``sequence_curve`` (the per-sequence
+    eigenvalues normalised to sum 1, averaged over sequences, length D) and ``global_curve``.
+    """
+    x, sid, _ = check_inputs(x, sequence_ids)
+    acc = SpectraAccumulator(x.shape[1], threshold)
+    acc.update(x, sid)
+    out = acc.compute()
+    xc = x.to(F64) - x.to(F64).mean(0)
+    ev = torch.linalg.eigvalsh(xc.T @ xc / x.shape[0]).flip(0).clamp_min(0.0)
+    tot = float(ev.sum())
+    out["global_k"] = float(k_for_threshold(ev, acc.threshold))
+    out["global_curve"] = (ev / tot).tolist() if tot > 0 else [0.0] * x.shape[1]
+    return out
+
+
+def spectral_k99(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, float]:
+    """Number of principal components explaining ``threshold`` of each sequence's variance.
+
+    For every sequence with >= 2 tokens: eigenvalues of the covariance of its tokens (through the
+    T x T Gram matrix when T < D), k = smallest count whose top eigenvalues reach ``threshold``
+    of the total (0 for a sequence whose tokens are all equal).
+
+    Args:
+        x: (N, D) tokens.
+        sequence_ids: (N,) sequence of each token.
+        threshold: fraction of variance (0.99 gives k99).
+
+    Returns:
+        ``k_mean`` (k99 averaged over sequences), ``k_std``, ``k_min``, ``k_max``,
+        ``n_sequences``, ``global_k`` (the same k for the covariance of all tokens) and
+        ``threshold``.
+    """
+    out = spectra(x, sequence_ids, threshold)
+    return {k: v for k, v in out.items() if not isinstance(v, list)}
+
+
+def within_sequence_cosine(x: Any, sequence_ids: Any) -> dict[str, float]:
+    """Mean pairwise cosine similarity between the tokens of a sequence, averaged over sequences.
+
+    The diagonal is excluded: a sequence of T tokens averages over its T (T - 1) ordered pairs
+    i != j. Sequences of a single token have no pair and are skipped; a zero token has cosine 0
+    with every other token.
+
+    Args:
+        x: (N, D) tokens.
+        sequence_ids: (N,) sequence of each token.
+
+    Returns:
+        ``cosine_mean``, ``cosine_std`` (over sequences) and ``n_sequences``.
+    """
+    x, sid, _ = check_inputs(x, sequence_ids)
+    acc = CosineAccumulator()
+    acc.update(x, sid)
+    return acc.compute()
+
+
+def geometry(x: Any, sequence_ids: Any, class_ids: Any = None, token_classes: Any = None, *,
+             classifier: Optional[tuple[Any, Any]] = None, min_count: int = 1,
+             threshold: float = 0.99) -> dict[str, Any]:
+    """Every measure of one layer at once (the dict :class:`GeometryAccumulator` computes)."""
+    x, sid, _ = check_inputs(x, sequence_ids)
+    acc = GeometryAccumulator(x.shape[1], min_count=min_count, threshold=threshold)
+    acc.update(x, sid, class_ids, token_classes)
+    return acc.compute(classifier)
+
+
+def pca_rgb(tokens: Any, grid_hw: tuple[int, int]) -> np.ndarray:
+    """Top three principal components of patch tokens, shown as RGB.
+
+    The components are fitted jointly on the patch tokens of all N images (so colours are
+    comparable across images), each component is min-max scaled to [0, 1] over all images,
+    and the sign of each component is fixed so its largest-magnitude loading is positive
+    (deterministic colours).
+
+    Args:
+        tokens: (N, P, D) patch tokens (no prefix/CLS tokens), P = H * W.
+        grid_hw: the patch grid (H, W).
+
+    Returns:
+        float array (N, H, W, 3) in [0, 1].
+    """
+    t = torch.as_tensor(tokens)
+    if t.dim() != 3:
+        raise DataError(f"tokens must be (images, patches, dim), got shape {tuple(t.shape)}")
+    H, W = int(grid_hw[0]), int(grid_hw[1])
+    N, P, D = t.shape
+    if H * W != P:
+        raise ConfigError(f"grid {H}x{W} = {H * W} patches but tokens have {P}")
+    if not bool(torch.isfinite(t).all()):
+        raise DataError("tokens contain NaN or Inf")
+    X = t.reshape(N * P, D).to(F64)
+    X = X - X.mean(0)
+    k = min(3, D, N * P)
+    # the top right-singular vectors of the centred tokens are the principal axes
+    _, _, Vh = torch.linalg.svd(X, full_matrices=False)
+    V = Vh[:k].T
+    big = V.abs().argmax(0)
+    sgn = torch.sign(V[big, torch.arange(k)])
+    sgn[sgn == 0] = 1.0
+    V = V * sgn
+    Z = X @ V
+    lo, hi = Z.min(0).values, Z.max(0).values
+    Z = (Z - lo) / (hi - lo).where(hi > lo, torch.ones_like(hi))
+    if k < 3:
+        Z = torch.cat([Z, Z.new_zeros(Z.shape[0], 3 - k)], 1)
+    return Z.reshape(N, H, W, 3).numpy()
