@@ -185,3 +185,23 @@ def test_head_mask_rejects_per_layer_selection():
 def test_errors_are_plain_value_errors_for_callers():
     with pytest.raises(ValueError, match=re.escape("laplacian_heads=7")):
         LaplacianHeads(7).resolve(1, 3)
+
+
+# head_flags / resolve_flags: the pure-Python twins the operator branches on
+def test_flags_agree_with_masks():
+    for spec in [0, 2, "all", "none", [0, 2], (True, False, True, False), LaplacianHeads(1),
+                 torch.tensor([True, False, False, True])]:
+        from lapheads.heads import head_flags
+        flags = head_flags(spec, 4)
+        assert isinstance(flags, tuple) and all(type(f) is bool for f in flags)
+        assert list(flags) == head_mask(spec, 4).tolist()
+    lh = LaplacianHeads([[1], [0, 2]])
+    assert lh.resolve_flags(2, 3) == [(False, True, False), (True, False, True)]
+    assert [m.tolist() for m in lh.resolve(2, 3)] == [list(f) for f in lh.resolve_flags(2, 3)]
+
+
+def test_flags_errors_match_mask_errors():
+    from lapheads.heads import head_flags
+    _raises(lambda: head_flags(5, 4), "5")
+    _raises(lambda: head_flags(torch.tensor([1, 0]), 2), "torch.int64")
+    _raises(lambda: head_flags([True], 2), "[True]")

@@ -96,12 +96,20 @@ class LaplacianHeads:
     # ------------------------------------------------------------------ resolution
     def resolve(self, n_layers: int, n_heads: int) -> list[torch.Tensor]:
         """Per-layer boolean masks (``True`` = Laplacian head), validated against the model shape."""
+        return [torch.tensor(f, dtype=torch.bool) for f in self.resolve_flags(n_layers, n_heads)]
+
+    def resolve_flags(self, n_layers: int, n_heads: int) -> list[tuple[bool, ...]]:
+        """Like :meth:`resolve` but plain Python tuples of bools.
+
+        Pure Python on purpose: branching on these never syncs an accelerator and stays a constant
+        under ``torch.compile`` (branching on a tensor would be a data-dependent graph break).
+        """
         if n_layers < 1 or n_heads < 1:
             raise ConfigError(f"model shape n_layers={n_layers}, n_heads={n_heads} must be positive")
         if self.kind == "all":
-            return [torch.ones(n_heads, dtype=torch.bool) for _ in range(n_layers)]
+            return [(True,) * n_heads for _ in range(n_layers)]
         if self.kind == "none":
-            return [torch.zeros(n_heads, dtype=torch.bool) for _ in range(n_layers)]
+            return [(False,) * n_heads for _ in range(n_layers)]
         if self.kind == "k":
             return [self._trailing(self.spec, n_heads, None) for _ in range(n_layers)]
         if len(self.spec) != n_layers:
@@ -110,28 +118,24 @@ class LaplacianHeads:
                 f"{n_layers} layers; give exactly one entry per layer")
         if self.kind == "per_layer_k":
             return [self._trailing(k, n_heads, i) for i, k in enumerate(self.spec)]
-        masks = []
+        flags = []
         for i, idx in enumerate(self.spec):
-            m = torch.zeros(n_heads, dtype=torch.bool)
             for j in idx:
                 if j >= n_heads:
                     raise ConfigError(
                         f"laplacian_heads[{i}] contains head index {j}, but layers have {n_heads} "
                         f"heads (allowed 0..{n_heads - 1})")
-                m[j] = True
-            masks.append(m)
-        return masks
+            chosen = set(idx)
+            flags.append(tuple(h in chosen for h in range(n_heads)))
+        return flags
 
     @staticmethod
-    def _trailing(k: int, n_heads: int, layer: int | None) -> torch.Tensor:
+    def _trailing(k: int, n_heads: int, layer: int | None) -> tuple[bool, ...]:
         where = "" if layer is None else f"[{layer}]"
         if k > n_heads:
             raise ConfigError(
                 f"laplacian_heads{where}={k} but layers have only {n_heads} heads (allowed 0..{n_heads})")
-        m = torch.zeros(n_heads, dtype=torch.bool)
-        if k:
-            m[n_heads - k:] = True
-        return m
+        return (False,) * (n_heads - k) + (True,) * k
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
         """The boolean head mask of one layer."""
@@ -175,6 +179,39 @@ class LaplacianHeads:
         return f"LaplacianHeads({self.spec!r})"
 
 
+def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
+    if spec.dtype != torch.bool:
+        raise ConfigError(f"a laplacian_heads tensor must be boolean, got dtype {spec.dtype}")
+    if spec.shape != (n_heads,):
+        raise ConfigError(
+            f"laplacian_heads mask has shape {tuple(spec.shape)}, expected ({n_heads},) (one entry per head)")
+
+
+def head_flags(spec: Any, n_heads: int) -> tuple[bool, ...]:
+    """One layer's selection as a tuple of ``n_heads`` bools (``True`` = Laplacian head).
+
+    Accepts what :func:`head_mask` accepts. Except for a tensor ``spec`` (read back with
+    ``tolist()``), no tensor is involved, so the operator can branch on the result without an
+    accelerator sync or a ``torch.compile`` graph break.
+    """
+    if isinstance(spec, torch.Tensor):
+        _check_mask_tensor(spec, n_heads)
+        return tuple(bool(x) for x in spec.tolist())
+    if isinstance(spec, LaplacianHeads):
+        if spec.kind not in ("k", "all", "none"):
+            raise ConfigError(
+                f"{spec!r} is per-layer; pass the mask of this layer (spec.layer_mask(layer, n_layers, n_heads))")
+        return spec.resolve_flags(1, n_heads)[0]
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
+        if len(spec) != n_heads:
+            raise ConfigError(
+                f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)")
+        return tuple(spec)
+    if isinstance(spec, (list, tuple)):
+        return LaplacianHeads([list(spec)]).resolve_flags(1, n_heads)[0]
+    return LaplacianHeads(spec).resolve_flags(1, n_heads)[0]
+
+
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean mask of shape ``(n_heads,)`` for ONE layer.
 
@@ -183,24 +220,7 @@ def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> to
     every layer (an int, ``"all"`` or ``"none"``).
     """
     if isinstance(spec, torch.Tensor):
-        if spec.dtype != torch.bool:
-            raise ConfigError(f"a laplacian_heads tensor must be boolean, got dtype {spec.dtype}")
-        if spec.shape != (n_heads,):
-            raise ConfigError(
-                f"laplacian_heads mask has shape {tuple(spec.shape)}, expected ({n_heads},) (one entry per head)")
+        _check_mask_tensor(spec, n_heads)
         return spec.to(device) if device is not None else spec
-    if isinstance(spec, LaplacianHeads):
-        if spec.kind not in ("k", "all", "none"):
-            raise ConfigError(
-                f"{spec!r} is per-layer; pass the mask of this layer (spec.layer_mask(layer, n_layers, n_heads))")
-        m = spec.resolve(1, n_heads)[0]
-    elif isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
-        if len(spec) != n_heads:
-            raise ConfigError(
-                f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)")
-        m = torch.tensor(spec, dtype=torch.bool)
-    elif isinstance(spec, (list, tuple)):
-        m = LaplacianHeads([list(spec)]).resolve(1, n_heads)[0]
-    else:
-        m = LaplacianHeads(spec).resolve(1, n_heads)[0]
+    m = torch.tensor(head_flags(spec, n_heads), dtype=torch.bool)
     return m.to(device) if device is not None else m

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import ConfigError
-from .heads import head_mask
+from .heads import head_flags
 from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 
 __all__ = ["MultiheadAttention"]
@@ -96,13 +96,19 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # Validate the head selection before allocating parameters (cheap errors first).
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
-        lap = head_mask(laplacian_heads, num_heads)
+        flags = head_flags(laplacian_heads, num_heads)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
         self.laplacian_heads = laplacian_heads
-        # A plain CPU tensor, not a buffer: state_dict keys stay exactly torch's.
-        self.laplacian_mask: Tensor = lap.cpu()
+        # A tuple of Python bools, not a buffer: state_dict keys stay exactly torch's, and the
+        # operator branches on it without a device sync or a torch.compile graph break.
+        self.laplacian_flags: tuple[bool, ...] = flags
+
+    @property
+    def laplacian_mask(self) -> Tensor:
+        """Boolean ``(num_heads,)`` CPU tensor, True = Laplacian head."""
+        return torch.tensor(self.laplacian_flags, dtype=torch.bool)
 
     @classmethod
     def from_torch(cls, module: torch.nn.MultiheadAttention, laplacian_heads: Any = "none") -> "MultiheadAttention":
@@ -118,7 +124,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         return new
 
     def extra_repr(self) -> str:
-        n = int(self.laplacian_mask.sum())
+        n = sum(self.laplacian_flags)
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
                 f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})")
 
@@ -172,6 +178,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             ``(N, num_heads, L, S)``, without N when unbatched, or None when ``need_weights`` is False.
         """
         batched = query.dim() == 3
+        given = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ConfigError(
                 f"query, key, value must all be 3-D (batched) or 2-D (unbatched); got shapes "
@@ -191,14 +198,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         n, tq, e = query.shape
         s = key.shape[1]
         h, hd = self.num_heads, self.head_dim
-        if e != self.embed_dim:
-            raise ConfigError(f"query has feature size {e}, expected embed_dim={self.embed_dim}")
+        if (e, key.shape[-1], value.shape[-1]) != (self.embed_dim, self.kdim, self.vdim):
+            raise ConfigError(
+                f"feature sizes of {given} do not match embed_dim={self.embed_dim}, kdim={self.kdim}, "
+                f"vdim={self.vdim}")
         if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
             raise ConfigError(
-                f"key {tuple(key.shape)} and value {tuple(value.shape)} must share batch and sequence "
-                f"sizes with each other and the batch of query {tuple(query.shape)}")
-        lap = self.laplacian_mask
-        if bool(lap.any()) and tq > s:
+                f"{given}: key and value must have the same batch and sequence sizes, and the same batch "
+                f"size as query (batch_first={self.batch_first})")
+        lap = self.laplacian_flags
+        if any(lap) and tq > s:
             raise ConfigError(
                 f"Laplacian heads need every query to have its own position among the keys, but the "
                 f"query has {tq} positions and the key only {s}")

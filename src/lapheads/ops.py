@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .heads import head_mask
+from .heads import head_flags, head_mask
 
 __all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask"]
 
@@ -53,6 +53,22 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa:
         if h % hkv:
             raise ConfigError(f"q heads ({h}) must be a multiple of k/v heads ({hkv}) for grouped-query attention")
     return h, hkv
+
+
+def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> None:
+    """Refuse a mask SDPA would reject (or silently broadcast beyond the output) with a clear error."""
+    if attn_mask is None:
+        return
+    if attn_mask.dtype != torch.bool and not torch.is_floating_point(attn_mask):
+        raise ConfigError(f"attn_mask must be boolean (True = attend) or float (additive), got dtype {attn_mask.dtype}")
+    target = (*q.shape[:-1], tk)
+    try:
+        ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to (..., H, Tq, Tk) = {target}")
 
 
 def causal_lower_right_mask(tq: int, tk: int, device: Any = None) -> torch.Tensor:
@@ -120,8 +136,11 @@ def laplacian_attention(
     """
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
-    mask = head_mask(laplacian_heads, h, device=q.device)
-    any_lap = bool(mask.any())
+    _check_mask(attn_mask, q, tk)
+    # Plain Python bools: branching on them never waits for an accelerator and is a constant under
+    # torch.compile (fullgraph works unless the caller passes a tensor mask).
+    flags = head_flags(laplacian_heads, h)
+    any_lap = any(flags)
     if any_lap and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
@@ -131,10 +150,11 @@ def laplacian_attention(
         enable_gqa=(h != hkv))
     if not any_lap:
         return out
-    if bool(mask.all()):
+    if all(flags):
         return _v_self(v, tq, h, hkv) - out
     # Mixed layer: subtract only where needed; torch.where keeps autograd cheap and exact.
-    return torch.where(mask.view(h, 1, 1), _v_self(v, tq, h, hkv) - out, out)
+    mask = torch.tensor(flags, dtype=torch.bool, device=out.device).view(h, 1, 1)
+    return torch.where(mask, _v_self(v, tq, h, hkv) - out, out)
 
 
 def laplacian_attention_reference(
@@ -158,6 +178,7 @@ def laplacian_attention_reference(
     """
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
+    _check_mask(attn_mask, q, tk)
     mask = head_mask(laplacian_heads, h, device=q.device)
     if bool(mask.any()) and tq > tk:
         raise ConfigError(
