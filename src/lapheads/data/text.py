@@ -1,0 +1,614 @@
+"""Text corpora -> token shards on disk, and a sampler over them for language-model training.
+
+Design choices:
+
+* Readers yield one document (a ``str``) at a time and never hold a corpus in memory:
+  plain text files (one document per file), JSONL (one document per line, key ``text`` by
+  default, ``.jsonl.gz`` too), parquet shards with a ``text`` column (FineWeb-Edu's layout, read
+  one row group at a time with pyarrow), and the embedded default, ``pydoc_data.topics``, which
+  ships with Python (79 documents, ~0.46M characters, sorted by topic name).
+* :func:`check_inputs` opens every file before any tokenisation starts, so a missing file, a
+  parquet file without the text column (the error lists the columns found) or a JSONL file whose
+  first line is not JSON fails in seconds.
+* Shards are flat ``.bin`` files of token ids (``uint16`` when the vocabulary fits, else
+  ``uint32``), read back with ``numpy.memmap``. Every document is prefixed with BOS, as nanochat
+  does, so a random window can start anywhere and still sees document boundaries.
+* Validation split by DOCUMENT, deterministic and spread evenly: input document ``i`` is
+  validation when ``ceil((i + 1) f) > ceil(i f)`` (exact rational arithmetic); with ``f > 0``
+  the first document is always validation, so even a tiny corpus has one.
+* Resumable: shards hold whole documents and are written atomically (tmp file + ``os.replace``),
+  then ``index.json`` is rewritten atomically. Each split records ``next_document``, the index of
+  the first input document not yet inside one of its complete shards; a restarted run skips the
+  input up to there (reading, not tokenising) and continues, overwriting any shard a killed run
+  wrote after its last index update. The settings (tokenizer hash, dtype, shard size, validation
+  fraction) must match the index, or resuming is refused.
+* ``index.json`` keeps, per split, tokens (BOS included), UTF-8 bytes of the text and
+  ``bytes_per_token = bytes / tokens``: a mean next-token loss ``L`` (nats, averaged over
+  every position of random windows) converts to bits per byte as ``L / ln 2 / bytes_per_token``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, DataError
+
+__all__ = [
+    "embedded_documents",
+    "read_text_file",
+    "read_jsonl",
+    "read_parquet",
+    "iter_documents",
+    "check_inputs",
+    "limit_chars",
+    "is_validation_document",
+    "tokenize_to_shards",
+    "TokenShards",
+    "tokenize_main",
+    "INDEX_NAME",
+]
+
+INDEX_NAME = "index.json"
+_INDEX_VERSION = 1
+_SPLITS = ("train", "val")
+
+
+# --------------------------------------------------------------------------- readers
+def embedded_documents() -> Iterator[str]:
+    """The corpus that ships with Python: ``pydoc_data.topics.topics``, one document per topic."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):  # dict order is an implementation detail; sorting makes splits stable
+        yield topics[name]
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+        return "jsonl"
+    return "text"
+
+
+def read_text_file(path: str | os.PathLike) -> Iterator[str]:
+    """One document: the whole file, decoded as UTF-8.
+
+    Raises:
+        DataError: the file cannot be read or is not UTF-8.
+    """
+    p = Path(path)
+    try:
+        yield p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except OSError as e:
+        raise DataError(f"{p}: cannot be read ({e.strerror})") from e
+
+
+def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
+    """One document per line: ``json.loads(line)[text_field]``; blank lines are skipped.
+
+    Raises:
+        DataError: naming ``file:line`` for a line that is not JSON, not an object, or lacks the field.
+    """
+    p = Path(path)
+    opener = gzip.open if p.name.endswith(".gz") else open
+    try:
+        with opener(p, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno})") from e
+                if not isinstance(obj, dict):
+                    raise DataError(f"{p}:{n}: expected a JSON object with key {text_field!r}, "
+                                    f"got {type(obj).__name__}")
+                if text_field not in obj:
+                    raise DataError(f"{p}:{n}: no key {text_field!r}; keys found: {sorted(obj)[:20]} "
+                                    "(choose one with --text-field)")
+                text = obj[text_field]
+                if not isinstance(text, str):
+                    raise DataError(f"{p}:{n}: {text_field!r} is a {type(text).__name__}, expected a string")
+                yield text
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text ({e.reason})") from e
+    except (OSError, EOFError) as e:
+        raise DataError(f"{p}: cannot be read ({e})") from e
+
+
+def _parquet_file(p: Path, text_field: str):
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(p)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for truncated or non-parquet files
+        raise DataError(f"{p}: not a readable parquet file ({e})") from e
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise DataError(f"{p}: parquet file has no column {text_field!r}; columns found: {names} "
+                        "(choose one with --text-field)")
+    return pf
+
+
+def read_parquet(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
+    """One document per row of the ``text_field`` column, read one row group at a time.
+
+    Raises:
+        DataError: the file is not parquet, or it has no such column (the columns found are listed).
+    """
+    p = Path(path)
+    pf = _parquet_file(p, text_field)
+    for g in range(pf.num_row_groups):
+        try:
+            col = pf.read_row_group(g, columns=[text_field]).column(0)
+        except Exception as e:
+            raise DataError(f"{p}: row group {g} cannot be read ({e})") from e
+        for i, text in enumerate(col.to_pylist()):
+            if text is None:
+                continue  # a null cell is an absent document, not an error
+            if not isinstance(text, str):
+                raise DataError(f"{p}: column {text_field!r} holds {type(text).__name__} values "
+                                f"(row group {g}, row {i}); expected strings")
+            yield text
+
+
+def iter_documents(paths: Sequence[str | os.PathLike], text_field: str = "text") -> Iterator[str]:
+    """Documents of several files in order, each read by the reader its extension selects."""
+    for path in paths:
+        p = Path(path)
+        kind = _kind(p)
+        if kind == "parquet":
+            yield from read_parquet(p, text_field)
+        elif kind == "jsonl":
+            yield from read_jsonl(p, text_field)
+        else:
+            yield from read_text_file(p)
+
+
+def check_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text") -> None:
+    """Open every input cheaply before any expensive work: existence, emptiness, schema, first line.
+
+    Raises:
+        DataError: naming the file and the problem.
+    """
+    if not paths:
+        raise DataError("no input files given")
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"{p}: no such file")
+        if p.stat().st_size == 0:
+            raise DataError(f"{p}: the file is empty")
+        kind = _kind(p)
+        if kind == "parquet":
+            _parquet_file(p, text_field)
+        elif kind == "jsonl":
+            next(read_jsonl(p, text_field), None)
+
+
+def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Pass documents through until ``max_chars`` characters were yielded (the last one is cut)."""
+    left = max_chars
+    for d in docs:
+        if left <= 0:
+            return
+        yield d[:left]
+        left -= len(d)
+
+
+# --------------------------------------------------------------------------- splitting
+def _fraction(val_fraction: float) -> Fraction:
+    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+        raise ConfigError(f"val_fraction={val_fraction!r} must be a number in [0, 1)")
+    return Fraction(str(val_fraction)).limit_denominator(10**6)
+
+
+def is_validation_document(i: int, val_fraction: float | Fraction) -> bool:
+    """Whether input document ``i`` belongs to the validation split (see the module docstring)."""
+    f = val_fraction if isinstance(val_fraction, Fraction) else _fraction(val_fraction)
+    ceil = lambda x: -((-x.numerator) // x.denominator)  # noqa: E731 - exact ceil of a Fraction
+    return ceil((i + 1) * f) > ceil(i * f)
+
+
+# --------------------------------------------------------------------------- writing shards
+def _dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old file or the complete new one, never half of it
+
+
+def _write_index(out: Path, index: dict) -> None:
+    _atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
+
+
+def _empty_split() -> dict:
+    return {"shards": [], "tokens": 0, "bytes": 0, "documents": 0, "next_document": 0, "bytes_per_token": None}
+
+
+def read_index(path: str | os.PathLike) -> dict:
+    """Load ``index.json`` of a shard directory.
+
+    Raises:
+        DataError: missing or unreadable index.
+    """
+    f = Path(path) / INDEX_NAME
+    if not f.is_file():
+        raise DataError(f"{Path(path)}: no {INDEX_NAME}; make shards with `lapheads data tokenize --out {path}`")
+    try:
+        index = json.loads(f.read_text())
+    except (json.JSONDecodeError, OSError) as e:
+        raise DataError(f"{f}: cannot be read as JSON ({e})") from e
+    if index.get("version") != _INDEX_VERSION or "splits" not in index:
+        raise DataError(f"{f}: not a lapheads token-shard index (version {index.get('version')!r})")
+    return index
+
+
+def tokenize_to_shards(
+    documents: Iterable[str],
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    shard_tokens: int = 2**24,
+    val_fraction: float = 0.05,
+    resume: bool = False,
+    dtype: Optional[str] = None,
+    batch_documents: int = 256,
+    total_documents: Optional[int] = None,
+    source: str = "",
+    progress: bool = True,
+) -> dict:
+    """Tokenize documents into BOS-prefixed token shards with a validation split.
+
+    Args:
+        documents: the corpus, one ``str`` per document, in a fixed order (resume relies on it).
+        tokenizer: a transformers tokenizer (its ``bos_token_id`` is prefixed to every document).
+        out_dir: output directory: ``train_000000.bin``, ..., ``val_000000.bin``, ``index.json``.
+        shard_tokens: a shard is closed at the first document boundary at or past this many tokens.
+        val_fraction: fraction of documents in the validation split (by document, see
+            :func:`is_validation_document`).
+        resume: continue an interrupted run in ``out_dir`` (the settings must match its index).
+        dtype: ``"uint16"`` / ``"uint32"``; default: the smallest that holds the vocabulary.
+        batch_documents: documents per ``encode_batch`` call (the Rust tokenizer runs them in parallel).
+        total_documents: for the progress bar, when the iterable has no ``len``.
+        source: a description of the input, stored in the index and used in messages.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        The final index (also written to ``out_dir/index.json``).
+
+    Raises:
+        DataError: empty corpus, a tokenizer whose vocabulary does not fit ``dtype`` or that is
+            not the one recorded in a resumed index, an existing index without ``resume``.
+        ConfigError: invalid ``shard_tokens`` / ``val_fraction`` / ``dtype``.
+    """
+    from tqdm.auto import tqdm
+
+    from ..lm.tokenizer import tokenizer_hash
+
+    out = Path(out_dir)
+    f = _fraction(val_fraction)
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ConfigError(f"shard_tokens={shard_tokens!r} must be a positive int")
+    vocab = len(tokenizer)
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise DataError("the tokenizer has no bos_token; every document is prefixed with BOS")
+    dtype = dtype or _dtype_for(vocab)
+    if dtype not in ("uint16", "uint32"):
+        raise ConfigError(f"dtype={dtype!r} must be 'uint16' or 'uint32'")
+    if vocab > np.iinfo(dtype).max + 1:
+        raise DataError(f"the tokenizer has {vocab} tokens, which do not fit {dtype} shards "
+                        f"(max {np.iinfo(dtype).max + 1}); use uint32")
+    thash = tokenizer_hash(tokenizer)
+    settings = {"tokenizer_hash": thash, "vocab_size": vocab, "dtype": dtype, "bos_id": int(bos),
+                "shard_tokens": shard_tokens, "val_fraction": str(f)}
+
+    if (out / INDEX_NAME).exists():
+        if not resume:
+            raise DataError(f"{out / INDEX_NAME} already exists; pass resume=True (--resume) to continue it "
+                            "or choose an empty --out directory")
+        index = read_index(out)
+        for k, v in settings.items():
+            if index.get(k) != v:
+                what = "tokenizer" if k in ("tokenizer_hash", "vocab_size", "bos_id") else k
+                raise DataError(f"{out / INDEX_NAME}: cannot resume with a different {what}: the index has "
+                                f"{k}={index.get(k)!r}, this run has {v!r}")
+        if index.get("complete"):
+            return index
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        index = {"version": _INDEX_VERSION, **settings, "source": source, "complete": False,
+                 "documents_consumed": 0, "splits": {s: _empty_split() for s in _SPLITS}}
+
+    splits = index["splits"]
+    np_dtype = np.dtype(dtype)
+    buffers: dict[str, list] = {s: [] for s in _SPLITS}  # lists of token arrays, one per document
+    pending = {s: {"tokens": 0, "bytes": 0, "documents": 0} for s in _SPLITS}
+
+    def flush(split: str, next_doc: int) -> None:
+        """Write the buffered documents of ``split`` as one shard and record it in the index."""
+        sp = splits[split]
+        if pending[split]["tokens"]:
+            name = f"{split}_{len(sp['shards']):06d}.bin"
+            arr = np.concatenate(buffers[split])
+            _atomic_write_bytes(out / name, arr.tobytes())
+            sp["shards"].append({"file": name, **pending[split]})
+            for k in ("tokens", "bytes", "documents"):
+                sp[k] += pending[split][k]
+            sp["bytes_per_token"] = sp["bytes"] / sp["tokens"]
+        sp["next_document"] = next_doc
+        # Input documents fully committed to disk: a restart never needs to tokenize these again.
+        index["documents_consumed"] = min(splits[s]["next_document"] for s in _SPLITS)
+        buffers[split].clear()
+        pending[split] = {"tokens": 0, "bytes": 0, "documents": 0}
+        _write_index(out, index)
+
+    total = total_documents if total_documents is not None else (len(documents) if hasattr(documents, "__len__") else None)
+    bar = tqdm(total=total, initial=0, unit="doc", desc=f"tokenize -> {out.name}", disable=not progress,
+               dynamic_ncols=True)
+    seen = 0  # input documents read so far (including those a resumed run skips)
+    nonempty = 0
+
+    # Corpus text that happens to contain "<|bos|>" etc. is text, not a special token (as nanochat's
+    # encode_ordinary); the flag is restored afterwards since the tokenizer belongs to the caller.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    old_flag = getattr(backend, "encode_special_tokens", None)
+
+    def process(batch: list[tuple[int, str]]) -> None:
+        nonlocal nonempty
+        texts = [t for _, t in batch]
+        encs = backend.encode_batch(texts, add_special_tokens=False) if backend is not None else [None] * len(texts)
+        for (i, text), enc in zip(batch, encs):
+            ids = enc.ids if enc is not None else tokenizer.encode(text, add_special_tokens=False,
+                                                                   split_special_tokens=True)
+            split = "val" if is_validation_document(i, f) else "train"
+            arr = np.empty(len(ids) + 1, dtype=np.int64)
+            arr[0] = bos
+            arr[1:] = ids
+            if len(ids) and int(arr[1:].max()) >= vocab:
+                raise DataError(f"document {i} of {source or 'the corpus'} produced token id {int(arr.max())} "
+                                f">= vocabulary size {vocab}")
+            buffers[split].append(arr.astype(np_dtype))
+            p = pending[split]
+            p["tokens"] += len(arr)
+            p["bytes"] += len(text.encode("utf-8"))
+            p["documents"] += 1
+            nonempty += 1
+            if p["tokens"] >= shard_tokens:
+                flush(split, i + 1)
+        bar.update(len(batch))
+        bar.set_postfix(train_tokens=splits["train"]["tokens"] + pending["train"]["tokens"],
+                        val_tokens=splits["val"]["tokens"] + pending["val"]["tokens"], refresh=False)
+
+    batch: list[tuple[int, str]] = []
+    try:
+        if backend is not None:
+            backend.encode_special_tokens = True
+        for i, text in enumerate(documents):
+            seen = i + 1
+            if not isinstance(text, str):
+                raise DataError(f"document {i} of {source or 'the corpus'} is a {type(text).__name__}, not a str")
+            # Empty documents are skipped (nothing to learn); documents already inside a complete
+            # shard of their split (a resumed run) are read but not tokenized again.
+            if not text or i < splits["val" if is_validation_document(i, f) else "train"]["next_document"]:
+                bar.update(1)
+                continue
+            batch.append((i, text))
+            if len(batch) >= batch_documents:
+                process(batch)
+                batch = []
+        if batch:
+            process(batch)
+    finally:
+        bar.close()
+        if backend is not None:
+            backend.encode_special_tokens = old_flag
+
+    where = f" {source}" if source else ""
+    committed = max(splits[s]["next_document"] for s in _SPLITS)
+    if seen < committed:
+        raise DataError(f"{out / INDEX_NAME}: the resumed run already holds {committed} input documents but "
+                        f"the input{where} has only {seen}; resume with the same input, in the same order")
+    if seen == 0 or (nonempty == 0 and all(splits[s]["documents"] == 0 for s in _SPLITS)):
+        raise DataError(f"the corpus{where} is empty: no non-empty document to tokenize")
+    for s in _SPLITS:
+        flush(s, seen)
+    if splits["train"]["tokens"] == 0:
+        raise DataError(f"the corpus{where} has {seen} document(s) and val_fraction={val_fraction} leaves "
+                        "none for training; give more documents or a smaller --val-fraction")
+    index["documents_consumed"] = seen
+    index["complete"] = True
+    _write_index(out, index)
+    return index
+
+
+# --------------------------------------------------------------------------- reading shards
+class TokenShards:
+    """The token shards of one split, memory-mapped.
+
+    Args:
+        path: a directory written by :func:`tokenize_to_shards`.
+        split: ``"train"`` or ``"val"``.
+        tokenizer: optional; if given, its hash must match the index (else DataError).
+
+    Raises:
+        DataError: missing/incomplete index, a shard missing or of the wrong size, an empty split,
+            or a tokenizer that is not the one the shards were made with.
+    """
+
+    def __init__(self, path: str | os.PathLike, split: str = "train", tokenizer: Any = None):
+        if split not in _SPLITS:
+            raise ConfigError(f"split={split!r}; allowed: {list(_SPLITS)}")
+        self.path = Path(path)
+        self.split = split
+        self.index = read_index(self.path)
+        if not self.index.get("complete"):
+            raise DataError(f"{self.path / INDEX_NAME}: the shards are incomplete (an interrupted run); "
+                            f"finish them with `lapheads data tokenize ... --out {self.path} --resume`")
+        if tokenizer is not None:
+            from ..lm.tokenizer import tokenizer_hash
+            h = tokenizer_hash(tokenizer)
+            if h != self.index["tokenizer_hash"] or len(tokenizer) != self.index["vocab_size"]:
+                raise DataError(f"{self.path / INDEX_NAME}: shards were made with tokenizer {self.index['tokenizer_hash']} "
+                                f"(vocab {self.index['vocab_size']}), but the given tokenizer is {h} (vocab {len(tokenizer)})")
+        self.dtype = np.dtype(self.index["dtype"])
+        info = self.index["splits"][split]
+        self.maps: list[np.memmap] = []
+        for sh in info["shards"]:
+            f = self.path / sh["file"]
+            if not f.is_file():
+                raise DataError(f"{f}: shard listed in {INDEX_NAME} is missing")
+            want = sh["tokens"] * self.dtype.itemsize
+            if f.stat().st_size != want:
+                raise DataError(f"{f}: {f.stat().st_size} bytes, but {INDEX_NAME} says {sh['tokens']} tokens "
+                                f"({want} bytes); the shard is truncated or from another run")
+            self.maps.append(np.memmap(f, dtype=self.dtype, mode="r"))
+        self.num_tokens = int(info["tokens"])
+        if self.num_tokens == 0:
+            raise DataError(f"{self.path}: the {split} split has no tokens (val_fraction "
+                            f"{self.index['val_fraction']} of {self.index['documents_consumed']} documents)")
+        self.num_documents = int(info["documents"])
+        self.bytes_per_token = float(info["bytes_per_token"])
+        self.vocab_size = int(self.index["vocab_size"])
+        self.bos_id = int(self.index["bos_id"])
+        self._starts = np.cumsum([0] + [len(m) for m in self.maps])
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return (f"TokenShards({str(self.path)!r}, split={self.split!r}, tokens={self.num_tokens}, "
+                f"shards={len(self.maps)}, bytes_per_token={self.bytes_per_token:.3f})")
+
+    def tokens(self, start: int, n: int) -> np.ndarray:
+        """``n`` consecutive tokens from global position ``start`` (crossing shard boundaries)."""
+        out = np.empty(n, dtype=np.int64)
+        got = 0
+        s = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = start - int(self._starts[s])
+        while got < n:
+            m = self.maps[s]
+            take = min(n - got, len(m) - pos)
+            out[got:got + take] = m[pos:pos + take]
+            got += take
+            s, pos = s + 1, 0
+        return out
+
+    def _check_len(self, seq_len: int) -> None:
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len!r} must be a positive int")
+        if self.num_tokens < seq_len + 1:
+            raise DataError(f"{self.path}: the {self.split} split has {self.num_tokens} tokens, fewer than "
+                            f"seq_len + 1 = {seq_len + 1}; use a shorter sequence or more data")
+
+    def sample_batch(self, batch_size: int, seq_len: int,
+                     generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: ``x`` = tokens ``[s, s + seq_len)``, ``y`` = ``[s + 1, s + seq_len + 1)``.
+
+        Args:
+            batch_size: number of windows.
+            seq_len: tokens per window.
+            generator: a ``torch.Generator`` for reproducible (and per-rank distinct) sampling.
+
+        Returns:
+            ``(x, y)``, int64 tensors of shape ``(batch_size, seq_len)``.
+        """
+        self._check_len(seq_len)
+        starts = torch.randint(0, self.num_tokens - seq_len, (batch_size,), generator=generator)
+        w = np.stack([self.tokens(int(s), seq_len + 1) for s in starts])
+        t = torch.from_numpy(w)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def iter_batches(self, batch_size: int, seq_len: int, max_batches: Optional[int] = None,
+                     rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Deterministic sequential windows for evaluation: window ``j`` starts at ``j * seq_len``.
+
+        Windows are consecutive and do not overlap in their targets, so every token except the very
+        first is predicted exactly once; the last partial batch is yielded smaller, the last partial
+        window is dropped. With ``world_size > 1`` each rank gets every ``world_size``-th batch.
+
+        Args:
+            batch_size: windows per batch.
+            seq_len: tokens per window.
+            max_batches: stop after this many batches (over all ranks).
+            rank, world_size: shard the batches across processes.
+        """
+        self._check_len(seq_len)
+        n_windows = (self.num_tokens - 1) // seq_len
+        n_batches = math.ceil(n_windows / batch_size)
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
+        for b in range(rank, n_batches, world_size):
+            js = range(b * batch_size, min((b + 1) * batch_size, n_windows))
+            t = torch.from_numpy(np.stack([self.tokens(j * seq_len, seq_len + 1) for j in js]))
+            yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+# --------------------------------------------------------------------------- CLI
+def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``lapheads data tokenize``: text/JSONL/parquet (or the embedded corpus) -> token shards."""
+    ap = argparse.ArgumentParser(
+        prog="lapheads data tokenize",
+        description="Tokenize a corpus into BOS-prefixed uint16/uint32 token shards with a validation split "
+                    "(by document) and an index.json holding the statistics bits-per-byte needs. "
+                    "Interrupted runs continue with --resume.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", metavar="FILE",
+                     help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one per line) or parquet "
+                          "(.parquet with a text column, FineWeb-Edu's layout) files, in this order")
+    src.add_argument("--embedded", action="store_true", help="the corpus that ships with Python (pydoc_data.topics)")
+    ap.add_argument("--tokenizer", required=True, help="directory written by `lapheads tokenizer train`")
+    ap.add_argument("--out", required=True, help="output directory for the shards and index.json")
+    ap.add_argument("--val-fraction", type=float, default=0.05,
+                    help="fraction of documents held out for validation (default 0.05; the first document is "
+                         "always validation when > 0)")
+    ap.add_argument("--shard-tokens", type=int, default=2**24,
+                    help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less "
+                         "lost work")
+    ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
+    ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+
+    from ..lm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    if args.embedded:
+        from pydoc_data.topics import topics
+        docs: Iterable[str] = embedded_documents()
+        total: Optional[int] = len(topics)
+        source = "pydoc_data.topics"
+    else:
+        check_inputs(args.input, text_field=args.text_field)
+        docs = iter_documents(args.input, text_field=args.text_field)
+        total = None
+        source = ", ".join(str(p) for p in args.input)
+    index = tokenize_to_shards(docs, tok, args.out, shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
+                               resume=args.resume, total_documents=total, source=source,
+                               progress=not args.no_progress)
+    for s in _SPLITS:
+        sp = index["splits"][s]
+        bpt = sp["bytes_per_token"]
+        print(f"{s}: {sp['documents']} documents, {sp['tokens']} tokens in {len(sp['shards'])} shard(s), "
+              f"{'-' if bpt is None else f'{bpt:.3f}'} bytes/token")
+    print(f"index: {Path(args.out) / INDEX_NAME} ({index['dtype']}, tokenizer {index['tokenizer_hash']})")
+    return 0
