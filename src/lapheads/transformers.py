@@ -112,8 +112,12 @@ def _any_laplacian(config: Any) -> bool:
     return spec is not None and not LaplacianHeads(spec).is_none()
 
 
-def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> torch.Tensor:
-    """The boolean head mask of ``module``'s layer, cached on the module (keyed by the spec)."""
+def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``(mask, any_laplacian)`` of ``module``'s layer, cached on the module (keyed by the spec).
+
+    The Python bool is cached with the mask so that the per-call dispatch never reads a device
+    tensor (a GPU sync per layer per step).
+    """
     config = getattr(module, "config", None)
     layer = getattr(module, "layer_idx", None)
     if config is None or layer is None:
@@ -123,14 +127,15 @@ def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> torch.
     key = (repr(_config_spec(config)), int(layer), n_heads, getattr(config, "num_hidden_layers", None), str(device))
     cached = getattr(module, "_lapheads_head_mask", None)
     if cached is not None and cached[0] == key:
-        return cached[1]
+        return cached[1], cached[2]
     masks = layer_head_masks(config, n_heads)
     if not 0 <= layer < len(masks):
         raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(masks) - 1}")
+    any_lap = bool(masks[layer].any())
     mask = masks[layer].to(device)
     # A plain attribute (not a buffer): never saved in state_dict, rebuilt when the spec changes.
-    object.__setattr__(module, "_lapheads_head_mask", (key, mask))
-    return mask
+    object.__setattr__(module, "_lapheads_head_mask", (key, mask, any_lap))
+    return mask, any_lap
 
 
 # --------------------------------------------------------------------------- cache checks
@@ -238,8 +243,8 @@ def laplacian_sdpa_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     h = query.shape[1]
-    mask = _module_head_mask(module, h, query.device)
-    if not bool(mask.any()):
+    mask, any_lap = _module_head_mask(module, h, query.device)
+    if not any_lap:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     _unsupported_kwargs(kwargs)
@@ -274,11 +279,11 @@ def laplacian_eager_attention_forward(
     """
     h = query.shape[1]
     if getattr(module, "is_cross_attention", False):
-        mask = torch.zeros(h, dtype=torch.bool, device=query.device)
+        mask, any_lap = torch.zeros(h, dtype=torch.bool, device=query.device), False
     else:
-        mask = _module_head_mask(module, h, query.device)
+        mask, any_lap = _module_head_mask(module, h, query.device)
     _unsupported_kwargs(kwargs)
-    if bool(mask.any()):
+    if any_lap:
         _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
     out, op = laplacian_attention_reference(
