@@ -675,8 +675,8 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
 class NC4Accumulator(Accumulator):
     """Second pass for NC4: how often the classifier's argmax equals the nearest class centre.
 
-    Both rules choose among the same kept classes. Tokens with label ``-1`` are skipped when
-    labels are given (they have no class); without labels every token counts.
+    Both rules choose among the same kept classes. When labels are given only tokens of a kept
+    class count (label ``-1`` and rare classes are skipped); without labels every token counts.
 
     Args:
         means: (C, D) class means from the first pass (original coordinates).
@@ -710,8 +710,8 @@ class NC4Accumulator(Accumulator):
         """Score one batch of features (labels only select which tokens count)."""
         x, _, lab = check_inputs(x, None, labels)
         x = x.to(self.device, F64)
-        if lab is not None:
-            x = x[lab.to(self.device) >= 0]
+        if lab is not None:  # only tokens of the kept classes count (as in the first pass)
+            x = x[torch.isin(lab.to(self.device), self.classes)]
         for i in range(0, x.shape[0], self.tile):
             xi = x[i:i + self.tile]
             logits = xi @ self.W.T

@@ -1,0 +1,348 @@
+"""``lapheads analyze``: token geometry of timm / transformers checkpoints, with figures.
+
+Examples::
+
+    # a timm ViT on scikit-learn's digits (upscaled to the model's input size)
+    lapheads analyze --checkpoint vit_tiny_patch16_224 --weights vit.safetensors \\
+        --model-args img_size=32 patch_size=8 num_classes=10 --data digits --out geo/
+    # two transformers checkpoints side by side on Python's own pydoc corpus
+    lapheads analyze --checkpoint runs/base/hf --label k=0 --checkpoint runs/lap/hf --label k=all \\
+        --data pydoc --seq-len 256 --max-batches 20 --min-count 5 --out geo/
+
+Writes ``OUT/geometry.json`` (``{"runs": {label: analyze_model result}, "figures": [...]}``)
+and the PNG figures of :mod:`lapheads.geometry.plots` (several checkpoints share each figure).
+
+Design choices: a directory with ``config.json`` is a transformers checkpoint
+(``AutoModelForCausalLM`` when its architecture is a causal LM, else ``AutoModel``; the tokenizer
+is read from the same directory); anything else must be a timm model name (``timm.create_model``
+with ``pretrained=False`` plus ``--model-args``; ``--weights`` loads a ``.safetensors`` /
+``.pt`` state dict strictly). Nothing is downloaded. Data loaders here are small and
+self-contained (digits, ImageFolder, pydoc, .txt) so the command does not depend on the training
+recipes. ``--run DIR`` defers to ``lapheads.recipes.load_run`` (runs trained by this project).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..errors import CheckpointError, ConfigError, DataError
+
+__all__ = ["main", "load_checkpoint", "build_batches"]
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+def _parse_kv(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out: dict[str, Any] = {}
+    for it in items or []:
+        if "=" not in it:
+            raise ConfigError(f"--model-args expects key=value, got {it!r}")
+        k, v = it.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Optional[dict[str, Any]] = None
+                    ) -> tuple[torch.nn.Module, str, Any]:
+    """Load ``spec`` -> (model, kind "vit" | "hf", tokenizer or None).
+
+    Args:
+        spec: a transformers checkpoint directory or a timm model name.
+        weights: timm only: a ``.safetensors`` / ``.pt`` / ``.pth`` state dict.
+        model_args: timm only: keyword arguments of ``timm.create_model``.
+    """
+    p = Path(spec)
+    if p.exists():
+        if not (p.is_dir() and (p / "config.json").is_file()):
+            raise CheckpointError(f"{spec}: not a transformers checkpoint directory (no config.json); "
+                                  "give a directory saved with save_pretrained or a timm model name")
+        if weights:
+            raise ConfigError("--weights is for timm models; a transformers directory holds its weights")
+        import transformers
+
+        cfg = transformers.AutoConfig.from_pretrained(p)
+        causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (cfg.architectures or []))
+        cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+        try:
+            model = cls.from_pretrained(p)
+        except Exception as e:  # noqa: BLE001 - report any loader failure as a checkpoint error
+            raise CheckpointError(f"{spec}: cannot load the model: {e}") from e
+        tok = None
+        if any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            try:
+                tok = transformers.AutoTokenizer.from_pretrained(p)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{spec}: cannot load the tokenizer: {e}") from e
+        return model, "hf", tok
+    import timm
+
+    if not timm.is_model(spec):
+        close = timm.list_models(f"*{spec.split('.')[0][:12]}*")[:8]
+        raise CheckpointError(f"{spec!r} is neither an existing directory nor a timm model name"
+                              + (f"; similar timm names: {', '.join(close)}" if close else ""))
+    try:
+        model = timm.create_model(spec, pretrained=False, **(model_args or {}))
+    except TypeError as e:
+        raise ConfigError(f"--model-args not accepted by timm model {spec}: {e}") from e
+    if weights:
+        wp = Path(weights)
+        if not wp.is_file():
+            raise CheckpointError(f"--weights {weights}: no such file")
+        try:
+            if wp.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                sd = load_file(str(wp))
+            else:
+                sd = torch.load(wp, map_location="cpu", weights_only=True)
+                sd = sd.get("model", sd) if isinstance(sd, dict) else sd
+            model.load_state_dict(sd)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"--weights {weights}: does not fit {spec} "
+                                  f"(check --model-args): {str(e)[:400]}") from e
+    return model, "vit", None
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+class _Batches:
+    """Re-iterable batches (so NC4 can take its second pass) built lazily from a factory."""
+
+    def __init__(self, factory: Any, n: int) -> None:
+        self.factory, self.n = factory, n
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.factory())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_size: Optional[int]) -> _Batches:
+    if image_size is None:
+        sz = getattr(getattr(model, "patch_embed", None), "img_size", None)
+        image_size = int(sz[0] if isinstance(sz, (tuple, list)) else (sz or 224))
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5)))[:, None, None]
+    std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5)))[:, None, None]
+    if data == "digits":
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        imgs = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0
+        labels = torch.tensor(d.target, dtype=torch.int64)
+
+        def gen() -> Iterator[Any]:
+            for i in range(0, len(labels), batch_size):
+                x = torch.nn.functional.interpolate(imgs[i:i + batch_size], size=(image_size, image_size),
+                                                    mode="bilinear", align_corners=False)
+                yield (x.expand(-1, 3, -1, -1) - mean) / std, labels[i:i + batch_size]
+        return _Batches(gen, math.ceil(len(labels) / batch_size))
+    p = Path(data)
+    if not p.is_dir():
+        raise DataError(f"--data {data}: expected 'digits' or an ImageFolder directory (class subfolders)")
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
+                             transforms.ToTensor(), transforms.Normalize(mean.flatten().tolist(), std.flatten().tolist())])
+    try:
+        ds = datasets.ImageFolder(str(p), transform=tf)
+    except (FileNotFoundError, RuntimeError) as e:
+        raise DataError(f"--data {data}: not a usable ImageFolder: {e}") from e
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, num_workers=0)
+    return _Batches(lambda: loader, len(loader))
+
+
+def _text_batches(model: torch.nn.Module, tok: Any, data: str, batch_size: int, seq_len: int,
+                  max_batches: Optional[int]) -> _Batches:
+    if tok is None:
+        raise CheckpointError("text data needs a tokenizer saved in the checkpoint directory "
+                              "(tokenizer.json / tokenizer_config.json)")
+    if data == "pydoc":
+        from pydoc_data.topics import topics
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+    else:
+        p = Path(data)
+        if not p.is_file():
+            raise DataError(f"--data {data}: expected 'pydoc' or a text file")
+        text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise DataError(f"--data {data}: the corpus is empty")
+    if max_batches:  # tokenise only what will be used (about 12 characters per token is ample)
+        text = text[:max_batches * batch_size * seq_len * 12]
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if vocab and ids.numel() and int(ids.max()) >= vocab:
+        raise DataError(f"the tokenizer produced id {int(ids.max())} but the model's vocabulary has {vocab} entries")
+    n_rows = ids.numel() // seq_len
+    if n_rows == 0:
+        raise DataError(f"--data {data}: {ids.numel()} tokens, fewer than one sequence of --seq-len {seq_len}")
+    rows = ids[:n_rows * seq_len].view(n_rows, seq_len)
+
+    def gen() -> Iterator[Any]:
+        for i in range(0, n_rows, batch_size):
+            r = rows[i:i + batch_size]
+            yield {"input_ids": r, "attention_mask": torch.ones_like(r)}
+    return _Batches(gen, math.ceil(n_rows / batch_size))
+
+
+def build_batches(model: torch.nn.Module, kind: str, tok: Any, data: str, batch_size: int = 32,
+                  seq_len: int = 128, image_size: Optional[int] = None,
+                  max_batches: Optional[int] = None) -> _Batches:
+    """Batches of ``data`` suited to ``model`` (images for "vit", token rows for "hf")."""
+    if kind == "vit":
+        if data == "pydoc" or data.endswith(".txt"):
+            raise ConfigError(f"--data {data} is text but the checkpoint is a vision model")
+        return _vision_batches(model, data, batch_size, image_size)
+    if data == "digits":
+        raise ConfigError("--data digits is images but the checkpoint is a language model")
+    return _text_batches(model, tok, data, batch_size, seq_len, max_batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# command
+
+
+def _parse_layers(s: Optional[str]) -> Optional[list[Any]]:
+    if s is None or s.strip() in ("", "all"):
+        return None
+    out: list[Any] = []
+    for tok in s.split(","):
+        tok = tok.strip()
+        try:
+            out.append(int(tok))
+        except ValueError:
+            out.append(tok)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lapheads analyze", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", action="append", default=[],
+                    help="transformers checkpoint directory or timm model name; repeat to compare runs")
+    ap.add_argument("--label", action="append", default=[],
+                    help="name of each --checkpoint in the figures (default: the checkpoint's name)")
+    ap.add_argument("--weights", action="append", default=[],
+                    help="state dict (.safetensors/.pt) for the timm --checkpoint of the same position")
+    ap.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="timm.create_model keyword arguments, e.g. img_size=32 patch_size=8 depth=2")
+    ap.add_argument("--run", action="append", default=[],
+                    help="a run directory trained by this project (needs lapheads.recipes.load_run)")
+    ap.add_argument("--data", required=True,
+                    help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file")
+    ap.add_argument("--layers", default=None,
+                    help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices "
+                         "(0 = embeddings); default all")
+    ap.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=128, help="text: tokens per sequence")
+    ap.add_argument("--image-size", type=int, default=None, help="images: default the model's input size")
+    ap.add_argument("--min-count", type=int, default=1,
+                    help="minimum tokens per class for NC measures (use 5-20 for next-token classes)")
+    ap.add_argument("--threshold", type=float, default=0.99, help="variance fraction for k (0.99 = k99)")
+    ap.add_argument("--no-spectra", action="store_true", help="skip per-sequence eigen-decompositions (faster)")
+    ap.add_argument("--include-prefix", action="store_true", help="vit: count CLS/register tokens as tokens")
+    ap.add_argument("--no-nc4", action="store_true", help="skip the second pass for NC4")
+    ap.add_argument("--no-figures", action="store_true", help="write geometry.json only")
+    ap.add_argument("--device", default=None, help="device for the model (default cuda if available)")
+    ap.add_argument("--out", required=True, help="output directory for geometry.json and figures")
+    return ap
+
+
+def _load_run(run_dir: str) -> tuple[torch.nn.Module, str, Any]:
+    try:
+        from ..recipes import load_run  # type: ignore[attr-defined]
+    except ImportError:
+        raise ConfigError("--run needs lapheads.recipes.load_run, which this installation does not "
+                          "provide yet; export the model and use --checkpoint instead") from None
+    got = load_run(run_dir)
+    if isinstance(got, dict):
+        return got["model"], got.get("kind", "vit"), got.get("tokenizer")
+    if isinstance(got, tuple):
+        model, kind = got[0], got[1]
+        return model, kind, got[2] if len(got) > 2 else None
+    model = getattr(got, "model", got)
+    return model, getattr(got, "kind", "vit"), getattr(got, "tokenizer", None)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``lapheads analyze``."""
+    args = _parser().parse_args(argv)
+    sources = [("checkpoint", c) for c in args.checkpoint] + [("run", r) for r in args.run]
+    if not sources:
+        raise ConfigError("give at least one --checkpoint (or --run)")
+    if args.label and len(args.label) != len(sources):
+        raise ConfigError(f"{len(args.label)} --label for {len(sources)} checkpoints/runs: give one per checkpoint or none")
+    if len(args.weights) > len(args.checkpoint):
+        raise ConfigError("more --weights than --checkpoint")
+    for name, v in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    if args.max_batches is not None and args.max_batches < 1:
+        raise ConfigError(f"--max-batches must be >= 1, got {args.max_batches}")
+    if not 0 < args.threshold <= 1:
+        raise ConfigError(f"--threshold must be in (0, 1], got {args.threshold}")
+    layers = _parse_layers(args.layers)
+    model_args = _parse_kv(args.model_args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    labels = args.label or []
+    from .capture import analyze_model, save_geometry_json
+    from .plots import plot_all
+
+    # load (and validate) every model before the first expensive pass
+    loaded = []
+    for i, (what, spec) in enumerate(sources):
+        if what == "checkpoint":
+            w = args.weights[i] if i < len(args.weights) else None
+            model, kind, tok = load_checkpoint(spec, w, model_args)
+        else:
+            model, kind, tok = _load_run(spec)
+        label = labels[i] if labels else Path(spec).name or spec
+        batches = build_batches(model, kind, tok, args.data, args.batch_size, args.seq_len,
+                                args.image_size, args.max_batches)
+        from .capture import resolve_layers
+        resolve_layers(model, kind, layers)
+        loaded.append((label, model, kind, batches))
+    if len({l for l, *_ in loaded}) != len(loaded):
+        raise ConfigError("two runs have the same label; give distinct --label values")
+    runs: dict[str, Any] = {}
+    for label, model, kind, batches in loaded:
+        model.to(device)
+        runs[label] = analyze_model(model, batches, kind, layers, min_count=args.min_count,
+                                    threshold=args.threshold, spectra=not args.no_spectra,
+                                    include_prefix=args.include_prefix, max_batches=args.max_batches,
+                                    nc4=not args.no_nc4, device=device, progress=False)
+        model.to("cpu")
+        m = runs[label]["meta"]
+        print(f"{label}: {m['n_batches']} batches, {m['n_tokens']} tokens, {len(m['layers'])} layers "
+              f"in {m['seconds']:.1f}s" + "".join(f"\n  note: {n}" for n in m["notes"]))
+    out = Path(args.out)
+    figs = [] if args.no_figures else plot_all(runs, out)
+    path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
+    for label, res in runs.items():
+        for lname, r in res["layers"].items():
+            a, sp, cs = r.get("anova", {}), r.get("spectra", {}), r.get("cosine", {})
+            nc = r.get("nc_tokens", {})
+            parts = [f"{label} {lname}:"]
+            if "frac_within_sequence" in a:
+                parts.append(f"within-seq {a['frac_within_sequence']:.3f}")
+            if "k_mean" in sp:
+                parts.append(f"k{round(100 * args.threshold)} {sp['k_mean']:.1f}")
+            if "cosine_mean" in cs:
+                parts.append(f"cos {cs['cosine_mean']:.3f}")
+            if "nc1" in nc:
+                parts.append(f"NC1 {nc['nc1']:.3g} CDNV {nc['cdnv']:.3g}")
+            print("  " + " ".join(parts))
+    print(f"wrote {path} and {len(figs)} figures to {out}")
+    return 0
