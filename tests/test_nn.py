@@ -315,3 +315,20 @@ def test_errors():
     _err(lambda: m(x, x[:3], x), "key (3, 2, 16)", "value (4, 2, 16)")
     _err(lambda: m(x, torch.randn(4, 2, 3), x), "key (4, 2, 3)", "kdim=16")
     _err(lambda: m(x[0, 0], x, x), "3-D")
+
+
+def test_autocast_bf16_masks_follow_projected_dtype():
+    """Under autocast the projections are bf16; the merged mask must be too (SDPA requires it)."""
+    ref, ours = _pair(dtype=torch.float32, batch_first=True)
+    x = torch.randn(2, 5, E)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, _ = ref(x, x, x, key_padding_mask=pad)
+        b, _ = ours(x, x, x, key_padding_mask=pad)
+        lap = MultiheadAttention.from_torch(ref, laplacian_heads=2)
+        c, _ = lap(x, x, x, key_padding_mask=pad, need_weights=False)
+        d, _ = lap(x, x, x, key_padding_mask=pad, need_weights=True)
+    assert b.dtype == a.dtype and c.dtype == torch.bfloat16
+    torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(c.float(), d.float(), atol=5e-2, rtol=5e-2)

@@ -212,9 +212,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 f"Laplacian heads need every query to have its own position among the keys, but the "
                 f"query has {tq} positions and the key only {s}")
 
-        mask = self._merged_mask(key_padding_mask, attn_mask, is_causal, n, tq, s, query.dtype, query.device)
-
         q, k, v = self._project(query, key, value)
+        # The mask takes the dtype of the projected queries (bf16 under autocast), as SDPA requires.
+        mask = self._merged_mask(key_padding_mask, attn_mask, is_causal, n, tq, s, q.dtype, q.device)
         q = q.view(n, tq, h, hd).transpose(1, 2)
         k = k.view(n, s, h, hd).transpose(1, 2)
         v = v.view(n, s, h, hd).transpose(1, 2)
