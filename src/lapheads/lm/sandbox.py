@@ -14,9 +14,11 @@ Design choices:
      CLONE_NEWNET``): the child sees only a loopback interface that is down, so no connection can
      reach the host, not even 127.0.0.1. Where the kernel refuses, an audit hook
      (:func:`sys.addaudithook`) refuses every ``socket.*`` event instead.
-  2. *Mount namespace* (root only): every mount is re-mounted read-only except the sandbox's own
-     working directory, so the program cannot write or delete anything outside it even in
-     world-writable places such as ``/tmp`` or ``/dev/shm``.
+  2. *Mount namespace*: every mount is re-mounted read-only except the sandbox's own working
+     directory, so the program cannot write or delete anything outside it even in
+     world-writable places such as ``/tmp`` or ``/dev/shm``. As root this is done before the
+     uid is dropped; as a non-root user inside the new user namespace, after which a nested
+     user namespace gives up the capabilities, so the program cannot re-mount read-write.
   3. *A dedicated unprivileged uid* (root only): when the parent runs as root (as in containers
      and on this project's test machines), the child drops to a fresh random uid/gid in
      ``[2_000_000_000, 2_100_000_000)`` with no supplementary groups. That is what makes
@@ -125,6 +127,17 @@ class ExecResult:
 _RUNNER_SOURCE = r'''
 import json, os, sys
 
+def _map_self(uid, gid):
+    # Map our own ids in the new user namespace (allowed without privilege once setgroups is
+    # denied), so a nested user namespace can be created later to give up our capabilities.
+    for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
+                       ("gid_map", "%d %d 1" % (gid, gid))):
+        try:
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+        except OSError:
+            pass
+
 def _setup(cfg):
     import ctypes, resource
     report = {"uid": os.getuid(), "netns": False, "mountns": False, "uid_dropped": False,
@@ -135,8 +148,18 @@ def _setup(cfg):
     work = cfg["work"]
     if not cfg["allow_network"]:
         flags = CLONE_NEWNET if is_root else (CLONE_NEWUSER | CLONE_NEWNET)
+        uid, gid = os.getuid(), os.getgid()
         report["netns"] = libc.unshare(flags) == 0
-    if is_root and cfg["isolate_fs"] and libc.unshare(CLONE_NEWNS) == 0:
+        if report["netns"] and not is_root:
+            _map_self(uid, gid)
+    # As root, or as the owner of the new user namespace, we may build a private mount table.
+    may_mount = is_root or (report["netns"] and not cfg["allow_network"])
+    if not is_root and cfg["allow_network"] and cfg["isolate_fs"]:
+        uid, gid = os.getuid(), os.getgid()
+        may_mount = libc.unshare(CLONE_NEWUSER) == 0
+        if may_mount:
+            _map_self(uid, gid)
+    if may_mount and cfg["isolate_fs"] and libc.unshare(CLONE_NEWNS) == 0:
         MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
         MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
         # Private propagation first, so nothing we do leaks back into the host's namespace.
@@ -158,6 +181,10 @@ def _setup(cfg):
                 if libc.mount(None, mp.encode(), None, fl, None) != 0:
                     report["remount_failures"] += 1
             report["mountns"] = True
+            if not is_root:
+                # We hold every capability over this mount table (we own its user namespace);
+                # a nested user namespace leaves the program none, so it cannot re-mount rw.
+                report["mountns"] = libc.unshare(CLONE_NEWUSER) == 0
     lim = cfg["limits"]
     R = resource
     R.setrlimit(R.RLIMIT_CPU, (lim["cpu"], lim["cpu"] + 1))
