@@ -214,17 +214,17 @@ def test_set_laplacian_heads_per_layer_after_construction():
 def test_registered_names_create_models_with_the_right_masks():
     assert len(lt.REGISTERED_MODELS) == 6 + 12 + 16
     assert set(timm.list_models("deit3_*_lap*")) == set(lt.REGISTERED_MODELS)
-    # depth / img_size overrides keep the test small; the head count is the variant's own.
     for name, heads, k in [("deit3_small_patch16_224_lap5", 6, 5), ("deit3_base_patch16_224_lap12", 12, 12),
                            ("deit3_large_patch16_224_lap1", 16, 1)]:
-        model = timm.create_model(name, depth=2, img_size=32, num_classes=3)
+        # embed_dim shrunk (4 per head) so ViT-L builds in milliseconds; heads come from the variant
+        model = timm.create_model(name, depth=2, img_size=32, num_classes=3, embed_dim=4 * heads)
         assert model.blocks[0].attn.num_heads == heads
         assert lt.laplacian_head_counts(model) == [k, k]
         expect = [False] * (heads - k) + [True] * k
         assert all(b.attn.lap_mask.tolist() == expect for b in model.blocks)
         assert model.blocks[0].ls1.gamma.shape == (model.embed_dim,)  # DeiT-3 LayerScale kept
         assert model.pretrained_cfg["architecture"] == name
-        same = lt.create_model(name, depth=2, img_size=32, num_classes=3)
+        same = lt.create_model(name, depth=2, img_size=32, num_classes=3, embed_dim=4 * heads)
         assert lt.laplacian_head_counts(same) == [k, k]
 
 

@@ -62,7 +62,6 @@ from typing import Any, Optional
 
 import timm
 import torch
-import torch.nn.functional as F
 from torch import nn
 from timm.layers import Attention
 
@@ -109,7 +108,7 @@ class LaplacianAttention(Attention):
 
     #: selection used when the constructor gets ``laplacian_heads=None`` (timm never passes it).
     default_laplacian_heads: Any = "none"
-    _variants: dict[str, type] = {}
+    _variants: dict[tuple[type, str], type] = {}
 
     def __init__(self, dim: int, num_heads: int = 8, *args: Any, laplacian_heads: Any = None, **kwargs: Any):
         super().__init__(dim, num_heads, *args, **kwargs)
@@ -152,9 +151,9 @@ class LaplacianAttention(Attention):
             raise ConfigError(
                 f"LaplacianAttention.with_heads({laplacian_heads!r}): timm builds every layer with the same "
                 "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads")
-        key = str(spec.spec)
+        key = (cls, str(spec.spec))
         if key not in cls._variants:
-            name = f"LaplacianAttention_{key}"
+            name = f"{cls.__name__}_{spec.spec}"
             cls._variants[key] = type(name, (cls,), {"default_laplacian_heads": spec.spec, "__module__": __name__})
         return cls._variants[key]
 
