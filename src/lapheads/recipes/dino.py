@@ -1,0 +1,614 @@
+"""DINO self-supervised pretraining of a timm ViT with Laplacian heads (PAPER.md, experiment 3).
+
+``lapheads train dino --config recipes/dino/digits.yaml --out RUN`` runs DINO (Caron et al. 2021)
+on the shared engine (:mod:`lapheads.engine`): this module only describes WHAT is trained as a
+:class:`DinoTask`; the loop, checkpoints, exact resume, bf16, DDP and logging are the engine's.
+
+Design choices (DINO's own choices unless said otherwise):
+
+* Student = timm ViT (``lapheads.timm.create_model``, k Laplacian heads, ``num_classes=0`` so the
+  backbone returns the normalised CLS token, ``dynamic_img_size=True`` so global and local crops
+  of different sizes share one positional embedding, interpolated) + :class:`DINOHead`.
+  Teacher = the same architecture without drop path, initialised from the student and updated as
+  an EMA with a momentum that follows a cosine schedule from ``loss.momentum_teacher`` to 1. The
+  teacher is NOT the engine's ``train.ema_decay`` EMA (that one has a constant decay): it lives in
+  the task and is checkpointed through ``extra_state`` together with the center.
+* :class:`DINOHead`: 3-layer MLP -> bottleneck -> L2 normalisation -> weight-normalised linear layer
+  without bias (``torch.nn.utils.parametrizations.weight_norm``; its ``original0`` / ``original1``
+  tensors are plain parameters, so they go through safetensors like any other). With
+  ``norm_last_layer`` the norm ``g`` is fixed to 1 (not trained), as in DINO.
+* Multi-crop: 2 global + N local crops; crops of the same resolution are concatenated and go
+  through the backbone in ONE pass (global crops first, then local ones); the head sees all of them
+  at once. The teacher only sees the global crops. The loss is the mean over (teacher crop i,
+  student crop v != i) pairs of the cross-entropy between the centred and sharpened teacher softmax
+  and the student softmax (temperature ``student_temp``).
+* Centering: ``center <- m * center + (1 - m) * mean(teacher logits)``, the mean all-reduced across
+  processes (so every rank has the same center). It is updated after every micro-batch (DINO has
+  no gradient accumulation; with ``train.grad_accum > 1`` it is updated once per micro-batch).
+* Schedules are pure functions of the optimizer step (so an exact resume needs no schedule state):
+  learning rate = the engine's (warm-up / cosine / min lr via ``train.warmup_ratio``,
+  ``train.min_lr_ratio``), base lr = ``optim.lr * global_batch / 256`` (DINO's linear scaling);
+  weight decay cosine ``optim.weight_decay -> optim.weight_decay_end`` (on_step_start, only the
+  group of weight matrices; biases and norm parameters have none); teacher temperature linear
+  warm-up per epoch ``warmup_teacher_temp -> teacher_temp`` over ``warmup_teacher_temp_epochs``;
+  teacher momentum cosine to 1 (after_optimizer_step); last layer frozen (gradients set to None,
+  so AdamW skips it entirely) for the first ``freeze_last_layer`` epochs (before_optimizer_step).
+* Gradient clipping is the engine's global-norm clip (``train.clip_grad``); DINO clips per
+  parameter, which this deliberately does not reproduce.
+* Collapse monitor: every logged step carries ``teacher_entropy`` (mean entropy of the sharpened
+  teacher distribution; 0 = one-hot = sharpening-collapse) and ``teacher_kl_uniform`` =
+  KL(mean teacher prob || uniform) (0 = uniform on average = the center dominates; large = one
+  dimension dominates).
+* ``evaluate`` runs the weighted k-NN probe (:func:`lapheads.recipes.probes.knn_classify`) with the
+  teacher backbone on ``data.val_split`` against a bank from ``data.train_split``.
+* ``final/`` holds ``model.json`` (timm name, kwargs, Laplacian heads, input size, normalisation:
+  what :func:`lapheads.recipes.probes.load_backbone` needs), ``teacher_backbone.safetensors`` (the
+  backbone the probes use, as in DINO), ``teacher_head.safetensors`` and the engine's
+  ``model.safetensors`` (student backbone + head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine import DistInfo, Task, TrainConfig
+from ..engine.checkpoint import load_weights, save_tensors
+from ..engine.data import epoch_batches, steps_per_epoch
+from ..engine.launch import train_cli
+from ..errors import ConfigError, DataError
+from ..heads import LaplacianHeads
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+@dataclass
+class DinoModelConfig:
+    """The backbone: any timm ViT name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...)."""
+
+    name: str = "vit_small_patch16_224"
+    laplacian_heads: Any = None  # int k (trailing k heads of every layer), "all", "none", per-layer list
+    drop_path_rate: float = 0.1  # student only; the teacher has none
+    kwargs: dict[str, Any] = field(default_factory=dict)  # timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ...
+
+
+@dataclass
+class DinoHeadConfig:
+    out_dim: int = 65536  # K, the number of prototypes; 65536 for ViT-S in DINO
+    hidden_dim: int = 2048
+    bottleneck_dim: int = 256
+    nlayers: int = 3
+    use_bn: bool = False
+    norm_last_layer: bool = True  # fix the weight-norm g to 1 (more stable; False can help ViT-S)
+
+
+@dataclass
+class CropsConfig:
+    global_size: int = 224
+    local_size: int = 96
+    local_crops: int = 10  # number of small crops; 0 = only the 2 global crops
+    global_scale: tuple[float, float] = (0.4, 1.0)
+    local_scale: tuple[float, float] = (0.05, 0.4)
+    hflip: float = 0.5  # probability of a horizontal flip
+    color_jitter: float = 0.8  # probability of color jitter
+    jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.2, 0.1)  # brightness, contrast, saturation, hue
+    grayscale: float = 0.2
+    blur: bool = True  # DINO's blur probabilities: global 1.0 / 0.1, local 0.5
+    solarize: float = 0.2  # probability, second global crop only
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+
+@dataclass
+class DinoDataConfig:
+    train: str = "digits"  # build_image_dataset spec: digits, a CIFAR archive, an ImageFolder path, idx files
+    train_split: str = "train"
+    val: str = ""  # k-NN evaluation data ("" = same as train)
+    val_split: str = "val"
+    batch_size: int = 64  # per process (DINO's batch_size_per_gpu)
+
+
+@dataclass
+class DinoOptimConfig:
+    lr: float = 0.0005  # per 256 images (linear scaling with the global batch)
+    weight_decay: float = 0.04
+    weight_decay_end: float = 0.4
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass
+class DinoLossConfig:
+    student_temp: float = 0.1
+    teacher_temp: float = 0.04  # final teacher temperature
+    warmup_teacher_temp: float = 0.04
+    warmup_teacher_temp_epochs: int = 0
+    center_momentum: float = 0.9
+    momentum_teacher: float = 0.996  # base EMA momentum, cosine schedule to 1
+    freeze_last_layer: int = 1  # epochs during which the head's last layer is not updated
+
+
+@dataclass
+class KnnConfig:
+    ks: list[int] = field(default_factory=lambda: [10, 20])
+    temperature: float = 0.07
+    max_train: int = 0  # cap on the size of the k-NN bank (0 = the whole train split)
+    batch_size: int = 256
+
+
+@dataclass
+class DinoConfig:
+    model: DinoModelConfig = field(default_factory=DinoModelConfig)
+    head: DinoHeadConfig = field(default_factory=DinoHeadConfig)
+    crops: CropsConfig = field(default_factory=CropsConfig)
+    data: DinoDataConfig = field(default_factory=DinoDataConfig)
+    optim: DinoOptimConfig = field(default_factory=DinoOptimConfig)
+    loss: DinoLossConfig = field(default_factory=DinoLossConfig)
+    knn: KnnConfig = field(default_factory=KnnConfig)
+    epochs: int = 100
+    crash_at: int = -1  # fault injection for tests: raise after this optimizer step
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        if self.epochs < 1:
+            raise ConfigError(f"epochs={self.epochs} must be >= 1")
+        if self.head.out_dim < 2 or self.head.nlayers < 1:
+            raise ConfigError(f"head.out_dim={self.head.out_dim} must be >= 2 and head.nlayers >= 1")
+        if self.crops.local_crops < 0:
+            raise ConfigError(f"crops.local_crops={self.crops.local_crops} must be >= 0")
+        for name in ("global_scale", "local_scale"):
+            lo, hi = getattr(self.crops, name)
+            if not 0 < lo <= hi <= 1:
+                raise ConfigError(f"crops.{name}={[lo, hi]} must satisfy 0 < lo <= hi <= 1")
+        if self.crops.global_size < 1 or self.crops.local_size < 1:
+            raise ConfigError("crops.global_size and crops.local_size must be >= 1")
+        lc = self.loss
+        if lc.student_temp <= 0 or lc.teacher_temp <= 0 or lc.warmup_teacher_temp <= 0:
+            raise ConfigError("loss.student_temp, loss.teacher_temp and loss.warmup_teacher_temp must be > 0")
+        if not 0 <= lc.center_momentum < 1 or not 0 <= lc.momentum_teacher <= 1:
+            raise ConfigError("loss.center_momentum must be in [0, 1) and loss.momentum_teacher in [0, 1]")
+        if lc.warmup_teacher_temp_epochs < 0 or lc.freeze_last_layer < 0:
+            raise ConfigError("loss.warmup_teacher_temp_epochs and loss.freeze_last_layer must be >= 0")
+        if self.data.batch_size < 1:
+            raise ConfigError(f"data.batch_size={self.data.batch_size} must be >= 1")
+        if not self.knn.ks or min(self.knn.ks) < 1 or self.knn.temperature <= 0:
+            raise ConfigError(f"knn.ks={self.knn.ks} must be a non-empty list of k >= 1 and knn.temperature > 0")
+        LaplacianHeads(self.model.laplacian_heads)  # type check before anything is built
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0,
+                    **kwargs: Any) -> nn.Module:
+    """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
+
+    Args:
+        name: timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...).
+        laplacian_heads: the selection (see :func:`lapheads.timm.convert`).
+        drop_path_rate: stochastic depth.
+        **kwargs: more timm keyword arguments (``img_size``, ``patch_size``, ``embed_dim``, ...).
+    """
+    from .. import timm as lt
+
+    kw = dict(kwargs)
+    kw.setdefault("num_classes", 0)
+    kw.setdefault("dynamic_img_size", True)
+    try:
+        return lt.create_model(name, laplacian_heads=laplacian_heads, drop_path_rate=drop_path_rate, **kw)
+    except TypeError as e:  # a timm kwarg the model does not take
+        raise ConfigError(f"model {name!r} does not accept the given kwargs {sorted(kw)}: {e}") from None
+
+
+class DINOHead(nn.Module):
+    """DINO projection head: MLP -> bottleneck -> L2 norm -> weight-normalised linear (no bias).
+
+    Args:
+        in_dim: backbone width.
+        out_dim: number of prototypes K.
+        hidden_dim: MLP width.
+        bottleneck_dim: width before the last layer.
+        nlayers: MLP layers (1 = a single linear layer to the bottleneck).
+        use_bn: BatchNorm after each hidden linear layer.
+        norm_last_layer: keep the weight-norm magnitude ``g`` at 1 (not trained).
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
+                 nlayers: int = 3, use_bn: bool = False, norm_last_layer: bool = True):
+        super().__init__()
+        if nlayers == 1:
+            self.mlp: nn.Module = nn.Linear(in_dim, bottleneck_dim)
+        else:
+            layers: list[nn.Module] = []
+            dims = [in_dim] + [hidden_dim] * (nlayers - 1)
+            for a, b in zip(dims[:-1], dims[1:]):
+                layers.append(nn.Linear(a, b))
+                if use_bn:
+                    layers.append(nn.BatchNorm1d(b))
+                layers.append(nn.GELU())
+            layers.append(nn.Linear(hidden_dim, bottleneck_dim))
+            self.mlp = nn.Sequential(*layers)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        # The last layer keeps PyTorch's default init (as in DINO), then gets weight norm (dim 0:
+        # one magnitude per prototype).
+        self.last_layer = nn.utils.parametrizations.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
+        g = self.last_layer.parametrizations.weight.original0
+        with torch.no_grad():
+            g.fill_(1.0)
+        if norm_last_layer:
+            g.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mlp(x)
+        x = F.normalize(x, dim=-1, p=2, eps=1e-6 if x.dtype != torch.float32 else 1e-12)
+        return self.last_layer(x)
+
+
+class MultiCropNet(nn.Module):
+    """Backbone + head over a list of crops; one backbone pass per run of equal-size crops."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, crops: Sequence[torch.Tensor]) -> torch.Tensor:
+        if isinstance(crops, torch.Tensor):
+            crops = [crops]
+        outs: list[torch.Tensor] = []
+        start = 0
+        while start < len(crops):
+            end = start
+            while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
+                end += 1
+            outs.append(self.backbone(torch.cat(list(crops[start:end]))))
+            start = end
+        return self.head(torch.cat(outs))
+
+
+# ---------------------------------------------------------------------------------------------
+# loss pieces
+def dino_loss(student_out: torch.Tensor, teacher_probs: torch.Tensor, n_crops: int, student_temp: float) -> torch.Tensor:
+    """Mean cross-entropy over (teacher global crop i, student crop v != i) pairs.
+
+    Args:
+        student_out: ``(n_crops * B, K)`` student logits, crops stacked in order.
+        teacher_probs: ``(n_global * B, K)`` centred, sharpened teacher probabilities.
+        n_crops: total number of crops.
+        student_temp: student temperature.
+    """
+    n_global = teacher_probs.shape[0] * n_crops // student_out.shape[0]
+    s = F.log_softmax(student_out.float() / student_temp, dim=-1).chunk(n_crops)
+    t = teacher_probs.float().chunk(n_global)
+    total = student_out.new_zeros((), dtype=torch.float32)
+    n_terms = 0
+    for iq, q in enumerate(t):
+        for v in range(n_crops):
+            if v == iq:  # the same view on both sides gives no learning signal
+                continue
+            total = total + torch.sum(-q * s[v], dim=-1).mean()
+            n_terms += 1
+    return total / max(n_terms, 1)
+
+
+def teacher_temperature(epoch: int, cfg: DinoLossConfig) -> float:
+    """Linear warm-up ``warmup_teacher_temp -> teacher_temp`` over the first epochs, then constant."""
+    w = cfg.warmup_teacher_temp_epochs
+    if w > 0 and epoch < w:
+        if w == 1:
+            return cfg.warmup_teacher_temp
+        return cfg.warmup_teacher_temp + (cfg.teacher_temp - cfg.warmup_teacher_temp) * epoch / (w - 1)
+    return cfg.teacher_temp
+
+
+def cosine(step: int, total: int, start: float, end: float) -> float:
+    """Cosine from ``start`` (step 0) to ``end`` (step ``total``)."""
+    return end + 0.5 * (start - end) * (1.0 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def collapse_metrics(probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Teacher entropy and KL(mean teacher prob || uniform) (both in nats)."""
+    p = probs.float()
+    ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()
+    pbar = p.mean(0)
+    kl = (pbar * (torch.log(pbar.clamp_min(1e-30)) + math.log(p.shape[-1]))).sum()
+    return {"teacher_entropy": ent.detach(), "teacher_kl_uniform": kl.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# augmentation
+def to_float_image(img: Any) -> torch.Tensor:
+    """PIL image / numpy array / tensor -> float tensor ``(3, H, W)`` in [0, 1]."""
+    import numpy as np
+
+    if isinstance(img, torch.Tensor):
+        t = img
+    elif isinstance(img, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(img))
+        if t.ndim == 3 and t.shape[-1] in (1, 3, 4) and t.shape[0] not in (1, 3, 4):
+            t = t.permute(2, 0, 1)
+    else:  # PIL
+        from torchvision.transforms.v2 import functional as TF
+        if getattr(img, "mode", "RGB") not in ("RGB", "L"):
+            img = img.convert("RGB")
+        t = TF.pil_to_tensor(img)
+    if t.ndim == 2:
+        t = t.unsqueeze(0)
+    if t.dtype == torch.uint8:
+        t = t.float() / 255.0
+    else:
+        t = t.float()
+    if t.shape[0] == 1:
+        t = t.expand(3, -1, -1)
+    elif t.shape[0] == 4:
+        t = t[:3]
+    return t.contiguous()
+
+
+def _blur_kernel(size: int) -> int:
+    k = max(3, int(round(size / 10)))
+    return k if k % 2 == 1 else k + 1
+
+
+class MultiCropAugment:
+    """DINO's multi-crop augmentation on tensors: ``(image, label) -> ([crops...], label)``.
+
+    Global crop 1: blur p=1.0; global crop 2: blur p=0.1, solarize p=``solarize``; local crops:
+    blur p=0.5. All crops: random resized crop, flip, color jitter, grayscale, normalisation.
+    Randomness comes from torch's RNG, which the engine seeds per item.
+    """
+
+    def __init__(self, cfg: CropsConfig):
+        self.cfg = cfg
+        self._t: Optional[list] = None
+
+    def _build(self) -> list:
+        from torchvision.transforms import v2
+
+        c = self.cfg
+
+        def pipe(size: int, scale: tuple[float, float], blur_p: float, sol_p: float) -> Any:
+            ops: list = [v2.RandomResizedCrop(size, scale=tuple(scale), antialias=True)]
+            if c.hflip > 0:
+                ops.append(v2.RandomHorizontalFlip(c.hflip))
+            if c.color_jitter > 0 and any(j > 0 for j in c.jitter):
+                b, co, sa, hu = c.jitter
+                ops.append(v2.RandomApply([v2.ColorJitter(b, co, sa, hu)], p=c.color_jitter))
+            if c.grayscale > 0:
+                ops.append(v2.RandomGrayscale(c.grayscale))
+            if c.blur and blur_p > 0:
+                ops.append(v2.RandomApply([v2.GaussianBlur(_blur_kernel(size), sigma=(0.1, 2.0))], p=blur_p))
+            if sol_p > 0:
+                ops.append(v2.RandomSolarize(0.5, p=sol_p))
+            ops.append(v2.Normalize(list(c.mean), list(c.std)))
+            return v2.Compose(ops)
+
+        return [pipe(c.global_size, c.global_scale, 1.0, 0.0),
+                pipe(c.global_size, c.global_scale, 0.1, c.solarize),
+                pipe(c.local_size, c.local_scale, 0.5, 0.0)]
+
+    def __call__(self, item: Any) -> tuple[list[torch.Tensor], Any]:
+        if self._t is None:
+            self._t = self._build()
+        img, label = item
+        x = to_float_image(img)
+        g1, g2, loc = self._t
+        crops = [g1(x), g2(x)] + [loc(x) for _ in range(self.cfg.local_crops)]
+        return crops, label
+
+
+class EvalTransform:
+    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image."""
+
+    def __init__(self, size: int, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
+        self.size, self.mean, self.std = int(size), list(mean), list(std)
+
+    def __call__(self, img: Any) -> torch.Tensor:
+        x = to_float_image(img)
+        if tuple(x.shape[-2:]) != (self.size, self.size):
+            x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", antialias=True,
+                              align_corners=False)[0]
+        m = torch.tensor(self.mean).view(3, 1, 1)
+        s = torch.tensor(self.std).view(3, 1, 1)
+        return (x - m) / s
+
+
+# ---------------------------------------------------------------------------------------------
+# task
+def _load_images(spec: str, split: str, what: str) -> Any:
+    from ..data.images import build_image_dataset
+
+    ds = build_image_dataset(spec, split)
+    if len(ds) == 0:
+        raise DataError(f"{what}: data set {spec!r} split {split!r} is empty")
+    return ds
+
+
+class DinoTask(Task):
+    """DINO as a :class:`lapheads.engine.Task` (see the module docstring)."""
+
+    name = "dino"
+
+    def __init__(self, cfg: DinoConfig, info: Optional[DistInfo] = None):
+        self.cfg = cfg
+        self.info = info or DistInfo()
+        self.device = self.info.device
+        # Data first: a bad path fails before any model is built.
+        self.train_set = _load_images(cfg.data.train, cfg.data.train_split, "data.train")
+        self.val_spec = cfg.data.val or cfg.data.train
+        self._val_set: Any = None
+        self.spe = steps_per_epoch(len(self.train_set), cfg.data.batch_size, self.info.world_size)
+        if self.spe < cfg.train.grad_accum:
+            raise ConfigError(
+                f"data.train {cfg.data.train!r} has {len(self.train_set)} images, fewer than one optimizer "
+                f"step of {cfg.data.batch_size} x {self.info.world_size} processes x {cfg.train.grad_accum} "
+                "accumulation steps; lower data.batch_size")
+        self.steps_per_epoch = self.spe // cfg.train.grad_accum
+
+        m = cfg.model
+        student_bb = create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **m.kwargs)
+        teacher_bb = create_backbone(m.name, m.laplacian_heads, 0.0, **m.kwargs)
+        dim = student_bb.num_features
+        h = cfg.head
+        mk_head = lambda: DINOHead(dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers, h.use_bn,  # noqa: E731
+                                   h.norm_last_layer)
+        self.model = MultiCropNet(student_bb, mk_head()).to(self.device)
+        self.teacher = MultiCropNet(teacher_bb, mk_head()).to(self.device)
+        self.teacher.load_state_dict(self.model.state_dict())
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+        self.center = torch.zeros(1, h.out_dim, device=self.device)
+        self.laplacian_heads = getattr(student_bb, "laplacian_heads", LaplacianHeads(None)).to_config()
+        self.embed_dim = dim
+        self.n_crops = 2 + cfg.crops.local_crops
+        self.augment = MultiCropAugment(cfg.crops)
+        self._wd = cfg.optim.weight_decay
+        self._momentum = cfg.loss.momentum_teacher
+
+    # ---------------------------------------------------------------- engine hooks
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        decay, no_decay = [], []
+        for n, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            # biases, norms, the weight-norm magnitude, tokens / pos-embed: no weight decay (DINO)
+            (no_decay if p.ndim == 1 or n.endswith(".bias") or "original0" in n else decay).append(p)
+        global_batch = self.cfg.data.batch_size * self.info.world_size * self.cfg.train.grad_accum
+        lr = self.cfg.optim.lr * global_batch / 256.0
+        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        # kept for the weight-decay schedule (the engine owns the optimizer; this is the same object)
+        self._opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(self.cfg.optim.betas))
+        return [self._opt]
+
+    def total_steps(self) -> int:
+        return self.cfg.epochs * self.steps_per_epoch
+
+    def batches(self, start_micro_step: int) -> Iterator[Any]:
+        return epoch_batches(self.train_set, self.cfg.data.batch_size, self.cfg.train.seed, start_micro_step,
+                             rank=self.info.rank, world_size=self.info.world_size,
+                             num_workers=self.cfg.train.num_workers, transform=self.augment)
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def on_step_start(self, step: int, total: int) -> None:
+        self._wd = cosine(step, total, self.cfg.optim.weight_decay, self.cfg.optim.weight_decay_end)
+        self._opt.param_groups[0]["weight_decay"] = self._wd
+
+    def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        crops, _ = batch
+        crops = [c.to(self.device, non_blocking=True) for c in crops]
+        temp = teacher_temperature(self.epoch_of(step), self.cfg.loss)
+        with torch.no_grad():
+            self.teacher.train(model.training)
+            t_out = self.teacher(crops[:2]).float()
+            probs = F.softmax((t_out - self.center) / temp, dim=-1)
+        s_out = model(crops)
+        loss = dino_loss(s_out, probs, self.n_crops, self.cfg.loss.student_temp)
+        self._update_center(t_out)
+        metrics: dict[str, Any] = collapse_metrics(probs)
+        metrics.update(teacher_temp=temp, teacher_momentum=self._momentum, weight_decay=self._wd,
+                       epoch=float(self.epoch_of(step)))
+        return loss, metrics
+
+    @torch.no_grad()
+    def _update_center(self, t_out: torch.Tensor) -> None:
+        batch_sum = t_out.sum(dim=0, keepdim=True)
+        n = torch.tensor([float(t_out.shape[0])], device=t_out.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(batch_sum)
+            dist.all_reduce(n)
+        m = self.cfg.loss.center_momentum
+        self.center.mul_(m).add_(batch_sum / n, alpha=1.0 - m)
+
+    def before_optimizer_step(self, step: int) -> None:
+        if self.epoch_of(step) < self.cfg.loss.freeze_last_layer:
+            for p in self.model.head.last_layer.parameters():
+                p.grad = None
+
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int, total: int) -> None:
+        # momentum for the update that follows step `step` (DINO indexes it by the iteration)
+        m = 1.0 - (1.0 - self.cfg.loss.momentum_teacher) * (math.cos(math.pi * step / max(total, 1)) + 1) / 2
+        self._momentum = m
+        s_params = dict(self.model.named_parameters())
+        for n, p_t in self.teacher.named_parameters():
+            p_t.mul_(m).add_(s_params[n].detach(), alpha=1.0 - m)
+        s_bufs = dict(self.model.named_buffers())
+        for n, b_t in self.teacher.named_buffers():
+            if n in s_bufs and b_t.dtype.is_floating_point:
+                b_t.copy_(s_bufs[n])
+        if step == self.cfg.crash_at:
+            raise RuntimeError(f"simulated crash after step {step} (crash_at)")
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        state = {f"teacher.{k}": v for k, v in self.teacher.state_dict().items()}
+        state["center"] = self.center
+        return state
+
+    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        if "center" not in state:
+            from ..errors import CheckpointError
+            raise CheckpointError("the checkpoint's extra.safetensors has no DINO center")
+        self.center.copy_(state["center"].to(self.device))
+        t = {k[len("teacher."):]: v for k, v in state.items() if k.startswith("teacher.")}
+        load_weights(self.teacher, t, source="extra.safetensors (teacher)")
+
+    # ---------------------------------------------------------------- evaluation / export
+    def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
+        from .probes import extract_features, knn_classify
+
+        if self._val_set is None:
+            self._val_set = _load_images(self.val_spec, self.cfg.data.val_split, "data.val")
+        tf = EvalTransform(self.cfg.crops.global_size, self.cfg.crops.mean, self.cfg.crops.std)
+        bb = self.teacher.backbone
+        was = bb.training
+        bb.eval()
+        kc = self.cfg.knn
+        train_ds = self.train_set
+        if kc.max_train and len(train_ds) > kc.max_train:
+            g = torch.Generator().manual_seed(self.cfg.train.seed)
+            idx = torch.randperm(len(train_ds), generator=g)[: kc.max_train].tolist()
+            train_ds = torch.utils.data.Subset(train_ds, idx)
+        ftr, ytr = extract_features(bb, train_ds, tf, batch_size=kc.batch_size, device=self.device)
+        fte, yte = extract_features(bb, self._val_set, tf, batch_size=kc.batch_size, device=self.device)
+        bb.train(was)
+        res = knn_classify(ftr, ytr, fte, yte, ks=kc.ks, temperature=kc.temperature)
+        return res
+
+    def model_spec(self) -> dict:
+        m = self.cfg.model
+        kw = {k: v for k, v in m.kwargs.items() if k != "drop_path_rate"}
+        return {"timm_name": m.name, "timm_kwargs": {"num_classes": 0, "dynamic_img_size": True, **kw},
+                "laplacian_heads": self.laplacian_heads, "embed_dim": self.embed_dim,
+                "backbone_file": "teacher_backbone.safetensors", "img_size": self.cfg.crops.global_size,
+                "mean": list(self.cfg.crops.mean), "std": list(self.cfg.crops.std),
+                "head": {"out_dim": self.cfg.head.out_dim, "bottleneck_dim": self.cfg.head.bottleneck_dim}}
+
+    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
+        save_tensors(final_dir / "teacher_backbone.safetensors", self.teacher.backbone.state_dict())
+        save_tensors(final_dir / "teacher_head.safetensors", self.teacher.head.state_dict())
+
+
+def build_task(cfg: DinoConfig, info: DistInfo) -> DinoTask:
+    return DinoTask(cfg, info)
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> int:
+    return train_cli("dino", DinoConfig, build_task, argv, default_config=None,
+                     description="DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
+                                 "Try: --config recipes/dino/digits.yaml (CPU, minutes); "
+                                 "recipes/dino/vits16_imagenet_lap5.yaml is the paper's ViT-S/16 recipe.")

@@ -1,0 +1,557 @@
+"""Probes on frozen features: weighted k-NN, linear probe, linear segmentation probe (mIoU).
+
+``lapheads eval knn|linear --run RUN --data digits`` and ``lapheads eval segment --run RUN --data
+FOLDER`` evaluate a frozen backbone; each prints its result and writes it as JSON (``--json``,
+default ``RUN/eval_<probe>.json``).
+
+Design choices:
+
+* Backbone: from a run directory (``final/model.json`` with ``timm_name``, ``timm_kwargs``,
+  ``laplacian_heads``, ``backbone_file``, ``img_size``, ``mean``, ``std``, as written by
+  ``lapheads train dino``), or from a timm name (``--model``, optionally ``--weights FILE.safetensors``;
+  keys prefixed ``backbone.`` are accepted, a classifier ``head.*`` is dropped). The backbone is
+  created with ``num_classes=0`` and ``dynamic_img_size=True``; it is never trained here.
+* k-NN (DINO's ``eval_knn``): L2-normalised CLS features (the backbone's pooled output), cosine
+  similarity, the k nearest train features vote with weight ``exp(sim / T)`` (T = 0.07), k = 10
+  and 20 by default; top-1 accuracy as a fraction.
+* Linear probe (DINO's ``eval_linear``): features = the normalised CLS tokens of the last
+  ``n_last_blocks`` blocks, concatenated, plus (``--avgpool``) the average patch token of the last
+  block. Features are extracted ONCE without augmentation and cached (the backbone is frozen, so
+  this is exact for unaugmented training and makes the probe cheap); a linear layer (init
+  N(0, 0.01), bias 0) is trained with SGD (momentum 0.9) or AdamW on a cosine schedule.
+* Segmentation probe: frozen patch tokens of one layer (default the last, after the final norm)
+  as a ``(D, h, w)`` map -> BatchNorm + 1x1 conv (a linear map per token; BN only rescales the
+  frozen features) -> logits upsampled bilinearly to the mask size -> cross-entropy with
+  ``ignore_index=255``. Training uses masks at the network's input size; evaluation upsamples the
+  logits to each image's ORIGINAL mask size. Patch features are cached when they fit in
+  ``cache_mb``; otherwise they are recomputed each epoch.
+* mIoU: torchmetrics ``MulticlassJaccardIndex(average="macro", ignore_index=255)``, which
+  averages over the classes present in the predictions or the targets (mmseg's convention:
+  classes with an empty union are left out). :func:`confusion_matrix` + :func:`miou_from_confusion`
+  are a brute-force count of the same number, reported next to it and used in the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError, DataError
+
+IGNORE_INDEX = 255
+
+
+# ---------------------------------------------------------------------------------------------
+# backbone
+def load_backbone(run: Optional[str] = None, model: Optional[str] = None, weights: Optional[str] = None,
+                  laplacian_heads: Any = None, img_size: Optional[int] = None,
+                  device: str | torch.device = "cpu", **timm_kwargs: Any) -> tuple[nn.Module, dict]:
+    """A frozen backbone and its metadata (``img_size``, ``mean``, ``std``, ``patch_size``, ...).
+
+    Args:
+        run: a run directory whose ``final/model.json`` describes a timm backbone.
+        model: a timm model name (used when ``run`` is None).
+        weights: safetensors file for ``model`` (default: random init, a chance-level baseline).
+        laplacian_heads: Laplacian heads for ``model``.
+        img_size: input size for ``model`` (default: the model's own).
+        device: where to put the backbone.
+        **timm_kwargs: more timm kwargs for ``model``.
+    """
+    from ..engine.checkpoint import load_tensors, load_weights
+    from .dino import IMAGENET_MEAN, IMAGENET_STD, create_backbone
+
+    if (run is None) == (model is None):
+        raise ConfigError("give exactly one of --run DIR or --model NAME")
+    if run is not None:
+        final = Path(run) / "final"
+        spec_path = final / "model.json"
+        if not spec_path.is_file():
+            raise CheckpointError(f"{spec_path} does not exist; is {run} a finished run directory?")
+        spec = json.loads(spec_path.read_text(encoding="utf-8"))
+        if "timm_name" not in spec:
+            raise CheckpointError(f"{spec_path} has no 'timm_name'; the probes need a timm backbone "
+                                  f"(keys found: {sorted(spec)})")
+        kw = dict(spec.get("timm_kwargs", {}))
+        bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **kw)
+        wfile = final / spec.get("backbone_file", "model.safetensors")
+        _load_backbone_weights(bb, load_tensors(wfile), str(wfile), load_weights)
+        meta = {"source": str(run), "timm_name": spec["timm_name"], "laplacian_heads": spec.get("laplacian_heads"),
+                "img_size": int(spec.get("img_size") or _native_size(bb)),
+                "mean": list(spec.get("mean", IMAGENET_MEAN)), "std": list(spec.get("std", IMAGENET_STD))}
+    else:
+        kw = dict(timm_kwargs)
+        if img_size:
+            kw["img_size"] = img_size
+        bb = create_backbone(model, laplacian_heads, 0.0, **kw)
+        if weights:
+            _load_backbone_weights(bb, load_tensors(Path(weights)), str(weights), load_weights)
+        cfg = getattr(bb, "pretrained_cfg", {}) or {}
+        meta = {"source": f"timm:{model}" + (f"+{weights}" if weights else " (random init)"), "timm_name": model,
+                "laplacian_heads": getattr(bb, "laplacian_heads", None) and bb.laplacian_heads.to_config(),
+                "img_size": int(img_size or _native_size(bb)),
+                "mean": list(cfg.get("mean", IMAGENET_MEAN)), "std": list(cfg.get("std", IMAGENET_STD))}
+    meta["patch_size"] = _patch_size(bb)
+    meta["embed_dim"] = int(bb.num_features)
+    bb.eval().requires_grad_(False)
+    return bb.to(device), meta
+
+
+def _load_backbone_weights(bb: nn.Module, sd: dict, source: str, load_weights: Callable) -> None:
+    if any(k.startswith("backbone.") for k in sd):
+        sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
+    own = bb.state_dict()
+    sd = {k: v for k, v in sd.items() if not (k.startswith("head.") and k not in own)}
+    load_weights(bb, sd, source=source)
+
+
+def _native_size(bb: nn.Module) -> int:
+    pe = getattr(bb, "patch_embed", None)
+    size = getattr(pe, "img_size", None)
+    return int(size[0] if isinstance(size, (tuple, list)) else (size or 224))
+
+
+def _patch_size(bb: nn.Module) -> int:
+    pe = getattr(bb, "patch_embed", None)
+    ps = getattr(pe, "patch_size", 16)
+    return int(ps[0] if isinstance(ps, (tuple, list)) else ps)
+
+
+# ---------------------------------------------------------------------------------------------
+# features
+class _Mapped(torch.utils.data.Dataset):
+    def __init__(self, base: Any, transform: Callable):
+        self.base, self.transform = base, transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img, y = self.base[i]
+        return self.transform(img), int(y)
+
+
+@torch.no_grad()
+def backbone_features(backbone: nn.Module, x: torch.Tensor, n_last_blocks: int = 1, avgpool: bool = False) -> torch.Tensor:
+    """Image features of a timm ViT: CLS tokens of the last ``n_last_blocks`` blocks (+ mean patch).
+
+    With ``n_last_blocks=1`` and no ``avgpool`` this is the backbone's pooled output (DINO's k-NN
+    feature). Every token is passed through the final norm (``norm=True``), as in DINO.
+    """
+    if n_last_blocks == 1 and not avgpool:
+        return backbone(x).float()
+    inter = backbone.forward_intermediates(x, indices=n_last_blocks, return_prefix_tokens=True, norm=True,
+                                           output_fmt="NLC", intermediates_only=True)
+    feats = [prefix[:, 0] for _, prefix in inter]
+    if avgpool:
+        feats.append(inter[-1][0].mean(dim=1))
+    return torch.cat(feats, dim=-1).float()
+
+
+@torch.no_grad()
+def extract_features(backbone: nn.Module, dataset: Any, transform: Callable, batch_size: int = 256,
+                     device: str | torch.device = "cpu", n_last_blocks: int = 1, avgpool: bool = False,
+                     num_workers: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``(N, D)`` and labels ``(N,)`` of a data set of ``(image, label)`` items."""
+    loader = torch.utils.data.DataLoader(_Mapped(dataset, transform), batch_size=batch_size, shuffle=False,
+                                         num_workers=num_workers)
+    feats, labels = [], []
+    for x, y in loader:
+        feats.append(backbone_features(backbone, x.to(device), n_last_blocks, avgpool).cpu())
+        labels.append(y)
+    if not feats:
+        raise DataError("the data set is empty: no features to extract")
+    return torch.cat(feats), torch.cat(labels).long()
+
+
+# ---------------------------------------------------------------------------------------------
+# k-NN
+@torch.no_grad()
+def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feats: torch.Tensor,
+                 test_labels: torch.Tensor, ks: Sequence[int] = (10, 20), temperature: float = 0.07,
+                 num_classes: Optional[int] = None, chunk: int = 1024) -> dict[str, float]:
+    """Weighted k-NN top-1 accuracy (fractions) for each k, DINO style.
+
+    Args:
+        train_feats / test_feats: ``(N, D)`` features (normalised here).
+        train_labels / test_labels: integer labels.
+        ks: numbers of neighbours.
+        temperature: the votes are ``exp(cosine / temperature)``.
+        num_classes: default ``max label + 1``.
+        chunk: test features per similarity block (memory ``chunk x N_train``).
+    """
+    if len(train_feats) == 0 or len(test_feats) == 0:
+        raise DataError("k-NN needs a non-empty train bank and test set")
+    tr = F.normalize(train_feats.float(), dim=1)
+    te = F.normalize(test_feats.float(), dim=1)
+    C = int(num_classes or int(max(train_labels.max(), test_labels.max())) + 1)
+    kmax = min(max(ks), len(tr))
+    correct = {k: 0 for k in ks}
+    for s in range(0, len(te), chunk):
+        sim = te[s:s + chunk] @ tr.T
+        top, idx = sim.topk(kmax, dim=1)
+        cand = train_labels[idx]  # (b, kmax)
+        w = (top / temperature).exp()
+        y = test_labels[s:s + chunk]
+        for k in ks:
+            kk = min(k, kmax)
+            votes = torch.zeros(len(y), C).scatter_add_(1, cand[:, :kk], w[:, :kk])
+            correct[k] += int((votes.argmax(1) == y).sum())
+    return {f"knn_k{k}_top1": correct[k] / len(te) for k in ks}
+
+
+# ---------------------------------------------------------------------------------------------
+# linear probe
+def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feats: torch.Tensor,
+                 test_labels: torch.Tensor, num_classes: Optional[int] = None, epochs: int = 50,
+                 lr: float = 1e-3, optimizer: str = "adamw", weight_decay: float = 0.0, batch_size: int = 256,
+                 seed: int = 0) -> dict[str, float]:
+    """Train a linear classifier on cached frozen features; top-1 accuracy (fraction) on train and test.
+
+    Args:
+        optimizer: ``"sgd"`` (momentum 0.9, DINO's choice) or ``"adamw"``.
+        lr: peak learning rate of the cosine schedule (per step, no warm-up).
+    """
+    if optimizer not in ("sgd", "adamw"):
+        raise ConfigError(f"optimizer={optimizer!r} must be 'sgd' or 'adamw'")
+    if epochs < 1 or batch_size < 1:
+        raise ConfigError(f"epochs={epochs} and batch_size={batch_size} must be >= 1")
+    C = int(num_classes or int(max(train_labels.max(), test_labels.max())) + 1)
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(train_feats.shape[1], C)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.01, generator=g)
+        lin.bias.zero_()
+    opt: torch.optim.Optimizer = (torch.optim.SGD(lin.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+                                  if optimizer == "sgd" else
+                                  torch.optim.AdamW(lin.parameters(), lr=lr, weight_decay=weight_decay))
+    n = len(train_feats)
+    steps_ep = max(1, math.ceil(n / batch_size))
+    total = epochs * steps_ep
+    x, y = train_feats.float(), train_labels.long()
+    step = 0
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        for s in range(0, n, batch_size):
+            for grp in opt.param_groups:
+                grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+            b = perm[s:s + batch_size]
+            loss = F.cross_entropy(lin(x[b]), y[b])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+    with torch.no_grad():
+        acc_tr = float((lin(x).argmax(1) == y).float().mean())
+        acc_te = float((lin(test_feats.float()).argmax(1) == test_labels).float().mean())
+    return {"linear_top1": acc_te, "linear_train_top1": acc_tr}
+
+
+# ---------------------------------------------------------------------------------------------
+# segmentation
+def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
+                     ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Brute-force ``(C, C)`` count, rows = target class, columns = predicted class."""
+    cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    t = target.reshape(-1).tolist()
+    p = pred.reshape(-1).tolist()
+    for ti, pi in zip(t, p):
+        if ti == ignore_index:
+            continue
+        cm[ti, pi] += 1
+    return cm
+
+
+def miou_from_confusion(cm: torch.Tensor) -> tuple[float, list[float]]:
+    """Mean IoU over classes whose union is non-empty, and per-class IoU (NaN where empty)."""
+    cm = cm.double()
+    inter = cm.diag()
+    union = cm.sum(0) + cm.sum(1) - inter
+    iou = torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
+    valid = union > 0
+    miou = float(iou[valid].mean()) if bool(valid.any()) else float("nan")
+    return miou, iou.tolist()
+
+
+def _fast_confusion(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    keep = target != ignore_index
+    idx = target[keep].long() * num_classes + pred[keep].long()
+    return torch.bincount(idx, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+@torch.no_grad()
+def patch_features(backbone: nn.Module, x: torch.Tensor, layer: int = -1) -> torch.Tensor:
+    """Patch tokens of block ``layer`` (after the final norm) as a ``(B, D, h, w)`` map."""
+    n = len(backbone.blocks)
+    idx = layer % n
+    out = backbone.forward_intermediates(x, indices=[idx], norm=True, output_fmt="NCHW", intermediates_only=True)
+    return out[0].float()
+
+
+class SegLinearHead(nn.Module):
+    """BatchNorm + 1x1 convolution on a frozen patch-token map (a linear map per token)."""
+
+    def __init__(self, dim: int, num_classes: int):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(dim)
+        self.conv = nn.Conv2d(dim, num_classes, kernel_size=1)
+        nn.init.normal_(self.conv.weight, std=0.01)
+        nn.init.zeros_(self.conv.bias)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.bn(feats))
+
+
+def _seg_collate(items: list) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    return (torch.stack([it[0] for it in items]), torch.stack([it[1] for it in items]), [it[2] for it in items])
+
+
+class _SegView(torch.utils.data.Dataset):
+    """``(image, mask)`` -> (normalised image at ``size``, mask at ``size`` (nearest), original mask)."""
+
+    def __init__(self, base: Any, size: int, mean: Sequence[float], std: Sequence[float]):
+        from .dino import EvalTransform
+        self.base, self.size, self.tf = base, size, EvalTransform(size, mean, std)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        img, mask = self.base[i]
+        mask = torch.as_tensor(mask).long()
+        small = F.interpolate(mask[None, None].float(), size=(self.size, self.size), mode="nearest")[0, 0].long()
+        return self.tf(img), small, mask
+
+
+def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_classes: int, img_size: int,
+                       mean: Sequence[float], std: Sequence[float], layer: int = -1, epochs: int = 20,
+                       lr: float = 1e-3, weight_decay: float = 1e-4, batch_size: int = 16, seed: int = 0,
+                       device: str | torch.device = "cpu", cache_mb: float = 2048.0,
+                       ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+    """Train a linear segmentation head on frozen patch tokens; mIoU on ``val_set``.
+
+    Args:
+        train_set / val_set: data sets of ``(image, mask)`` (see :mod:`lapheads.data.segmentation`).
+        num_classes: classes (mask values ``0..C-1``; ``ignore_index`` pixels are ignored).
+        img_size: network input size.
+        layer: block whose patch tokens are used (-1 = last).
+        cache_mb: cache the frozen features when they fit in this many MB.
+
+    Returns:
+        ``miou`` (torchmetrics), ``miou_bruteforce`` (confusion matrix), ``pixel_acc``, ``per_class_iou``,
+        ``trivial_miou`` (the mIoU of predicting the most frequent train class everywhere).
+    """
+    from torchmetrics.classification import MulticlassJaccardIndex
+
+    if len(train_set) == 0 or len(val_set) == 0:
+        raise DataError("the segmentation probe needs non-empty train and val sets")
+    g = torch.Generator().manual_seed(seed)
+    tr = _SegView(train_set, img_size, mean, std)
+    va = _SegView(val_set, img_size, mean, std)
+    dim = int(backbone.num_features)
+    ps = _patch_size(backbone)
+    grid = img_size // ps
+    est_mb = len(tr) * dim * grid * grid * 4 / 2**20
+    backbone.eval()
+
+    cached: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+    if est_mb <= cache_mb:
+        loader = torch.utils.data.DataLoader(tr, batch_size=batch_size, shuffle=False, collate_fn=_seg_collate)
+        cached = [(patch_features(backbone, x.to(device), layer).cpu(), m) for x, m, _ in loader]
+        feats_all = torch.cat([c[0] for c in cached])
+        masks_all = torch.cat([c[1] for c in cached])
+    counts = torch.zeros(num_classes, dtype=torch.int64)
+
+    head = SegLinearHead(dim, num_classes).to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+    n = len(tr)
+    total = epochs * max(1, math.ceil(n / batch_size))
+    step = 0
+    for ep in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        for s in range(0, n, batch_size):
+            b = perm[s:s + batch_size]
+            if cached is not None:
+                f, m = feats_all[b].to(device), masks_all[b].to(device)
+            else:
+                x, m, _ = _seg_collate([tr[int(i)] for i in b])
+                f, m = patch_features(backbone, x.to(device), layer), m.to(device)
+            if ep == 0:
+                mm = m[m != ignore_index].cpu()
+                if mm.numel() and int(mm.max()) >= num_classes:
+                    raise DataError(f"a training mask holds label {int(mm.max())} >= num_classes={num_classes}")
+                counts += torch.bincount(mm, minlength=num_classes)
+            for grp in opt.param_groups:
+                grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+            if len(b) < 2:  # BatchNorm needs two samples; a lone last item is skipped
+                continue
+            head.train()
+            logits = F.interpolate(head(f), size=m.shape[-2:], mode="bilinear", align_corners=False)
+            loss = F.cross_entropy(logits, m, ignore_index=ignore_index)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+
+    head.eval()
+    jac = MulticlassJaccardIndex(num_classes=num_classes, ignore_index=ignore_index, average="macro")
+    cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    trivial_cm = torch.zeros_like(cm)
+    majority = int(counts.argmax())
+    loader = torch.utils.data.DataLoader(va, batch_size=batch_size, shuffle=False, collate_fn=_seg_collate)
+    with torch.no_grad():
+        for x, _, masks in loader:
+            logits_small = head(patch_features(backbone, x.to(device), layer))
+            for lg, mask in zip(logits_small, masks):
+                bad = mask[(mask != ignore_index) & ((mask < 0) | (mask >= num_classes))]
+                if bad.numel():
+                    raise DataError(f"a validation mask holds label {int(bad[0])} outside 0..{num_classes - 1}")
+                up = F.interpolate(lg[None], size=mask.shape[-2:], mode="bilinear", align_corners=False)
+                pred = up.argmax(1)[0].cpu()
+                jac.update(pred[None], mask[None])
+                cm += _fast_confusion(pred, mask, num_classes, ignore_index)
+                trivial_cm += _fast_confusion(torch.full_like(mask, majority), mask, num_classes, ignore_index)
+    miou_bf, per_class = miou_from_confusion(cm)
+    trivial, _ = miou_from_confusion(trivial_cm)
+    valid = cm.sum()
+    return {"miou": float(jac.compute()), "miou_bruteforce": miou_bf,
+            "pixel_acc": float(cm.diag().sum()) / max(1, int(valid)), "trivial_miou": trivial,
+            "per_class_iou": per_class, "num_classes": num_classes, "layer": layer,
+            "train_images": len(tr), "val_images": len(va), "cached_features": cached is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory of `lapheads train dino` (uses final/model.json)")
+    src.add_argument("--model", help="timm model name (e.g. vit_small_patch16_224 or deit3_small_patch16_224_lap5)")
+    p.add_argument("--weights", help="safetensors weights for --model (default: random init, a baseline)")
+    p.add_argument("--laplacian-heads", default=None, help="Laplacian heads for --model (k, all, none)")
+    p.add_argument("--img-size", type=int, default=None, help="input size for --model (default: the model's)")
+    p.add_argument("--data", required=True, help=data_help)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--json", default=None, help="where to write the JSON result (default RUN/eval_<probe>.json, "
+                                                "or eval_<probe>.json in the current folder with --model)")
+
+
+def _setup(args: argparse.Namespace) -> tuple[nn.Module, dict, torch.device]:
+    from ..engine.dist import pick_device
+
+    dev = pick_device(args.device)
+    lh = args.laplacian_heads
+    bb, meta = load_backbone(run=args.run, model=args.model, weights=args.weights, laplacian_heads=lh,
+                             img_size=args.img_size, device=dev)
+    if args.img_size and args.run:
+        meta["img_size"] = args.img_size
+    return bb, meta, dev
+
+
+def _finish(args: argparse.Namespace, probe: str, meta: dict, res: dict) -> int:
+    out = {"probe": probe, "data": args.data, **{k: v for k, v in meta.items()}, **res}
+    path = Path(args.json) if args.json else (Path(args.run) if args.run else Path(".")) / f"eval_{probe}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1), encoding="utf-8")
+    short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, list)}
+    print(json.dumps(short))
+    print(f"wrote {path}")
+    return 0
+
+
+def _image_splits(args: argparse.Namespace) -> tuple[Any, Any]:
+    from ..data.images import build_image_dataset
+    return build_image_dataset(args.data, args.train_split), build_image_dataset(args.data, args.val_split)
+
+
+def knn_main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lapheads eval knn", description=(
+        "Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
+        "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote."))
+    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--val-split", default="val")
+    p.add_argument("--k", type=int, nargs="+", default=[10, 20], help="numbers of neighbours")
+    p.add_argument("--temperature", type=float, default=0.07)
+    args = p.parse_args(list(argv or []))
+    if args.temperature <= 0 or min(args.k) < 1:
+        raise ConfigError(f"--temperature={args.temperature} must be > 0 and every --k >= 1")
+    train, val = _image_splits(args)
+    bb, meta, dev = _setup(args)
+    from .dino import EvalTransform
+    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
+    ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev)
+    fte, yte = extract_features(bb, val, tf, args.batch_size, dev)
+    res = knn_classify(ftr, ytr, fte, yte, ks=args.k, temperature=args.temperature,
+                       num_classes=getattr(train, "num_classes", None))
+    return _finish(args, "knn", meta, res)
+
+
+def linear_main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lapheads eval linear", description=(
+        "Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
+        "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
+        "avgpool). Features are extracted once; the linear layer trains in seconds."))
+    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--val-split", default="val")
+    p.add_argument("--n-last-blocks", type=int, default=4)
+    p.add_argument("--avgpool", action="store_true", help="also concatenate the average patch token")
+    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak lr (cosine); SGD wants ~0.001*batch/256 "
+                                                          "x 10-100 on unnormalised features")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(list(argv or []))
+    train, val = _image_splits(args)
+    bb, meta, dev = _setup(args)
+    if not 1 <= args.n_last_blocks <= len(bb.blocks):
+        raise ConfigError(f"--n-last-blocks={args.n_last_blocks} must be in 1..{len(bb.blocks)} (the model's depth)")
+    from .dino import EvalTransform
+    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
+    ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
+    fte, yte = extract_features(bb, val, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
+    res = linear_probe(ftr, ytr, fte, yte, num_classes=getattr(train, "num_classes", None), epochs=args.epochs,
+                       lr=args.lr, optimizer=args.optimizer, weight_decay=args.weight_decay,
+                       batch_size=args.batch_size, seed=args.seed)
+    res.update(n_last_blocks=args.n_last_blocks, avgpool=args.avgpool, feature_dim=int(ftr.shape[1]))
+    return _finish(args, "linear", meta, res)
+
+
+def segment_main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lapheads eval segment", description=(
+        "Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
+        "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
+        "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation."))
+    _common_args(p, "segmentation folder (ADE20K layout or images/ + masks/)")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)")
+    p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-images", type=int, default=0, help="use at most this many train/val images (0 = all)")
+    p.set_defaults(batch_size=16)
+    args = p.parse_args(list(argv or []))
+    from ..data.segmentation import build_segmentation_dataset
+    train = build_segmentation_dataset(args.data, "train", num_classes=args.num_classes)
+    val = build_segmentation_dataset(args.data, "val", num_classes=train.num_classes)
+    if args.max_images:
+        train = torch.utils.data.Subset(train, list(range(min(args.max_images, len(train)))))
+        val = torch.utils.data.Subset(val, list(range(min(args.max_images, len(val)))))
+    bb, meta, dev = _setup(args)
+    nc = train.dataset.num_classes if isinstance(train, torch.utils.data.Subset) else train.num_classes
+    if not -len(bb.blocks) <= args.layer < len(bb.blocks):
+        raise ConfigError(f"--layer={args.layer} is outside the model's {len(bb.blocks)} blocks")
+    res = segmentation_probe(bb, train, val, nc, meta["img_size"], meta["mean"], meta["std"], layer=args.layer,
+                             epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
+                             batch_size=args.batch_size, seed=args.seed, device=dev)
+    return _finish(args, "segment", meta, res)
