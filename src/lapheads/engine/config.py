@@ -191,11 +191,19 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
-                base: Mapping[str, Any] | None = None) -> T:
-    """Defaults of ``cls`` <- ``base`` <- YAML at ``path`` <- ``--set`` overrides."""
+                base: Mapping[str, Any] | None = None, recipe: str | None = None) -> T:
+    """Defaults of ``cls`` <- ``base`` <- YAML at ``path`` <- ``--set`` overrides.
+
+    A YAML file may name its recipe at the top level (``recipe: classify``); with ``recipe``
+    given, a file written for another recipe is refused.
+    """
     data: dict = dict(base or {})
     if path is not None:
-        data = deep_merge(data, read_yaml(path))
+        raw = read_yaml(path)
+        named = raw.pop("recipe", None)
+        if recipe is not None and named is not None and named != recipe:
+            raise ConfigError(f"config file {path} is a {named!r} recipe, not {recipe!r}")
+        data = deep_merge(data, raw)
     data = deep_merge(data, parse_overrides(overrides))
     return from_dict(cls, data)
 

@@ -38,7 +38,7 @@ def train_cli(recipe: str, cfg_cls: type, build_task: Callable[[Any, D.DistInfo]
     p = argparse.ArgumentParser(prog=f"lapheads train {recipe}", description=description)
     add_train_args(p, default_config)
     args = p.parse_args(list(argv or []))
-    cfg = load_config(cfg_cls, args.config, args.overrides)
+    cfg = load_config(cfg_cls, args.config, args.overrides, recipe=recipe)
     res = launch(recipe, cfg, build_task, args.out, resume=args.resume, overwrite=args.overwrite)
     if res:
         print("final:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -1,0 +1,306 @@
+"""DeiT-3 supervised classification with k Laplacian heads (PAPER.md, experiment 1).
+
+``lapheads train classify --config recipes/classify/digits.yaml --out runs/digits``
+
+Design choices:
+
+* The model is any timm ViT built by :func:`lapheads.timm.create_model` (the name plus keyword
+  overrides, so a 4-layer 64-wide ViT for 8x8 digits and the paper's ViT-B share one code path).
+* DeiT-3 recipe pieces come from timm where timm has them: ``Mixup`` (mixup + cutmix, soft
+  targets with label smoothing), ``BinaryCrossEntropy`` / ``SoftTargetCrossEntropy`` /
+  ``LabelSmoothingCrossEntropy``, ``Lamb``; 3-Augment lives in ``lapheads.data.transforms``.
+* The learning rate is given per ``lr_batch`` images and scaled linearly with the global batch
+  (DeiT: ``lr = 1e-3 * batch / 1024``). Epochs are converted to optimizer steps.
+* Evaluation reports top-1, top-5, mean per-class accuracy, per-class accuracy and the loss, for
+  the weights and (when EMA is on) the EMA weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine import Task, TrainConfig
+from ..engine.data import epoch_batches, steps_per_epoch
+from ..engine.dist import DistInfo
+from ..errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit_tiny_patch16_224"  # any timm ViT (or a registered *_lap<k> name)
+    laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
+    img_size: int = 224
+    patch_size: Optional[int] = None
+    embed_dim: Optional[int] = None
+    depth: Optional[int] = None
+    num_heads: Optional[int] = None
+    drop_path: float = 0.0
+    layer_scale_init: Optional[float] = None  # LayerScale init (timm init_values); DeiT-3 uses 1e-6
+    qk_norm: bool = False
+    extra: dict = field(default_factory=dict)  # any other timm keyword argument
+
+
+@dataclass
+class DataConfig:
+    train: str = "digits"  # digits | cifar archive/folder | ImageFolder root | idx folder
+    val: Optional[str] = None  # default: the validation split of `train`
+    batch_size: int = 64  # per process, per micro-step
+    eval_batch_size: int = 256
+    epochs: int = 10
+    three_augment: bool = True
+    color_jitter: float = 0.3
+    scale_min: float = 0.08  # random-resized-crop scale range (scale_min, 1)
+    hflip: float = 0.5
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    max_eval_items: int = 0  # 0 = all
+
+
+@dataclass
+class AugConfig:
+    mixup: float = 0.8  # mixup alpha; 0 = off
+    cutmix: float = 1.0  # cutmix alpha; 0 = off
+    mix_prob: float = 1.0
+    switch_prob: float = 0.5
+    label_smoothing: float = 0.1
+    loss: Literal["bce", "ce"] = "bce"  # DeiT-3 uses BCE on the (mixed) soft targets
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 1e-3  # per `lr_batch` images
+    lr_batch: int = 1024  # linear scaling reference; 0 = use `lr` as is
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass
+class ClassifyConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(warmup_ratio=0.05, clip_grad=1.0))
+
+
+def timm_kwargs(m: ModelConfig, num_classes: int) -> dict:
+    kw: dict[str, Any] = {"img_size": m.img_size, "num_classes": num_classes, "drop_path_rate": m.drop_path}
+    for key in ("patch_size", "embed_dim", "depth", "num_heads"):
+        if getattr(m, key) is not None:
+            kw[key] = getattr(m, key)
+    if m.layer_scale_init is not None:
+        kw["init_values"] = m.layer_scale_init
+    if m.qk_norm:
+        kw["qk_norm"] = True
+    kw.update(m.extra)
+    return kw
+
+
+def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
+    from .. import timm as lap_timm
+    return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False,
+                                 **timm_kwargs(m, num_classes))
+
+
+def _datasets(d: DataConfig):
+    from ..data.images import build_image_dataset
+    train = build_image_dataset(d.train, split="train")
+    val = build_image_dataset(d.val or d.train, split="val")
+    if val.num_classes != train.num_classes:
+        raise ConfigError(f"data.val has {val.num_classes} classes but data.train has {train.num_classes}")
+    return train, val
+
+
+def _collate(items):
+    xs, ys = zip(*items)
+    return torch.stack(xs), torch.as_tensor(ys, dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate_classifier(model: nn.Module, dataset, transform, num_classes: int, batch_size: int,
+                        device: torch.device, max_items: int = 0) -> dict[str, Any]:
+    """Top-1, top-5, mean per-class accuracy, per-class accuracy and CE loss."""
+    model.eval()
+    n = len(dataset) if not max_items else min(max_items, len(dataset))
+    correct1 = correct5 = 0
+    loss_sum = 0.0
+    per_class_hits = torch.zeros(num_classes, dtype=torch.long)
+    per_class_n = torch.zeros(num_classes, dtype=torch.long)
+    for start in range(0, n, batch_size):
+        items = [dataset[i] for i in range(start, min(n, start + batch_size))]
+        x = torch.stack([transform(img) for img, _ in items]).to(device)
+        y = torch.as_tensor([lbl for _, lbl in items], dtype=torch.long, device=device)
+        logits = model(x).float()
+        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        top = logits.topk(min(5, num_classes), dim=1).indices
+        hit1 = top[:, 0] == y
+        correct1 += int(hit1.sum())
+        correct5 += int((top == y[:, None]).any(1).sum())
+        per_class_n += torch.bincount(y.cpu(), minlength=num_classes)
+        per_class_hits += torch.bincount(y[hit1].cpu(), minlength=num_classes)
+    seen = per_class_n > 0
+    per_class = (per_class_hits[seen].double() / per_class_n[seen].double())
+    return {"top1": correct1 / n, "top5": correct5 / n, "mean_class_acc": float(per_class.mean()),
+            "loss": loss_sum / n, "n": n,
+            "per_class_acc": [float(h) / float(c) if c else None for h, c in zip(per_class_hits, per_class_n)]}
+
+
+class ClassifyTask(Task):
+    name = "classify"
+
+    def __init__(self, cfg: ClassifyConfig, info: DistInfo):
+        from ..data.transforms import build_transforms
+        self.cfg, self.info = cfg, info
+        d = cfg.data
+        self.train_set, self.val_set = _datasets(d)
+        self.num_classes = self.train_set.num_classes
+        in_chans = int(cfg.model.extra.get("in_chans", 3))
+        self.train_tf = build_transforms(cfg.model.img_size, train=True, three_augment=d.three_augment,
+                                         color_jitter=d.color_jitter, mean=d.mean, std=d.std, in_chans=in_chans,
+                                         scale=(d.scale_min, 1.0), hflip=d.hflip)
+        self.eval_tf = build_transforms(cfg.model.img_size, train=False, mean=d.mean, std=d.std, in_chans=in_chans)
+        if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and d.batch_size % 2:
+            raise ConfigError(f"data.batch_size={d.batch_size} must be even for mixup/cutmix")
+        self.model = build_model(cfg.model, self.num_classes).to(info.device)
+        self.spe = steps_per_epoch(len(self.train_set), d.batch_size, info.world_size)
+        if self.spe < cfg.train.grad_accum:
+            raise ConfigError(
+                f"data.train has {len(self.train_set)} images: fewer than one optimizer step of "
+                f"{d.batch_size * info.world_size * cfg.train.grad_accum}; lower data.batch_size")
+        a = cfg.aug
+        self.mixup = None
+        if a.mixup > 0 or a.cutmix > 0:
+            from timm.data import Mixup
+            self.mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mix_prob,
+                               switch_prob=a.switch_prob, label_smoothing=a.label_smoothing,
+                               num_classes=self.num_classes)
+        from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+        if a.loss == "bce":
+            # with mixup the smoothing is already in the soft targets
+            self.criterion = BinaryCrossEntropy(smoothing=0.0 if self.mixup else a.label_smoothing)
+        elif self.mixup is not None:
+            self.criterion = SoftTargetCrossEntropy()
+        else:
+            self.criterion = LabelSmoothingCrossEntropy(a.label_smoothing)
+
+    def global_batch(self) -> int:
+        return self.cfg.data.batch_size * self.info.world_size * self.cfg.train.grad_accum
+
+    def optimizers(self):
+        o = self.cfg.optim
+        lr = o.lr * self.global_batch() / o.lr_batch if o.lr_batch else o.lr
+        decay, no_decay = [], []
+        for n, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            # no weight decay on biases, norms, tokens and position embeddings (timm convention)
+            (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed", "reg_token")) else decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if o.name == "lamb":
+            from timm.optim import Lamb
+            return [Lamb(groups, lr=lr, betas=o.betas)]
+        return [torch.optim.AdamW(groups, lr=lr, betas=o.betas)]
+
+    def total_steps(self) -> int:
+        return self.cfg.data.epochs * self.spe // self.cfg.train.grad_accum
+
+    def batches(self, start_micro_step: int):
+        return epoch_batches(self.train_set, self.cfg.data.batch_size, self.cfg.train.seed, start_micro_step,
+                             rank=self.info.rank, world_size=self.info.world_size,
+                             num_workers=self.cfg.train.num_workers, collate_fn=_collate,
+                             transform=lambda it: (self.train_tf(it[0]), it[1]))
+
+    def loss(self, model, batch, step):
+        x, y = (t.to(self.info.device, non_blocking=True) for t in batch)
+        if self.mixup is not None:
+            x, target = self.mixup(x, y)
+        else:
+            target = y
+        logits = model(x)
+        loss = self.criterion(logits.float(), target)
+        acc = (logits.argmax(1) == y).float().mean() if self.mixup is None else None
+        return loss, ({"train_acc": acc} if acc is not None else {})
+
+    def evaluate(self, model, ema_model, step):
+        d = self.cfg.data
+        res = evaluate_classifier(model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size,
+                                  self.info.device, d.max_eval_items)
+        out = {k: v for k, v in res.items() if k != "per_class_acc"}
+        if ema_model is not None:
+            e = evaluate_classifier(ema_model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size,
+                                    self.info.device, d.max_eval_items)
+            out.update({f"ema_{k}": v for k, v in e.items() if k in ("top1", "top5", "mean_class_acc", "loss")})
+        return out
+
+    def model_spec(self) -> dict:
+        from ..engine.config import to_dict
+        return {"model": to_dict(self.cfg.model), "num_classes": self.num_classes,
+                "classes": list(getattr(self.train_set, "classes", []))}
+
+
+def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
+    return ClassifyTask(cfg, info)
+
+
+def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
+    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
+    from ..engine.checkpoint import load_tensors, load_weights
+    final = Path(run_dir) / "final"
+    spec_path = final / "model.json"
+    if not spec_path.is_file():
+        from ..errors import CheckpointError
+        raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
+    spec = json.loads(spec_path.read_text())
+    from ..engine.config import from_dict
+    model = build_model(from_dict(ModelConfig, spec["model"]), spec["num_classes"])
+    path = final / f"{weights}.safetensors"
+    load_weights(model, load_tensors(path), source=str(path))
+    return model.eval()
+
+
+def train_main(argv=None) -> int:
+    from ..engine.launch import train_cli
+    return train_cli("classify", ClassifyConfig, build_task, argv,
+                     description="DeiT-3 supervised classification with k Laplacian heads per layer.")
+
+
+def eval_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="lapheads eval classify",
+                                description="Top-1/top-5/per-class accuracy of a finished classify run.")
+    p.add_argument("--checkpoint", required=True, help="run directory of `lapheads train classify`")
+    p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
+    p.add_argument("--weights", choices=["model", "ema"], default="model")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
+    args = p.parse_args(argv)
+    from ..data.images import build_image_dataset
+    from ..data.transforms import build_transforms
+    from ..engine.config import from_dict
+    from ..engine.run import RunDir
+    run = RunDir(args.checkpoint)
+    raw = run.read_config()
+    raw.pop("recipe")
+    cfg = from_dict(ClassifyConfig, raw)
+    spec = args.data or cfg.data.val or cfg.data.train
+    ds = build_image_dataset(spec, split="val")
+    model = load_model(run.path, args.weights)
+    n_cls = model.num_classes if hasattr(model, "num_classes") else ds.num_classes
+    if ds.num_classes != n_cls:
+        raise ConfigError(f"--data {spec} has {ds.num_classes} classes but the model predicts {n_cls}")
+    tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std,
+                          in_chans=int(cfg.model.extra.get("in_chans", 3)))
+    res = evaluate_classifier(model, ds, tf, n_cls, args.batch_size, torch.device("cpu"))
+    out = Path(args.out) if args.out else run.final_dir / "eval.json"
+    out.write_text(json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
+    print(f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
+          f"loss={res['loss']:.4f} (n={res['n']}) -> {out}")
+    return 0
