@@ -317,7 +317,7 @@ def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "v
                   min_count: int = 1, threshold: float = 0.99, spectra: bool = True, cosine: bool = True,
                   include_prefix: bool = False, max_batches: Optional[int] = None, nc4: bool = True,
                   device: Optional[Union[str, torch.device]] = None, acc_device: Union[str, torch.device] = "cpu",
-                  tile: int = 4096, progress: bool = False) -> dict[str, Any]:
+                  tile: int = 2048, progress: bool = False) -> dict[str, Any]:
     """Stream ``batches`` through ``model`` and measure token geometry at each layer.
 
     Args:

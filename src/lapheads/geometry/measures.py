@@ -92,7 +92,7 @@ def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
 
 
 def neural_collapse(features: Any, labels: Any, classifier: Optional[tuple[Any, Any]] = None, *,
-                    min_count: int = 1, tile: int = 4096) -> dict[str, float]:
+                    min_count: int = 1, tile: int = 2048) -> dict[str, float]:
     """Neural Collapse measures (Papyan, Han & Donoho 2020; CDNV of Galanti et al. 2021).
 
     - ``nc1`` = tr(Sigma_W pinv(Sigma_B)) / C with the pooled within-class covariance Sigma_W
@@ -138,7 +138,7 @@ def neural_collapse(features: Any, labels: Any, classifier: Optional[tuple[Any, 
     return out
 
 
-def cdnv(features: Any, labels: Any, *, min_count: int = 1, tile: int = 4096) -> dict[str, float]:
+def cdnv(features: Any, labels: Any, *, min_count: int = 1, tile: int = 2048) -> dict[str, float]:
     """Class-distance normalised variance averaged over class pairs (Galanti et al. 2021).
 
     ``cdnv`` = mean over c < c' of (var_c + var_c') / (2 ||mu_c - mu_c'||^2) where var_c is the

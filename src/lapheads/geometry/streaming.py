@@ -94,7 +94,9 @@ def check_inputs(x: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
         raise DataError(f"{name} must be a floating-point array, got dtype {x.dtype}")
     if x.shape[0] == 0:
         raise DataError(f"{name} is empty (0 tokens)")
-    if not bool(torch.isfinite(x).all()):
+    # one reduction instead of an elementwise isfinite (a pass that costs as much as a tenth of
+    # the d x d update): a NaN/Inf makes the float64 sum non-finite; only then look closer
+    if not bool(torch.isfinite(x.sum(dtype=torch.float64))) and not bool(torch.isfinite(x).all()):
         bad = torch.nonzero(~torch.isfinite(x))[0]
         raise DataError(f"{name} contains NaN or Inf (first at token {int(bad[0])}, dim {int(bad[1])}); "
                         "geometry needs finite features")
@@ -115,6 +117,21 @@ def check_inputs(x: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
     if sid is not None and int(sid.min()) < 0:
         raise DataError(f"sequence_ids must be >= 0, got {int(sid.min())}")
     return x, sid, lab
+
+
+def _segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+    """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D).
+
+    For few segments (sequences of one batch) a dense (S, N) x (N, D) product reads ``src`` once
+    and runs as a GEMM; for many segments ``index_add_`` avoids the S x N matrix.
+    """
+    if S <= 64:
+        A = torch.zeros(S, src.shape[0], dtype=F64, device=src.device)
+        A[sid, torch.arange(src.shape[0], device=src.device)] = 1.0 if weights is None else weights
+        return A @ src.to(F64) if src.dtype != F64 else A @ src
+    s = src.to(F64) if weights is None else src * weights[:, None].to(F64)
+    return torch.zeros(S, src.shape[1], dtype=F64, device=src.device).index_add_(0, sid, s)
 
 
 def _dense_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -275,10 +292,10 @@ class Accumulator:
 
     def _prep(self, x: torch.Tensor) -> torch.Tensor:
         """float64 copy of ``x`` minus the shift (set from the first batch's mean)."""
-        x = x.to(self.device, F64)
+        x = x.to(self.device)
         if self.shift is None:
-            self.shift = x.mean(0)
-        return x - self.shift
+            self.shift = x.mean(0, dtype=F64)
+        return x - self.shift  # promotes to float64 in the same pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,16 +383,27 @@ class AnovaAccumulator(Accumulator):
             raise DataError("class_ids must be >= 0 for ANOVA (every sequence needs a class)")
         y = self._prep(x)
         sid, S = _dense_ids(sid)
-        cnt = torch.zeros(S, dtype=F64, device=y.device).index_add_(0, sid, torch.ones_like(sid, dtype=F64))
-        ssum = torch.zeros(S, self.dim, dtype=F64, device=y.device).index_add_(0, sid, y)
-        smean = ssum / cnt[:, None]
-        self.within += ((y - smean[sid]) ** 2).sum()  # centred per sequence: exact
-        self.seqterm += ((ssum * smean).sum())        # sum_s n_s ||mu_s - a||^2
+        self._update_prepared(y, sid, S, torch.linalg.vector_norm(y, dim=1).square(), cid)
+
+    def _update_prepared(self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor,
+                         cid: Optional[torch.Tensor]) -> torch.Tensor:
+        """Add shifted float64 rows; ``sid`` dense 0..S-1, ``r`` squared row norms.
+
+        The within-sequence scatter is sum ||y||^2 - sum_s ||S_s||^2 / n_s per batch: exact up to
+        float64 rounding because ``y`` is already shifted near the data, and it needs one pass
+        over the rows instead of four for the centred form. Returns the per-sequence sums.
+        """
+        cnt = torch.bincount(sid, minlength=S).to(F64)
+        ssum = _segment_sum(y, sid, S)
+        sq = (ssum * ssum).sum(1) / cnt
+        rs = r.sum()
+        self.within += rs - sq.sum()
+        self.seqterm += sq.sum()                     # sum_s n_s ||mu_s - a||^2
         self.n += y.shape[0]
         self.n_seq += S
-        self.sum += y.sum(0)
-        self.sumsq += (y * y).sum()
-        if has:
+        self.sum += ssum.sum(0)
+        self.sumsq += rs
+        if cid is not None:
             lo = torch.full((S,), 1 << 62, dtype=torch.int64, device=y.device).scatter_reduce_(
                 0, sid, cid, "amin")
             hi = torch.full((S,), -1, dtype=torch.int64, device=y.device).scatter_reduce_(
@@ -384,8 +412,9 @@ class AnovaAccumulator(Accumulator):
                 raise DataError("class_ids must be constant within each sequence for ANOVA "
                                 "(a sequence has tokens of two classes)")
             self._grow(int(cid.max()) + 1)
-            self.class_count.index_add_(0, cid, torch.ones_like(cid, dtype=F64))
-            self.class_sum.index_add_(0, cid, y)
+            self.class_count.index_add_(0, lo, cnt)
+            self.class_sum.index_add_(0, lo, ssum)   # per-sequence sums: S rows, not N
+        return ssum
 
     def compute(self) -> dict[str, float]:
         """Sums and fractions of the decomposition (see :func:`lapheads.geometry.anova`)."""
@@ -439,7 +468,7 @@ class ClassAccumulator(Accumulator):
 
     _sum_names = ("count", "csum", "csq", "n_lab", "s_lab", "q_lab", "n_unl", "s_unl", "q_unl")
 
-    def __init__(self, dim: int, num_classes: int = 0, min_count: int = 1, tile: int = 4096,
+    def __init__(self, dim: int, num_classes: int = 0, min_count: int = 1, tile: int = 2048,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         if min_count < 1:
@@ -500,24 +529,48 @@ class ClassAccumulator(Accumulator):
         y = self._prep(x)
         if lab is None:
             lab = torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
-        lab = lab.to(y.device)
-        m = lab >= 0
-        if bool(m.all()):
-            yl, ll, yu = y, lab, None
-        else:
-            yl, ll, yu = y[m], lab[m], y[~m]
-        if ll.numel():
-            self._grow(int(ll.max()) + 1)
-            self.n_lab += ll.numel()
-            self.s_lab += yl.sum(0)
-            self.q_lab.addmm_(yl.T, yl)
-            self.count.index_add_(0, ll, torch.ones_like(ll, dtype=F64))
-            self.csum.index_add_(0, ll, yl)
-            self.csq.index_add_(0, ll, (yl * yl).sum(1))
-        if yu is not None and yu.shape[0]:
-            self.n_unl += yu.shape[0]
-            self.s_unl += yu.sum(0)
+        self._update_prepared(y, lab.to(y.device), torch.linalg.vector_norm(y, dim=1).square(), y.sum(0))
+
+    def _update_prepared(self, y: torch.Tensor, lab: torch.Tensor, r: torch.Tensor, ysum: torch.Tensor) -> None:
+        """Add shifted float64 rows ``y`` with labels, squared norms ``r`` and column sum ``ysum``.
+
+        Written for speed (each pass over an N x D float64 array costs about as much as a tenth
+        of the d x d update): one GEMM over all rows, one ``index_add_`` for the class sums;
+        the few unlabelled rows (one per sequence for next-token classes) are routed to class 0
+        and their contribution is subtracted again, which avoids copying the labelled rows out.
+        """
+        unl = lab < 0
+        n_u = int(unl.sum())
+        self.q_lab.addmm_(y.T, y)
+        self.s_lab += ysum
+        self.n_lab += y.shape[0] - n_u
+        if n_u == y.shape[0]:  # nothing labelled: move everything to the unlabelled moments
+            self.q_lab.addmm_(y.T, y, alpha=-1.0)
+            self.s_lab -= ysum
+            self.n_unl += n_u
+            self.s_unl += ysum
+            self.q_unl.addmm_(y.T, y)
+            return
+        self._grow(int(lab.max()) + 1)
+        if n_u:
+            yu = y[unl]
+            su = yu.sum(0)
+            self.q_lab.addmm_(yu.T, yu, alpha=-1.0)
+            self.s_lab -= su
+            self.n_unl += n_u
+            self.s_unl += su
             self.q_unl.addmm_(yu.T, yu)
+            lab = lab.clamp_min(0)
+        self.count.index_add_(0, lab, torch.ones_like(lab, dtype=F64))
+        self.csum.index_add_(0, lab, y)
+        self.csq.index_add_(0, lab, r)
+        if n_u:
+            self.count[0] -= n_u
+            self.csum[0] -= su
+            self.csq[0] -= r[unl].sum()
+            if float(self.count[0]) == 0:  # clear rounding residue of an empty class 0
+                self.csum[0].zero_()
+                self.csq[0].zero_()
 
     # -- finalisation -------------------------------------------------------------------------
     def covariance(self, labelled_only: bool = False) -> torch.Tensor:
@@ -563,8 +616,7 @@ class ClassAccumulator(Accumulator):
         """
         keep, cnt, mu, var = self._kept()
         C = int(keep.numel())
-        centre = mu.mean(0)
-        M = mu - centre                                # centred class means (C, D)
+        M = mu.sub_(mu.mean(0))                        # centred class means (C, D), in place
         pair = _pairwise(M, var, self.tile)
         out: dict[str, float] = {"n_classes": float(C), "n_tokens": float(cnt.sum()),
                                  "cdnv": pair["cdnv"], "n_pairs": pair["n_pairs"]}
@@ -572,11 +624,11 @@ class ClassAccumulator(Accumulator):
             return out
         # pooled within-class scatter over every labelled class (see module docstring)
         allc = torch.nonzero(self.count > 0).flatten()
-        S = self.csum[allc] / self.count[allc].sqrt()[:, None]
-        # q_lab - sum_c S_c S_c^T / N_c, computed in row blocks to bound memory
+        # q_lab - sum_c S_c S_c^T / N_c, in row blocks so no second C x D table is built
         scat = self.q_lab.clone()
-        for i in range(0, S.shape[0], max(self.tile, 1)):
-            blk = S[i:i + self.tile]
+        for i in range(0, allc.numel(), self.tile):
+            idx = allc[i:i + self.tile]
+            blk = self.csum[idx] / self.count[idx].sqrt()[:, None]
             scat.addmm_(blk.T, blk, alpha=-1.0)
         sigma_w = scat / self.n_lab
         sigma_b = M.T @ M / C
@@ -635,36 +687,36 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
     CDNV_cc' = (var_c + var_c') / (2 ||mu_c - mu_c'||^2); cosines between centred means give the
     equiangularity numbers; the sum of squared cosines gives ||G||_F of the normalised Gram, and
     with the closed form of the ETF Gram E = C/(C-1) (I - 11^T/C) the ETF distance
-    || G/||G|| - E/||E|| ||_F = sqrt(2 - 2 <G, E> / (||G|| ||E||)).
+    || G/||G|| - E/||E|| ||_F = sqrt(2 - 2 <G, E> / (||G|| ||E||)). One GEMM per tile; the
+    elementwise work is done in place to keep memory at a few tile-sized buffers.
     """
     C = M.shape[0]
     sq = (M * M).sum(1)
     nrm = sq.sqrt()
-    U = M / nrm.clamp_min(1e-300)[:, None]
+    inv_n = torch.where(nrm > 0, 1.0 / nrm.clamp_min(1e-300), torch.zeros_like(nrm))
     s_cdnv = s_cos = s_cos2 = s_shift = 0.0
     inv = 1.0 / (C - 1)
     for i in range(0, C, tile):
-        Mi, Ui = M[i:i + tile], U[i:i + tile]
+        Mi = M[i:i + tile]
         for j in range(i, C, tile):
-            Mj, Uj = M[j:j + tile], U[j:j + tile]
-            dots = Mi @ Mj.T
-            d2 = (sq[i:i + tile, None] + sq[None, j:j + tile] - 2 * dots).clamp_min(0.0)
-            cos = Ui @ Uj.T
+            dots = Mi @ M[j:j + tile].T
+            d2 = sq[i:i + tile, None] + sq[None, j:j + tile]
+            d2.sub_(dots, alpha=2.0).clamp_(min=0.0)
+            cos = dots.mul_(inv_n[i:i + tile, None]).mul_(inv_n[None, j:j + tile])
+            vv = var[i:i + tile, None] + var[None, j:j + tile]
             if i == j:  # only c < c' inside a diagonal block
-                mask = torch.ones_like(d2, dtype=torch.bool).triu(1)
-                d2, cos = d2[mask], cos[mask]
-                vv = (var[i:i + tile, None] + var[None, j:j + tile])[mask]
-            else:
-                vv = var[i:i + tile, None] + var[None, j:j + tile]
-            s_cdnv += float((vv / (2 * d2)).sum())
+                mask = torch.ones_like(d2, dtype=torch.bool).triu_(1)
+                d2, cos, vv = d2[mask], cos[mask], vv[mask]
+            s_cdnv += float(vv.div_(d2.mul_(2.0)).sum())
             s_cos += float(cos.sum())
-            s_cos2 += float((cos * cos).sum())
-            s_shift += float((cos + inv).abs().sum())
+            s_cos2 += float(torch.dot(cos.flatten(), cos.flatten()))
+            s_shift += float(cos.add_(inv).abs_().sum())
     P = C * (C - 1) / 2
     cmean = s_cos / P
-    g2 = float(((U * U).sum(1) ** 2).sum()) + 2 * s_cos2   # ||G||_F^2 (diagonal 1, or 0 for a zero mean)
-    tot = U.sum(0)
-    ge = C / (C - 1) * (float((U * U).sum()) - float(tot @ tot) / C)   # <G, E>
+    unit = (nrm > 0).to(M.dtype)                   # ||u_c||^2: 1, or 0 for a zero mean
+    g2 = float(unit.sum()) + 2 * s_cos2            # ||G||_F^2
+    tot = inv_n @ M                                # sum of the unit rows
+    ge = C / (C - 1) * (float(unit.sum()) - float(tot @ tot) / C)   # <G, E>
     e_norm = C / math.sqrt(C - 1)
     etf = math.sqrt(max(0.0, 2.0 - 2.0 * ge / (math.sqrt(g2) * e_norm)))
     return {"cdnv": s_cdnv / P, "n_pairs": P, "cos_mean": cmean,
@@ -690,7 +742,7 @@ class NC4Accumulator(Accumulator):
     _sum_names = ("agree", "total")
 
     def __init__(self, means: torch.Tensor, classes: torch.Tensor, weight: Any, bias: Any = None,
-                 tile: int = 4096, device: torch.device | str = "cpu") -> None:
+                 tile: int = 2048, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self.means = means.to(self.device, F64)
         self.classes = classes.to(self.device)
@@ -862,13 +914,22 @@ class CosineAccumulator(Accumulator):
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
         """Add the sequences of one batch (each complete in this batch)."""
         x, sid, _ = check_inputs(x, sequence_ids)
-        x = x.to(self.device, F64)
         sid, S = _dense_ids(sid.to(self.device))
-        nrm = x.norm(dim=1, keepdim=True)
-        u = torch.where(nrm > 0, x / nrm.clamp_min(1e-300), torch.zeros_like(x))
-        usum = torch.zeros(S, x.shape[1], dtype=F64, device=x.device).index_add_(0, sid, u)
-        usq = torch.zeros(S, dtype=F64, device=x.device).index_add_(0, sid, (u * u).sum(1))
-        cnt = torch.zeros(S, dtype=F64, device=x.device).index_add_(0, sid, torch.ones_like(sid, dtype=F64))
+        self._update_prepared(x.to(self.device), sid, S)
+
+    def _update_prepared(self, x: torch.Tensor, sid: torch.Tensor, S: int, y: Optional[torch.Tensor] = None,
+                         shift: Optional[torch.Tensor] = None) -> None:
+        """``y = x - shift`` in float64 may be given (the geometry accumulator has it): then
+        sum_i x_i/||x_i|| = sum_i y_i/||x_i|| + (sum_i 1/||x_i||) shift needs no float64 copy of x."""
+        nrm = torch.linalg.vector_norm(x, dim=1, dtype=F64)
+        nz = nrm > 0
+        inv = torch.where(nz, 1.0 / nrm.clamp_min(1e-300), torch.zeros_like(nrm))
+        if y is not None and shift is not None:
+            usum = _segment_sum(y, sid, S, inv) + torch.bincount(sid, weights=inv, minlength=S)[:, None] * shift
+        else:
+            usum = _segment_sum(x, sid, S, inv)
+        usq = torch.bincount(sid, weights=nz.to(F64), minlength=S)
+        cnt = torch.bincount(sid, minlength=S).to(F64)
         ok = cnt >= 2
         cos = ((usum * usum).sum(1) - usq)[ok] / (cnt[ok] * (cnt[ok] - 1))
         self.n_seq += int(ok.sum())
@@ -913,7 +974,7 @@ class GeometryAccumulator(Accumulator):
     """
 
     def __init__(self, dim: int, min_count: int = 1, threshold: float = 0.99, spectra: bool = True,
-                 cosine: bool = True, tile: int = 4096, device: torch.device | str = "cpu") -> None:
+                 cosine: bool = True, tile: int = 2048, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self.dim, self.min_count, self.threshold = int(dim), int(min_count), float(threshold)
         self.with_spectra, self.with_cosine = bool(spectra), bool(cosine)
@@ -964,24 +1025,52 @@ class GeometryAccumulator(Accumulator):
             token_classes: (N,) per-token class (``-1`` = none), or None (then ``class_ids``).
         """
         x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
+        if x.shape[1] != self.dim:
+            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
         if token_classes is not None:
-            _, _, tcl = check_inputs(x, None, token_classes, label_name="token_classes")
+            _, _, tcl = check_inputs(x[:, :1], None, token_classes, label_name="token_classes")
         else:
             tcl = cid
-        self.anova.update(x, sid, cid)
-        self.tokens.update(x, tcl)
-        if cid is not None:
-            dsid, S = _dense_ids(sid)
-            xs = x.to(self.device, F64)
-            cnt = torch.zeros(S, dtype=F64, device=xs.device).index_add_(0, dsid, torch.ones_like(dsid, dtype=F64))
-            means = torch.zeros(S, self.dim, dtype=F64, device=xs.device).index_add_(0, dsid, xs) / cnt[:, None]
-            scls = torch.zeros(S, dtype=torch.int64, device=xs.device).scatter_(0, dsid, cid)
+        has = cid is not None
+        if self.anova.has_classes is None:
+            self.anova.has_classes = has
+        elif self.anova.has_classes != has:
+            raise DataError("class_ids were given for some batches and not others")
+        if has and int(cid.min()) < 0:
+            raise DataError("class_ids must be >= 0 (every sequence needs a class)")
+        x = x.to(self.device)
+        if self.anova.shift is None and self.tokens.shift is None:
+            sh = x.mean(0, dtype=F64)
+            self.anova.shift, self.tokens.shift = sh, sh.clone()
+        # one shifted float64 copy shared by ANOVA and the class sums (x - shift promotes to
+        # float64 in the same pass); the shifts differ only after unusual merges
+        y = x - self.anova.shift
+        r = torch.linalg.vector_norm(y, dim=1).square()
+        dsid, S = _dense_ids(sid.to(self.device))
+        ssum = self.anova._update_prepared(y, dsid, S, r, cid)
+        if torch.equal(self.tokens.shift, self.anova.shift):
+            self.tokens._update_prepared(y, self._labels(tcl, y), r, ssum.sum(0))
+        else:
+            self.tokens.update(x, tcl)
+        if has:
+            cnt = torch.bincount(dsid, minlength=S).to(F64)
+            means = ssum / cnt[:, None] + self.anova.shift
+            scls = torch.zeros(S, dtype=torch.int64, device=x.device).scatter_(0, dsid, cid.to(x.device))
             self.seq_means.update(means, scls)
         if self.spectra is not None:
             self.spectra.update(x, sid)
         if self.cosine is not None:
-            self.cosine.update(x, sid)
+            if torch.equal(self.tokens.shift, self.anova.shift):
+                self.cosine._update_prepared(x, dsid, S, y, self.anova.shift)
+            else:
+                self.cosine._update_prepared(x, dsid, S)
         self.n_batches += 1
+
+    @staticmethod
+    def _labels(tcl: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        if tcl is None:
+            return torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
+        return tcl.to(y.device)
 
     def compute(self, classifier: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
         """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``.
