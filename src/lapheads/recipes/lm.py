@@ -1,0 +1,452 @@
+"""NanoChat-style language-model pretraining with k Laplacian heads (PAPER.md, experiment 2).
+
+``lapheads train lm --config recipes/lm/tiny.yaml --out runs/lm_tiny --set model.laplacian_heads=2``
+
+Design choices:
+
+* The model is transformers' ``NanoChatForCausalLM`` built by :mod:`lapheads.lm.model` (nanochat's
+  depth rule, init and Muon + AdamW optimizers); the run ends with ``final/hf/``, a
+  ``save_pretrained`` directory with the tokenizer, which
+  ``lapheads.transformers.from_pretrained`` loads with its Laplacian heads.
+* Data: token shards from ``lapheads data tokenize`` (``data.shards`` + ``data.tokenizer: DIR``), or
+  built on the fly from ``data.corpus`` (``embedded`` = ``pydoc_data.topics``, or text / JSONL /
+  parquet paths) with ``data.tokenizer: DIR`` or ``train`` (a BPE of ``data.vocab_size`` trained on
+  the corpus). On-the-fly data goes to a cache directory keyed by the corpus and settings
+  (``data.cache_dir``, default ``~/.cache/lapheads/lm``), not into the run directory: the engine
+  writes the run directory only after the task is built, and runs that differ only in k share
+  one tokenizer and one set of shards, which keeps their bits-per-byte comparable.
+* Everything is validated before training: an empty corpus, a tokenizer whose vocabulary differs
+  from ``model.vocab_size`` or from the shards', more Laplacian heads than a layer has, a
+  sequence longer than the validation split.
+* Batches are random windows of the train shards, drawn with a generator seeded from
+  ``(seed, rank, micro step)``: a pure function of the micro step, so resume is exact.
+* ``data.total_batch_tokens`` fixes the optimizer batch in tokens (nanochat: 524288);
+  ``train.grad_accum = total / (batch_size * seq_len * world_size)`` is derived when the config
+  is loaded (``WORLD_SIZE`` from torchrun), so the saved config shows it and resume checks it.
+  ``data.tokens_per_param`` sets the run length when ``train.max_steps`` is 0 (nanochat: 20).
+* Validation bits per byte (nanochat's ``evaluate_bpb``): over a fixed set of consecutive
+  validation windows, ``sum of target-token losses in nats / (ln 2 * sum of their UTF-8 bytes)``;
+  special tokens (BOS) have zero bytes and are left out of both sums, so the number does not
+  depend on the tokenizer. Sums are all-reduced across ranks.
+* Samples: at every evaluation a few greedy continuations of fixed prompts (KV-cached
+  ``generate()``) go to ``samples.jsonl`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine import Task, TrainConfig
+from ..engine import dist as D
+from ..engine.data import _mix
+from ..engine.dist import DistInfo
+from ..errors import CheckpointError, ConfigError, DataError
+from ..lm.model import (LMModelConfig, LMOptimConfig, budget_steps, build_model, build_optimizers, count_params,
+                        muon_momentum)
+
+__all__ = ["LMDataConfig", "SampleConfig", "LMConfig", "LMTask", "build_task", "load_model", "token_bytes",
+           "prepare_data", "train_main", "bits_per_byte"]
+
+DEFAULT_PROMPTS = ["The capital of France is", "The meaning of the word", "def fibonacci(n):",
+                   "In Python, a list"]
+
+
+@dataclass
+class LMDataConfig:
+    """Where the tokens come from and how they are batched (the ``data:`` section)."""
+
+    shards: Optional[str] = None  # directory from `lapheads data tokenize` (then tokenizer must be a DIR)
+    corpus: Any = "embedded"  # used without shards: "embedded", a file path, or a list of paths
+    text_field: str = "text"  # JSONL key / parquet column
+    tokenizer: str = "train"  # DIR of `lapheads tokenizer train`, or "train" (on the corpus)
+    vocab_size: int = 2048  # with tokenizer: train
+    tokenizer_max_chars: int = 0  # with tokenizer: train, read at most this many characters (0 = all)
+    val_fraction: float = 0.05  # documents held out, when the shards are built here
+    cache_dir: Optional[str] = None  # on-the-fly tokenizer/shards; default ~/.cache/lapheads/lm
+    seq_len: int = 2048
+    batch_size: int = 32  # sequences per process and micro-step
+    total_batch_tokens: int = 0  # tokens per optimizer step over all ranks; 0 = batch_size*seq_len*world*grad_accum
+    tokens_per_param: float = 20.0  # run length when train.max_steps is 0 (nanochat / Chinchilla: 20)
+    eval_tokens: int = 2**20  # validation tokens per evaluation (fewer if the split is smaller)
+    eval_batch_size: int = 0  # 0 = batch_size
+
+
+@dataclass
+class SampleConfig:
+    """Greedy continuations logged at every evaluation (``samples.jsonl``)."""
+
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
+    max_new_tokens: int = 32
+
+
+@dataclass
+class LMConfig:
+    model: LMModelConfig = field(default_factory=LMModelConfig)
+    optim: LMOptimConfig = field(default_factory=LMOptimConfig)
+    data: LMDataConfig = field(default_factory=LMDataConfig)
+    samples: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        schedule="wsd", warmup_ratio=0.0, warmdown_ratio=0.2, min_lr_ratio=0.0, clip_grad=1.0, eval_every=250,
+        log_every=10))
+
+    def validate(self) -> None:
+        resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def resolve_grad_accum(d: LMDataConfig, t: TrainConfig, world_size: int) -> None:
+    """Derive ``t.grad_accum`` from ``d.total_batch_tokens`` (in place), nanochat's rule.
+
+    Raises:
+        ConfigError: the total is not a multiple of one micro-step over all ranks, or it
+            contradicts an explicit ``train.grad_accum``.
+    """
+    for name in ("seq_len", "batch_size"):
+        if getattr(d, name) < 1:
+            raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 1")
+    if d.total_batch_tokens < 0:
+        raise ConfigError(f"data.total_batch_tokens={d.total_batch_tokens} must be >= 0")
+    if not d.total_batch_tokens:
+        return
+    micro = d.batch_size * d.seq_len * world_size
+    if d.total_batch_tokens % micro:
+        raise ConfigError(f"data.total_batch_tokens={d.total_batch_tokens} is not a multiple of one micro-step "
+                          f"(data.batch_size {d.batch_size} x data.seq_len {d.seq_len} x {world_size} process(es) "
+                          f"= {micro} tokens)")
+    accum = d.total_batch_tokens // micro
+    if t.grad_accum not in (1, accum):
+        raise ConfigError(f"train.grad_accum={t.grad_accum} contradicts data.total_batch_tokens="
+                          f"{d.total_batch_tokens}, which needs grad_accum={accum}; set only one of them")
+    t.grad_accum = accum
+
+
+# --------------------------------------------------------------------------- tokens and bytes
+def token_bytes(tokenizer: Any) -> torch.Tensor:
+    """UTF-8 byte length of every token id (0 for special tokens), as nanochat's ``token_bytes``.
+
+    The tokenizer is byte-level: every character of a token's string stands for one byte, so the
+    length of the string is the byte count, even for tokens that split a multi-byte character.
+    """
+    n = len(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    toks = tokenizer.convert_ids_to_tokens(list(range(n)))
+    out = torch.zeros(n, dtype=torch.int64)
+    for i, t in enumerate(toks):
+        if i not in special and t is not None:
+            out[i] = len(t)
+    return out
+
+
+def bits_per_byte(nats: float, nbytes: int) -> float:
+    """Summed token losses (nats) over the bytes they encode -> bits per byte."""
+    return nats / (math.log(2) * nbytes) if nbytes > 0 else float("nan")
+
+
+# --------------------------------------------------------------------------- data preparation
+def _corpus_paths(corpus: Any) -> Optional[list[str]]:
+    if corpus is None or corpus == "embedded":
+        return None
+    if isinstance(corpus, str):
+        return [corpus]
+    if isinstance(corpus, (list, tuple)) and corpus and all(isinstance(c, str) for c in corpus):
+        return list(corpus)
+    raise ConfigError(f"data.corpus={corpus!r} must be 'embedded', a file path or a non-empty list of paths")
+
+
+def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
+    if paths is None:
+        return {"embedded": "pydoc_data.topics", "python": sys.version.split()[0]}
+    out = []
+    for p in paths:
+        st = Path(p).stat()
+        out.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _documents(paths: Optional[list[str]], text_field: str):
+    from ..data import text as T
+    return T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=text_field)
+
+
+def _default_cache() -> Path:
+    return Path(os.environ.get("LAPHEADS_CACHE", Path.home() / ".cache" / "lapheads")) / "lm"
+
+
+def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: bool = False) -> tuple[Any, Path]:
+    """Resolve ``data`` to ``(tokenizer, shard_dir)``, building what is missing (rank 0 only).
+
+    Raises:
+        ConfigError / DataError: before any expensive work, for a missing path, an empty corpus,
+            a shard directory without a tokenizer, or shards made with another tokenizer.
+    """
+    from ..data import text as T
+    from ..lm.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
+
+    info = info or DistInfo()
+    if d.shards is not None:
+        if d.tokenizer == "train":
+            raise ConfigError(f"data.shards={d.shards} needs data.tokenizer set to the tokenizer DIR the shards "
+                              "were made with (not 'train')")
+        tok = load_tokenizer(d.tokenizer)
+        T.TokenShards(d.shards, "train", tokenizer=tok)  # raises on a tokenizer/shard mismatch
+        return tok, Path(d.shards)
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1) to hold out validation documents")
+    paths = _corpus_paths(d.corpus)
+    if paths is not None:
+        T.check_inputs(paths, text_field=d.text_field)  # missing / empty files, wrong columns
+    given_tok = None if d.tokenizer == "train" else load_tokenizer(d.tokenizer)
+    key = {"corpus": _corpus_fingerprint(paths), "text_field": d.text_field, "val_fraction": d.val_fraction,
+           "tokenizer": tokenizer_hash(given_tok) if given_tok is not None else
+           {"train": d.vocab_size, "max_chars": d.tokenizer_max_chars}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(d.cache_dir) if d.cache_dir else _default_cache()
+    target = root / digest
+    if info.is_main and not (target / "done.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
+        try:
+            if given_tok is None:
+                docs = _documents(paths, d.text_field)
+                if d.tokenizer_max_chars:
+                    docs = T.limit_chars(docs, d.tokenizer_max_chars)
+                tok = train_tokenizer(docs, d.vocab_size, tmp / "tokenizer")
+            else:
+                tok = given_tok
+            T.tokenize_to_shards(_documents(paths, d.text_field), tok, tmp / "shards", val_fraction=d.val_fraction,
+                                 source="pydoc_data.topics" if paths is None else ", ".join(paths),
+                                 progress=progress)
+            (tmp / "done.json").write_text(json.dumps(key, indent=1))
+            if target.exists():  # a stale, unfinished build
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    D.barrier()
+    tok = given_tok if given_tok is not None else load_tokenizer(target / "tokenizer")
+    return tok, target / "shards"
+
+
+# --------------------------------------------------------------------------- the task
+class LMTask(Task):
+    """Pretraining as an engine :class:`Task` (see the module docstring)."""
+
+    name = "lm"
+
+    def __init__(self, cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
+        from ..data.text import TokenShards
+        from ..lm.tokenizer import stop_token_ids
+
+        self.cfg, self.info = cfg, info
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        d = cfg.data
+        resolve_grad_accum(d, cfg.train, info.world_size)  # also when built without load_config
+        self.tokenizer, self.shard_dir = prepare_data(d, info, progress=cfg.train.progress and info.is_main)
+        self.train_shards = TokenShards(self.shard_dir, "train")
+        self.val_shards = TokenShards(self.shard_dir, "val")
+        for s in (self.train_shards, self.val_shards):
+            if len(s) < d.seq_len + 1:
+                raise DataError(f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
+                                f"{d.seq_len + 1}; lower data.seq_len or give more text")
+        vocab = len(self.tokenizer)
+        if self.train_shards.vocab_size != vocab:
+            raise DataError(f"{self.shard_dir}: shards have vocabulary {self.train_shards.vocab_size}, the tokenizer "
+                            f"{vocab}")
+        stops = stop_token_ids(self.tokenizer)
+        self.model = build_model(cfg.model, vocab, d.seq_len, device=info.device,
+                                 bos_token_id=self.tokenizer.bos_token_id, eos_token_id=stops,
+                                 pad_token_id=self.tokenizer.pad_token_id)
+        self.n_params = count_params(self.model)
+        self.token_bytes = token_bytes(self.tokenizer).to(info.device)
+        self.eval_bs = d.eval_batch_size or d.batch_size
+        self.eval_batches = max(1, d.eval_tokens // (self.eval_bs * d.seq_len))
+        self._muon = None
+
+    # ---- engine interface
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        opts = build_optimizers(self.model, self.cfg.optim)
+        self._muon = opts[1]
+        return opts
+
+    def total_batch_tokens(self) -> int:
+        d = self.cfg.data
+        return d.batch_size * d.seq_len * self.info.world_size * self.cfg.train.grad_accum
+
+    def total_steps(self) -> int:
+        return budget_steps(self.n_params, self.cfg.data.tokens_per_param, self.total_batch_tokens())
+
+    def on_step_start(self, step: int, total: int) -> None:
+        if self._muon is not None:  # nanochat's momentum warm-up: a pure function of the step
+            m = muon_momentum(step, self.cfg.optim)
+            for g in self._muon.param_groups:
+                g["momentum"] = m
+
+    def batches(self, start_micro_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        d = self.cfg.data
+        micro = start_micro_step
+        while True:
+            g = torch.Generator().manual_seed(_mix(self.cfg.train.seed, self.info.rank, micro))
+            yield self.train_shards.sample_batch(d.batch_size, d.seq_len, generator=g)
+            micro += 1
+
+    def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        x, y = (t.to(self.info.device, non_blocking=True) for t in batch)
+        logits = model(input_ids=x, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        return loss, {}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
+        res = self.val_bpb(model)
+        if ema_model is not None:
+            res.update({f"ema_{k}": v for k, v in self.val_bpb(ema_model).items()})
+        if self.info.is_main:
+            self.write_samples(model, step)
+        return res
+
+    def val_bpb(self, model: nn.Module) -> dict[str, float]:
+        """Bits per byte and mean token loss over the fixed validation windows."""
+        d = self.cfg.data
+        dev = self.info.device
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # nats (byte-bearing), bytes, tokens
+        loss_all = torch.zeros((), dtype=torch.float64, device=dev)
+        autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dev.type == "cuda" and
+                    self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported() else None)
+        for x, y in self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=self.eval_batches,
+                                                 rank=self.info.rank, world_size=self.info.world_size):
+            x, y = x.to(dev), y.to(dev)
+            if autocast is not None:
+                with autocast:
+                    logits = model(input_ids=x, use_cache=False).logits
+            else:
+                logits = model(input_ids=x, use_cache=False).logits
+            nats = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), reduction="none")
+            nb = self.token_bytes[y.view(-1)]
+            sums[0] += (nats * (nb > 0)).double().sum()
+            sums[1] += nb.double().sum()
+            sums[2] += y.numel()
+            loss_all += nats.double().sum()
+        if self.info.distributed:
+            torch.distributed.all_reduce(sums)
+            torch.distributed.all_reduce(loss_all)
+        return {"val_bpb": bits_per_byte(float(sums[0]), int(sums[1])),
+                "val_loss": float(loss_all / sums[2].clamp(min=1)), "val_tokens": int(sums[2])}
+
+    def write_samples(self, model: nn.Module, step: int) -> list[dict]:
+        """Greedy continuations of the configured prompts, appended to ``RUN/samples.jsonl``."""
+        recs = sample_prompts(model, self.tokenizer, self.cfg.samples.prompts, self.cfg.samples.max_new_tokens)
+        if self.run_dir is not None and recs:
+            with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
+                for r in recs:
+                    f.write(json.dumps({"step": step, **r}) + "\n")
+        return recs
+
+    def model_spec(self) -> dict:
+        from ..engine.config import to_dict
+        from ..lm.tokenizer import tokenizer_hash
+        return {"model": to_dict(self.cfg.model), "vocab_size": len(self.tokenizer), "max_seq_len": self.cfg.data.seq_len,
+                "n_params": self.n_params, "tokenizer_hash": tokenizer_hash(self.tokenizer),
+                "laplacian_heads": self.model.config.laplacian_heads}
+
+    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
+        export_hf(model, self.tokenizer, final_dir / "hf")
+        if ema_model is not None:
+            export_hf(ema_model, self.tokenizer, final_dir / "hf_ema")
+
+
+@torch.no_grad()
+def sample_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int) -> list[dict]:
+    """Greedy continuation of each prompt (one at a time: no padding, KV-cached ``generate``)."""
+    if not prompts or max_new_tokens <= 0:
+        return []
+    was_training = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    out = []
+    for p in prompts:
+        ids = tokenizer(p, return_tensors="pt")["input_ids"].to(dev)  # BOS-prefixed, as in pretraining
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False)
+        text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
+        out.append({"prompt": p, "completion": text})
+    model.train(was_training)
+    return out
+
+
+def export_hf(model: nn.Module, tokenizer: Any, out: Path) -> None:
+    """``save_pretrained`` of the model (its config keeps ``laplacian_heads``) and the tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def build_task(cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None) -> LMTask:
+    return LMTask(cfg, info, run_dir=run_dir)
+
+
+def hf_dir(run_dir: str | Path, weights: str = "model") -> Path:
+    """``RUN/final/hf`` (or ``hf_ema``) of a finished lm/sft run, or a ``save_pretrained`` directory itself.
+
+    Raises:
+        CheckpointError: neither exists.
+    """
+    p = Path(run_dir)
+    if (p / "config.json").is_file():
+        return p
+    sub = "hf" if weights == "model" else "hf_ema"
+    d = p / "final" / sub
+    if not (d / "config.json").is_file():
+        raise CheckpointError(f"{d} does not exist; is {p} a finished `lapheads train lm` / `train sft` run "
+                              f"(or a save_pretrained directory)?")
+    return d
+
+
+def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu", eager: bool = False):
+    """``(model, tokenizer)`` of a finished lm/sft run (from ``final/hf``), Laplacian heads restored.
+
+    Args:
+        run_dir: the run directory, or a ``save_pretrained`` directory.
+        weights: ``"model"`` or ``"ema"`` (when the run kept an EMA).
+        device: where to load the model.
+        eager: use the eager attention implementation (returns the operator as attentions).
+    """
+    from .. import transformers as lap_tf
+    from ..lm.tokenizer import load_tokenizer
+
+    d = hf_dir(run_dir, weights)
+    tok = load_tokenizer(d)
+    model = lap_tf.from_pretrained(str(d), eager=eager).to(device).eval()
+    if model.config.vocab_size != len(tok):
+        raise CheckpointError(f"{d}: the model has vocabulary {model.config.vocab_size}, its tokenizer {len(tok)}")
+    return model, tok
+
+
+def _peek_out(argv: Optional[Sequence[str]]) -> Optional[str]:
+    """The ``--out`` of a train command line (the task writes samples.jsonl there)."""
+    import argparse
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--out")
+    ns, _ = p.parse_known_args(list(argv or []))
+    return ns.out
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> int:
+    from functools import partial
+
+    from ..engine.launch import train_cli
+    return train_cli("lm", LMConfig, partial(build_task, run_dir=_peek_out(argv)), argv,
+                     description="NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
+                                 "validation bits per byte) with k Laplacian heads per layer.")

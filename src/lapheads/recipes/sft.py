@@ -1,0 +1,391 @@
+"""Supervised fine-tuning (SFT) of a pretrained NanoChat LM on chat JSONL (PAPER.md, experiment 2).
+
+``lapheads train sft --config recipes/sft/tiny.yaml --out runs/sft --set init_from=runs/lm_tiny``
+
+Design choices:
+
+* ``init_from`` is a finished ``lapheads train lm`` (or sft) run: the model, its Laplacian heads
+  and its tokenizer come from ``RUN/final/hf``; the heads cannot be changed here (the weights were
+  trained for them).
+* Data: chat JSONL, one ``{"messages": [{"role": "user"|"assistant"|"system", "content": ...}]}`` per
+  line, from one or more ``data.sources`` with mixture weights. A weight is a relative
+  over-sampling factor per conversation (weight 2 = every conversation of that source twice per
+  epoch, nanochat's TaskMixture), so a source is drawn with probability proportional to
+  ``weight * conversations``. Every file is read and rendered up front with the tokenizer's
+  :func:`~lapheads.lm.tokenizer.render_chat`; a bad line (not JSON, no ``messages``, an unknown role,
+  a wrong turn order) or an empty file is a DataError naming ``file:line``.
+* ``embedded`` as a source path is a small generated data set, no download: one Q/A pair per
+  ``pydoc_data.topics`` topic ("What is the Python documentation topic X about?" -> the topic's
+  first sentence), see :func:`topics_qa`.
+* Loss only on assistant tokens (their content and ``<|assistant_end|>``): labels are -100
+  elsewhere (BOS, user turns, role markers, tool output, padding); the loss is the mean over
+  the trained tokens of a micro-batch.
+* Batching, a pure function of ``(seed, rank, micro step)``: ``padding`` puts one conversation per
+  row (truncated to ``seq_len + 1`` tokens), right-padded, with an attention mask; ``packing`` fills
+  rows with whole conversations whose position ids restart at each one, which transformers turns
+  into a block-diagonal causal mask (no attention across conversations).
+* Validation: ``data.val`` files, or a deterministic ``val_fraction`` of each source (by line
+  order); the metric is the masked validation loss (nats per assistant token).
+* Optimizers: nanochat's (Muon + AdamW, :mod:`lapheads.lm.model`) at ``lr_scale`` (nanochat's
+  ``init_lr_frac`` 0.02) times the pretraining learning rates, linear decay to 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..engine import Task, TrainConfig
+from ..engine.data import _mix
+from ..engine.dist import DistInfo
+from ..errors import ConfigError, DataError
+from ..lm.model import LMOptimConfig, build_optimizers, count_params
+
+__all__ = ["SFTSource", "SFTDataConfig", "SFTConfig", "SFTTask", "read_chat_jsonl", "topics_qa",
+           "write_topics_qa", "collate_padded", "collate_packed", "build_task", "train_main"]
+
+EMBEDDED = "embedded"
+
+
+@dataclass
+class SFTSource:
+    path: str  # chat JSONL, or "embedded" (generated pydoc_data.topics Q/A)
+    weight: float = 1.0  # relative over-sampling per conversation
+
+
+@dataclass
+class SFTDataConfig:
+    sources: list[SFTSource] = field(default_factory=lambda: [SFTSource(EMBEDDED)])
+    val: list[str] = field(default_factory=list)  # validation JSONL files; empty = val_fraction of each source
+    val_fraction: float = 0.1
+    seq_len: int = 1024  # tokens per row (longer conversations are truncated)
+    batch_size: int = 8  # rows per process and micro-step
+    packing: bool = False  # several conversations per row (block-diagonal attention)
+    epochs: float = 1.0  # run length when train.max_steps is 0
+    max_eval_items: int = 0  # 0 = the whole validation set
+
+
+def _default_optim() -> LMOptimConfig:
+    return LMOptimConfig(muon_momentum_warmup=0)
+
+
+@dataclass
+class SFTConfig:
+    init_from: str = ""  # run directory of `lapheads train lm` (or a save_pretrained directory)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: LMOptimConfig = field(default_factory=_default_optim)
+    lr_scale: float = 0.02  # nanochat's init_lr_frac: SFT lr = lr_scale * pretraining lr
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        schedule="linear", warmup_ratio=0.0, min_lr_ratio=0.0, clip_grad=1.0, eval_every=0, log_every=10))
+
+    def validate(self) -> None:
+        if not self.init_from:
+            raise ConfigError("init_from is empty: set it to a finished `lapheads train lm` run directory "
+                              "(e.g. --set init_from=runs/lm_tiny)")
+        if not self.data.sources:
+            raise ConfigError("data.sources is empty: give at least one chat JSONL file (or 'embedded')")
+        for i, s in enumerate(self.data.sources):
+            if not s.weight > 0:
+                raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0")
+        if not 0 <= self.data.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={self.data.val_fraction} must be in [0, 1)")
+        if self.data.seq_len < 2 or self.data.batch_size < 1:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 2 and data.batch_size="
+                              f"{self.data.batch_size} >= 1")
+        if not self.lr_scale > 0:
+            raise ConfigError(f"lr_scale={self.lr_scale} must be > 0")
+
+
+# --------------------------------------------------------------------------- data
+def topics_qa() -> list[dict]:
+    """A small generated chat data set: one Q/A per ``pydoc_data.topics`` topic (sorted by name).
+
+    The answer is the first sentence of the topic's text (whitespace collapsed, at most 300 chars).
+    """
+    import re
+
+    from pydoc_data.topics import topics
+
+    out = []
+    for name in sorted(topics):
+        text = " ".join(topics[name].split())
+        m = re.search(r"^(.{20,300}?[.:])(\s|$)", text)
+        answer = m.group(1) if m else text[:300]
+        q = f"What is the Python documentation topic {name.replace('-', ' ')!r} about?"
+        out.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]})
+    return out
+
+
+def write_topics_qa(path: str | Path) -> Path:
+    """Write :func:`topics_qa` as chat JSONL (for tests, the quickstart and as a format example)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("".join(json.dumps(c) + "\n" for c in topics_qa()), encoding="utf-8")
+    return p
+
+
+def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
+    """``(line number, messages)`` of every non-blank line of a chat JSONL file.
+
+    Raises:
+        DataError: naming ``file:line`` for a missing/empty file, a line that is not JSON, or an
+            object without a ``messages`` list.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: no such chat JSONL file")
+    out = []
+    try:
+        with open(p, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+                msgs = obj.get("messages") if isinstance(obj, dict) else None
+                if not isinstance(msgs, list) or not msgs:
+                    raise DataError(f"{p}:{n}: expected an object with a non-empty 'messages' list of "
+                                    "{'role', 'content'} dicts")
+                out.append((n, msgs))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 text ({e.reason})") from None
+    if not out:
+        raise DataError(f"{p}: the file holds no conversation (it is empty)")
+    return out
+
+
+def _render_all(tokenizer: Any, where: str, convs: Sequence[tuple[int, list[dict]]], max_tokens: int
+                ) -> list[tuple[list[int], list[int]]]:
+    from ..lm.tokenizer import render_chat
+
+    out = []
+    for n, msgs in convs:
+        try:
+            ids, mask = render_chat(tokenizer, msgs, max_tokens=max_tokens)
+        except DataError as e:
+            raise DataError(f"{where}:{n}: {e}") from None
+        out.append((ids, mask))
+    return out
+
+
+def _load_source(path: str) -> tuple[str, list[tuple[int, list[dict]]]]:
+    if path == EMBEDDED:
+        return "embedded(pydoc_data.topics Q/A)", [(i + 1, c["messages"]) for i, c in enumerate(topics_qa())]
+    return path, read_chat_jsonl(path)
+
+
+# --------------------------------------------------------------------------- collation
+def _targets(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+    """Inputs ``ids[:-1]`` and labels ``ids[1:]`` with -100 where the target is not an assistant token."""
+    return ids[:-1], [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
+
+
+def collate_padded(convs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """One conversation per row, right-padded; returns input_ids, attention_mask, labels."""
+    pairs = [_targets(ids, m) for ids, m in convs]
+    T = max(len(x) for x, _ in pairs)
+    x = torch.full((len(pairs), T), pad_id, dtype=torch.long)
+    y = torch.full((len(pairs), T), -100, dtype=torch.long)
+    am = torch.zeros((len(pairs), T), dtype=torch.long)
+    for i, (xi, yi) in enumerate(pairs):
+        x[i, :len(xi)] = torch.tensor(xi)
+        y[i, :len(yi)] = torch.tensor(yi)
+        am[i, :len(xi)] = 1
+    return {"input_ids": x, "attention_mask": am, "labels": y}
+
+
+def collate_packed(rows: Sequence[Sequence[tuple[list[int], list[int]]]], row_tokens: int, pad_id: int
+                   ) -> dict[str, torch.Tensor]:
+    """Several whole conversations per row; position ids restart at each (block-diagonal attention).
+
+    Args:
+        rows: per row, the conversations it holds (their total length <= ``row_tokens``).
+        row_tokens: tokens per row before the input/target shift (``seq_len + 1``).
+        pad_id: filler id; the filler is its own "sequence" (positions restart) and has no labels.
+    """
+    T = row_tokens - 1
+    x = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    y = torch.full((len(rows), T), -100, dtype=torch.long)
+    pos = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, convs in enumerate(rows):
+        ids = [t for c in convs for t in c[0]]
+        mask = [m for c in convs for m in c[1]]
+        starts = []
+        o = 0
+        for c in convs:
+            starts.append(o)
+            o += len(c[0])
+        xi, yi = _targets(ids, mask)
+        n = len(xi)
+        x[i, :n] = torch.tensor(xi)
+        y[i, :n] = torch.tensor(yi)
+        p = torch.arange(T)
+        for s in starts[1:] + ([n] if n < T else []):  # restart positions at each conversation and the filler
+            p[s:] = torch.arange(T - s)
+        pos[i] = p
+    return {"input_ids": x, "position_ids": pos, "labels": y}
+
+
+def pack_rows(convs: Sequence[tuple[list[int], list[int]]], row_tokens: int) -> list[list[tuple[list[int], list[int]]]]:
+    """Greedy first-fit in order: a conversation that does not fit the current row starts a new one."""
+    rows: list[list] = [[]]
+    used = 0
+    for c in convs:
+        if used + len(c[0]) > row_tokens and rows[-1]:
+            rows.append([])
+            used = 0
+        rows[-1].append(c)
+        used += len(c[0])
+    return rows
+
+
+# --------------------------------------------------------------------------- the task
+class SFTTask(Task):
+    """SFT as an engine :class:`Task` (see the module docstring)."""
+
+    name = "sft"
+
+    def __init__(self, cfg: SFTConfig, info: DistInfo):
+        from ..data.text import is_validation_document
+        from .lm import load_model
+
+        self.cfg, self.info = cfg, info
+        d = cfg.data
+        # Read every file before loading the model: bad data fails in seconds.
+        raw = [_load_source(s.path) for s in d.sources]
+        val_raw = [_load_source(p) for p in d.val]
+        self.model, self.tokenizer = load_model(cfg.init_from, device=info.device)
+        self.model.train()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        row = d.seq_len + 1
+        self.train_sets: list[list[tuple[list[int], list[int]]]] = []
+        self.val_set: list[tuple[list[int], list[int]]] = []
+        for (where, convs), src in zip(raw, d.sources):
+            rendered = _render_all(self.tokenizer, where, convs, row)
+            if d.val:
+                train = rendered
+            else:
+                train = [c for i, c in enumerate(rendered) if not is_validation_document(i, d.val_fraction)]
+                self.val_set += [c for i, c in enumerate(rendered) if is_validation_document(i, d.val_fraction)]
+            train = [c for c in train if any(c[1][1:])]  # nothing to learn without assistant tokens
+            if not train:
+                raise DataError(f"{where}: no training conversation with assistant tokens within data.seq_len="
+                                f"{d.seq_len} (after holding out val_fraction={d.val_fraction})")
+            self.train_sets.append(train)
+        for where, convs in val_raw:
+            self.val_set += _render_all(self.tokenizer, where, convs, row)
+        if d.max_eval_items:
+            self.val_set = self.val_set[:d.max_eval_items]
+        w = torch.tensor([s.weight * len(t) for s, t in zip(d.sources, self.train_sets)], dtype=torch.float64)
+        self.source_probs = w / w.sum()
+        self.weighted_convs = float(w.sum())
+        self.mean_len = sum(len(c[0]) for t in self.train_sets for c in t) / sum(len(t) for t in self.train_sets)
+        self.n_params = count_params(self.model)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        opts = build_optimizers(self.model, self.cfg.optim)
+        for o in opts:
+            for g in o.param_groups:
+                g["lr"] *= self.cfg.lr_scale
+        return opts
+
+    def total_steps(self) -> int:
+        d = self.cfg.data
+        per_row = 1.0 if not d.packing else max(1.0, (d.seq_len + 1) / self.mean_len)
+        rows = d.epochs * self.weighted_convs / per_row
+        steps = math.ceil(rows / (d.batch_size * self.info.world_size * self.cfg.train.grad_accum))
+        if steps < 1:
+            raise ConfigError(f"data.epochs={d.epochs} gives no optimizer step; raise it or set train.max_steps")
+        return steps
+
+    def _draw(self, g: torch.Generator, n: int) -> list[tuple[list[int], list[int]]]:
+        src = torch.multinomial(self.source_probs, n, replacement=True, generator=g).tolist()
+        out = []
+        for s in src:
+            i = int(torch.randint(len(self.train_sets[s]), (1,), generator=g))
+            out.append(self.train_sets[s][i])
+        return out
+
+    def batches(self, start_micro_step: int) -> Iterator[dict[str, torch.Tensor]]:
+        d = self.cfg.data
+        micro = start_micro_step
+        while True:
+            g = torch.Generator().manual_seed(_mix(self.cfg.train.seed, self.info.rank, micro))
+            if not d.packing:
+                yield collate_padded(self._draw(g, d.batch_size), self.pad_id)
+            else:
+                rows: list = []
+                while len(rows) < d.batch_size:
+                    # draw enough for the remaining rows on average, then keep whole rows only
+                    need = d.batch_size - len(rows)
+                    k = max(1, math.ceil(need * (d.seq_len + 1) / self.mean_len))
+                    packed = pack_rows(self._draw(g, k), d.seq_len + 1)
+                    rows += packed[:need] if len(packed) > 1 else packed
+                yield collate_packed(rows[:d.batch_size], d.seq_len + 1, self.pad_id)
+            micro += 1
+
+    def _loss_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = self.info.device
+        b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+        labels = b.pop("labels")
+        logits = model(**b, use_cache=False).logits
+        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100,
+                              reduction="sum")
+        return nll, (labels != -100).sum()
+
+    def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        nll, n = self._loss_sums(model, batch)
+        return nll / n.clamp(min=1), {"train_tokens": n.float()}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
+        out = self.val_loss(model)
+        if ema_model is not None:
+            out.update({f"ema_{k}": v for k, v in self.val_loss(ema_model).items()})
+        return out
+
+    def val_loss(self, model: nn.Module) -> dict[str, float]:
+        """Mean loss (nats) per assistant token over the validation conversations."""
+        if not self.val_set:
+            return {}
+        bs = self.cfg.data.batch_size
+        sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)
+        for b in range(self.info.rank * bs, len(self.val_set), bs * self.info.world_size):
+            nll, n = self._loss_sums(model, collate_padded(self.val_set[b:b + bs], self.pad_id))
+            sums[0] += nll.double()
+            sums[1] += n.double()
+        if self.info.distributed:
+            torch.distributed.all_reduce(sums)
+        return {"val_loss": float(sums[0] / sums[1].clamp(min=1)), "val_tokens": int(sums[1])}
+
+    def model_spec(self) -> dict:
+        from ..lm.tokenizer import tokenizer_hash
+        return {"init_from": str(self.cfg.init_from), "vocab_size": len(self.tokenizer), "n_params": self.n_params,
+                "tokenizer_hash": tokenizer_hash(self.tokenizer),
+                "laplacian_heads": getattr(self.model.config, "laplacian_heads", None)}
+
+    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
+        from .lm import export_hf
+        export_hf(model, self.tokenizer, final_dir / "hf")
+        if ema_model is not None:
+            export_hf(ema_model, self.tokenizer, final_dir / "hf_ema")
+
+
+def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
+    return SFTTask(cfg, info)
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> int:
+    from ..engine.launch import train_cli
+    return train_cli("sft", SFTConfig, build_task, argv,
+                     description="Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
+                                 "(loss on assistant tokens only, mixture of sources).")
