@@ -1,0 +1,124 @@
+"""`lapheads sample` and `lapheads eval lm` (chat tasks and lm-evaluation-harness on local tasks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lapheads.cli import main as cli
+from lapheads.engine.config import load_config
+from lapheads.engine.launch import launch
+from lapheads.errors import ConfigError
+from lapheads.lm.evaluate import make_lm_eval_model, parse_tasks
+from lapheads.recipes import lm as R
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lmeval")
+    cfg = load_config(R.LMConfig, None, [
+        f"data.cache_dir={root / 'cache'}", "data.vocab_size=400", "data.seq_len=64", "data.batch_size=4",
+        "data.eval_tokens=512", "model.depth=2", "model.width=64", "model.n_heads=4", "model.laplacian_heads=all",
+        "samples.max_new_tokens=0", "train.max_steps=6", "train.progress=false"])
+    launch("lm", cfg, lambda c, i: R.build_task(c, i), str(root / "lm"))
+    return root / "lm"
+
+
+def test_sample_cli(run, capsys):
+    assert cli(["sample", "--run", str(run), "--prompt", "The list", "--max-new-tokens", "5"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("The list")
+    assert cli(["sample", "--run", str(run), "--prompt", "The list", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out == greedy  # greedy is deterministic
+    assert cli(["sample", "--run", str(run), "--prompt", "A", "--max-new-tokens", "4", "--temperature", "0.9",
+                "--top-k", "20", "--num-samples", "2", "--chat"]) == 0
+    assert capsys.readouterr().out.count("--- sample") == 2
+    assert cli(["sample", "--run", str(run), "--prompt", "A", "--temperature", "-1"]) == 2
+
+
+def test_kv_cached_sampling_matches_full_recompute(run):
+    model, tok = R.load_model(run)
+    ids = tok("The list type")["input_ids"]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
+                             eos_token_id=None, pad_token_id=tok.pad_token_id)[0].tolist()
+        seq = list(ids)
+        for _ in range(6):
+            seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    assert gen == seq
+
+
+def test_lm_eval_wrapper_loglikelihood_is_exact(run):
+    model, tok = R.load_model(run)
+    lm = make_lm_eval_model(model, tok, batch_size=2)
+    reqs = [(("c", "x"), tok.encode("The list"), tok.encode(" type", add_special_tokens=False)),
+            (("c", "x"), tok.encode("A"), tok.encode(" dict is a mapping", add_special_tokens=False))]
+    got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    for (_, ctx, cont), (ll, _) in zip(reqs, got):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ctx + cont]), use_cache=False).logits[0].float(), -1)
+        want = sum(float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))
+        assert ll == pytest.approx(want, abs=1e-4)
+
+
+def _local_task(tmp_path):
+    items = [{"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
+             {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
+             {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0}]
+    data = tmp_path / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(i) + "\n" for i in items))
+    d = tmp_path / "tasks"
+    d.mkdir()
+    (d / "tiny_mc.yaml").write_text(
+        "task: lapheads_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
+        "    aggregation: mean\n    higher_is_better: true\n")
+    return d
+
+
+@pytest.mark.slow  # lm-eval indexes its ~10k built-in task files on import (~1 min on 2 cores)
+def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = _local_task(tmp_path)
+    assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "lapheads_tiny_mc",
+                "--lm-eval-include", str(tasks)]) == 0
+    res = json.loads((run / "eval.json").read_text())
+    r = res["lm_eval"]["results"]["lapheads_tiny_mc"]
+    assert 0.0 <= r["acc,none"] <= 1.0 and res["lm_eval"]["n-samples"]["lapheads_tiny_mc"]["effective"] == 3
+    assert res["laplacian_heads"] == "all"
+    assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "no_such_task",
+                "--lm-eval-include", str(tasks)]) == 2
+    assert "no_such_task" in capsys.readouterr().err
+
+
+def test_eval_lm_cli_chat_tasks(run, tmp_path):
+    arc = tmp_path / "arc.jsonl"
+    arc.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Which is {w}?",
+                                       "choices": {"text": [w, "stone", "water", "air"], "label": list("ABCD")},
+                                       "answerKey": "A"}) + "\n" for i, w in enumerate(["fire", "wood", "sand"])))
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
+    out = tmp_path / "eval.json"
+    assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc},gsm8k={gsm}", "--max-new-tokens", "8",
+                "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["chat"]["arc_easy"]["total"] == 3 and res["chat"]["gsm8k"]["total"] == 1
+    assert "chatcore" in res["chat"]
+    # a bad task file fails before the model is loaded
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={bad}"]) == 2
+
+
+def test_parse_tasks():
+    assert parse_tasks("arc_easy=a.jsonl, humaneval") == {"arc_easy": "a.jsonl", "humaneval": None}
+    with pytest.raises(ConfigError):
+        parse_tasks("arc_easy=a,,mmlu=b")
+    with pytest.raises(ConfigError):
+        parse_tasks("mmlu=a,mmlu=b")
