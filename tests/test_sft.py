@@ -122,3 +122,21 @@ def test_sft_runs_from_pretrained(pretrained, tmp_path, packing):
     assert model.config.laplacian_heads == 2
     spec = json.loads((out / "final" / "model.json").read_text())
     assert spec["recipe"] == "sft" and spec["init_from"] == str(pretrained)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_packed_rows_do_not_attend_across_conversations(k):
+    from lapheads.lm.model import LMModelConfig, build_model
+    torch.manual_seed(0)
+    m = build_model(LMModelConfig(depth=2, width=64, n_heads=4, laplacian_heads=k), 50, 32).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if not p.any():
+                p.normal_(0, 0.2)  # zero-init outputs would hide any leak
+    a = ([0, 5, 6, 7, 8], [0, 0, 1, 1, 1])
+    c = ([0, 9, 10, 11], [0, 1, 1, 1])
+    b = S.collate_packed([[a, c]], 10, pad_id=1)
+    with torch.no_grad():
+        packed = m(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits[0]
+        alone = m(input_ids=torch.tensor([c[0][:-1]]), use_cache=False).logits[0]
+    assert torch.allclose(packed[5:8], alone, atol=1e-5)
