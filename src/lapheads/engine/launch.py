@@ -23,9 +23,11 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
     try:
         run = RunDir(out)
         run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=info.is_main, write=False)
+        D.barrier()  # every rank has checked before rank 0 writes anything
         seed_everything(cfg.train.seed)  # model initialisation is identical on every rank
         task = build_task(cfg, info)
-        run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=info.is_main)
+        if info.is_main:
+            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True)
         D.barrier()
         return Trainer(task, cfg.train, run, info).fit(resume=resume)
     finally:

@@ -76,11 +76,12 @@ class AugConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "lamb"] = "adamw"
+    name: Literal["adamw", "lamb", "sgd"] = "adamw"  # sgd: plain SGD with momentum `momentum`
     lr: float = 1e-3  # per `lr_batch` images
     lr_batch: int = 1024  # linear scaling reference; 0 = use `lr` as is
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9  # sgd only
 
 
 @dataclass
@@ -208,6 +209,8 @@ class ClassifyTask(Task):
         if o.name == "lamb":
             from timm.optim import Lamb
             return [Lamb(groups, lr=lr, betas=o.betas)]
+        if o.name == "sgd":
+            return [torch.optim.SGD(groups, lr=lr, momentum=o.momentum)]
         return [torch.optim.AdamW(groups, lr=lr, betas=o.betas)]
 
     def total_steps(self) -> int:
