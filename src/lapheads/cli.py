@@ -4,12 +4,15 @@ Commands are looked up in :data:`COMMANDS` and their modules imported only when 
 ``lapheads --help`` is instant and a command never pays for another's imports. Each entry points
 at a function ``main(argv: list[str]) -> int | None`` that parses its own arguments.
 
-Errors caused by user input (:class:`lapheads.errors.LapheadsError`) are printed as one line and
-exit with status 2; ``--debug`` (anywhere on the line) shows the full traceback instead.
+Errors caused by user input (:class:`lapheads.errors.LapheadsError`, and argparse's own errors
+such as a missing required flag) are printed as one line and exit with status 2; a run stopped by
+the non-finite guard (:class:`lapheads.errors.NonFiniteError`) is one line with status 1;
+``--debug`` (anywhere on the line) shows the full traceback instead.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -78,7 +81,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     target, _ = COMMANDS[key]
     mod_name, fn_name = target.split(":")
-    from .errors import LapheadsError
+    from .errors import ConfigError, LapheadsError, NonFiniteError
+
+    def _argparse_error(parser: argparse.ArgumentParser, message: str):
+        # argparse would print the whole usage block; one line naming the flag is the rule here
+        raise ConfigError(f"{message} (see '{parser.prog} --help')")
+
+    saved_error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _argparse_error  # type: ignore[method-assign]
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
         rc = fn(rest)
@@ -89,9 +99,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         msg = " ".join(str(e).split())
         print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        # not the user's input, but still one clear line (the message names step and tensor)
+        if debug:
+            raise
+        print(f"lapheads {' '.join(key)}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("lapheads: interrupted", file=sys.stderr)
         return 130
+    finally:
+        argparse.ArgumentParser.error = saved_error  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":  # pragma: no cover

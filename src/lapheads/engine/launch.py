@@ -2,7 +2,8 @@
 
 Order matters for "nothing is lost, nothing half-written": the run directory is checked first
 (no overwrite without --resume/--overwrite), then the recipe builds its task, which validates
-every data file and config value, and only then is the first file written.
+every data file and config value, then the trainer is built (it checks the run length and, on
+--resume, loads the newest checkpoint), and only then is the first file written.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
         D.barrier()  # every rank has checked before rank 0 writes anything
         seed_everything(cfg.train.seed)  # model initialisation is identical on every rank
         task = build_task(cfg, info)
+        # Built before the first write: it checks the run length, and on --resume loads the
+        # checkpoint, so a bad value or a bad checkpoint leaves no (changed) run directory behind.
+        trainer = Trainer(task, cfg.train, run, info)
+        if resume:
+            trainer.restore()
         if info.is_main:
             run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True)
         D.barrier()
-        return Trainer(task, cfg.train, run, info).fit(resume=resume)
+        return trainer.fit(resume=resume)
     finally:
         D.cleanup()
 

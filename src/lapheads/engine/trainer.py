@@ -242,6 +242,7 @@ class Trainer:
                                  find_unused_parameters=cfg.find_unused_parameters)
         self.step = 0
         self.skipped = 0
+        self._restored = False
         self._tb = None
 
     # ------------------------------------------------------------------ state
@@ -327,13 +328,25 @@ class Trainer:
         return "the gradient norm"
 
     # ------------------------------------------------------------------ main loop
+    def restore(self) -> None:
+        """Seed, then load the newest complete checkpoint (none yet: start from step 0).
+
+        ``launch`` calls this before it rewrites ``config.yaml``/``meta.json``, so a resume that
+        fails on a bad checkpoint leaves the run directory exactly as it was.
+        """
+        seed_everything(self.cfg.seed + self.info.rank)
+        ck = latest_checkpoint(self.run.ckpt_dir)
+        if ck is not None:
+            self.load_checkpoint(ck)
+        self._restored = True
+
     def fit(self, resume: bool = False) -> dict[str, Any]:
         cfg = self.cfg
-        seed_everything(cfg.seed + self.info.rank)
-        if resume:
-            ck = latest_checkpoint(self.run.ckpt_dir)
-            if ck is not None:
-                self.load_checkpoint(ck)
+        if not resume:
+            seed_everything(cfg.seed + self.info.rank)
+        else:
+            if not self._restored:
+                self.restore()
             self._truncate_metrics(self.step)
         params = [p for p in self.model.parameters() if p.requires_grad]
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16
