@@ -261,3 +261,27 @@ def test_errors_are_clear_config_errors():
     assert all(type(b.attn) is Attention for b in model.blocks)
     with pytest.raises(ConfigError, match="only 4 heads"):
         lt.LaplacianAttention(32, num_heads=4, laplacian_heads=9)
+
+
+def test_torch_compile_fullgraph_and_reselection():
+    """The hot path passes Python bool flags, so a Laplacian ViT compiles as ONE graph (a device
+    mask read back with tolist() would be a graph break, an error under fullgraph=True), forward
+    and backward, and re-selecting heads after compiling is seen by the compiled model (dynamo
+    guards on the cached flags, so it recompiles instead of reusing stale ones)."""
+    model = tiny_vit(depth=2)
+    lt.convert(model, [1, 4])  # a mixed and an all-Laplacian layer
+    x = images()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    out.sum().backward()  # aot_eager's backward graph
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-5)
+    before = out.detach()
+    model.blocks[1].attn.set_laplacian_heads(0)  # now a standard layer (timm's own forward)
+    out = compiled(x)
+    assert not torch.allclose(out, before, atol=1e-3)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)

@@ -22,7 +22,14 @@ Design choices:
   :class:`lapheads.LaplacianHeads`) and ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON);
   a saved run records it in its config.
 * Change a layer's heads with :meth:`LaplacianAttention.set_laplacian_heads` (it also updates the
-  cached Python-side flags that pick the code path); do not write into ``lap_mask`` directly.
+  cached Python-side flags); do not write into ``lap_mask`` directly.
+* The forward pass never reads ``lap_mask``: it uses ``_lap_flags``, a tuple of Python bools cached
+  by ``set_laplacian_heads``, both to pick the code path and as the ``laplacian_heads`` argument of
+  :func:`lapheads.laplacian_attention`. A device tensor there would cost a host sync per layer per
+  call on a GPU (the operator reads it back with ``tolist()``) and a graph break under
+  ``torch.compile``; the tuple is a compile-time constant, so ``fullgraph=True`` works.
+  ``lap_mask`` stays as the inspectable, device-following record of the selection (and the eager
+  path's ``torch.where`` operand, where a device tensor is what the op needs).
 * A layer with no Laplacian head runs timm's own ``Attention.forward`` unchanged, so the k = 0 model
   is bit-identical to timm on both paths and costs nothing extra.
 * Fused path (``fused_attn=True``, timm's default): :func:`lapheads.laplacian_attention` (one SDPA
@@ -66,7 +73,7 @@ from torch import nn
 from timm.layers import Attention
 
 from .errors import ConfigError
-from .heads import HeadSpec, LaplacianHeads, head_mask
+from .heads import HeadSpec, LaplacianHeads, head_flags
 from .ops import laplacian_attention
 
 __all__ = [
@@ -118,6 +125,7 @@ class LaplacianAttention(Attention):
     def _init_laplacian(self, spec: Any) -> None:
         # Called by __init__ and by convert() (after a __class__ swap, where __init__ never ran).
         self.register_buffer("lap_mask", torch.zeros(self.num_heads, dtype=torch.bool), persistent=False)
+        self._lap_flags: tuple[bool, ...] = (False,) * self.num_heads
         self._lap_any = False
         self._lap_all = False
         self.set_laplacian_heads(spec)
@@ -128,16 +136,18 @@ class LaplacianAttention(Attention):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single LaplacianAttention layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model")
-        mask = head_mask(spec, self.num_heads).to(self.lap_mask.device)
-        self.lap_mask.copy_(mask)
-        # Python-side flags pick the code path without a device sync in forward().
-        self._lap_any = bool(mask.any())
-        self._lap_all = bool(mask.all())
+        # Validate and resolve once, in Python (a tensor spec is read back here, once, not per call).
+        flags = head_flags(spec, self.num_heads)
+        self.lap_mask.copy_(torch.tensor(flags, dtype=torch.bool))
+        # forward() only reads these plain Python values: no device sync, constants under torch.compile.
+        self._lap_flags = flags
+        self._lap_any = any(flags)
+        self._lap_all = all(flags)
 
     @property
     def num_laplacian_heads(self) -> int:
         """Number of Laplacian heads in this layer."""
-        return int(self.lap_mask.sum())
+        return sum(self._lap_flags)
 
     @classmethod
     def with_heads(cls, laplacian_heads: Any) -> type["LaplacianAttention"]:
@@ -176,7 +186,7 @@ class LaplacianAttention(Attention):
         if self.fused_attn:
             x = laplacian_attention(
                 q, k, v,
-                laplacian_heads=self.lap_mask,
+                laplacian_heads=self._lap_flags,
                 attn_mask=attn_mask,
                 is_causal=is_causal,
                 dropout_p=self.attn_drop.p if self.training else 0.0,
@@ -202,7 +212,7 @@ class LaplacianAttention(Attention):
         return x
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, laplacian_heads={self.lap_mask.nonzero().flatten().tolist()}"
+        return f"num_heads={self.num_heads}, laplacian_heads={[h for h, f in enumerate(self._lap_flags) if f]}"
 
 
 # ---------------------------------------------------------------------- model-level helpers
@@ -239,7 +249,7 @@ def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
             + (f" (it has {', '.join(kinds)}, which lapheads does not convert)" if kinds else "")
             + "; use a timm ViT family model (vit_*, deit_*, deit3_*)")
     # Resolve every layer first (each with its own head count) so a bad spec changes nothing.
-    masks = [spec.resolve(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
+    masks = [spec.resolve_flags(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
     for (_, m), mask in zip(layers, masks):
         if isinstance(m, LaplacianAttention):
             m.set_laplacian_heads(mask)

@@ -16,8 +16,12 @@ gets Laplacian heads. Design choices:
   accepts: int k, per-layer list, explicit indices). It is a plain config attribute, so
   ``save_pretrained`` writes it to ``config.json`` and ``from_pretrained`` reads it back. A missing
   attribute means no Laplacian heads. The layer is found through ``module.layer_idx`` (every
-  supported attention module has it); the resolved mask is cached on the module, keyed by the
-  spec, so editing ``config.laplacian_heads`` takes effect on the next forward.
+  supported attention module has it); the resolved selection is cached on the module, keyed by
+  the spec, so editing ``config.laplacian_heads`` takes effect on the next forward.
+* The fused path hands :func:`lapheads.laplacian_attention` that cached selection as a tuple of
+  Python bools, never a device tensor: the operator branches on it, and a tensor would be read
+  back with ``tolist()`` (a host sync per layer per call on a GPU, a graph break under
+  ``torch.compile``). The eager path gets the cached device mask, which its ``torch.where`` needs.
 * transformers does NOT save ``attn_implementation`` in ``config.json``: a plain
   ``from_pretrained`` would silently load a Laplacian model as standard sdpa. Use
   :func:`from_pretrained` here (it picks :data:`ATTN_IMPLEMENTATION` when the config has
@@ -69,6 +73,7 @@ __all__ = [
     "enable",
     "from_pretrained",
     "layer_head_masks",
+    "layer_head_flags",
 ]
 
 #: Name of the fused implementation: ``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``.
@@ -89,7 +94,15 @@ def _config_spec(config: Any) -> Any:
 
 
 def layer_head_masks(config: Any, n_heads: Optional[int] = None) -> list[torch.Tensor]:
-    """Resolve ``config.laplacian_heads`` to one boolean head mask per layer.
+    """Resolve ``config.laplacian_heads`` to one boolean head mask (a CPU tensor) per layer.
+
+    Args and errors as :func:`layer_head_flags`.
+    """
+    return [torch.tensor(f, dtype=torch.bool) for f in layer_head_flags(config, n_heads)]
+
+
+def layer_head_flags(config: Any, n_heads: Optional[int] = None) -> list[tuple[bool, ...]]:
+    """Resolve ``config.laplacian_heads`` to one tuple of Python bools per layer (``True`` = Laplacian).
 
     Args:
         config: a transformers config with ``num_hidden_layers`` / ``num_attention_heads``.
@@ -104,7 +117,7 @@ def layer_head_masks(config: Any, n_heads: Optional[int] = None) -> list[torch.T
         raise ConfigError(
             f"{type(config).__name__} has no integer num_hidden_layers / num_attention_heads "
             f"(got {n_layers!r} / {n_heads!r}); Laplacian heads cannot be resolved per layer")
-    return LaplacianHeads(_config_spec(config)).resolve(n_layers, n_heads)
+    return LaplacianHeads(_config_spec(config)).resolve_flags(n_layers, n_heads)
 
 
 def _any_laplacian(config: Any) -> bool:
@@ -112,11 +125,12 @@ def _any_laplacian(config: Any) -> bool:
     return spec is not None and not LaplacianHeads(spec).is_none()
 
 
-def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """``(mask, any_laplacian)`` of ``module``'s layer, cached on the module (keyed by the spec).
+def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[tuple[bool, ...], torch.Tensor, bool]:
+    """``(flags, mask, any_laplacian)`` of ``module``'s layer, cached on the module (keyed by the spec).
 
-    The Python bool is cached with the mask so that the per-call dispatch never reads a device
-    tensor (a GPU sync per layer per step).
+    ``flags`` is the selection as a tuple of Python bools (what the fused operator takes: no device
+    read per call), ``mask`` the same selection as a boolean tensor on ``device`` (for the eager
+    path), ``any_laplacian`` whether the layer has a Laplacian head at all.
     """
     config = getattr(module, "config", None)
     layer = getattr(module, "layer_idx", None)
@@ -127,15 +141,15 @@ def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[
     key = (repr(_config_spec(config)), int(layer), n_heads, getattr(config, "num_hidden_layers", None), str(device))
     cached = getattr(module, "_lapheads_head_mask", None)
     if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    masks = layer_head_masks(config, n_heads)
-    if not 0 <= layer < len(masks):
-        raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(masks) - 1}")
-    any_lap = bool(masks[layer].any())
-    mask = masks[layer].to(device)
+        return cached[1], cached[2], cached[3]
+    all_flags = layer_head_flags(config, n_heads)
+    if not 0 <= layer < len(all_flags):
+        raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(all_flags) - 1}")
+    flags = all_flags[layer]
+    mask = torch.tensor(flags, dtype=torch.bool, device=device)
     # A plain attribute (not a buffer): never saved in state_dict, rebuilt when the spec changes.
-    object.__setattr__(module, "_lapheads_head_mask", (key, mask, any_lap))
-    return mask, any_lap
+    object.__setattr__(module, "_lapheads_head_mask", (key, flags, mask, any(flags)))
+    return flags, mask, any(flags)
 
 
 # --------------------------------------------------------------------------- cache checks
@@ -243,7 +257,7 @@ def laplacian_sdpa_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     h = query.shape[1]
-    mask, any_lap = _module_head_mask(module, h, query.device)
+    flags, _, any_lap = _module_head_mask(module, h, query.device)
     if not any_lap:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -251,7 +265,7 @@ def laplacian_sdpa_attention_forward(
     _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
     out = laplacian_attention(
-        query, key, value, laplacian_heads=mask, attn_mask=attention_mask, is_causal=causal,
+        query, key, value, laplacian_heads=flags, attn_mask=attention_mask, is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
     return out.transpose(1, 2).contiguous(), None
 
@@ -281,7 +295,7 @@ def laplacian_eager_attention_forward(
     if getattr(module, "is_cross_attention", False):
         mask, any_lap = torch.zeros(h, dtype=torch.bool, device=query.device), False
     else:
-        mask, any_lap = _module_head_mask(module, h, query.device)
+        _, mask, any_lap = _module_head_mask(module, h, query.device)
     _unsupported_kwargs(kwargs)
     if any_lap:
         _check_attention_call(module, query, key, attention_mask)
