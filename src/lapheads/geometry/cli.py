@@ -238,9 +238,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
                     help="timm.create_model keyword arguments, e.g. img_size=32 patch_size=8 depth=2")
     ap.add_argument("--run", action="append", default=[],
-                    help="a run directory trained by this project (needs lapheads.recipes.load_run)")
-    ap.add_argument("--data", required=True,
-                    help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file")
+                    help="a run directory trained by this project; without --data it is measured on its "
+                         "own held-out data and the result also goes to RUN/geometry/")
+    ap.add_argument("--data", default=None,
+                    help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file "
+                         "(required with --checkpoint)")
+    ap.add_argument("--max-items", type=int, default=512,
+                    help="--run without --data: images / token windows to measure on")
     ap.add_argument("--layers", default=None,
                     help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices "
                          "(0 = embeddings); default all")
@@ -276,6 +280,24 @@ def _load_run(run_dir: str) -> tuple[torch.nn.Module, str, Any]:
     return model, getattr(got, "kind", "vit"), getattr(got, "tokenizer", None)
 
 
+def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
+    """``--run`` without ``--data``: each run on its own held-out data (lapheads.geometry.runs)."""
+    from .capture import save_geometry_json
+    from .plots import plot_all
+    from .runs import analyze_run
+    for r in args.run:
+        if not (Path(r) / "config.yaml").is_file():
+            raise ConfigError(f"--run {r} is not a run directory (no config.yaml)")
+    labels = args.label or [Path(r).name for r in args.run]
+    runs = {lb: analyze_run(r, max_items=args.max_items, batch_size=args.batch_size, layers=layers)
+            for lb, r in zip(labels, args.run)}
+    out = Path(args.out)
+    figs = [] if args.no_figures else plot_all(runs, out)
+    path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
+    print(f"wrote {path} and {len(figs)} figures to {out}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lapheads analyze``."""
     args = _parser().parse_args(argv)
@@ -294,6 +316,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 0 < args.threshold <= 1:
         raise ConfigError(f"--threshold must be in (0, 1], got {args.threshold}")
     layers = _parse_layers(args.layers)
+    if args.data is None:
+        if args.checkpoint:
+            raise ConfigError("--data is required with --checkpoint (e.g. --data digits or --data pydoc)")
+        return _main_runs(args, layers)
     model_args = _parse_kv(args.model_args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     labels = args.label or []

@@ -41,7 +41,19 @@ def run_recipe(run_dir: str | Path) -> str:
     return RunDir(run_dir).read_config()["recipe"]
 
 
-def load_run(run_dir: str | Path, weights: str = "model") -> tuple[str, Any]:
-    """``(recipe, model)`` of a finished run, rebuilt from ``final/`` with its trained weights."""
+def load_run(run_dir: str | Path, weights: str = "model") -> dict[str, Any]:
+    """A finished run's trained model, rebuilt from ``final/``.
+
+    Returns ``{"recipe", "model", "kind", "tokenizer"}`` where ``kind`` is how the geometry
+    toolkit reads it (``"vit"`` for classify / dino backbones, ``"hf"`` for lm / sft) and
+    ``tokenizer`` is set for language models.
+    """
     name = run_recipe(run_dir)
-    return name, recipe_module(name).load_model(Path(run_dir), weights)
+    if name == "dino":
+        from .probes import load_backbone
+        model, _meta = load_backbone(run=str(run_dir))
+        return {"recipe": name, "model": model, "kind": "vit", "tokenizer": None}
+    got = recipe_module(name).load_model(Path(run_dir), weights)
+    if isinstance(got, tuple):  # lm / sft: (model, tokenizer)
+        return {"recipe": name, "model": got[0], "kind": "hf", "tokenizer": got[1]}
+    return {"recipe": name, "model": got, "kind": "vit", "tokenizer": None}
