@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -102,10 +104,16 @@ def safe_torch_load(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol: not one clean line
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(
-            f"{path} was refused by the safe loader (weights_only=True): {' '.join(str(e).split())[:300]}") from None
+        msg = " ".join(str(e).split())
+        # torch's text is a paragraph of advice ending in the real reason; keep only the reason
+        bad = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", msg)
+        why = (f"it holds something other than tensors and plain containers ({bad.group(1).strip()}), "
+               f"e.g. a pickled object that could run code; it was not loaded" if bad else msg[:300])
+        raise CheckpointError(f"{path} was refused by the safe loader (weights_only=True): {why}") from None
 
 
 def load_weights(module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint",
