@@ -14,26 +14,26 @@ from lapheads.engine.checkpoint import latest_checkpoint, load_tensors, save_ten
 from lapheads.engine.launch import launch
 from lapheads.errors import ConfigError, DataError
 from lapheads.recipes.dino import (CropsConfig, DINOHead, DinoConfig, DinoDataConfig, DinoHeadConfig,
-                                   DinoLossConfig, DinoModelConfig, DinoTask, MultiCropNet, build_task,
+                                   DinoLossConfig, DinoModelConfig, DinoTask, KnnConfig, MultiCropNet, build_task,
                                    collapse_metrics, cosine, dino_loss, teacher_temperature)
 from lapheads.engine.trainer import TrainConfig
 
 
 def tiny_cfg(k=0, batch_size=256, **train) -> DinoConfig:
-    base = dict(max_steps=8, ckpt_every=3, log_every=1, progress=False, clip_grad=3.0, warmup_steps=2,
+    base = dict(max_steps=7, ckpt_every=3, log_every=1, progress=False, clip_grad=3.0, warmup_steps=2,
                 min_lr_ratio=0.1)
     base.update(train)
     return DinoConfig(
         model=DinoModelConfig(name="vit_small_patch16_224", laplacian_heads=k, drop_path_rate=0.1,
                               kwargs=dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=6)),
-        head=DinoHeadConfig(out_dim=64, hidden_dim=64, bottleneck_dim=32),
+        head=DinoHeadConfig(out_dim=64, hidden_dim=64, bottleneck_dim=32, use_bn=True),
         crops=CropsConfig(global_size=16, local_size=8, local_crops=2, global_scale=(0.5, 1.0),
                           local_scale=(0.2, 0.5), hflip=0.0, grayscale=0.0, jitter=(0.4, 0.4, 0.0, 0.0),
                           mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
         data=DinoDataConfig(batch_size=batch_size),
         loss=DinoLossConfig(teacher_temp=0.07, warmup_teacher_temp=0.04, warmup_teacher_temp_epochs=2,
                             momentum_teacher=0.99, freeze_last_layer=1),
-        epochs=2, train=TrainConfig(**base))
+        knn=KnnConfig(max_train=300), epochs=2, train=TrainConfig(**base))
 
 
 def _run(out, cfg, resume=False):
@@ -112,6 +112,7 @@ def test_bad_config_fails_before_training(tmp_path):
         _run(tmp_path / "c", cfg)
 
 
+@pytest.mark.slow
 def test_exact_resume_after_crash(tmp_path):
     """Student, teacher, center and schedules continue bit-for-bit after a crash + --resume."""
     ref = tmp_path / "ref"
@@ -133,7 +134,7 @@ def test_exact_resume_after_crash(tmp_path):
     assert "center" in ea and all(torch.equal(ea[k], eb[k]) for k in ea)
     ra = [r for r in RunDir(ref).metrics() if "loss" in r]
     rb = [r for r in RunDir(crashed).metrics() if "loss" in r]
-    assert [r["step"] for r in rb] == list(range(1, 9))
+    assert [r["step"] for r in rb] == list(range(1, 8))
     for key in ("loss", "teacher_temp", "teacher_momentum", "weight_decay", "teacher_entropy"):
         assert [r[key] for r in ra] == [r[key] for r in rb], key
     # the schedules moved: temperature warm-up across the epoch boundary, wd and momentum up
@@ -161,10 +162,12 @@ def test_last_layer_frozen_in_first_epoch():
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dino") / "run"
-    cfg = tiny_cfg(k=5, batch_size=64, max_steps=60, ckpt_every=0, log_every=5, warmup_steps=5)
-    cfg.epochs = 3
+    cfg = tiny_cfg(k=5, batch_size=64, max_steps=80, ckpt_every=0, log_every=10, warmup_steps=5)
+    cfg.epochs = 4
     cfg.optim.lr = 0.004
     cfg.head.out_dim = 128
+    # a constant sharp teacher (and the BN head) keep this tiny run from collapsing to uniform
+    cfg.loss.warmup_teacher_temp_epochs, cfg.loss.teacher_temp = 0, 0.04
     res = _run(out, cfg)
     return out, res
 
@@ -178,9 +181,9 @@ def test_tiny_dino_learns(trained_run):
     assert last < first, losses
     # no collapse: the sharpened teacher is neither one-hot nor uniform on average
     ent = recs[-1]["teacher_entropy"]
-    assert 0.1 < ent, ent
-    assert recs[-1]["teacher_kl_uniform"] > 0.01
-    assert res["knn_k20_top1"] > 0.5 and res["knn_k10_top1"] > 0.5  # chance is 0.1
+    assert 0.1 < ent < 0.9 * math.log(128), ent
+    assert recs[-1]["teacher_kl_uniform"] > 0.05
+    assert res["knn_k20_top1"] > 0.3 and res["knn_k10_top1"] > 0.3  # chance is 0.1
 
 
 @pytest.mark.slow
@@ -190,11 +193,11 @@ def test_probe_and_pca_clis_on_a_run(trained_run, tmp_path):
     out, _ = trained_run
     assert main(["eval", "knn", "--run", str(out), "--data", "digits", "--json", str(tmp_path / "k.json")]) == 0
     k = json.loads((tmp_path / "k.json").read_text())
-    assert k["knn_k10_top1"] > 0.5 and k["laplacian_heads"] == 5
+    assert k["knn_k10_top1"] > 0.3 and k["laplacian_heads"] == 5
     assert main(["eval", "linear", "--run", str(out), "--data", "digits", "--n-last-blocks", "2", "--avgpool",
                  "--epochs", "20", "--json", str(tmp_path / "l.json")]) == 0
     lin = json.loads((tmp_path / "l.json").read_text())
-    assert lin["linear_top1"] > 0.5 and lin["feature_dim"] == 3 * 48
+    assert lin["linear_top1"] > 0.3 and lin["feature_dim"] == 3 * 48
     png = tmp_path / "maps.png"
     assert main(["pca-maps", "--run", str(out), "--images", "digits", "--max-images", "6", "--out", str(png),
                  "--mask-background"]) == 0

@@ -71,12 +71,12 @@ def test_miou_matches_brute_force():
 
 
 def test_segmentation_probe_beats_trivial(tmp_path):
-    root = make_synthetic_segmentation(tmp_path / "syn", n_train=48, n_val=12, size=32, seed=0)
+    root = make_synthetic_segmentation(tmp_path / "syn", n_train=32, n_val=12, size=32, seed=0)
     tr, va = build_segmentation_dataset(root, "train"), build_segmentation_dataset(root, "val")
     torch.manual_seed(0)
     bb, meta = load_backbone(model="vit_small_patch16_224", img_size=32, patch_size=4, embed_dim=48,
                              depth=2, num_heads=6, laplacian_heads=3)  # frozen random init
-    res = segmentation_probe(bb, tr, va, tr.num_classes, 32, (0.5,) * 3, (0.5,) * 3, epochs=40, lr=3e-3,
+    res = segmentation_probe(bb, tr, va, tr.num_classes, 32, (0.5,) * 3, (0.5,) * 3, epochs=25, lr=3e-3,
                              batch_size=16)
     assert res["miou"] == pytest.approx(res["miou_bruteforce"], abs=1e-6)
     assert res["trivial_miou"] < 0.25

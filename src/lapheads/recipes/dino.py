@@ -33,6 +33,9 @@ Design choices (DINO's own choices unless said otherwise):
   warm-up per epoch ``warmup_teacher_temp -> teacher_temp`` over ``warmup_teacher_temp_epochs``;
   teacher momentum cosine to 1 (after_optimizer_step); last layer frozen (gradients set to None,
   so AdamW skips it entirely) for the first ``freeze_last_layer`` epochs (before_optimizer_step).
+* ``head.use_bn`` (DINO's ``--use_bn_in_head``; SyncBatchNorm under DDP) is off for the ImageNet
+  recipes, as in DINO for ViTs, but on for the digits recipe: without it that tiny set-up collapses
+  to a uniform teacher within ~50 steps.
 * Gradient clipping is the engine's global-norm clip (``train.clip_grad``); DINO clips per
   parameter, which this deliberately does not reproduce.
 * Collapse monitor: every logged step carries ``teacher_entropy`` (mean entropy of the sharpened
@@ -466,6 +469,10 @@ class DinoTask(Task):
                                    h.norm_last_layer)
         self.model = MultiCropNet(student_bb, mk_head()).to(self.device)
         self.teacher = MultiCropNet(teacher_bb, mk_head()).to(self.device)
+        if self.info.distributed and h.use_bn:
+            # batch statistics over the global batch, as DINO does for a BN head
+            self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+            self.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(self.teacher)
         self.teacher.load_state_dict(self.model.state_dict())
         for p in self.teacher.parameters():
             p.requires_grad_(False)
@@ -504,7 +511,13 @@ class DinoTask(Task):
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
 
+    def teacher_momentum(self, step: int, total: int) -> float:
+        """EMA momentum of the update after optimizer step ``step``: cosine from the base to 1."""
+        return 1.0 - (1.0 - self.cfg.loss.momentum_teacher) * (math.cos(math.pi * step / max(total, 1)) + 1) / 2
+
     def on_step_start(self, step: int, total: int) -> None:
+        # pure functions of the step, so a resumed run logs and uses exactly the same values
+        self._momentum = self.teacher_momentum(step, total)
         self._wd = cosine(step, total, self.cfg.optim.weight_decay, self.cfg.optim.weight_decay_end)
         self._opt.param_groups[0]["weight_decay"] = self._wd
 
@@ -541,9 +554,7 @@ class DinoTask(Task):
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int, total: int) -> None:
-        # momentum for the update that follows step `step` (DINO indexes it by the iteration)
-        m = 1.0 - (1.0 - self.cfg.loss.momentum_teacher) * (math.cos(math.pi * step / max(total, 1)) + 1) / 2
-        self._momentum = m
+        m = self.teacher_momentum(step, total)  # DINO indexes the momentum by the iteration
         s_params = dict(self.model.named_parameters())
         for n, p_t in self.teacher.named_parameters():
             p_t.mul_(m).add_(s_params[n].detach(), alpha=1.0 - m)
