@@ -153,6 +153,16 @@ def c_negative_batch_size(s, tmp):
                 ("data.batch_size=-4", ">= 1"))
 
 
+def c_negative_lr(s, tmp):
+    return Case(_train(tmp, "--set", "optim.lr=-1", "--set", "train.max_steps=2"), _out(tmp),
+                ("optim", "learning rate", "-1"))
+
+
+def c_lr_beyond_float32(s, tmp):
+    return Case(_train(tmp, "--set", "optim.lr=1e39", "--set", "optim.lr_batch=0", "--set", "train.max_steps=2"),
+                _out(tmp), ("learning rate 1e+39", "finite"))
+
+
 def c_ema_decay_out_of_range(s, tmp):
     return Case(_train(tmp, "--set", "train.ema_decay=1.5"), _out(tmp), ("train.ema_decay", "[0, 1)"))
 
@@ -443,7 +453,8 @@ def k_eval_not_a_run(s, tmp):
 CASES = {f.__name__: f for f in [
     c_bad_yaml, c_missing_config, c_yaml_not_mapping, c_config_of_other_recipe, c_unknown_key, c_unknown_section,
     c_unknown_key_in_yaml, c_wrong_type_int, c_wrong_type_bool, c_wrong_type_section, c_bad_enum_schedule,
-    c_bad_enum_optimizer, c_negative_max_steps, c_negative_batch_size, c_ema_decay_out_of_range,
+    c_bad_enum_optimizer, c_negative_max_steps, c_negative_batch_size, c_negative_lr, c_lr_beyond_float32,
+    c_ema_decay_out_of_range,
     c_zero_length_run, c_set_without_equals, c_tuple_wrong_length, c_too_many_laplacian_heads,
     a_unknown_command, a_group_without_subcommand, a_missing_required_flag, a_unknown_flag, a_flag_wrong_type,
     a_resume_and_overwrite, a_resume_missing_run, a_existing_run_without_resume,

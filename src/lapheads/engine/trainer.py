@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError, NonFiniteError
+from ..errors import ConfigError, LapheadsError, NonFiniteError
 from . import dist as D
 from .checkpoint import (latest_checkpoint, load_tensors, load_weights, safe_torch_load, save_tensors,
                          write_checkpoint, atomic_write_text)
@@ -230,10 +230,19 @@ class Trainer:
         self.use_bf16 = (cfg.precision == "bf16") or (
             cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported())
         self.model = task.model
-        self.optims = task.optimizers()
+        try:
+            self.optims = task.optimizers()
+        except LapheadsError:
+            raise
+        except ValueError as e:  # torch's own checks (e.g. "Invalid learning rate: -1.0")
+            raise ConfigError(f"the optimizer refused its settings: {e} (check the optim section)") from None
         for opt in self.optims:
             for g in opt.param_groups:
                 g.setdefault("base_lr", g["lr"])
+                # beyond float32's range torch fails inside opt.step() with a bare RuntimeError
+                if not 0.0 <= float(g["base_lr"]) <= torch.finfo(torch.float32).max:
+                    raise ConfigError(f"learning rate {float(g['base_lr']):g} of {type(opt).__name__} must be a "
+                                      f"finite number >= 0 (check the optim section)")
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.ddp_model: nn.Module = self.model
         if self.info.distributed:
