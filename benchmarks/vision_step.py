@@ -2,9 +2,11 @@
 
 Model: timm ``deit3_small_patch16_224`` (6 heads of 64, 12 layers, 1000 classes) built with
 ``lapheads.timm.create_model(name, laplacian_heads=k, img_size=...)``; every k starts from the same
-seed, so the three models have identical weights. One measured step = forward + backward +
-``torch.optim.AdamW`` step on one batch of random images (``--batch`` x 3 x ``--img-size``^2, float32,
-train mode), what the classification recipe runs per step minus data loading.
+seed, so the models have identical weights (plus a second k = 0 model, an A/A control whose
+ratio to k = 0 shows how far this run's load noise alone moves a ratio; ``--no-control`` drops
+it). One measured step = forward + backward + ``torch.optim.AdamW`` step on one batch of random
+images (``--batch`` x 3 x ``--img-size``^2, float32, train mode),
+what the classification recipe runs per step minus data loading.
 
 Data pipeline: the classification recipe's training transform
 (``lapheads.data.transforms.build_transforms(img_size, train=True, three_augment=True)``: random
@@ -22,10 +24,11 @@ Design choices:
   the ~3-4 min budget. 160 px keeps batch 8 and a sequence of 101 tokens (100 patches + class
   token), the same order as the paper's 197, so attention (where the Laplacian heads' extra
   subtraction lives) keeps a comparable share of the step; ``--img-size 224`` gives the paper's size.
-* Everything is measured in ONE run, INTERLEAVED round by round (benchmarks/_common.py): the three
-  training steps and the two pipeline variants rotate through each round, so every ratio compares
-  figures measured minutes apart at most under the same machine load; ratios are medians of
-  per-round ratios.
+* Everything is measured in ONE run, INTERLEAVED round by round (``time_interleaved`` of
+  benchmarks/_common.py): every round runs the training steps in rotated order, then the two
+  pipeline epochs, so every ratio compares figures measured seconds apart under the same machine
+  load; ratios are medians of per-round ratios. (One rotation over all five would make the same
+  step always follow a pipeline epoch and its worker fork/teardown; see :func:`interleaved_rounds`.)
 * Pipeline vs training: the ratio printed is pipeline images/s over training images/s. With
   ``num_workers=1`` the worker runs concurrently with the step, so a ratio >= 1 means the GPU/CPU
   step never waits for data (on this CPU-only box the worker also competes with the step for the
@@ -60,6 +63,7 @@ from lapheads.engine.data import epoch_batches  # noqa: E402
 
 MODEL = "deit3_small_patch16_224"
 KS = (0, 3, 6)
+AA = "k=0 (A/A)"  # a second, identical k=0 model: its ratio to k=0 is the noise floor of this run
 WORKERS = (0, 1)
 
 
@@ -125,6 +129,28 @@ def make_pipeline_epoch(images, img_size: int, batch: int, num_workers: int,
     return run
 
 
+def interleaved_rounds(fns: dict[str, Callable[[], None]], steps: list[str], pipes: list[str], repeats: int,
+                       log: Callable[[str], None]) -> dict[str, list[float]]:
+    """One warm-up call each, then ``repeats`` rounds: the training steps, rotated, then the pipelines.
+
+    Why not one rotation over all five: a plain rotation keeps cyclic neighbours fixed, so one
+    training step would ALWAYS follow a pipeline epoch (worker fork and teardown, allocator churn)
+    and carry that disturbance alone. Here each training step takes every position among the steps
+    equally often and the pipelines sit between rounds, so the disturbance is shared.
+    """
+    times: dict[str, list[float]] = {n: [] for n in steps + pipes}
+    for r in range(-1, repeats):  # round -1 is the warm-up
+        for group in (steps, pipes):
+            order = group[r % len(group):] + group[:r % len(group)]
+            got = time_interleaved({n: fns[n] for n in order}, warmup=0, repeats=1)
+            if r >= 0:
+                for n in order:
+                    times[n] += got[n]
+        if r >= 0:
+            log(f"[vision_step] round {r + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in steps))
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and a smaller epoch (a smoke run)")
@@ -135,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--img-size", type=int, default=160, help="image side in pixels (default 160; see the docstring)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved measured rounds (--quick: 3)")
     ap.add_argument("--pipe-images", type=int, default=96, help="images per pipeline epoch (--quick: 48)")
+    ap.add_argument("--no-control", action="store_true",
+                    help="skip the A/A control (a second identical k=0 model that measures the noise floor)")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.img_size < 16 or args.img_size % 16:
-        ap.error(f"--batch must be >= 1 and --img-size a multiple of 16 (patch size); got {args.batch}, {args.img_size}")
+        ap.error(f"--batch must be >= 1 and --img-size a multiple of 16 (patch size); "
+                 f"got {args.batch}, {args.img_size}")
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else args.repeats
     pipe_images = 48 if args.quick else args.pipe_images
@@ -150,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in KS:
         fns[f"k={k}"] = make_train_step(k, args.batch, args.img_size)
         log(f"[vision_step] built k={k}")
+    if not args.no_control:
+        fns[AA] = make_train_step(0, args.batch, args.img_size)
+    steps = [f"k={k}" for k in KS] + ([] if args.no_control else [AA])
     images = make_images(pipe_images, args.img_size)
     steady: dict[str, list[float]] = {}
     for w in WORKERS:
@@ -158,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"[vision_step] {len(fns)} variants, 1 warm-up + {repeats} interleaved rounds")
     t0 = time.time()
-    times = time_interleaved(fns, warmup=1, repeats=repeats)
+    times = interleaved_rounds(fns, steps, [f"workers={w}" for w in WORKERS], repeats, log)
     wall = time.time() - t0
     load_end = os.getloadavg()
     for w in WORKERS:  # drop the warm-up call's steady-state figure: rounds must line up with `times`
@@ -166,13 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     med = medians(times)
 
     # --- training step
-    train_ips = {k: args.batch / med[f"k={k}"] for k in KS}
-    ratios = {k: paired_ratio(times, f"k={k}", "k=0") for k in KS if k}
+    ratios = {n: paired_ratio(times, n, "k=0") for n in steps[1:]}
     # the spread of the per-round ratios shows how much the shared machine's load moved them
-    spread = {k: [a / b for a, b in zip(times[f"k={k}"], times["k=0"])] for k in KS if k}
-    rows = [(f"k={k}", f"{med[f'k={k}'] * 1e3:.0f}", f"{train_ips[k]:.2f}",
-             "1 (baseline)" if k == 0 else f"{ratios[k]:.3f}",
-             "" if k == 0 else f"{min(spread[k]):.2f} .. {max(spread[k]):.2f}") for k in KS]
+    spread = {n: [a / b for a, b in zip(times[n], times["k=0"])] for n in steps[1:]}
+    rows = [(n, f"{med[n] * 1e3:.0f}", f"{args.batch / med[n]:.2f}",
+             f"{ratios[n]:.3f}" if n in ratios else "1 (baseline)",
+             f"{min(spread[n]):.2f} .. {max(spread[n]):.2f}" if n in spread else "") for n in steps]
 
     # --- pipeline, per round paired with the k=0 step of the same round
     prow, pipe_ratio = [], {}
@@ -190,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * share:.1f}%" if w == 0 else "none (runs concurrently)"))
         log(f"[vision_step] pipeline {name}: {ips_steady:.1f} img/s steady, ratio to training {pipe_ratio[w]:.1f}")
 
-    worst = max(ratios.values())
+    lap = {k: ratios[f"k={k}"] for k in KS if k}
+    worst = max(lap.values())
     print(f"## Vision training step: DeiT-3 ViT-S ({MODEL}), k Laplacian heads of 6 (benchmarks/vision_step.py)\n")
     print(f"{machine_line()}; batch {args.batch} x 3 x {args.img_size} x {args.img_size} "
           f"({(args.img_size // 16) ** 2 + 1} tokens), float32, train mode, forward + backward + AdamW step; "
-          f"1 warm-up + {repeats} interleaved rounds (training steps and pipeline epochs rotate in every "
-          f"round), medians; ratios are medians of per-round ratios. Load average "
+          f"1 warm-up + {repeats} interleaved rounds (every round: the training steps in rotated order, then "
+          f"the two pipeline epochs), medians; ratios are medians of per-round ratios. Load average "
           f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end; measuring took {wall:.0f} s.\n")
     print(markdown_table(("model", "ms/step", "images/s", "time ratio to k=0", "per-round ratio range"), rows))
     print(f"\nData pipeline: the classification recipe's training transform (3-Augment, {args.img_size} px) on "
@@ -206,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(("num_workers", "images/s (steady)", "images/s (whole epoch)",
                           "pipeline / training (k=0)", "data share of wall time"), prow))
     print()
-    print(f"- target time ratio <= 1.03: " + ", ".join(f"k={k} {r:.3f}" for k, r in ratios.items())
-          + f" -> {'met' if worst <= 1.03 else 'NOT met'}")
+    print(f"- target time ratio <= 1.03: " + ", ".join(f"k={k} {r:.3f}" for k, r in lap.items())
+          + f" -> {'met' if worst <= 1.03 else 'NOT met'}"
+          + ("" if args.no_control else
+             f"; noise check: the A/A control (an identical k=0 model) reads {ratios[AA]:.3f}, a "
+             f"{abs(ratios[AA] - 1):.1%} deviation from 1 caused by load alone (single rounds swing "
+             f"far more, see the ranges)"))
     print(f"- target pipeline not the bottleneck (pipeline images/s >= training images/s): "
           + ", ".join(f"num_workers={w}: {pipe_ratio[w]:.1f}x" for w in WORKERS)
           + f" -> {'met' if min(pipe_ratio.values()) >= 1 else 'NOT met'}"
