@@ -30,8 +30,9 @@ PLAN = {
              "vision_set": ["data.epochs=10"], "lm_set": [], "max_items": 359},
     "tiny": {"vision_seeds": [0, 1], "lm_seeds": [0],
              "vision_set": ["data.epochs=1", "train.max_steps=6", "data.max_eval_items=64"],
-             "lm_set": ["train.max_steps=4", "data.eval_tokens=4096", "sample.every=0"],
-             "max_items": 64},
+             "lm_set": ["train.max_steps=4", "train.eval_every=0", "data.eval_tokens=2048",
+                        "samples.max_new_tokens=4"],
+             "max_items": 32},
 }
 
 
@@ -79,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       plan["vision_set"] + ["train.progress=true"]))
     if not args.no_lm:
         cfg = rdir / "lm" / "tiny.yaml"
-        heads = int(read_yaml(cfg)["model"]["num_heads"])
+        heads = int(read_yaml(cfg)["model"]["n_heads"])
         parts.append(("lm", "lm", cfg, ["0", str(heads // 2), "all"], plan["lm_seeds"], plan["lm_set"]))
     if not parts:
         raise ConfigError("--no-lm and --no-vision leave nothing to run")

@@ -62,6 +62,10 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
     run = RunDir(run_dir)
     cfg = run.read_config()
     spec = (cfg.get("model") or {}).get("laplacian_heads", 0)
+    if cfg["recipe"] == "sft" and cfg.get("init_from"):  # SFT keeps the heads of the run it started from
+        base = Path(cfg["init_from"])
+        if (base / "config.yaml").is_file():
+            spec = (RunDir(base).read_config().get("model") or {}).get("laplacian_heads", 0)
     label = LaplacianHeads(spec).label()
     if label == "none":
         label = "k=0"

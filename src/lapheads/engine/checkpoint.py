@@ -197,4 +197,6 @@ def write_checkpoint(ckpt_dir: Path, step: int, files: Mapping[str, Any], keep: 
     for stale in ckpt_dir.glob(".tmp-*"):  # partial writes of killed processes
         if stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
+    for stale in ckpt_dir.glob(f".{LATEST}.tmp-*"):  # a pointer write killed before its rename
+        stale.unlink(missing_ok=True)
     return final

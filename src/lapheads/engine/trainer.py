@@ -432,7 +432,12 @@ class Trainer:
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total:
                 self.save_checkpoint()
         bar.close()
-        last_eval = self._evaluate()
+        done_before = [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.total] \
+            if resume and self.info.is_main else []
+        if done_before:  # resumed from the final checkpoint: the final evaluation is already logged
+            last_eval = {k: v for k, v in done_before[-1].items() if k not in ("step", "split")}
+        else:
+            last_eval = self._evaluate()
         self.save_checkpoint()
         self._export_final(last_eval)
         if self._tb:

@@ -53,6 +53,7 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
     from ..engine.run import RunDir
     from .capture import analyze_model, save_geometry_json
 
+    batch_size = max(1, min(batch_size, max_items)) if max_items else batch_size
     run = RunDir(run_dir)
     raw = run.read_config()
     recipe = raw.pop("recipe")
@@ -85,9 +86,10 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
             cfg = from_dict(LMConfig, raw)
             _, shard_dir = prepare_data(cfg.data)
             seq_len = cfg.data.seq_len
-        else:  # SFT: measure on the pretraining run's validation text, as the LM it started from
-            from ..recipes.sft import base_lm_config
-            cfg = base_lm_config(raw)
+        else:  # SFT: measure on the validation text of the pretraining run it started from
+            base = RunDir(raw["init_from"]).read_config()
+            base.pop("recipe")
+            cfg = from_dict(LMConfig, base)
             _, shard_dir = prepare_data(cfg.data)
             seq_len = cfg.data.seq_len
         val = TokenShards(shard_dir, "val")
@@ -100,7 +102,8 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
         raise ConfigError(f"{run.path}: geometry analysis does not know recipe {recipe!r}")
     res["meta"]["run"] = str(run.path)
     res["meta"]["recipe"] = recipe
-    res["meta"]["laplacian_heads"] = raw.get("model", {}).get("laplacian_heads")
+    res["meta"]["laplacian_heads"] = getattr(model, "config", None) and getattr(model.config, "laplacian_heads", None) \
+        if recipe in ("lm", "sft") else raw.get("model", {}).get("laplacian_heads")
     out = Path(out_dir) if out_dir else run.path / "geometry"
     out.mkdir(parents=True, exist_ok=True)
     save_geometry_json(res, out / "geometry.json")

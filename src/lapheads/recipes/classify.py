@@ -63,6 +63,15 @@ class DataConfig:
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     max_eval_items: int = 0  # 0 = all
 
+    def validate(self) -> None:
+        for key in ("batch_size", "eval_batch_size", "epochs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"data.{key}={getattr(self, key)} must be >= 1")
+        if not 0.0 < self.scale_min <= 1.0:
+            raise ConfigError(f"data.scale_min={self.scale_min} must be in (0, 1]")
+        if self.max_eval_items < 0:
+            raise ConfigError(f"data.max_eval_items={self.max_eval_items} must be >= 0 (0 = all)")
+
 
 @dataclass
 class AugConfig:
