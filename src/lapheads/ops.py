@@ -152,9 +152,17 @@ def laplacian_attention(
         return out
     if all(flags):
         return _v_self(v, tq, h, hkv) - out
-    # Mixed layer: subtract only where needed; torch.where keeps autograd cheap and exact.
-    mask = torch.tensor(flags, dtype=torch.bool, device=out.device).view(h, 1, 1)
-    return torch.where(mask, _v_self(v, tq, h, hkv) - out, out)
+    # Mixed layer: slice the runs of consecutive Laplacian / standard heads (one run each in the
+    # trailing-k convention) and concatenate: Python indices only, so no head mask is copied to
+    # the device on every call and torch.compile sees constants.
+    vs = _v_self(v, tq, h, hkv)
+    pieces, start = [], 0
+    for i in range(1, h + 1):
+        if i == h or flags[i] != flags[start]:
+            o = out[..., start:i, :, :]
+            pieces.append(vs[..., start:i, :, :] - o if flags[start] else o)
+            start = i
+    return torch.cat(pieces, dim=-3)
 
 
 def laplacian_attention_reference(
