@@ -316,7 +316,10 @@ def _verdict(base: tuple, lap: tuple, want_lower: bool) -> str:
     spread = max(s0, s1)
     if n0 > 1 and n1 > 1 and abs(diff) <= spread:
         return "not resolved (the difference is within the spread over seeds)"
-    return "observed" if good else "not observed (the opposite direction)"
+    verdict = "observed" if good else "not observed (the opposite direction)"
+    if n0 < 2 or n1 < 2:
+        verdict += " in a single run per setting, with no estimate of the spread over seeds"
+    return verdict
 
 
 def claims(summary: dict) -> list[tuple[str, str]]:
@@ -346,8 +349,8 @@ def claims(summary: dict) -> list[tuple[str, str]]:
             c = _compare(groups, key)
             if c is not None:
                 b, sb, l, sl = c
-                claim = "accuracy" if higher else name
-                out.append((f"{recipe}: Laplacian heads improve the {claim}",
+                claim = "raise the accuracy" if higher else f"lower the {name}"
+                out.append((f"{recipe}: Laplacian heads {claim}",
                             f"{_verdict(sb, sl, not higher).capitalize()}. {name}: {b} {_fmt(*sb)} vs "
                             f"{l} {_fmt(*sl)} (mean ± std over {sb[2]} and {sl[2]} runs)."))
     return out
