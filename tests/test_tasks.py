@@ -80,7 +80,7 @@ def test_normalize_number(text, expected):
 
 def test_malformed_json_names_file_and_line(tmp_path):
     p = _write(tmp_path / "bad.jsonl", [ARC_HF], raw_lines=["", "{not json"])
-    with pytest.raises(DataError, match=r"bad\.jsonl:3: malformed JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: not valid JSON"):
         load_task("arc_easy", p)
 
 

@@ -27,8 +27,6 @@ Design choices:
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import re
 from decimal import Decimal
@@ -141,27 +139,8 @@ def builtin_humaneval_path() -> Optional[str]:
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: task file not found")
-    opener = gzip.open if path.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column "
-                                    f"{exc.colno}); expected one JSON object per line") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got "
-                                    f"{type(row).__name__}")
-                yield lineno, row
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        if isinstance(exc, DataError):
-            raise
-        raise DataError(f"{path}: cannot read task file ({exc})") from None
+    from .jsonl import iter_jsonl
+    return iter_jsonl(path, "task file")
 
 
 def _need(row: dict, fields: tuple[str, ...], where: str, layout: str) -> None:

@@ -30,7 +30,6 @@ Design choices:
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
@@ -102,31 +101,16 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
     Raises:
         DataError: naming ``file:line`` for a line that is not JSON, not an object, or lacks the field.
     """
+    from .jsonl import iter_jsonl
     p = Path(path)
-    opener = gzip.open if p.name.endswith(".gz") else open
-    try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno})") from e
-                if not isinstance(obj, dict):
-                    raise DataError(f"{p}:{n}: expected a JSON object with key {text_field!r}, "
-                                    f"got {type(obj).__name__}")
-                if text_field not in obj:
-                    raise DataError(f"{p}:{n}: no key {text_field!r}; keys found: {sorted(obj)[:20]} "
-                                    "(choose one with --text-field)")
-                text = obj[text_field]
-                if not isinstance(text, str):
-                    raise DataError(f"{p}:{n}: {text_field!r} is a {type(text).__name__}, expected a string")
-                yield text
-    except UnicodeDecodeError as e:
-        raise DataError(f"{p}: not UTF-8 text ({e.reason})") from e
-    except (OSError, EOFError) as e:
-        raise DataError(f"{p}: cannot be read ({e})") from e
+    for n, obj in iter_jsonl(p):
+        if text_field not in obj:
+            raise DataError(f"{p}:{n}: no key {text_field!r}; keys found: {sorted(obj)[:20]} "
+                            "(choose one with --text-field)")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise DataError(f"{p}:{n}: {text_field!r} is a {type(text).__name__}, expected a string")
+        yield text
 
 
 def _parquet_file(p: Path, text_field: str):

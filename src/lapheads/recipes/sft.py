@@ -138,26 +138,15 @@ def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
         DataError: naming ``file:line`` for a missing/empty file, a line that is not JSON, or an
             object without a ``messages`` list.
     """
+    from ..data.jsonl import iter_jsonl
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: no such chat JSONL file")
     out = []
-    try:
-        with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-                msgs = obj.get("messages") if isinstance(obj, dict) else None
-                if not isinstance(msgs, list) or not msgs:
-                    raise DataError(f"{p}:{n}: expected an object with a non-empty 'messages' list of "
-                                    "{'role', 'content'} dicts")
-                out.append((n, msgs))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{p}: not UTF-8 text ({e.reason})") from None
+    for n, obj in iter_jsonl(p, "chat JSONL file"):
+        msgs = obj.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{p}:{n}: expected an object with a non-empty 'messages' list of "
+                            "{'role', 'content'} dicts")
+        out.append((n, msgs))
     if not out:
         raise DataError(f"{p}: the file holds no conversation (it is empty)")
     return out
