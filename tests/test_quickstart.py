@@ -1,0 +1,46 @@
+"""`lapheads quickstart --tiny` end to end: every file, one row per k, finite numbers, working HTML."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from lapheads.cli import main as cli
+
+
+@pytest.mark.slow
+def test_quickstart_tiny_end_to_end(tmp_path, capsys):
+    out = tmp_path / "qs"
+    assert cli(["quickstart", "--tiny", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "report" / "report.html") in printed
+    runs = sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("*/*/config.yaml"))
+    assert runs == ["lm/lap0_seed0", "lm/lap2_seed0", "lm/lapall_seed0", "vision/lap0_seed0",
+                    "vision/lap0_seed1", "vision/lap2_seed0", "vision/lap2_seed1", "vision/lapall_seed0",
+                    "vision/lapall_seed1"]
+    for run in out.glob("*/lap*_seed*"):
+        for f in ("config.yaml", "meta.json", "metrics.jsonl", "final/model.safetensors", "final/model.json",
+                  "final/metrics.json", "geometry/geometry.json"):
+            assert (run / f).is_file(), (run, f)
+    md = (out / "report" / "report.md").read_text()
+    for section in ("## classify", "## lm"):
+        body = md.split(section, 1)[1].split("\n## ", 1)[0]
+        rows = [l for l in body.splitlines() if re.match(r"\| (k=0|k=2|all) \|", l)]
+        assert [r.split("|")[1].strip() for r in rows] == ["k=0", "k=2", "all"], body
+        for row in rows:
+            for cell in [c.strip() for c in row.strip("|").split("|")][2:]:
+                value = float(cell.split(" ± ")[0])
+                assert math.isfinite(value), row
+    for ref in re.findall(r"\]\(([^)]+)\)", md):
+        assert (out / "report" / ref).is_file(), ref
+    html = (out / "report" / "report.html").read_text()
+    for src in re.findall(r"src='([^']+)'", html):
+        assert src.startswith("data:image/png;base64,"), src[:60]
+    assert "The paper's claims" in md
+    # run it again: every finished run is reused, nothing is retrained
+    before = {p: p.stat().st_mtime_ns for p in out.glob("*/*/final/model.safetensors")}
+    assert cli(["quickstart", "--tiny", "--out", str(out)]) == 0
+    assert {p: p.stat().st_mtime_ns for p in before} == before
