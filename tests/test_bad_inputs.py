@@ -352,13 +352,18 @@ def t_lm_tokenizer_dir_missing_files(s, tmp):
 
 
 def t_sft_messages_not_a_list(s, tmp):
-    # (an unknown role is only found when the conversation is rendered, after init_from's model
-    # and tokenizer are loaded, so it cannot be checked without a finished LM run; see the report)
     f = _write(tmp / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
                + json.dumps({"messages": "hello"}) + "\n")
     return Case(["train", "sft", "--config", str(ROOT / "recipes/sft/tiny.yaml"), "--out", str(_out(tmp)),
                  "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
                 _out(tmp), ("chat.jsonl:2", "messages"))
+
+
+def t_sft_unknown_role(s, tmp):
+    f = _write(tmp / "chat.jsonl", json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
+    return Case(["train", "sft", "--config", str(ROOT / "recipes/sft/tiny.yaml"), "--out", str(_out(tmp)),
+                 "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
+                _out(tmp), ("chat.jsonl:1", "unknown role 'robot'"))
 
 
 def t_sft_chat_not_json(s, tmp):
@@ -462,7 +467,7 @@ CASES = {f.__name__: f for f in [
     d_val_classes_differ, d_labels_out_of_range, d_missing_path,
     t_empty_corpus, t_parquet_without_text_column, t_jsonl_not_json, t_vocab_too_small,
     t_tokenizer_dir_missing_files, t_tokenizer_json_corrupt, t_tokenize_missing_input, t_lm_missing_corpus,
-    t_lm_tokenizer_dir_missing_files, t_sft_messages_not_a_list, t_sft_chat_not_json,
+    t_lm_tokenizer_dir_missing_files, t_sft_messages_not_a_list, t_sft_unknown_role, t_sft_chat_not_json,
     k_pickle_payload, k_truncated_safetensors, k_truncated_state, k_latest_points_nowhere,
     k_resume_other_architecture, k_checkpoint_of_other_architecture, k_eval_other_architecture,
     k_eval_truncated_final, k_eval_not_a_run,

@@ -146,6 +146,11 @@ def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
         if not isinstance(msgs, list) or not msgs:
             raise DataError(f"{p}:{n}: expected an object with a non-empty 'messages' list of "
                             "{'role', 'content'} dicts")
+        for i, m in enumerate(msgs):  # roles are checked here, before any model is loaded
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ("system", "user", "assistant") or "content" not in m:
+                raise DataError(f"{p}:{n}: messages[{i}] has unknown role {role!r} or no 'content'; allowed "
+                                "roles: system, user, assistant")
         out.append((n, msgs))
     if not out:
         raise DataError(f"{p}: the file holds no conversation (it is empty)")
