@@ -223,3 +223,18 @@ def test_epoch_batches_resume_mid_epoch():
     r1 = list(epoch_batches(data, 2, seed=1, rank=1, world_size=2, epochs=1))
     merged = [a.tolist() + b.tolist() for a, b in zip(r0, r1)]
     assert merged == [b.tolist() for b in full[:12]]
+
+
+def test_nonfinite_weights_are_never_checkpointed(tmp_path):
+    """Finite gradients but an update that overflows the weights: the checkpoint is refused."""
+    class Overflow(ToyTask):
+        def after_optimizer_step(self, step, total):
+            if step == 6:
+                with torch.no_grad():
+                    self.model[0].weight.mul_(float("inf"))
+
+    out = tmp_path / "ovf"
+    with pytest.raises(NonFiniteError, match=r"step 7: weight 0\.weight"):
+        launch("toy", _cfg(ckpt_every=7), lambda c, info: Overflow(c, info), str(out))
+    assert latest_checkpoint(out / "checkpoints") is None or \
+        latest_checkpoint(out / "checkpoints").name != "step_00000007"

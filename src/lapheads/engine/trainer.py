@@ -278,6 +278,14 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         files = self.state_files()  # every rank takes part in the RNG gather
+        # The guard checks loss and gradients each step; an update can still overflow the weights
+        # with finite gradients, so never let such weights replace the last good checkpoint.
+        for name, t in files["model.safetensors"].items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
+                raise NonFiniteError(
+                    f"non-finite value at step {self.step}: weight {name} is NaN/Inf after the optimizer "
+                    f"step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})")
         if self.info.is_main:
             write_checkpoint(self.run.ckpt_dir, self.step, files, keep=self.cfg.keep_checkpoints)
         D.barrier()
