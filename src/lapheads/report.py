@@ -132,6 +132,21 @@ def _plt():
     return plt
 
 
+def _finish_lines(plt, fig, ax, drawn: bool, path: Path, xlabel: str, ylabel: str, title: str) -> Optional[Path]:
+    """Label, save and close a line figure; None (nothing written) when no line was drawn."""
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -150,17 +165,8 @@ def _fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
             sd = vals.std(0, ddof=1)
             ax.fill_between(steps, m - sd, m + sd, alpha=0.2)
         drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(f"{recipe}: training loss (mean ± std over seeds)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish_lines(plt, fig, ax, drawn, path, "optimizer step", "training loss",
+                         f"{recipe}: training loss (mean ± std over seeds)")
 
 
 def _fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -242,17 +248,8 @@ def _fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         m = np.mean([c[:n] for c in curves], 0)
         ax.semilogy(np.arange(1, n + 1), np.maximum(m, 1e-12), label=label)
         drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("principal component")
-    ax.set_ylabel("fraction of variance")
-    ax.set_title(f"{recipe}: per-sequence spectrum, last block")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish_lines(plt, fig, ax, drawn, path, "principal component", "fraction of variance",
+                         f"{recipe}: per-sequence spectrum, last block")
 
 
 def _fig_pca(groups: dict, path: Path) -> Optional[Path]:
