@@ -112,5 +112,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argparse.ArgumentParser.error = saved_error  # type: ignore[method-assign]
 
 
+def entry() -> int:
+    """Console-script entry: ``main`` plus a quiet exit when the output pipe closes (``| head``)."""
+    try:
+        return main()
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 141
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(entry())
