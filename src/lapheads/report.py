@@ -246,7 +246,8 @@ def _fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
             continue
         n = min(len(c) for c in curves)
         m = np.mean([c[:n] for c in curves], 0)
-        ax.semilogy(np.arange(1, n + 1), np.maximum(m, 1e-12), label=label)
+        n = max(1, int((m > 1e-9).sum()))  # beyond the rank (tokens per sequence) only round-off is left
+        ax.semilogy(np.arange(1, n + 1), m[:n], "-o", ms=2, label=label)
         drawn = True
     return _finish_lines(plt, fig, ax, drawn, path, "principal component", "fraction of variance",
                          f"{recipe}: per-sequence spectrum, last block")
@@ -423,16 +424,18 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
                 "(`lapheads analyze`); mean ± std over seeds.")
         md.append(note)
         hb.append(f"<p>{html.escape(note)}</p>")
-        makers = [("curves", _fig_curves), ("metric", _fig_metric), ("layers", _fig_layers),
-                  ("spectra", _fig_spectra)]
-        for name, fn in makers:
+        makers = [("curves", _fig_curves, "training loss per step"),
+                  ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
+                  ("layers", _fig_layers, "token geometry per layer"),
+                  ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
+        for name, fn, caption in makers:
             p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
             if p is not None:
-                _add_fig(md, hb, p, out, f"{recipe}: {name}")
+                _add_fig(md, hb, p, out, f"{recipe}: {caption}")
         if recipe == "classify":
             p = _fig_pca(groups, figs / f"{recipe}_pca.png")
             if p is not None:
-                _add_fig(md, hb, p, out, f"{recipe}: PCA maps")
+                _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
     cl = claims(summary)
     if cl:
         md += ["", "## The paper's claims, checked on these runs", ""]
