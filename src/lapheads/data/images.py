@@ -123,7 +123,8 @@ class ImageDataset(torch.utils.data.Dataset):
         return np.bincount(self.targets, minlength=self.num_classes)
 
     def load_image(self, index: int) -> Image.Image:
-        raise NotImplementedError
+        """The decoded image at ``index``; every concrete data set (array- or file-backed) defines it."""
+        raise TypeError(f"{type(self).__name__} must define load_image()")
 
     def __len__(self) -> int:
         return len(self.targets)
