@@ -8,22 +8,16 @@ import pytest
 import torch
 
 from lapheads.cli import main as cli
-from lapheads.engine.config import load_config
-from lapheads.engine.launch import launch
 from lapheads.errors import ConfigError
 from lapheads.lm.evaluate import make_lm_eval_model, parse_tasks
 from lapheads.recipes import lm as R
 
+from _lm_helpers import tiny_lm_run
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lmeval")
-    cfg = load_config(R.LMConfig, None, [
-        f"data.cache_dir={root / 'cache'}", "data.vocab_size=400", "data.seq_len=64", "data.batch_size=4",
-        "data.eval_tokens=512", "model.depth=2", "model.width=64", "model.n_heads=4", "model.laplacian_heads=all",
-        "samples.max_new_tokens=0", "train.max_steps=6", "train.progress=false"])
-    launch("lm", cfg, lambda c, i: R.build_task(c, i), str(root / "lm"))
-    return root / "lm"
+    return tiny_lm_run(tmp_path_factory.mktemp("lmeval"), "all", 6)
 
 
 def test_sample_cli(run, capsys):

@@ -13,19 +13,15 @@ from lapheads.engine.launch import launch
 from lapheads.errors import ConfigError, DataError
 from lapheads.lm.tokenizer import render_chat
 from lapheads.recipes import lm as R
+
+from _lm_helpers import tiny_lm_run
 from lapheads.recipes import sft as S
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A 4-step tiny LM run with 2 Laplacian heads per layer (weights are not the point here)."""
-    root = tmp_path_factory.mktemp("sft")
-    cfg = load_config(R.LMConfig, None, [
-        f"data.cache_dir={root / 'cache'}", "data.vocab_size=400", "data.seq_len=64", "data.batch_size=4",
-        "data.eval_tokens=512", "model.depth=2", "model.width=64", "model.n_heads=4", "model.laplacian_heads=2",
-        "samples.max_new_tokens=0", "train.max_steps=4", "train.progress=false"])
-    launch("lm", cfg, lambda c, i: R.build_task(c, i), str(root / "lm"))
-    return root / "lm"
+    return tiny_lm_run(tmp_path_factory.mktemp("sft"), "2", 4)
 
 
 def _sft_cfg(run, *over):

@@ -129,12 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="lapheads pca-maps", description=(
         "RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
         "the images). Compare a baseline run with a Laplacian-heads run on the same images."))
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="run directory (final/model.json), e.g. of `lapheads train dino`")
-    src.add_argument("--model", help="timm model name")
-    p.add_argument("--weights", help="safetensors weights for --model")
-    p.add_argument("--laplacian-heads", default=None, help="Laplacian heads for --model")
-    p.add_argument("--img-size", type=int, default=None, help="input size (default: the model's / the run's)")
+    from ..recipes.probes import add_backbone_args
+    add_backbone_args(p)
     p.add_argument("--images", required=True, help="image folder, a single image, or a data spec such as digits")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")

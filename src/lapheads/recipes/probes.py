@@ -428,13 +428,18 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
 
 # ---------------------------------------------------------------------------------------------
 # CLI
-def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
+def add_backbone_args(p: argparse.ArgumentParser) -> None:
+    """Where a frozen backbone comes from (shared by the probes and ``lapheads pca-maps``)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory of `lapheads train dino` (uses final/model.json)")
     src.add_argument("--model", help="timm model name (e.g. vit_small_patch16_224 or deit3_small_patch16_224_lap5)")
     p.add_argument("--weights", help="safetensors weights for --model (default: random init, a baseline)")
     p.add_argument("--laplacian-heads", default=None, help="Laplacian heads for --model (k, all, none)")
     p.add_argument("--img-size", type=int, default=None, help="input size for --model (default: the model's)")
+
+
+def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
+    add_backbone_args(p)
     p.add_argument("--data", required=True, help=data_help)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
