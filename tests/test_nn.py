@@ -332,3 +332,155 @@ def test_autocast_bf16_masks_follow_projected_dtype():
     assert b.dtype == a.dtype and c.dtype == torch.bfloat16
     torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(c.float(), d.float(), atol=5e-2, rtol=5e-2)
+
+
+# ----------------------------------------------------------------------------- inside torch's Transformer layers
+def _encoder_layer(heads, norm_first=False, seed=0):
+    """A torch TransformerEncoderLayer (eval-able, dropout 0) whose self_attn is ours, random biases."""
+    torch.manual_seed(seed)
+    layer = torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True,
+                                             norm_first=norm_first)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "bias" in name:
+                p.normal_()
+    layer.self_attn = MultiheadAttention.from_torch(layer.self_attn, heads)
+    return layer
+
+
+def _encoder_layer_reference(layer, x, pad=None, causal=False):
+    """The layer recomputed by hand with the eager reference operator (torch semantics of the masks)."""
+    mha = layer.self_attn
+    n, t, _ = x.shape
+    hd = E // H
+
+    def attn(y):
+        qkv = F.linear(y, mha.in_proj_weight, mha.in_proj_bias).view(n, t, 3, H, hd).permute(2, 0, 3, 1, 4)
+        keep = torch.ones(n, 1, t, t, dtype=torch.bool)
+        if pad is not None:
+            keep &= ~pad[:, None, None, :]
+        if causal:
+            keep &= torch.ones(t, t, dtype=torch.bool).tril()
+        out, _ = laplacian_attention_reference(*qkv.unbind(0), laplacian_heads=mha.laplacian_flags, attn_mask=keep)
+        return mha.out_proj(out.transpose(1, 2).reshape(n, t, E))
+
+    ff = lambda y: layer.linear2(layer.activation(layer.linear1(y)))  # noqa: E731
+    if layer.norm_first:
+        x = x + attn(layer.norm1(x))
+        return x + ff(layer.norm2(x))
+    x = layer.norm1(x + attn(x))
+    return layer.norm2(x + ff(x))
+
+
+def _run_mode(module, mode, *args, **kwargs):
+    """Run ``module`` in one of the modes torch may route through its fused inference kernel."""
+    if mode == "train":
+        module.train()
+        return module(*args, **kwargs)
+    module.eval()
+    if mode == "eval":
+        return module(*args, **kwargs)
+    if mode == "no_grad":
+        with torch.no_grad():
+            return module(*args, **kwargs)
+    if mode == "inference_mode":
+        with torch.inference_mode():
+            return module(*args, **kwargs)
+    assert mode == "compile_no_grad", mode
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch.compile(module, backend="aot_eager")(*args, **kwargs)
+
+
+MODES = ["train", "eval", "no_grad", "inference_mode", "compile_no_grad"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("masks", ["none", "padding", "causal", "both"])
+def test_encoder_layer_keeps_laplacian_heads_in_every_mode(mode, masks):
+    """torch's fused encoder kernel (eval + no grad) must not replace our attention (issue: ~0.9 off)."""
+    layer = _encoder_layer([False, True, False, True])
+    x = torch.randn(2, 6, E)
+    pad = causal = None
+    if masks in ("padding", "both"):
+        pad = torch.zeros(2, 6, dtype=torch.bool)
+        pad[1, 4:] = True
+    if masks in ("causal", "both"):
+        causal = torch.ones(6, 6, dtype=torch.bool).triu(1)  # True = not allowed (torch)
+    with torch.no_grad():
+        want = _encoder_layer_reference(layer, x, pad, causal is not None)
+        plain = _encoder_layer_reference(_encoder_layer(0), x, pad, causal is not None)
+    assert (want - plain).abs().max() > 0.1  # the heads matter, so losing them would show
+    got = _run_mode(layer, mode, x, src_mask=causal, src_key_padding_mask=pad, is_causal=causal is not None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_encoder_norm_first_every_mode(mode):
+    layer = _encoder_layer("all", norm_first=True)
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        want = _encoder_layer_reference(layer, x)
+    torch.testing.assert_close(_run_mode(layer, mode, x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformer_encoder_with_nested_tensors(mode):
+    """TransformerEncoder(enable_nested_tensor=True) packs a padded batch into a nested tensor (eval, no
+    grad); the layers then get nested input. Real positions must equal the reference, in every mode."""
+    layer = _encoder_layer(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: nested tensors are a prototype
+        enc = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True)
+        assert enc.use_nested_tensor  # torch will take its nested path in eval + no grad
+        x = torch.randn(3, 6, E)
+        pad = torch.zeros(3, 6, dtype=torch.bool)
+        pad[1, 4:] = True
+        pad[2, 2:] = True
+        with torch.no_grad():
+            want = x
+            for lay in enc.layers:
+                want = _encoder_layer_reference(lay, want, pad)
+        got = _run_mode(enc, mode, x, src_key_padding_mask=pad)
+    for i, n in enumerate([6, 4, 2]):
+        torch.testing.assert_close(got[i, :n], want[i, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_nested_tensor_input_to_layer_and_module():
+    layer = _encoder_layer([True, False, True, False]).eval()
+    seqs = [torch.randn(5, E), torch.randn(3, E)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nt = torch.nested.nested_tensor(seqs)
+        with torch.inference_mode():
+            out = layer(nt)
+        assert out.is_nested
+        for o, s in zip(out.unbind(), seqs):
+            torch.testing.assert_close(o, _encoder_layer_reference(layer, s[None])[0], atol=1e-5, rtol=1e-5)
+        mha = layer.self_attn
+        _err(lambda: mha(nt, nt, nt, key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)), "no attn_mask")
+        _err(lambda: mha(nt, torch.nested.nested_tensor(seqs), nt), "self-attention only")
+
+
+def test_decoder_layer_keeps_laplacian_heads():
+    """TransformerDecoderLayer has no fused path; its self-attention must still be ours in no_grad eval."""
+    torch.manual_seed(0)
+    dec = torch.nn.TransformerDecoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+    dec.self_attn = MultiheadAttention.from_torch(dec.self_attn, "all")
+    x, mem = torch.randn(2, 5, E), torch.randn(2, 7, E)
+    with torch.no_grad():
+        want = dec.train()(x, mem)
+        ref = torch.nn.TransformerDecoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+        ref.load_state_dict(dec.state_dict())
+        assert (want - ref.eval()(x, mem)).abs().max() > 0.1
+        for mode in ("no_grad", "inference_mode"):
+            torch.testing.assert_close(_run_mode(dec, mode, x, mem), want)
+
+
+def test_fast_path_hook_survives_copy_and_pickle():
+    import copy
+    import pickle
+    m = MultiheadAttention(E, H, batch_first=True, laplacian_heads=1)
+    for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert list(clone._forward_pre_hooks.values()) == list(m._forward_pre_hooks.values())
+        assert len(clone._forward_pre_hooks) == 1

@@ -11,6 +11,18 @@ Design choices:
 * ``forward`` always runs our own path, also with no Laplacian head (torch's C++ inference fast
   path is not used). That path is tested against torch's module for many configurations, so the
   baseline is torch's result, not an approximation of it.
+* Inside ``torch.nn.TransformerEncoderLayer`` (as ``self_attn``), torch's fused inference path
+  (eval + ``no_grad`` / ``inference_mode``) would read the projection weights itself and never
+  call ``forward``, silently computing standard attention. torch skips that path when the layer or
+  any submodule has a forward hook, so every instance registers a no-op forward pre-hook
+  (:func:`_keep_torch_off_its_fast_path`, named in ``_forward_pre_hooks``): our ``forward`` runs in
+  train, eval, ``no_grad``, ``inference_mode`` and under ``torch.compile``. Do not clear the
+  module's pre-hooks. (``TransformerDecoderLayer`` has no fused path and always calls ``forward``.)
+* Nested tensors: ``torch.nn.TransformerEncoder`` (``enable_nested_tensor=True``, eval, no grad,
+  with ``src_key_padding_mask``) packs the batch into a nested tensor before the layers. A nested
+  self-attention input (``batch_first=True``, ``query is key is value``, no mask) is padded here,
+  attended with the padding as ``key_padding_mask``, and returned as a nested tensor of the same
+  layout, so the padded positions never influence the real ones.
 * ``need_weights=False`` calls the fused :func:`lapheads.laplacian_attention` (SDPA plus one
   subtraction, no T x T matrix). ``need_weights=True`` calls the eager
   :func:`lapheads.laplacian_attention_reference` and returns the operator actually applied to V:
@@ -29,6 +41,9 @@ Design choices:
   ``is_causal=True`` without a mask is accepted and builds the causal mask (lower-right aligned,
   the same as torch's for ``Tq == Tk``).
 * Dropout (training only) acts on P, never on the identity term.
+* A query whose masks hide every key has ``P = 0`` on both paths (the operator's rule, see
+  :mod:`lapheads.ops`): its standard heads output 0 and its Laplacian heads its own value, before
+  ``out_proj``. (torch's module gives 0 with ``need_weights=False`` and NaN with ``need_weights=True``.)
 """
 
 from __future__ import annotations
@@ -44,6 +59,16 @@ from .heads import head_flags
 from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 
 __all__ = ["MultiheadAttention"]
+
+
+def _keep_torch_off_its_fast_path(module: torch.nn.Module, args: tuple) -> None:
+    """No-op forward pre-hook. Its presence makes ``TransformerEncoderLayer`` skip torch's fused path.
+
+    ``torch.nn.TransformerEncoderLayer.forward`` refuses its fused inference kernel when "forward
+    pre-/hooks are attached to the module" (any submodule counts); that kernel would bypass
+    :meth:`MultiheadAttention.forward` and drop the Laplacian heads.
+    """
+    return None
 
 
 def _additive(mask: Optional[Tensor], name: str, dtype: torch.dtype) -> Optional[Tensor]:
@@ -104,6 +129,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # A tuple of Python bools, not a buffer: state_dict keys stay exactly torch's, and the
         # operator branches on it without a device sync or a torch.compile graph break.
         self.laplacian_flags: tuple[bool, ...] = flags
+        # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
+        # the module docstring. A module-level function, so deepcopy and pickling keep it.
+        self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
 
     @property
     def laplacian_mask(self) -> Tensor:
@@ -177,6 +205,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             ``(attn_output, attn_weights)``; ``attn_weights`` is ``(N, L, S)`` (averaged) or
             ``(N, num_heads, L, S)``, without N when unbatched, or None when ``need_weights`` is False.
         """
+        if query.is_nested or key.is_nested or value.is_nested:
+            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                        average_attn_weights, is_causal)
         batched = query.dim() == 3
         given = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
@@ -252,6 +283,26 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _forward_nested(self, x: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
+                        need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
+                        is_causal: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """Self-attention on a nested ``(N, j, E)`` tensor: pad, attend with a padding mask, re-nest."""
+        if not (x is key and key is value):
+            raise ConfigError("nested-tensor input is supported for self-attention only (query is key is value)")
+        if not self.batch_first:
+            raise ConfigError("nested-tensor input needs batch_first=True (a nested tensor is (N, j, E))")
+        if key_padding_mask is not None or attn_mask is not None:
+            raise ConfigError("nested-tensor input takes no attn_mask or key_padding_mask: the nested "
+                              "tensor's own lengths are the padding (as in torch's fused path)")
+        lengths = [t.shape[0] for t in x.unbind()]
+        padded = x.to_padded_tensor(0.0)
+        pad = torch.arange(padded.shape[1], device=padded.device)[None, :] >= torch.tensor(
+            lengths, device=padded.device)[:, None]
+        out, weights = self.forward(padded, padded, padded, key_padding_mask=pad, need_weights=need_weights,
+                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
+        nested = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), lengths)], layout=x.layout)
+        return nested, weights  # weights (if any) stay padded: (N, [H,] L_max, L_max)
 
     def _merged_mask(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool,
                      n: int, tq: int, s: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
