@@ -27,11 +27,15 @@ system-deps:
 quickstart: setup
 	$(VENV)/bin/lapheads quickstart --out runs/quickstart
 
+# Parallel workers (pytest-xdist, one per core, one torch thread each: tests/conftest.py); tests
+# that share module-scoped runs are kept on one worker (xdist_group); the 15 slowest are listed.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup --durations=15
+
 test: setup system-deps
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -1,10 +1,36 @@
+"""Test-suite set-up: one thread per test process, a private cache, a fixed seed per test.
+
+The suite runs in parallel (``pytest -n 2``, pytest-xdist; see the Makefile). With two workers on
+two cores, torch's default of one intra-op thread per core would put four spinning OpenMP threads
+on two cores, which slows tiny models 10-50x; so every worker, and every subprocess a test starts
+(they inherit ``OMP_NUM_THREADS``), uses one thread unless ``LAPHEADS_TEST_THREADS`` says otherwise.
+The LM data cache (tokenizer and shards built on the fly) goes to a directory made for this
+session, so the suite neither reads nor fills the user's ``~/.cache/lapheads``; workers share it
+(builds are atomic renames), so the embedded corpus is tokenized once per session, not per test.
+"""
+
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
-# Two cores on CI: keep intra-op threads predictable and tests reproducible.
-torch.set_num_threads(int(os.environ.get("LAPHEADS_TEST_THREADS", "2")))
+_THREADS = os.environ.get("LAPHEADS_TEST_THREADS", "1")
+os.environ["LAPHEADS_TEST_THREADS"] = _THREADS
+os.environ["OMP_NUM_THREADS"] = _THREADS
+torch.set_num_threads(int(_THREADS))
+
+# The controller process (or a run without xdist) makes the cache folder; xdist workers are
+# started by the controller after this file is imported, so they inherit the variable.
+_OWN_CACHE = None
+if "LAPHEADS_CACHE" not in os.environ:
+    _OWN_CACHE = os.environ["LAPHEADS_CACHE"] = tempfile.mkdtemp(prefix="lapheads-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

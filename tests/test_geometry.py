@@ -219,6 +219,13 @@ def _batches(x, s, c, sizes):
         i += k
 
 
+# Merged, restored and one-shot accumulators add the same float64 terms in different orders (and
+# another machine's BLAS adds them in yet another), so their results agree to rounding, not bit
+# for bit. After the shift every measure is a well-conditioned function of sums of at most a few
+# hundred terms: the relative difference is about n * eps * kappa, with n <= 300 terms,
+# eps = 2.2e-16 and kappa <= 1e3 (NC1 goes through pinv(Sigma_B); cosine_std is a spread of
+# cosines near 1), i.e. <= 7e-11. 1e-9 leaves a factor ten beyond that; measured across 30
+# random batch splits and merge orders the largest difference is 2.5e-13 (cosine_std).
 def _assert_same(a, b, rel=1e-9):
     if isinstance(a, dict):
         assert a.keys() == b.keys()
@@ -244,6 +251,29 @@ def test_streaming_equals_one_shot():
     for key in ("k_mean", "k_std", "k_min", "k_max", "n_sequences", "global_k"):
         assert res["spectra"][key] == pytest.approx(k[key], rel=1e-12), key
     _assert_same(res["cosine"], within_sequence_cosine(x, s))
+
+
+def test_cosine_spread_survives_a_large_common_component():
+    """Tokens sharing a large common direction have cosines ~1 - 1e-6 with a spread ~1e-7:
+    E[c^2] - E[c]^2 would cancel to noise; the centred sums keep it (and across merges)."""
+    x, s, c = _data(seed=11, n_seq=40, d=6, n_cls=2, offset=1000.0)
+    per_seq = []
+    for k in np.unique(s):
+        u = x[s == k] / np.linalg.norm(x[s == k], axis=1, keepdims=True)
+        G, T = u @ u.T, int((s == k).sum())
+        per_seq.append((G.sum() - np.trace(G)) / (T * (T - 1)))
+    ref_std = float(np.std(per_seq))
+    assert 0 < ref_std < 1e-5
+    batches = list(_batches(x, s, c, [5] * 8))
+    a, b = CosineAccumulator(), CosineAccumulator()
+    for xb, sb, _ in batches[:3]:
+        a.update(xb, sb)
+    for xb, sb, _ in batches[3:]:
+        b.update(xb, sb)
+    r = a.merge(b).compute()
+    # each cosine is itself rounded to ~T * eps ~ 2e-15 absolute, i.e. ~1e-8 of this spread
+    assert r["cosine_std"] == pytest.approx(ref_std, rel=1e-6)
+    assert r["cosine_mean"] == pytest.approx(float(np.mean(per_seq)), rel=1e-12)
 
 
 def test_merge_equals_union_and_state_roundtrip(tmp_path):
@@ -339,3 +369,31 @@ def test_pca_rgb_shape_and_range():
     assert np.allclose(img.reshape(-1, 3).max(0), 1) and np.allclose(img.reshape(-1, 3).min(0), 0)
     with pytest.raises(ConfigError, match="grid"):
         pca_rgb(t, (2, 2))
+
+
+def _all_reduce_worker(rank: int, world: int, init: str, out: str, batches) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        acc = GeometryAccumulator(5)
+        for b in batches[rank::world]:  # interleaved: each rank gets a different first batch (shift)
+            acc.update(*b)
+        acc.all_reduce()
+        if rank == 0:
+            torch.save(acc.compute(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_over_two_processes_equals_one_accumulator(tmp_path):
+    """Two gloo ranks with different shifts (and cosine centres) all-reduce to the one-shot state."""
+    import torch.multiprocessing as mp
+    x, s, c = _data(seed=12, n_seq=20, d=5, n_cls=4, offset=50.0)
+    batches = list(_batches(x, s, c, [2] * 10))
+    one = GeometryAccumulator(5)
+    for b in batches:
+        one.update(*b)
+    out = tmp_path / "reduced.pt"
+    mp.spawn(_all_reduce_worker, args=(2, f"file://{tmp_path / 'store'}", str(out), batches), nprocs=2, join=True)
+    _assert_same(torch.load(out, weights_only=False), one.compute())

@@ -903,12 +903,71 @@ class CosineAccumulator(Accumulator):
         device: where the sums live.
     """
 
-    _sum_names = ("n_seq", "cos_sum", "cos_sq")
+    # The spread of per-sequence cosines is often tiny next to their mean (tokens that share a
+    # large common component all have cosine ~1), so E[c^2] - E[c]^2 would cancel to noise. The
+    # sums are taken around a reference value ``c0`` (the first batch's mean cosine), re-expressed
+    # exactly on merge and all-reduce, the scalar version of the vector shift used above.
+    _sum_names = ()  # n_seq and the centred sums are merged together (below), not summed blindly
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         z = lambda: torch.zeros((), dtype=F64, device=self.device)  # noqa: E731
-        self.n_seq, self.cos_sum, self.cos_sq = z(), z(), z()
+        self.n_seq, self.cos_sum, self.cos_sq = z(), z(), z()  # sums of (c - c0) and (c - c0)^2
+        self.c0: Optional[torch.Tensor] = None
+
+    def _recentre(self, c0: torch.Tensor) -> None:
+        """Re-express the sums around ``c0``: c - c0 = (c - a) + d with d = a - c0."""
+        c0 = c0.to(self.device, F64).clone()
+        if self.c0 is not None:
+            d = self.c0 - c0
+            self.cos_sq = self.cos_sq + 2 * d * self.cos_sum + self.n_seq * d * d
+            self.cos_sum = self.cos_sum + self.n_seq * d
+        self.c0 = c0
+
+    def _merge_extra(self, other: "Accumulator") -> None:
+        assert isinstance(other, CosineAccumulator)
+        if other.c0 is None:
+            return
+        if self.c0 is None:
+            self.c0 = other.c0.to(self.device).clone()
+        o1, o2, n_o = (t.to(self.device) for t in (other.cos_sum, other.cos_sq, other.n_seq))
+        d = other.c0.to(self.device) - self.c0
+        self.cos_sq = self.cos_sq + o2 + 2 * d * o1 + n_o * d * d
+        self.cos_sum = self.cos_sum + o1 + n_o * d
+        self.n_seq = self.n_seq + n_o
+
+    def _all_reduce_extra(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        # the lowest rank that has seen a sequence supplies c0; every rank re-centres on it
+        rank = torch.tensor([dist.get_rank() if self.c0 is not None else 1 << 30], device=self.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MIN, group=group)
+        src = int(rank.item())
+        if src >= (1 << 30):
+            return
+        c0 = (self.c0 if self.c0 is not None else torch.zeros((), dtype=F64, device=self.device)).clone()
+        dist.broadcast(c0, src=src, group=group)
+        self._recentre(c0)
+        for t in (self.n_seq, self.cos_sum, self.cos_sq):
+            dist.all_reduce(t, group=group)
+
+    def copy(self) -> "Accumulator":
+        new = super().copy()
+        assert isinstance(new, CosineAccumulator)
+        new.n_seq, new.cos_sum, new.cos_sq = self.n_seq.clone(), self.cos_sum.clone(), self.cos_sq.clone()
+        new.c0 = None if self.c0 is None else self.c0.clone()
+        return new
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"n_seq": self.n_seq.cpu().clone(), "cos_sum": self.cos_sum.cpu().clone(),
+                "cos_sq": self.cos_sq.cpu().clone(),
+                "c0": None if self.c0 is None else self.c0.cpu().clone()}
+
+    def _load_extra(self, sd: dict[str, Any]) -> None:
+        self.n_seq = sd["n_seq"].to(self.device, F64).clone()
+        self.cos_sum = sd["cos_sum"].to(self.device, F64).clone()
+        self.cos_sq = sd["cos_sq"].to(self.device, F64).clone()
+        self.c0 = None if sd.get("c0") is None else sd["c0"].to(self.device, F64).clone()
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
@@ -932,17 +991,22 @@ class CosineAccumulator(Accumulator):
         cnt = torch.bincount(sid, minlength=S).to(F64)
         ok = cnt >= 2
         cos = ((usum * usum).sum(1) - usq)[ok] / (cnt[ok] * (cnt[ok] - 1))
+        if not bool(ok.any()):
+            return
+        if self.c0 is None:
+            self.c0 = cos.mean()
+        dev = cos - self.c0
         self.n_seq += int(ok.sum())
-        self.cos_sum += cos.sum()
-        self.cos_sq += (cos * cos).sum()
+        self.cos_sum += dev.sum()
+        self.cos_sq += (dev * dev).sum()
 
     def compute(self) -> dict[str, float]:
         n = float(self.n_seq)
-        if n == 0:
+        if n == 0 or self.c0 is None:
             raise DataError("cosine: no sequence with at least two tokens was seen")
-        m = float(self.cos_sum) / n
-        return {"cosine_mean": m, "cosine_std": math.sqrt(max(0.0, float(self.cos_sq) / n - m * m)),
-                "n_sequences": n}
+        dm = float(self.cos_sum) / n  # mean deviation from c0
+        return {"cosine_mean": float(self.c0) + dm,
+                "cosine_std": math.sqrt(max(0.0, float(self.cos_sq) / n - dm * dm)), "n_sequences": n}
 
 
 # ---------------------------------------------------------------------------------------------
