@@ -484,3 +484,23 @@ def test_fast_path_hook_survives_copy_and_pickle():
     for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         assert list(clone._forward_pre_hooks.values()) == list(m._forward_pre_hooks.values())
         assert len(clone._forward_pre_hooks) == 1
+
+
+def test_fully_masked_query_is_p_zero_on_both_paths():
+    """A sample whose key_padding_mask hides every key: standard heads give 0, Laplacian heads v (before
+    out_proj), for need_weights False (fused) and True (reference) alike; no NaN."""
+    _, m = _pair(laplacian_heads=[False, True, False, True], batch_first=True)
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1] = True
+    v = F.linear(x, m.in_proj_weight[2 * E:], m.in_proj_bias[2 * E:]).view(2, 5, H, E // H)
+    heads = torch.tensor([False, True, False, True]).view(1, 1, H, 1)
+    want = m.out_proj(torch.where(heads, v, torch.zeros_like(v)).reshape(2, 5, E))[1]
+    fused, _ = m(x, x, x, key_padding_mask=pad, need_weights=False)
+    eager, w = m(x, x, x, key_padding_mask=pad, need_weights=True, average_attn_weights=False)
+    _close(fused[1], want)
+    _close(eager[1], want)
+    _close(fused, eager)
+    assert not w.isnan().any()
+    eye = torch.eye(5, dtype=w.dtype)
+    _close(w[1], torch.stack([torch.zeros_like(eye), eye, torch.zeros_like(eye), eye]))  # P = 0, I - P = I

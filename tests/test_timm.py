@@ -130,6 +130,30 @@ def test_layer_masks_fused_eager_reference(mask_kind):
     torch.testing.assert_close(a, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_fully_masked_query_row_same_on_fused_and_eager(kind):
+    """A query row whose mask hides every key has P = 0 on both paths (lapheads.ops "Edge cases"):
+    standard heads give 0, Laplacian heads v; the eager softmax used to give NaN there."""
+    torch.manual_seed(0)
+    layer = lt.LaplacianAttention(32, num_heads=4, qkv_bias=True, laplacian_heads=[1, 3], proj_bias=False).eval()
+    layer.proj.weight.data = torch.eye(32)
+    x = torch.randn(2, 6, 32)
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    keep[0, :, 2] = False
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    v = layer.qkv(x).reshape(2, 6, 3, 4, 8)[:, :, 2]  # (B, N, heads, head_dim)
+    outs = []
+    with torch.no_grad():
+        for fused in (True, False):
+            layer.fused_attn = fused
+            out = layer(x, attn_mask=mask).view(2, 6, 4, 8)
+            assert not out.isnan().any(), fused
+            torch.testing.assert_close(out[0, 2, [1, 3]], v[0, 2, [1, 3]])
+            assert torch.equal(out[0, 2, [0, 2]], torch.zeros_like(out[0, 2, [0, 2]]))
+            outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+
+
 def test_eager_attention_dropout_acts_on_p_only():
     # attn_drop=1 drops all of P: a Laplacian head then outputs exactly V, a standard head 0.
     torch.manual_seed(0)

@@ -15,7 +15,22 @@ A standard head outputs ``P V`` with ``P = softmax(Q K^T * scale + mask)``; a La
   uses KV head ``h // (H // H_kv)``, exactly as SDPA does; the identity term uses that KV head's
   values and the subtraction is per query head.
 * Dropout (``dropout_p``) acts on P only; the identity term is never dropped.
-* A query row whose mask hides every key gives NaN, as SDPA does.
+
+Edge cases, the same on both paths (and in :mod:`lapheads.nn` / :mod:`lapheads.timm`):
+
+* A key is masked when a boolean mask holds False there or an additive mask holds ``-inf``.
+  A query row whose mask hides EVERY key has ``P = 0`` (SDPA's behaviour in torch 2.14): a
+  standard head outputs 0 and a Laplacian head outputs ``v_self`` (``I - P = I``). The fused path
+  zeroes such rows of the SDPA output explicitly, so the result does not depend on the kernel or
+  exporter SDPA runs as. (An additive mask of large finite negatives, such as transformers'
+  ``finfo.min``, hides nothing: the row gets a softmax over its scores like any other.)
+* The reference computes the scores and softmax in float32 (float64 for float64 inputs), with
+  the row maximum subtracted, then casts back: half-precision inputs whose logits overflow
+  float16 give the same finite result as the fused path, not NaN.
+* ``scale`` must be None or a finite number >= 0, ``dropout_p`` a number in [0, 1], and a float
+  mask must have the dtype of ``q`` (SDPA's rule); anything else is a ConfigError.
+* Head counts are read as Python ints, so ``torch.jit.trace``, ``torch.export`` and both ONNX
+  exporters record the head selection as constants.
 
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
 standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
@@ -33,7 +48,7 @@ import torch.nn.functional as F
 from .errors import ConfigError
 from .heads import head_flags, head_mask
 
-__all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask"]
+__all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask", "masked_softmax"]
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> tuple[int, int]:
@@ -41,7 +56,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa:
         raise ConfigError(
             f"q, k, v must be (..., heads, seq, dim) tensors of the same rank; got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    h, hkv = q.shape[-3], k.shape[-3]
+    h, hkv = int(q.shape[-3]), int(k.shape[-3])
     if v.shape[-3] != hkv:
         raise ConfigError(f"k has {hkv} heads but v has {v.shape[-3]}; they must match")
     if k.shape[-2] != v.shape[-2]:
@@ -61,6 +76,10 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
         return
     if attn_mask.dtype != torch.bool and not torch.is_floating_point(attn_mask):
         raise ConfigError(f"attn_mask must be boolean (True = attend) or float (additive), got dtype {attn_mask.dtype}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        raise ConfigError(
+            f"a float (additive) attn_mask must have the dtype of q: got mask {attn_mask.dtype}, q {q.dtype}; "
+            f"pass attn_mask.to(q.dtype) or a boolean mask")
     target = (*q.shape[:-1], tk)
     try:
         ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)
@@ -69,6 +88,37 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
     if not ok:
         raise ConfigError(
             f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to (..., H, Tq, Tk) = {target}")
+
+
+def _check_numbers(scale: Optional[float], dropout_p: float) -> None:
+    """Refuse a ``scale`` or ``dropout_p`` that SDPA would take silently or reject with a misleading message."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale) or scale < 0):
+        raise ConfigError(f"scale={scale!r} must be None (1/sqrt(head_dim)) or a finite number >= 0")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ConfigError(f"dropout_p={dropout_p!r} must be a number in [0, 1]")
+
+
+def _dead_rows(mask: torch.Tensor) -> torch.Tensor:
+    """``(..., Tq, 1)`` boolean: True where the mask hides every key of the query row."""
+    visible = mask if mask.dtype == torch.bool else mask != float("-inf")
+    return ~visible.any(dim=-1, keepdim=True)
+
+
+def masked_softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax in float32 (float64 stays float64) that gives 0, not NaN, on a row that is all ``-inf``.
+
+    The row maximum is subtracted before ``exp`` (the usual stabilisation); a row whose maximum is
+    ``-inf`` (every key masked) has every ``exp`` equal to 0 and is returned as zeros. The result
+    has the dtype of ``scores``.
+    """
+    x = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    top = x.amax(dim=dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
+    e = torch.exp(x - top)
+    total = e.sum(dim=dim, keepdim=True)
+    p = e / torch.where(total > 0, total, torch.ones_like(total))
+    return p.to(scores.dtype)
 
 
 def causal_lower_right_mask(tq: int, tk: int, device: Any = None) -> torch.Tensor:
@@ -137,6 +187,7 @@ def laplacian_attention(
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
+    _check_numbers(scale, dropout_p)
     # Plain Python bools: branching on them never waits for an accelerator and is a constant under
     # torch.compile (fullgraph works unless the caller passes a tensor mask).
     flags = head_flags(laplacian_heads, h)
@@ -147,7 +198,10 @@ def laplacian_attention(
     m, causal = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale,
-        enable_gqa=(h != hkv))
+        enable_gqa=h != hkv)
+    if m is not None:
+        # P = 0 on a fully masked row, whatever SDPA's kernel (or an exporter's decomposition) gives.
+        out = out.masked_fill(_dead_rows(m), 0.0)
     if not any_lap:
         return out
     if all(flags):
@@ -187,6 +241,7 @@ def laplacian_attention_reference(
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
+    _check_numbers(scale, dropout_p)
     mask = head_mask(laplacian_heads, h, device=q.device)
     if bool(mask.any()) and tq > tk:
         raise ConfigError(
@@ -196,7 +251,9 @@ def laplacian_attention_reference(
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k.transpose(-2, -1)) * s
+    # float32 scores (float64 stays float64): half-precision logits may overflow float16.
+    work = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * s
     m, _ = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
     if m is None and is_causal:  # tq == tk fused case
         m = causal_lower_right_mask(tq, tk, q.device)
@@ -204,12 +261,12 @@ def laplacian_attention_reference(
         if m.dtype == torch.bool:
             scores = scores.masked_fill(~m, float("-inf"))
         else:
-            scores = scores + m
-    p = torch.softmax(scores, dim=-1)
+            scores = scores + m.to(work)
+    p = masked_softmax(scores, dim=-1)  # fully masked rows: P = 0, as on the fused path
     if dropout_p > 0:
         p = F.dropout(p, p=dropout_p)
     eye = torch.zeros(tq, tk, dtype=p.dtype, device=p.device)
     if tq <= tk:
         eye[torch.arange(tq), torch.arange(tk - tq, tk)] = 1
     op = torch.where(mask.view(h, 1, 1), eye - p, p)
-    return op @ v, op
+    return (op @ v.to(work)).to(q.dtype), op.to(q.dtype)

@@ -35,7 +35,10 @@ Design choices:
 * Fused path (``fused_attn=True``, timm's default): :func:`lapheads.laplacian_attention` (one SDPA
   call, then ``v - out`` on the selected heads). Eager path (``fused_attn=False``): timm's explicit
   softmax, ``attn_drop`` applied to P only (the identity term is never dropped), then
-  ``v - P v`` on the selected heads. ``qk_norm``, ``scale_norm`` (``self.norm``), timm's output
+  ``v - P v`` on the selected heads. On both paths a query row whose mask hides every key has
+  ``P = 0`` (the operator's rule, :mod:`lapheads.ops`), so its Laplacian heads output ``v``; the
+  eager softmax runs in float32 for that (:func:`lapheads.ops.masked_softmax`). A layer with no
+  Laplacian head is timm's own code, where such a row is NaN on the eager path. ``qk_norm``, ``scale_norm`` (``self.norm``), timm's output
   gate (``gated=True``, newer timm), ``attn_mask`` and ``is_causal`` behave exactly as in timm.
 * timm builds every block's ``attn_layer`` with the same keyword arguments and never tells it its
   depth, so a class can only carry a selection that is the same in every layer: use
@@ -74,7 +77,7 @@ from timm.layers import Attention
 
 from .errors import ConfigError
 from .heads import HeadSpec, LaplacianHeads, head_flags
-from .ops import laplacian_attention
+from .ops import laplacian_attention, masked_softmax
 
 __all__ = [
     "LaplacianAttention",
@@ -200,7 +203,9 @@ class LaplacianAttention(Attention):
                     attn = attn.masked_fill(~attn_mask, float("-inf"))
                 else:
                     attn = attn + attn_mask
-            attn = self.attn_drop(attn.softmax(dim=-1))  # dropout on P only
+            # Dropout on P only. masked_softmax: a fully masked query row has P = 0 (not NaN), as on
+            # the fused path (lapheads.ops, "Edge cases").
+            attn = self.attn_drop(masked_softmax(attn, dim=-1))
             x = attn @ v
             x = v - x if self._lap_all else torch.where(self.lap_mask.view(-1, 1, 1), v - x, x)
         x = x.transpose(1, 2).reshape(B, N, attn_dim)
