@@ -178,3 +178,35 @@ def test_cli_end_to_end_text_and_vision(tmp_path, capsys):
     assert cli_main(args[:5] + ["--model-args", "img_size=32", "--data", "digits", "--out", str(out2)]) == 2
     assert cli_main(["analyze", "--run", str(tmp_path), "--data", "digits", "--out", str(out)]) == 2 \
         or hasattr(__import__("lapheads.recipes", fromlist=["x"]), "load_run")
+
+
+def test_load_checkpoint_restores_laplacian_heads_in_a_fresh_process(tmp_path):
+    """``lapheads analyze --checkpoint`` loads a Laplacian checkpoint with its heads, not as sdpa."""
+    import os
+    import subprocess
+    import sys
+
+    import lapheads.transformers as lt
+
+    torch.manual_seed(0)
+    cfg = transformers.NanoChatConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    model = transformers.NanoChatForCausalLM(cfg).eval()
+    lt.enable(model, 2)
+    model.save_pretrained(tmp_path)
+    ids = torch.arange(3, 11)[None]
+    with torch.no_grad():
+        torch.save(model(ids).logits, tmp_path / "want.pt")
+    script = f"""
+import sys, torch
+assert "lapheads.transformers" not in sys.modules
+from lapheads.geometry.cli import load_checkpoint
+model, kind, _ = load_checkpoint({str(tmp_path)!r})
+with torch.no_grad():
+    got = model(torch.arange(3, 11)[None]).logits
+print(kind, model.config._attn_implementation, torch.equal(got, torch.load({str(tmp_path / "want.pt")!r})))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-3:] == ["hf", lt.ATTN_IMPLEMENTATION, "True"], r.stdout

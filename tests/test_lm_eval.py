@@ -116,3 +116,42 @@ def test_parse_tasks():
         parse_tasks("arc_easy=a,,mmlu=b")
     with pytest.raises(ConfigError):
         parse_tasks("mmlu=a,mmlu=b")
+
+
+def test_lm_eval_hflm_gets_the_laplacian_model(run):
+    """lm-eval's own ``--model hf`` loader (HFLM) on a run's export, with lapheads.transformers imported."""
+    pytest.importorskip("accelerate")
+    from lm_eval.models.huggingface import HFLM
+
+    import lapheads.transformers  # noqa: F401 - registers the implementation config.json names
+
+    hf = run / "final" / "hf"
+    lm = HFLM(pretrained=str(hf), device="cpu", batch_size=1, dtype="float32")
+    model, tok = R.load_model(run)
+    x = torch.tensor([tok.encode("The list type")])
+    with torch.no_grad():
+        assert torch.equal(lm._model_call(x), model(x).logits)
+    assert lm.model.config.laplacian_heads == "all"
+
+
+def test_lm_eval_hflm_without_lapheads_fails_naming_the_fix(run):
+    """``lm_eval --model hf --model_args pretrained=RUN/final/hf`` never runs the model as standard attention."""
+    pytest.importorskip("accelerate")
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from lm_eval.models.huggingface import HFLM
+try:
+    HFLM(pretrained={str(run / "final" / "hf")!r}, device="cpu", batch_size=1)
+except Exception as e:
+    print("RAISED", type(e).__name__, e)
+print("LAPHEADS", any(m.split(".")[0] == "lapheads" for m in sys.modules))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "LAPHEADS False" in r.stdout
+    assert "RAISED" in r.stdout and "import lapheads.transformers" in r.stdout, r.stdout[-2000:]

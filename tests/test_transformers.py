@@ -285,3 +285,108 @@ def test_enable_on_config_and_validation():
     model.config.laplacian_heads = 9
     with pytest.raises(ConfigError, match="only 4 heads"):
         model(torch.randint(0, V, (1, 4)))
+
+
+# --------------------------------------------------------------------------- plain transformers loaders
+@pytest.fixture(scope="module")
+def laplacian_checkpoint(tmp_path_factory):
+    """A save_pretrained directory (float64 NanoChat with [1, 4] Laplacian heads + a tokenizer)."""
+    from lapheads.lm.tokenizer import train_tokenizer
+
+    path = tmp_path_factory.mktemp("lap_ckpt")
+    tok = train_tokenizer(["the list type is a mutable sequence; a tuple is not. " * 20], 300, path)
+    torch.manual_seed(0)
+    cfg = NanoChatConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, bos_token_id=tok.bos_token_id,
+                         pad_token_id=None)
+    model = NanoChatForCausalLM(cfg).double().eval()
+    lt.enable(model, [1, 4])
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    return path, model, tok
+
+
+def test_config_json_names_the_laplacian_implementation(laplacian_checkpoint, tmp_path):
+    import json
+    path, model, _ = laplacian_checkpoint
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["laplacian_heads"] == [1, 4]
+    assert saved["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
+    assert "import lapheads.transformers" in lt.SAVED_ATTN_IMPLEMENTATION
+    # The eager twin is saved as eager; a model without Laplacian heads saves no implementation.
+    eager = _clone(model, lt.EAGER_ATTN_IMPLEMENTATION)
+    assert eager.config.to_dict()["attn_implementation"] == lt.SAVED_EAGER_ATTN_IMPLEMENTATION
+    plain = _model("nanochat")
+    plain.save_pretrained(tmp_path / "plain")
+    assert "attn_implementation" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    lt.enable(plain, 0)
+    assert "attn_implementation" not in plain.config.to_dict()
+
+
+def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpoint, tmp_path):
+    from transformers import pipeline
+
+    path, model, tok = laplacian_checkpoint
+    ids = torch.tensor([tok.encode("the list type is")])
+    want = model(ids).logits
+    auto = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    assert lt.is_laplacian_implementation(auto.config._attn_implementation)
+    assert torch.equal(auto(ids).logits, want)
+    assert torch.equal(lt.from_pretrained(str(path), dtype=torch.float64).eval()(ids).logits, want)
+    # sanity: the same weights as standard attention are a different model
+    assert not torch.allclose(_clone(model, "sdpa")(ids).logits, want, atol=1e-6)
+    pipe = pipeline("text-generation", model=str(path), dtype=torch.float64)
+    assert torch.equal(pipe.model.eval()(ids).logits, want)
+    text = pipe("the list type is", max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+    gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         eos_token_id=None, pad_token_id=tok.pad_token_id)
+    assert text == tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    # a model loaded the plain way and saved again keeps the key
+    auto.save_pretrained(tmp_path / "again")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float64).eval()
+    assert torch.equal(again(ids).logits, want)
+
+
+def test_explicit_standard_implementation_is_refused(laplacian_checkpoint):
+    path, model, tok = laplacian_checkpoint
+    with pytest.raises(ConfigError, match="standard attention"):
+        lt.from_pretrained(str(path), attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match="laplacian_heads=0"):
+        lt.from_pretrained(str(path), attn_implementation="eager")
+    # asking for the standard model on purpose: laplacian_heads=0 with any implementation
+    ids = torch.tensor([tok.encode("a tuple")])
+    std = lt.from_pretrained(str(path), laplacian_heads=0, attn_implementation="sdpa", dtype=torch.float64)
+    assert std.config.laplacian_heads == 0
+    assert torch.equal(std.eval()(ids).logits, _clone(model, "sdpa")(ids).logits)
+
+
+def test_plain_load_without_lapheads_fails_naming_the_fix(laplacian_checkpoint):
+    """A fresh interpreter that never imports lapheads cannot get the checkpoint as a standard model."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path, _, _ = laplacian_checkpoint
+    script = f"""
+import json, sys
+from transformers import AutoModelForCausalLM, pipeline
+out = {{}}
+for name, load in [("auto", lambda: AutoModelForCausalLM.from_pretrained({str(path)!r})),
+                   ("pipeline", lambda: pipeline("text-generation", model={str(path)!r}))]:
+    try:
+        load()
+        out[name] = None
+    except Exception as e:
+        out[name] = f"{{type(e).__name__}}: {{e}}"
+out["lapheads_imported"] = any(m.split(".")[0] == "lapheads" for m in sys.modules)
+print(json.dumps(out))
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["lapheads_imported"] is False
+    for name in ("auto", "pipeline"):
+        assert got[name] is not None, f"{name} loaded a Laplacian checkpoint without lapheads"
+        assert "import lapheads.transformers" in got[name], got[name]

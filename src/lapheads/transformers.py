@@ -22,10 +22,22 @@ gets Laplacian heads. Design choices:
   Python bools, never a device tensor: the operator branches on it, and a tensor would be read
   back with ``tolist()`` (a host sync per layer per call on a GPU, a graph break under
   ``torch.compile``). The eager path gets the cached device mask, which its ``torch.where`` needs.
-* transformers does NOT save ``attn_implementation`` in ``config.json``: a plain
-  ``from_pretrained`` would silently load a Laplacian model as standard sdpa. Use
-  :func:`from_pretrained` here (it picks :data:`ATTN_IMPLEMENTATION` when the config has
-  Laplacian heads), or pass ``attn_implementation=ATTN_IMPLEMENTATION`` yourself.
+* A checkpoint with Laplacian heads never loads as a standard model. transformers 5 reads an
+  ``"attn_implementation"`` key of ``config.json`` (``PreTrainedConfig.__init__`` pops it into
+  ``config._attn_implementation``) but never writes one (``_attn_implementation_internal`` is in
+  its list of unserialised keys). Importing this module therefore wraps
+  ``PreTrainedConfig.to_dict`` once, so that a config with Laplacian heads serialises
+  ``"attn_implementation": SAVED_ATTN_IMPLEMENTATION`` (or the eager twin) and nothing else
+  changes for other configs. The saved name is the registered name plus the fix,
+  ``"laplacian_sdpa (import lapheads.transformers first)"``: with this module imported it is a
+  registered alias of :data:`ATTN_IMPLEMENTATION`, so plain ``AutoModelForCausalLM.from_pretrained``,
+  ``pipeline(...)`` and lm-eval's ``HFLM`` get the Laplacian heads; without it transformers'
+  ``get_correct_attn_implementation`` raises ``ValueError: Specified attn_implementation="laplacian_sdpa
+  (import lapheads.transformers first)" is not supported``, which names the package and the fix
+  (transformers prints the requested name and nothing of ours can run then). An explicit
+  ``attn_implementation="sdpa"`` still overrides ``config.json`` in transformers (an argument wins
+  over the file); :func:`from_pretrained` and every loader of this project refuse it for a config
+  with Laplacian heads (:func:`check_implementation`).
 * The mask functions are transformers' own ``sdpa_mask`` / ``eager_mask``; without a registered
   mask function transformers skips mask creation for unknown implementations and causal
   masking would silently disappear.
@@ -49,6 +61,7 @@ gets Laplacian heads. Design choices:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Optional, Union
 
@@ -68,6 +81,10 @@ except ImportError as e:  # pragma: no cover - transformers is a hard dependency
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "EAGER_ATTN_IMPLEMENTATION",
+    "SAVED_ATTN_IMPLEMENTATION",
+    "SAVED_EAGER_ATTN_IMPLEMENTATION",
+    "check_implementation",
+    "is_laplacian_implementation",
     "laplacian_sdpa_attention_forward",
     "laplacian_eager_attention_forward",
     "enable",
@@ -80,6 +97,16 @@ __all__ = [
 ATTN_IMPLEMENTATION = "laplacian_sdpa"
 #: Name of the eager implementation that returns the operator as attention weights.
 EAGER_ATTN_IMPLEMENTATION = "laplacian_eager"
+#: What ``config.json`` stores for a model with Laplacian heads: the name plus the fix, so the
+#: ValueError transformers raises when this module is not imported says what to do. Registered
+#: as an alias of :data:`ATTN_IMPLEMENTATION` (the same functions), so a plain
+#: ``from_pretrained`` gets it as its implementation when this module is imported.
+SAVED_ATTN_IMPLEMENTATION = f"{ATTN_IMPLEMENTATION} (import lapheads.transformers first)"
+#: The saved name of :data:`EAGER_ATTN_IMPLEMENTATION` (a model saved while using the eager path).
+SAVED_EAGER_ATTN_IMPLEMENTATION = f"{EAGER_ATTN_IMPLEMENTATION} (import lapheads.transformers first)"
+_SAVED_NAME = {ATTN_IMPLEMENTATION: SAVED_ATTN_IMPLEMENTATION, SAVED_ATTN_IMPLEMENTATION: SAVED_ATTN_IMPLEMENTATION,
+               EAGER_ATTN_IMPLEMENTATION: SAVED_EAGER_ATTN_IMPLEMENTATION,
+               SAVED_EAGER_ATTN_IMPLEMENTATION: SAVED_EAGER_ATTN_IMPLEMENTATION}
 
 _STATIC_HINT = (
     "Laplacian heads subtract the value at the query's own position, which must be the last Tq "
@@ -300,6 +327,10 @@ def laplacian_eager_attention_forward(
     if any_lap:
         _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
+    if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
+        # eager_mask has the embeddings' dtype; under autocast the queries are bf16/fp16, and the
+        # operator takes a float mask only in the dtype of q.
+        attention_mask = attention_mask.to(query.dtype)
     out, op = laplacian_attention_reference(
         query, key, value, laplacian_heads=mask, attn_mask=attention_mask, is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
@@ -328,10 +359,73 @@ def _check_mask_call(args: tuple, kwargs: dict) -> None:
     _check_cache_layout(config, vals["q_length"], vals["kv_length"], vals.get("q_offset", 0), vals.get("kv_offset", 0))
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, laplacian_sdpa_attention_forward)
-AttentionInterface.register(EAGER_ATTN_IMPLEMENTATION, laplacian_eager_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _laplacian_sdpa_mask)
-AttentionMaskInterface.register(EAGER_ATTN_IMPLEMENTATION, _laplacian_eager_mask)
+for _name in (ATTN_IMPLEMENTATION, SAVED_ATTN_IMPLEMENTATION):
+    AttentionInterface.register(_name, laplacian_sdpa_attention_forward)
+    AttentionMaskInterface.register(_name, _laplacian_sdpa_mask)
+for _name in (EAGER_ATTN_IMPLEMENTATION, SAVED_EAGER_ATTN_IMPLEMENTATION):
+    AttentionInterface.register(_name, laplacian_eager_attention_forward)
+    AttentionMaskInterface.register(_name, _laplacian_eager_mask)
+
+
+# --------------------------------------------------------------------------- what config.json says
+def is_laplacian_implementation(name: Optional[str]) -> bool:
+    """Whether ``name`` is one of the attention implementations registered here (or a saved alias)."""
+    return name in _SAVED_NAME
+
+
+def _saved_implementation(config: Any) -> Optional[str]:
+    """The ``attn_implementation`` to write to ``config.json`` for ``config`` (None: write nothing).
+
+    A config with at least one Laplacian head is saved with the Laplacian implementation it uses
+    (the eager one stays eager); with anything else (None before a model was built, or a standard
+    implementation set by hand) the fused one, since ``laplacian_heads`` in the file states what
+    the weights were trained with. An invalid spec is left for the model to report.
+    """
+    try:
+        if not _any_laplacian(config):
+            return None
+    except ConfigError:
+        return None
+    return _SAVED_NAME.get(getattr(config, "_attn_implementation", None), SAVED_ATTN_IMPLEMENTATION)
+
+
+def _wrap_to_dict() -> None:
+    """Make ``PreTrainedConfig.to_dict`` (hence ``save_pretrained`` / ``to_json_string``) write the key."""
+    original = PreTrainedConfig.to_dict
+    if getattr(original, "_lapheads_wrapped", False):  # a module reload must not wrap twice
+        return
+
+    @functools.wraps(original)
+    def to_dict(self: PreTrainedConfig) -> dict[str, Any]:
+        out = original(self)
+        name = _saved_implementation(self)
+        if name is not None:
+            out["attn_implementation"] = name
+        return out
+
+    to_dict._lapheads_wrapped = True  # type: ignore[attr-defined]
+    PreTrainedConfig.to_dict = to_dict  # type: ignore[method-assign]
+
+
+_wrap_to_dict()
+
+
+def check_implementation(config: Any, attn_implementation: Optional[str]) -> None:
+    """Refuse to run a config with Laplacian heads through a standard attention implementation.
+
+    Raises:
+        ConfigError: ``config`` has Laplacian heads and ``attn_implementation`` is not one of ours
+            (e.g. an explicit ``"sdpa"``, which transformers would honour and so compute a
+            different model from the checkpoint's weights).
+    """
+    if attn_implementation is None or is_laplacian_implementation(attn_implementation):
+        return
+    if _any_laplacian(config):
+        raise ConfigError(
+            f"attn_implementation={attn_implementation!r} would run a model with laplacian_heads="
+            f"{_config_spec(config)!r} as standard attention (a different model from its weights); "
+            f"use {ATTN_IMPLEMENTATION!r} / {EAGER_ATTN_IMPLEMENTATION!r}, or load it with "
+            "laplacian_heads=0 to ask for the standard model on purpose")
 
 
 # --------------------------------------------------------------------------- user helpers
@@ -373,23 +467,32 @@ def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_
 
 
 def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
-    """``model_class.from_pretrained`` that restores the Laplacian attention implementation.
+    """``model_class.from_pretrained`` with the Laplacian attention implementation by name.
 
-    transformers does not store ``attn_implementation`` in ``config.json``; this reads
-    ``laplacian_heads`` from the saved config and picks :data:`ATTN_IMPLEMENTATION` (or the eager
-    one) when it is set, unless ``attn_implementation`` is given explicitly.
+    Reads ``laplacian_heads`` from the saved config (or ``kwargs["config"]``) and picks
+    :data:`ATTN_IMPLEMENTATION` (or the eager one) when it is set. This also serves checkpoints
+    saved before ``config.json`` carried ``attn_implementation``, and keeps the plain registered
+    name (not the saved alias) as the model's implementation.
 
     Args:
         path: a directory written by ``save_pretrained`` (or a hub id available locally).
         model_class: default ``AutoModelForCausalLM``.
         eager: pick :data:`EAGER_ATTN_IMPLEMENTATION`.
         **kwargs: passed to ``from_pretrained``.
+
+    Raises:
+        ConfigError: an explicit standard ``attn_implementation`` for a config with Laplacian heads
+            (see :func:`check_implementation`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_class = model_class or AutoModelForCausalLM
-    if "attn_implementation" not in kwargs:
-        config = kwargs.get("config") or AutoConfig.from_pretrained(path)
-        if _config_spec(config) is not None:
-            kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
+    config = kwargs.get("config")
+    if not isinstance(config, PreTrainedConfig):
+        config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads"}
+        config = AutoConfig.from_pretrained(config or path, **config_kwargs)
+    if "attn_implementation" in kwargs:
+        check_implementation(config, kwargs["attn_implementation"])
+    elif _config_spec(config) is not None:
+        kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
     return model_class.from_pretrained(path, **kwargs)

@@ -13,8 +13,9 @@ Writes ``OUT/geometry.json`` (``{"runs": {label: analyze_model result}, "figures
 and the PNG figures of :mod:`lapheads.geometry.plots` (several checkpoints share each figure).
 
 Design choices: a directory with ``config.json`` is a transformers checkpoint
-(``AutoModelForCausalLM`` when its architecture is a causal LM, else ``AutoModel``; the tokenizer
-is read from the same directory); anything else must be a timm model name (``timm.create_model``
+(``AutoModelForCausalLM`` when its architecture is a causal LM, else ``AutoModel``, loaded through
+``lapheads.transformers.from_pretrained`` so Laplacian heads in its config are restored; the
+tokenizer is read from the same directory); anything else must be a timm model name (``timm.create_model``
 with ``pretrained=False`` plus ``--model-args``; ``--weights`` loads a ``.safetensors`` /
 ``.pt`` state dict strictly). Nothing is downloaded. Data loaders here are small and
 self-contained (digits, ImageFolder, pydoc, .txt) so the command does not depend on the training
@@ -69,11 +70,13 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
             raise ConfigError("--weights is for timm models; a transformers directory holds its weights")
         import transformers
 
+        from .. import transformers as lap_tf
+
         cfg = transformers.AutoConfig.from_pretrained(p)
         causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (cfg.architectures or []))
         cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-        try:
-            model = cls.from_pretrained(p)
+        try:  # lapheads' loader: a config with laplacian_heads gets the Laplacian attention implementation
+            model = lap_tf.from_pretrained(str(p), model_class=cls)
         except Exception as e:  # noqa: BLE001 - report any loader failure as a checkpoint error
             raise CheckpointError(f"{spec}: cannot load the model: {e}") from e
         tok = None

@@ -12,9 +12,13 @@ Design choices:
   ``lm_eval`` ``TemplateLM``: log-likelihoods from one forward pass per batch of right-padded
   requests, rolling log-likelihoods over windows of the model's context, and ``generate_until``
   with transformers' ``generate()`` (KV cache). It is written here rather than using lm-eval's
-  ``HFLM`` because ``HFLM`` imports ``accelerate``, which is not a dependency of this project,
-  and because ``HFLM`` would re-encode text with its own BOS handling; here every request is
+  ``HFLM`` because ``HFLM`` would re-encode text with its own BOS handling; here every request is
   encoded exactly as in pretraining (BOS-prefixed).
+* lm-eval's own ``HFLM`` (``--model hf``) also loads an exported run correctly, but only in a
+  process that has imported ``lapheads.transformers``: the exported ``config.json`` names the
+  Laplacian attention implementation, so without the import transformers refuses to load it
+  with an error that says ``import lapheads.transformers first`` (it never falls back to
+  standard attention). ``HFLM`` needs ``accelerate`` (in the ``eval`` extra).
 * Local task YAML files come from ``--lm-eval-include DIR`` (lm-eval's ``TaskManager(include_path=
   DIR)``). Nothing touches the network: ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set
   before lm-eval and ``datasets`` are imported (unless ``--allow-network``), so a task must use a

@@ -1,8 +1,10 @@
 """NanoChat-architecture language models with k Laplacian heads, and nanochat's optimizers.
 
 The model IS transformers' ``NanoChatForCausalLM`` (no private copy of the architecture): the
-recipes train it, ``save_pretrained`` exports it, and ``lapheads.transformers.from_pretrained``
-loads it back with its Laplacian heads. Checked against nanochat's ``gpt.py`` (the October 2025
+recipes train it, ``save_pretrained`` exports it (``config.json`` keeps ``laplacian_heads`` and
+names the Laplacian attention implementation), and ``lapheads.transformers.from_pretrained`` (or a
+plain ``AutoModelForCausalLM.from_pretrained`` after ``import lapheads.transformers``) loads it back
+with its Laplacian heads; without that import transformers refuses to load it. Checked against nanochat's ``gpt.py`` (the October 2025
 version the paper's 561M "d20" comes from) and the installed transformers 5.24:
 
 =======================================  ==============================================================
