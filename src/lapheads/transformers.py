@@ -193,7 +193,9 @@ def _check_cache_layout(config: Any, q_length: int, kv_length: int, q_offset: An
     if isinstance(q_offset, torch.Tensor):
         raise ConfigError(f"a static KV cache cannot serve Laplacian heads (laplacian_heads="
                           f"{_config_spec(config)!r}). {_STATIC_HINT}")
-    if int(kv_offset) + int(kv_length) != int(q_offset) + int(q_length):
+    # No int() here: under torch.export the lengths are symbolic, and int() would pin them to the
+    # example's sizes (a dynamic sequence length would be lost); the comparison itself stays symbolic.
+    if kv_offset + kv_length != q_offset + q_length:
         raise ConfigError(
             f"the KV cache hands attention {kv_length} key positions (offset {kv_offset}) but the "
             f"queries end at position {int(q_offset) + int(q_length)}: the cache is preallocated "
