@@ -47,9 +47,11 @@ class ForkServer:
     """A Python process that imported lapheads (torch, timm, the classify recipe) once and forks a
     child per command, so a SIGKILL test pays the ~5-15 s interpreter start once, not per kill.
 
-    The children are real processes running the unchanged CLI; the server reaps them and reports
-    ``done PID STATUS`` (negative status = killed by that signal). With ``fsync_delay`` the
-    engine's fsync helpers sleep that long, making checkpoint writes observable.
+    The children are real processes running the unchanged CLI; several can run at once (a second
+    writer against a running one). The server reaps each child as soon as it ends (so a finished
+    child is not mistaken for a live one) and reports ``done PID STATUS`` (negative status = killed
+    by that signal). With ``fsync_delay`` the engine's fsync helpers sleep that long, making
+    checkpoint writes observable.
     """
 
     def __init__(self, env: dict[str, str], fsync_delay: float = 0.0):
@@ -57,6 +59,7 @@ class ForkServer:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve", str(fsync_delay)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=str(ROOT), bufsize=1)
+        self._done: dict[int, int] = {}
         assert self._line() == "ready"
 
     def _line(self) -> str:
@@ -65,19 +68,29 @@ class ForkServer:
             raise RuntimeError(f"fork server died (rc={self.proc.poll()})")
         return line.strip()
 
-    def start(self, argv: list[str], log: Path) -> int:
-        """Fork a child running ``lapheads argv`` (stdout/stderr to ``log``); returns its pid."""
-        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+    def _next(self, word: str) -> list[str]:
+        """The next reply starting with ``word`` (``done`` replies met on the way are kept)."""
+        while True:
+            parts = self._line().split()
+            if parts[0] == "done" and word != "done":
+                self._done[int(parts[1])] = int(parts[2])
+                continue
+            assert parts[0] == word, parts
+            return parts
+
+    def start(self, argv: list[str], log: Path, err: Path | None = None) -> int:
+        """Fork a child running ``lapheads argv`` (stdout to ``log``, stderr to ``err`` or also to
+        ``log``); returns its pid."""
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log), "err": str(err or log)}) + "\n")
         self.proc.stdin.flush()
-        word, pid = self._line().split()
-        assert word == "pid"
-        return int(pid)
+        return int(self._next("pid")[1])
 
     def wait(self, pid: int) -> int:
         """The child's exit status (negative: killed by that signal)."""
-        word, got, status = self._line().split()
-        assert word == "done" and int(got) == pid
-        return int(status)
+        while pid not in self._done:
+            _, got, status = self._next("done")
+            self._done[int(got)] = int(status)
+        return self._done.pop(pid)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -114,15 +127,34 @@ def _serve(fsync_delay: float) -> None:
     from torch.utils import tensorboard  # noqa: F401
     import tqdm.auto  # noqa: F401
     print("ready", flush=True)
-    for line in sys.stdin:
+    import select
+    children: set[int] = set()
+    stdin, stdin_open = sys.stdin.buffer.raw, True
+    while stdin_open or children:
+        for pid in list(children):  # reap promptly: a zombie would still look alive to os.kill(pid, 0)
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                children.discard(pid)
+                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                print(f"done {pid} {code}", flush=True)
+        if not stdin_open:
+            time.sleep(0.005)
+            continue
+        if not select.select([stdin], [], [], 0.005)[0]:
+            continue
+        line = stdin.readline()  # unbuffered: select() sees every byte not read yet
+        if not line:
+            stdin_open = False
+            continue
         cmd = json.loads(line)
         pid = os.fork()
         if pid == 0:  # child: run the CLI, never return into the server loop
             rc = 3
             try:
-                fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
+                for target, name in ((1, "log"), (2, "err")):
+                    fd = os.open(cmd[name], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    os.dup2(fd, target)
+                    os.close(fd)
                 sys.stdin.close()
                 rc = main(cmd["argv"])
             except BaseException:
@@ -131,10 +163,8 @@ def _serve(fsync_delay: float) -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(rc)
+        children.add(pid)
         print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print(f"done {pid} {code}", flush=True)
 
 
 def check_checkpoint_dir(ckpt_dir: Path) -> int | None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +20,11 @@ from lapheads.engine.checkpoint import (latest_checkpoint, load_tensors, safe_to
                                         load_weights, write_checkpoint)
 from lapheads.engine.data import epoch_batches
 from lapheads.engine.launch import launch
+from lapheads.engine.run import RunDirBusy
+from lapheads.engine.trainer import RunInterrupted
 from lapheads.errors import CheckpointError, ConfigError, NonFiniteError
+
+from _reliability_helpers import same_weights, snapshot, subprocess_env
 
 
 @dataclass
@@ -238,3 +246,157 @@ def test_nonfinite_weights_are_never_checkpointed(tmp_path):
         launch("toy", _cfg(ckpt_every=7), lambda c, info: Overflow(c, info), str(out))
     assert latest_checkpoint(out / "checkpoints") is None or \
         latest_checkpoint(out / "checkpoints").name != "step_00000007"
+
+
+# ----------------------------------------------------------------------------- run-directory integrity
+class SelfSignal(ToyTask):
+    """Sends itself a signal in the middle of step 6 (as a scheduler or Ctrl-C would)."""
+
+    signum = signal.SIGTERM
+
+    def after_optimizer_step(self, step, total):
+        if step == 6:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_at_the_step_boundary_and_resumes_exactly(tmp_path, signum):
+    ref = tmp_path / "ref"
+    _run(ref, _cfg(ckpt_every=0))
+    out = tmp_path / "run"
+    task = type("Task", (SelfSignal,), {"signum": signum})
+    previous = signal.getsignal(signum)
+    with pytest.raises(RunInterrupted) as info:
+        launch("toy", _cfg(ckpt_every=0), lambda c, i: task(c, i), str(out))
+    e = info.value
+    assert (e.signum, e.step, e.started, e.finished) == (signum, 7, True, False)
+    assert e.checkpoint == out / "checkpoints" / "step_00000007" == latest_checkpoint(out / "checkpoints")
+    assert signal.getsignal(signum) is previous  # the handlers are put back
+    assert not (out / ".lock").exists()
+    _run(out, _cfg(ckpt_every=0), resume=True)
+    assert same_weights(ref / "final" / "model.safetensors", out / "final" / "model.safetensors")
+    assert [r["step"] for r in RunDir(out).metrics() if "loss" in r] == list(range(1, 21))
+
+
+class Sampling(ToyTask):
+    """Writes a per-step log of its own next to metrics.jsonl (like the lm recipe's samples)."""
+
+    def __init__(self, cfg, info=None, run_dir=None):
+        super().__init__(cfg, info)
+        self.run_dir = Path(run_dir)
+
+    def after_optimizer_step(self, step, total):
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            f.write(json.dumps({"step": step + 1, "text": "x"}) + "\n")
+        super().after_optimizer_step(step, total)
+
+
+def test_resume_trims_every_step_log_and_tensorboard_shows_one_curve(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "run"
+    cfg = _cfg()
+    cfg.crash_at = 11  # the crash comes after steps 11-12 were logged; the newest checkpoint is step 10
+    with pytest.raises(Crash):
+        launch("toy", cfg, lambda c, i: Sampling(c, i, out), str(out))
+    with open(out / "samples.jsonl", "a") as f:
+        f.write('{"step": 13, "te')  # a line torn by the kill
+    (out / "config.yaml").write_text((out / "config.yaml").read_text().replace("crash_at: 11", "crash_at: -1"))
+    cfg.crash_at = -1
+    launch("toy", cfg, lambda c, i: Sampling(c, i, out), str(out), resume=True)
+    samples = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples == list(range(1, 21))
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
+
+
+def test_resume_with_other_settings_lists_every_changed_key(tmp_path):
+    out = tmp_path / "run"
+    _run(out, _cfg(max_steps=2, ckpt_every=0))
+    before = snapshot(out)
+    bad = _cfg(max_steps=4, ckpt_every=0, log_every=3)  # both may change on resume
+    bad.lr, bad.model.width = 0.5, 8
+    with pytest.raises(ConfigError, match=r"at lr \(0\.01 -> 0\.5\), model\.width \(16 -> 8\); exact resume"):
+        _run(out, bad, resume=True)
+    assert snapshot(out) == before
+
+
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """Another process holding the writer lock of ``path`` until its stdin closes."""
+    code = ("import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=subprocess_env())
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_one_writer_at_a_time_and_a_dead_holder_frees_the_directory(tmp_path, capsys):
+    from lapheads.cli import main as cli
+    out = tmp_path / "run"
+    _run(out, _cfg(max_steps=2, ckpt_every=0))
+    holder = _hold_lock(out)
+    try:
+        before = snapshot(out)
+        with pytest.raises(RunDirBusy, match=rf"being written by another process \(PID {holder.pid} on host "):
+            _run(out, _cfg(max_steps=4, ckpt_every=0), resume=True)
+        with pytest.raises(RunDirBusy):
+            _run(out, _cfg(max_steps=2, ckpt_every=0), overwrite=True)
+        capsys.readouterr()
+        assert cli(["report", str(out), "--out", str(out / "report")]) == 2  # a report into the run waits its turn
+        assert f"PID {holder.pid}" in capsys.readouterr().err
+        assert snapshot(out) == before  # nothing written, nothing cleaned up
+    finally:
+        holder.kill()  # SIGKILL: the kernel releases the lock, the stale lock file stays
+        holder.wait()
+    assert (out / ".lock").is_file()
+    _run(out, _cfg(max_steps=4, ckpt_every=0), resume=True)
+    assert json.loads((out / "final" / "model.json").read_text())["step"] == 4
+    assert not (out / ".lock").exists()
+
+
+def test_a_start_killed_before_its_config_was_complete_is_not_a_run(tmp_path):
+    # what a SIGKILL during the first config.yaml write leaves: its temporary file, a stale lock
+    for resume in (False, True):
+        out = tmp_path / f"wedged_{resume}"
+        out.mkdir()
+        (out / ".config.yaml.tmp-4242").write_text("recipe: toy\nmod")
+        (out / ".lock").write_text('{"pid": 4242, "host": "gone"}\n')
+        _run(out, _cfg(max_steps=2, ckpt_every=0), resume=resume)
+        assert (out / "final" / "model.json").is_file()
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    # a directory with files of its own is not taken over without --overwrite
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for resume in (False, True):
+        with pytest.raises(CheckpointError, match="no config.yaml"):
+            _run(other, _cfg(max_steps=2, ckpt_every=0), resume=resume)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+    _run(other, _cfg(max_steps=2, ckpt_every=0), overwrite=True)
+    assert not (other / "notes.txt").exists() and (other / "final" / "model.json").is_file()
+    # --resume of a directory that does not exist is a mistake (a typo), not a fresh start
+    with pytest.raises(CheckpointError, match="not a run directory"):
+        _run(tmp_path / "missing" / "run", _cfg(max_steps=2), resume=True)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_resume_command_and_interrupt_line(monkeypatch, tmp_path):
+    from lapheads.engine.launch import describe_interrupt, resume_command
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    args = ["--config", "a b.yaml", "--out", "r", "--overwrite", "--set", "x=1"]
+    assert resume_command(["train", "lm"], args) == "lapheads train lm --config 'a b.yaml' --out r --set x=1 --resume"
+    assert resume_command(["train", "lm"], args, started=False) == "lapheads train lm " + " ".join(
+        ["--config", "'a b.yaml'", "--out", "r", "--overwrite", "--set", "x=1"])
+    assert resume_command(["sweep"], ["--out", "s", "--restart-changed"]) == "lapheads sweep --out s"
+    line, rc = describe_interrupt(["sweep"], ["--out", "s"], KeyboardInterrupt())
+    assert (line, rc) == ("lapheads sweep: interrupted by SIGINT; resume with: lapheads sweep --out s", 130)
+    e = RunInterrupted(signal.SIGTERM, tmp_path, None, None, started=False)
+    line, rc = describe_interrupt(["train", "lm"], args, e)
+    assert rc == 143 and "before training started, nothing was written" in line and "rerun with:" in line
+    assert line.endswith("--overwrite --set x=1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume_command(["train", "lm"], ["--out", "r"]).startswith("torchrun --nproc_per_node=2 -m lapheads.cli ")
+    monkeypatch.setenv("RANK", "1")
+    assert describe_interrupt(["train", "lm"], args, e) == (None, 143)  # one line per job, from rank 0

@@ -7,6 +7,8 @@ at a function ``main(argv: list[str]) -> int | None`` that parses its own argume
 Errors caused by user input (:class:`lapheads.errors.LapheadsError`, and argparse's own errors
 such as a missing required flag) are printed as one line and exit with status 2; a run stopped by
 the non-finite guard (:class:`lapheads.errors.NonFiniteError`) is one line with status 1;
+Ctrl-C and SIGTERM end a command with one line (for runs: the checkpoint and the command that
+resumes it) and status 130 / 143;
 ``--debug`` (anywhere on the line) shows the full traceback instead.
 """
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 from typing import Optional, Sequence
 
 # (words...) -> ("module:function", one-line help)
@@ -38,6 +42,24 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("sweep",): ("lapheads.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
     ("report",): ("lapheads.report:main", "Markdown + HTML report comparing runs"),
 }
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that clean-up runs and the run can name its checkpoint."""
+
+    signum = signal.SIGTERM
+
+
+def _sigterm_as_interrupt() -> Optional[object]:
+    """Raise :class:`_Terminated` on SIGTERM (when nobody else handles it); returns the old handler."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def _raise(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    return signal.signal(signal.SIGTERM, _raise)
 
 
 def _usage() -> str:
@@ -89,6 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     saved_error = argparse.ArgumentParser.error
     argparse.ArgumentParser.error = _argparse_error  # type: ignore[method-assign]
+    saved_term = _sigterm_as_interrupt()
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
         rc = fn(rest)
@@ -105,11 +128,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         print(f"lapheads {' '.join(key)}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("lapheads: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line with the resume command
+        from .engine.launch import describe_interrupt
+        line, rc = describe_interrupt(key, rest, e)
+        if line:
+            print(line, file=sys.stderr)
+        return rc
     finally:
         argparse.ArgumentParser.error = saved_error  # type: ignore[method-assign]
+        if saved_term is not None:
+            signal.signal(signal.SIGTERM, saved_term)
 
 
 def entry() -> int:

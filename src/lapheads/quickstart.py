@@ -10,14 +10,15 @@
 
 Every run is an ordinary run directory under ``OUT/vision`` and ``OUT/lm`` (made by the same
 ``lapheads train`` commands and the same sweep as ``lapheads sweep``), so the quickstart is
-resumable: run it again and finished runs are skipped. ``--tiny`` runs the same pipeline with a
-handful of steps (for tests, under a minute).
+resumable: run it again and finished runs are skipped. Like the sweep it never reuses a run made
+with other settings (e.g. a ``--tiny`` run where the full one is asked for): it stops and says so,
+and ``--overwrite`` starts afresh. It holds the lock of ``OUT`` while it runs (engine.run.RunLock).
+``--tiny`` runs the same pipeline with a handful of steps (for tests, under a minute).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -51,7 +52,7 @@ def recipes_dir() -> Path:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="lapheads quickstart",
+        prog="lapheads quickstart", allow_abbrev=False,
         description="Train baseline and Laplacian-head models on embedded data (digits images and "
                     "Python's pydoc text), measure their token geometry and write a report.")
     p.add_argument("--out", default="runs/quickstart", help="output directory (resumable)")
@@ -62,15 +63,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(list(argv or []))
     plan = PLAN["tiny" if args.tiny else "full"]
     rdir = recipes_dir()
-    out = Path(args.out)
-    if args.overwrite and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    from .engine.run import lock_dir
+    with lock_dir(args.out):
+        return _run(args, plan, rdir, Path(args.out))
 
+
+def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     from .engine.config import read_yaml
+    from .engine.run import clear_dir, lock_dir
     from .geometry.runs import analyze_run
     from .report import build_report
-    from .sweep import run_grid
+    from .sweep import plan_grid, refuse_changed, run_grid
 
     t0 = time.time()
     parts = []
@@ -85,16 +88,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parts.append(("lm", "lm", cfg, ["0", str(heads // 2), "all"], plan["lm_seeds"], plan["lm_set"]))
     if not parts:
         raise ConfigError("--no-lm and --no-vision leave nothing to run")
+    hint = f"pass --overwrite to start {out} afresh, or choose another --out"
+    if args.overwrite:
+        clear_dir(out)
+    else:  # every part is checked before the first one trains
+        for name, recipe, cfg, heads, seeds, overrides in parts:
+            refuse_changed(plan_grid(recipe, str(cfg), heads, seeds, out / name, overrides), out / name, hint)
     dirs: list[Path] = []
     for name, recipe, cfg, heads, seeds, overrides in parts:
         print(f"[quickstart] {name}: {recipe} with Laplacian heads {', '.join(heads)} x seeds "
               f"{', '.join(map(str, seeds))}  ({cfg.relative_to(rdir.parent)})", flush=True)
-        dirs += run_grid(recipe, str(cfg), heads, seeds, out / name, overrides)
+        dirs += run_grid(recipe, str(cfg), heads, seeds, out / name, overrides, hint=hint)
     print("[quickstart] token geometry of every run", flush=True)
     from tqdm.auto import tqdm
     for d in tqdm(dirs, desc="analyze", unit="run"):
         if not (d / "geometry" / "geometry.json").is_file():
-            analyze_run(d, max_items=plan["max_items"], plots=False)
+            with lock_dir(d):
+                analyze_run(d, max_items=plan["max_items"], plots=False)
     intro = ("Baseline (k=0) against Laplacian heads (k = half and all heads of every layer) on embedded "
              "data: a tiny ViT on scikit-learn's digits and a tiny NanoChat-style LM on Python's pydoc "
              "topics. These are toy-scale runs on a CPU; they check the pipeline and show the direction "

@@ -480,11 +480,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for d in dirs:
         if not (d / "config.yaml").is_file():
             raise ConfigError(f"{d} is not a run directory (no config.yaml)")
+    from .engine.run import lock_dir, lock_enclosing_run  # one writer per run directory
     if args.analyze:
         from .geometry.runs import analyze_run
         for d in dirs:
             if not (d / "geometry" / "geometry.json").is_file() and (d / "final" / "model.json").is_file():
-                analyze_run(d)
-    paths = build_report(dirs, args.out, title=args.title)
+                with lock_dir(d):
+                    analyze_run(d)
+    with lock_enclosing_run(args.out):
+        paths = build_report(dirs, args.out, title=args.title)
     print(f"report: {paths['md']}\n        {paths['html']}")
     return 0

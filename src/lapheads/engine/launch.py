@@ -1,30 +1,63 @@
 """``lapheads train <recipe>``: parse the shared flags, build the task, run the engine.
 
-Order matters for "nothing is lost, nothing half-written": the run directory is checked first
-(no overwrite without --resume/--overwrite), then the recipe builds its task, which validates
-every data file and config value, then the trainer is built (it checks the run length and, on
---resume, loads the newest checkpoint), and only then is the first file written.
+Order matters for "nothing is lost, nothing half-written, one writer at a time":
+
+1. rank 0 takes the run directory's writer lock (engine.run.RunLock) before anything is read,
+   written or cleaned up; a second writer stops here, naming the holder's PID and host;
+2. the run directory is checked (no overwrite without --resume/--overwrite, same config on
+   --resume), by rank 0, which tells the other ranks the outcome;
+3. the recipe builds its task, which validates every data file and config value, then the
+   trainer is built (it checks the run length and, on --resume, loads the newest checkpoint);
+4. only then is the first file written (by rank 0; the other ranks never write).
+
+A SIGINT / SIGTERM ends the command with one line naming the checkpoint and the exact command
+that continues the run (:func:`describe_interrupt`), and exit status 128 + signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import signal
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import torch.distributed as dist
+
 from . import dist as D
+from .checkpoint import latest_checkpoint
 from .config import load_config
 from .run import RunDir, add_train_args
-from .trainer import Task, Trainer, seed_everything
+from .trainer import RunInterrupted, Task, Trainer, seed_everything
+
+
+def _agree(info: D.DistInfo, outcome: Any) -> Any:
+    """Rank 0's ``outcome`` (a value or an exception to raise) on every rank."""
+    if info.distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task], out: str, *,
            resume: bool = False, overwrite: bool = False) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``."""
     info = D.init_distributed(cfg.train.device)
+    run = RunDir(out)
+    started = False
     try:
-        run = RunDir(out)
-        run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=info.is_main, write=False)
-        D.barrier()  # every rank has checked before rank 0 writes anything
+        outcome: Any = None
+        if info.is_main:
+            try:
+                run.lock()
+                outcome = run.check(cfg, recipe, resume=resume, overwrite=overwrite)
+            except Exception as e:  # handed to the other ranks, which raise it too
+                outcome = e
+        resume = _agree(info, outcome)
         seed_everything(cfg.train.seed)  # model initialisation is identical on every rank
         task = build_task(cfg, info)
         # Built before the first write: it checks the run length, and on --resume loads the
@@ -32,18 +65,65 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
         trainer = Trainer(task, cfg.train, run, info)
         if resume:
             trainer.restore()
+        started = True
         if info.is_main:
             run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True)
         D.barrier()
         return trainer.fit(resume=resume)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt as e:  # outside the loop: Ctrl-C, or SIGTERM via the CLI's handler
+        signum = getattr(e, "signum", signal.SIGINT)
+        ck = latest_checkpoint(run.ckpt_dir) if (started and info.is_main and run.ckpt_dir.is_dir()) else None
+        raise RunInterrupted(signum, run.path, None, ck, started=started) from None
     finally:
+        run.unlock()
         D.cleanup()
+
+
+def resume_command(words: Sequence[str], args: Sequence[str], started: bool = True) -> str:
+    """The command line that continues an interrupted ``lapheads WORDS ARGS``.
+
+    ``--overwrite`` / ``--restart-changed`` are dropped (they already took effect), a train
+    command gets ``--resume`` when its run had started, and under torchrun the launcher is
+    named (flags are exact: the train, sweep and quickstart parsers refuse abbreviations).
+    """
+    if not started:
+        rest = list(args)
+    else:
+        rest = [a for a in args if a not in ("--overwrite", "--restart-changed")]
+        if words and words[0] == "train" and "--resume" not in rest:
+            rest.append("--resume")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prefix = ["lapheads"] if world <= 1 else ["torchrun", f"--nproc_per_node={world}", "-m", "lapheads.cli"]
+    return shlex.join([*prefix, *words, *rest])
+
+
+def describe_interrupt(words: Sequence[str], args: Sequence[str], exc: BaseException) -> tuple[Optional[str], int]:
+    """The one stderr line and the exit status of a command ended by SIGINT / SIGTERM.
+
+    The line is None on ranks other than 0 (one line per job, not per process).
+    """
+    signum = int(getattr(exc, "signum", signal.SIGINT))
+    rc = 128 + signum
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None, rc
+    name = signal.Signals(signum).name
+    head = f"lapheads {' '.join(words)}: interrupted by {name}"
+    if isinstance(exc, RunInterrupted):
+        # a sweep's or quickstart's own flags took effect before its first run started
+        started = exc.started or words[0] != "train"
+        how = "resume with" if started else "rerun with"
+        return f"{head} {exc.describe()}; {how}: {resume_command(words, args, started)}", rc
+    if words and words[0] in ("sweep", "quickstart"):
+        return f"{head}; resume with: {resume_command(words, args)}", rc
+    return head, rc
 
 
 def train_cli(recipe: str, cfg_cls: type, build_task: Callable[[Any, D.DistInfo], Task],
               argv: Optional[Sequence[str]], *, default_config: Optional[str] = None,
               description: str = "") -> int:
-    p = argparse.ArgumentParser(prog=f"lapheads train {recipe}", description=description)
+    p = argparse.ArgumentParser(prog=f"lapheads train {recipe}", description=description, allow_abbrev=False)
     add_train_args(p, default_config)
     args = p.parse_args(list(argv or []))
     cfg = load_config(cfg_cls, args.config, args.overrides, recipe=recipe)

@@ -6,33 +6,57 @@
         config.yaml        the resolved config (recipe name included); rebuilds the run
         meta.json          git revision, versions, command line, world size, start time
         metrics.jsonl      one JSON object per logged step / evaluation
+        samples.jsonl      (lm) greedy continuations at every evaluation
         tb/                TensorBoard events
         checkpoints/       crash-safe checkpoints (see engine.checkpoint)
         final/             model.safetensors + model.json (what rebuilds the model), at the end
+        .lock              present while a process writes into the directory (see RunLock)
 
-A run directory is never overwritten: starting a run where ``config.yaml`` already exists needs
-``--resume`` (continue it) or ``--overwrite`` (delete it first). ``--resume`` also checks that the
-config did not change in ways that would break exact resume.
+Design choices:
+
+* A run directory is never overwritten: starting a run where ``config.yaml`` already exists
+  needs ``--resume`` (continue it) or ``--overwrite`` (delete it first). ``--resume`` also checks
+  that the config did not change in ways that would break exact resume, and lists every
+  differing key (:func:`config_changes`; the sweep uses the same rule).
+* ``config.yaml`` is what makes a directory a run. A directory that holds nothing but the
+  leftovers of a start killed before ``config.yaml`` was complete (its temporary file, a stale
+  lock file) is not a run: a plain start cleans it up and proceeds, and so does ``--resume``
+  (there is nothing to resume, the run starts at step 0). A directory that holds other files but
+  no ``config.yaml`` is refused unless ``--overwrite`` is given.
+* One writer at a time: every command that writes into a run directory holds :class:`RunLock`,
+  an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` that the kernel releases when the process
+  dies, whatever kills it. The holder writes its PID and host into the file so that a second
+  writer can say who holds it (``filelock`` truncates the file when it tries to lock it, which
+  would erase exactly that information, hence ``fcntl`` directly). The file is removed on release;
+  an acquirer that locked a file unlinked in the meantime notices (inode check) and retries.
+* Every top-level ``*.jsonl`` file is a per-step log whose records carry ``step``: on resume they
+  are all trimmed to the checkpoint's step (:meth:`RunDir.trim_step_logs`), so a killed attempt
+  leaves no duplicates.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import yaml
 
 from ..errors import CheckpointError, ConfigError
 from .checkpoint import atomic_write_text
 from .config import to_dict
+
+LOCK_NAME = ".lock"
 
 
 def git_revision() -> Optional[str]:
@@ -66,6 +90,9 @@ def add_train_args(p: argparse.ArgumentParser, default_config: Optional[str] = N
 # Keys that may differ between the original run and a --resume (they do not change the math).
 RESUME_MUTABLE = {"train.max_steps", "train.log_every", "train.eval_every", "train.ckpt_every",
                   "train.keep_checkpoints", "train.progress", "train.num_workers", "train.device"}
+# Keys that may differ for a FINISHED run that is reused as is (e.g. by a sweep): the run length
+# decides the final model, so it is not among them.
+FINISHED_MUTABLE = RESUME_MUTABLE - {"train.max_steps"}
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -77,11 +104,169 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): d}
 
 
+def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE) -> list[str]:
+    """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out."""
+    a, b = _flatten(old), _flatten(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in allowed)
+
+
+def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:
+    """``"model.depth (2 -> 3), optim.lr (0.1 -> 0.5)"`` for the first ``limit`` keys."""
+    a, b = _flatten(old), _flatten(new)
+    parts = [f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys[:limit]]
+    return ", ".join(parts) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+# ----------------------------------------------------------------------------- the writer lock
+class RunDirBusy(CheckpointError):
+    """Another live process holds the directory's lock."""
+
+
+class RunLock:
+    """Exclusive, process-lifetime lock of a directory (see the module docstring).
+
+    Re-entrant within one process (a sweep holds its directory while its runs lock their own).
+    Missing directories are created to hold the lock file and removed again on release when they
+    are still empty, so a command that fails before writing anything leaves nothing behind.
+    """
+
+    _held: dict[Path, "RunLock"] = {}
+
+    def __init__(self, path: Path, fd: int, created: list[Path]):
+        self.path, self._fd, self._created = path, fd, created
+        self._count, self._pid = 1, os.getpid()
+
+    @property
+    def created_dir(self) -> bool:
+        """Whether acquiring the lock created the directory (it did not exist before)."""
+        return self.path in self._created
+
+    @classmethod
+    def acquire(cls, path: str | Path) -> "RunLock":
+        import fcntl
+        path = Path(path)
+        key = path.resolve()
+        held = cls._held.get(key)
+        if held is not None and held._pid == os.getpid():
+            held._count += 1
+            return held
+        created = []
+        for parent in reversed([path, *path.parents]):
+            if not parent.exists():
+                try:
+                    parent.mkdir()
+                    created.append(parent)
+                except FileExistsError:
+                    pass
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is not a directory")
+        lock_file = path / LOCK_NAME
+        while True:
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                holder = _describe_holder(os.pread(fd, 4096, 0))
+                os.close(fd)
+                raise RunDirBusy(
+                    f"{path} is being written by another process ({holder}); two writers would "
+                    f"corrupt it: wait for that process to end or stop it first") from None
+            try:  # the previous holder may have unlinked the file between our open and flock
+                st = os.stat(lock_file)
+                same = (st.st_ino, st.st_dev) == (os.fstat(fd).st_ino, os.fstat(fd).st_dev)
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        info = {"pid": os.getpid(), "host": platform.node(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": shlex.join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        lock = cls(path, fd, created)
+        cls._held[key] = lock
+        return lock
+
+    def release(self) -> None:
+        import fcntl
+        self._count -= 1
+        if self._count > 0 or self._fd < 0:
+            return
+        RunLock._held.pop(self.path.resolve(), None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path / LOCK_NAME)  # still locked: a waiting opener sees the inode change
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = -1
+        for d in reversed(self._created):  # deepest first; only those still empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def _describe_holder(raw: bytes) -> str:
+    try:
+        info = json.loads(raw.decode())
+        return f"PID {info['pid']} on host {info['host']}, since {info['since']}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "a process that has not written its PID yet"
+
+
+@contextlib.contextmanager
+def lock_dir(path: str | Path) -> Iterator[RunLock]:
+    """Hold :class:`RunLock` on ``path`` for the ``with`` block."""
+    lock = RunLock.acquire(path)
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def enclosing_run_dir(path: str | Path) -> Optional[Path]:
+    """The run directory ``path`` lies in (``path`` itself or the nearest parent with a
+    ``config.yaml``), or None. Used to lock a run before writing analysis output into it."""
+    p = Path(path).absolute()
+    for cand in (p, *p.parents):
+        if (cand / "config.yaml").is_file():
+            return cand
+    return None
+
+
+@contextlib.contextmanager
+def lock_enclosing_run(path: str | Path) -> Iterator[None]:
+    """Hold the lock of the run directory ``path`` is in, if any (no-op outside run directories)."""
+    run = enclosing_run_dir(path)
+    if run is None:
+        yield
+        return
+    with lock_dir(run):
+        yield
+
+
+def clear_dir(path: Path) -> None:
+    """Delete everything in ``path`` except its lock file (which the caller holds)."""
+    for child in Path(path).iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _is_start_leftover(name: str) -> bool:
+    """Files a start killed before ``config.yaml`` was complete can leave behind."""
+    return name == LOCK_NAME or name.startswith((".config.yaml.tmp-", ".meta.json.tmp-"))
+
+
 class RunDir:
     """A run directory (see module docstring)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._lock: Optional[RunLock] = None
 
     config_path = property(lambda self: self.path / "config.yaml")
     metrics_path = property(lambda self: self.path / "metrics.jsonl")
@@ -92,39 +277,69 @@ class RunDir:
     def exists(self) -> bool:
         return self.config_path.is_file()
 
-    def prepare(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, is_main: bool = True,
-                write: bool = True) -> None:
-        """Create (or check, on resume) the directory and write ``config.yaml`` + ``meta.json``.
+    def lock(self) -> RunLock:
+        """Take the writer lock (before anything is checked, written or cleaned up)."""
+        if self._lock is None:
+            self._lock = RunLock.acquire(self.path)
+        return self._lock
 
-        Raises before any training work when the directory would be overwritten or the config
-        of a resumed run changed. With ``write=False`` it only checks (nothing is touched), so a
-        caller can validate data before the first file is written.
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _only_leftovers(self) -> bool:
+        return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
+
+    def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool) -> bool:
+        """Check that the run can start here; returns whether it resumes an existing run.
+
+        Raises before anything is touched when the directory would be overwritten or the config
+        of a resumed run changed. ``--resume`` of a directory that holds no complete run (only
+        the leftovers of a start killed before ``config.yaml`` was written) starts afresh.
         """
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
-        resolved = {"recipe": recipe, **to_dict(cfg)}
         if resume:
+            missing = not self.path.is_dir() or (self._lock is not None and self._lock.created_dir)
             if not self.exists():
-                raise CheckpointError(f"--resume: {self.path} is not a run directory (no config.yaml)")
+                if missing or not self._only_leftovers():
+                    raise CheckpointError(f"--resume: {self.path} is not a run directory (no config.yaml)")
+                return False
             old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
-            a, b = _flatten(old), _flatten(resolved)
-            changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in RESUME_MUTABLE)
+            new = {"recipe": recipe, **to_dict(cfg)}
+            changed = config_changes(old, new, RESUME_MUTABLE)
             if changed:
-                k = changed[0]
                 raise ConfigError(
-                    f"--resume: the config differs from {self.config_path} at {k} "
-                    f"({a.get(k)!r} -> {b.get(k)!r}); exact resume needs the same config")
-        else:
-            if self.path.exists() and any(self.path.iterdir()):
-                if not overwrite:
-                    raise CheckpointError(
-                        f"{self.path} already holds a run; pass --resume to continue it or "
-                        f"--overwrite to replace it")
-                if is_main and write:
-                    shutil.rmtree(self.path)
+                    f"--resume: the config differs from {self.config_path} at "
+                    f"{describe_changes(old, new, changed)}; exact resume needs the same config")
+            return True
+        if self.path.exists() and not overwrite:
+            if self.exists():
+                raise CheckpointError(
+                    f"{self.path} already holds a run; pass --resume to continue it or "
+                    f"--overwrite to replace it")
+            if not self._only_leftovers():
+                raise CheckpointError(
+                    f"{self.path} is not empty and holds no run (no config.yaml); choose another "
+                    f"--out or pass --overwrite to empty it")
+        return False
+
+    def prepare(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, is_main: bool = True,
+                write: bool = True) -> bool:
+        """Check (see :meth:`check`), then create the directory and write ``config.yaml`` +
+        ``meta.json``; returns whether the run resumes.
+
+        With ``write=False`` it only checks (nothing is touched), so a caller can validate data
+        before the first file is written. The caller holds :meth:`lock` when it writes.
+        """
+        resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite)
         if not is_main or not write:
-            return
+            return resume
+        if not resume and self.path.is_dir():  # --overwrite, or leftovers of a killed start
+            clear_dir(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
+        resolved = {"recipe": recipe, **to_dict(cfg)}
         atomic_write_text(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
         meta_path = self.path / "meta.json"
         meta = json.loads(meta_path.read_text()) if (resume and meta_path.is_file()) else {}
@@ -142,6 +357,7 @@ class RunDir:
         meta["recipe"] = recipe
         meta["git_revision"] = meta["starts"][0]["git_revision"]
         atomic_write_text(meta_path, json.dumps(meta, indent=1))
+        return resume
 
     def read_config(self) -> dict:
         if not self.exists():
@@ -153,12 +369,29 @@ class RunDir:
 
     def metrics(self) -> list[dict]:
         """All records of ``metrics.jsonl`` (a torn last line of a killed run is skipped)."""
-        if not self.metrics_path.is_file():
-            return []
-        out = []
-        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return _read_jsonl(self.metrics_path)
+
+    def step_logs(self) -> list[Path]:
+        """The per-step logs: every top-level ``*.jsonl`` (``metrics.jsonl``, ``samples.jsonl``)."""
+        return sorted(p for p in self.path.glob("*.jsonl") if p.is_file())
+
+    def trim_step_logs(self, step: int) -> None:
+        """Drop every record logged after ``step`` (a killed attempt logged them past its last
+        checkpoint) and torn lines from every per-step log; records without a step are kept."""
+        for path in self.step_logs():
+            keep = [r for r in _read_jsonl(path) if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out

@@ -19,6 +19,15 @@ Design choices:
   (the loss, or the first parameter whose gradient is not finite).
 * Checkpoints are written by rank 0 only, atomically (engine.checkpoint), every ``ckpt_every``
   optimizer steps and at the end.
+* SIGINT and SIGTERM (what schedulers send before they kill) do not stop the loop mid-step: the
+  handler only records the signal, the loop finishes the current optimizer step, writes a
+  checkpoint (unless one of that step exists) and raises :class:`RunInterrupted` (a
+  ``KeyboardInterrupt``), which the CLI turns into one line with the resume command and exit
+  status 128 + signal (130 / 143). Under torchrun the ranks agree on the stop (one all-reduce
+  of the flag per step), so they checkpoint the same step. A second signal acts at once.
+* On resume every per-step log (``metrics.jsonl``, ``samples.jsonl``) is trimmed to the
+  checkpoint's step and TensorBoard's writer purges the later events (``purge_step``), so a run
+  shows one curve whatever was killed on the way.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import copy
 import json
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +52,7 @@ from torch import nn
 from ..errors import ConfigError, LapheadsError, NonFiniteError
 from . import dist as D
 from .checkpoint import (latest_checkpoint, load_tensors, load_weights, safe_torch_load, save_tensors,
-                         write_checkpoint, atomic_write_text)
+                         write_checkpoint)
 from .run import RunDir
 
 
@@ -217,6 +228,36 @@ def _to_float(v: Any) -> Any:
     return v
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT / SIGTERM at a step boundary (or before / after training).
+
+    Attributes:
+        signum: the signal (``signal.SIGINT`` or ``signal.SIGTERM``).
+        run_dir: the run directory.
+        step: the optimizer step the run stopped after (None: it stopped outside the loop).
+        checkpoint: the newest complete checkpoint (None when there is none yet).
+        started: whether this attempt wrote the run's ``config.yaml`` (False: rerun the original
+            command, not ``--resume``).
+        finished: whether the run had already written ``final/`` when it stopped.
+    """
+
+    def __init__(self, signum: int, run_dir: Path, step: Optional[int], checkpoint: Optional[Path],
+                 started: bool = True, finished: bool = False):
+        self.signum, self.run_dir, self.step = int(signum), Path(run_dir), step
+        self.checkpoint, self.started, self.finished = checkpoint, started, finished
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        if not self.started:
+            return f"before training started, nothing was written to {self.run_dir}"
+        where = f"after step {self.step} of {self.run_dir}" if self.step is not None else f"in {self.run_dir}"
+        if self.finished:
+            where += " (the run had finished)"
+        ck = (f"checkpoint {self.checkpoint} is complete" if self.checkpoint is not None
+              else "no checkpoint yet, it restarts at step 0")
+        return f"{where}; {ck}"
+
+
 class Trainer:
     """Runs a :class:`Task` under a :class:`TrainConfig` in a :class:`RunDir`."""
 
@@ -253,6 +294,9 @@ class Trainer:
         self.skipped = 0
         self._restored = False
         self._tb = None
+        self._tb_purge_step: Optional[int] = None
+        self._ckpt_step = -1  # step of the newest checkpoint written or loaded
+        self._stop_signal = 0  # set by the SIGINT / SIGTERM handler during fit()
 
     # ------------------------------------------------------------------ state
     def _param_names(self) -> dict[int, str]:
@@ -288,6 +332,7 @@ class Trainer:
                     f"step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})")
         if self.info.is_main:
             write_checkpoint(self.run.ckpt_dir, self.step, files, keep=self.cfg.keep_checkpoints)
+        self._ckpt_step = self.step
         D.barrier()
 
     def load_checkpoint(self, path: Path) -> None:
@@ -302,6 +347,7 @@ class Trainer:
         for opt, sd in zip(self.optims, st["optimizers"]):
             opt.load_state_dict(sd)
         self.step = int(st["step"])
+        self._ckpt_step = self.step
         self.skipped = int(st.get("skipped", 0))
         rngs = st["rng"]
         if len(rngs) != self.info.world_size:
@@ -320,7 +366,8 @@ class Trainer:
         if self._tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.run.tb_dir))
+                # after a resume, events past the checkpoint (logged by a killed attempt) are purged
+                self._tb = SummaryWriter(str(self.run.tb_dir), purge_step=self._tb_purge_step)
             except ImportError:  # tensorboard is a dependency; tolerate its absence anyway
                 self._tb = False
         if self._tb:
@@ -329,12 +376,48 @@ class Trainer:
                 if isinstance(v, (int, float)) and k not in ("step",) and math.isfinite(v):
                     self._tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
 
-    def _truncate_metrics(self, step: int) -> None:
-        """On resume, drop records logged after the checkpoint (a killed run logged them)."""
-        if not self.info.is_main or not self.run.metrics_path.is_file():
+    def _trim_logs(self, step: int) -> None:
+        """On resume, drop what a killed attempt logged after the checkpoint (see RunDir)."""
+        if self.info.is_main:
+            self.run.trim_step_logs(step)
+        self._tb_purge_step = step + 1
+
+    # ------------------------------------------------------------------ signals
+    @contextlib.contextmanager
+    def _stop_signals(self) -> Iterator[None]:
+        """SIGINT / SIGTERM only set ``_stop_signal`` (the loop stops at the step boundary); the
+        previous handlers come back after the first signal (a second one acts at once) and on exit."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
             return
-        keep = [r for r in self.run.metrics() if r.get("step", 0) <= step]
-        atomic_write_text(self.run.metrics_path, "".join(json.dumps(r) + "\n" for r in keep))
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.getsignal(s) for s in sigs}
+
+        def handler(signum: int, frame: Any) -> None:
+            self._stop_signal = self._stop_signal or signum
+            signal.signal(signum, previous[signum])
+
+        for s in sigs:
+            signal.signal(s, handler)
+        try:
+            yield
+        finally:
+            for s in sigs:
+                signal.signal(s, previous[s])
+
+    def _stop_requested(self) -> int:
+        """The signal every rank agrees to stop on (0: none); one small all-reduce under DDP."""
+        if not self.info.distributed:
+            return self._stop_signal
+        flag = torch.tensor([self._stop_signal], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _interrupted(self, signum: int, finished: bool = False) -> RunInterrupted:
+        if self._ckpt_step != self.step:
+            self.save_checkpoint()
+        ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
+        return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
 
     # ------------------------------------------------------------------ guard
     def _first_nonfinite_grad(self) -> str:
@@ -358,13 +441,26 @@ class Trainer:
         self._restored = True
 
     def fit(self, resume: bool = False) -> dict[str, Any]:
+        """Train to ``total`` steps, evaluate, checkpoint and export ``final/``.
+
+        Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
+        """
+        with self._stop_signals():
+            try:
+                return self._fit(resume)
+            finally:
+                if self._tb:
+                    self._tb.close()
+                self._tb = None
+
+    def _fit(self, resume: bool) -> dict[str, Any]:
         cfg = self.cfg
         if not resume:
             seed_everything(cfg.seed + self.info.rank)
         else:
             if not self._restored:
                 self.restore()
-            self._truncate_metrics(self.step)
+            self._trim_logs(self.step)
         params = [p for p in self.model.parameters() if p.requires_grad]
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16
                     else contextlib.nullcontext())
@@ -376,6 +472,10 @@ class Trainer:
         t_last = time.time()
         self.model.train()
         while self.step < self.total:
+            signum = self._stop_requested()  # at a step boundary, never mid-step
+            if signum:
+                bar.close()
+                raise self._interrupted(signum)
             step = self.step
             factor = lr_factor(step, self.total, cfg)
             for opt in self.optims:
@@ -448,8 +548,9 @@ class Trainer:
             last_eval = self._evaluate()
         self.save_checkpoint()
         self._export_final(last_eval)
-        if self._tb:
-            self._tb.close()
+        signum = self._stop_requested()
+        if signum:  # the signal came during the final evaluation / export, which completed
+            raise self._interrupted(signum, finished=True)
         return last_eval
 
     def _evaluate(self) -> dict[str, Any]:

@@ -292,11 +292,15 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
         if not (Path(r) / "config.yaml").is_file():
             raise ConfigError(f"--run {r} is not a run directory (no config.yaml)")
     labels = args.label or [Path(r).name for r in args.run]
-    runs = {lb: analyze_run(r, max_items=args.max_items, batch_size=args.batch_size, layers=layers)
-            for lb, r in zip(labels, args.run)}
+    from ..engine.run import lock_dir, lock_enclosing_run  # analyze_run writes RUN/geometry
+    runs = {}
+    for lb, r in zip(labels, args.run):
+        with lock_dir(r):
+            runs[lb] = analyze_run(r, max_items=args.max_items, batch_size=args.batch_size, layers=layers)
     out = Path(args.out)
-    figs = [] if args.no_figures else plot_all(runs, out)
-    path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
+    with lock_enclosing_run(out):
+        figs = [] if args.no_figures else plot_all(runs, out)
+        path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
     print(f"wrote {path} and {len(figs)} figures to {out}")
     return 0
 
@@ -357,8 +361,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{label}: {m['n_batches']} batches, {m['n_tokens']} tokens, {len(m['layers'])} layers "
               f"in {m['seconds']:.1f}s" + "".join(f"\n  note: {n}" for n in m["notes"]))
     out = Path(args.out)
-    figs = [] if args.no_figures else plot_all(runs, out)
-    path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
+    from ..engine.run import lock_enclosing_run  # --out inside a run directory: one writer
+    with lock_enclosing_run(out):
+        figs = [] if args.no_figures else plot_all(runs, out)
+        path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
     for label, res in runs.items():
         for lname, r in res["layers"].items():
             a, sp, cs = r.get("anova", {}), r.get("spectra", {}), r.get("cosine", {})
