@@ -159,6 +159,7 @@ def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[
     read per call), ``mask`` the same selection as a boolean tensor on ``device`` (for the eager
     path), ``any_laplacian`` whether the layer has a Laplacian head at all.
     """
+    n_heads = int(n_heads)  # a 0-d tensor under torch.jit.trace; the head count is a constant
     config = getattr(module, "config", None)
     layer = getattr(module, "layer_idx", None)
     if config is None or layer is None:
