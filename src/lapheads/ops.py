@@ -40,6 +40,7 @@ the fused path against it; plots show it.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -92,10 +93,10 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
 
 def _check_numbers(scale: Optional[float], dropout_p: float) -> None:
     """Refuse a ``scale`` or ``dropout_p`` that SDPA would take silently or reject with a misleading message."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale) or scale < 0):
         raise ConfigError(f"scale={scale!r} must be None (1/sqrt(head_dim)) or a finite number >= 0")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         raise ConfigError(f"dropout_p={dropout_p!r} must be a number in [0, 1]")
 
 
