@@ -259,8 +259,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
     p.add_argument("--confirm-run-unsafe-code", action="store_true",
                    help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
-    p.add_argument("--confirm-run-unsafe-code", action="store_true",
-                   help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
