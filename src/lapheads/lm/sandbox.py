@@ -707,7 +707,7 @@ def _run(st: SandboxStatus, code: str, *, timeout: float, memory_mb: int, max_ou
             exe, program_path, cwd = st.python, PROGRAM_PATH, "/"
             isolation: dict[str, Any] = {
                 "tool": "bwrap", "bwrap": st.bwrap, "python": st.python,
-                "namespaces": ["user", "pid", "ipc", "net", "uts", "mount", "cgroup"],
+                "namespaces": ["user", "pid", "ipc", "net", "uts", "mount"],
                 "seccomp": True, "root_fs": "read-only", "tmpfs_mb": disk_mb}
         else:  # explicit opt-in: no isolation tool, limits and a private directory only
             base = tempfile.mkdtemp(prefix="lapheads-unsafe-")
