@@ -16,6 +16,9 @@ import pytest
 
 from lapheads.cli import main as cli
 
+# one xdist worker runs this module, so the module-scoped runs are trained once
+pytestmark = pytest.mark.xdist_group("report")
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
 TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
@@ -69,19 +72,33 @@ def test_interrupted_sweep_skips_finished_runs_and_aggregates_the_same(tmp_path)
     assert "| k=0 | 1 |" in md and "| all | 1 |" in md
 
 
-def _tiny_runs(tmp_path: Path) -> list[Path]:
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> list[Path]:
+    """Six tiny finished runs (k = 0 / 1 / all x seeds 0, 1), trained once for this module.
+
+    Tests that write into a run (analysis results) work on copies, so every test sees the runs
+    exactly as training left them."""
+    root = tmp_path_factory.mktemp("tiny_runs")
     dirs = []
     for k in ("0", "1", "all"):
         for seed in (0, 1):
-            d = tmp_path / f"k{k}_s{seed}"
+            d = root / f"k{k}_s{seed}"
             assert cli(["train", "classify", "--config", DIGITS, "--out", str(d), "--set", f"model.laplacian_heads={k}",
                         "--set", f"train.seed={seed}", "--set", "train.max_steps=3", *TINY]) == 0
             dirs.append(d)
     return dirs
 
 
-def test_report_groups_runs_and_references_existing_files(tmp_path, capsys):
-    dirs = _tiny_runs(tmp_path)
+def _copies(dirs: list[Path], dest: Path) -> list[Path]:
+    out = []
+    for d in dirs:
+        shutil.copytree(d, dest / d.name)
+        out.append(dest / d.name)
+    return out
+
+
+def test_report_groups_runs_and_references_existing_files(tmp_path, tiny_runs):
+    dirs = _copies(tiny_runs, tmp_path)
     out = tmp_path / "rep"
     assert cli(["report", *map(str, dirs), "--out", str(out), "--analyze"]) == 0
     md = (out / "report.md").read_text()
@@ -109,8 +126,8 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.skipif(_chromium() is None, reason="headless Chromium not installed (make test installs it)")
-def test_html_report_renders_with_every_image_loaded(tmp_path):
-    dirs = _tiny_runs(tmp_path)[::2]
+def test_html_report_renders_with_every_image_loaded(tmp_path, tiny_runs):
+    dirs = _copies(tiny_runs[::2], tmp_path)
     out = tmp_path / "rep"
     assert cli(["report", *map(str, dirs), "--out", str(out), "--analyze"]) == 0
     r = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -123,17 +140,13 @@ def test_html_report_renders_with_every_image_loaded(tmp_path):
     assert total >= 4 and loaded == total
 
 
-def test_analyze_cli_on_runs_of_this_project(tmp_path):
-    dirs = []
-    for k in ("0", "all"):
-        d = tmp_path / f"k{k}"
-        assert cli(["train", "classify", "--config", DIGITS, "--out", str(d), "--set", f"model.laplacian_heads={k}",
-                    "--set", "train.max_steps=2", *TINY]) == 0
-        dirs.append(d)
+def test_analyze_cli_on_runs_of_this_project(tmp_path, tiny_runs):
+    dirs = _copies([tiny_runs[0], tiny_runs[4]], tmp_path)  # k=0 and k=all, seed 0
+    assert not any((d / "geometry").exists() for d in dirs)
     out = tmp_path / "geo"
     assert cli(["analyze", "--run", str(dirs[0]), "--run", str(dirs[1]), "--max-items", "64", "--out", str(out)]) == 0
     res = json.loads((out / "geometry.json").read_text())
-    assert set(res["runs"]) == {"k0", "kall"}
+    assert set(res["runs"]) == {"k0_s0", "kall_s0"}
     for r in res["runs"].values():
         a = r["layers"]["blocks.1"]["anova"]
         parts = a["within_sequence"] + a["between_sequence_within_class"] + a["between_class"]
