@@ -343,7 +343,10 @@ def test_one_writer_at_a_time_and_a_dead_holder_frees_the_directory(tmp_path, ca
         with pytest.raises(RunDirBusy):
             _run(out, _cfg(max_steps=2, ckpt_every=0), overwrite=True)
         capsys.readouterr()
-        assert cli(["report", str(out), "--out", str(out / "report")]) == 2  # a report into the run waits its turn
+        # a report into the run, and the analysis (which writes RUN/geometry), wait their turn
+        assert cli(["report", str(out), "--out", str(out / "report")]) == 2
+        assert f"PID {holder.pid}" in capsys.readouterr().err
+        assert cli(["analyze", "--run", str(out), "--out", str(tmp_path / "geo")]) == 2
         assert f"PID {holder.pid}" in capsys.readouterr().err
         assert snapshot(out) == before  # nothing written, nothing cleaned up
     finally:
@@ -392,6 +395,8 @@ def test_resume_command_and_interrupt_line(monkeypatch, tmp_path):
     assert resume_command(["sweep"], ["--out", "s", "--restart-changed"]) == "lapheads sweep --out s"
     line, rc = describe_interrupt(["sweep"], ["--out", "s"], KeyboardInterrupt())
     assert (line, rc) == ("lapheads sweep: interrupted by SIGINT; resume with: lapheads sweep --out s", 130)
+    assert describe_interrupt(["eval", "lm"], ["--run", "r"], KeyboardInterrupt()) == (
+        "lapheads eval lm: interrupted by SIGINT", 130)
     e = RunInterrupted(signal.SIGTERM, tmp_path, None, None, started=False)
     line, rc = describe_interrupt(["train", "lm"], args, e)
     assert rc == 143 and "before training started, nothing was written" in line and "rerun with:" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -210,3 +211,30 @@ print(kind, model.config._attn_implementation, torch.equal(got, torch.load({str(
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-3:] == ["hf", lt.ATTN_IMPLEMENTATION, "True"], r.stdout
+
+
+def test_cdnv_leaves_out_class_pairs_with_coincident_means():
+    from lapheads.geometry import cdnv
+
+    # classes 0 and 1: the same point (means equal, variance 0: CDNV 0/0); class 2: (0,1), (0,3)
+    x = torch.tensor([[1.0, 0.0]] * 4 + [[0.0, 1.0], [0.0, 3.0]], dtype=torch.float64)
+    r = cdnv(x, torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert r["n_pairs"] == 3 and r["n_pairs_coincident"] == 1
+    assert r["cdnv"] == pytest.approx((0.0 + 1.0) / (2 * 5.0))  # pairs (0, 2) and (1, 2) alike
+
+
+def test_embedding_layer_cdnv_at_min_count_10_is_computed_and_explained():
+    """At the embedding layer a token's vector is a function of its id: next-token classes that always
+    follow the same token have identical means. CDNV is then computed over the other pairs, with a note."""
+    torch.manual_seed(0)
+    cfg = transformers.NanoChatConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.NanoChatForCausalLM(cfg).eval()
+    ids = torch.tensor([5, 6, 5, 7] * 16).repeat(2, 1)  # classes 6 and 7 always follow token 5
+    res = analyze_model(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], kind="hf",
+                        layers=[0, 1], num_classes=16, min_count=10, nc4=False)
+    nc = res["layers"]["hidden.0"]["nc_tokens"]
+    assert nc["n_classes"] == 3 and nc["n_pairs_coincident"] == 1
+    assert math.isfinite(nc["cdnv"]) and nc["cdnv"] > 0
+    assert any("hidden.0 nc_tokens: 1 class pair(s) have identical class means" in n for n in res["meta"]["notes"])
+    assert res["layers"]["hidden.1"]["nc_tokens"]["n_pairs_coincident"] == 0

@@ -253,8 +253,12 @@ def _fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
                          f"{recipe}: per-sequence spectrum, last block")
 
 
-def _fig_pca(groups: dict, path: Path) -> Optional[Path]:
-    """PCA maps (top 3 components of patch tokens as RGB) of a few validation images per setting."""
+def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path]:
+    """PCA maps (top 3 components of patch tokens as RGB) of a few validation images per setting.
+
+    ``classify``: the classifier's ViT with the run's evaluation transform; ``dino``: the teacher
+    backbone with the probes' transform (``lapheads pca-maps``), on ``data.val_split``.
+    """
     import torch
     from .data.images import build_image_dataset
     from .data.transforms import build_transforms
@@ -264,11 +268,22 @@ def _fig_pca(groups: dict, path: Path) -> Optional[Path]:
     reps = [(lb, g["runs"][0]) for lb, g in groups.items() if g["runs"] and g["runs"][0]["finished"]]
     if not reps:
         return None
-    raw = json.loads(json.dumps(__import__("yaml").safe_load(Path(reps[0][1]["dir"], "config.yaml").read_text())))
+    from .engine.run import RunDir
+    raw = json.loads(json.dumps(RunDir(reps[0][1]["dir"]).read_config()))
     raw.pop("recipe")
-    cfg = from_dict(ClassifyConfig, raw)
-    ds = build_image_dataset(cfg.data.val or cfg.data.train, split="val")
-    tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std)
+    if recipe == "dino":
+        from .recipes.dino import DinoConfig, EvalTransform
+        from .recipes.probes import load_backbone
+        dcfg = from_dict(DinoConfig, raw)
+        ds = build_image_dataset(dcfg.data.val or dcfg.data.train, split=dcfg.data.val_split)
+        meta = load_backbone(run=reps[0][1]["dir"])[1]
+        tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
+        loader = lambda d: load_backbone(run=d)[0]  # noqa: E731
+    else:
+        cfg = from_dict(ClassifyConfig, raw)
+        ds = build_image_dataset(cfg.data.val or cfg.data.train, split="val")
+        tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std)
+        loader = lambda d: load_model(Path(d))  # noqa: E731
     idx = list(range(min(6, len(ds))))
     imgs = torch.stack([tf(ds[i][0]) for i in idx])
     plt = _plt()
@@ -279,7 +294,7 @@ def _fig_pca(groups: dict, path: Path) -> Optional[Path]:
         axes[0][j].set_axis_off()
     axes[0][0].set_title("input", fontsize=7, loc="left")
     for row, (label, r) in enumerate(reps, start=1):
-        model = load_model(Path(r["dir"]))
+        model = loader(r["dir"])
         with torch.no_grad():
             toks = model.forward_intermediates(imgs, indices=[len(model.blocks) - 1], intermediates_only=True,
                                                output_fmt="NLC")[-1]
@@ -432,8 +447,8 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
             p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
             if p is not None:
                 _add_fig(md, hb, p, out, f"{recipe}: {caption}")
-        if recipe == "classify":
-            p = _fig_pca(groups, figs / f"{recipe}_pca.png")
+        if recipe in ("classify", "dino"):  # vision runs; a language model has no patch tokens
+            p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
             if p is not None:
                 _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
     cl = claims(summary)

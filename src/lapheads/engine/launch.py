@@ -117,6 +117,8 @@ def describe_interrupt(words: Sequence[str], args: Sequence[str], exc: BaseExcep
         return f"{head} {exc.describe()}; {how}: {resume_command(words, args, started)}", rc
     if words and words[0] in ("sweep", "quickstart"):
         return f"{head}; resume with: {resume_command(words, args)}", rc
+    if words and words[0] == "train":  # stopped before launch() (e.g. while reading the config)
+        return f"{head}; rerun with: {resume_command(words, args, started=False)}", rc
     return head, rc
 
 

@@ -224,12 +224,21 @@ def lock_dir(path: str | Path) -> Iterator[RunLock]:
         lock.release()
 
 
+def _is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a run's ``config.yaml`` (one that names its recipe)."""
+    try:
+        data = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "recipe" in data
+
+
 def enclosing_run_dir(path: str | Path) -> Optional[Path]:
-    """The run directory ``path`` lies in (``path`` itself or the nearest parent with a
+    """The run directory ``path`` lies in (``path`` itself or the nearest parent holding a run's
     ``config.yaml``), or None. Used to lock a run before writing analysis output into it."""
     p = Path(path).absolute()
     for cand in (p, *p.parents):
-        if (cand / "config.yaml").is_file():
+        if (cand / "config.yaml").is_file() and _is_run_dir(cand):
             return cand
     return None
 

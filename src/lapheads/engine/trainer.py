@@ -390,7 +390,9 @@ class Trainer:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        sigs = (signal.SIGINT, signal.SIGTERM)
+        # a signal the process was started to ignore (``cmd &`` in a script ignores SIGINT) stays
+        # ignored, and one handled outside Python (getsignal() is None) is left alone
+        sigs = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) not in (signal.SIG_IGN, None)]
         previous = {s: signal.getsignal(s) for s in sigs}
 
         def handler(signum: int, frame: Any) -> None:

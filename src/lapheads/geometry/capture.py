@@ -457,12 +457,31 @@ def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "v
                     results[name]["nc_tokens"].update(pass2.compute())
     finally:
         model.train(was_training)
+    notes += _coincident_notes(results)
     meta = {"kind": kind, "model": type(model).__name__, "layers": [layer_name(kind, l) for l in layers],
             "n_batches": n_batches, "n_tokens": n_tokens, "min_count": min_count, "threshold": threshold,
             "include_prefix": include_prefix, "seconds": round(time.time() - t0, 3),
             "classifier_layer": None if classifier is None else layer_name(kind, classifier_layer),
             "notes": notes}
     return {"meta": meta, "layers": results}
+
+
+def _coincident_notes(results: dict[str, Any]) -> list[str]:
+    """Say where the CDNV leaves out class pairs whose means coincide (see ``_pairwise`` in streaming)."""
+    notes = []
+    for name, r in results.items():
+        for section in ("nc_tokens", "nc_cls"):
+            nc = r.get(section) or {}
+            n = int(nc.get("n_pairs_coincident") or 0)
+            if n:
+                total = int(nc["n_pairs"])
+                what = ("all pairs: no CDNV" if n == total else
+                        f"CDNV averages the other {total - n} of {total}")
+                notes.append(f"{name} {section}: {n} class pair(s) have identical class means, so their CDNV "
+                             f"is undefined (0/0) or infinite ({what}); expected at the embedding layer, where a "
+                             "token's vector depends only on its input id and next-token classes that always "
+                             "follow the same token coincide")
+    return notes
 
 
 def _jsonable(o: Any) -> Any:

@@ -246,23 +246,26 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", default=None,
                     help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file "
                          "(required with --checkpoint)")
-    ap.add_argument("--max-items", type=int, default=512,
-                    help="--run without --data: images / token windows to measure on")
+    ap.add_argument("--max-items", type=int, default=None,
+                    help="--run without --data: images / token windows to measure on (default 512)")
     ap.add_argument("--layers", default=None,
                     help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices "
                          "(0 = embeddings); default all")
     ap.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=128, help="text: tokens per sequence")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="text: tokens per sequence (default 128; --run without --data: the run's data.seq_len)")
     ap.add_argument("--image-size", type=int, default=None, help="images: default the model's input size")
-    ap.add_argument("--min-count", type=int, default=1,
-                    help="minimum tokens per class for NC measures (use 5-20 for next-token classes)")
+    ap.add_argument("--min-count", type=int, default=None,
+                    help="minimum tokens per class for NC measures (use 5-20 for next-token classes; default 1, "
+                         "and 5 for lm/sft runs without --data)")
     ap.add_argument("--threshold", type=float, default=0.99, help="variance fraction for k (0.99 = k99)")
     ap.add_argument("--no-spectra", action="store_true", help="skip per-sequence eigen-decompositions (faster)")
     ap.add_argument("--include-prefix", action="store_true", help="vit: count CLS/register tokens as tokens")
     ap.add_argument("--no-nc4", action="store_true", help="skip the second pass for NC4")
     ap.add_argument("--no-figures", action="store_true", help="write geometry.json only")
-    ap.add_argument("--device", default=None, help="device for the model (default cuda if available)")
+    ap.add_argument("--device", default=None, help="device for the model (default cuda if available; "
+                                                   "--run without --data: cpu)")
     ap.add_argument("--out", required=True, help="output directory for geometry.json and figures")
     return ap
 
@@ -291,16 +294,31 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
     for r in args.run:
         if not (Path(r) / "config.yaml").is_file():
             raise ConfigError(f"--run {r} is not a run directory (no config.yaml)")
+    for flag, given in (("--weights", args.weights), ("--model-args", args.model_args),
+                        ("--image-size", args.image_size is not None)):
+        if given:
+            raise ConfigError(f"{flag} is for --checkpoint (or --run with --data); a run without --data is "
+                              "measured as it was trained")
     labels = args.label or [Path(r).name for r in args.run]
+    if len(set(labels)) != len(labels):
+        raise ConfigError("two runs have the same label; give distinct --label values")
+    settings = dict(max_items=512 if args.max_items is None else args.max_items, batch_size=args.batch_size,
+                    layers=layers, min_count=args.min_count, threshold=args.threshold, spectra=not args.no_spectra,
+                    include_prefix=args.include_prefix, nc4=not args.no_nc4, max_batches=args.max_batches,
+                    seq_len=args.seq_len, device=args.device, plots=not args.no_figures)
     from ..engine.run import lock_dir, lock_enclosing_run  # analyze_run writes RUN/geometry
     runs = {}
     for lb, r in zip(labels, args.run):
         with lock_dir(r):
-            runs[lb] = analyze_run(r, max_items=args.max_items, batch_size=args.batch_size, layers=layers)
+            runs[lb] = analyze_run(r, **settings)
+        m = runs[lb]["meta"]
+        print(f"{lb}: {m['recipe']} run, {m['n_tokens']} tokens, min_count {m['min_count']}"
+              + "".join(f"\n  note: {n}" for n in m["notes"]))
     out = Path(args.out)
     with lock_enclosing_run(out):
         figs = [] if args.no_figures else plot_all(runs, out)
         path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
+    _print_layers(runs, args.threshold)
     print(f"wrote {path} and {len(figs)} figures to {out}")
     return 0
 
@@ -315,8 +333,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise ConfigError(f"{len(args.label)} --label for {len(sources)} checkpoints/runs: give one per checkpoint or none")
     if len(args.weights) > len(args.checkpoint):
         raise ConfigError("more --weights than --checkpoint")
-    for name, v in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
-        if v < 1:
+    for name, v in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--min-count", args.min_count),
+                    ("--max-items", args.max_items)):
+        if v is not None and v < 1:
             raise ConfigError(f"{name} must be >= 1, got {v}")
     if args.max_batches is not None and args.max_batches < 1:
         raise ConfigError(f"--max-batches must be >= 1, got {args.max_batches}")
@@ -327,6 +346,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.checkpoint:
             raise ConfigError("--data is required with --checkpoint (e.g. --data digits or --data pydoc)")
         return _main_runs(args, layers)
+    if args.max_items is not None:
+        raise ConfigError("--max-items is for --run without --data; with --data use --max-batches")
+    if args.seq_len is None:
+        args.seq_len = 128
+    if args.min_count is None:
+        args.min_count = 1
     model_args = _parse_kv(args.model_args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     labels = args.label or []
@@ -365,6 +390,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     with lock_enclosing_run(out):
         figs = [] if args.no_figures else plot_all(runs, out)
         path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
+    _print_layers(runs, args.threshold)
+    print(f"wrote {path} and {len(figs)} figures to {out}")
+    return 0
+
+
+def _print_layers(runs: dict[str, Any], threshold: float) -> None:
+    """One summary line per run and layer."""
     for label, res in runs.items():
         for lname, r in res["layers"].items():
             a, sp, cs = r.get("anova", {}), r.get("spectra", {}), r.get("cosine", {})
@@ -373,11 +405,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             if "frac_within_sequence" in a:
                 parts.append(f"within-seq {a['frac_within_sequence']:.3f}")
             if "k_mean" in sp:
-                parts.append(f"k{round(100 * args.threshold)} {sp['k_mean']:.1f}")
+                parts.append(f"k{round(100 * threshold)} {sp['k_mean']:.1f}")
             if "cosine_mean" in cs:
                 parts.append(f"cos {cs['cosine_mean']:.3f}")
             if "nc1" in nc:
                 parts.append(f"NC1 {nc['nc1']:.3g} CDNV {nc['cdnv']:.3g}")
             print("  " + " ".join(parts))
-    print(f"wrote {path} and {len(figs)} figures to {out}")
-    return 0

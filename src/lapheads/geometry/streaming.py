@@ -619,7 +619,8 @@ class ClassAccumulator(Accumulator):
         M = mu.sub_(mu.mean(0))                        # centred class means (C, D), in place
         pair = _pairwise(M, var, self.tile)
         out: dict[str, float] = {"n_classes": float(C), "n_tokens": float(cnt.sum()),
-                                 "cdnv": pair["cdnv"], "n_pairs": pair["n_pairs"]}
+                                 "cdnv": pair["cdnv"], "n_pairs": pair["n_pairs"],
+                                 "n_pairs_coincident": pair["n_pairs_coincident"]}
         if cdnv_only:
             return out
         # pooled within-class scatter over every labelled class (see module docstring)
@@ -684,7 +685,12 @@ def _check_classifier(classifier: Any, dim: int, keep: torch.Tensor
 def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]:
     """Tiled statistics over class pairs c < c' of centred means M (C, D) and variances var (C,).
 
-    CDNV_cc' = (var_c + var_c') / (2 ||mu_c - mu_c'||^2); cosines between centred means give the
+    CDNV_cc' = (var_c + var_c') / (2 ||mu_c - mu_c'||^2), averaged over the pairs whose means
+    differ. Pairs with coincident means (``||mu_c - mu_c'||^2`` within rounding of 0, i.e. at most
+    1e-9 (||mu_c||^2 + ||mu_c'||^2)) have no finite CDNV (0/0 when both variances are 0 too);
+    they are left out and counted as ``n_pairs_coincident``. They occur where a token's features
+    depend only on its input id (the embedding layer): two next-token classes that always follow
+    the same token have the same mean. Cosines between centred means give the
     equiangularity numbers; the sum of squared cosines gives ||G||_F of the normalised Gram, and
     with the closed form of the ETF Gram E = C/(C-1) (I - 11^T/C) the ETF distance
     || G/||G|| - E/||E|| ||_F = sqrt(2 - 2 <G, E> / (||G|| ||E||)). One GEMM per tile; the
@@ -695,6 +701,7 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
     nrm = sq.sqrt()
     inv_n = torch.where(nrm > 0, 1.0 / nrm.clamp_min(1e-300), torch.zeros_like(nrm))
     s_cdnv = s_cos = s_cos2 = s_shift = 0.0
+    n_coincident = 0
     inv = 1.0 / (C - 1)
     for i in range(0, C, tile):
         Mi = M[i:i + tile]
@@ -704,10 +711,13 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
             d2.sub_(dots, alpha=2.0).clamp_(min=0.0)
             cos = dots.mul_(inv_n[i:i + tile, None]).mul_(inv_n[None, j:j + tile])
             vv = var[i:i + tile, None] + var[None, j:j + tile]
+            # sq_i + sq_j - 2 dot is exact to ~eps (sq_i + sq_j); below 1e-9 of that the means coincide
+            apart = d2 > 1e-9 * (sq[i:i + tile, None] + sq[None, j:j + tile])
             if i == j:  # only c < c' inside a diagonal block
                 mask = torch.ones_like(d2, dtype=torch.bool).triu_(1)
-                d2, cos, vv = d2[mask], cos[mask], vv[mask]
-            s_cdnv += float(vv.div_(d2.mul_(2.0)).sum())
+                d2, cos, vv, apart = d2[mask], cos[mask], vv[mask], apart[mask]
+            n_coincident += int(apart.numel()) - int(apart.sum())
+            s_cdnv += float(vv.div_(d2.mul_(2.0))[apart].sum())
             s_cos += float(cos.sum())
             s_cos2 += float(torch.dot(cos.flatten(), cos.flatten()))
             s_shift += float(cos.add_(inv).abs_().sum())
@@ -719,7 +729,9 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
     ge = C / (C - 1) * (float(unit.sum()) - float(tot @ tot) / C)   # <G, E>
     e_norm = C / math.sqrt(C - 1)
     etf = math.sqrt(max(0.0, 2.0 - 2.0 * ge / (math.sqrt(g2) * e_norm)))
-    return {"cdnv": s_cdnv / P, "n_pairs": P, "cos_mean": cmean,
+    n_apart = P - n_coincident
+    return {"cdnv": s_cdnv / n_apart if n_apart else float("nan"), "n_pairs": P,
+            "n_pairs_coincident": float(n_coincident), "cos_mean": cmean,
             "cos_std": math.sqrt(max(0.0, s_cos2 / P - cmean * cmean)),
             "cos_shift": s_shift / P, "etf_distance": etf}
 

@@ -618,6 +618,27 @@ def build_task(cfg: DinoConfig, info: DistInfo) -> DinoTask:
     return DinoTask(cfg, info)
 
 
+def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> nn.Module:
+    """The teacher backbone of a finished DINO run (what the probes, PCA maps and geometry use).
+
+    Args:
+        run_dir: the run directory.
+        weights: ``"model"`` or ``"ema"``: both mean the teacher, DINO's EMA of the student and the
+            network it evaluates (the engine's own ``train.ema_decay`` is not used by DINO).
+        device: where to put it.
+
+    Raises:
+        ConfigError: another ``weights`` value.
+    """
+    from .probes import load_backbone
+
+    if weights not in ("model", "ema"):
+        raise ConfigError(f"weights={weights!r}: a DINO run has one evaluated network, its teacher "
+                          "(use 'model')")
+    backbone, _meta = load_backbone(run=str(run_dir), device=device)
+    return backbone
+
+
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     return train_cli("dino", DinoConfig, build_task, argv, default_config=None,
                      description="DINO self-supervised pretraining of a timm ViT with Laplacian heads. "

@@ -8,7 +8,9 @@ Design choices:
 
 * Backbone: from a run directory (``final/model.json`` with ``timm_name``, ``timm_kwargs``,
   ``laplacian_heads``, ``backbone_file``, ``img_size``, ``mean``, ``std``, as written by
-  ``lapheads train dino``), or from a timm name (``--model``, optionally ``--weights FILE.safetensors``;
+  ``lapheads train dino``; or a ``lapheads train classify`` run, whose ViT is used without its
+  classifier, normalised as in its training; an lm / sft run is refused: it has no images), or
+  from a timm name (``--model``, optionally ``--weights FILE.safetensors``;
   keys prefixed ``backbone.`` are accepted, a classifier ``head.*`` is dropped). The backbone is
   created with ``num_classes=0`` and ``dynamic_img_size=True``; it is never trained here.
 * k-NN (DINO's ``eval_knn``): L2-normalised CLS features (the backbone's pooled output), cosine
@@ -75,16 +77,17 @@ def load_backbone(run: Optional[str] = None, model: Optional[str] = None, weight
         if not spec_path.is_file():
             raise CheckpointError(f"{spec_path} does not exist; is {run} a finished run directory?")
         spec = json.loads(spec_path.read_text(encoding="utf-8"))
-        if "timm_name" not in spec:
-            raise CheckpointError(f"{spec_path} has no 'timm_name'; the probes need a timm backbone "
-                                  f"(keys found: {sorted(spec)})")
-        kw = dict(spec.get("timm_kwargs", {}))
-        bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **kw)
-        wfile = final / spec.get("backbone_file", "model.safetensors")
-        _load_backbone_weights(bb, load_tensors(wfile), str(wfile), load_weights)
-        meta = {"source": str(run), "timm_name": spec["timm_name"], "laplacian_heads": spec.get("laplacian_heads"),
-                "img_size": int(spec.get("img_size") or _native_size(bb)),
-                "mean": list(spec.get("mean", IMAGENET_MEAN)), "std": list(spec.get("std", IMAGENET_STD))}
+        if "timm_name" in spec:  # a DINO run
+            kw = dict(spec.get("timm_kwargs", {}))
+            bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **kw)
+            wfile = final / spec.get("backbone_file", "model.safetensors")
+            _load_backbone_weights(bb, load_tensors(wfile), str(wfile), load_weights)
+            meta = {"source": str(run), "timm_name": spec["timm_name"],
+                    "laplacian_heads": spec.get("laplacian_heads"),
+                    "img_size": int(spec.get("img_size") or _native_size(bb)),
+                    "mean": list(spec.get("mean", IMAGENET_MEAN)), "std": list(spec.get("std", IMAGENET_STD))}
+        else:
+            bb, meta = _run_backbone(Path(run), spec_path)
     else:
         kw = dict(timm_kwargs)
         if img_size:
@@ -101,6 +104,35 @@ def load_backbone(run: Optional[str] = None, model: Optional[str] = None, weight
     meta["embed_dim"] = int(bb.num_features)
     bb.eval().requires_grad_(False)
     return bb.to(device), meta
+
+
+def _run_backbone(run: Path, spec_path: Path) -> tuple[nn.Module, dict]:
+    """The backbone of a finished run that is not a DINO run: a classify run's ViT without its head.
+
+    Raises:
+        CheckpointError: a language-model run (lm / sft) or an unknown layout: no vision backbone.
+    """
+    from ..engine.run import RunDir
+    from .dino import IMAGENET_MEAN, IMAGENET_STD
+
+    cfg = RunDir(run).read_config() if (run / "config.yaml").is_file() else {}
+    recipe = cfg.get("recipe")
+    if recipe == "classify":
+        from .classify import load_model
+
+        bb = load_model(run)
+        bb.reset_classifier(0)  # the pooled, normalised CLS token, as a DINO backbone returns
+        m, d = cfg.get("model") or {}, cfg.get("data") or {}
+        meta = {"source": str(run), "timm_name": m.get("name"), "laplacian_heads": m.get("laplacian_heads"),
+                "img_size": int(m.get("img_size") or _native_size(bb)),
+                "mean": list(d.get("mean", IMAGENET_MEAN)), "std": list(d.get("std", IMAGENET_STD))}
+        return bb, meta
+    if recipe in ("lm", "sft"):
+        raise CheckpointError(f"{run} is a `{recipe}` run (a language model): probes and PCA maps need a vision "
+                              "backbone, a `classify` or `dino` run or --model NAME; use `lapheads analyze "
+                              "--run` for the token geometry of a language model")
+    raise CheckpointError(f"{spec_path} has no 'timm_name' and {run} is not a classify run; the probes need "
+                          "a timm backbone (a `dino` or `classify` run, or --model NAME)")
 
 
 def _load_backbone_weights(bb: nn.Module, sd: dict, source: str, load_weights: Callable) -> None:

@@ -28,6 +28,8 @@ Design choices:
   order); the metric is the masked validation loss (nats per assistant token).
 * Optimizers: nanochat's (Muon + AdamW, :mod:`lapheads.lm.model`) at ``lr_scale`` (nanochat's
   ``init_lr_frac`` 0.02) times the pretraining learning rates, linear decay to 0.
+* ``final/hf`` is a ``save_pretrained`` directory like a pretraining run's; :func:`load_model`
+  reads it (``lapheads analyze --run``, ``eval lm``, ``sample``).
 """
 
 from __future__ import annotations
@@ -376,6 +378,17 @@ class SFTTask(Task):
 
 def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
     return SFTTask(cfg, info)
+
+
+def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu", eager: bool = False):
+    """``(model, tokenizer)`` of a finished SFT run, from its ``final/hf`` (or ``hf_ema``), heads restored.
+
+    The export has the layout of a pretraining run's, so this is :func:`lapheads.recipes.lm.load_model`;
+    it exists so every recipe module has the same ``load_model`` (``lapheads.recipes.load_run``).
+    """
+    from .lm import load_model as load_lm
+
+    return load_lm(run_dir, weights=weights, device=device, eager=eager)
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
