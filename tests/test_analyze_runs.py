@@ -19,6 +19,8 @@ from lapheads.geometry.runs import LM_MIN_COUNT
 
 from _lm_helpers import tiny_lm_run
 
+pytestmark = pytest.mark.xdist_group("analyze_runs")  # the module's runs are trained once, on one worker
+
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
 TINY_CLASSIFY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",

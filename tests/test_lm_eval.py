@@ -15,6 +15,9 @@ from lapheads.recipes import lm as R
 from _lm_helpers import tiny_lm_run
 
 
+pytestmark = pytest.mark.xdist_group("lm_eval")  # one tiny LM run shared by the module, on one worker
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     return tiny_lm_run(tmp_path_factory.mktemp("lmeval"), "all", 6)
