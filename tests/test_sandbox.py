@@ -26,6 +26,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from typing import Iterable, Optional
 
 import pytest
 
@@ -42,11 +43,15 @@ needs_bwrap = pytest.mark.skipif(not STATUS.available,
 
 
 # --------------------------------------------------------------------------------- host state
-def _sandbox_pids() -> list[int]:
-    """Live processes of any sandbox uid (none may survive a run)."""
+def _sandbox_pids(uids: Optional[Iterable[int]] = None) -> list[int]:
+    """Live processes of the given sandbox uids (default: any); none may survive a run.
+
+    Other test modules may run sandboxed programs on other xdist workers at the same time, so
+    checks after a run name that run's uid."""
     if not IS_ROOT:
         return []
     lo, hi = sandbox.UID_RANGE
+    wanted = set(uids) if uids is not None else None
     left = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -56,24 +61,40 @@ def _sandbox_pids() -> list[int]:
             except OSError:
                 continue
             for line in text.splitlines():
-                if line.startswith("Uid:") and any(lo <= int(u) < hi for u in line.split()[1:]):
+                ids = [int(u) for u in line.split()[1:]] if line.startswith("Uid:") else []
+                if any(lo <= u < hi and (wanted is None or u in wanted) for u in ids):
                     if "State:\tZ" not in text:
                         left.append(int(name))
     return left
 
 
 def _host_ipc() -> set[tuple[str, str]]:
-    """(kind, id) of every SysV IPC object of the host (what ``ipcs`` lists)."""
+    """(kind, id) of the host's SysV IPC objects (what ``ipcs`` lists) made by a sandbox uid."""
+    lo, hi = sandbox.UID_RANGE
     objs = set()
     for kind in ("shm", "msg", "sem"):
         with open(f"/proc/sysvipc/{kind}") as f:
-            for line in f.readlines()[1:]:
-                objs.add((kind, line.split()[1]))
+            header, *rows = f.read().splitlines()
+        cols = header.split()
+        for row in rows:
+            fields = dict(zip(cols, row.split()))
+            if any(lo <= int(fields[c]) < hi for c in ("uid", "cuid")):
+                objs.add((kind, fields.get("shmid") or fields.get("msqid") or fields.get("semid", "")))
     return objs
 
 
 def _host_tmp() -> set[str]:
-    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("lapheads-")}
+    """Entries of the host's temporary directory made by a run (its name or its owner)."""
+    lo, hi = sandbox.UID_RANGE
+    found = set()
+    for entry in os.scandir(tempfile.gettempdir()):
+        try:
+            owner = entry.stat(follow_symlinks=False).st_uid
+        except OSError:
+            continue
+        if entry.name.startswith(("lapheads-unsafe-", "lapheads-sandbox-")) or lo <= owner < hi:
+            found.add(entry.name)
+    return found
 
 
 def _run(code: str, **kw) -> ExecResult:
@@ -85,7 +106,7 @@ def _run(code: str, **kw) -> ExecResult:
     elapsed = time.monotonic() - t0
     assert elapsed < kw["timeout"] + 3.0, f"sandbox overran its budget: {elapsed:.1f}s"
     assert not res.passed, f"attack succeeded: {res}"
-    assert _sandbox_pids() == [], "processes of the sandbox survived the run"
+    assert _sandbox_pids([res.isolation["uid"]]) == [], "processes of the sandbox survived the run"
     assert _host_ipc() <= ipc, "SysV IPC objects of the run are left on the host"
     assert _host_tmp() <= tmp, "files of the run are left in the host's temporary directory"
     return res
@@ -555,23 +576,47 @@ def test_sandbox_dies_with_its_parent(tmp_path):
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout.readline().strip() == "started"
+        uids: set[int] = set()
         for _ in range(200):   # wait until the run's processes exist
-            if len(_sandbox_pids()) >= 4 or not IS_ROOT:
+            uids = _descendant_sandbox_uids(parent.pid)
+            if not IS_ROOT or (uids and len(_sandbox_pids(uids)) >= 4):
                 break
             time.sleep(0.05)
         if IS_ROOT:
-            assert len(_sandbox_pids()) >= 4
+            assert uids and len(_sandbox_pids(uids)) >= 4
         parent.kill()
         parent.wait()
         for _ in range(100):
-            if not _sandbox_pids():
+            if not _sandbox_pids(uids):
                 break
             time.sleep(0.05)
-        assert _sandbox_pids() == []
+        assert _sandbox_pids(uids) == []
     finally:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def _descendant_sandbox_uids(root: int) -> set[int]:
+    """Sandbox uids of the processes below ``root``."""
+    lo, hi = sandbox.UID_RANGE
+    procs: dict[int, tuple[int, int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue
+            procs[int(name)] = (int(fields["PPid"]), int(fields["Uid"].split()[0]))
+    found = set()
+    for pid, (_, uid) in procs.items():
+        p, seen = pid, 0
+        while p in procs and p != root and seen < 64:
+            p, seen = procs[p][0], seen + 1
+        if p == root and lo <= uid < hi:
+            found.add(uid)
+    return found
 
 
 @needs_bwrap
@@ -593,7 +638,7 @@ def test_evaluation_continues_within_budget():
     assert [r.passed for r in results] == [False] * len(attacks) + [True] * len(honest)
     # Two workers, at most ~3 programs that run to the timeout each: well under this bound.
     assert elapsed < 3 * TIMEOUT + 6, f"batch took {elapsed:.1f}s"
-    assert _sandbox_pids() == []
+    assert _sandbox_pids([r.isolation["uid"] for r in results]) == []
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the copy is made for a fresh uid, i.e. as root")
@@ -663,8 +708,8 @@ def test_refuses_without_the_tool_unless_opted_in(no_bwrap, tmp_path):
     assert res.isolation["tool"] == "none" and "simulated" in res.isolation["unsafe_reason"]
     assert not os.path.exists(res.stdout.strip()), "the private directory was not removed"
     # the limits still apply in the unsafe mode
-    assert run_code("while True: pass", allow_unsafe=True, timeout=1).status == "timeout"
-    assert _sandbox_pids() == []
+    res = run_code("while True: pass", allow_unsafe=True, timeout=1)
+    assert res.status == "timeout" and _sandbox_pids([res.isolation["uid"]]) == []
 
 
 def test_humaneval_refuses_before_generating(no_bwrap):
