@@ -31,6 +31,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train", "dino"): ("lapheads.recipes.dino:train_main", "DINO self-supervised pretraining"),
     ("eval", "classify"): ("lapheads.recipes.classify:eval_main", "top-1/top-5/per-class accuracy of a run"),
     ("eval", "lm"): ("lapheads.lm.evaluate:main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
+    ("lm-eval",): ("lapheads.lm.harness:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
     ("eval", "knn"): ("lapheads.recipes.probes:knn_main", "weighted k-NN on frozen features"),
     ("eval", "linear"): ("lapheads.recipes.probes:linear_main", "linear probe on frozen features"),
     ("eval", "segment"): ("lapheads.recipes.probes:segment_main", "linear segmentation probe (mIoU)"),

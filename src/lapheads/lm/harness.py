@@ -1,0 +1,76 @@
+"""``lapheads lm-eval ...``: lm-evaluation-harness's own command line, with Laplacian heads registered.
+
+``lapheads lm-eval --model hf --model_args pretrained=runs/lm/final/hf --tasks arc_easy,mmlu``
+``lapheads lm-eval run --model hf --model_args pretrained=RUN/final/hf --tasks humaneval --confirm_run_unsafe_code``
+``lapheads lm-eval ls tasks``
+
+Design choices:
+
+* Every argument is lm-eval's (``lm-eval --help``): this command only imports
+  :mod:`lapheads.transformers` first, then hands the argument list to lm-eval's own parser
+  (``lm_eval._cli.HarnessCLI``, the object behind the ``lm-eval`` / ``lm_eval`` console script). The
+  import registers the attention implementation that an exported run's ``config.json`` names
+  (``"laplacian_sdpa (import lapheads.transformers first)"``), so lm-eval's ``HFLM`` (``--model hf``)
+  builds the model with its Laplacian heads through plain ``AutoModelForCausalLM.from_pretrained``.
+  Nothing else of lm-eval is patched: task selection, few-shot, batching, generation, output
+  files, caching, W&B logging and the unsafe-code confirmation of code tasks
+  (``--confirm_run_unsafe_code`` for humaneval / mbpp) behave exactly as in ``lm-eval``.
+* The network is not forced off (``lapheads eval lm`` does that; here lm-eval's own conventions
+  hold): set ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` to evaluate local task YAML files
+  (``--include_path DIR``) without reaching the hub.
+* lm-eval's legacy form without a subcommand (``lapheads lm-eval --model hf ...``) is accepted,
+  as ``lm-eval`` accepts it; an argparse error is one line with exit status 2, like every other
+  ``lapheads`` command.
+* ``HFLM`` needs ``accelerate``; both are in the ``eval`` extra (``pip install 'lapheads[eval]'``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+from ..errors import ConfigError
+
+__all__ = ["main"]
+
+PROG = "lapheads lm-eval"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run lm-eval's command line on ``argv`` with :mod:`lapheads.transformers` imported.
+
+    Raises:
+        ConfigError: lm-evaluation-harness (or ``accelerate``, which its ``HFLM`` needs) is not installed.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from lm_eval._cli.harness import HarnessCLI
+        from lm_eval.utils import setup_logging
+    except ImportError as e:
+        raise ConfigError(f"lapheads lm-eval needs lm-evaluation-harness ({e}); "
+                          "pip install 'lapheads[eval]'") from None
+    try:
+        import accelerate  # noqa: F401 - HFLM imports it when a model is built
+    except ImportError:
+        raise ConfigError("lapheads lm-eval needs accelerate for lm-eval's HFLM; pip install 'lapheads[eval]'") \
+            from None
+
+    from .. import transformers as _registered  # noqa: F401 - registers the Laplacian attention implementations
+
+    setup_logging()
+    cli = HarnessCLI()
+    # argparse messages name this command (cosmetic; lm-eval keeps its parsers in private attributes)
+    parser, subs = getattr(cli, "_parser", None), getattr(cli, "_subparsers", None)
+    if parser is not None:
+        parser.prog = PROG
+    for name, sub in (getattr(subs, "choices", None) or {}).items():
+        sub.prog = f"{PROG} {name}"
+    # HarnessCLI.parse_args reads sys.argv (and inserts the legacy "run"); give it ours.
+    saved = sys.argv
+    sys.argv = [PROG, *argv]
+    try:
+        args = cli.parse_args()
+    finally:
+        sys.argv = saved
+    cli.execute(args)
+    return 0

@@ -1,0 +1,94 @@
+"""`lapheads lm-eval`: lm-evaluation-harness's own CLI (HFLM, ``--model hf``) on a Laplacian run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lapheads.cli import main as cli
+from lapheads.recipes import lm as R
+
+from _lm_helpers import tiny_lm_run
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.xdist_group("lm_eval_cli")  # one tiny LM run shared by the module, on one worker
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return tiny_lm_run(tmp_path_factory.mktemp("lmevalcli"), "2", 4)
+
+
+def _hflm(run, **kw):
+    from lm_eval.models.huggingface import HFLM
+
+    import lapheads.transformers  # noqa: F401 - what `lapheads lm-eval` imports first
+
+    return HFLM(pretrained=str(run / "final" / "hf"), device="cpu", batch_size=2, dtype="float32", **kw)
+
+
+def test_hflm_loglikelihoods_equal_the_lapheads_wrapper(run):
+    """HFLM on the export scores (context, continuation) pairs exactly like ``lapheads eval lm``'s wrapper."""
+    from lm_eval.api.instance import Instance
+
+    from lapheads.lm.evaluate import make_lm_eval_model
+
+    model, tok = R.load_model(run)
+    wrapper = make_lm_eval_model(model, tok, batch_size=2)
+    hflm = _hflm(run)
+    assert hflm.model.config.laplacian_heads == 2
+    reqs = [Instance("loglikelihood", {}, ("The list", " type"), 0),
+            Instance("loglikelihood", {}, ("A", " dict is a mapping"), 1),
+            Instance("loglikelihood", {}, ("", "Hello world"), 2)]
+    want = wrapper.loglikelihood(reqs, disable_tqdm=True)
+    got = hflm.loglikelihood(reqs, disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(want, got):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-6) and ga == gb  # float32 sums of ~50 nats
+
+
+def test_lm_eval_cli_bad_flag_is_one_line(capsys):
+    assert cli(["lm-eval", "run", "--no_such_flag", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lapheads lm-eval" in err[0] and "--no_such_flag" in err[0]
+
+
+def _local_task(tmp_path):
+    items = [{"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
+             {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
+             {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0}]
+    data = tmp_path / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(i) + "\n" for i in items))
+    d = tmp_path / "tasks"
+    d.mkdir()
+    (d / "tiny_mc.yaml").write_text(
+        "task: lapheads_cli_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
+        "    aggregation: mean\n    higher_is_better: true\n")
+    return d
+
+
+@pytest.mark.slow  # lm-eval indexes its ~10k built-in task files (~1 min on 2 cores)
+def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = _local_task(tmp_path)
+    out = tmp_path / "out"
+    assert cli(["lm-eval", "--model", "hf", "--model_args", f"pretrained={run / 'final' / 'hf'},dtype=float32",
+                "--tasks", "lapheads_cli_tiny_mc", "--include_path", str(tasks), "--device", "cpu",
+                "--batch_size", "2", "--output_path", str(out)]) == 0
+    assert "lapheads_cli_tiny_mc" in capsys.readouterr().out  # lm-eval's own results table
+    files = list(out.rglob("results_*.json"))
+    assert len(files) == 1
+    res = json.loads(files[0].read_text())
+    assert 0.0 <= res["results"]["lapheads_cli_tiny_mc"]["acc,none"] <= 1.0
+    assert res["n-samples"]["lapheads_cli_tiny_mc"]["effective"] == 3
+    # the numbers are those of the Laplacian model: same accuracy as the in-process wrapper gives
+    from lapheads.lm.evaluate import run_lm_eval
+    model, tok = R.load_model(run)
+    mine = run_lm_eval(model, tok, ["lapheads_cli_tiny_mc"], include_path=str(tasks))
+    assert mine["results"]["lapheads_cli_tiny_mc"]["acc,none"] == res["results"]["lapheads_cli_tiny_mc"]["acc,none"]
