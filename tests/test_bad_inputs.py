@@ -69,6 +69,10 @@ def _write(path: Path, data: str | bytes) -> Path:
     return path
 
 
+# Cases that a regression would let train are kept to two steps.
+SHORT = ("--set", "train.max_steps=2")
+
+
 def _out(tmp: Path) -> Path:
     return tmp / "out"
 
@@ -183,6 +187,57 @@ def c_too_many_laplacian_heads(s, tmp):
     return Case(_train(tmp, "--set", "model.laplacian_heads=3"), _out(tmp), ("laplacian_heads=3", "2 heads"))
 
 
+def c_duplicate_key_in_yaml(s, tmp):
+    # digits.yaml has `laplacian_heads: all` on line 11 (12 after this insert); plain YAML keeps the
+    # last, so this file would silently train with every head Laplacian
+    text = Path(DIGITS).read_text().replace("model:\n", "model:\n  laplacian_heads: 0\n", 1)
+    cfg = _write(tmp / "dup.yaml", text)
+    return Case(["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT], tmp,
+                ("dup.yaml", "'model.laplacian_heads' is given twice", "lines 5 and 12"))
+
+
+def c_duplicate_section_in_yaml(s, tmp):
+    text = Path(DIGITS).read_text()
+    second = len(text.splitlines()) + 2
+    cfg = _write(tmp / "dup2.yaml", text + "\nmodel:\n  depth: 3\n")
+    return Case(["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT], tmp,
+                ("dup2.yaml", "'model' is given twice", f"lines 4 and {second}"))
+
+
+def c_duplicate_key_in_set(s, tmp):
+    return Case(_train(tmp, "--set", "model={depth: 2, depth: 3}", *SHORT), tmp, ("--set", "model.depth", "given twice"))
+
+
+def c_config_is_a_directory(s, tmp):
+    (tmp / "cfgdir.yaml").mkdir()
+    return Case(["train", "classify", "--config", str(tmp / "cfgdir.yaml"), "--out", str(_out(tmp))], tmp,
+                ("cfgdir.yaml", "is a directory"))
+
+
+def c_clip_grad_nan(s, tmp):
+    return Case(_train(tmp, "--set", "train.clip_grad=nan", *SHORT), tmp, ("train.clip_grad=nan", "finite"))
+
+
+def c_lr_inf(s, tmp):
+    return Case(_train(tmp, "--set", "optim.lr=.inf", *SHORT), tmp, ("optim.lr=inf", "finite"))
+
+
+def c_seed_beyond_64_bits(s, tmp):
+    return Case(_train(tmp, "--set", f"train.seed={2**70}", *SHORT), tmp, ("train.seed", "64 bits"))
+
+
+def c_label_smoothing_out_of_range(s, tmp):
+    return Case(_train(tmp, "--set", "aug.label_smoothing=5", *SHORT), tmp, ("aug.label_smoothing=5", "[0, 1)"))
+
+
+def c_beta_out_of_range(s, tmp):
+    return Case(_train(tmp, "--set", "optim.betas=[0.9,1.5]", *SHORT), tmp, ("optim.betas[1]=1.5", "[0, 1)"))
+
+
+def c_model_extra_unknown_kwarg(s, tmp):
+    return Case(_train(tmp, "--set", "model.extra.foo.bar=1", *SHORT), tmp, ("model", "'foo'", "model.extra"))
+
+
 # ----------------------------------------------------------------------------- CLI arguments
 def a_unknown_command(s, tmp):
     return Case(["frobnicate", "--out", str(_out(tmp))], _out(tmp), ("frobnicate", "unknown command"))
@@ -219,6 +274,104 @@ def a_resume_missing_run(s, tmp):
 def a_existing_run_without_resume(s, tmp):
     run = _copy_run(s, tmp)
     return Case(classify_argv(run, "--set", "train.max_steps=2"), run, (str(run), "--resume", "--overwrite"))
+
+
+# ----------------------------------------------------------------------------- output paths
+# "Unwritable": the tests run as root, whom permission bits do not stop, so the unwritable place
+# is sysfs (/sys refuses new entries even to root); a path under a regular file cannot exist.
+def _afile(tmp: Path) -> Path:
+    return _write(tmp / "afile", "not a directory\n")
+
+
+def o_train_out_is_file(s, tmp):
+    return Case(classify_argv(_afile(tmp), *SHORT), tmp, ("--out", "afile", "existing file"))
+
+
+def o_train_out_under_file(s, tmp):
+    return Case(classify_argv(_afile(tmp) / "sub", *SHORT), tmp, ("--out", "afile/sub", "afile is a file"))
+
+
+def o_train_out_unwritable(s, tmp):
+    out = Path("/sys/lapheads_bad_inputs_out")
+    if not Path("/sys").is_dir():
+        pytest.skip("no /sys here")
+    return Case(classify_argv(out, *SHORT), out, ("--out", str(out), "not writable"))
+
+
+def o_report_out_is_file(s, tmp):
+    return Case(["report", str(s["run"]), "--out", str(_afile(tmp))], tmp, ("--out", "afile", "existing file"))
+
+
+def o_report_out_under_file(s, tmp):
+    return Case(["report", str(s["run"]), "--out", str(_afile(tmp) / "rep")], tmp, ("afile/rep", "afile is a file"))
+
+
+def o_tokenize_out_is_file(s, tmp):
+    f = _write(tmp / "a.txt", "some text " * 50)
+    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_afile(tmp))],
+                tmp, ("--out", "afile", "existing file"))
+
+
+def o_tokenizer_train_out_under_file(s, tmp):
+    return Case(["tokenizer", "train", "--embedded", "--vocab-size", "300", "--out", str(_afile(tmp) / "tok")], tmp,
+                ("--out", "afile/tok", "afile is a file"))
+
+
+def o_eval_classify_out_is_dir(s, tmp):
+    run = _copy_run(s, tmp)
+    (tmp / "res").mkdir()
+    return Case(["eval", "classify", "--checkpoint", str(run), "--out", str(tmp / "res")], tmp,
+                ("--out", "res", "is a directory"))
+
+
+def o_eval_lm_out_is_dir_before_loading(s, tmp):
+    # checked before the model: the run named here does not even exist
+    (tmp / "res").mkdir()
+    arc = _write(tmp / "arc.jsonl", json.dumps({"id": "q", "question": "Which?", "answerKey": "A",
+                                                "choices": {"text": ["a", "b"], "label": ["A", "B"]}}) + "\n")
+    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", f"arc_easy={arc}", "--out", str(tmp / "res")],
+                tmp, ("--out", "res", "is a directory"))
+
+
+def o_eval_lm_include_missing_before_loading(s, tmp):
+    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--lm-eval", "some_task",
+                 "--lm-eval-include", str(tmp / "no_tasks")], tmp, ("--lm-eval-include", "no_tasks", "does not exist"))
+
+
+def o_eval_lm_task_file_is_dir(s, tmp):
+    (tmp / "arc_dir").mkdir()
+    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", f"arc_easy={tmp / 'arc_dir'}"], tmp,
+                ("arc_dir", "is a directory"))
+
+
+def o_analyze_out_is_file(s, tmp):
+    return Case(["analyze", "--run", str(s["run"]), "--out", str(_afile(tmp))], tmp, ("--out", "afile", "existing file"))
+
+
+def o_pca_maps_out_is_dir(s, tmp):
+    (tmp / "maps.png").mkdir()
+    return Case(["pca-maps", "--model", "vit_tiny_patch16_224", "--images", "digits", "--out", str(tmp / "maps.png")],
+                tmp, ("--out", "maps.png", "is a directory"))
+
+
+# ----------------------------------------------------------------------------- failures clean up
+def f_tokenize_empty_corpus_leaves_no_folder(s, tmp):
+    f = _write(tmp / "blank.jsonl", '{"text": ""}\n{"text": ""}\n')
+    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_out(tmp)),
+                 "--no-progress"], _out(tmp), ("blank.jsonl", "empty"))
+
+
+def f_report_corrupt_model_json_leaves_no_figures(s, tmp):
+    run = _copy_run(s, tmp)
+    (run / "final" / "model.json").write_text('{"model": {"name": ')  # a torn write
+    return Case(["report", str(run), "--out", str(_out(tmp))], _out(tmp), ("final/model.json", "not valid JSON"))
+
+
+def f_report_into_existing_dir_adds_nothing(s, tmp):
+    run = _copy_run(s, tmp)
+    (run / "final" / "model.json").write_text("[]")
+    out = _write(_out(tmp) / "notes.md", "kept\n").parent
+    return Case(["report", str(run), "--out", str(out)], out, ("final/model.json", "must be an object"))
 
 
 # ----------------------------------------------------------------------------- image data
@@ -455,14 +608,29 @@ def k_eval_not_a_run(s, tmp):
                 ("not_a_run", "config.yaml"))
 
 
+def k_eval_corrupt_model_json(s, tmp):
+    run = _copy_run(s, tmp)
+    (run / "final" / "model.json").write_bytes(b"\x00\x13 garbage")
+    return Case(["eval", "classify", "--checkpoint", str(run)], run, ("final/model.json", "not valid JSON"))
+
+
 CASES = {f.__name__: f for f in [
     c_bad_yaml, c_missing_config, c_yaml_not_mapping, c_config_of_other_recipe, c_unknown_key, c_unknown_section,
     c_unknown_key_in_yaml, c_wrong_type_int, c_wrong_type_bool, c_wrong_type_section, c_bad_enum_schedule,
     c_bad_enum_optimizer, c_negative_max_steps, c_negative_batch_size, c_negative_lr, c_lr_beyond_float32,
     c_ema_decay_out_of_range,
     c_zero_length_run, c_set_without_equals, c_tuple_wrong_length, c_too_many_laplacian_heads,
+    c_duplicate_key_in_yaml, c_duplicate_section_in_yaml, c_duplicate_key_in_set, c_config_is_a_directory,
+    c_clip_grad_nan, c_lr_inf, c_seed_beyond_64_bits, c_label_smoothing_out_of_range, c_beta_out_of_range,
+    c_model_extra_unknown_kwarg,
     a_unknown_command, a_group_without_subcommand, a_missing_required_flag, a_unknown_flag, a_flag_wrong_type,
     a_resume_and_overwrite, a_resume_missing_run, a_existing_run_without_resume,
+    o_train_out_is_file, o_train_out_under_file, o_train_out_unwritable, o_report_out_is_file,
+    o_report_out_under_file, o_tokenize_out_is_file, o_tokenizer_train_out_under_file, o_eval_classify_out_is_dir,
+    o_eval_lm_out_is_dir_before_loading, o_eval_lm_include_missing_before_loading, o_eval_lm_task_file_is_dir,
+    o_analyze_out_is_file, o_pca_maps_out_is_dir,
+    f_tokenize_empty_corpus_leaves_no_folder, f_report_corrupt_model_json_leaves_no_figures,
+    f_report_into_existing_dir_adds_nothing,
     d_truncated_cifar, d_corrupt_cifar, d_idx_wrong_magic, d_empty_imagefolder, d_undecodable_image,
     d_val_classes_differ, d_labels_out_of_range, d_missing_path,
     t_empty_corpus, t_parquet_without_text_column, t_jsonl_not_json, t_vocab_too_small,
@@ -470,7 +638,7 @@ CASES = {f.__name__: f for f in [
     t_lm_tokenizer_dir_missing_files, t_sft_messages_not_a_list, t_sft_unknown_role, t_sft_chat_not_json,
     k_pickle_payload, k_truncated_safetensors, k_truncated_state, k_latest_points_nowhere,
     k_resume_other_architecture, k_checkpoint_of_other_architecture, k_eval_other_architecture,
-    k_eval_truncated_final, k_eval_not_a_run,
+    k_eval_truncated_final, k_eval_not_a_run, k_eval_corrupt_model_json,
 ]}
 
 

@@ -59,6 +59,7 @@ def _k_sort_key(label: str) -> tuple:
 def collect_run(run_dir: Path) -> dict[str, Any]:
     from .engine.run import RunDir
     from .geometry.runs import load_geometry
+    from .outputs import read_json
     run = RunDir(run_dir)
     cfg = run.read_config()
     spec = (cfg.get("model") or {}).get("laplacian_heads", 0)
@@ -74,7 +75,7 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
     return {
         "dir": str(run.path), "name": run.path.name, "recipe": cfg["recipe"], "label": label,
         "seed": (cfg.get("train") or {}).get("seed", 0),
-        "final": json.loads(final.read_text()) if final.is_file() else {},
+        "final": read_json(final, "the final metrics of a run") if final.is_file() else {},
         "finished": (run.final_dir / "model.json").is_file(),
         "train": [r for r in records if "loss" in r and r.get("split") is None],
         "val": [r for r in records if r.get("split") == "val"],
@@ -491,6 +492,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--analyze", action="store_true",
                    help="run the geometry analysis of runs that have none yet")
     args = p.parse_args(list(argv or []))
+    from .outputs import check_out_dir, removed_on_failure
+    check_out_dir(args.out)
     dirs = [Path(d) for d in args.runs]
     for d in dirs:
         if not (d / "config.yaml").is_file():
@@ -502,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not (d / "geometry" / "geometry.json").is_file() and (d / "final" / "model.json").is_file():
                 with lock_dir(d):
                     analyze_run(d)
-    with lock_enclosing_run(args.out):
+    with lock_enclosing_run(args.out), removed_on_failure(args.out):  # a failed report leaves no figures behind
         paths = build_report(dirs, args.out, title=args.title)
     print(f"report: {paths['md']}\n        {paths['html']}")
     return 0

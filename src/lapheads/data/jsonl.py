@@ -28,7 +28,7 @@ def iter_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> Iterator[tu
     """
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{p}: {what} not found")
+        raise DataError(f"{p}: is a directory, not a {what}" if p.is_dir() else f"{p}: {what} not found")
     opener = gzip.open if p.name.endswith(".gz") else open
     try:
         with opener(p, "rt", encoding="utf-8") as f:  # type: ignore[operator]

@@ -173,7 +173,8 @@ def check_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text") -
     for path in paths:
         p = Path(path)
         if not p.is_file():
-            raise DataError(f"{p}: no such file")
+            raise DataError(f"{p}: is a directory, not a text/JSONL/parquet file" if p.is_dir()
+                            else f"{p}: no such file")
         if p.stat().st_size == 0:
             raise DataError(f"{p}: the file is empty")
         kind = _kind(p)
@@ -574,7 +575,9 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(list(argv) if argv is not None else None)
 
     from ..lm.tokenizer import load_tokenizer
+    from ..outputs import check_out_dir, removed_on_failure
 
+    check_out_dir(args.out)
     tok = load_tokenizer(args.tokenizer)
     if args.embedded:
         from pydoc_data.topics import topics
@@ -586,9 +589,12 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         docs = iter_documents(args.input, text_field=args.text_field)
         total = None
         source = ", ".join(str(p) for p in args.input)
-    index = tokenize_to_shards(docs, tok, args.out, shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
-                               resume=args.resume, total_documents=total, source=source,
-                               progress=not args.no_progress)
+    # A failed fresh run leaves nothing (not even an empty folder); a resumed one keeps its shards,
+    # which its index.json lists. Ctrl-C keeps everything: --resume continues it.
+    with removed_on_failure(args.out, remove_new_entries=not args.resume):
+        index = tokenize_to_shards(docs, tok, args.out, shard_tokens=args.shard_tokens,
+                                   val_fraction=args.val_fraction, resume=args.resume, total_documents=total,
+                                   source=source, progress=not args.no_progress)
     for s in _SPLITS:
         sp = index["splits"][s]
         bpt = sp["bytes_per_token"]

@@ -54,7 +54,8 @@ import yaml
 
 from ..errors import CheckpointError, ConfigError
 from .checkpoint import atomic_write_text
-from .config import to_dict
+from ..outputs import check_out_dir
+from .config import load_yaml, to_dict
 
 LOCK_NAME = ".lock"
 
@@ -150,6 +151,7 @@ class RunLock:
         if held is not None and held._pid == os.getpid():
             held._count += 1
             return held
+        check_out_dir(path)  # a file, a parent that is a file, an unwritable place: one line, no traceback
         created = []
         for parent in reversed([path, *path.parents]):
             if not parent.exists():
@@ -227,8 +229,8 @@ def lock_dir(path: str | Path) -> Iterator[RunLock]:
 def _is_run_dir(path: Path) -> bool:
     """Whether ``path`` holds a run's ``config.yaml`` (one that names its recipe)."""
     try:
-        data = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = load_yaml((path / "config.yaml").read_text(encoding="utf-8"), str(path / "config.yaml"))
+    except (OSError, UnicodeDecodeError, ConfigError):  # load_yaml: invalid YAML or a repeated key
         return False
     return isinstance(data, dict) and "recipe" in data
 
@@ -315,7 +317,7 @@ class RunDir:
                 if missing or not self._only_leftovers():
                     raise CheckpointError(f"--resume: {self.path} is not a run directory (no config.yaml)")
                 return False
-            old = yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
+            old = load_yaml(self.config_path.read_text(encoding="utf-8"), str(self.config_path)) or {}
             new = {"recipe": recipe, **to_dict(cfg)}
             changed = config_changes(old, new, RESUME_MUTABLE)
             if changed:
@@ -371,7 +373,7 @@ class RunDir:
     def read_config(self) -> dict:
         if not self.exists():
             raise CheckpointError(f"{self.path} is not a run directory (no config.yaml)")
-        data = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+        data = load_yaml(self.config_path.read_text(encoding="utf-8"), str(self.config_path))
         if not isinstance(data, dict) or "recipe" not in data:
             raise CheckpointError(f"{self.config_path} has no 'recipe' field")
         return data

@@ -41,14 +41,14 @@ __all__ = ["main", "load_checkpoint", "build_batches"]
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
-    import yaml
+    from ..engine.config import load_yaml
 
     out: dict[str, Any] = {}
     for it in items or []:
         if "=" not in it:
             raise ConfigError(f"--model-args expects key=value, got {it!r}")
         k, v = it.split("=", 1)
-        out[k] = yaml.safe_load(v)
+        out[k] = load_yaml(v, f"--model-args {it!r}")
     return out
 
 
@@ -326,6 +326,8 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lapheads analyze``."""
     args = _parser().parse_args(argv)
+    from ..outputs import check_out_dir
+    check_out_dir(args.out)
     sources = [("checkpoint", c) for c in args.checkpoint] + [("run", r) for r in args.run]
     if not sources:
         raise ConfigError("give at least one --checkpoint (or --run)")

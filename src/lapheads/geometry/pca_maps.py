@@ -145,6 +145,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError(f"--threshold={args.threshold} must be in [0, 1]")
     if not str(args.out).lower().endswith(".png"):
         raise ConfigError(f"--out={args.out} must be a .png file")
+    from ..outputs import check_out_file
+    check_out_file(args.out)
     from ..engine.dist import pick_device
     from ..recipes.dino import EvalTransform, to_float_image
     from ..recipes.probes import load_backbone

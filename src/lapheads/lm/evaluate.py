@@ -181,9 +181,34 @@ def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_leng
     return LapheadsLM()
 
 
+def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = None, allow_network: bool = False):
+    """lm-eval's ``TaskManager`` after checking that every task in ``tasks`` exists (no model needed).
+
+    ``lapheads eval lm`` calls it before the model is loaded, so a typo in a task name or in
+    ``--lm-eval-include`` costs seconds, not an evaluation.
+
+    Raises:
+        ConfigError: an unknown task (the message says where lm-eval looked), a missing include dir.
+    """
+    if not allow_network:
+        _offline()
+    if include_path is not None and not Path(include_path).is_dir():
+        what = "does not exist" if not Path(include_path).exists() else "is a file"
+        raise ConfigError(f"--lm-eval-include {include_path} {what}; give a directory of lm-eval task YAML files")
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    unknown = [t for t in tasks if t not in tm.all_tasks]
+    if unknown:
+        raise ConfigError(f"lm-eval task(s) {unknown} not found"
+                          + (f" in {include_path} or lm-eval's built-in tasks" if include_path else
+                             "; pass --lm-eval-include DIR for local task YAML files"))
+    return tm
+
+
 def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Optional[str] = None,
                 limit: Optional[int] = None, num_fewshot: Optional[int] = None, batch_size: int = 8,
-                allow_network: bool = False, seed: int = 0) -> dict[str, Any]:
+                allow_network: bool = False, seed: int = 0, task_manager: Any = None) -> dict[str, Any]:
     """Run lm-evaluation-harness tasks on an in-memory model.
 
     Args:
@@ -195,6 +220,7 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
         batch_size: requests per forward pass.
         allow_network: do not force ``datasets`` / the hub offline.
         seed: lm-eval's random seeds.
+        task_manager: from :func:`lm_eval_task_manager` (built and checked here when None).
 
     Returns:
         lm-eval's ``results`` (per task metrics) plus ``n-samples`` and the task configs' versions.
@@ -202,19 +228,9 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
     Raises:
         ConfigError: an unknown task (the message lists where lm-eval looked), a missing include dir.
     """
-    if not allow_network:
-        _offline()
-    if include_path is not None and not Path(include_path).is_dir():
-        raise ConfigError(f"--lm-eval-include {include_path}: not a directory of lm-eval task YAML files")
+    tm = task_manager or lm_eval_task_manager(tasks, include_path, allow_network)
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
-    unknown = [t for t in tasks if t not in tm.all_tasks]
-    if unknown:
-        raise ConfigError(f"lm-eval task(s) {unknown} not found"
-                          + (f" in {include_path} or lm-eval's built-in tasks" if include_path else
-                             "; pass --lm-eval-include DIR for local task YAML files"))
     lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
                                   num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
@@ -268,12 +284,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError("nothing to evaluate: give --tasks and/or --lm-eval")
     chat_tasks = parse_tasks(args.tasks) if args.tasks else {}
     lm_tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()] if args.lm_eval else []
+    if args.lm_eval and not lm_tasks:
+        raise ConfigError(f"--lm-eval {args.lm_eval!r} names no task")
+    # Everything the user typed is checked before the model is loaded: the output file, every
+    # task file, the lm-eval task names and include directory.
+    from ..outputs import check_out_file
+    if args.out:
+        check_out_file(args.out)
     if chat_tasks:  # read and validate every task file before loading the model
         from ..data.tasks import load_task
         for name, path in chat_tasks.items():
             if load_task(name, path, max_items=1)[0].kind == "code":
                 from .sandbox import require_sandbox
                 require_sandbox(args.confirm_run_unsafe_code)  # generated code needs the sandbox
+    tm = lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
 
     from ..recipes.lm import load_model
 
@@ -293,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if lm_tasks:
         res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
                           num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                          allow_network=args.allow_network, seed=args.seed)
+                          allow_network=args.allow_network, seed=args.seed, task_manager=tm)
         report["lm_eval"] = res
         for task, metrics in res.get("results", {}).items():
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))

@@ -326,7 +326,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(list(argv) if argv is not None else None)
 
     from ..data import text as text_data
+    from ..outputs import check_out_dir, removed_on_failure
 
+    check_out_dir(args.out)
     if args.embedded:
         docs: Iterable[str] = text_data.embedded_documents()
         source = "pydoc_data.topics"
@@ -336,6 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         source = ", ".join(args.input)
     if args.max_chars is not None:
         docs = text_data.limit_chars(docs, args.max_chars)
-    tok = train_tokenizer(docs, args.vocab_size, args.out)
+    with removed_on_failure(args.out):
+        tok = train_tokenizer(docs, args.vocab_size, args.out)
     print(f"tokenizer: vocab {len(tok)} trained on {source} -> {args.out} (hash {tokenizer_hash(tok)})")
     return 0

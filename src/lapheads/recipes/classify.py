@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import Task, TrainConfig
+from ..engine.config import bounded
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
 from ..errors import ConfigError
@@ -37,13 +38,13 @@ from ..errors import ConfigError
 class ModelConfig:
     name: str = "vit_tiny_patch16_224"  # any timm ViT (or a registered *_lap<k> name)
     laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
-    img_size: int = 224
-    patch_size: Optional[int] = None
-    embed_dim: Optional[int] = None
-    depth: Optional[int] = None
-    num_heads: Optional[int] = None
-    drop_path: float = 0.0
-    layer_scale_init: Optional[float] = None  # LayerScale init (timm init_values); DeiT-3 uses 1e-6
+    img_size: int = bounded(224, ge=1)
+    patch_size: Optional[int] = bounded(None, ge=1)
+    embed_dim: Optional[int] = bounded(None, ge=1)
+    depth: Optional[int] = bounded(None, ge=1)
+    num_heads: Optional[int] = bounded(None, ge=1)
+    drop_path: float = bounded(0.0, ge=0.0, lt=1.0)
+    layer_scale_init: Optional[float] = bounded(None, gt=0.0)  # LayerScale init (timm init_values); DeiT-3 uses 1e-6
     qk_norm: bool = False
     extra: dict = field(default_factory=dict)  # any other timm keyword argument
 
@@ -56,11 +57,11 @@ class DataConfig:
     eval_batch_size: int = 256
     epochs: int = 10
     three_augment: bool = True
-    color_jitter: float = 0.3
+    color_jitter: float = bounded(0.3, ge=0.0)
     scale_min: float = 0.08  # random-resized-crop scale range (scale_min, 1)
-    hflip: float = 0.5
+    hflip: float = bounded(0.5, ge=0.0, le=1.0)  # probability of a horizontal flip
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    std: tuple[float, float, float] = bounded((0.229, 0.224, 0.225), gt=0.0)
     max_eval_items: int = 0  # 0 = all
 
     def validate(self) -> None:
@@ -75,11 +76,11 @@ class DataConfig:
 
 @dataclass
 class AugConfig:
-    mixup: float = 0.8  # mixup alpha; 0 = off
-    cutmix: float = 1.0  # cutmix alpha; 0 = off
-    mix_prob: float = 1.0
-    switch_prob: float = 0.5
-    label_smoothing: float = 0.1
+    mixup: float = bounded(0.8, ge=0.0)  # mixup alpha; 0 = off
+    cutmix: float = bounded(1.0, ge=0.0)  # cutmix alpha; 0 = off
+    mix_prob: float = bounded(1.0, ge=0.0, le=1.0)
+    switch_prob: float = bounded(0.5, ge=0.0, le=1.0)
+    label_smoothing: float = bounded(0.1, ge=0.0, lt=1.0)
     loss: Literal["bce", "ce"] = "bce"  # DeiT-3 uses BCE on the (mixed) soft targets
 
 
@@ -87,10 +88,10 @@ class AugConfig:
 class OptimConfig:
     name: Literal["adamw", "lamb", "sgd"] = "adamw"  # sgd: plain SGD with momentum `momentum`
     lr: float = 1e-3  # per `lr_batch` images
-    lr_batch: int = 1024  # linear scaling reference; 0 = use `lr` as is
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)
-    momentum: float = 0.9  # sgd only
+    lr_batch: int = bounded(1024, ge=0)  # linear scaling reference; 0 = use `lr` as is
+    weight_decay: float = bounded(0.05, ge=0.0)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0.0, lt=1.0)
+    momentum: float = bounded(0.9, ge=0.0, lt=1.0)  # sgd only
 
 
 @dataclass
@@ -116,9 +117,18 @@ def timm_kwargs(m: ModelConfig, num_classes: int) -> dict:
 
 
 def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
+    """The timm ViT of ``m``.
+
+    Raises:
+        ConfigError: timm refuses the keyword arguments (e.g. an unknown key in ``model.extra``).
+    """
     from .. import timm as lap_timm
-    return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False,
-                                 **timm_kwargs(m, num_classes))
+    try:
+        return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False,
+                                     **timm_kwargs(m, num_classes))
+    except TypeError as e:  # every keyword comes from the config: a wrong one is the user's to fix
+        extra = f"; model.extra holds {sorted(m.extra)}" if m.extra else ""
+        raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e}){extra}") from None
 
 
 def _datasets(d: DataConfig):
@@ -271,9 +281,15 @@ def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
     if not spec_path.is_file():
         from ..errors import CheckpointError
         raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
-    spec = json.loads(spec_path.read_text())
     from ..engine.config import from_dict
-    model = build_model(from_dict(ModelConfig, spec["model"]), spec["num_classes"])
+    from ..errors import CheckpointError
+    from ..outputs import read_json
+    spec = read_json(spec_path, "the model description of a classify run")
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) \
+            or not isinstance(spec.get("num_classes"), int) or isinstance(spec.get("num_classes"), bool):
+        raise CheckpointError(f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
+                              f"integer); the file is damaged or not from `lapheads train classify`")
+    model = build_model(from_dict(ModelConfig, spec["model"], prefix=f"{spec_path}: model."), spec["num_classes"])
     path = final / f"{weights}.safetensors"
     load_weights(model, load_tensors(path), source=str(path))
     return model.eval()
@@ -298,6 +314,9 @@ def eval_main(argv=None) -> int:
     from ..data.transforms import build_transforms
     from ..engine.config import from_dict
     from ..engine.run import RunDir
+    from ..outputs import check_out_file
+    if args.out:
+        check_out_file(args.out)
     run = RunDir(args.checkpoint)
     raw = run.read_config()
     raw.pop("recipe")

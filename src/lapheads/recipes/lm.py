@@ -51,6 +51,7 @@ from torch import nn
 
 from ..engine import Task, TrainConfig
 from ..engine import dist as D
+from ..engine.config import bounded
 from ..engine.data import _mix
 from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError, DataError
@@ -72,16 +73,16 @@ class LMDataConfig:
     corpus: Any = "embedded"  # used without shards: "embedded", a file path, or a list of paths
     text_field: str = "text"  # JSONL key / parquet column
     tokenizer: str = "train"  # DIR of `lapheads tokenizer train`, or "train" (on the corpus)
-    vocab_size: int = 2048  # with tokenizer: train
-    tokenizer_max_chars: int = 0  # with tokenizer: train, read at most this many characters (0 = all)
-    val_fraction: float = 0.05  # documents held out, when the shards are built here
+    vocab_size: int = bounded(2048, ge=1)  # with tokenizer: train
+    tokenizer_max_chars: int = bounded(0, ge=0)  # with tokenizer: train, read at most this many characters (0 = all)
+    val_fraction: float = bounded(0.05, gt=0.0, lt=1.0)  # documents held out, when the shards are built here
     cache_dir: Optional[str] = None  # on-the-fly tokenizer/shards; default ~/.cache/lapheads/lm
-    seq_len: int = 2048
-    batch_size: int = 32  # sequences per process and micro-step
-    total_batch_tokens: int = 0  # tokens per optimizer step over all ranks; 0 = batch_size*seq_len*world*grad_accum
-    tokens_per_param: float = 20.0  # run length when train.max_steps is 0 (nanochat / Chinchilla: 20)
-    eval_tokens: int = 2**20  # validation tokens per evaluation (fewer if the split is smaller)
-    eval_batch_size: int = 0  # 0 = batch_size
+    seq_len: int = bounded(2048, ge=1)
+    batch_size: int = bounded(32, ge=1)  # sequences per process and micro-step
+    total_batch_tokens: int = bounded(0, ge=0)  # tokens per optimizer step over all ranks; 0 = batch_size*seq_len*world*grad_accum
+    tokens_per_param: float = bounded(20.0, gt=0.0)  # run length when train.max_steps is 0 (nanochat / Chinchilla: 20)
+    eval_tokens: int = bounded(2**20, ge=1)  # validation tokens per evaluation (fewer if the split is smaller)
+    eval_batch_size: int = bounded(0, ge=0)  # 0 = batch_size
 
 
 @dataclass
@@ -89,7 +90,7 @@ class SampleConfig:
     """Greedy continuations logged at every evaluation (``samples.jsonl``)."""
 
     prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
-    max_new_tokens: int = 32
+    max_new_tokens: int = bounded(32, ge=0)
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Output paths every command checks before it works, and cleans up after it fails.
+
+Every ``lapheads`` command that writes (``--out`` of train, report, analyze, data tokenize,
+tokenizer train, eval ...) checks its output here, before any model or data is loaded, so a
+typo in ``--out`` costs a second, not a finished evaluation.
+
+Design choices:
+
+* :func:`check_out_dir` / :func:`check_out_file` look at the path and at its nearest existing
+  ancestor: an existing file where a directory is wanted (or the reverse), a parent that is a
+  file (``--out notes.txt/run``), a location that cannot be written. Writability is tested by
+  creating and removing an empty directory in that ancestor, because permission bits do not stop
+  root and say nothing about read-only mounts or pseudo file systems (``/sys``, ``/proc``).
+* :func:`removed_on_failure` makes "a failed command leaves nothing behind" one ``with`` block:
+  a directory the command created is removed when the block raises; in a directory that already
+  existed, the entries the block added are removed (files it rewrote stay rewritten). An
+  interrupt (Ctrl-C, ``KeyboardInterrupt``) keeps everything, so resumable work survives it.
+* :func:`read_json` reads the small JSON files that rebuild a model (``final/model.json``) with a
+  one-line error naming the file, instead of a ``JSONDecodeError`` traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from .errors import CheckpointError, ConfigError
+
+__all__ = ["check_out_dir", "check_out_file", "removed_on_failure", "read_json"]
+
+
+def _nearest_existing(p: Path) -> Path:
+    for a in (p, *p.parents):
+        if a.exists() or a.is_symlink():
+            return a
+    return Path(os.getcwd())  # only reached for a relative path in a vanished working directory
+
+
+def _check_can_create_in(parent: Path, target: Path, flag: str) -> None:
+    """``target`` (missing) can be created under the existing ``parent``, or raise ConfigError."""
+    if not parent.is_dir():
+        kind = "a file" if parent.is_file() else "not a directory"
+        raise ConfigError(f"{flag} {target} cannot be created: {parent} is {kind}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".lapheads-write-test-", dir=parent))
+    except OSError as e:
+        raise ConfigError(f"{flag} {target} cannot be created: {parent} is not writable "
+                          f"({e.strerror or e})") from None
+
+
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check that ``path`` is (or can become) a writable directory; nothing is created.
+
+    Args:
+        path: the output directory.
+        flag: how the user gave it, for messages (``--out``, ``--cache-dir``).
+
+    Returns:
+        ``path`` as a :class:`Path`.
+
+    Raises:
+        ConfigError: it is an existing file, a parent is a file, or it cannot be written.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {p} is an existing file; give a directory (it holds several files)")
+    _check_can_create_in(_nearest_existing(p) if not p.exists() else p, p, flag)
+    return p
+
+
+def check_out_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check that ``path`` is a file that can be written (created or replaced); nothing is created.
+
+    Raises:
+        ConfigError: it is a directory, a parent is a file, or its directory cannot be written.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p} is a directory; give the name of the file to write")
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"{flag} {p} exists and is not a regular file")
+    _check_can_create_in(_nearest_existing(p.parent), p, flag)
+    return p
+
+
+def _entries(root: Path) -> set[Path]:
+    return {Path(d) / n for d, dirs, files in os.walk(root) for n in (*dirs, *files)}
+
+
+@contextlib.contextmanager
+def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = True) -> Iterator[Path]:
+    """Remove what the ``with`` block wrote under ``path`` if it raises an ``Exception``.
+
+    Args:
+        path: the output directory (it may not exist yet).
+        remove_new_entries: when ``path`` already existed, also remove the files and folders the
+            block added to it (pass ``False`` for a resumed job whose index refers to new files).
+
+    A directory created by the block (and parents it created) is removed entirely.
+    ``KeyboardInterrupt`` / ``SystemExit`` keep everything.
+    """
+    p = Path(path)
+    created: Optional[Path] = None
+    if not p.exists():
+        created = p
+        for a in p.parents:  # the topmost ancestor that does not exist yet
+            if a.exists():
+                break
+            created = a
+    before = _entries(p) if created is None and remove_new_entries and p.is_dir() else None
+    try:
+        yield p
+    except Exception:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif before is not None:
+            for e in sorted(_entries(p) - before, key=lambda e: len(e.parts)):
+                if e.is_dir() and not e.is_symlink():
+                    shutil.rmtree(e, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        e.unlink()
+        raise
+
+
+def read_json(path: str | os.PathLike, what: str = "") -> Any:
+    """``json.loads`` of a file, with a one-line :class:`CheckpointError` naming it on failure.
+
+    Args:
+        path: the JSON file.
+        what: what the file should be, for the message (``"the model description of a run"``).
+    """
+    p = Path(path)
+    hint = f" ({what})" if what else ""
+    if not p.is_file():
+        raise CheckpointError(f"{p} does not exist{hint}" if not p.exists() else f"{p} is not a file{hint}")
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{p} is not JSON text{hint}: {e.reason} at byte {e.start}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p} is not valid JSON{hint}: {e.msg} at line {e.lineno}, column {e.colno}; "
+                              "the file is corrupt or was edited by hand") from None
+    except OSError as e:
+        raise CheckpointError(f"{p} cannot be read{hint}: {e.strerror or e}") from None
