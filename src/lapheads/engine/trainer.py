@@ -51,6 +51,7 @@ from torch import nn
 
 from ..errors import ConfigError, LapheadsError, NonFiniteError
 from . import dist as D
+from .config import bounded
 from .checkpoint import (latest_checkpoint, load_tensors, load_weights, safe_torch_load, save_tensors,
                          write_checkpoint)
 from .run import RunDir
@@ -65,21 +66,21 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step
     clip_grad: float = 0.0  # max global grad norm; 0 = no clipping (the norm is still logged)
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     warmdown_ratio: float = 0.2  # "wsd": fraction of steps of linear decay at the end (nanochat)
-    min_lr_ratio: float = 0.0  # final lr as a fraction of the base lr
+    min_lr_ratio: float = bounded(0.0, ge=0.0, le=1.0)  # final lr as a fraction of the base lr
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast on GPUs that have it
     ema_decay: float = 0.0  # 0 = no EMA of weights
-    ckpt_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 2
-    eval_every: int = 0  # 0 = only at the end
-    log_every: int = 10
+    ckpt_every: int = bounded(0, ge=0)  # optimizer steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = bounded(2, ge=0)  # 0 = keep all
+    eval_every: int = bounded(0, ge=0)  # 0 = only at the end
+    log_every: int = bounded(10, ge=0)
     nan_policy: Literal["stop", "skip"] = "stop"
-    max_skipped_steps: int = 20  # with nan_policy=skip, stop after this many skipped steps
-    inject_nan_at_step: int = -1  # fault injection for tests: make the loss NaN at this step
+    max_skipped_steps: int = bounded(20, ge=0)  # with nan_policy=skip, stop after this many skipped steps
+    inject_nan_at_step: int = bounded(-1, ge=-1)  # fault injection for tests: make the loss NaN at this step
     device: str = "auto"
-    num_workers: int = 0
+    num_workers: int = bounded(0, ge=0)
     progress: bool = True
     find_unused_parameters: bool = False
 

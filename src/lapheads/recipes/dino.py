@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import DistInfo, Task, TrainConfig
+from ..engine.config import bounded
 from ..engine.checkpoint import load_weights, save_tensors
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.launch import train_cli
@@ -102,12 +103,12 @@ class CropsConfig:
     local_crops: int = 10  # number of small crops; 0 = only the 2 global crops
     global_scale: tuple[float, float] = (0.4, 1.0)
     local_scale: tuple[float, float] = (0.05, 0.4)
-    hflip: float = 0.5  # probability of a horizontal flip
-    color_jitter: float = 0.8  # probability of color jitter
-    jitter: tuple[float, float, float, float] = (0.4, 0.4, 0.2, 0.1)  # brightness, contrast, saturation, hue
-    grayscale: float = 0.2
+    hflip: float = bounded(0.5, ge=0.0, le=1.0)  # probability of a horizontal flip
+    color_jitter: float = bounded(0.8, ge=0.0, le=1.0)  # probability of color jitter
+    jitter: tuple[float, float, float, float] = bounded((0.4, 0.4, 0.2, 0.1), ge=0.0)  # brightness, contrast, saturation, hue
+    grayscale: float = bounded(0.2, ge=0.0, le=1.0)
     blur: bool = True  # DINO's blur probabilities: global 1.0 / 0.1, local 0.5
-    solarize: float = 0.2  # probability, second global crop only
+    solarize: float = bounded(0.2, ge=0.0, le=1.0)  # probability, second global crop only
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
 
@@ -124,9 +125,9 @@ class DinoDataConfig:
 @dataclass
 class DinoOptimConfig:
     lr: float = 0.0005  # per 256 images (linear scaling with the global batch)
-    weight_decay: float = 0.04
-    weight_decay_end: float = 0.4
-    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = bounded(0.04, ge=0.0)
+    weight_decay_end: float = bounded(0.4, ge=0.0)
+    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0.0, lt=1.0)
 
 
 @dataclass

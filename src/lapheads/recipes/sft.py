@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import Task, TrainConfig
+from ..engine.config import bounded
 from ..engine.data import _mix
 from ..engine.dist import DistInfo
 from ..errors import ConfigError, DataError
@@ -70,8 +71,8 @@ class SFTDataConfig:
     seq_len: int = 1024  # tokens per row (longer conversations are truncated)
     batch_size: int = 8  # rows per process and micro-step
     packing: bool = False  # several conversations per row (block-diagonal attention)
-    epochs: float = 1.0  # run length when train.max_steps is 0
-    max_eval_items: int = 0  # 0 = the whole validation set
+    epochs: float = bounded(1.0, gt=0.0)  # run length when train.max_steps is 0
+    max_eval_items: int = bounded(0, ge=0)  # 0 = the whole validation set
 
 
 def _default_optim() -> LMOptimConfig:
