@@ -29,6 +29,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train", "lm"): ("lapheads.recipes.lm:train_main", "NanoChat-style language-model pretraining"),
     ("train", "sft"): ("lapheads.recipes.sft:train_main", "supervised fine-tuning on chat JSONL"),
     ("train", "dino"): ("lapheads.recipes.dino:train_main", "DINO self-supervised pretraining"),
+    ("train", "retrofit"): ("lapheads.recipes.retrofit:train_main",
+                            "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)"),
     ("eval", "classify"): ("lapheads.recipes.classify:eval_main", "top-1/top-5/per-class accuracy of a run"),
     ("eval", "lm"): ("lapheads.lm.evaluate:main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
     ("lm-eval",): ("lapheads.lm.harness:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),

@@ -1,0 +1,360 @@
+"""Retrofitting: switch k heads of a pretrained causal LM to Laplacian heads and train briefly.
+
+``lapheads train retrofit --config recipes/retrofit/tiny.yaml --out runs/retro --set init_from=runs/lm_tiny``
+
+Design choices:
+
+* ``init_from`` is a finished ``lapheads train lm`` / ``sft`` run or a ``save_pretrained`` directory
+  of a transformers causal LM with this project's tokenizer (the data pipeline of
+  :mod:`lapheads.recipes.lm` tokenizes the corpus with it). Nothing is downloaded.
+* Conversion keeps every weight and only changes ``config.laplacian_heads``
+  (:func:`lapheads.transformers.enable`): the chosen heads output ``V - softmax(QK^T)V`` from the
+  next forward on. Which heads: ``laplacian_heads`` takes anything :class:`lapheads.LaplacianHeads`
+  accepts (int k = the trailing k heads of every layer, a per-layer list, explicit per-layer
+  indices). With ``select: score`` and an int k, each layer's k heads are those whose switch
+  alone raises the validation loss least (the *switch cost*: validation loss with only that head
+  Laplacian minus the loss of the unconverted model, on the first ``score_batches`` validation
+  batches; one forward pass per head). The costs are written to ``final/model.json``.
+  ``laplacian_heads: keep`` converts nothing (the baseline).
+* Training is the shared engine (:class:`lapheads.engine.Trainer`) on the pretraining task of
+  :mod:`lapheads.recipes.lm` (:class:`RetrofitTask` subclasses :class:`~lapheads.recipes.lm.LMTask`:
+  same random windows, loss, validation bits per byte and loss), with AdamW instead of Muon
+  (the recipe is for any causal LM). ``method: full`` trains every weight; ``method: lora`` wraps
+  the model with PEFT LoRA adapters (``lora.*``; PEFT is in the ``eval`` extra) and trains only
+  them. ``train.max_steps`` is the N of the comparison and must be set.
+* ``final/hf`` is a plain ``save_pretrained`` directory with the Laplacian heads in its config: a
+  LoRA run is merged (``merge_and_unload`` on a copy, so the trained model is untouched) before it
+  is saved, and the adapter alone goes to ``final/adapter``. :func:`load_model` and every command
+  that takes ``--run`` read ``final/hf``.
+* The comparison the retrofit is judged by: validation loss / bits per byte of the pretrained
+  model before conversion, right after conversion (no step taken), after N steps, and of the
+  unconverted model fine-tuned the same N steps with the same data, optimizer and method. With
+  ``baseline: true`` (default) ``train_main`` runs that baseline as a second engine run in
+  ``OUT/baseline`` and writes all four numbers to ``OUT/retrofit.json`` (and prints them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..engine import TrainConfig
+from ..engine.config import bounded
+from ..engine.dist import DistInfo
+from ..errors import ConfigError
+from .lm import LMDataConfig, LMTask, SampleConfig, export_hf, hf_dir
+
+__all__ = ["LoraSettings", "RetrofitOptim", "RetrofitConfig", "RetrofitTask", "switch_costs", "select_heads",
+           "build_task", "load_model", "train_main", "summarize"]
+
+KEEP = "keep"
+
+
+@dataclass
+class LoraSettings:
+    """PEFT ``LoraConfig`` settings (``method: lora``)."""
+
+    r: int = bounded(8, ge=1)
+    alpha: float = bounded(16.0, gt=0.0)
+    dropout: float = bounded(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class RetrofitOptim:
+    """AdamW over the trained parameters (all of them, or the LoRA adapters)."""
+
+    lr: float = bounded(3e-4, ge=0.0)
+    weight_decay: float = bounded(0.0, ge=0.0)
+    betas: tuple[float, float] = bounded((0.9, 0.95), ge=0.0, lt=1.0)
+
+
+def _data_default() -> LMDataConfig:
+    return LMDataConfig(seq_len=512, batch_size=8, eval_tokens=2**16)
+
+
+@dataclass
+class RetrofitConfig:
+    init_from: str = ""  # a `lapheads train lm`/`sft` run or a save_pretrained directory
+    laplacian_heads: Any = 2  # int k, per-layer list, per-layer index lists, or "keep" (no conversion)
+    select: Literal["trailing", "score"] = "trailing"  # how an int k picks heads (see the module docstring)
+    score_batches: int = bounded(2, ge=1)  # validation batches of the switch-cost score
+    method: Literal["full", "lora"] = "full"
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    optim: RetrofitOptim = field(default_factory=RetrofitOptim)
+    baseline: bool = True  # also fine-tune the unconverted model for the same steps (OUT/baseline)
+    data: LMDataConfig = field(default_factory=_data_default)
+    samples: SampleConfig = field(default_factory=lambda: SampleConfig(max_new_tokens=0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10))
+
+    def validate(self) -> None:
+        if not self.init_from:
+            raise ConfigError("init_from is empty: set it to a pretrained run or save_pretrained directory "
+                              "(e.g. --set init_from=runs/lm_tiny)")
+        hf = hf_dir(self.init_from)  # CheckpointError when it is neither
+        if self.data.tokenizer == "train":  # the model's own tokenizer, never a new one
+            self.data.tokenizer = str(hf)
+        if self.data.shards is None and self.data.tokenizer != str(hf):
+            raise ConfigError(f"data.tokenizer={self.data.tokenizer} is not the tokenizer of init_from ({hf}); "
+                              "leave it unset to tokenize the corpus with the model's tokenizer")
+        if self.train.max_steps < 1:
+            raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
+                              "comparison")
+        if self.select == "score" and not _is_count(self.laplacian_heads):
+            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
+                              f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
+        if self.laplacian_heads != KEEP:
+            from ..heads import LaplacianHeads
+            LaplacianHeads(self.laplacian_heads)  # a malformed spec fails here; its shape is checked on load
+
+
+def _is_count(spec: Any) -> bool:
+    return (isinstance(spec, int) and not isinstance(spec, bool)) or (isinstance(spec, str) and spec.isdigit())
+
+
+# --------------------------------------------------------------------------- head selection
+@torch.no_grad()
+def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    import torch.nn.functional as F
+    tot, n = 0.0, 0
+    dev = next(model.parameters()).device
+    for x, y in batches:
+        logits = model(input_ids=x.to(dev), use_cache=False).logits.float()
+        tot += float(F.cross_entropy(logits.view(-1, logits.size(-1)), y.to(dev).view(-1), reduction="sum"))
+        n += y.numel()
+    return tot / max(1, n)
+
+
+@torch.no_grad()
+def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[float]]:
+    """Per layer and head: validation loss with only that head Laplacian minus the unconverted loss.
+
+    ``model.config.laplacian_heads`` is restored afterwards. One forward pass over ``batches`` per
+    head (plus one for the reference).
+    """
+    from .. import transformers as lap_tf
+
+    cfg = model.config
+    n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+    old, old_impl = getattr(cfg, "laplacian_heads", None), cfg._attn_implementation
+    was_training = model.training
+    model.eval()
+    try:
+        lap_tf.enable(model, 0)
+        ref = _mean_loss(model, batches)
+        costs = []
+        for layer in range(n_layers):
+            row = []
+            for h in range(n_heads):
+                cfg.laplacian_heads = [[h] if i == layer else [] for i in range(n_layers)]
+                row.append(_mean_loss(model, batches) - ref)
+            costs.append(row)
+    finally:
+        cfg.laplacian_heads = old
+        model.set_attn_implementation(old_impl)
+        model.train(was_training)
+    return costs
+
+
+def select_heads(costs: list[list[float]], k: int) -> list[list[int]]:
+    """The ``k`` heads of lowest switch cost in each layer (ties: the higher index, i.e. trailing first)."""
+    out = []
+    for i, row in enumerate(costs):
+        if k > len(row):
+            raise ConfigError(f"laplacian_heads={k} but layer {i} has {len(row)} heads")
+        order = sorted(range(len(row)), key=lambda h: (row[h], -h))
+        out.append(sorted(order[:k]))
+    return out
+
+
+# --------------------------------------------------------------------------- the task
+class RetrofitTask(LMTask):
+    """Convert (maybe), then continue pretraining; see the module docstring."""
+
+    name = "retrofit"
+
+    def __init__(self, cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
+        from ..data.text import TokenShards
+        from ..errors import DataError
+        from ..lm.model import count_params
+        from .lm import load_model as load_lm
+        from .lm import prepare_data, resolve_grad_accum, token_bytes
+
+        self.cfg, self.info = cfg, info  # type: ignore[assignment]
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        d = cfg.data
+        resolve_grad_accum(d, cfg.train, info.world_size)
+        model, _ = load_lm(cfg.init_from, device=info.device)
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos is not None and d.seq_len > int(max_pos):
+            raise ConfigError(f"data.seq_len={d.seq_len} exceeds the model's max_position_embeddings={max_pos}")
+        self.tokenizer, self.shard_dir = prepare_data(d, info, progress=cfg.train.progress and info.is_main)
+        if len(self.tokenizer) != model.config.vocab_size:
+            raise DataError(f"{d.tokenizer}: vocabulary {len(self.tokenizer)} != the model's {model.config.vocab_size}")
+        self.train_shards = TokenShards(self.shard_dir, "train")
+        self.val_shards = TokenShards(self.shard_dir, "val")
+        for s in (self.train_shards, self.val_shards):
+            if len(s) < d.seq_len + 1:
+                raise DataError(f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
+                                f"{d.seq_len + 1}; lower data.seq_len or give more text")
+        self.token_bytes = token_bytes(self.tokenizer).to(info.device)
+        self.eval_bs = d.eval_batch_size or d.batch_size
+        self.eval_batches = max(1, d.eval_tokens // (self.eval_bs * d.seq_len))
+        self._muon = None
+
+        self.original_heads = getattr(model.config, "laplacian_heads", None)
+        model.eval()
+        with torch.no_grad():
+            self._convert(model, cfg)
+        if cfg.method == "lora":
+            model = _with_lora(model, cfg.lora)
+        model.train()
+        self.model = model
+        self.n_params = count_params(model)
+        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def _convert(self, model: nn.Module, cfg: RetrofitConfig) -> None:
+        """Measure the pretrained model, switch the heads (unless ``keep``), measure again."""
+        from .. import transformers as lap_tf
+
+        d = cfg.data
+        self.before = self.val_bpb(model)
+        self.switch_costs: Optional[list[list[float]]] = None
+        if cfg.laplacian_heads == KEEP:
+            self.heads = self.original_heads
+            self.converted = dict(self.before)
+        else:
+            spec: Any = cfg.laplacian_heads
+            if cfg.select == "score":
+                batches = list(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=cfg.score_batches))
+                self.switch_costs = switch_costs(model, batches)
+                spec = select_heads(self.switch_costs, int(spec))
+            lap_tf.enable(model, spec)
+            self.heads = model.config.laplacian_heads
+            self.converted = self.val_bpb(model)
+
+    # ---- engine interface
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        o = self.cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        rest = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}] + ([{"params": rest, "weight_decay": 0.0}]
+                                                                        if rest else [])
+        return [torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))]
+
+    def total_steps(self) -> int:
+        raise ConfigError("set train.max_steps (the N of the retrofit comparison)")
+
+    def on_step_start(self, step: int, total: int) -> None:
+        pass
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
+        res = super().evaluate(model, ema_model, step)
+        res.update({f"before_{k}": v for k, v in self.before.items() if k != "val_tokens"})
+        res.update({f"converted_{k}": v for k, v in self.converted.items() if k != "val_tokens"})
+        return res
+
+    def model_spec(self) -> dict:
+        from ..lm.tokenizer import tokenizer_hash
+        c = self.cfg
+        return {"init_from": str(c.init_from), "method": c.method, "original_laplacian_heads": self.original_heads,
+                "laplacian_heads": self.heads, "select": c.select, "switch_costs": self.switch_costs,
+                "n_params": self.n_params, "n_trainable": self.n_trainable, "vocab_size": len(self.tokenizer),
+                "tokenizer_hash": tokenizer_hash(self.tokenizer), "before": self.before, "converted": self.converted}
+
+    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
+        if self.cfg.method == "lora":
+            model.save_pretrained(str(final_dir / "adapter"))  # the adapter alone (PEFT layout)
+            merged = copy.deepcopy(model).merge_and_unload()
+            export_hf(merged, self.tokenizer, final_dir / "hf")
+            if ema_model is not None:
+                export_hf(copy.deepcopy(ema_model).merge_and_unload(), self.tokenizer, final_dir / "hf_ema")
+        else:
+            super().export_final(final_dir, model, ema_model)
+
+
+def _with_lora(model: nn.Module, s: LoraSettings) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("method: lora needs PEFT; pip install 'lapheads[eval]' (or pip install peft)") from None
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in s.target_modules if t not in names]
+    if missing or not s.target_modules:
+        raise ConfigError(f"lora.target_modules {missing or s.target_modules} not found in the model; "
+                          f"its linear layers are named {sorted(n for n in names if n and not n.isdigit())}")
+    cfg = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules),
+                     task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def build_task(cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
+    return RetrofitTask(cfg, info, run_dir=run_dir)
+
+
+def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu", eager: bool = False):
+    """``(model, tokenizer)`` of a finished retrofit run (``final/hf``, LoRA merged), heads restored."""
+    from .lm import load_model as load_lm
+    return load_lm(run_dir, weights=weights, device=device, eager=eager)
+
+
+# --------------------------------------------------------------------------- the comparison
+def summarize(out: str | Path) -> dict[str, Any]:
+    """``OUT/retrofit.json``: before conversion, right after, after N steps, and the baseline after N steps."""
+    out = Path(out)
+    spec = json.loads((out / "final" / "model.json").read_text())
+    final = json.loads((out / "final" / "metrics.json").read_text())
+    rows = {"before_conversion": spec["before"], "after_conversion": spec["converted"],
+            "after_steps": {k: final[k] for k in ("val_loss", "val_bpb") if k in final}}
+    base = out / "baseline" / "final" / "metrics.json"
+    if base.is_file():
+        b = json.loads(base.read_text())
+        rows["baseline_after_steps"] = {k: b[k] for k in ("val_loss", "val_bpb") if k in b}
+    rows = {k: {m: v[m] for m in ("val_loss", "val_bpb") if m in v} for k, v in rows.items()}
+    res = {"steps": spec["step"], "method": spec["method"], "original_laplacian_heads": spec["original_laplacian_heads"],
+           "laplacian_heads": spec["laplacian_heads"], "select": spec["select"], "metrics": rows}
+    (out / "retrofit.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+    return res
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    from ..engine.config import load_config
+    from ..engine.launch import launch
+    from ..engine.run import add_train_args
+
+    p = argparse.ArgumentParser(prog="lapheads train retrofit", allow_abbrev=False,
+                                description="Switch k heads of a pretrained causal LM to Laplacian heads and continue "
+                                            "training for train.max_steps (full or LoRA), against fine-tuning the "
+                                            "unconverted model for the same steps (OUT/baseline).")
+    add_train_args(p, None)
+    args = p.parse_args(list(argv or []))
+    cfg = load_config(RetrofitConfig, args.config, args.overrides, recipe="retrofit")
+    runs = [(cfg, args.out)]
+    if cfg.baseline:
+        base = copy.deepcopy(cfg)
+        base.laplacian_heads, base.select, base.baseline = KEEP, "trailing", False
+        runs.append((base, str(Path(args.out) / "baseline")))
+    for i, (c, out) in enumerate(runs):
+        # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
+        resume = args.resume and (i == 0 or Path(out).exists())
+        launch("retrofit", c, lambda cc, info, o=out: build_task(cc, info, run_dir=o), out, resume=resume,
+               overwrite=args.overwrite)
+    res = summarize(args.out)
+    print(f"retrofit to laplacian_heads={res['laplacian_heads']!r} ({res['method']}, {res['steps']} steps):")
+    for name, m in res["metrics"].items():
+        print(f"  {name:<22} " + "  ".join(f"{k}={v:.4f}" for k, v in m.items()
+                                           if isinstance(v, float) and math.isfinite(v)))
+    print(f"-> {Path(args.out) / 'retrofit.json'}")
+    return 0
