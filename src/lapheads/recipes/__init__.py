@@ -7,6 +7,7 @@ classify   lapheads.recipes.classify    DeiT-3 supervised ViT classification
 lm         lapheads.recipes.lm          NanoChat-style language-model pretraining
 sft        lapheads.recipes.sft         supervised fine-tuning on chat JSONL
 dino       lapheads.recipes.dino        DINO self-supervised ViT
+retrofit   lapheads.recipes.retrofit    k heads of a pretrained LM switched, then trained
 =========  ===========================  ===============================================
 
 Each module exposes ``train_main(argv)`` (the CLI), ``build_task(cfg, info)`` and
@@ -26,6 +27,7 @@ RECIPES = {
     "lm": "lapheads.recipes.lm",
     "sft": "lapheads.recipes.sft",
     "dino": "lapheads.recipes.dino",
+    "retrofit": "lapheads.recipes.retrofit",
 }
 
 
