@@ -608,6 +608,12 @@ def k_eval_not_a_run(s, tmp):
                 ("not_a_run", "config.yaml"))
 
 
+def k_knn_corrupt_model_json(s, tmp):
+    run = _copy_run(s, tmp)
+    (run / "final" / "model.json").write_text('{"timm_name": "vit_')
+    return Case(["eval", "knn", "--run", str(run), "--data", "digits"], run, ("final/model.json", "not valid JSON"))
+
+
 def k_eval_corrupt_model_json(s, tmp):
     run = _copy_run(s, tmp)
     (run / "final" / "model.json").write_bytes(b"\x00\x13 garbage")
@@ -638,7 +644,7 @@ CASES = {f.__name__: f for f in [
     t_lm_tokenizer_dir_missing_files, t_sft_messages_not_a_list, t_sft_unknown_role, t_sft_chat_not_json,
     k_pickle_payload, k_truncated_safetensors, k_truncated_state, k_latest_points_nowhere,
     k_resume_other_architecture, k_checkpoint_of_other_architecture, k_eval_other_architecture,
-    k_eval_truncated_final, k_eval_not_a_run, k_eval_corrupt_model_json,
+    k_eval_truncated_final, k_eval_not_a_run, k_eval_corrupt_model_json, k_knn_corrupt_model_json,
 ]}
 
 

@@ -76,7 +76,10 @@ def load_backbone(run: Optional[str] = None, model: Optional[str] = None, weight
         spec_path = final / "model.json"
         if not spec_path.is_file():
             raise CheckpointError(f"{spec_path} does not exist; is {run} a finished run directory?")
-        spec = json.loads(spec_path.read_text(encoding="utf-8"))
+        from ..outputs import read_json
+        spec = read_json(spec_path, "the model description of a run")
+        if not isinstance(spec, dict):
+            raise CheckpointError(f"{spec_path} must hold a JSON object; the file is damaged")
         if "timm_name" in spec:  # a DINO run
             kw = dict(spec.get("timm_kwargs", {}))
             bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **kw)
