@@ -92,3 +92,27 @@ def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path,
     model, tok = R.load_model(run)
     mine = run_lm_eval(model, tok, ["lapheads_cli_tiny_mc"], include_path=str(tasks))
     assert mine["results"]["lapheads_cli_tiny_mc"]["acc,none"] == res["results"]["lapheads_cli_tiny_mc"]["acc,none"]
+
+
+def test_eval_lm_bootstrap_iters_is_a_flag_with_lm_evals_default(run, tmp_path, monkeypatch):
+    """``lapheads eval lm`` used to hard-code ``bootstrap_iters=0`` (no standard errors)."""
+    import inspect
+
+    import lm_eval
+
+    from lapheads.lm import evaluate as E
+
+    seen = []
+
+    def fake_simple_evaluate(**kw):
+        seen.append(kw["bootstrap_iters"])
+        return {"results": {"t": {"acc,none": 1.0, "acc_stderr,none": 0.0}}, "n-samples": {}, "versions": {}}
+
+    default = inspect.signature(lm_eval.simple_evaluate).parameters["bootstrap_iters"].default
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake_simple_evaluate)
+    monkeypatch.setattr(E, "lm_eval_task_manager", lambda *a, **k: object())  # no task index needed
+    assert E.LM_EVAL_BOOTSTRAP_ITERS == default
+    out = tmp_path / "e.json"
+    assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "t", "--out", str(out)]) == 0
+    assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "t", "--out", str(out), "--bootstrap-iters", "0"]) == 0
+    assert seen == [default, 0]

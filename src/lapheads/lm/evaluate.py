@@ -42,6 +42,9 @@ from ..errors import ConfigError, DataError
 
 __all__ = ["parse_tasks", "make_lm_eval_model", "run_lm_eval", "main"]
 
+#: lm-eval's own default number of bootstrap resamples (``simple_evaluate(bootstrap_iters=...)``).
+LM_EVAL_BOOTSTRAP_ITERS = 100000
+
 
 def parse_tasks(spec: str) -> dict[str, Optional[str]]:
     """``"arc_easy=PATH,mmlu=PATH,humaneval"`` -> ``{"arc_easy": "PATH", "mmlu": "PATH", "humaneval": None}``.
@@ -208,7 +211,8 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
 
 def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Optional[str] = None,
                 limit: Optional[int] = None, num_fewshot: Optional[int] = None, batch_size: int = 8,
-                allow_network: bool = False, seed: int = 0, task_manager: Any = None) -> dict[str, Any]:
+                allow_network: bool = False, seed: int = 0,
+                bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, task_manager: Any = None) -> dict[str, Any]:
     """Run lm-evaluation-harness tasks on an in-memory model.
 
     Args:
@@ -220,6 +224,8 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
         batch_size: requests per forward pass.
         allow_network: do not force ``datasets`` / the hub offline.
         seed: lm-eval's random seeds.
+        bootstrap_iters: bootstrap resamples for the metrics' standard errors (lm-eval's default
+            100000; 0 = no standard errors).
         task_manager: from :func:`lm_eval_task_manager` (built and checked here when None).
 
     Returns:
@@ -233,7 +239,7 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
 
     lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0,
+                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=bootstrap_iters,
                                   random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                   fewshot_random_seed=seed)
     if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
@@ -272,6 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
     p.add_argument("--lm-eval-limit", type=int, default=None, help="documents per lm-eval task")
     p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--bootstrap-iters", type=int, default=LM_EVAL_BOOTSTRAP_ITERS,
+                   help="lm-eval bootstrap resamples for standard errors (lm-eval's default; 0 = none, faster)")
     p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
     p.add_argument("--confirm-run-unsafe-code", action="store_true",
                    help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
@@ -317,7 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if lm_tasks:
         res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
                           num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                          allow_network=args.allow_network, seed=args.seed, task_manager=tm)
+                          allow_network=args.allow_network, seed=args.seed,
+                          bootstrap_iters=args.bootstrap_iters, task_manager=tm)
         report["lm_eval"] = res
         for task, metrics in res.get("results", {}).items():
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
