@@ -698,3 +698,20 @@ def test_console_exit_code_and_stderr(shared, tmp_path):
     assert r.returncode != 0 and "Traceback (most recent call last)" in r.stderr, r.stderr
     assert "ConfigError: train.schedule='exp' is not allowed" in r.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow  # lm-eval indexes its ~10k built-in task files (10-60 s on 2 cores)
+def test_eval_lm_checks_lm_eval_task_names_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import lapheads.recipes.lm as lm_recipe
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the lm-eval task names were checked")
+    monkeypatch.setattr(lm_recipe, "load_model", no_load)
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(k, "1")
+    (tmp_path / "tasks").mkdir()
+    rc = cli(["eval", "lm", "--run", str(tmp_path / "run"), "--lm-eval", "no_such_task_xyz",
+              "--lm-eval-include", str(tmp_path / "tasks"), "--out", str(tmp_path / "eval.json")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "no_such_task_xyz" in lines[0] and "not found" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]
