@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lapheads.cli import main as cli
 from lapheads.recipes import lm as R
@@ -116,3 +117,27 @@ def test_eval_lm_bootstrap_iters_is_a_flag_with_lm_evals_default(run, tmp_path, 
     assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "t", "--out", str(out)]) == 0
     assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "t", "--out", str(out), "--bootstrap-iters", "0"]) == 0
     assert seen == [default, 0]
+
+
+def test_eval_lm_rolling_loglikelihood_has_one_bos(run):
+    """``lapheads eval lm --lm-eval`` scores a document after exactly one BOS (perplexity tasks)."""
+    from lm_eval.api.instance import Instance
+
+    from lapheads.lm.evaluate import make_lm_eval_model
+
+    model, tok = R.load_model(run)
+    text = "The list type is a mutable sequence. " * 4  # longer than the 64-token context: two windows
+    ids = tok.encode(text, add_special_tokens=False)
+    assert 64 < len(ids) <= 128
+    (got,) = make_lm_eval_model(model, tok).loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    want = 0.0
+    with torch.no_grad():  # window 1: BOS + ids[:63] predicts ids[:64]; window 2: the last 64 inputs predict the rest
+        seq = [tok.bos_token_id] + ids
+        lp = torch.log_softmax(model(torch.tensor([seq[:64]]), use_cache=False).logits[0].float(), -1)
+        want += sum(float(lp[j, seq[j + 1]]) for j in range(64))
+        rest = len(ids) - 64
+        ctx = seq[len(seq) - 1 - 64:len(seq) - 1]
+        lp = torch.log_softmax(model(torch.tensor([ctx]), use_cache=False).logits[0].float(), -1)
+        want += sum(float(lp[j, seq[len(seq) - 64 + j]]) for j in range(64 - rest, 64))
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-5)
