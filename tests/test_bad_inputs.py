@@ -344,6 +344,23 @@ def o_eval_lm_task_file_is_dir(s, tmp):
                 ("arc_dir", "is a directory"))
 
 
+def a_sample_temperature_nan(s, tmp):
+    # flags are checked while the command line is parsed: the run named here does not even exist
+    return Case(["sample", "--run", str(tmp / "no_run"), "--prompt", "x", "--temperature", "nan"], tmp,
+                ("--temperature", "'nan'", "finite"))
+
+
+def a_eval_lm_seed_beyond_64_bits(s, tmp):
+    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", "humaneval", "--seed", str(2**64)], tmp,
+                ("--seed", "18446744073709551616", "64 bits"))
+
+
+def a_tokenize_val_fraction_out_of_range(s, tmp):
+    f = _write(tmp / "a.txt", "some text " * 50)
+    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_out(tmp)),
+                 "--val-fraction", "1.5"], tmp, ("--val-fraction", "1.5", "[0, 1)"))
+
+
 def o_analyze_out_is_file(s, tmp):
     return Case(["analyze", "--run", str(s["run"]), "--out", str(_afile(tmp))], tmp, ("--out", "afile", "existing file"))
 
@@ -635,6 +652,7 @@ CASES = {f.__name__: f for f in [
     o_report_out_under_file, o_tokenize_out_is_file, o_tokenizer_train_out_under_file, o_eval_classify_out_is_dir,
     o_eval_lm_out_is_dir_before_loading, o_eval_lm_include_missing_before_loading, o_eval_lm_task_file_is_dir,
     o_analyze_out_is_file, o_pca_maps_out_is_dir,
+    a_sample_temperature_nan, a_eval_lm_seed_beyond_64_bits, a_tokenize_val_fraction_out_of_range,
     f_tokenize_empty_corpus_leaves_no_folder, f_report_corrupt_model_json_leaves_no_figures,
     f_report_into_existing_dir_adds_nothing,
     d_truncated_cifar, d_corrupt_cifar, d_idx_wrong_magic, d_empty_imagefolder, d_undecodable_image,

@@ -158,6 +158,23 @@ def test_model_extra_that_timm_refuses_is_a_config_error():
         build_model(m, 10)
 
 
+def test_number_arg_applies_the_config_rules_to_flags():
+    import argparse
+    from lapheads.engine.config import number_arg
+    p = argparse.ArgumentParser(exit_on_error=False)
+    p.add_argument("--temperature", type=number_arg(float, ge=0.0))
+    p.add_argument("--seed", type=number_arg(int))
+    assert vars(p.parse_args(["--temperature", "0.7", "--seed", "-3"])) == {"temperature": 0.7, "seed": -3}
+    for argv, message in [(["--temperature", "nan"], "'nan' is not a finite number"),
+                          (["--temperature=-inf"], "'-inf' is not a finite number"),
+                          (["--temperature=-0.5"], "-0.5 must be >= 0"),
+                          (["--temperature", "warm"], "'warm' is not a number"),
+                          (["--seed", str(2**63)], "9223372036854775808 does not fit in 64 bits"),
+                          (["--seed", "1.5"], "'1.5' is not an integer")]:
+        with pytest.raises(argparse.ArgumentError, match=message):
+            p.parse_args(argv)
+
+
 # ----------------------------------------------------------------------------- output paths
 def test_check_out_dir(tmp_path):
     assert check_out_dir(tmp_path / "new" / "deeper") == tmp_path / "new" / "deeper"

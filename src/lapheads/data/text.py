@@ -551,6 +551,8 @@ class TokenShards:
 # --------------------------------------------------------------------------- CLI
 def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads data tokenize``: text/JSONL/parquet (or the embedded corpus) -> token shards."""
+    from ..engine.config import number_arg
+
     ap = argparse.ArgumentParser(
         prog="lapheads data tokenize",
         description="Tokenize a corpus into BOS-prefixed uint16/uint32 token shards with a validation split "
@@ -563,10 +565,10 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     src.add_argument("--embedded", action="store_true", help="the corpus that ships with Python (pydoc_data.topics)")
     ap.add_argument("--tokenizer", required=True, help="directory written by `lapheads tokenizer train`")
     ap.add_argument("--out", required=True, help="output directory for the shards and index.json")
-    ap.add_argument("--val-fraction", type=float, default=0.05,
+    ap.add_argument("--val-fraction", type=number_arg(float, ge=0.0, lt=1.0), default=0.05,
                     help="fraction of documents held out for validation (default 0.05; the first document is "
                          "always validation when > 0)")
-    ap.add_argument("--shard-tokens", type=int, default=2**24,
+    ap.add_argument("--shard-tokens", type=number_arg(int, ge=1), default=2**24,
                     help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less "
                          "lost work")
     ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")

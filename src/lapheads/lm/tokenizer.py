@@ -306,6 +306,8 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt:
 # --------------------------------------------------------------------------- CLI
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads tokenizer train``: train a byte-level BPE tokenizer and save it."""
+    from ..engine.config import number_arg
+
     ap = argparse.ArgumentParser(
         prog="lapheads tokenizer train",
         description="Train a byte-level BPE tokenizer (nanochat's special tokens + <|pad|>) and save it as a "
@@ -316,12 +318,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           "parquet (.parquet, FineWeb-Edu layout) files")
     src.add_argument("--embedded", action="store_true",
                      help="train on the corpus that ships with Python (pydoc_data.topics, ~0.5M characters)")
-    ap.add_argument("--vocab-size", type=int, required=True,
+    ap.add_argument("--vocab-size", type=number_arg(int, ge=1), required=True,
                     help=f"total vocabulary (>= {_MIN_VOCAB}); nanochat uses 65536, the embedded corpus supports "
                          "~1000-4000 before merges become rare")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
-    ap.add_argument("--max-chars", type=int, default=None,
+    ap.add_argument("--max-chars", type=number_arg(int, ge=1), default=None,
                     help="stop reading after this many characters (nanochat trains on ~2B); default: all")
     args = ap.parse_args(list(argv) if argv is not None else None)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import Task, TrainConfig
-from ..engine.config import bounded
+from ..engine.config import bounded, number_arg
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
 from ..errors import ConfigError
@@ -307,7 +307,7 @@ def eval_main(argv=None) -> int:
     p.add_argument("--checkpoint", required=True, help="run directory of `lapheads train classify`")
     p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
     p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
     args = p.parse_args(argv)
     from ..data.images import build_image_dataset
