@@ -15,6 +15,7 @@ Design choices:
   with :func:`bounded` refuses values outside its range, all when the config is parsed. No field
   uses infinity as a setting (``0`` is the "off" value, e.g. ``train.clip_grad``), so none opts out
   of the finiteness check; :func:`bounded` has ``allow_inf`` for one that someday would.
+  Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
 * The resolved config is written next to every run (``config.yaml``); loading it again gives the
   same dataclass, which is how runs are rebuilt for evaluation and resume.
 """
