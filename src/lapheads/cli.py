@@ -117,6 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     saved_term = _sigterm_as_interrupt()
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
+        if key[0] != "train":  # training commands choose threads from their config (train.threads)
+            from .engine.threads import configure_threads
+            configure_threads()
         rc = fn(rest)
         return int(rc or 0)
     except LapheadsError as e:

@@ -81,6 +81,7 @@ class TrainConfig:
     inject_nan_at_step: int = bounded(-1, ge=-1)  # fault injection for tests: make the loss NaN at this step
     device: str = "auto"
     num_workers: int = bounded(0, ge=0)
+    threads: int = bounded(0, ge=0)  # CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy (engine/threads.py)
     progress: bool = True
     find_unused_parameters: bool = False
 
