@@ -29,6 +29,7 @@ from . import dist as D
 from .checkpoint import latest_checkpoint
 from .config import load_config
 from .run import RunDir, add_train_args
+from .threads import configure_threads
 from .trainer import RunInterrupted, Task, Trainer, seed_everything
 
 
@@ -47,6 +48,9 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
            resume: bool = False, overwrite: bool = False) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``."""
     info = D.init_distributed(cfg.train.device)
+    threads, why = configure_threads(cfg.train.threads)  # before any tensor work (engine/threads.py)
+    if info.is_main and cfg.train.progress:
+        print(f"CPU threads: {threads} ({why})", flush=True)
     run = RunDir(out)
     started = False
     try:
