@@ -158,3 +158,29 @@ print("LAPHEADS", any(m.split(".")[0] == "lapheads" for m in sys.modules))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "LAPHEADS False" in r.stdout
     assert "RAISED" in r.stdout and "import lapheads.transformers" in r.stdout, r.stdout[-2000:]
+
+
+def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypatch):
+    """eval.json goes into the run directory: a run held by another writer is refused in one line,
+    before the model is loaded; once the holder is gone the evaluation writes its result."""
+    import subprocess
+    import sys
+    arc = tmp_path / "arc.jsonl"
+    arc.write_text(json.dumps({"id": "q0", "question": "Which is fire?", "answerKey": "A",
+                               "choices": {"text": ["fire", "stone"], "label": ["A", "B"]}}) + "\n")
+    code = ("import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(R, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+        assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc}"]) == 2
+        assert f"PID {holder.pid}" in capsys.readouterr().err
+        assert not (run / "eval.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.undo()
+    assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc}", "--max-new-tokens", "4"]) == 0
+    assert json.loads((run / "eval.json").read_text())["chat"]["arc_easy"]["total"] == 1

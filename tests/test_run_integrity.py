@@ -218,3 +218,27 @@ def test_sigterm_under_torchrun_prints_one_line_and_resumes(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert train_steps(run) == list(range(1, steps + 1))
+
+
+def test_eval_classify_into_a_run_takes_its_writer_lock(tmp_path, capsys):
+    """eval classify writes RUN/final/eval.json: refused in one line while another process holds the
+    run, written once it is free."""
+    import subprocess
+    from lapheads.cli import main as cli
+    run = tmp_path / "run"
+    assert cli(classify_argv(run, "--set", "train.max_steps=2")) == 0
+    code = ("import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
+            "print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=subprocess_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert cli(["eval", "classify", "--checkpoint", str(run)]) == 2
+        assert f"PID {holder.pid}" in capsys.readouterr().err
+        assert not (run / "final" / "eval.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert cli(["eval", "classify", "--checkpoint", str(run)]) == 0
+    assert (run / "final" / "eval.json").is_file()

@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..engine.checkpoint import atomic_write_text
 from ..engine.config import number_arg
 from ..errors import ConfigError, DataError
 
@@ -310,7 +311,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 from .sandbox import require_sandbox
                 require_sandbox(args.confirm_run_unsafe_code)  # generated code needs the sandbox
     tm = lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
+    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
+    from ..engine.run import lock_enclosing_run
+    # eval.json goes into a run directory: one writer at a time, checked before the model loads
+    with lock_enclosing_run(out):
+        report = _evaluate(args, chat_tasks, lm_tasks, tm)
+        atomic_write_text(out, json.dumps(report, indent=1, default=str))
+    print(f"-> {out}")
+    return 0
 
+
+def _evaluate(args: argparse.Namespace, chat_tasks: dict, lm_tasks: list, tm: Any) -> dict[str, Any]:
+    """Load the run's model and run the chat tasks and lm-eval tasks; returns the report."""
     from ..recipes.lm import load_model
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -335,7 +347,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for task, metrics in res.get("results", {}).items():
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
             print(f"lm-eval {task}: {shown}")
-    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
-    out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-    print(f"-> {out}")
-    return 0
+    return report

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine import Task, TrainConfig
+from ..engine.checkpoint import atomic_write_text
 from ..engine.config import bounded, number_arg
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
@@ -310,14 +311,21 @@ def eval_main(argv=None) -> int:
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
     p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
     args = p.parse_args(argv)
-    from ..data.images import build_image_dataset
-    from ..data.transforms import build_transforms
-    from ..engine.config import from_dict
-    from ..engine.run import RunDir
+    from ..engine.run import RunDir, lock_enclosing_run
     from ..outputs import check_out_file
     if args.out:
         check_out_file(args.out)
     run = RunDir(args.checkpoint)
+    out = Path(args.out) if args.out else run.final_dir / "eval.json"
+    with lock_enclosing_run(out):  # the result goes into a run directory: one writer at a time
+        return _eval_run(args, run, out)
+
+
+def _eval_run(args: argparse.Namespace, run: Any, out: Path) -> int:
+    """Body of ``lapheads eval classify`` (under the run's writer lock)."""
+    from ..data.images import build_image_dataset
+    from ..data.transforms import build_transforms
+    from ..engine.config import from_dict
     raw = run.read_config()
     raw.pop("recipe")
     cfg = from_dict(ClassifyConfig, raw)
@@ -330,8 +338,7 @@ def eval_main(argv=None) -> int:
     tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std,
                           in_chans=int(cfg.model.extra.get("in_chans", 3)))
     res = evaluate_classifier(model, ds, tf, n_cls, args.batch_size, torch.device("cpu"))
-    out = Path(args.out) if args.out else run.final_dir / "eval.json"
-    out.write_text(json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
+    atomic_write_text(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
     print(f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
           f"loss={res['loss']:.4f} (n={res['n']}) -> {out}")
     return 0
