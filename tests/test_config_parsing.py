@@ -151,6 +151,17 @@ def test_recipe_fields_from_the_issue_are_refused():
             load_config(ClassifyConfig, overrides=[override])
 
 
+def test_language_model_fields_are_refused_at_parse_time():
+    from lapheads.recipes.lm import LMConfig
+    for override, message in [("optim.matrix_lr=-1", r"optim\.matrix_lr=-1\.0 must be >= 0"),
+                              ("optim.adam_betas=[0.8, 1.5]", r"optim\.adam_betas\[1\]=1\.5 must be in \[0, 1\)"),
+                              ("optim.adam_eps=0", r"optim\.adam_eps=0\.0 must be > 0"),
+                              ("model.depth=0", r"model\.depth=0 must be >= 1"),
+                              ("model.softcap=-3", r"model\.softcap=-3\.0 must be >= 0")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(LMConfig, overrides=[override])
+
+
 def test_model_extra_that_timm_refuses_is_a_config_error():
     from lapheads.recipes.classify import ModelConfig, build_model
     m = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, extra={"foo": {"bar": 1}})

@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..engine.config import bounded
 from ..errors import ConfigError
 
 __all__ = [
@@ -75,32 +76,32 @@ __all__ = [
 class LMModelConfig:
     """Shape of a NanoChat model (the ``model:`` section of ``recipes/lm/*.yaml``)."""
 
-    depth: int = 20  # number of transformer blocks (nanochat's single knob)
+    depth: int = bounded(20, ge=1)  # number of transformer blocks (nanochat's single knob)
     width: Optional[int] = None  # default 64 * depth
     n_heads: Optional[int] = None  # default max(1, ceil(width / 128))
     n_kv_heads: Optional[int] = None  # default n_heads (nanochat uses no GQA)
     head_dim: Optional[int] = None  # default width // n_heads
-    mlp_ratio: int = 4
-    rope_theta: float = 10000.0
-    softcap: float = 15.0
+    mlp_ratio: int = bounded(4, ge=1)
+    rope_theta: float = bounded(10000.0, gt=0.0)
+    softcap: float = bounded(15.0, ge=0.0)  # 0 = no logit soft-cap
     laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
-    vocab_size: int = 0  # 0 = the tokenizer's vocabulary size; otherwise it must match it
+    vocab_size: int = bounded(0, ge=0)  # 0 = the tokenizer's vocabulary size; otherwise it must match it
 
 
 @dataclass
 class LMOptimConfig:
     """nanochat's optimizer settings (the ``optim:`` section)."""
 
-    matrix_lr: float = 0.02  # Muon, hidden matrices of the blocks
-    embedding_lr: float = 0.2  # AdamW, token embedding (times (width/768)^-0.5)
-    unembedding_lr: float = 0.004  # AdamW, lm_head (times (width/768)^-0.5)
-    weight_decay: float = 0.0  # AdamW and Muon
-    adam_betas: tuple[float, float] = (0.8, 0.95)
-    adam_eps: float = 1e-10
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85  # nanochat warms Muon's momentum up ...
-    muon_momentum_warmup: int = 300  # ... over this many optimizer steps; 0 = constant
-    lr_scale_width: int = 768  # AdamW lrs were tuned at this width
+    matrix_lr: float = bounded(0.02, ge=0.0)  # Muon, hidden matrices of the blocks
+    embedding_lr: float = bounded(0.2, ge=0.0)  # AdamW, token embedding (times (width/768)^-0.5)
+    unembedding_lr: float = bounded(0.004, ge=0.0)  # AdamW, lm_head (times (width/768)^-0.5)
+    weight_decay: float = bounded(0.0, ge=0.0)  # AdamW and Muon
+    adam_betas: tuple[float, float] = bounded((0.8, 0.95), ge=0.0, lt=1.0)
+    adam_eps: float = bounded(1e-10, gt=0.0)
+    muon_momentum: float = bounded(0.95, ge=0.0, lt=1.0)
+    muon_momentum_start: float = bounded(0.85, ge=0.0, lt=1.0)  # nanochat warms Muon's momentum up ...
+    muon_momentum_warmup: int = bounded(300, ge=0)  # ... over this many optimizer steps; 0 = constant
+    lr_scale_width: int = bounded(768, ge=1)  # AdamW lrs were tuned at this width
 
 
 def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
