@@ -1,0 +1,226 @@
+"""Statistics behind the report's verdicts: Welch's t-test over seeds, a power calculation, and
+a plateau flag for validation curves.
+
+Design choices:
+
+* A comparison is one setting against the baseline, one number per seed (a run). The difference
+  is ``mean(other) - mean(baseline)``; its 95% confidence interval is Welch's: ``diff +- t_{0.975,
+  df} * se`` with ``se = sqrt(s0^2/n0 + s1^2/n1)`` and the Welch-Satterthwaite ``df``. The
+  t statistic and the two-sided p-value are :func:`scipy.stats.ttest_ind` with ``equal_var=False``
+  (the same numbers; the CI is computed here from the same ``se``/``df``).
+* Verdicts: ``"observed"`` (p < alpha and the difference in the claimed direction),
+  ``"opposite"`` (p < alpha, the other direction), ``"not resolved"`` (p >= alpha), or
+  ``"single run"`` when either setting has fewer than two seeds (no spread, so no test). When both
+  settings have zero spread the test degenerates: equal means are "not resolved" (p = 1), different
+  means are a difference with no noise (t = +-inf, p = 0).
+* Seeds needed (:func:`seeds_needed`): the smallest number of seeds per setting for which a
+  two-sided two-sample t-test at ``alpha`` (0.05) has power ``power`` (0.8) against the observed
+  effect, taking the standardised effect ``d = |diff| / s_pooled`` with
+  ``s_pooled = sqrt((s0^2 + s1^2) / 2)``. Power of the equal-n test with n seeds per setting:
+  ``P(|T| > t_{1-alpha/2, 2n-2})`` with ``T`` noncentral t, ``df = 2n - 2``, noncentrality
+  ``d * sqrt(n / 2)`` (Cohen's classic table: d = 0.5 needs 64, d = 0.8 needs 26). The observed
+  effect is itself noisy, so this is a planning figure, not a promise.
+* Plateau (:func:`plateau`): over the eval points whose step lies in the last ``window`` fraction
+  of training (at least the last two points), the relative change ``|v_end - v_start| /
+  |v_start|`` of the validation metric; below ``tol`` the run counts as plateaued. Fewer than three
+  eval points (a run evaluated only at the end) is "unknown".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+ALPHA = 0.05
+POWER = 0.8
+MAX_SEEDS = 10_000  # seeds_needed() gives up beyond this (reported as "more than ...")
+
+__all__ = ["ALPHA", "POWER", "Comparison", "compare", "welch", "seeds_needed", "Plateau", "plateau"]
+
+
+def _finite(xs: Sequence[Optional[float]]) -> np.ndarray:
+    return np.asarray([float(x) for x in xs if x is not None and math.isfinite(float(x))], dtype=float)
+
+
+def welch(baseline: Sequence[float], other: Sequence[float], confidence: float = 0.95) -> dict[str, float]:
+    """Welch's two-sample t-test of ``other - baseline``.
+
+    Returns ``{"diff", "ci_low", "ci_high", "t", "df", "p", "se"}``. Both samples need at least two
+    values. With zero spread in both, ``se = 0``: equal means give ``t = 0, p = 1`` and a zero-width
+    CI, different means ``t = +-inf, p = 0``.
+    """
+    from scipy import stats
+
+    a, b = _finite(baseline), _finite(other)
+    if a.size < 2 or b.size < 2:
+        raise ValueError(f"Welch's test needs >= 2 values per group, got {a.size} and {b.size}")
+    diff = float(b.mean() - a.mean())
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    se = float(math.sqrt(va + vb))
+    if se == 0.0:
+        if diff == 0.0:
+            return {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0, "t": 0.0, "df": float(a.size + b.size - 2),
+                    "p": 1.0, "se": 0.0}
+        return {"diff": diff, "ci_low": diff, "ci_high": diff, "t": math.copysign(math.inf, diff),
+                "df": float(a.size + b.size - 2), "p": 0.0, "se": 0.0}
+    df = float((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)))
+    res = stats.ttest_ind(b, a, equal_var=False)
+    half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
+    return {"diff": diff, "ci_low": diff - half, "ci_high": diff + half, "t": float(res.statistic), "df": df,
+            "p": float(res.pvalue), "se": se}
+
+
+def _power(n: int, d: float, alpha: float) -> float:
+    from scipy import stats
+
+    df = 2 * n - 2
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    nc = d * math.sqrt(n / 2)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+
+
+def seeds_needed(d: float, alpha: float = ALPHA, power: float = POWER, max_n: int = MAX_SEEDS) -> Optional[int]:
+    """Seeds per setting for a two-sided two-sample t-test to detect standardised effect ``d``.
+
+    ``None`` when ``d`` is 0 / not finite or more than ``max_n`` seeds would be needed.
+    """
+    d = abs(float(d))
+    if not math.isfinite(d) or d == 0.0:
+        return None
+    from scipy import stats
+
+    # normal approximation as the starting point, then the exact noncentral-t power upward/downward
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    n = max(2, int(math.ceil(2 * (z / d) ** 2)))
+    if n > max_n:
+        return None
+    while n > 2 and _power(n - 1, d, alpha) >= power:
+        n -= 1
+    while _power(n, d, alpha) < power:
+        n += 1
+        if n > max_n:
+            return None
+    return n
+
+
+@dataclass
+class Comparison:
+    """One setting against the baseline on one quantity (see the module docstring)."""
+
+    baseline: str
+    other: str
+    n_baseline: int
+    n_other: int
+    mean_baseline: float
+    mean_other: float
+    std_baseline: float
+    std_other: float
+    diff: float
+    verdict: str  # "observed" | "opposite" | "not resolved" | "single run" | "no data"
+    ci_low: Optional[float] = None
+    ci_high: Optional[float] = None
+    t: Optional[float] = None
+    df: Optional[float] = None
+    p: Optional[float] = None
+    effect_size: Optional[float] = None  # |diff| / pooled std
+    seeds_needed: Optional[int] = None  # per setting, for a "not resolved" difference
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (strict JSON has no inf/nan: those become None)."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+    def describe(self, digits: int = 3) -> str:
+        """One sentence: the difference, its CI, the test, the seeds and the verdict."""
+        def f(x: float) -> str:
+            return f"{x:+.{digits}g}"
+        n = f"n = {self.n_other} vs {self.n_baseline} seeds"
+        head = f"{self.other} vs {self.baseline}: difference {f(self.diff)}"
+        if self.verdict == "no data":
+            return f"{self.other} vs {self.baseline}: no data"
+        if self.verdict == "single run":
+            return f"{head} ({n}): single run, no test (a test needs >= 2 seeds per setting)"
+        assert self.p is not None and self.t is not None and self.df is not None
+        t = "inf" if math.isinf(self.t) else f"{self.t:.2f}"
+        text = (f"{head} [95% CI {f(self.ci_low)}, {f(self.ci_high)}], Welch t = {t} (df {self.df:.1f}), "
+                f"p = {self.p:.3g}, {n}: {self.verdict}")
+        if self.verdict == "not resolved":
+            if self.seeds_needed is not None:
+                text += (f" (about {self.seeds_needed} seeds per setting would resolve a difference this size "
+                         f"with power {POWER:g} at p < {ALPHA:g})")
+            elif self.diff == 0.0:
+                text += " (no difference)"
+            else:
+                text += f" (more than {MAX_SEEDS} seeds per setting would be needed)"
+        return text
+
+
+def compare(baseline_label: str, baseline: Sequence[Optional[float]], other_label: str,
+            other: Sequence[Optional[float]], want_lower: bool, alpha: float = ALPHA) -> Comparison:
+    """Compare per-seed values of ``other`` with ``baseline``; ``want_lower``: the claim predicts a
+    lower value for ``other``."""
+    a, b = _finite(baseline), _finite(other)
+    m0 = float(a.mean()) if a.size else math.nan
+    m1 = float(b.mean()) if b.size else math.nan
+    s0 = float(a.std(ddof=1)) if a.size > 1 else 0.0
+    s1 = float(b.std(ddof=1)) if b.size > 1 else 0.0
+    c = Comparison(baseline_label, other_label, int(a.size), int(b.size), m0, m1, s0, s1, m1 - m0, "no data")
+    if a.size == 0 or b.size == 0:
+        return c
+    if a.size < 2 or b.size < 2:
+        c.verdict = "single run"
+        return c
+    w = welch(a, b)
+    c.ci_low, c.ci_high, c.t, c.df, c.p = w["ci_low"], w["ci_high"], w["t"], w["df"], w["p"]
+    pooled = math.sqrt((s0 ** 2 + s1 ** 2) / 2)
+    c.effect_size = abs(c.diff) / pooled if pooled > 0 else (math.inf if c.diff else 0.0)
+    if c.p < alpha:
+        good = c.diff < 0 if want_lower else c.diff > 0
+        c.verdict = "observed" if good else "opposite"
+    else:
+        c.verdict = "not resolved"
+        c.seeds_needed = seeds_needed(c.effect_size, alpha) if math.isfinite(c.effect_size) else None
+    return c
+
+
+@dataclass
+class Plateau:
+    """Whether a validation curve had flattened at the end of training."""
+
+    status: str  # "yes" | "no" | "unknown"
+    rel_change: Optional[float]  # |v_end - v_start| / |v_start| over the window
+    points: int  # eval points in the curve
+    window_start: Optional[int] = None  # step where the window starts
+
+    def describe(self) -> str:
+        if self.status == "unknown":
+            return f"unknown ({self.points} eval point{'s' if self.points != 1 else ''}; needs >= 3)"
+        return f"{self.status} ({100 * self.rel_change:.2g}% change since step {self.window_start})"
+
+
+def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, tol: float = 0.01) -> Plateau:
+    """Plateau flag of one validation curve (see the module docstring).
+
+    Args:
+        steps: the eval steps (any order; sorted here).
+        values: the validation metric at those steps (non-finite values are dropped).
+        window: fraction of training (by step) at the end over which the change is measured.
+        tol: largest relative change that still counts as a plateau.
+    """
+    if not 0.0 < window <= 1.0:
+        raise ValueError(f"window={window} must be in (0, 1]")
+    if tol < 0:
+        raise ValueError(f"tol={tol} must be >= 0")
+    pts = sorted((int(s), float(v)) for s, v in zip(steps, values) if v is not None and math.isfinite(float(v)))
+    if len(pts) < 3:
+        return Plateau("unknown", None, len(pts))
+    last = pts[-1][0]
+    start = last * (1.0 - window)  # training starts at step 0
+    inside = [i for i, (s, _) in enumerate(pts) if s >= start]
+    i0 = min(inside[0], len(pts) - 2)  # at least two points in the window
+    s0, v0 = pts[i0]
+    v1 = pts[-1][1]
+    rel = abs(v1 - v0) / abs(v0) if v0 != 0 else (0.0 if v1 == v0 else math.inf)
+    return Plateau("yes" if rel < tol else "no", rel, len(pts), s0)
