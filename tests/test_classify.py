@@ -163,3 +163,33 @@ def test_bad_inputs_fail_before_training(tmp_path, capsys):
     _expect_error(capsys, out, base + ["--set", "model.laplacian_heads=3"], "laplacian_heads=3", "2 heads")
     _expect_error(capsys, out, base + ["--set", "model.name=vit_nonexistent_patch4"], "vit_nonexistent_patch4")
     _expect_error(capsys, out, base + ["--set", "optim.lr_schedule=cosine"], "optim.lr_schedule")
+
+
+def test_greyscale_model_on_a_fraction_of_digits(tmp_path, capsys):
+    """model.in_chans: 1 with one-value mean/std trains, evaluates and analyses; data.fraction subsets."""
+    out = tmp_path / "grey"
+    grey = ["--set", "model.in_chans=1", "--set", "data.mean=[0.5]", "--set", "data.std=[0.5]",
+            "--set", "data.fraction=0.25", "--set", "train.max_steps=2", "--set", "model.laplacian_heads=1"]
+    assert _train(out, "digits", *grey) == 0
+    from lapheads.engine.checkpoint import load_tensors
+    w = load_tensors(out / "final" / "model.safetensors")
+    assert w["patch_embed.proj.weight"].shape[1] == 1  # the model reads one channel
+    from lapheads.recipes.classify import ClassifyConfig, ClassifyTask
+    from lapheads.engine.config import load_config
+    from lapheads.engine.dist import DistInfo
+    cfg = load_config(ClassifyConfig, out / "config.yaml")
+    task = ClassifyTask(cfg, DistInfo())
+    assert len(task.train_set) == round(0.25 * 1438) and len(task.val_set) == 359  # val stays whole
+    assert np.all(np.bincount(task.train_set.targets, minlength=10) >= 30)  # stratified: every class kept
+    assert cli(["eval", "classify", "--checkpoint", str(out)]) == 0
+    from lapheads.geometry.runs import analyze_run
+    res = analyze_run(out, max_items=16, batch_size=8, plots=False, spectra=False, nc4=False)
+    assert res["meta"]["recipe"] == "classify"
+    # a 3-value mean for a greyscale model is refused, naming the fields
+    bad = tmp_path / "bad"
+    capsys.readouterr()
+    assert cli(["train", "classify", "--config", DIGITS, "--out", str(bad), *TINY, "--set", "model.in_chans=1"]) == 2
+    err = capsys.readouterr().err
+    assert "data.mean" in err and "model.in_chans=1" in err and not bad.exists()
+    assert cli(["train", "classify", "--config", DIGITS, "--out", str(bad), *TINY, "--set", "model.in_chans=2"]) == 2
+    assert "model.in_chans=2" in capsys.readouterr().err

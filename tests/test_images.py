@@ -371,3 +371,44 @@ def test_dataset_with_transform_batches_through_a_dataloader(cifar10):
     ds2 = pickle.loads(pickle.dumps(ds))  # DataLoader workers receive a pickled copy
     x, y = next(iter(torch.utils.data.DataLoader(ds2, batch_size=8, shuffle=False)))
     assert x.shape == (8, 3, 16, 16) and y.tolist() == cifar10["y"][:8].tolist()
+
+
+# ------------------------------------------------------------------ subsets (data.fraction / data.max_items)
+def test_subset_is_stratified_exact_seeded_and_nested():
+    from lapheads.data.images import SubsetImageDataset, subset, subset_indices
+    y = np.repeat(np.arange(4), [40, 20, 20, 10])  # uneven classes, N = 90
+    for frac in (0.1, 0.25, 0.5, 0.9):
+        keep = subset_indices(y, frac, seed=3)
+        assert len(keep) == round(frac * 90) and len(set(keep.tolist())) == len(keep)
+        counts = np.bincount(y[keep], minlength=4)
+        assert np.all(np.abs(counts - frac * np.array([40, 20, 20, 10])) <= 1), (frac, counts)
+    np.testing.assert_array_equal(subset_indices(y, 0.3, seed=3), subset_indices(y, 0.3, seed=3))
+    assert not np.array_equal(subset_indices(y, 0.3, seed=3), subset_indices(y, 0.3, seed=4))
+    small, big = set(subset_indices(y, 0.2, seed=1).tolist()), set(subset_indices(y, 0.6, seed=1).tolist())
+    assert small < big  # nested: more data adds items, it does not redraw them
+    assert len(subset_indices(y, 1.0, max_items=7)) == 7
+    assert len(subset_indices(y, 0.5, max_items=100)) == 45
+    np.testing.assert_array_equal(subset_indices(y, 1.0), np.arange(90))
+    full = DigitsDataset("train")
+    part = subset(full, 0.25, seed=0)
+    assert isinstance(part, SubsetImageDataset) and len(part) == round(0.25 * len(full))
+    assert part.classes == full.classes and part.channels == 1
+    img, label = part[5]
+    j = int(part.indices[5])
+    assert label == full.targets[j] and np.array_equal(np.asarray(img), full.images[j])
+    assert subset(full, 1.0) is full
+    with pytest.raises(ConfigError, match=r"data\.fraction=0"):
+        subset_indices(y, 0)
+    with pytest.raises(ConfigError, match=r"data\.max_items=-1"):
+        subset_indices(y, 1.0, max_items=-1)
+
+
+def test_greyscale_transforms_give_one_channel_for_digits_and_idx(tmp_path):
+    write_idx(tmp_path / "train-images-idx3-ubyte", rand_images(6, shape=(28, 28)))
+    write_idx(tmp_path / "train-labels-idx1-ubyte", np.arange(6, dtype=np.uint8))
+    mnist = build_image_dataset(str(tmp_path), "train")
+    for ds in (DigitsDataset("val"), mnist):
+        assert ds.channels == 1
+        for train in (True, False):
+            x = build_transforms(16, train, mean=[0.5], std=[0.5], in_chans=1)(ds[0][0])
+            assert x.shape == (1, 16, 16) and torch.isfinite(x).all()

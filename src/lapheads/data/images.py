@@ -31,6 +31,11 @@ Design choices:
   numpy arrays the official files contain, so a malicious "CIFAR" file cannot run code.
 * Array-backed sets (CIFAR, idx, digits) hold uint8 arrays in memory (CIFAR-100 train is 150 MB)
   and pickle cheaply to DataLoader workers; folders hold only the file list.
+* Subsets for data-size scaling (:func:`subset_indices`, :class:`SubsetImageDataset`): a
+  ``fraction`` and/or ``max_items`` of a labelled set, stratified (every class keeps the same
+  share, the per-class counts rounded so that the total is exact), deterministic
+  given a seed, and nested: with one seed, a smaller subset is contained in every larger one, so
+  a data-size sweep adds data rather than redrawing it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ from ..errors import ConfigError, DataError
 __all__ = [
     "ImageDataset",
     "ArrayImageDataset",
+    "SubsetImageDataset",
+    "subset_indices",
+    "subset",
     "CIFARDataset",
     "ImageFolderDataset",
     "IdxDataset",
@@ -171,6 +179,76 @@ class ArrayImageDataset(ImageDataset):
 
     def load_image(self, index: int) -> Image.Image:
         return Image.fromarray(self.images[index], mode=None)
+
+
+# ============================================================================ subsets
+def subset_indices(targets: Sequence[int], fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> np.ndarray:
+    """Sorted indices of a stratified, seeded subset of a labelled data set.
+
+    The subset holds ``n = round(fraction * N)`` items, at most ``max_items`` (0 = no cap) and at
+    least one. Class ``c`` with ``N_c`` items gets about ``n * N_c / N`` of them (Sainte-Lague
+    rounding, so the counts add up to ``n``); its items are the first of a seeded permutation of
+    the class, and a larger ``n`` of the same seed only adds items (nested subsets).
+
+    Raises:
+        ConfigError: ``fraction`` outside (0, 1] or a negative ``max_items``.
+    """
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"data.fraction={fraction!r} must be a number in (0, 1]")
+    if not isinstance(max_items, int) or isinstance(max_items, bool) or max_items < 0:
+        raise ConfigError(f"data.max_items={max_items!r} must be an integer >= 0 (0 = no cap)")
+    y = np.asarray(targets, dtype=np.int64).reshape(-1)
+    total = len(y)
+    n = int(round(fraction * total))
+    if max_items:
+        n = min(n, max_items)
+    n = min(max(n, 1), total)
+    if n == total:
+        return np.arange(total, dtype=np.int64)
+    # Item of rank r (in a seeded permutation) of a class of N_c items has priority (r + 0.5) / N_c;
+    # taking the n smallest priorities is Sainte-Lague apportionment: class shares ~ n N_c / N,
+    # exact total, and a larger n only adds items (nested subsets).
+    rng = np.random.default_rng(seed)
+    idx_all, prio_all, cls_all = [], [], []
+    for c in np.unique(y):
+        idx = np.flatnonzero(y == c)
+        idx_all.append(idx[rng.permutation(len(idx))])
+        prio_all.append((np.arange(len(idx)) + 0.5) / len(idx))
+        cls_all.append(np.full(len(idx), c))
+    idx_cat, prio, cls = np.concatenate(idx_all), np.concatenate(prio_all), np.concatenate(cls_all)
+    keep = idx_cat[np.lexsort((cls, prio))[:n]]
+    return np.sort(keep)
+
+
+class SubsetImageDataset(ImageDataset):
+    """The items ``indices`` of another :class:`ImageDataset`, with its class metadata.
+
+    Args:
+        base: the full data set (its ``transform`` is not used; set one on the subset).
+        indices: positions in ``base``.
+        transform: optional transform of the PIL image.
+    """
+
+    def __init__(self, base: ImageDataset, indices: Sequence[int], transform: Optional[Callable] = None):
+        super().__init__(transform)
+        self.base = base
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.classes = list(base.classes)
+        self.targets = np.asarray(base.targets)[self.indices]
+        self.channels = base.channels
+        self.native_size = base.native_size
+        self.source = f"{base.source}[{len(self.indices)} of {len(base)}]"
+
+    def load_image(self, index: int) -> Image.Image:
+        return self.base.load_image(int(self.indices[index]))
+
+
+def subset(dataset: ImageDataset, fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> ImageDataset:
+    """``dataset`` itself when nothing is left out, else a stratified :class:`SubsetImageDataset`."""
+    keep = subset_indices(dataset.targets, fraction, max_items, seed)
+    if len(keep) == len(dataset):
+        return dataset
+    return SubsetImageDataset(dataset, keep, transform=dataset.transform)
 
 
 # ============================================================================ CIFAR

@@ -117,12 +117,12 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
     if recipe == "classify":
         from ..data.images import build_image_dataset
         from ..data.transforms import build_transforms
-        from ..recipes.classify import ClassifyConfig, load_model
+        from ..recipes.classify import ClassifyConfig, in_chans_of, load_model
         cfg = from_dict(ClassifyConfig, raw)
         model = load_model(run.path).to(dev)
         ds = build_image_dataset(cfg.data.val or cfg.data.train, split="val")
         tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std,
-                              in_chans=int(cfg.model.extra.get("in_chans", 3)))
+                              in_chans=in_chans_of(cfg.model))
         res = analyze_model(model, _vision_batches(ds, tf, batch_size, max_items), kind="vit", **common)
         heads = raw.get("model", {}).get("laplacian_heads")
     elif recipe == "dino":

@@ -11,6 +11,11 @@ Design choices:
   ``LabelSmoothingCrossEntropy``, ``Lamb``; 3-Augment lives in ``lapheads.data.transforms``.
 * The learning rate is given per ``lr_batch`` images and scaled linearly with the global batch
   (DeiT: ``lr = 1e-3 * batch / 1024``). Epochs are converted to optimizer steps.
+* Greyscale models: ``model.in_chans: 1`` with one-value ``data.mean`` / ``data.std`` (checked
+  when the config loads); the transforms convert every image to the channels the model reads.
+* Data-size scaling: ``data.fraction`` / ``data.max_items`` train on a stratified, seeded,
+  nested subset of the training images (:func:`lapheads.data.images.subset_indices`); the
+  validation split stays whole so every fraction is measured on the same images.
 * Evaluation reports top-1, top-5, mean per-class accuracy, per-class accuracy and the loss, for
   the weights and (when EMA is on) the EMA weights.
 """
@@ -40,6 +45,7 @@ class ModelConfig:
     name: str = "vit_tiny_patch16_224"  # any timm ViT (or a registered *_lap<k> name)
     laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
     img_size: int = bounded(224, ge=1)
+    in_chans: int = 3  # 3 (RGB) or 1 (greyscale model; then data.mean/std hold one value each)
     patch_size: Optional[int] = bounded(None, ge=1)
     embed_dim: Optional[int] = bounded(None, ge=1)
     depth: Optional[int] = bounded(None, ge=1)
@@ -61,9 +67,12 @@ class DataConfig:
     color_jitter: float = bounded(0.3, ge=0.0)
     scale_min: float = 0.08  # random-resized-crop scale range (scale_min, 1)
     hflip: float = bounded(0.5, ge=0.0, le=1.0)  # probability of a horizontal flip
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = bounded((0.229, 0.224, 0.225), gt=0.0)
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)  # one value per model.in_chans channel
+    std: tuple[float, ...] = bounded((0.229, 0.224, 0.225), gt=0.0)
     max_eval_items: int = 0  # 0 = all
+    fraction: float = bounded(1.0, gt=0.0, le=1.0)  # stratified share of the TRAINING images used
+    max_items: int = bounded(0, ge=0)  # cap on training images after `fraction` (0 = no cap)
+    subset_seed: int = 0  # seed of that subset (one seed: smaller subsets nest in larger ones)
 
     def validate(self) -> None:
         for key in ("batch_size", "eval_batch_size", "epochs"):
@@ -103,9 +112,37 @@ class ClassifyConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(warmup_ratio=0.05, clip_grad=1.0))
 
+    def validate(self) -> None:
+        check_channels(self.model, self.data.mean, self.data.std)
+
+
+def in_chans_of(m: ModelConfig) -> int:
+    """Channels the model reads: ``model.in_chans`` (``model.extra.in_chans`` in older configs)."""
+    return int(m.extra.get("in_chans", m.in_chans))
+
+
+def check_channels(m: ModelConfig, mean: Any, std: Any, where: str = "data") -> None:
+    """``model.in_chans`` is 1 or 3 and ``{where}.mean`` / ``{where}.std`` have that many values.
+
+    Raises:
+        ConfigError: naming the fields.
+    """
+    if "in_chans" in m.extra and m.in_chans != 3 and m.extra["in_chans"] != m.in_chans:
+        raise ConfigError(f"model.extra.in_chans={m.extra['in_chans']!r} contradicts model.in_chans={m.in_chans}; "
+                          "set only model.in_chans")
+    c = m.extra.get("in_chans", m.in_chans)
+    if c not in (1, 3) or isinstance(c, bool):
+        raise ConfigError(f"model.in_chans={c!r} must be 1 (greyscale) or 3 (RGB)")
+    for name, v in (("mean", mean), ("std", std)):
+        if len(v) != c:
+            raise ConfigError(f"{where}.{name} has {len(v)} value(s) but model.in_chans={c} needs {c} "
+                              f"(e.g. {where}.mean: [0.5] and {where}.std: [0.5] for a greyscale model)")
+
 
 def timm_kwargs(m: ModelConfig, num_classes: int) -> dict:
     kw: dict[str, Any] = {"img_size": m.img_size, "num_classes": num_classes, "drop_path_rate": m.drop_path}
+    if m.in_chans != 3:
+        kw["in_chans"] = m.in_chans
     for key in ("patch_size", "embed_dim", "depth", "num_heads"):
         if getattr(m, key) is not None:
             kw[key] = getattr(m, key)
@@ -133,8 +170,9 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
 
 
 def _datasets(d: DataConfig):
-    from ..data.images import build_image_dataset
-    train = build_image_dataset(d.train, split="train")
+    """Train (the ``data.fraction`` / ``data.max_items`` subset) and validation (always whole) sets."""
+    from ..data.images import build_image_dataset, subset
+    train = subset(build_image_dataset(d.train, split="train"), d.fraction, d.max_items, d.subset_seed)
     val = build_image_dataset(d.val or d.train, split="val")
     if val.num_classes != train.num_classes:
         raise ConfigError(f"data.val has {val.num_classes} classes but data.train has {train.num_classes}")
@@ -184,7 +222,7 @@ class ClassifyTask(Task):
         d = cfg.data
         self.train_set, self.val_set = _datasets(d)
         self.num_classes = self.train_set.num_classes
-        in_chans = int(cfg.model.extra.get("in_chans", 3))
+        in_chans = in_chans_of(cfg.model)
         self.train_tf = build_transforms(cfg.model.img_size, train=True, three_augment=d.three_augment,
                                          color_jitter=d.color_jitter, mean=d.mean, std=d.std, in_chans=in_chans,
                                          scale=(d.scale_min, 1.0), hflip=d.hflip)
@@ -336,7 +374,7 @@ def _eval_run(args: argparse.Namespace, run: Any, out: Path) -> int:
     if ds.num_classes != n_cls:
         raise ConfigError(f"--data {spec} has {ds.num_classes} classes but the model predicts {n_cls}")
     tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std,
-                          in_chans=int(cfg.model.extra.get("in_chans", 3)))
+                          in_chans=in_chans_of(cfg.model))
     res = evaluate_classifier(model, ds, tf, n_cls, args.batch_size, torch.device("cpu"))
     atomic_write_text(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
     print(f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
