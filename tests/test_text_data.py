@@ -156,8 +156,9 @@ def test_bad_corpus(tok, tmp_path):
         tokenize_to_shards([], tok, tmp_path / "a", progress=False)
     with pytest.raises(DataError, match="empty"):
         tokenize_to_shards(["", ""], tok, tmp_path / "b", progress=False)
-    with pytest.raises(DataError, match="leaves none for training"):
+    with pytest.raises(DataError, match="leaves no training document") as e:
         tokenize_to_shards(["only one"], tok, tmp_path / "c", val_fraction=0.5, progress=False)
+    assert "--val-by tokens" in str(e.value) and "--split-documents" in str(e.value)
     with pytest.raises(ConfigError, match="val_fraction"):
         tokenize_to_shards(["x"], tok, tmp_path / "d", val_fraction=1.5, progress=False)
 
@@ -313,3 +314,84 @@ def test_cli_tokenize(tok_dir, tmp_path, capsys):
     assert cli_main(["data", "tokenize", "--input", str(jl), "--tokenizer", str(tok_dir), "--out",
                      str(tmp_path / "j"), "--val-fraction", "0", "--no-progress"]) == 0
     assert TokenShards(tmp_path / "j", "train").num_documents == 5
+
+
+# --------------------------------------------------------------------------- one large file, validation by tokens
+BOOK = "Title page.\n\n" + "".join(
+    f"CHAPTER {n}.\n\n" + "\n\n".join(" ".join(DOCS[j][i:i + 300].split()) for i in range(0, 1500, 300)) + "\n\n"
+    for j, n in enumerate(("I", "II", "III", "IV")))
+
+
+def test_split_text_modes():
+    from lapheads.data.text import split_documents, split_text
+    chapters = split_text(BOOK, "chapters")
+    assert len(chapters) == 5 and chapters[0] == "Title page.\n\n" and chapters[2].startswith("CHAPTER II.")
+    assert "".join(chapters) == BOOK  # nothing lost
+    paras = split_text(BOOK, "blank_lines")
+    assert paras == [p for p in BOOK.split("\n\n") if p.strip()] and len(paras) > 20
+    pieces = split_text(BOOK, 500)
+    assert "".join(pieces) == BOOK and all(len(p) <= 500 for p in pieces) and len(pieces) >= len(BOOK) // 500
+    assert all(p[-1].isspace() for p in pieces[:-1])  # cut at whitespace
+    assert split_text("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]
+    assert list(split_documents(["a\n\nb", "c"], "blank_lines")) == ["a", "b", "c"]
+    with pytest.raises(DataError, match="no chapter heading"):
+        split_text("Just a paragraph about a part of it.", "chapters", where="book.txt")
+    with pytest.raises(ConfigError, match="split_documents='pages'"):
+        split_text(BOOK, "pages")
+
+
+def test_validation_by_tokens_on_a_single_document(tok, tmp_path):
+    with pytest.raises(DataError, match="leaves no training document"):
+        tokenize_to_shards([BOOK], tok, tmp_path / "docs", val_fraction=0.1, progress=False)
+    index = tokenize_to_shards([BOOK, DOCS[5]], tok, tmp_path / "tok", val_fraction=0.1, val_by="tokens",
+                               shard_tokens=300, progress=False)
+    train, val = TokenShards(tmp_path / "tok", "train"), TokenShards(tmp_path / "tok", "val")
+    t_docs = [tok.decode(d.tolist()) for d in _split_docs(train.tokens(0, len(train)), tok.bos_token_id)]
+    v_docs = [tok.decode(d.tolist()) for d in _split_docs(val.tokens(0, len(val)), tok.bos_token_id)]
+    assert [a + b for a, b in zip(t_docs, v_docs)] == [BOOK, DOCS[5]]  # head for training, tail for validation
+    n = [len(tok.encode(d, add_special_tokens=False)) for d in (BOOK, DOCS[5])]
+    assert val.num_tokens - 2 == sum(round(0.1 * k) for k in n)
+    assert index["splits"]["train"]["bytes"] + index["splits"]["val"]["bytes"] == \
+        len(BOOK.encode()) + len(DOCS[5].encode())
+    assert index["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in v_docs)
+    # resume after a kill gives the same shards (each half of a document is committed separately)
+    out = tmp_path / "killed"
+    kw = dict(val_fraction=0.1, val_by="tokens", shard_tokens=300, progress=False, batch_documents=1)
+    with pytest.raises(_Killed):
+        tokenize_to_shards(_killed_after([BOOK, DOCS[5], DOCS[6]], 2), tok, out, **kw)
+    tokenize_to_shards([BOOK, DOCS[5], DOCS[6]], tok, out, resume=True, **kw)
+    tokenize_to_shards([BOOK, DOCS[5], DOCS[6]], tok, tmp_path / "clean", **kw)
+    assert _shard_bytes(out) == _shard_bytes(tmp_path / "clean")
+    with pytest.raises(DataError, match="different val_by"):
+        tokenize_to_shards([BOOK], tok, out, resume=True, val_fraction=0.1, shard_tokens=300, progress=False)
+
+
+def test_train_fraction_keeps_an_even_share_of_training_documents(tok, tmp_path):
+    full = tokenize_to_shards(CORPUS, tok, tmp_path / "full", val_fraction=0.1, progress=False)
+    half = tokenize_to_shards(CORPUS, tok, tmp_path / "half", val_fraction=0.1, train_fraction=0.5, progress=False)
+    capped = tokenize_to_shards(CORPUS, tok, tmp_path / "cap", val_fraction=0.1, max_train_documents=4,
+                                progress=False)
+    n_train = full["splits"]["train"]["documents"]
+    assert half["splits"]["train"]["documents"] == -(-n_train // 2)
+    assert capped["splits"]["train"]["documents"] == 4
+    assert half["splits"]["val"] == full["splits"]["val"]  # validation stays whole
+    train_docs = [d for i, d in enumerate(CORPUS) if not is_validation_document(i, 0.1)]
+    sh = TokenShards(tmp_path / "half", "train")
+    got = [tok.decode(d.tolist()) for d in _split_docs(sh.tokens(0, len(sh)), tok.bos_token_id)]
+    assert got == train_docs[::2]  # spread evenly over the corpus
+
+
+def test_cli_tokenize_one_large_text_file(tok_dir, tmp_path, capsys):
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK, encoding="utf-8")
+    base = ["data", "tokenize", "--input", str(book), "--tokenizer", str(tok_dir), "--no-progress",
+            "--val-fraction", "0.2"]
+    assert cli_main(base + ["--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "--split-documents" in err and "--val-by tokens" in err
+    assert cli_main(base + ["--out", str(tmp_path / "b"), "--split-documents", "chapters"]) == 0
+    assert read_index(tmp_path / "b")["documents_consumed"] == 5
+    assert cli_main(base + ["--out", str(tmp_path / "c"), "--val-by", "tokens"]) == 0
+    assert TokenShards(tmp_path / "c", "train").num_documents == 1 == TokenShards(tmp_path / "c", "val").num_documents
+    assert cli_main(base + ["--out", str(tmp_path / "d"), "--split-documents", "pages"]) == 2
+    assert "--split-documents='pages'" in capsys.readouterr().err

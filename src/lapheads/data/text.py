@@ -22,6 +22,19 @@ Design choices:
   input up to there (reading, not tokenising) and continues, overwriting any shard a killed run
   wrote after its last index update. The settings (tokenizer hash, dtype, shard size, validation
   fraction) must match the index, or resuming is refused.
+* One large text file (a book, a dump) is one document; ``split_documents`` cuts documents into
+  several: at blank lines (paragraphs), before chapter headings (``Chapter 12``, ``CHAPTER IV.``,
+  ``Book Two``, ``Part 3: ...`` on a line of their own), or into pieces of about N characters
+  (cut at the last whitespace of the second half of each piece, else exactly at N).
+* Validation by TOKENS (``val_by="tokens"``) instead of by document: the last ``round(n f)``
+  tokens of every document (of ``n``) go to validation, each half with its own BOS, so even a
+  single document gives both splits; the UTF-8 bytes are divided at the same character (the
+  tokenizer's offsets), keeping bits per byte exact.
+* A share of the TRAINING documents (``train_fraction``, ``max_train_documents``, for data-size
+  scaling): training document ``j`` (counted among the training documents, or all documents
+  when validating by tokens) is kept when ``ceil((j + 1) g) > ceil(j g)`` and fewer than the cap
+  were kept before it; a pure function of ``j`` (spread evenly, resumable). Validation stays
+  whole, so runs on different fractions are measured on the same text.
 * ``index.json`` keeps, per split, tokens (BOS included), UTF-8 bytes of the text and
   ``bytes_per_token = bytes / tokens``: a mean next-token loss ``L`` (nats, averaged over
   every position of random windows) converts to bits per byte as ``L / ln 2 / bytes_per_token``.
@@ -33,6 +46,7 @@ import argparse
 import json
 import math
 import os
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -50,6 +64,9 @@ __all__ = [
     "iter_documents",
     "check_inputs",
     "limit_chars",
+    "split_text",
+    "split_documents",
+    "SPLIT_MODES",
     "is_validation_document",
     "tokenize_to_shards",
     "TokenShards",
@@ -194,6 +211,67 @@ def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
         left -= len(d)
 
 
+# --------------------------------------------------------------------------- documents of one file
+SPLIT_MODES = ("blank_lines", "chapters")  # or a positive int: characters per piece
+_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
+_NUMBER_WORDS = (r"one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+                 r"sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+                 r"first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|last")
+_CHAPTER = re.compile(r"^[ \t]*(?:chapter|book|part)[ \t]+(?:\d+|[ivxlcdm]+|(?:" + _NUMBER_WORDS + r")(?:-\w+)?)\b"
+                      r"[^\n]{0,80}$", re.IGNORECASE | re.MULTILINE)
+
+
+def check_split_mode(how: Any, name: str = "split_documents") -> Any:
+    """``None``, ``"blank_lines"``, ``"chapters"`` or a positive int; anything else is a ConfigError."""
+    if how is None or how in SPLIT_MODES:
+        return how
+    if isinstance(how, int) and not isinstance(how, bool) and how >= 1:
+        return how
+    if isinstance(how, str) and how.strip().isdigit() and int(how) >= 1:
+        return int(how)
+    raise ConfigError(f"{name}={how!r} must be one of {list(SPLIT_MODES)} or a positive number of characters")
+
+
+def split_text(text: str, how: Any, where: str = "") -> list[str]:
+    """Cut one document into several (see the module docstring); blank pieces are dropped.
+
+    Raises:
+        DataError: ``"chapters"`` on a text without a chapter heading (naming ``where``).
+    """
+    how = check_split_mode(how)
+    if how is None:
+        return [text]
+    if how == "blank_lines":
+        pieces = _BLANK_LINES.split(text)
+    elif how == "chapters":
+        starts = [m.start() for m in _CHAPTER.finditer(text)]
+        if not starts:
+            raise DataError(f"{where or 'the text'}: no chapter heading (a line such as 'Chapter 1', 'CHAPTER IV.' "
+                            "or 'Book Two'); split it with blank_lines or a number of characters instead")
+        bounds = ([0] if starts[0] > 0 else []) + starts + [len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    else:
+        pieces, pos = [], 0
+        while pos < len(text):
+            end = min(pos + how, len(text))
+            if end < len(text):
+                cut = max(text.rfind(" ", pos + how // 2, end), text.rfind("\n", pos + how // 2, end))
+                end = cut + 1 if cut > pos else end
+            pieces.append(text[pos:end])
+            pos = end
+    return [p for p in pieces if p.strip()]
+
+
+def split_documents(docs: Iterable[str], how: Any, source: str = "") -> Iterator[str]:
+    """Every document of ``docs`` cut by :func:`split_text` (``how=None``: passed through)."""
+    how = check_split_mode(how)
+    for i, d in enumerate(docs):
+        if how is None:
+            yield d
+        else:
+            yield from split_text(d, how, where=f"{source or 'corpus'} document {i}")
+
+
 # --------------------------------------------------------------------------- splitting
 def _fraction(val_fraction: float) -> Fraction:
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
@@ -209,6 +287,12 @@ def is_validation_document(i: int, val_fraction: float | Fraction) -> bool:
 
 
 # --------------------------------------------------------------------------- writing shards
+# How `lapheads data tokenize` spells the options named in errors (`train lm` passes its own).
+_CLI_HINTS = {"val_fraction": "--val-fraction", "val_by": "--val-by tokens",
+              "split_documents": "--split-documents blank_lines|chapters|N", "fraction": "train_fraction"}
+# Settings an index written before they existed implicitly had.
+_SETTING_DEFAULTS = {"val_by": "documents", "train_fraction": "1", "max_train_documents": 0}
+
 def _dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
@@ -260,6 +344,10 @@ def tokenize_to_shards(
     total_documents: Optional[int] = None,
     source: str = "",
     progress: bool = True,
+    val_by: str = "documents",
+    train_fraction: float = 1.0,
+    max_train_documents: int = 0,
+    hints: Optional[dict[str, str]] = None,
 ) -> dict:
     """Tokenize documents into BOS-prefixed token shards with a validation split.
 
@@ -276,6 +364,12 @@ def tokenize_to_shards(
         total_documents: for the progress bar, when the iterable has no ``len``.
         source: a description of the input, stored in the index and used in messages.
         progress: show a tqdm progress bar.
+        val_by: ``"documents"`` (whole documents are validation) or ``"tokens"`` (the last
+            ``val_fraction`` of every document's tokens is).
+        train_fraction: share of the training documents kept (spread evenly; validation is whole).
+        max_train_documents: cap on the training documents kept (0 = none).
+        hints: how the caller spells the options in error messages: keys ``val_fraction``,
+            ``val_by``, ``split_documents``, ``fraction`` (default: the ``data tokenize`` flags).
 
     Returns:
         The final index (also written to ``out_dir/index.json``).
@@ -304,8 +398,17 @@ def tokenize_to_shards(
         raise DataError(f"the tokenizer has {vocab} tokens, which do not fit {dtype} shards "
                         f"(max {np.iinfo(dtype).max + 1}); use uint32")
     thash = tokenizer_hash(tokenizer)
+    if val_by not in ("documents", "tokens"):
+        raise ConfigError(f"val_by={val_by!r} must be 'documents' or 'tokens'")
+    if not isinstance(train_fraction, (int, float)) or not 0 < train_fraction <= 1:
+        raise ConfigError(f"train_fraction={train_fraction!r} must be a number in (0, 1]")
+    if not isinstance(max_train_documents, int) or max_train_documents < 0:
+        raise ConfigError(f"max_train_documents={max_train_documents!r} must be an int >= 0")
+    g = Fraction(str(train_fraction)).limit_denominator(10**6)
+    hints = {**_CLI_HINTS, **(hints or {})}
     settings = {"tokenizer_hash": thash, "vocab_size": vocab, "dtype": dtype, "bos_id": int(bos),
-                "shard_tokens": shard_tokens, "val_fraction": str(f)}
+                "shard_tokens": shard_tokens, "val_fraction": str(f), "val_by": val_by,
+                "train_fraction": str(g), "max_train_documents": max_train_documents}
 
     if (out / INDEX_NAME).exists():
         if not resume:
@@ -313,7 +416,7 @@ def tokenize_to_shards(
                             "or choose an empty --out directory")
         index = read_index(out)
         for k, v in settings.items():
-            if index.get(k) != v:
+            if index.get(k, _SETTING_DEFAULTS.get(k)) != v:
                 what = "tokenizer" if k in ("tokenizer_hash", "vocab_size", "bos_id") else k
                 raise DataError(f"{out / INDEX_NAME}: cannot resume with a different {what}: the index has "
                                 f"{k}={index.get(k)!r}, this run has {v!r}")
@@ -358,6 +461,25 @@ def tokenize_to_shards(
     backend = getattr(tokenizer, "backend_tokenizer", None)
     old_flag = getattr(backend, "encode_special_tokens", None)
 
+    by_tokens = val_by == "tokens"
+
+    def parts_of(i: int, text: str, ids: list, enc: Any) -> list[tuple[str, list, str]]:
+        """``(split, token ids, text)`` pieces of document ``i`` still to be written."""
+        if not by_tokens:
+            parts = [("val" if is_validation_document(i, f) else "train", ids, text)]
+        else:
+            n_val = math.floor(len(ids) * f + Fraction(1, 2))
+            cut = len(ids) - n_val
+            if cut >= len(ids):
+                at = len(text)
+            elif enc is not None:
+                at = enc.offsets[cut][0]
+            else:
+                at = len(tokenizer.decode(ids[:cut]))
+            parts = [("train", ids[:cut], text[:at]), ("val", ids[cut:], text[at:])]
+        return [(s_, x, t) for s_, x, t in parts
+                if x and i >= splits[s_]["next_document"] and (s_ == "val" or keep_train(i))]
+
     def process(batch: list[tuple[int, str]]) -> None:
         nonlocal nonempty
         texts = [t for _, t in batch]
@@ -365,24 +487,37 @@ def tokenize_to_shards(
         for (i, text), enc in zip(batch, encs):
             ids = enc.ids if enc is not None else tokenizer.encode(text, add_special_tokens=False,
                                                                    split_special_tokens=True)
-            split = "val" if is_validation_document(i, f) else "train"
-            arr = np.empty(len(ids) + 1, dtype=np.int64)
-            arr[0] = bos
-            arr[1:] = ids
-            if len(ids) and int(arr[1:].max()) >= vocab:
-                raise DataError(f"document {i} of {source or 'the corpus'} produced token id {int(arr.max())} "
+            if len(ids) and max(ids) >= vocab:
+                raise DataError(f"document {i} of {source or 'the corpus'} produced token id {max(ids)} "
                                 f">= vocabulary size {vocab}")
-            buffers[split].append(arr.astype(np_dtype))
-            p = pending[split]
-            p["tokens"] += len(arr)
-            p["bytes"] += len(text.encode("utf-8"))
-            p["documents"] += 1
-            nonempty += 1
-            if p["tokens"] >= shard_tokens:
-                flush(split, i + 1)
+            for split, part, part_text in parts_of(i, text, list(ids), enc):
+                arr = np.empty(len(part) + 1, dtype=np.int64)
+                arr[0] = bos
+                arr[1:] = part
+                buffers[split].append(arr.astype(np_dtype))
+                p = pending[split]
+                p["tokens"] += len(arr)
+                p["bytes"] += len(part_text.encode("utf-8"))
+                p["documents"] += 1
+                nonempty += 1
+                if p["tokens"] >= shard_tokens:
+                    flush(split, i + 1)
         bar.update(len(batch))
         bar.set_postfix(train_tokens=splits["train"]["tokens"] + pending["train"]["tokens"],
                         val_tokens=splits["val"]["tokens"] + pending["val"]["tokens"], refresh=False)
+
+    def keep_train(i: int) -> bool:
+        """Whether the training part of document ``i`` is kept (``train_fraction``, ``max_train_documents``)."""
+        ceil = lambda x: -((-x.numerator) // x.denominator)  # noqa: E731 - exact ceil of a Fraction
+        j = i if by_tokens else i - ceil(i * f)  # its position among the training documents
+        return ceil((j + 1) * g) > ceil(j * g) and (not max_train_documents or ceil(j * g) < max_train_documents)
+
+    def done_or_dropped(i: int) -> bool:
+        """Document ``i`` needs no tokenizing: every split it feeds holds it already, or it is left out."""
+        if by_tokens:
+            return i < splits["val"]["next_document"] and (i < splits["train"]["next_document"] or not keep_train(i))
+        split = "val" if is_validation_document(i, f) else "train"
+        return i < splits[split]["next_document"] or (split == "train" and not keep_train(i))
 
     batch: list[tuple[int, str]] = []
     try:
@@ -394,7 +529,7 @@ def tokenize_to_shards(
                 raise DataError(f"document {i} of {source or 'the corpus'} is a {type(text).__name__}, not a str")
             # Empty documents are skipped (nothing to learn); documents already inside a complete
             # shard of their split (a resumed run) are read but not tokenized again.
-            if not text or i < splits["val" if is_validation_document(i, f) else "train"]["next_document"]:
+            if not text or done_or_dropped(i):
                 bar.update(1)
                 continue
             batch.append((i, text))
@@ -418,8 +553,14 @@ def tokenize_to_shards(
     for s in _SPLITS:
         flush(s, seen)
     if splits["train"]["tokens"] == 0:
-        raise DataError(f"the corpus{where} has {seen} document(s) and val_fraction={val_fraction} leaves "
-                        "none for training; give more documents or a smaller --val-fraction")
+        if by_tokens:
+            why = f"{hints['fraction']}={train_fraction} and val_fraction={val_fraction} leave no training token"
+        else:
+            why = (f"validation by document ({hints['val_fraction']}={val_fraction}) leaves no training "
+                   f"document (the first document is always validation)")
+        raise DataError(f"the corpus{where} has {seen} document(s) and {why}; split the text into documents "
+                        f"({hints['split_documents']}), validate by tokens ({hints['val_by']}) or give more "
+                        f"documents")
     index["documents_consumed"] = seen
     index["complete"] = True
     _write_index(out, index)
@@ -549,6 +690,13 @@ class TokenShards:
 
 
 # --------------------------------------------------------------------------- CLI
+def _split_arg(text: str) -> Any:
+    try:
+        return check_split_mode(text, "--split-documents")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads data tokenize``: text/JSONL/parquet (or the embedded corpus) -> token shards."""
     from ..engine.config import number_arg
@@ -572,6 +720,12 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
                     help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less "
                          "lost work")
     ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
+    ap.add_argument("--split-documents", type=_split_arg, default=None, metavar="blank_lines|chapters|N",
+                    help="cut every input document (e.g. one large .txt file) into several: at blank lines, "
+                         "before chapter headings, or into pieces of about N characters")
+    ap.add_argument("--val-by", choices=["documents", "tokens"], default="documents",
+                    help="validation split by whole documents (default) or by the last --val-fraction of the "
+                         "tokens of every document (works for a single document)")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -591,12 +745,15 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         docs = iter_documents(args.input, text_field=args.text_field)
         total = None
         source = ", ".join(str(p) for p in args.input)
+    if args.split_documents is not None:
+        docs = split_documents(docs, args.split_documents, source)
+        total = None
     # A failed fresh run leaves nothing (not even an empty folder); a resumed one keeps its shards,
     # which its index.json lists. Ctrl-C keeps everything: --resume continues it.
     with removed_on_failure(args.out, remove_new_entries=not args.resume):
         index = tokenize_to_shards(docs, tok, args.out, shard_tokens=args.shard_tokens,
                                    val_fraction=args.val_fraction, resume=args.resume, total_documents=total,
-                                   source=source, progress=not args.no_progress)
+                                   source=source, progress=not args.no_progress, val_by=args.val_by)
     for s in _SPLITS:
         sp = index["splits"][s]
         bpt = sp["bytes_per_token"]
