@@ -395,3 +395,27 @@ def test_cli_tokenize_one_large_text_file(tok_dir, tmp_path, capsys):
     assert TokenShards(tmp_path / "c", "train").num_documents == 1 == TokenShards(tmp_path / "c", "val").num_documents
     assert cli_main(base + ["--out", str(tmp_path / "d"), "--split-documents", "pages"]) == 2
     assert "--split-documents='pages'" in capsys.readouterr().err
+
+
+def test_lm_data_from_one_large_file(tok_dir, tmp_path):
+    """`train lm` data: one .txt corpus needs split_documents or val_by tokens; the error names data.* keys."""
+    from lapheads.recipes.lm import LMDataConfig, prepare_data
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK, encoding="utf-8")
+    base = dict(corpus=str(book), tokenizer=str(tok_dir), cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+    with pytest.raises(DataError) as e:
+        prepare_data(LMDataConfig(**base))
+    assert "data.val_by: tokens" in str(e.value) and "data.split_documents" in str(e.value)
+    assert "--val-fraction" not in str(e.value)  # `train lm` has no such flag
+    _, by_tokens = prepare_data(LMDataConfig(**base, val_by="tokens"))
+    assert TokenShards(by_tokens, "train").num_documents == 1 == TokenShards(by_tokens, "val").num_documents
+    _, chapters = prepare_data(LMDataConfig(**base, split_documents="chapters"))
+    assert read_index(chapters)["documents_consumed"] == 5 and chapters != by_tokens
+    _, half = prepare_data(LMDataConfig(**base, split_documents="blank_lines", fraction=0.5))
+    _, whole = prepare_data(LMDataConfig(**base, split_documents="blank_lines"))
+    assert TokenShards(half, "val").num_tokens == TokenShards(whole, "val").num_tokens
+    assert TokenShards(half, "train").num_documents == -(-TokenShards(whole, "train").num_documents // 2)
+    with pytest.raises(ConfigError, match="data.split_documents='pages'"):
+        prepare_data(LMDataConfig(**base, split_documents="pages"))
+    with pytest.raises(ConfigError, match="data.fraction applies when the shards are built"):
+        prepare_data(LMDataConfig(shards=str(whole), tokenizer=str(tok_dir), fraction=0.5))

@@ -15,6 +15,11 @@ Design choices:
   (``data.cache_dir``, default ``~/.cache/lapheads/lm``), not into the run directory: the engine
   writes the run directory only after the task is built, and runs that differ only in k share
   one tokenizer and one set of shards, which keeps their bits-per-byte comparable.
+* One large text file: ``data.split_documents`` (``blank_lines``, ``chapters`` or N characters)
+  cuts it into documents, and/or ``data.val_by: tokens`` holds out the last ``val_fraction`` of
+  every document's tokens, so a single document still gives both splits. ``data.fraction`` /
+  ``data.max_items`` train on an evenly spread share of the training documents (data-size
+  scaling); validation stays whole.
 * Everything is validated before training: an empty corpus, a tokenizer whose vocabulary differs
   from ``model.vocab_size`` or from the shards', more Laplacian heads than a layer has, a
   sequence longer than the validation split.
@@ -75,7 +80,11 @@ class LMDataConfig:
     tokenizer: str = "train"  # DIR of `lapheads tokenizer train`, or "train" (on the corpus)
     vocab_size: int = bounded(2048, ge=1)  # with tokenizer: train
     tokenizer_max_chars: int = bounded(0, ge=0)  # with tokenizer: train, read at most this many characters (0 = all)
-    val_fraction: float = bounded(0.05, gt=0.0, lt=1.0)  # documents held out, when the shards are built here
+    val_fraction: float = bounded(0.05, gt=0.0, lt=1.0)  # documents (or tokens) held out, when the shards are built here
+    val_by: str = "documents"  # "documents" or "tokens" (the last val_fraction of every document: one file works)
+    split_documents: Any = None  # cut each corpus document: "blank_lines", "chapters" or N characters per piece
+    fraction: float = bounded(1.0, gt=0.0, le=1.0)  # share of the training documents used (validation stays whole)
+    max_items: int = bounded(0, ge=0)  # cap on training documents after `fraction` (0 = no cap)
     cache_dir: Optional[str] = None  # on-the-fly tokenizer/shards; default ~/.cache/lapheads/lm
     seq_len: int = bounded(2048, ge=1)
     batch_size: int = bounded(32, ge=1)  # sequences per process and micro-step
@@ -176,9 +185,15 @@ def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
     return out
 
 
-def _documents(paths: Optional[list[str]], text_field: str):
+def _documents(paths: Optional[list[str]], text_field: str, split: Any = None):
     from ..data import text as T
-    return T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=text_field)
+    docs = T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=text_field)
+    return T.split_documents(docs, split, "pydoc_data.topics" if paths is None else ", ".join(paths))
+
+
+# How `train lm` spells the options that fix a corpus without training text (named in DataError).
+_LM_HINTS = {"val_fraction": "data.val_fraction", "val_by": "data.val_by: tokens",
+             "split_documents": "data.split_documents: blank_lines|chapters|N", "fraction": "data.fraction"}
 
 
 def _default_cache() -> Path:
@@ -197,6 +212,11 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
 
     info = info or DistInfo()
     if d.shards is not None:
+        built_here = [k for k in ("val_by", "split_documents", "fraction", "max_items")
+                      if getattr(d, k) != getattr(LMDataConfig, k)]
+        if built_here:
+            raise ConfigError(f"data.{built_here[0]} applies when the shards are built from data.corpus, not to "
+                              f"data.shards={d.shards}; give the split options to `lapheads data tokenize`")
         if d.tokenizer == "train":
             raise ConfigError(f"data.shards={d.shards} needs data.tokenizer set to the tokenizer DIR the shards "
                               "were made with (not 'train')")
@@ -205,6 +225,9 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         return tok, Path(d.shards)
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1) to hold out validation documents")
+    if d.val_by not in ("documents", "tokens"):
+        raise ConfigError(f"data.val_by={d.val_by!r} must be 'documents' or 'tokens'")
+    T.check_split_mode(d.split_documents, "data.split_documents")
     paths = _corpus_paths(d.corpus)
     if paths is not None:
         T.check_inputs(paths, text_field=d.text_field)  # missing / empty files, wrong columns
@@ -212,6 +235,10 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
     key = {"corpus": _corpus_fingerprint(paths), "text_field": d.text_field, "val_fraction": d.val_fraction,
            "tokenizer": tokenizer_hash(given_tok) if given_tok is not None else
            {"train": d.vocab_size, "max_chars": d.tokenizer_max_chars}}
+    # settings added later enter the key only when set, so existing caches keep their names
+    key.update({k: v for k, v in (("val_by", d.val_by), ("split_documents", d.split_documents),
+                                  ("fraction", d.fraction), ("max_items", d.max_items))
+                if v != getattr(LMDataConfig, k)})
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else _default_cache()
     target = root / digest
@@ -220,13 +247,15 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
         try:
             if given_tok is None:
-                docs = _documents(paths, d.text_field)
+                docs = _documents(paths, d.text_field, d.split_documents)
                 if d.tokenizer_max_chars:
                     docs = T.limit_chars(docs, d.tokenizer_max_chars)
                 tok = train_tokenizer(docs, d.vocab_size, tmp / "tokenizer")
             else:
                 tok = given_tok
-            T.tokenize_to_shards(_documents(paths, d.text_field), tok, tmp / "shards", val_fraction=d.val_fraction,
+            T.tokenize_to_shards(_documents(paths, d.text_field, d.split_documents), tok, tmp / "shards",
+                                 val_fraction=d.val_fraction, val_by=d.val_by, train_fraction=d.fraction,
+                                 max_train_documents=d.max_items, hints=_LM_HINTS,
                                  source="pydoc_data.topics" if paths is None else ", ".join(paths),
                                  progress=progress)
             (tmp / "done.json").write_text(json.dumps(key, indent=1))
@@ -277,6 +306,10 @@ class LMTask(Task):
         self._muon = None
 
     # ---- engine interface
+    def fsdp_blocks(self) -> list[nn.Module]:
+        from ..engine.fsdp import transformer_blocks
+        return transformer_blocks(self.model)  # the decoder layers
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         opts = build_optimizers(self.model, self.cfg.optim)
         self._muon = opts[1]
@@ -314,7 +347,7 @@ class LMTask(Task):
         res = self.val_bpb(model)
         if ema_model is not None:
             res.update({f"ema_{k}": v for k, v in self.val_bpb(ema_model).items()})
-        if self.info.is_main:
+        if self.info.is_main or self.sharded:  # a sharded generate() needs every rank (same greedy tokens)
             self.write_samples(model, step)
         return res
 
@@ -326,14 +359,19 @@ class LMTask(Task):
         loss_all = torch.zeros((), dtype=torch.float64, device=dev)
         autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dev.type == "cuda" and
                     self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported() else None)
-        for x, y in self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=self.eval_batches,
-                                                 rank=self.info.rank, world_size=self.info.world_size):
+        from ..engine.fsdp import lockstep
+        batches = self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=self.eval_batches,
+                                               rank=self.info.rank, world_size=self.info.world_size)
+        first = lambda: next(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=1))  # noqa: E731
+        for (x, y), real in lockstep(batches, first, dev, self.sharded):
             x, y = x.to(dev), y.to(dev)
             if autocast is not None:
                 with autocast:
                     logits = model(input_ids=x, use_cache=False).logits
             else:
                 logits = model(input_ids=x, use_cache=False).logits
+            if not real:  # a sharded model's forward in lock step with the ranks that still have batches
+                continue
             nats = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1), reduction="none")
             nb = self.token_bytes[y.view(-1)]
             sums[0] += (nats * (nb > 0)).double().sum()
@@ -349,7 +387,7 @@ class LMTask(Task):
     def write_samples(self, model: nn.Module, step: int) -> list[dict]:
         """Greedy continuations of the configured prompts, appended to ``RUN/samples.jsonl``."""
         recs = sample_prompts(model, self.tokenizer, self.cfg.samples.prompts, self.cfg.samples.max_new_tokens)
-        if self.run_dir is not None and recs:
+        if self.run_dir is not None and recs and self.info.is_main:
             with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
                 for r in recs:
                     f.write(json.dumps({"step": step, **r}) + "\n")
