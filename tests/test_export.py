@@ -146,3 +146,39 @@ def test_torch_export_vit_with_a_dynamic_batch():
     x = torch.randn(5, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), model(x), atol=ATOL, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- learnable mixing (issue 13)
+LEARN_CASES = {
+    "vit-fused": (lambda: _vit("learn:2", fused=True), CASES["vit-fused"][1]),
+    "vit-eager": (lambda: _vit("learn:2", fused=False), CASES["vit-eager"][1]),
+    "nanochat": (lambda: _nanochat("learn:2"), _lm_inputs),
+    "torch-encoder": (lambda: _encoder("learn:2"), CASES["torch-encoder"][1]),
+}
+LEARN_PAIRS = [(c, e) for c in LEARN_CASES for e in EXPORTERS
+               if not (e == "onnx-dynamo" and c in ("vit-eager", "torch-encoder"))]
+
+
+def _set_learned(model: torch.nn.Module) -> None:
+    """Move every layer's (a, b) away from its initialisation, as training would."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lap_mix_a"):
+                p.copy_(torch.tensor([0.6, -0.4, 1.3, 0.2]))
+            elif name.endswith("lap_mix_b"):
+                p.copy_(torch.tensor([0.5, 1.4, -0.7, 0.9]))
+
+
+@pytest.mark.parametrize("case,exporter", LEARN_PAIRS)
+def test_exported_learnable_model_keeps_the_learned_mixing(case, exporter, tmp_path):
+    make, inputs = LEARN_CASES[case]
+    model, at_init = make(), make()
+    _set_learned(model)
+    args = inputs()
+    with torch.no_grad():
+        got = _export_and_run(model, args, exporter, tmp_path)
+        want = model(*args)
+        # the learned values change the output, so an export that kept the initial (a, b) would fail
+        assert (want - at_init(*args)).abs().max() > 100 * ATOL
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)

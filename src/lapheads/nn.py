@@ -41,6 +41,12 @@ Design choices:
   ``is_causal=True`` without a mask is accepted and builds the causal mask (lower-right aligned,
   the same as torch's for ``Tq == Tk``).
 * Dropout (training only) acts on P, never on the identity term.
+* Learnable mixing (``laplacian_heads="learn"``, ``"learn:laplacian"``, ``"learn:<k>"`` or
+  ``LaplacianHeads.learn(...)``): the module gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of
+  shape ``(num_heads,)`` and head h applies ``a_h I + b_h P`` (:class:`lapheads.HeadMix`). They
+  are in ``state_dict`` (so torch's own module does not load such a checkpoint with
+  ``strict=True``); :meth:`MultiheadAttention.from_torch` initialises them from the spec. With a
+  fixed selection the module has exactly torch's parameters.
 * A query whose masks hide every key has ``P = 0`` on both paths (the operator's rule, see
   :mod:`lapheads.ops`): its standard heads output 0 and its Laplacian heads its own value, before
   ``out_proj``. (torch's module gives 0 with ``need_weights=False`` and NaN with ``need_weights=True``.)
@@ -55,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import ConfigError
-from .heads import head_flags
+from .heads import HeadMix, head_flags, learnable_spec, register_mix
 from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 
 __all__ = ["MultiheadAttention"]
@@ -100,7 +106,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         laplacian_heads: which heads are Laplacian: anything :func:`lapheads.head_mask` accepts
             (int k = trailing k heads, ``"all"``, ``"none"``, a list of head indices, a boolean
             list/tensor of length ``num_heads``, a uniform :class:`lapheads.LaplacianHeads`).
-            Default ``"none"``: the module computes exactly what torch's does.
+            Default ``"none"``: the module computes exactly what torch's does. ``"learn"``,
+            ``"learn:laplacian"``, ``"learn:<k>"``: learnable mixing ``a_h I + b_h P`` (parameters
+            ``lap_mix_a`` / ``lap_mix_b``), initialised standard / Laplacian / trailing k Laplacian.
     """
 
     def __init__(
@@ -121,7 +129,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # Validate the head selection before allocating parameters (cheap errors first).
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
-        flags = head_flags(laplacian_heads, num_heads)
+        learn = learnable_spec(laplacian_heads)
+        flags = learn.init_flags(1, num_heads)[0] if learn is not None else head_flags(laplacian_heads, num_heads)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
@@ -129,6 +138,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # A tuple of Python bools, not a buffer: state_dict keys stay exactly torch's, and the
         # operator branches on it without a device sync or a torch.compile graph break.
         self.laplacian_flags: tuple[bool, ...] = flags
+        #: learnable mixing: lap_mix_a / lap_mix_b exist and the flags are only their initialisation.
+        self.laplacian_learnable = learn is not None
+        if learn is not None:
+            self.laplacian_heads = learn.spec
+            register_mix(self, flags)
         # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
         # the module docstring. A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
@@ -147,11 +161,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                   add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                   batch_first=module.batch_first, device=w.device, dtype=w.dtype,
                   laplacian_heads=laplacian_heads)
-        new.load_state_dict(module.state_dict())
+        missing, unexpected = new.load_state_dict(module.state_dict(), strict=False)
+        if unexpected or any(not k.startswith("lap_mix_") for k in missing):
+            raise ConfigError(f"from_torch: state_dict mismatch (missing {missing}, unexpected {unexpected})")
         new.train(module.training)
         return new
 
     def extra_repr(self) -> str:
+        if self.laplacian_learnable:
+            return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+                    f"laplacian_heads={self.laplacian_heads!r} (learnable a I + b P)")
         n = sum(self.laplacian_flags)
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
                 f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})")
@@ -237,8 +256,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             raise ConfigError(
                 f"{given}: key and value must have the same batch and sequence sizes, and the same batch "
                 f"size as query (batch_first={self.batch_first})")
-        lap = self.laplacian_flags
-        if any(lap) and tq > s:
+        lap: Any = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_flags
+        if (self.laplacian_learnable or any(self.laplacian_flags)) and tq > s:
             raise ConfigError(
                 f"Laplacian heads need every query to have its own position among the keys, but the "
                 f"query has {tq} positions and the key only {s}")

@@ -32,6 +32,13 @@ Edge cases, the same on both paths (and in :mod:`lapheads.nn` / :mod:`lapheads.t
 * Head counts are read as Python ints, so ``torch.jit.trace``, ``torch.export`` and both ONNX
   exporters record the head selection as constants.
 
+Learnable mixing (``laplacian_heads=HeadMix(a, b)``, ``a`` and ``b`` of shape ``(H,)``): head h
+outputs ``a_h v_self + b_h P V``, i.e. the operator ``a_h I + b_h P``. Same single SDPA call,
+then one multiply-add over heads with ``a``/``b`` viewed as ``(H, 1, 1)`` and cast to the output
+dtype (gradients reach both); no T x T matrix. The identity term is always present, so
+``Tq <= Tk`` is required as for a Laplacian head. The fixed-selection path never sees a tensor
+of mixing weights and is unchanged.
+
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
 standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
 the fused path against it; plots show it.
@@ -47,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .heads import head_flags, head_mask
+from .heads import HeadMix, head_flags, head_mask
 
 __all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask", "masked_softmax"]
 
@@ -175,7 +182,8 @@ def laplacian_attention(
         v: values ``(..., H_kv, Tk, Dv)``.
         laplacian_heads: which heads are Laplacian: a boolean mask of shape ``(H,)``, an int k
             (trailing k heads), ``"all"``, ``"none"``, a list of head indices, or a uniform
-            :class:`lapheads.LaplacianHeads`.
+            :class:`lapheads.LaplacianHeads`; or a :class:`lapheads.HeadMix` ``(a, b)`` for
+            learnable mixing (head h applies ``a_h I + b_h P``).
         attn_mask: boolean (True = attend) or additive mask broadcastable to ``(..., H, Tq, Tk)``.
         is_causal: causal masking, aligned to the lower right when ``Tq != Tk``.
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -185,6 +193,9 @@ def laplacian_attention(
     Returns:
         ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
     """
+    if isinstance(laplacian_heads, HeadMix):
+        return _mixed_attention(q, k, v, laplacian_heads, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                dropout_p=dropout_p, enable_gqa=enable_gqa)
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
@@ -220,6 +231,35 @@ def laplacian_attention(
     return torch.cat(pieces, dim=-3)
 
 
+def _check_mix(mix: HeadMix, h: int) -> None:
+    for name, t in (("a", mix.a), ("b", mix.b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (h,):
+            got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ConfigError(f"HeadMix.{name} must be a floating tensor of shape ({h},) (one per query head); got {got}")
+
+
+def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: HeadMix, *,
+                     attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
+                     dropout_p: float, enable_gqa: bool) -> torch.Tensor:
+    """``a_h v_self + b_h SDPA(q, k, v)`` per head: one SDPA, one multiply-add (see the module docstring)."""
+    h, hkv = _check_shapes(q, k, v, enable_gqa)
+    tq, tk = q.shape[-2], k.shape[-2]
+    _check_mask(attn_mask, q, tk)
+    _check_numbers(scale, dropout_p)
+    _check_mix(mix, h)
+    if tq > tk:
+        raise ConfigError(
+            f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+    m, causal = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=h != hkv)
+    if m is not None:
+        out = out.masked_fill(_dead_rows(m), 0.0)
+    a = mix.a.to(out.dtype).view(h, 1, 1)
+    b = mix.b.to(out.dtype).view(h, 1, 1)
+    return torch.addcmul(out * b, _v_self(v, tq, h, hkv), a)
+
+
 def laplacian_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -237,13 +277,19 @@ def laplacian_attention_reference(
     Returns:
         ``(out, operator)``: ``out`` as the fused function, and ``operator`` of shape
         ``(..., H, Tq, Tk)``, the matrix actually applied to V per head: ``P`` for a standard head,
-        ``I - P`` for a Laplacian head (``I`` placing query i at key ``Tk - Tq + i``).
+        ``I - P`` for a Laplacian head (``I`` placing query i at key ``Tk - Tq + i``), and
+        ``a_h I + b_h P`` for a :class:`lapheads.HeadMix`.
     """
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
     _check_numbers(scale, dropout_p)
-    mask = head_mask(laplacian_heads, h, device=q.device)
+    mix = laplacian_heads if isinstance(laplacian_heads, HeadMix) else None
+    if mix is not None:
+        _check_mix(mix, h)
+        mask = torch.ones(h, dtype=torch.bool, device=q.device)  # the identity term is always there
+    else:
+        mask = head_mask(laplacian_heads, h, device=q.device)
     if bool(mask.any()) and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
@@ -269,5 +315,8 @@ def laplacian_attention_reference(
     eye = torch.zeros(tq, tk, dtype=p.dtype, device=p.device)
     if tq <= tk:
         eye[torch.arange(tq), torch.arange(tk - tq, tk)] = 1
-    op = torch.where(mask.view(h, 1, 1), eye - p, p)
+    if mix is not None:
+        op = mix.a.to(p.dtype).view(h, 1, 1) * eye + mix.b.to(p.dtype).view(h, 1, 1) * p
+    else:
+        op = torch.where(mask.view(h, 1, 1), eye - p, p)
     return (op @ v.to(work)).to(q.dtype), op.to(q.dtype)

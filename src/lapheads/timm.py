@@ -44,6 +44,13 @@ Design choices:
   depth, so a class can only carry a selection that is the same in every layer: use
   ``LaplacianAttention.with_heads(k)`` (a cached subclass whose default is k) as ``attn_layer``, or
   build the model plainly and call :func:`convert`, which also takes per-layer selections.
+* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``, issue 13): every
+  converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
+  head h applies ``a_h I + b_h P`` on both paths (fused: :class:`lapheads.HeadMix` through the
+  operator; eager: ``a * v + b * (P v)``). Unlike a fixed selection these ARE in the
+  ``state_dict`` (``blocks.<i>.attn.lap_mix_a``), so a learnable model saves and restores its mixing;
+  loading a plain timm checkpoint into it needs ``strict=False`` (the mixing keeps its
+  initialisation). Switching a layer back to a fixed selection removes the parameters.
 * Only modules whose class is exactly ``timm.layers.Attention`` (or already Laplacian) are
   converted; other attention classes (``AttentionRope`` in EVA, attention pooling heads) are left
   alone. A model with no convertible attention is refused with a :class:`ConfigError`.
@@ -76,7 +83,7 @@ from torch import nn
 from timm.layers import Attention
 
 from .errors import ConfigError
-from .heads import HeadSpec, LaplacianHeads, head_flags
+from .heads import HeadMix, HeadSpec, LaplacianHeads, head_flags, laplacianness, learnable_spec, register_mix, remove_mix
 from .ops import laplacian_attention, masked_softmax
 
 __all__ = [
@@ -131,16 +138,31 @@ class LaplacianAttention(Attention):
         self._lap_flags: tuple[bool, ...] = (False,) * self.num_heads
         self._lap_any = False
         self._lap_all = False
+        self._lap_learn = False
         self.set_laplacian_heads(spec)
 
     def set_laplacian_heads(self, spec: Any) -> None:
-        """Choose the Laplacian heads of this layer (int k, "all", "none", indices or a bool mask)."""
+        """Choose the Laplacian heads of this layer (int k, "all", "none", indices, a bool mask, or "learn...").
+
+        A learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b`` at their initialisation; a fixed
+        one removes them.
+        """
+        learn = learnable_spec(spec)
+        if learn is not None:
+            flags = learn.init_flags(1, self.num_heads)[0]
+            self.lap_mask.copy_(torch.tensor(flags, dtype=torch.bool))
+            register_mix(self, flags)
+            self._lap_flags = flags
+            self._lap_any, self._lap_all, self._lap_learn = True, all(flags), True
+            return
         if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single LaplacianAttention layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model")
         # Validate and resolve once, in Python (a tensor spec is read back here, once, not per call).
         flags = head_flags(spec, self.num_heads)
+        remove_mix(self)
+        self._lap_learn = False
         self.lap_mask.copy_(torch.tensor(flags, dtype=torch.bool))
         # forward() only reads these plain Python values: no device sync, constants under torch.compile.
         self._lap_flags = flags
@@ -149,7 +171,10 @@ class LaplacianAttention(Attention):
 
     @property
     def num_laplacian_heads(self) -> int:
-        """Number of Laplacian heads in this layer."""
+        """Number of Laplacian heads in this layer (learnable: heads now nearer Laplacian than standard)."""
+        if self._lap_learn:
+            return sum(laplacianness(float(a), float(b)) > 0.5
+                       for a, b in zip(self.lap_mix_a.tolist(), self.lap_mix_b.tolist()))
         return sum(self._lap_flags)
 
     @classmethod
@@ -160,13 +185,13 @@ class LaplacianAttention(Attention):
         The class is cached per selection, so repeated calls return the same class.
         """
         spec = LaplacianHeads(laplacian_heads)
-        if spec.kind not in ("k", "all", "none"):
+        if spec.kind not in ("k", "all", "none", "learn"):
             raise ConfigError(
                 f"LaplacianAttention.with_heads({laplacian_heads!r}): timm builds every layer with the same "
                 "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads")
         key = (cls, str(spec.spec))
         if key not in cls._variants:
-            name = f"{cls.__name__}_{spec.spec}"
+            name = f"{cls.__name__}_{str(spec.spec).replace(':', '_')}"
             cls._variants[key] = type(name, (cls,), {"default_laplacian_heads": spec.spec, "__module__": __name__})
         return cls._variants[key]
 
@@ -189,7 +214,7 @@ class LaplacianAttention(Attention):
         if self.fused_attn:
             x = laplacian_attention(
                 q, k, v,
-                laplacian_heads=self._lap_flags,
+                laplacian_heads=HeadMix(self.lap_mix_a, self.lap_mix_b) if self._lap_learn else self._lap_flags,
                 attn_mask=attn_mask,
                 is_causal=is_causal,
                 dropout_p=self.attn_drop.p if self.training else 0.0,
@@ -207,7 +232,11 @@ class LaplacianAttention(Attention):
             # the fused path (lapheads.ops, "Edge cases").
             attn = self.attn_drop(masked_softmax(attn, dim=-1))
             x = attn @ v
-            x = v - x if self._lap_all else torch.where(self.lap_mask.view(-1, 1, 1), v - x, x)
+            if self._lap_learn:
+                x = (self.lap_mix_a.to(x.dtype).view(-1, 1, 1) * v
+                     + self.lap_mix_b.to(x.dtype).view(-1, 1, 1) * x)
+            else:
+                x = v - x if self._lap_all else torch.where(self.lap_mask.view(-1, 1, 1), v - x, x)
         x = x.transpose(1, 2).reshape(B, N, attn_dim)
         x = self.norm(x)
         if gate is not None:
@@ -217,6 +246,8 @@ class LaplacianAttention(Attention):
         return x
 
     def extra_repr(self) -> str:
+        if self._lap_learn:
+            return f"num_heads={self.num_heads}, laplacian_heads=learnable a I + b P"
         return f"num_heads={self.num_heads}, laplacian_heads={[h for h, f in enumerate(self._lap_flags) if f]}"
 
 
@@ -234,6 +265,9 @@ def laplacian_head_counts(model: nn.Module) -> list[int]:
 
 def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
     """Turn the attention of a timm ViT into Laplacian attention, in place, keeping every weight.
+
+    A fixed selection creates no parameter; a learnable one (``"learn..."``) adds ``lap_mix_a`` /
+    ``lap_mix_b`` to every converted layer (create the optimizer after converting).
 
     Args:
         model: a timm model whose blocks use ``timm.layers.Attention`` (ViT, DeiT, DeiT-3, ...);
@@ -254,7 +288,9 @@ def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
             + (f" (it has {', '.join(kinds)}, which lapheads does not convert)" if kinds else "")
             + "; use a timm ViT family model (vit_*, deit_*, deit3_*)")
     # Resolve every layer first (each with its own head count) so a bad spec changes nothing.
-    masks = [spec.resolve_flags(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
+    masks: list[Any] = [spec.init_flags(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
+    if spec.learnable:
+        masks = [spec] * len(layers)  # each layer registers its (a, b) at the spec's initialisation
     for (_, m), mask in zip(layers, masks):
         if isinstance(m, LaplacianAttention):
             m.set_laplacian_heads(mask)

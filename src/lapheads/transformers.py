@@ -55,6 +55,17 @@ gets Laplacian heads. Design choices:
   its meaning (own value minus the windowed weighted mean).
 * Cross-attention modules (``module.is_cross_attention``, GPT-2 with ``add_cross_attention``) have
   no "own position" among the keys; they always use standard attention.
+* Learnable mixing (``config.laplacian_heads = "learn"``, ``"learn:laplacian"``, ``"learn:<k>"``,
+  issue 13): the attention function is stateless, so the per-layer parameters live on the
+  attention modules: :func:`enable` registers ``lap_mix_a`` / ``lap_mix_b`` (shape
+  ``(num_attention_heads,)``) on every self-attention module that has a ``layer_idx``
+  (``model.layers.<i>.self_attn.lap_mix_a``). They are ordinary parameters, so ``save_pretrained``
+  writes them; transformers would drop them as unexpected keys on load (the freshly built model
+  does not have them), so :func:`from_pretrained` registers them and then reads their saved values
+  from the checkpoint's safetensors. A plain ``AutoModelForCausalLM.from_pretrained`` of such a
+  checkpoint is refused at the first forward (the modules lack the parameters) with the fix. Head h
+  then applies ``a_h I + b_h P``; with a KV cache the identity term is the last ``Tq`` values, as
+  for a Laplacian head.
 * Layers without Laplacian heads call transformers' own ``sdpa_attention_forward``, so
   ``laplacian_heads=0`` is bit-for-bit the stock sdpa model (and may use a static cache).
 """
@@ -68,7 +79,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .errors import ConfigError
-from .heads import LaplacianHeads
+from .heads import MIX_PARAM_SUFFIXES, HeadMix, LaplacianHeads, learnable_spec, register_mix, remove_mix
 from .ops import laplacian_attention, laplacian_attention_reference
 
 try:
@@ -91,6 +102,7 @@ __all__ = [
     "from_pretrained",
     "layer_head_masks",
     "layer_head_flags",
+    "mixing_modules",
 ]
 
 #: Name of the fused implementation: ``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``.
@@ -144,7 +156,27 @@ def layer_head_flags(config: Any, n_heads: Optional[int] = None) -> list[tuple[b
         raise ConfigError(
             f"{type(config).__name__} has no integer num_hidden_layers / num_attention_heads "
             f"(got {n_layers!r} / {n_heads!r}); Laplacian heads cannot be resolved per layer")
-    return LaplacianHeads(_config_spec(config)).resolve_flags(n_layers, n_heads)
+    # A learnable spec resolves to the heads that START Laplacian (its initialisation).
+    return LaplacianHeads(_config_spec(config)).init_flags(n_layers, n_heads)
+
+
+def _learnable(config: Any) -> bool:
+    try:
+        return learnable_spec(_config_spec(config)) is not None
+    except ConfigError:
+        return False
+
+
+def _module_mix(module: Any, h: int) -> HeadMix:
+    """The ``(a, b)`` parameters of a module of a learnable-mixing model, or a ConfigError with the fix."""
+    a = getattr(module, MIX_PARAM_SUFFIXES[0], None)
+    b = getattr(module, MIX_PARAM_SUFFIXES[1], None)
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ConfigError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no lap_mix_a / lap_mix_b, but "
+            f"config.laplacian_heads={_config_spec(module.config)!r} is learnable mixing: build the model with "
+            "lapheads.transformers.enable(model, spec) or load it with lapheads.transformers.from_pretrained")
+    return HeadMix(a, b)
 
 
 def _any_laplacian(config: Any) -> bool:
@@ -287,6 +319,14 @@ def laplacian_sdpa_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     h = query.shape[1]
+    if _learnable(module.config):
+        _unsupported_kwargs(kwargs)
+        _check_attention_call(module, query, key, attention_mask)
+        causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
+        out = laplacian_attention(
+            query, key, value, laplacian_heads=_module_mix(module, int(h)), attn_mask=attention_mask,
+            is_causal=causal, scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
+        return out.transpose(1, 2).contiguous(), None
     flags, _, any_lap = _module_head_mask(module, h, query.device)
     if not any_lap:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -322,10 +362,13 @@ def laplacian_eager_attention_forward(
         ``I - P`` sum to 0). transformers returns it as the attentions with ``output_attentions=True``.
     """
     h = query.shape[1]
+    heads: Any
     if getattr(module, "is_cross_attention", False):
-        mask, any_lap = torch.zeros(h, dtype=torch.bool, device=query.device), False
+        heads, any_lap = torch.zeros(h, dtype=torch.bool, device=query.device), False
+    elif _learnable(module.config):
+        heads, any_lap = _module_mix(module, int(h)), True
     else:
-        _, mask, any_lap = _module_head_mask(module, h, query.device)
+        _, heads, any_lap = _module_head_mask(module, h, query.device)
     _unsupported_kwargs(kwargs)
     if any_lap:
         _check_attention_call(module, query, key, attention_mask)
@@ -335,7 +378,7 @@ def laplacian_eager_attention_forward(
         # operator takes a float mask only in the dtype of q.
         attention_mask = attention_mask.to(query.dtype)
     out, op = laplacian_attention_reference(
-        query, key, value, laplacian_heads=mask, attn_mask=attention_mask, is_causal=causal,
+        query, key, value, laplacian_heads=heads, attn_mask=attention_mask, is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
     return out.transpose(1, 2).contiguous(), op
 
@@ -437,7 +480,11 @@ def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_
     """Give a model (or a config before the model is built) Laplacian heads, in one call.
 
     Sets ``config.laplacian_heads`` (validated against the model shape now, not at the first
-    forward) and switches the attention implementation.
+    forward) and switches the attention implementation. For a model and a learnable spec
+    (``"learn..."``) it also registers ``lap_mix_a`` / ``lap_mix_b`` on every self-attention module
+    (:func:`mixing_modules`) at the spec's initialisation; a fixed spec removes them. Create the
+    optimizer after this call. A config alone gets no parameters: build the model from it, then
+    call ``enable(model, spec)``.
 
     Args:
         model_or_config: a transformers ``PreTrainedModel`` or its config.
@@ -463,10 +510,71 @@ def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_
         config.laplacian_heads = old
         raise
     if is_model:
+        learn = learnable_spec(spec)
+        mods = mixing_modules(model_or_config)
+        if learn is not None:
+            if not mods:
+                config.laplacian_heads = old
+                raise ConfigError(f"{type(model_or_config).__name__} has no self-attention module with a layer_idx "
+                                  "to hold the learnable mixing parameters")
+            flags = learn.init_flags(config.num_hidden_layers, config.num_attention_heads)
+            for m in mods:
+                register_mix(m, flags[int(m.layer_idx)])
+        else:
+            for m in mods:
+                remove_mix(m)
         model_or_config.set_attn_implementation(impl)
     else:
         config._attn_implementation = impl
     return model_or_config
+
+
+def mixing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules of ``model`` that hold (or would hold) the learnable mixing.
+
+    A module qualifies when its class name contains ``Attention``, it has an integer ``layer_idx``
+    and a ``config``, and it is not cross-attention (no own position among its keys).
+    """
+    out = []
+    for m in model.modules():
+        if ("Attention" in type(m).__name__ and isinstance(getattr(m, "layer_idx", None), int)
+                and getattr(m, "config", None) is not None and not getattr(m, "is_cross_attention", False)):
+            out.append(m)
+    return out
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    import os
+    import json
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    single = os.path.join(path, "model.safetensors")
+    return [single] if os.path.isfile(single) else []
+
+
+def _load_mixing(model: PreTrainedModel, path: str) -> None:
+    """Register the mixing parameters on ``model`` and fill them from the checkpoint at ``path``."""
+    from safetensors import safe_open
+
+    enable(model, model.config.laplacian_heads, eager=model.config._attn_implementation in
+           (EAGER_ATTN_IMPLEMENTATION, SAVED_EAGER_ATTN_IMPLEMENTATION))
+    wanted = {n: p for n, p in model.named_parameters() if n.endswith(MIX_PARAM_SUFFIXES)}
+    found: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if key in wanted:
+                    found[key] = f.get_tensor(key)
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise ConfigError(f"{path}: config.laplacian_heads={model.config.laplacian_heads!r} is learnable mixing, but "
+                          f"the checkpoint lacks {len(missing)} of its parameters (e.g. {missing[0]}); it was not "
+                          "saved from a model with learnable mixing")
+    with torch.no_grad():
+        for n, p in wanted.items():
+            p.copy_(found[n].to(p.dtype))
 
 
 def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
@@ -485,7 +593,8 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
 
     Raises:
         ConfigError: an explicit standard ``attn_implementation`` for a config with Laplacian heads
-            (see :func:`check_implementation`).
+            (see :func:`check_implementation`), or a learnable-mixing config whose checkpoint (a local
+            directory of safetensors) lacks the mixing parameters.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -498,4 +607,18 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
         check_implementation(config, kwargs["attn_implementation"])
     elif _config_spec(config) is not None:
         kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
-    return model_class.from_pretrained(path, **kwargs)
+    if not _learnable(config):
+        return model_class.from_pretrained(path, **kwargs)
+    import logging as _logging
+
+    from transformers.utils import logging as hf_logging
+    # transformers warns that lap_mix_* are unexpected keys (its freshly built model lacks them);
+    # _load_mixing restores them right after, so that warning would be wrong here.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(_logging.ERROR)
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    finally:
+        hf_logging.set_verbosity(level)
+    _load_mixing(model, path)
+    return model

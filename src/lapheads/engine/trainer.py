@@ -562,6 +562,10 @@ class Trainer:
         with torch.no_grad():
             res = self.task.evaluate(self.model, self.ema.module if self.ema else None, self.step)
         self.model.train()
+        from ..heads import mixing_table
+        mix = mixing_table(self.model)
+        if mix and res is not None:  # learnable head mixing: (a, b) per layer and head (report plots it)
+            res = {**res, "lap_mix": mix}
         if res:
             self._log({"step": self.step, "split": "val", **res})
         return res

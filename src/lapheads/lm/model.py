@@ -95,7 +95,8 @@ class LMOptimConfig:
     matrix_lr: float = bounded(0.02, ge=0.0)  # Muon, hidden matrices of the blocks
     embedding_lr: float = bounded(0.2, ge=0.0)  # AdamW, token embedding (times (width/768)^-0.5)
     unembedding_lr: float = bounded(0.004, ge=0.0)  # AdamW, lm_head (times (width/768)^-0.5)
-    weight_decay: float = bounded(0.0, ge=0.0)  # AdamW and Muon
+    weight_decay: float = bounded(0.0, ge=0.0)  # AdamW and Muon (never on the learnable mixing)
+    mix_lr: float = bounded(0.02, ge=0.0)  # AdamW, learnable head mixing a, b (laplacian_heads: learn...), no decay
     adam_betas: tuple[float, float] = bounded((0.8, 0.95), ge=0.0, lt=1.0)
     adam_eps: float = bounded(1e-10, gt=0.0)
     muon_momentum: float = bounded(0.95, ge=0.0, lt=1.0)
@@ -212,8 +213,13 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
     """
     from transformers import NanoChatForCausalLM
 
+    from .. import transformers as lap_tf
+    from ..heads import learnable_spec
+
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model = NanoChatForCausalLM(config)
+    if learnable_spec(config.laplacian_heads) is not None:
+        lap_tf.enable(model, config.laplacian_heads)  # registers lap_mix_a / lap_mix_b per layer
     if init:
         init_weights(model)
     gc = model.generation_config
@@ -226,13 +232,17 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
 
 
 def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Split the parameters as nanochat does: ``matrix`` (Muon), ``embedding``, ``lm_head`` (AdamW).
+    """Split the parameters as nanochat does: ``matrix`` (Muon), ``embedding``, ``lm_head`` (AdamW),
+    plus ``mix`` (AdamW, no weight decay): the learnable head mixing ``lap_mix_a`` / ``lap_mix_b``,
+    vectors that Muon must not take.
 
     Raises:
         ConfigError: a parameter fits no group or a block parameter is not a 2D matrix (Muon
             cannot take it); every parameter lands in exactly one group otherwise.
     """
-    groups: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "embedding": [], "lm_head": []}
+    from ..heads import is_mix_param
+
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "embedding": [], "lm_head": [], "mix": []}
     emb = model.get_input_embeddings().weight
     head = model.lm_head.weight
     for name, p in model.named_parameters():
@@ -242,6 +252,8 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
             groups["embedding"].append((name, p))
         elif p is head:
             groups["lm_head"].append((name, p))
+        elif is_mix_param(name):
+            groups["mix"].append((name, p))
         elif name.startswith("model.layers."):
             if p.ndim != 2:
                 raise ConfigError(f"{name} has shape {tuple(p.shape)}: the blocks must hold only 2D matrices "
@@ -270,6 +282,8 @@ def build_optimizers(model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bo
         {"params": [p for _, p in g["lm_head"]], "lr": cfg.unembedding_lr * scale, "name": "lm_head"},
         {"params": [p for _, p in g["embedding"]], "lr": cfg.embedding_lr * scale, "name": "embedding"},
     ]
+    if g["mix"]:  # learnable mixing: scalars per head, never weight-decayed
+        adam_groups.append({"params": [p for _, p in g["mix"]], "lr": cfg.mix_lr, "name": "mix", "weight_decay": 0.0})
     adamw = torch.optim.AdamW(adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
                               weight_decay=cfg.weight_decay, fused=fused)
     momentum = cfg.muon_momentum_start if cfg.muon_momentum_warmup > 0 else cfg.muon_momentum

@@ -261,8 +261,10 @@ class ClassifyTask(Task):
         for n, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
-            # no weight decay on biases, norms, tokens and position embeddings (timm convention)
-            (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed", "reg_token")) else decay).append(p)
+            # no weight decay on biases, norms, tokens and position embeddings (timm convention),
+            # nor on the learnable head mixing (lap_mix_a / lap_mix_b)
+            (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed", "reg_token", "lap_mix_a", "lap_mix_b"))
+             else decay).append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if o.name == "lamb":
             from timm.optim import Lamb
