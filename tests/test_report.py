@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
 TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
         "--set", "train.progress=false", "--set", "data.batch_size=32", "--set", "data.max_eval_items=64",
-        "--set", "train.ckpt_every=1", "--set", "train.log_every=1"]
+        "--set", "train.ckpt_every=1", "--set", "train.log_every=1", "--set", "train.eval_every=1"]
 
 
 def _sweep_argv(out: Path, steps: int) -> list[str]:
@@ -115,6 +115,98 @@ def test_report_groups_runs_and_references_existing_files(tmp_path, tiny_runs):
     assert "The paper's claims" in md and "within-sequence" in md
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["classify"]) == {"k=0", "k=1", "all"}
+    # validation curves (three eval points per run) and their plateau flags
+    assert (out / "figures" / "classify_val_curves.png").is_file()
+    runs_table = md[md.index("## Runs"):]
+    for d in dirs:
+        flag = summary["classify"][{"0": "k=0", "1": "k=1", "all": "all"}[d.name[1:-3]]]["plateau"][d.name]
+        assert flag["eval_points"] == 3 and flag["status"] in ("yes", "no")
+        assert re.search(rf"\| {d.name} \| classify \| .* \| 3 \| {flag['status']} \(", runs_table), runs_table
+
+
+def test_report_verdicts_carry_welch_statistics(tmp_path, tiny_runs):
+    """Every claim paragraph and summary.json give the difference, its 95% CI, Welch's t and p and
+    the seeds; a verdict is observed/opposite only at p < 0.05; NC1 is among the claims."""
+    from scipy import stats as st
+    from lapheads.report import collect_run, run_value
+    from lapheads.stats import seeds_needed
+
+    dirs = _copies(tiny_runs, tmp_path)
+    out = tmp_path / "rep"
+    assert cli(["report", *map(str, dirs), "--out", str(out), "--analyze"]) == 0
+    md = (out / "report.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    paras = [l for l in md.splitlines() if l.startswith("**classify: ")]
+    assert any("neural collapse of image/sequence means" in p for p in paras)
+    assert any("neural collapse at the classifier input" in p for p in paras)
+    for p in paras:
+        assert "95% CI" in p and "Welch t = " in p and "p = " in p and "n = 2 vs 2 seeds" in p, p
+    runs = [collect_run(d) for d in dirs]
+    base = [r for r in runs if r["label"] == "k=0"]
+    for label in ("k=1", "all"):
+        comps = summary["classify"][label]["comparisons"]
+        assert {"top1", "nc_sequence_means.nc1", "classifier_input.nc1", "anova.frac_within_sequence"} <= set(comps)
+        other = [r for r in runs if r["label"] == label]
+        for key, c in comps.items():
+            a = [run_value(r, key) for r in base]
+            b = [run_value(r, key) for r in other]
+            ref = st.ttest_ind(b, a, equal_var=False)
+            assert c["diff"] == pytest.approx(sum(b) / 2 - sum(a) / 2, abs=1e-12)
+            assert c["t"] == pytest.approx(ref.statistic) and c["p"] == pytest.approx(ref.pvalue)
+            ci = ref.confidence_interval(0.95)
+            assert (c["ci_low"], c["ci_high"]) == pytest.approx((ci.low, ci.high))
+            assert c["n_baseline"] == c["n_other"] == 2
+            if c["p"] >= 0.05:
+                assert c["verdict"] == "not resolved" and c["seeds_needed"] == seeds_needed(c["effect_size"])
+            else:
+                good = c["diff"] < 0 if c["want_lower"] else c["diff"] > 0
+                assert c["verdict"] == ("observed" if good else "opposite")
+            if key == "top1":
+                assert f"{label} vs k=0: difference" in md
+
+
+def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, tiny_runs):
+    dirs = _copies([tiny_runs[0], tiny_runs[4]], tmp_path)  # k=0 and all, one seed each
+    m = json.loads((dirs[0] / "final" / "metrics.json").read_text())
+    m["n"] = 10000
+    (dirs[0] / "final" / "metrics.json").write_text(json.dumps(m))
+    out = tmp_path / "rep"
+    assert cli(["report", *map(str, dirs), "--out", str(out), "--plateau-tol", "10"]) == 0
+    md = (out / "report.md").read_text()
+    assert "n=10000" in md and "e+04" not in md
+    assert "single run, no test" in md and ": observed" not in md and ": opposite" not in md
+    c = json.loads((out / "summary.json").read_text())["classify"]["all"]["comparisons"]["top1"]
+    assert c["verdict"] == "single run" and c["p"] is None
+    assert "| k0_s0 | classify | k=0 | 0 | 3 | yes (" in md  # every run plateaus at a 1000% tolerance
+    assert "Convergence:" not in md
+    assert cli(["report", *map(str, dirs), "--out", str(tmp_path / "bad"), "--plateau-window", "0"]) == 2
+
+
+def test_number_formatting():
+    from lapheads.report import _fmt, _num
+    assert _num(10000) == "10000" and _num(10000.0) == "10000" and _num(123456.7) == "123457"
+    assert _num(0.123456) == "0.1235" and _num(True) == "True"
+    assert _fmt(12000.0, 1500.0, 3) == "12000 ± 1500"
+
+
+def test_pca_images_come_from_several_classes_and_in_colour(tmp_path):
+    from PIL import Image
+    from lapheads.geometry.pca_maps import load_images, spread_over_classes
+
+    assert spread_over_classes([0, 0, 0, 1, 1, 2], 4) == [0, 3, 5, 1]
+    assert spread_over_classes(["b", "a", "b"], 5) == [1, 0, 2]
+    colours = {"cat": (255, 0, 0), "dog": (0, 255, 0), "eel": (0, 0, 255)}
+    for name, rgb in colours.items():  # a class-sorted folder: the first 3 files are all "cat"
+        (tmp_path / name).mkdir()
+        for i in range(4):
+            Image.new("RGB", (8, 8), rgb).save(tmp_path / name / f"{i}.png")
+    imgs = load_images(str(tmp_path), max_images=3)
+    assert sorted(im.getpixel((0, 0)) for im in imgs) == sorted(colours.values())
+    digits = load_images("digits", max_images=10)  # a data spec: one image of each of the 10 digits
+    from lapheads.data.images import build_image_dataset
+    ds = build_image_dataset("digits", "val")
+    idx = spread_over_classes(list(ds.targets), 10)
+    assert sorted(int(ds.targets[i]) for i in idx) == list(range(10)) and len(digits) == 10
 
 
 def _chromium() -> str | None:

@@ -3,12 +3,23 @@
 Writes ``report.md`` (figures beside it in ``figures/``) and a self-contained ``report.html``
 (the same figures embedded as data URIs). For every recipe present:
 
-* a table with one row per Laplacian-head setting: runs, the recipe's metrics and the geometry
-  of the last block as mean +- std over seeds;
-* figures: training curves, the main metric per setting, ANOVA fractions / k99 / cosine per layer,
-  singular-value spectra, and (vision) PCA maps of a few images' patch tokens;
-* one paragraph per claim of the paper, saying from these numbers whether this run observed it.
-  A difference smaller than the spread over seeds is reported as such, not as an effect.
+* a table with one row per Laplacian-head setting: runs, how many plateaued, the recipe's metrics
+  and the geometry of the last block (NC1 also at the classifier input) as mean +- std over seeds;
+* figures: training loss and validation-metric curves (mean +- std over seeds), the main metric per
+  setting, ANOVA fractions / k99 / cosine per layer, singular-value spectra, and (vision) PCA maps
+  of images drawn from several classes (inputs shown in colour when they are RGB);
+* one paragraph per claim of the paper, comparing every setting with the baseline (k=0): the
+  difference with its 95% confidence interval, Welch's t and p and the seeds per setting
+  (:mod:`lapheads.stats`). A verdict is "observed" / "opposite" only at p < 0.05, otherwise "not
+  resolved" with the seeds such an effect would need; one seed per setting is a "single run" (no
+  test). A paragraph says when runs it compares had not plateaued.
+* a table of the runs with a plateau flag each: the relative change of the validation metric over
+  the last ``--plateau-window`` fraction of training, below ``--plateau-tol`` = plateaued, fewer
+  than three eval points = unknown (set ``train.eval_every``).
+
+``summary.json`` holds, per recipe and setting, the mean / std / n of every number, the per-run
+plateau flags and, for each setting other than k=0, the comparisons with k=0 (the same numbers as
+the paragraphs). Integers are printed as integers (``n=10000``).
 """
 
 from __future__ import annotations
@@ -24,8 +35,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .engine.config import number_arg
 from .errors import ConfigError
 from .heads import LaplacianHeads
+from .stats import Comparison, Plateau, compare, plateau
 
 # recipe -> [(metric key in final/metrics.json, label, higher is better)]
 METRICS = {
@@ -36,13 +49,17 @@ METRICS = {
     "dino": [("knn_top1", "k-NN top-1", True), ("knn20_top1", "20-NN top-1", True),
              ("linear_top1", "linear top-1", True)],
 }
-# geometry numbers summarised in the table: (section, key, label)
-GEOMETRY = [("anova", "frac_within_sequence", "within-seq frac"),
-            ("anova", "frac_between_class", "between-class frac"),
-            ("spectra", "k_mean", "k99"),
-            ("cosine", "cosine_mean", "cosine"),
-            ("nc_sequence_means", "nc1", "NC1 (seq means)"),
-            ("nc_tokens", "cdnv", "CDNV (tokens)")]
+# geometry numbers summarised in the table: (summary key, layer, section, field, label). Layer
+# "last": the last transformer block; "classifier": the features the classifier reads (the run's
+# meta.classifier_layer, else pre_logits, else the last block).
+GEOMETRY = [("anova.frac_within_sequence", "last", "anova", "frac_within_sequence", "within-seq frac"),
+            ("anova.frac_between_class", "last", "anova", "frac_between_class", "between-class frac"),
+            ("spectra.k_mean", "last", "spectra", "k_mean", "k99"),
+            ("cosine.cosine_mean", "last", "cosine", "cosine_mean", "cosine"),
+            ("nc_sequence_means.nc1", "last", "nc_sequence_means", "nc1", "NC1 (seq means)"),
+            ("classifier_input.nc1", "classifier", "nc_tokens", "nc1", "NC1 (classifier input)"),
+            ("nc_tokens.cdnv", "last", "nc_tokens", "cdnv", "CDNV (tokens)")]
+_GEO = {key: (where, section, field) for key, where, section, field, _ in GEOMETRY}
 
 
 # ----------------------------------------------------------------------------------- collection
@@ -88,11 +105,42 @@ def _last_block(geo: dict) -> Optional[str]:
     return names[-1] if names else None
 
 
+def _classifier_layer(geo: dict) -> Optional[str]:
+    layer = (geo.get("meta") or {}).get("classifier_layer")
+    if layer in geo.get("layers", {}):
+        return layer
+    return "pre_logits" if "pre_logits" in geo.get("layers", {}) else _last_block(geo)
+
+
 def _geo_value(geo: Optional[dict], layer: Optional[str], section: str, key: str) -> Optional[float]:
     if not geo or layer is None:
         return None
     v = geo["layers"].get(layer, {}).get(section, {}).get(key)
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def run_value(run: dict, key: str) -> Optional[float]:
+    """One run's number for a summary key: a final metric or a geometry key of :data:`GEOMETRY`."""
+    if key in _GEO:
+        where, section, field = _GEO[key]
+        geo = run["geometry"]
+        if not geo:
+            return None
+        return _geo_value(geo, _last_block(geo) if where == "last" else _classifier_layer(geo), section, field)
+    v = run["final"].get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def main_metric(recipe: str) -> Optional[tuple[str, str, bool]]:
+    """(key, label, higher is better) of the recipe's validation metric (curves and plateau flags)."""
+    return METRICS[recipe][0] if METRICS.get(recipe) else None
+
+
+def run_plateau(run: dict, window: float = 0.2, tol: float = 0.01) -> Plateau:
+    """Plateau flag of a run's validation curve of its recipe's main metric (:func:`lapheads.stats.plateau`)."""
+    m = main_metric(run["recipe"])
+    pts = [(r["step"], r[m[0]]) for r in run["val"] if m and isinstance(r.get(m[0]), (int, float))]
+    return plateau([s for s, _ in pts], [v for _, v in pts], window, tol)
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float, int]:
@@ -102,10 +150,25 @@ def _mean_std(xs: list[float]) -> tuple[float, float, int]:
     return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0, int(a.size)
 
 
+def _num(x: Any, digits: int = 4) -> str:
+    """A number for people: integers (and integral values) in full (``10000``, never ``1e+04``),
+    other values to ``digits`` significant digits, large ones rounded to an integer."""
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return str(x)
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    if abs(x) < 1e15 and (x.is_integer() or abs(x) >= 10 ** digits):
+        return f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
 def _fmt(m: float, s: float, n: int, digits: int = 4) -> str:
     if n == 0 or not math.isfinite(m):
         return "-"
-    return f"{m:.{digits}g} ± {s:.2g}" if n > 1 else f"{m:.{digits}g}"
+    return f"{_num(m, digits)} ± {_num(s, 2)}" if n > 1 else _num(m, digits)
 
 
 def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -116,11 +179,9 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     for recipe, groups in out.items():
         for label, g in groups.items():
             for key, _, _ in METRICS.get(recipe, []):
-                g[key] = _mean_std([r["final"].get(key) for r in g["runs"]])
-            for section, key, _ in GEOMETRY:
-                g[f"{section}.{key}"] = _mean_std([
-                    _geo_value(r["geometry"], _last_block(r["geometry"]) if r["geometry"] else None, section, key)
-                    for r in g["runs"]])
+                g[key] = _mean_std([run_value(r, key) for r in g["runs"]])
+            for key, *_ in GEOMETRY:
+                g[key] = _mean_std([run_value(r, key) for r in g["runs"]])
         out[recipe] = dict(sorted(groups.items(), key=lambda kv: _k_sort_key(kv[0])))
     return out
 
@@ -168,6 +229,38 @@ def _fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         drawn = True
     return _finish_lines(plt, fig, ax, drawn, path, "optimizer step", "training loss",
                          f"{recipe}: training loss (mean ± std over seeds)")
+
+
+def _fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
+    """The validation metric at every eval point, mean ± std over the seeds of each setting.
+
+    Drawn at the eval steps all seeds of a setting share; a run evaluated only at the end is one
+    marker (set ``train.eval_every`` for curves and plateau flags)."""
+    m = main_metric(recipe)
+    if m is None:
+        return None
+    key, name, _ = m
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    drawn = False
+    for label, g in groups.items():
+        curves = [{r["step"]: float(r[key]) for r in run["val"] if isinstance(r.get(key), (int, float))}
+                  for run in g["runs"]]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*[set(c) for c in curves]))
+        if not steps:
+            continue
+        vals = np.array([[c[s] for s in steps] for c in curves])
+        mean = vals.mean(0)
+        ax.plot(steps, mean, "-o", ms=3, label=f"{label} (n={len(curves)})")
+        if len(curves) > 1:
+            sd = vals.std(0, ddof=1)
+            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
+        drawn = True
+    return _finish_lines(plt, fig, ax, drawn, path, "optimizer step", name,
+                         f"{recipe}: validation {name} (mean ± std over seeds)")
 
 
 def _fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -265,7 +358,9 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
     from .data.transforms import build_transforms
     from .engine.config import from_dict
     from .geometry import pca_rgb
+    from .geometry.pca_maps import spread_over_classes
     from .recipes.classify import ClassifyConfig, load_model
+    from .recipes.dino import to_float_image
     reps = [(lb, g["runs"][0]) for lb, g in groups.items() if g["runs"] and g["runs"][0]["finished"]]
     if not reps:
         return None
@@ -285,13 +380,14 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
         ds = build_image_dataset(cfg.data.val or cfg.data.train, split="val")
         tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std)
         loader = lambda d: load_model(Path(d))  # noqa: E731
-    idx = list(range(min(6, len(ds))))
+    labels = getattr(ds, "targets", None)  # one image from each of several classes, not the first six
+    idx = spread_over_classes(list(labels), 6) if labels is not None else list(range(min(6, len(ds))))
     imgs = torch.stack([tf(ds[i][0]) for i in idx])
     plt = _plt()
     fig, axes = plt.subplots(len(reps) + 1, len(idx), figsize=(1.3 * len(idx), 1.35 * (len(reps) + 1)),
                              squeeze=False)
     for j, i in enumerate(idx):
-        axes[0][j].imshow(np.asarray(ds[i][0].convert("L")), cmap="gray")
+        axes[0][j].imshow(to_float_image(ds[i][0]).permute(1, 2, 0).numpy())  # RGB inputs in colour
         axes[0][j].set_axis_off()
     axes[0][0].set_title("input", fontsize=7, loc="left")
     for row, (label, r) in enumerate(reps, start=1):
@@ -314,77 +410,96 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
 
 
 # ----------------------------------------------------------------------------------- claims
-def _compare(groups: dict, key: str) -> Optional[tuple[str, tuple, str, tuple]]:
-    """(baseline label, stats, most-Laplacian label, stats) when both exist with data."""
-    labels = [lb for lb in groups if groups[lb][key][2] > 0]
-    if "k=0" not in labels or len(labels) < 2:
-        return None
-    other = [lb for lb in labels if lb != "k=0"][-1]
-    return "k=0", groups["k=0"][key], other, groups[other][key]
+# (summary key, the claim predicts lower values with Laplacian heads, claim, how it is measured)
+CLAIMS = [
+    ("anova.frac_within_sequence", True, "Laplacian heads shrink the within-sequence variance",
+     "within-sequence fraction of the token variance, last block"),
+    ("anova.frac_between_class", False, "Laplacian heads grow the between-class variance",
+     "between-class fraction of the token variance, last block"),
+    ("spectra.k_mean", True, "Laplacian heads make spectra decay faster (lower k99)",
+     "components for 99% of a sequence's variance, last block"),
+    ("nc_tokens.cdnv", True, "Laplacian heads make classes more separable (lower CDNV)",
+     "CDNV of tokens by class (next token for a language model), last block"),
+    ("nc_sequence_means.nc1", True, "Laplacian heads strengthen neural collapse of image/sequence means (lower NC1)",
+     "NC1 = tr(Sigma_W pinv(Sigma_B)) / C of the image (sequence) means by class, last block"),
+    ("classifier_input.nc1", True, "Laplacian heads strengthen neural collapse at the classifier input (lower NC1)",
+     "NC1 of the features the classifier reads (pre-logits for a ViT; the last hidden state's tokens by "
+     "next token for a language model)"),
+]
 
 
-def _verdict(base: tuple, lap: tuple, want_lower: bool) -> str:
-    (m0, s0, n0), (m1, s1, n1) = base, lap
-    diff = m1 - m0
-    good = diff < 0 if want_lower else diff > 0
-    spread = max(s0, s1)
-    if n0 > 1 and n1 > 1 and abs(diff) <= spread:
-        return "not resolved (the difference is within the spread over seeds)"
-    verdict = "observed" if good else "not observed (the opposite direction)"
-    if n0 < 2 or n1 < 2:
-        verdict += " in a single run per setting, with no estimate of the spread over seeds"
-    return verdict
-
-
-def claims(summary: dict) -> list[tuple[str, str]]:
+def comparisons(groups: dict, key: str, want_lower: bool) -> list[Comparison]:
+    """Every setting with data against the baseline k=0 (none without a baseline)."""
+    if "k=0" not in groups:
+        return []
+    base = [run_value(r, key) for r in groups["k=0"]["runs"]]
     out = []
-    spec = [
-        ("anova.frac_within_sequence", True, "Laplacian heads shrink the within-sequence variance",
-         "within-sequence fraction of the token variance, last block"),
-        ("anova.frac_between_class", False, "Laplacian heads grow the between-class variance",
-         "between-class fraction of the token variance, last block"),
-        ("spectra.k_mean", True, "Laplacian heads make spectra decay faster (lower k99)",
-         "components for 99% of a sequence's variance, last block"),
-        ("nc_tokens.cdnv", True, "Laplacian heads make classes more separable (lower CDNV)",
-         "CDNV of tokens by class (next token for a language model), last block"),
-    ]
+    for label, g in groups.items():
+        if label == "k=0":
+            continue
+        c = compare("k=0", base, label, [run_value(r, key) for r in g["runs"]], want_lower)
+        if c.verdict != "no data":
+            out.append(c)
+    return out if any(c.n_baseline for c in out) else []
+
+
+def _convergence_note(groups: dict, labels: Sequence[str], flags: dict[str, Plateau]) -> str:
+    """Empty when every compared run had plateaued, else which had not (or are unknown)."""
+    runs = [r for lb in labels for r in groups[lb]["runs"]]
+    names = [r["name"] for r in runs]
+    no = [r["name"] for r in runs if flags[r["dir"]].status == "no"]
+    unknown = [r["name"] for r in runs if flags[r["dir"]].status == "unknown"]
+    parts = []
+    if no:
+        parts.append(f"{len(no)} of {len(names)} runs compared had not plateaued ({', '.join(no)}): "
+                     "this compares unconverged runs")
+    if unknown:
+        parts.append(f"convergence unknown for {len(unknown)} of {len(names)} runs (fewer than 3 validation "
+                     "points; set train.eval_every)")
+    return "; ".join(parts)
+
+
+def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[dict[str, Any]]:
+    """One entry per (recipe, claim) with data: ``{"recipe", "key", "claim", "how", "want_lower",
+    "comparisons": [Comparison], "convergence": str, "text": str}``."""
+    flags = flags if flags is not None else {r["dir"]: run_plateau(r) for gs in summary.values()
+                                             for g in gs.values() for r in g["runs"]}
+    out = []
     for recipe, groups in summary.items():
-        metrics = METRICS.get(recipe, [])
-        for key, lower, what, _how in spec:
-            c = _compare(groups, key)
-            if c is None:
+        spec = list(CLAIMS)
+        m = main_metric(recipe)
+        if m is not None:
+            key, name, higher = m
+            spec.append((key, not higher, "Laplacian heads raise the accuracy" if higher
+                         else f"Laplacian heads lower the {name}", name))
+        for key, lower, what, how in spec:
+            comps = comparisons(groups, key, lower)
+            if not comps:
                 continue
-            b, sb, l, sl = c
-            out.append((f"{recipe}: {what}",
-                        f"{_verdict(sb, sl, lower).capitalize()}. {how_measured(key, spec)}: "
-                        f"{b} {_fmt(*sb)} vs {l} {_fmt(*sl)} (mean ± std over {sb[2]} and {sl[2]} runs)."))
-        if metrics:
-            key, name, higher = metrics[0]
-            c = _compare(groups, key)
-            if c is not None:
-                b, sb, l, sl = c
-                claim = "raise the accuracy" if higher else f"lower the {name}"
-                out.append((f"{recipe}: Laplacian heads {claim}",
-                            f"{_verdict(sb, sl, not higher).capitalize()}. {name}: {b} {_fmt(*sb)} vs "
-                            f"{l} {_fmt(*sl)} (mean ± std over {sb[2]} and {sl[2]} runs)."))
+            conv = _convergence_note(groups, ["k=0"] + [c.other for c in comps], flags)
+            text = f"{how[0].upper() + how[1:]}. " + "; ".join(c.describe() for c in comps) + "."
+            if conv:
+                text += f" Convergence: {conv}."
+            out.append({"recipe": recipe, "key": key, "claim": f"{recipe}: {what}", "how": how,
+                        "want_lower": lower, "comparisons": comps, "convergence": conv, "text": text})
     return out
 
 
-def how_measured(key: str, spec: list) -> str:
-    for k, _, _, how in spec:
-        if k == key:
-            return how[0].upper() + how[1:]
-    return key
-
-
 # ----------------------------------------------------------------------------------- rendering
-def _table_rows(recipe: str, groups: dict) -> tuple[list[str], list[list[str]]]:
+def _plateaued(runs: list[dict], flags: dict[str, Plateau]) -> str:
+    st = [flags[r["dir"]].status for r in runs]
+    text = f"{st.count('yes')}/{len(st)}"
+    return text + (f" ({st.count('unknown')} unknown)" if "unknown" in st else "")
+
+
+def _table_rows(recipe: str, groups: dict, flags: dict[str, Plateau]) -> tuple[list[str], list[list[str]]]:
     metrics = [(k, n) for k, n, _ in METRICS.get(recipe, []) if any(g[k][2] for g in groups.values())]
-    geo = [(f"{s}.{k}", n) for s, k, n in GEOMETRY if any(g[f"{s}.{k}"][2] for g in groups.values())]
-    header = ["Laplacian heads", "runs"] + [n for _, n in metrics] + [n for _, n in geo]
+    geo = [(k, n) for k, *_, n in GEOMETRY if any(g[k][2] for g in groups.values())]
+    header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in metrics] + [n for _, n in geo]
     rows = []
     for label, g in groups.items():
-        rows.append([label, str(len(g["runs"]))] + [_fmt(*g[k]) for k, _ in metrics] + [_fmt(*g[k]) for k, _ in geo])
+        rows.append([label, str(len(g["runs"])), _plateaued(g["runs"], flags)]
+                    + [_fmt(*g[k]) for k, _ in metrics] + [_fmt(*g[k]) for k, _ in geo])
     return header, rows
 
 
@@ -412,15 +527,24 @@ _IMG_CHECK = ("<script>window.addEventListener('load',function(){var im=document
 
 
 def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "lapheads report",
-                 intro: str = "") -> dict[str, Path]:
-    """Write ``report.md``, ``report.html`` and ``figures/`` comparing ``run_dirs``."""
+                 intro: str = "", plateau_window: float = 0.2, plateau_tol: float = 0.01) -> dict[str, Path]:
+    """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``.
+
+    ``plateau_window`` / ``plateau_tol``: a run has plateaued when its validation metric changed by
+    less than ``plateau_tol`` (relative) over the last ``plateau_window`` fraction of training.
+    """
     if not run_dirs:
         raise ConfigError("no run directories given to the report")
+    if not 0.0 < plateau_window <= 1.0:
+        raise ConfigError(f"plateau window {plateau_window} must be in (0, 1]")
+    if not (plateau_tol >= 0.0 and math.isfinite(plateau_tol)):
+        raise ConfigError(f"plateau tolerance {plateau_tol} must be a finite number >= 0")
     runs = [collect_run(Path(d)) for d in run_dirs]
     out = Path(out_dir)
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     summary = summarise(runs)
+    flags = {r["dir"]: run_plateau(r, plateau_window, plateau_tol) for r in runs}
     md: list[str] = [f"# {title}", "", f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} runs."]
     hb: list[str] = [f"<h1>{html.escape(title)}</h1>",
                      f"<p>Generated {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} runs.</p>"]
@@ -433,14 +557,17 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
         md += ["", note]
         hb.append(f"<p>{html.escape(note)}</p>")
     for recipe, groups in summary.items():
-        header, rows = _table_rows(recipe, groups)
+        header, rows = _table_rows(recipe, groups, flags)
         md += ["", f"## {recipe}", "", _md_table(header, rows), ""]
         hb += [f"<h2>{html.escape(recipe)}</h2>", _html_table(header, rows)]
-        note = ("Geometry columns: the last transformer block, measured on held-out data "
-                "(`lapheads analyze`); mean ± std over seeds.")
+        note = ("Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
+                "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
+                f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
+                f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points).")
         md.append(note)
         hb.append(f"<p>{html.escape(note)}</p>")
         makers = [("curves", _fig_curves, "training loss per step"),
+                  ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
                   ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
                   ("layers", _fig_layers, "token geometry per layer"),
                   ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
@@ -452,27 +579,66 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
             p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
             if p is not None:
                 _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
-    cl = claims(summary)
+    cl = claims(summary, flags)
     if cl:
-        md += ["", "## The paper's claims, checked on these runs", ""]
-        hb.append("<h2>The paper's claims, checked on these runs</h2>")
-        for head, text in cl:
-            md += [f"**{head}.** {text}", ""]
-            hb.append(f"<div class='claim'><b>{html.escape(head)}</b>{html.escape(text)}</div>")
+        how = ("Each setting against k=0: the difference of the means, its 95% confidence interval and "
+               "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
+               "with the seeds per setting a t-test would need to detect a difference of the observed "
+               "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested.")
+        md += ["", "## The paper's claims, checked on these runs", "", how, ""]
+        hb += ["<h2>The paper's claims, checked on these runs</h2>", f"<p>{html.escape(how)}</p>"]
+        for c in cl:
+            md += [f"**{c['claim']}.** {c['text']}", ""]
+            hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
     md += ["", "## Runs", ""]
-    run_rows = [[r["name"], r["recipe"], r["label"], str(r["seed"]),
-                 ", ".join(f"{k}={v:.4g}" for k, v in r["final"].items() if isinstance(v, (int, float)))]
+    run_header = ["run", "recipe", "Laplacian heads", "seed", "steps", "plateau", "final metrics"]
+    run_rows = [[r["name"], r["recipe"], r["label"], str(r["seed"]), _steps(r), flags[r["dir"]].describe(),
+                 ", ".join(f"{k}={_num(v)}" for k, v in r["final"].items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool))]
                 for r in runs]
-    md.append(_md_table(["run", "recipe", "Laplacian heads", "seed", "final metrics"], run_rows))
-    hb += ["<h2>Runs</h2>", _html_table(["run", "recipe", "Laplacian heads", "seed", "final metrics"], run_rows)]
+    md.append(_md_table(run_header, run_rows))
+    hb += ["<h2>Runs</h2>", _html_table(run_header, run_rows)]
     (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_CSS}</style></head><body>{''.join(hb)}{_IMG_CHECK}</body></html>")
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(
-        {rec: {lb: {k: v for k, v in g.items() if k != "runs"} | {"runs": [r["name"] for r in g["runs"]]}
-               for lb, g in groups.items()} for rec, groups in summary.items()}, indent=1, default=str))
+        _summary_json(summary, flags, cl), indent=1, default=str, allow_nan=False))
     return {"md": out / "report.md", "html": out / "report.html", "summary": out / "summary.json"}
+
+
+def _steps(run: dict) -> str:
+    steps = [r["step"] for r in run["train"] + run["val"] if isinstance(r.get("step"), int)]
+    return str(max(steps)) if steps else "-"
+
+
+def _json_safe(x: Any) -> Any:
+    """NaN / inf (no data, no spread) become None: summary.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict]) -> dict:
+    """recipe -> setting -> {key: [mean, std, n], "runs": [names], "plateau": {run: {...}},
+    "comparisons": {key: {claim, verdict, diff, ci_low, ci_high, t, df, p, seeds ...}} (vs k=0)}."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec, groups in summary.items():
+        out[rec] = {}
+        for lb, g in groups.items():
+            d = {k: _json_safe(v) for k, v in g.items() if k != "runs"}
+            d["runs"] = [r["name"] for r in g["runs"]]
+            d["plateau"] = {r["name"]: {"status": flags[r["dir"]].status,
+                                        "rel_change": _json_safe(flags[r["dir"]].rel_change),
+                                        "eval_points": flags[r["dir"]].points,
+                                        "window_start": flags[r["dir"]].window_start} for r in g["runs"]}
+            d["comparisons"] = {c["key"]: {"claim": c["claim"], "want_lower": c["want_lower"],
+                                           "convergence": c["convergence"], **comp.to_dict()}
+                                for c in cl if c["recipe"] == rec for comp in c["comparisons"] if comp.other == lb}
+            out[rec][lb] = d
+    return out
 
 
 def _add_fig(md: list[str], hb: list[str], path: Path, out: Path, caption: str) -> None:
@@ -491,6 +657,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--title", default="lapheads report")
     p.add_argument("--analyze", action="store_true",
                    help="run the geometry analysis of runs that have none yet")
+    p.add_argument("--plateau-window", type=number_arg(float, gt=0.0, le=1.0), default=0.2,
+                   help="fraction of training at the end over which a run's plateau flag measures the change "
+                        "of its validation metric (default 0.2)")
+    p.add_argument("--plateau-tol", type=number_arg(float, ge=0.0), default=0.01,
+                   help="largest relative change of the validation metric over that window that counts as "
+                        "a plateau (default 0.01 = 1%%)")
     args = p.parse_args(list(argv or []))
     from .outputs import check_out_dir, removed_on_failure
     check_out_dir(args.out)
@@ -506,6 +678,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 with lock_dir(d):
                     analyze_run(d)
     with lock_enclosing_run(args.out), removed_on_failure(args.out):  # a failed report leaves no figures behind
-        paths = build_report(dirs, args.out, title=args.title)
+        paths = build_report(dirs, args.out, title=args.title, plateau_window=args.plateau_window,
+                             plateau_tol=args.plateau_tol)
     print(f"report: {paths['md']}\n        {paths['html']}")
     return 0

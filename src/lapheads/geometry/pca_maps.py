@@ -15,9 +15,12 @@ Design choices:
   (scaled to [0, 1]) is above ``--threshold``; with ``--foreground auto`` the side of the threshold
   that covers fewer patches is taken as the foreground (objects usually cover less than half of
   the picture; the sign of a principal component is arbitrary). Background patches are drawn black.
-* Images: a folder (every image file below it, recursively, sorted by path, the first
-  ``--max-images``), one image file, or an image data spec of :func:`lapheads.data.images.build_image_dataset` (``digits``, ...; its val
-  split). The figure is a matplotlib PNG grid: picture row, then map row, per group of columns.
+* Images: a folder (every image file below it, recursively), one image file, or an image data
+  spec of :func:`lapheads.data.images.build_image_dataset` (``digits``, ...; its val split).
+  ``--max-images`` are drawn from several classes (:func:`spread_over_classes`: the first image of
+  each class in turn, then the second, ...; a folder's classes are its sub-folders), not the first
+  items of a class-sorted listing, which would all be one class. The figure is a matplotlib PNG
+  grid: picture row (in colour for RGB inputs), then map row, per group of columns.
 """
 
 from __future__ import annotations
@@ -73,8 +76,27 @@ def pca_maps(backbone: nn.Module, images: torch.Tensor, layer: int = -1, mask_ba
     return rgb
 
 
+def spread_over_classes(labels: Sequence[Any], k: int) -> list[int]:
+    """Up to ``k`` indices taken round-robin over the classes of ``labels``.
+
+    Classes in sorted order; within a class, items in their given order. Deterministic: the first
+    item of every class, then the second of every class, and so on, returned in that order.
+    """
+    by_class: dict[Any, list[int]] = {}
+    for i, lab in enumerate(labels):
+        by_class.setdefault(lab, []).append(i)
+    queues = [by_class[c] for c in sorted(by_class)]
+    out: list[int] = []
+    depth = 0
+    while len(out) < k and any(depth < len(q) for q in queues):
+        out += [q[depth] for q in queues if depth < len(q)][: k - len(out)]
+        depth += 1
+    return out
+
+
 def load_images(source: str, max_images: int = 16) -> list[Any]:
-    """Up to ``max_images`` images from a folder (recursive, sorted) or an image data spec (val split)."""
+    """Up to ``max_images`` images, spread over classes, from a folder (recursive; a class is a
+    file's parent folder) or an image data spec (val split; its labels)."""
     if max_images < 1:
         raise ConfigError(f"max_images={max_images} must be >= 1")
     p = Path(source).expanduser()
@@ -84,7 +106,8 @@ def load_images(source: str, max_images: int = 16) -> list[Any]:
         if not files:
             raise DataError(f"{p}: no image files ({', '.join(IMAGE_EXTS)}) found")
         out = []
-        for f in files[:max_images]:
+        picked = spread_over_classes([str(f.parent) for f in files], max_images)
+        for f in (files[i] for i in picked):
             try:
                 with Image.open(f) as im:
                     out.append(im.convert("RGB"))
@@ -95,7 +118,10 @@ def load_images(source: str, max_images: int = 16) -> list[Any]:
     ds = build_image_dataset(source, "val")
     if len(ds) == 0:
         raise DataError(f"{source}: no images")
-    return [ds[i][0] for i in range(min(max_images, len(ds)))]
+    labels = getattr(ds, "targets", None)
+    idx = (spread_over_classes(list(labels), max_images) if labels is not None
+           else list(range(min(max_images, len(ds)))))
+    return [ds[i][0] for i in idx]
 
 
 def save_grid(pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path, title: str = "",
