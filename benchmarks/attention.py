@@ -4,12 +4,14 @@ Variants (B=1, H heads of dim D, non-causal self-attention, float32):
 
   (a) ``sdpa``      ``F.scaled_dot_product_attention(q, k, v)``, the baseline;
   (b) ``laplacian`` ``lapheads.laplacian_attention(q, k, v, laplacian_heads="all")`` (SDPA then ``v - out``);
-  (c) ``naive``     the materialised operator ``(I - softmax(q k^T / sqrt(D))) @ v``.
+  (c) ``naive``     the materialised operator ``(I - softmax(q k^T / sqrt(D))) @ v``;
+  (d) ``learnable`` ``laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b))``, learnable mixing
+                    ``a_h I + b_h P`` (SDPA then one multiply-add over heads; a, b get gradients too).
 
 Time: median of interleaved rounds (benchmarks/_common.py); ratios are medians of the per-round
 ratios, so both variants of a ratio saw the same machine load. Memory: growth of the peak resident
 set over one forward + backward step, each in a fresh subprocess. Targets checked and printed:
-b/a <= 1.05 at every T; c/b >= 2 at the largest T; b's memory grows linearly in T and c's
+b/a <= 1.05 and d/a <= 1.05 at every T; c/b >= 2 at the largest T; b's memory grows linearly in T and c's
 quadratically (growth between the two largest sizes compared with the linear factor).
 
 Usage: ``python benchmarks/attention.py [--quick] [--threads N]``. Markdown goes to stdout,
@@ -33,10 +35,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from _common import (PeakMemory, machine_line, markdown_table, medians, paired_ratio, run_child,  # noqa: E402
                      time_interleaved)
-from lapheads import laplacian_attention  # noqa: E402
+from lapheads import HeadMix, laplacian_attention  # noqa: E402
 
-VARIANTS = ("sdpa", "laplacian", "naive")
-LABEL = {"sdpa": "(a) SDPA", "laplacian": "(b) laplacian_attention, all heads", "naive": "(c) naive (I - P) @ V"}
+VARIANTS = ("sdpa", "laplacian", "naive", "learnable")
+LABEL = {"sdpa": "(a) SDPA", "laplacian": "(b) laplacian_attention, all heads", "naive": "(c) naive (I - P) @ V",
+         "learnable": "(d) learnable a I + b P"}
 
 
 def naive_laplacian(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,13 @@ def forward_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor]
         return lambda q, k, v: laplacian_attention(q, k, v, laplacian_heads="all")
     if name == "naive":
         return naive_laplacian
+    if name == "learnable":
+        def mixed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            h = q.shape[-3]
+            a = torch.full((h,), 0.5, requires_grad=True)  # leaves: their gradients are part of the cost
+            b = torch.full((h,), 0.5, requires_grad=True)
+            return laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b))
+        return mixed
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
 
 
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     # --- time
-    rows_t, ratio_ba, ratio_cb = [], {}, {}
+    rows_t, ratio_ba, ratio_cb, ratio_da = [], {}, {}, {}
     for t in sizes:
         q, k, v, grad = make_inputs(t, args.heads, args.dim)
         steps = {n: make_step(n, q, k, v, grad) for n in VARIANTS}
@@ -124,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         med = medians(raw)
         ratio_ba[t] = paired_ratio(raw, "laplacian", "sdpa")
         ratio_cb[t] = paired_ratio(raw, "naive", "laplacian")
-        rows_t.append([t] + [f"{med[n] * 1e3:.1f}" for n in VARIANTS] + [f"{ratio_ba[t]:.3f}", f"{ratio_cb[t]:.2f}"])
+        ratio_da[t] = paired_ratio(raw, "learnable", "sdpa")
+        rows_t.append([t] + [f"{med[n] * 1e3:.1f}" for n in VARIANTS]
+                      + [f"{ratio_ba[t]:.3f}", f"{ratio_cb[t]:.2f}", f"{ratio_da[t]:.3f}"])
         del q, k, v, grad, steps
         gc.collect()
 
@@ -144,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     ok_ba = all(r <= 1.05 for r in ratio_ba.values())
     ok_cb = ratio_cb[t2] >= 2.0
+    ok_da = all(r <= 1.05 for r in ratio_da.values())
     # linear vs quadratic: closer (in log scale) to the linear factor or to its square
     ok_mem_b = growth["laplacian"] < lin ** 1.5
     ok_mem_c = growth["naive"] >= lin ** 1.5
@@ -151,13 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## Attention: Laplacian heads vs SDPA vs naive (I - P) V{' (quick)' if args.quick else ''}\n")
     print(f"B=1, H={args.heads}, D={args.dim}, float32, non-causal, forward + backward; {machine_line()}.\n")
     print("Time (ms, median of interleaved rounds; ratios are medians of per-round ratios):\n")
-    print(markdown_table(["T", LABEL["sdpa"], LABEL["laplacian"], LABEL["naive"], "b/a", "c/b"], rows_t))
+    print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS] + ["b/a", "c/b", "d/a"], rows_t))
     print("\nPeak memory growth over one forward + backward step (MiB, fresh process each):\n")
     print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS], [[t] + [mib(mem[n][t]) for n in VARIANTS] for t in sizes]))
     print(f"\nMemory growth T={t1} -> T={t2} (linear would be {lin:g}x, quadratic {lin ** 2:g}x): "
           + ", ".join(f"{LABEL[n]} {growth[n]:.1f}x" for n in VARIANTS) + "\n")
     print("Targets:\n")
     print(f"- {mark(ok_ba)} b/a <= 1.05 at every T: " + ", ".join(f"T={t}: {r:.3f}" for t, r in ratio_ba.items()))
+    print(f"- {mark(ok_da)} d/a <= 1.05 at every T (learnable mixing vs SDPA, side by side): "
+          + ", ".join(f"T={t}: {r:.3f}" for t, r in ratio_da.items()))
     print(f"- {mark(ok_cb)} c at least 2x slower than b at T={t2}: c/b = {ratio_cb[t2]:.2f}")
     print(f"- {mark(ok_mem_b)} b's memory grows linearly: {growth['laplacian']:.1f}x for {lin:g}x longer sequences")
     print(f"- {mark(ok_mem_c)} c's memory grows quadratically: {growth['naive']:.1f}x for {lin:g}x longer sequences")

@@ -325,3 +325,49 @@ def test_mixing_table_and_suggested_selection():
     with pytest.raises(ConfigError, match="no learned mixing"):
         suggest_selection([[]])
     assert mixing_table(_vit()) == []
+
+
+# ----------------------------------------------------------------------------- a training run
+def test_classify_run_logs_the_mixing_and_restores_it(tmp_path):
+    from pathlib import Path
+
+    from lapheads.cli import main as cli
+    from lapheads.recipes.classify import load_model
+    digits = str(Path(__file__).resolve().parents[1] / "recipes" / "classify" / "digits.yaml")
+    out = tmp_path / "run"
+    assert cli(["train", "classify", "--config", digits, "--out", str(out), "--set", "model.laplacian_heads=learn:1",
+                "--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
+                "--set", "train.max_steps=4", "--set", "train.progress=false", "--set", "data.batch_size=16",
+                "--set", "data.max_eval_items=32", "--set", "optim.lr=0.05"]) == 0
+    val = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in val if r.get("split") == "val"]
+    logged = val[-1]["lap_mix"]
+    assert [r["layer"] for r in logged] == ["blocks.0.attn", "blocks.1.attn"]
+    assert logged[0]["a"] != [0.0, 1.0]  # trained away from the initialisation (head 1 started Laplacian)
+    final = json.loads((out / "final" / "metrics.json").read_text())
+    assert final["lap_mix"] == logged
+    model = load_model(out)
+    assert mixing_table(model) == logged
+    from lapheads.report import build_report
+    paths = build_report([out], tmp_path / "report")
+    md = paths["md"].read_text()
+    assert "classify_mixing.png" in md and (tmp_path / "report" / "figures" / "classify_mixing.png").is_file()
+    assert f"learn:1: suggested fixed selection from 1 run(s): laplacian_heads={suggest_selection([logged])}" in md
+
+
+def test_report_suggestion_averages_seeds(tmp_path):
+    from lapheads.report import learned_mixing
+
+    def run(seed, a):
+        return {"seed": seed, "final": {"lap_mix": [{"layer": "blocks.0.attn", "a": a, "b": [1.0, 1.0],
+                                                     "laplacianness": [laplacianness(x, 1.0) for x in a]}]}}
+    # head 1: Laplacian-ness (3 - 2 + 2) / 5 = 0.6 and (2 - 2 + 2) / 5 = 0.4 -> mean 0.5, not above it
+    groups = {"learn:standard": {"runs": [run(0, [0.0, 3.0]), run(1, [0.0, 2.0])]},
+              "k=0": {"runs": [{"seed": 0, "final": {"top1": 0.9}}]}}
+    path, lines = learned_mixing(groups, tmp_path / "mix.png")
+    assert path.is_file()
+    assert lines == ["learn:standard: suggested fixed selection from 2 run(s): laplacian_heads=[[]] (Laplacian heads "
+                     "per layer [0]; a head is Laplacian when its mean Laplacian-ness > 0.5)"]
+    groups["learn:standard"]["runs"][1] = run(1, [0.0, 2.5])
+    assert "laplacian_heads=[[1]]" in learned_mixing(groups, tmp_path / "mix.png")[1][0]
+    assert learned_mixing({"k=0": groups["k=0"]}, tmp_path / "none.png") is None

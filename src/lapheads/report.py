@@ -579,6 +579,11 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
             p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
             if p is not None:
                 _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
+        mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")  # learnable head mixing (issue 13)
+        if mixing is not None:
+            _add_fig(md, hb, mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head")
+            md += ["", *mixing[1], ""]
+            hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
     cl = claims(summary, flags)
     if cl:
         how = ("Each setting against k=0: the difference of the means, its 95% confidence interval and "
@@ -682,3 +687,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              plateau_tol=args.plateau_tol)
     print(f"report: {paths['md']}\n        {paths['html']}")
     return 0
+
+
+# ----------------------------------------------------------------------------------- learnable mixing
+def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]:
+    """Heatmaps of the learned head mixing and a suggested fixed selection per setting.
+
+    For every run whose ``final/metrics.json`` holds ``lap_mix`` (runs with ``laplacian_heads:
+    learn...``; see :func:`lapheads.heads.mixing_table`), one heatmap, layers x heads, coloured by
+    the Laplacian-ness ``(a - 2b + 2) / 5`` (0 = standard ``P``, 1 = Laplacian ``I - P``). Per
+    setting, the suggested fixed selection: heads whose Laplacian-ness, averaged over seeds, is
+    above 0.5 (:func:`lapheads.heads.suggest_selection`).
+
+    Returns:
+        ``(figure path, lines of text)``, or None when no run learned its mixing.
+    """
+    from .heads import suggest_selection
+    panels = [(label, r) for label, g in groups.items() for r in g["runs"]
+              if isinstance(r.get("final", {}).get("lap_mix"), list) and r["final"]["lap_mix"]]
+    if not panels:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
+    im = None
+    for ax, (label, r) in zip(axes[0], panels):
+        grid = np.array([row["laplacianness"] for row in r["final"]["lap_mix"]], dtype=float)
+        im = ax.imshow(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, aspect="auto")
+        for (i, j), v in np.ndenumerate(grid):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_title(f"{label} seed {r['seed']}", fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(grid.shape[1]))
+        ax.set_yticks(range(grid.shape[0]))
+    fig.colorbar(im, ax=axes[0].tolist(), label="Laplacian-ness (0 standard, 1 Laplacian)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    lines = []
+    for label in dict.fromkeys(lb for lb, _ in panels):
+        tables = [r["final"]["lap_mix"] for lb, r in panels if lb == label]
+        try:
+            sel = suggest_selection(tables)
+        except ConfigError as e:
+            lines.append(f"{label}: no suggestion ({e})")
+            continue
+        counts = [len(s) for s in sel]
+        lines.append(f"{label}: suggested fixed selection from {len(tables)} run(s): laplacian_heads={sel} "
+                     f"(Laplacian heads per layer {counts}; a head is Laplacian when its mean Laplacian-ness > 0.5)")
+    return path, lines
