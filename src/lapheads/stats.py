@@ -24,6 +24,11 @@ Design choices:
   of training (at least the last two points), the relative change ``|v_end - v_start| /
   |v_start|`` of the validation metric; below ``tol`` the run counts as plateaued. Fewer than three
   eval points (a run evaluated only at the end) is "unknown".
+* Stopping at a plateau (:func:`evals_without_improvement`, used by ``train.until_plateau``): an
+  eval improves when it beats the best earlier value by more than ``min_rel_delta * |best|`` in
+  the metric's direction (the first eval always improves); training stops once the last
+  ``patience`` evals all failed to improve. A pure function of the logged validation values, so
+  a resumed run takes the same decision as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ ALPHA = 0.05
 POWER = 0.8
 MAX_SEEDS = 10_000  # seeds_needed() gives up beyond this (reported as "more than ...")
 
-__all__ = ["ALPHA", "POWER", "Comparison", "compare", "welch", "seeds_needed", "Plateau", "plateau"]
+__all__ = ["ALPHA", "POWER", "Comparison", "compare", "welch", "seeds_needed", "Plateau", "plateau",
+           "evals_without_improvement"]
 
 
 def _finite(xs: Sequence[Optional[float]]) -> np.ndarray:
@@ -224,3 +230,29 @@ def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, 
     v1 = pts[-1][1]
     rel = abs(v1 - v0) / abs(v0) if v0 != 0 else (0.0 if v1 == v0 else math.inf)
     return Plateau("yes" if rel < tol else "no", rel, len(pts), s0)
+
+
+def evals_without_improvement(values: Sequence[float], mode: str, min_rel_delta: float = 0.0) -> int:
+    """How many of the last evals in a row did not improve on the best before them.
+
+    Args:
+        values: the validation metric at each eval, in order.
+        mode: ``"max"`` (higher is better, accuracy) or ``"min"`` (loss, bits per byte).
+        min_rel_delta: an improvement must exceed ``min_rel_delta * |best|``.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r} must be 'min' or 'max'")
+    best: Optional[float] = None
+    stale = 0
+    for v in values:
+        v = float(v)
+        if best is None:
+            best, stale = v, 0
+            continue
+        margin = min_rel_delta * abs(best)
+        better = v > best + margin if mode == "max" else v < best - margin
+        if better:
+            best, stale = v, 0
+        else:
+            stale += 1  # as Keras' EarlyStopping: a gain below the margin does not move the best either
+    return stale

@@ -19,6 +19,14 @@ Design choices:
   (the loss, or the first parameter whose gradient is not finite).
 * Checkpoints are written by rank 0 only, atomically (engine.checkpoint), every ``ckpt_every``
   optimizer steps and at the end.
+* ``train.until_plateau`` (``patience`` > 0): after each ``eval_every`` evaluation, stop once
+  ``patience`` evals in a row did not improve ``metric`` by more than ``min_rel_delta`` (relative
+  to the best so far; :func:`lapheads.stats.evals_without_improvement`). The same rule for every
+  run that uses it, so runs stay comparable; the learning-rate schedule is still planned for
+  ``max_steps`` (pair it with ``schedule: constant`` or ``wsd`` for runs that stop early). Rank 0
+  decides from the logged validation values (``metrics.jsonl``, trimmed to the checkpoint on
+  resume) and every rank follows, so a resumed run stops at the same step as an uninterrupted one.
+  The stop writes a checkpoint and ``final/`` at that step.
 * SIGINT and SIGTERM (what schedulers send before they kill) do not stop the loop mid-step: the
   handler only records the signal, the loop finishes the current optimizer step, writes a
   checkpoint (unless one of that step exists) and raises :class:`RunInterrupted` (a
@@ -40,7 +48,7 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
@@ -55,6 +63,16 @@ from .config import bounded
 from .checkpoint import (latest_checkpoint, load_tensors, load_weights, safe_torch_load, save_tensors,
                          write_checkpoint)
 from .run import RunDir
+
+
+@dataclass
+class UntilPlateau:
+    """``train.until_plateau``: stop training once the validation metric stops improving."""
+
+    patience: int = bounded(0, ge=0)  # evals in a row without improvement before stopping; 0 = off
+    min_rel_delta: float = bounded(0.0, ge=0.0)  # an improvement must exceed this fraction of |best|
+    metric: str = ""  # a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_top1)
+    mode: Literal["", "min", "max"] = ""  # max: higher is better (accuracy); min: lower (loss, bits per byte)
 
 
 @dataclass
@@ -82,8 +100,9 @@ class TrainConfig:
     device: str = "auto"
     num_workers: int = bounded(0, ge=0)
     threads: int = bounded(0, ge=0)  # CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy (engine/threads.py)
-    progress: bool = True
+    progress: bool = True  # tqdm bars; shown only when stderr is a terminal
     find_unused_parameters: bool = False
+    until_plateau: UntilPlateau = field(default_factory=UntilPlateau)  # early stopping (module docstring)
 
     def validate(self) -> None:
         if self.grad_accum < 1:
@@ -96,6 +115,10 @@ class TrainConfig:
             raise ConfigError("train.warmup_ratio must be in [0, 1) and train.warmdown_ratio in [0, 1]")
         if self.clip_grad < 0:
             raise ConfigError(f"train.clip_grad={self.clip_grad} must be >= 0")
+        up = self.until_plateau
+        if up.patience and (not up.metric or not up.mode or not self.eval_every):
+            raise ConfigError("train.until_plateau.patience > 0 needs train.until_plateau.metric (e.g. top1, val_bpb), "
+                              "train.until_plateau.mode (max or min) and train.eval_every > 0")
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
@@ -469,13 +492,15 @@ class Trainer:
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16
                     else contextlib.nullcontext())
         from tqdm.auto import tqdm
+        # disable=None: tqdm draws only when stderr is a terminal (no bars in logs and pipes)
         bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.task.name}", unit="step",
-                   disable=not (self.info.is_main and cfg.progress), dynamic_ncols=True)
+                   disable=None if (self.info.is_main and cfg.progress) else True, dynamic_ncols=True)
         batches = self.task.batches(self.step * cfg.grad_accum)
         last_eval: dict[str, Any] = {}
         t_last = time.time()
         self.model.train()
-        while self.step < self.total:
+        stopped = resume and self._plateau_reached()  # a resumed run that had already stopped
+        while self.step < self.total and not stopped:
             signum = self._stop_requested()  # at a step boundary, never mid-step
             if signum:
                 bar.close()
@@ -541,12 +566,20 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss_val:.4f}")
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total:
                 last_eval = self._evaluate()
+                stopped = self._plateau_reached()
+                if stopped:  # checkpoint and final/ at this step, below
+                    up = cfg.until_plateau
+                    self._log({"step": self.step, "event": "until_plateau_stop", "metric": up.metric,
+                               "patience": up.patience, "min_rel_delta": up.min_rel_delta})
+                    break
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total:
                 self.save_checkpoint()
         bar.close()
-        done_before = [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.total] \
+        done_before = [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step] \
             if resume and self.info.is_main else []
-        if done_before:  # resumed from the final checkpoint: the final evaluation is already logged
+        if stopped and last_eval:  # stopped at a plateau: the evaluation of this step is the final one
+            pass
+        elif done_before:  # resumed from the final checkpoint: the final evaluation is already logged
             last_eval = {k: v for k, v in done_before[-1].items() if k not in ("step", "split")}
         else:
             last_eval = self._evaluate()
@@ -556,6 +589,29 @@ class Trainer:
         if signum:  # the signal came during the final evaluation / export, which completed
             raise self._interrupted(signum, finished=True)
         return last_eval
+
+    def _plateau_reached(self) -> bool:
+        """``train.until_plateau``: whether to stop now (rank 0 decides from the logged evals)."""
+        up = self.cfg.until_plateau
+        if not up.patience:
+            return False
+        code, error = 0, ""  # 0 = go on, 1 = stop, 2 = the metric is missing (every rank raises)
+        if self.info.is_main:
+            from ..stats import evals_without_improvement
+            vals = [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step", 0) < self.total]
+            if vals and up.metric not in vals[-1]:
+                keys = sorted(k for k, v in vals[-1].items() if isinstance(v, (int, float)) and k != "step")
+                code, error = 2, f": {', '.join(keys)}"
+            else:
+                values = [r[up.metric] if isinstance(r[up.metric], (int, float)) else math.nan for r in vals]
+                code = int(evals_without_improvement(values, up.mode, up.min_rel_delta) >= up.patience)
+        if self.info.distributed:
+            flag = torch.tensor([code], dtype=torch.int64, device=self.device)
+            dist.broadcast(flag, src=0)
+            code = int(flag.item())
+        if code == 2:
+            raise ConfigError(f"train.until_plateau.metric={up.metric!r} is not among the evaluation's metrics{error}")
+        return code == 1
 
     def _evaluate(self) -> dict[str, Any]:
         self.model.eval()
