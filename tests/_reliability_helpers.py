@@ -150,6 +150,12 @@ def _serve(fsync_delay: float) -> None:
         pid = os.fork()
         if pid == 0:  # child: run the CLI, never return into the server loop
             rc = 3
+            # A command started from a terminal has Python's Ctrl-C handler. When the test suite
+            # itself runs as a background job (`make test &`, some CI runners), SIGINT arrives
+            # ignored and Python keeps it ignored, as the engine does (by design); restore the
+            # terminal's disposition so the signal tests test the engine, not the runner.
+            import signal
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
                 for target, name in ((1, "log"), (2, "err")):
                     fd = os.open(cmd[name], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -259,8 +259,18 @@ class SelfSignal(ToyTask):
             os.kill(os.getpid(), self.signum)
 
 
+@pytest.fixture
+def terminal_sigint():
+    """Python's Ctrl-C handler, as in a command started from a terminal. A suite run as a
+    background job (`make test &`, some CI runners) inherits SIGINT ignored, and the engine keeps
+    an ignored signal ignored (by design), which is not what these tests are about."""
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_at_the_step_boundary_and_resumes_exactly(tmp_path, signum):
+def test_signal_stops_at_the_step_boundary_and_resumes_exactly(tmp_path, signum, terminal_sigint):
     ref = tmp_path / "ref"
     _run(ref, _cfg(ckpt_every=0))
     out = tmp_path / "run"
