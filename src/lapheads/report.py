@@ -584,6 +584,13 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
             _add_fig(md, hb, mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head")
             md += ["", *mixing[1], ""]
             hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
+    from .sweep import grid_report  # runs that differ in config values: scaling and k-ablation figures
+    grid_tables, grid_figs = grid_report(runs, figs)
+    for gtitle, header, rows in grid_tables:
+        md += ["", f"### {gtitle}", "", _md_table(header, rows), ""]
+        hb += [f"<h3>{html.escape(gtitle)}</h3>", _html_table(header, rows)]
+    for p, caption in grid_figs:
+        _add_fig(md, hb, p, out, caption)
     cl = claims(summary, flags)
     if cl:
         how = ("Each setting against k=0: the difference of the means, its 95% confidence interval and "

@@ -1,12 +1,27 @@
-"""``lapheads sweep``: one recipe over a grid of Laplacian-head settings and seeds, then a report.
+"""``lapheads sweep``: one recipe over a grid of config values, Laplacian-head settings and seeds.
 
 ::
 
     lapheads sweep --config recipes/classify/digits.yaml --laplacian-heads 0,2,all --seeds 0,1,2 \\
-        --out runs/digits_sweep [--set data.epochs=5] [--analyze]
+        --out runs/digits_sweep [--set data.epochs=5] [--analyze] \\
+        [--grid model.embed_dim=32,64 --grid data.fraction=0.25,1] [--point model.depth=2,train.max_steps=50]
 
 Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` made by the recipe's own
 ``lapheads train`` command (same flags, same layout). Design choices:
+
+* Config axes: ``--grid KEY=V1,V2,...`` (repeatable) crosses its values with every other
+  ``--grid``; ``--point KEY=V,KEY2=V2`` (repeatable) adds one explicit design point, for uneven
+  designs (e.g. longer training only for the wider model). The design is the cross product of the
+  grids plus the points (duplicates once), each crossed with every k and seed. Values are YAML,
+  as for ``--set``; commas inside brackets (``data.mean=[0.5],[0.4]``) do not separate values.
+  ``model.laplacian_heads`` and ``train.seed`` are the ``--laplacian-heads`` / ``--seeds`` axes,
+  and a key may not be both an axis and a ``--set``. Every design point is checked by loading its
+  config before anything runs.
+* Stable, readable names: a design point's directory is ``<axis>=<value>__...__lap<k>_seed<s>``,
+  axes sorted by key and named by their last component (the full dotted key when two axes share
+  it), e.g. ``embed_dim=64__fraction=0.25__lap0_seed1``; a value with characters unsafe in a file
+  name is written with them replaced and a short hash of the exact value appended. Without
+  ``--grid``/``--point`` the names stay ``lap<k>_seed<s>``.
 
 * Resumable: a finished run (``final/model.json`` exists) is skipped, an interrupted one
   continues with ``--resume`` from its newest checkpoint, a missing one starts (so does a
@@ -28,7 +43,10 @@ Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` made by the
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
+import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -43,8 +61,107 @@ SWEEP_HINT = ("pass --restart-changed to train them afresh, --overwrite to resta
               "or choose another --out")
 
 
-def run_name(k: str, seed: int) -> str:
-    return f"lap{k}_seed{seed}"
+RESERVED_AXES = {"model.laplacian_heads": "--laplacian-heads", "train.seed": "--seeds"}
+_SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+def run_name(k: str, seed: int, values: Optional[dict[str, str]] = None,
+             short: Optional[dict[str, str]] = None) -> str:
+    """``lap<k>_seed<s>``, prefixed by ``<axis>=<value>__`` per config axis of ``values`` (sorted by key)."""
+    parts = [f"{(short or {}).get(key, key)}={_value_slug(values[key])}" for key in sorted(values or {})]
+    return "__".join(parts + [f"lap{k}_seed{seed}"])
+
+
+def _value_slug(raw: str) -> str:
+    """A value as it may appear in a directory name: itself when safe, else cleaned + hash of the exact text."""
+    raw = raw.strip()
+    if raw and not _SAFE.search(raw) and len(raw) <= 40:
+        return raw
+    clean = _SAFE.sub("-", raw).strip("-")[:32]
+    return f"{clean}-{hashlib.sha256(raw.encode()).hexdigest()[:6]}" if clean else hashlib.sha256(
+        raw.encode()).hexdigest()[:8]
+
+
+def axis_names(keys: Sequence[str]) -> dict[str, str]:
+    """Short names of the axes: the last component of the key, or the full key when two share it."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+
+
+def split_top(text: str) -> list[str]:
+    """Split at commas outside brackets/braces/quotes: ``"1,[2,3],'a,b'"`` -> ``["1", "[2,3]", "'a,b'"]``."""
+    out, depth, quote, cur = [], 0, "", []
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+            continue
+        cur.append(ch)
+    out.append("".join(cur).strip())
+    return out
+
+
+def _check_key(key: str, flag: str, item: str, overrides: Sequence[str]) -> str:
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"{flag} {item!r} must look like section.key=VALUE (e.g. model.embed_dim=64)")
+    if key in RESERVED_AXES:
+        raise ConfigError(f"{flag} {item!r}: {key} is the {RESERVED_AXES[key]} axis; give it there")
+    if any(o.split("=", 1)[0].strip() == key for o in overrides):
+        raise ConfigError(f"{flag} {item!r}: {key} is also set with --set; keep it in one place")
+    return key
+
+
+def parse_grid(items: Sequence[str], overrides: Sequence[str] = ()) -> list[tuple[str, list[str]]]:
+    """``["model.embed_dim=64,128"]`` -> ``[("model.embed_dim", ["64", "128"])]``; keys unique."""
+    axes: dict[str, list[str]] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--grid {item!r} must look like KEY=V1,V2 (e.g. model.embed_dim=64,128)")
+        key = _check_key(key, "--grid", item, overrides)
+        values = split_top(raw)
+        if any(not v for v in values):
+            raise ConfigError(f"--grid {item!r} has an empty value")
+        if key in axes:
+            raise ConfigError(f"--grid {key} is given twice; list all its values in one --grid")
+        axes[key] = list(dict.fromkeys(values))
+    return list(axes.items())
+
+
+def parse_point(item: str, overrides: Sequence[str] = ()) -> dict[str, str]:
+    """``"model.embed_dim=64,train.max_steps=100"`` -> ``{"model.embed_dim": "64", "train.max_steps": "100"}``."""
+    point: dict[str, str] = {}
+    for part in split_top(item):
+        key, sep, raw = part.partition("=")
+        if not sep or not raw.strip():
+            raise ConfigError(f"--point {item!r}: {part!r} must look like KEY=VALUE; separate pairs with commas")
+        key = _check_key(key, "--point", item, overrides)
+        if key in point:
+            raise ConfigError(f"--point {item!r} sets {key} twice")
+        point[key] = raw.strip()
+    return point
+
+
+def design_points(grid: Sequence[tuple[str, Sequence[str]]] = (),
+                  points: Sequence[dict[str, str]] = ()) -> list[dict[str, str]]:
+    """The cross product of ``grid`` plus the explicit ``points``, each once, in that order."""
+    design: list[dict[str, str]] = []
+    if grid or not points:
+        keys = [k for k, _ in grid]
+        design = [dict(zip(keys, combo)) for combo in itertools.product(*[v for _, v in grid])]
+    for p in points:
+        if p not in design:
+            design.append(dict(p))
+    return design
 
 
 def parse_heads_list(text: str) -> list[str]:
@@ -99,22 +216,44 @@ class GridRun:
         return out + (["--resume"] if self.state == "partial" else [])
 
 
+def _new_defaults(existing: dict, resolved: dict, defaults: dict, changes: list[str]) -> list[str]:
+    """``changes`` without keys that a run's config.yaml lacks because they were added to the recipe
+    later, and that this sweep leaves at their defaults (e.g. ``model.in_chans: 3``)."""
+    old, new, dflt = _flat(existing), _flat(resolved), _flat(defaults)
+    return [k for k in changes if not (k not in old and k in dflt and new.get(k) == dflt[k])]
+
+
 def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
-              overrides: Sequence[str] = ()) -> list[GridRun]:
-    """Every grid point with its state and, for existing runs, the config keys that changed."""
+              overrides: Sequence[str] = (), design: Sequence[dict[str, str]] = ({},)) -> list[GridRun]:
+    """Every run of the design x k x seeds with its state and, for existing runs, the config keys that changed.
+
+    Raises:
+        ConfigError: a design point's config does not load (unknown key, bad value), before anything runs.
+    """
     from .recipes import recipe_module
     cfg_cls = config_class(recipe_module(recipe))
+    short = axis_names(sorted({k for p in design for k in p}))
+    defaults = to_dict(cfg_cls())
     plan = []
-    for k in heads:
-        for seed in seeds:
-            sets = [f"model.laplacian_heads={k}", f"train.seed={seed}", *overrides]
-            run = GridRun(out / run_name(k, seed), sets, run_state(out / run_name(k, seed)))
-            if run.state != "new":
-                run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
-                run.existing = RunDir(run.path).read_config()
-                allowed = FINISHED_MUTABLE if run.state == "done" else RESUME_MUTABLE
-                run.changes = config_changes(run.existing, run.resolved, allowed)
-            plan.append(run)
+    for point in design:
+        point_sets = [f"{k}={v}" for k, v in point.items()]
+        if point:
+            try:
+                load_config(cfg_cls, config, [*point_sets, *overrides], recipe=recipe)
+            except ConfigError as e:
+                raise ConfigError(f"grid point {', '.join(point_sets)}: {e}") from None
+        for k in heads:
+            for seed in seeds:
+                sets = [f"model.laplacian_heads={k}", f"train.seed={seed}", *point_sets, *overrides]
+                path = out / run_name(k, seed, point, short)
+                run = GridRun(path, sets, run_state(path))
+                if run.state != "new":
+                    run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
+                    run.existing = RunDir(run.path).read_config()
+                    allowed = FINISHED_MUTABLE if run.state == "done" else RESUME_MUTABLE
+                    run.changes = _new_defaults(run.existing, run.resolved, {"recipe": recipe, **defaults},
+                                                config_changes(run.existing, run.resolved, allowed))
+                plan.append(run)
     return plan
 
 
@@ -144,8 +283,9 @@ def _restart(run: GridRun) -> None:
 
 def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
              overrides: Sequence[str] = (), quiet: bool = False, *, overwrite: bool = False,
-             restart_changed: bool = False, hint: str = SWEEP_HINT) -> list[Path]:
-    """Train every (k, seed) point that is not finished yet; returns the run directories.
+             restart_changed: bool = False, hint: str = SWEEP_HINT,
+             design: Sequence[dict[str, str]] = ({},)) -> list[Path]:
+    """Train every (design point, k, seed) run that is not finished yet; returns the run directories.
 
     Raises ConfigError (before anything runs) when existing runs were made with other settings,
     unless ``restart_changed`` (those runs start afresh) or ``overwrite`` (every run does);
@@ -154,7 +294,7 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
     from .recipes import recipe_module
     mod = recipe_module(recipe)
     with lock_dir(out):
-        plan = plan_grid(recipe, config, heads, seeds, out, overrides)
+        plan = plan_grid(recipe, config, heads, seeds, out, overrides, design)
         if not (overwrite or restart_changed):
             refuse_changed(plan, out, hint)
         for r in plan:
@@ -177,13 +317,19 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads sweep", allow_abbrev=False,
-        description="Run a recipe for several Laplacian-head settings and seeds (resumable), then "
-                    "write a report comparing them.")
+        description="Run a recipe for several Laplacian-head settings and seeds, optionally crossed with "
+                    "config axes (--grid, --point), resumably; then write a report comparing them.")
     p.add_argument("--config", required=True, help="recipe YAML (its top-level `recipe:` names the recipe)")
     p.add_argument("--recipe", default=None, help="recipe name when the YAML does not say it")
     p.add_argument("--laplacian-heads", default="0,all",
                    help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all")
     p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a config axis crossed with every other --grid, k and seed (repeatable), "
+                        "e.g. model.embed_dim=64,128")
+    p.add_argument("--point", action="append", default=[], metavar="KEY=V,KEY2=V2",
+                   help="one explicit design point (repeatable), for uneven designs, e.g. "
+                        "model.embed_dim=128,train.max_steps=400")
     p.add_argument("--out", required=True, help="sweep directory (one run directory per grid point)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override applied to every run (repeatable)")
@@ -196,6 +342,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-report", action="store_true", help="skip the report")
     args = p.parse_args(list(argv or []))
     heads, seeds = parse_heads_list(args.laplacian_heads), parse_seeds(args.seeds)
+    design = design_points(parse_grid(args.grid, args.overrides),
+                           [parse_point(x, args.overrides) for x in args.point])
     recipe = read_yaml(args.config).get("recipe") or args.recipe
     if not recipe:
         raise ConfigError(f"{args.config} has no top-level `recipe:`; pass --recipe classify|lm|sft|dino")
@@ -204,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out)
     with lock_dir(out):
         dirs = run_grid(recipe, args.config, heads, seeds, out, args.overrides, overwrite=args.overwrite,
-                        restart_changed=args.restart_changed)
+                        restart_changed=args.restart_changed, design=design)
         if args.analyze:
             from .geometry.runs import analyze_run
             for d in dirs:
@@ -215,3 +363,158 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             paths = build_report(dirs, out / "report", title=f"Sweep: {Path(args.config).name}")
             print(f"report: {paths['html']}")
     return 0
+
+
+# ------------------------------------------------------------------------------ grid report
+# (called by lapheads.report.build_report; lives here beside the grid it describes)
+#: geometry measures plotted against each axis: (section, key, label), last transformer block
+GRID_MEASURES = [("anova", "frac_within_sequence", "within-sequence fraction"),
+                 ("anova", "frac_between_class", "between-class fraction"),
+                 ("spectra", "k_mean", "k99"),
+                 ("nc_tokens", "cdnv", "CDNV (tokens)"),
+                 ("cosine", "cosine_mean", "cosine")]
+# keys that never define a grid axis: the k and seed axes, and what does not change the math
+_NOT_AXES = {"model.laplacian_heads", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+def grid_axes(configs: Sequence[dict]) -> list[str]:
+    """Config keys whose values differ between runs (of one recipe): the grid axes of a sweep."""
+    flats = [_flat(c) for c in configs]
+    keys = sorted(set().union(*flats)) if flats else []
+    return [k for k in keys if k not in _NOT_AXES and len({repr(f.get(k)) for f in flats}) > 1]
+
+
+def _k_position(label: str, heads_total: Optional[int]) -> Optional[float]:
+    """``k=3`` -> 3, ``all`` -> H (when known); None for per-layer settings."""
+    if label.startswith("k=") and label[2:].isdigit():
+        return float(label[2:])
+    if label == "all" and heads_total:
+        return float(heads_total)
+    return None
+
+
+def _numeric(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
+                                                          list[tuple[Path, str]]]:
+    """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
+
+    ``runs`` are :func:`lapheads.report.collect_run` records. For every recipe whose runs differ in
+    config values (other than k, seed and cadence keys), one figure per axis plots the recipe's
+    main metric and each of :data:`GRID_MEASURES` (last block) against the axis values, mean ± std
+    over seeds, one line per k (and per value of the other axes); with at least two k settings a
+    further figure is the k-ablation: the same panels against k = 0..H (``all`` = H when
+    ``model.num_heads`` is set). Returns tables ``(title, header, rows)``, one row per (grid point,
+    k), and ``(figure, caption)`` pairs.
+    """
+    from .engine.run import RunDir
+    from .report import METRICS, _geo_value, _last_block, _mean_std, _plt
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    made: list[tuple[Path, str]] = []
+    by_recipe: dict[str, list[dict]] = {}
+    for r in runs:
+        by_recipe.setdefault(r["recipe"], []).append(r)
+    for recipe, rs in by_recipe.items():
+        if not METRICS.get(recipe):
+            continue
+        configs = [RunDir(r["dir"]).read_config() for r in rs]
+        axes = grid_axes(configs)
+        labels = sorted({r["label"] for r in rs})
+        if not axes and len(labels) < 2:
+            continue
+        key, metric_name, _ = METRICS[recipe][0]
+        flats = [_flat(c) for c in configs]
+
+        def value(r_i: int, section: str, k: str) -> Optional[float]:
+            r = rs[r_i]
+            if section == "metric":
+                v = r["final"].get(k)
+                return float(v) if isinstance(v, (int, float)) else None
+            geo = r["geometry"]
+            return _geo_value(geo, _last_block(geo) if geo else None, section, k)
+
+        panels = [("metric", key, metric_name)] + GRID_MEASURES
+        # one group per (grid point, k); rows for the table
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(rs):
+            groups.setdefault((tuple(repr(flats[i].get(a)) for a in axes), r["label"]), []).append(i)
+        if axes:
+            rows: list[list[str]] = []
+            def order(kv: tuple) -> tuple:
+                (_, label), idx = kv
+                vals = [flats[idx[0]].get(a) for a in axes]
+                return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
+                        _k_position(label, 10**9) if _k_position(label, 10**9) is not None else float("inf"), label)
+
+            for (point, label), idx in sorted(groups.items(), key=order):
+                cells = [flats[idx[0]].get(a) for a in axes]
+                stats = [_mean_std([value(i, s, k) for i in idx]) for s, k, _ in panels]
+                rows.append([*(str(c) for c in cells), label, str(len(idx))] +
+                            [f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-") for m, sd, n in stats])
+            tables.append((f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
+                           [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES], rows))
+        heads_total = None
+        nh = {f.get("model.num_heads") for f in flats}
+        if len(nh) == 1 and isinstance(next(iter(nh)), int):
+            heads_total = next(iter(nh))
+        # x axes: every grid axis, then k (the ablation)
+        xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a: flats[i].get(a))) for a in axes]
+        if len(labels) >= 2:
+            xaxes.append(("Laplacian heads k", lambda i: _k_position(rs[i]["label"], heads_total)))
+        for name, xof in xaxes:
+            lines: dict[str, dict[Any, list[int]]] = {}
+            for i, r in enumerate(rs):
+                x = xof(i)
+                if x is None:
+                    continue
+                others = [f"{a.rsplit('.', 1)[-1]}={flats[i].get(a)}" for a in axes if a != name]
+                line = ", ".join(([r["label"]] if name != "Laplacian heads k" else []) + others) or "all runs"
+                lines.setdefault(line, {}).setdefault(repr(x) if not _numeric([x]) else x, []).append(i)
+            xs_all = [x for ln in lines.values() for x in ln]
+            if len(set(map(repr, xs_all))) < 2:
+                continue
+            numeric = _numeric(xs_all)
+            cats = sorted(set(xs_all), key=str) if not numeric else []
+            plt = _plt()
+            shown = [p for p in panels if any(value(i, p[0], p[1]) is not None for i in range(len(rs)))]
+            if not shown:
+                continue
+            fig, axs = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.2), squeeze=False)
+            for ax, (section, k, plabel) in zip(axs[0], shown):
+                for line, pts in sorted(lines.items()):
+                    xs = sorted(pts, key=lambda v: v if numeric else str(v))
+                    stats = [_mean_std([value(i, section, k) for i in pts[x]]) for x in xs]
+                    keep = [(x, m, sd) for x, (m, sd, n) in zip(xs, stats) if n]
+                    if not keep:
+                        continue
+                    px = [x if numeric else cats.index(x) for x, _, _ in keep]
+                    ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o",
+                                capsize=3, label=line)
+                if numeric and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
+                    ax.set_xscale("log")
+                if not numeric:
+                    ax.set_xticks(range(len(cats)))
+                    ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
+                ax.set_xlabel(name)
+                ax.set_title(plabel, fontsize=9)
+            axs[0][0].legend(fontsize=7)
+            fig.tight_layout()
+            slug = _SAFE.sub("_", name)
+            path = figs / f"{recipe}_grid_{slug}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
+            made.append((path, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
+                               "mean ± std over seeds"))
+    return tables, made

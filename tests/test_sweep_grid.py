@@ -1,0 +1,111 @@
+"""lapheads sweep --grid / --point: design parsing, run names, resumable grid runs, and the grid report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lapheads.cli import main as cli
+from lapheads.errors import ConfigError
+from lapheads.sweep import (axis_names, design_points, grid_axes, grid_report, parse_grid, parse_point, plan_grid,
+                            run_name, split_top)
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+TINY = ["--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "train.progress=false",
+        "--set", "data.batch_size=32", "--set", "data.max_eval_items=32", "--set", "train.max_steps=1"]
+
+
+def test_design_parsing_and_names():
+    assert split_top("1,[0.5, 0.4],'a,b', x") == ["1", "[0.5, 0.4]", "'a,b'", "x"]
+    grid = parse_grid(["model.embed_dim=64,128", "data.fraction=0.25,1"])
+    assert grid == [("model.embed_dim", ["64", "128"]), ("data.fraction", ["0.25", "1"])]
+    uneven = parse_point("model.embed_dim=128,train.max_steps=400")
+    design = design_points(grid, [uneven, {"model.embed_dim": "64", "data.fraction": "1"}])
+    assert len(design) == 5 and design[-1] == uneven  # 2 x 2 cross product + 1 new point (the other is in it)
+    assert design_points(points=[uneven]) == [uneven] and design_points() == [{}]
+    short = axis_names(["data.fraction", "model.embed_dim", "train.max_steps"])
+    assert run_name("0", 1, {"model.embed_dim": "64", "data.fraction": "0.25"}, short) == \
+        "fraction=0.25__embed_dim=64__lap0_seed1"  # sorted by key: independent of the order given
+    assert run_name("all", 0) == "lapall_seed0"  # no grid: the names sweeps always had
+    assert axis_names(["data.batch_size", "train.batch_size"]) == {"data.batch_size": "data.batch_size",
+                                                                   "train.batch_size": "train.batch_size"}
+    odd = run_name("0", 0, {"data.train": "idx:/data/mnist"}, {"data.train": "train"})
+    assert odd.startswith("train=idx-data-mnist-") and "/" not in odd
+    assert odd != run_name("0", 0, {"data.train": "idx:/data/mnist2"}, {"data.train": "train"})
+    for bad, msg in ((["model.laplacian_heads=0,1"], "--laplacian-heads"), (["train.seed=1,2"], "--seeds"),
+                     (["model.embed_dim"], "KEY=V1,V2"), (["model.embed_dim=64,"], "empty value"),
+                     (["a.b=1", "a.b=2"], "given twice")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_grid(bad)
+    with pytest.raises(ConfigError, match="also set with --set"):
+        parse_grid(["train.max_steps=1,2"], overrides=["train.max_steps=5"])
+    with pytest.raises(ConfigError, match="must look like KEY=VALUE"):
+        parse_point("model.embed_dim=64,128")
+
+
+def test_bad_grid_point_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"grid point model\.embed_dims=64: unknown config key"):
+        plan_grid("classify", DIGITS, ["0"], [0], tmp_path / "s", design=[{"model.embed_dims": "64"}])
+    with pytest.raises(ConfigError, match=r"data\.fraction=2"):
+        plan_grid("classify", DIGITS, ["0"], [0], tmp_path / "s", design=[{"data.fraction": "2"}])
+
+
+def test_grid_sweep_trains_skips_and_reports(tmp_path, capsys):
+    out = tmp_path / "grid"
+    argv = ["sweep", "--config", DIGITS, "--laplacian-heads", "0,1", "--seeds", "0", "--out", str(out),
+            "--grid", "model.embed_dim=16,32", "--point", "model.embed_dim=16,data.fraction=0.5", *TINY]
+    assert cli(argv) == 0
+    names = sorted(p.name for p in out.iterdir() if (p / "config.yaml").is_file())
+    assert names == sorted(f"{pt}__lap{k}_seed0" for k in (0, 1)
+                           for pt in ("embed_dim=16", "embed_dim=32", "fraction=0.5__embed_dim=16"))
+    cfg = yaml.safe_load((out / "fraction=0.5__embed_dim=16__lap1_seed0" / "config.yaml").read_text())
+    assert cfg["model"]["embed_dim"] == 16 and cfg["data"]["fraction"] == 0.5 and cfg["model"]["laplacian_heads"] == 1
+    md = (out / "report" / "report.md").read_text()
+    assert "| data.fraction | model.embed_dim | Laplacian heads | runs |" in md
+    figs = {p.name for p in (out / "report" / "figures").glob("classify_grid_*.png")}
+    assert figs == {"classify_grid_data.fraction.png", "classify_grid_model.embed_dim.png",
+                    "classify_grid_Laplacian_heads_k.png"}
+    capsys.readouterr()
+    assert cli(argv + ["--no-report"]) == 0  # the same command again: every run is finished
+    assert capsys.readouterr().out.count("finished, skipped") == 6
+
+
+def _fake_run(root: Path, name: str, k: int, seed: int, width: int, top1: float, within: float) -> dict:
+    d = root / name
+    (d / "final").mkdir(parents=True)
+    cfg = {"recipe": "classify", "model": {"laplacian_heads": k, "embed_dim": width, "num_heads": 4},
+           "train": {"seed": seed, "log_every": seed + 1}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    geo = {"layers": {"blocks.0": {"anova": {"frac_within_sequence": within, "frac_between_class": 0.1},
+                                   "spectra": {"k_mean": 3.0}, "nc_tokens": {"cdnv": 0.5},
+                                   "cosine": {"cosine_mean": 0.2}}}}
+    return {"dir": str(d), "name": name, "recipe": "classify", "label": "all" if k == 4 else f"k={k}",
+            "seed": seed, "final": {"top1": top1}, "finished": True, "train": [], "val": [], "geometry": geo}
+
+
+def test_grid_report_axes_lines_and_k_ablation(tmp_path):
+    runs = [_fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5 + 0.001 * w + 0.01 * k + 0.01 * s, 0.3 - 0.05 * k)
+            for w in (16, 64, 256) for k in (0, 2, 4) for s in (0, 1)]
+    configs = [yaml.safe_load(Path(r["dir"], "config.yaml").read_text()) for r in runs]
+    assert grid_axes(configs) == ["model.embed_dim"]  # not k, seed, or the logging cadence
+    figs = tmp_path / "figs"
+    figs.mkdir()
+    tables, made = grid_report(runs, figs)
+    (title, header, rows), = tables
+    assert header[:3] == ["model.embed_dim", "Laplacian heads", "runs"] and "k99" in header
+    md = ["| " + " | ".join(r) + " |" for r in rows]
+    assert [p.name for p, _ in made] == ["classify_grid_model.embed_dim.png", "classify_grid_Laplacian_heads_k.png"]
+    assert all(p.stat().st_size > 1000 for p, _ in made)
+    assert "k-ablation" in made[1][1] and "against Laplacian heads k" in made[1][1]
+    rows = [line for line in md if line.startswith("| 16 |") or line.startswith("| 256 |")]
+    assert len(rows) == 6  # one row per (width, k)
+    assert [line.split(" | ")[0] for line in md if line.startswith("| ") and "k=0" in line] == ["| 16", "| 64", "| 256"]
+    row = next(line for line in md if line.startswith("| 64 | k=2 |"))
+    assert "| 2 | 0.589 ± 0.0071 | 0.2 ± 0 |" in row  # top-1 mean ± std over the two seeds, then within-seq frac
+    # runs that differ only in k and seed: no grid table, only the k-ablation figure
+    tables2, made2 = grid_report([r for r in runs if "w16_" in r["name"]], figs)
+    assert tables2 == [] and [p.name for p, _ in made2] == ["classify_grid_Laplacian_heads_k.png"]
