@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
         dirs += run_grid(recipe, str(cfg), heads, seeds, out / name, overrides, hint=hint)
     print("[quickstart] token geometry of every run", flush=True)
     from tqdm.auto import tqdm
-    for d in tqdm(dirs, desc="analyze", unit="run"):
+    for d in tqdm(dirs, desc="analyze", unit="run", disable=None):  # None: a bar only on a terminal
         if not (d / "geometry" / "geometry.json").is_file():
             with lock_dir(d):
                 analyze_run(d, max_items=plan["max_items"], plots=False)

@@ -451,7 +451,8 @@ def tokenize_to_shards(
         _write_index(out, index)
 
     total = total_documents if total_documents is not None else (len(documents) if hasattr(documents, "__len__") else None)
-    bar = tqdm(total=total, initial=0, unit="doc", desc=f"tokenize -> {out.name}", disable=not progress,
+    bar = tqdm(total=total, initial=0, unit="doc", desc=f"tokenize -> {out.name}",
+               disable=None if progress else True,  # None: only on a terminal
                dynamic_ncols=True)
     seen = 0  # input documents read so far (including those a resumed run skips)
     nonempty = 0

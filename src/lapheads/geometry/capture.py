@@ -382,7 +382,7 @@ def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "v
                            max_batches=max_batches, device=None if device is None else torch.device(device))
     if progress:
         from tqdm.auto import tqdm
-        it = tqdm(it, desc="analyze", unit="batch", total=max_batches)
+        it = tqdm(it, desc="analyze", unit="batch", total=max_batches, disable=None)  # only on a terminal
     try:
         for item in it:
             n_batches += 1

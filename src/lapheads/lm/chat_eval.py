@@ -263,7 +263,7 @@ def evaluate_multiple_choice(model: Any, tokenizer: Any, items: Sequence[TaskIte
     prompts = [render([{"role": "user", "content": render_multiple_choice(it)}]) + shared
                for it in items]
     preds: list[int] = []
-    for start in tqdm(range(0, len(items), batch_size), desc=desc, disable=not progress, leave=False):
+    for start in tqdm(range(0, len(items), batch_size), desc=desc, disable=None if progress else True, leave=False):
         chunk = items[start:start + batch_size]
         preds += score_multiple_choice(model, prompts[start:start + batch_size], letter_ids,
                                        [len(it.choices or []) for it in chunk], _pad_id(tokenizer),
@@ -416,7 +416,7 @@ def evaluate_gsm8k(items: Sequence[TaskItem], generate: GenerateFn,
     from tqdm.auto import tqdm
 
     correct, answers = 0, []
-    for start in tqdm(range(0, len(items), batch_size), desc="gsm8k", disable=not progress, leave=False):
+    for start in tqdm(range(0, len(items), batch_size), desc="gsm8k", disable=None if progress else True, leave=False):
         chunk = items[start:start + batch_size]
         outs = generate([render_prompt([{"role": "user", "content": it.question}]) for it in chunk], 1)
         for it, texts in zip(chunk, outs):
@@ -514,7 +514,8 @@ def evaluate_humaneval(items: Sequence[TaskItem], generate: GenerateFn, render_p
     require_sandbox(sandbox_kwargs.get("allow_unsafe", False), sandbox_kwargs.get("python"))
 
     completions: list[list[str]] = []
-    for start in tqdm(range(0, len(items), batch_size), desc="humaneval gen", disable=not progress, leave=False):
+    for start in tqdm(range(0, len(items), batch_size), desc="humaneval gen", disable=None if progress else True,
+                      leave=False):
         chunk = items[start:start + batch_size]
         completions += generate([render_prompt([{"role": "user", "content": it.question}])
                                  for it in chunk], num_samples)
@@ -602,7 +603,7 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
     render, prefix = _render_and_prefix(tokenizer, render_prompt, answer_prefix)
     gen = generate
     results: dict[str, Any] = {}
-    for name, items in tqdm(loaded.items(), desc="tasks", disable=not progress):
+    for name, items in tqdm(loaded.items(), desc="tasks", disable=None if progress else True):
         kind = items[0].kind
         if kind == "choice":
             res = evaluate_multiple_choice(model, tokenizer, items, render, prefix, batch_size,

@@ -885,7 +885,7 @@ def run_many(codes: Sequence[str], workers: int = 2, progress: bool = False,
         it: Iterable[ExecResult] = pool.map(lambda c: run_code(c, **kwargs), codes)
         if progress:
             from tqdm.auto import tqdm
-            it = tqdm(it, total=len(codes), desc="sandbox", leave=False)
+            it = tqdm(it, total=len(codes), desc="sandbox", leave=False, disable=None)  # only on a terminal
         return list(it)
 
 
