@@ -10,11 +10,18 @@ Layout of ``checkpoints/`` in a run directory::
         state.json            step, time, metrics summary (human-readable)
     checkpoints/latest        name of the newest complete checkpoint
 
+Under ``train.parallel: fsdp`` model and optimizer state are DCP shards instead (``dcp/``, every
+rank writes its own; see engine.fsdp), next to ``state.pt`` (step, RNG states) and
+``extra.safetensors`` written by rank 0.
+
 Design choices:
 
 * Atomic: a checkpoint is written into ``.tmp-step_X``, every file fsynced, then renamed into
   place, and only then ``latest`` is replaced (write + fsync + ``os.replace``). A kill at any
   moment leaves either the old or the new checkpoint, never a partial one that ``latest`` names.
+  With several writers (FSDP) rank 0 creates the temporary directory (:func:`begin_checkpoint`),
+  every rank writes into it, and rank 0 renames it and moves ``latest`` after a barrier
+  (:func:`commit_checkpoint`).
 * Safe: tensors go through safetensors; everything else through ``torch.load(weights_only=True)``,
   which refuses pickled code (a crafted payload raises instead of executing).
 * Loading weights into the wrong architecture lists the missing, unexpected and mis-shaped keys.
@@ -157,24 +164,25 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
     return None
 
 
-def write_checkpoint(ckpt_dir: Path, step: int, files: Mapping[str, Any], keep: int = 2,
-                     summary: Optional[dict] = None) -> Path:
-    """Write one checkpoint atomically.
+def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
+    """Create the empty temporary directory of step ``step``'s checkpoint (rank 0 only).
 
-    Args:
-        files: name -> content; ``*.safetensors`` take a dict of tensors, ``state.pt`` any
-            weights-only-loadable object.
-        keep: how many complete checkpoints to keep (older ones are removed afterwards).
+    Under ``parallel: fsdp`` every rank then writes its shards into it, and after a barrier rank 0
+    calls :func:`commit_checkpoint`; ``latest`` never names a checkpoint some rank has not finished.
     """
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
-    tmp = ckpt_dir / f".tmp-{name}-{os.getpid()}"
+    tmp = ckpt_dir / f".tmp-step_{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def write_files(directory: Path, files: Mapping[str, Any]) -> None:
+    """Write ``*.safetensors`` (dicts of tensors) and ``*.pt`` (weights-only objects), each fsynced."""
     for fname, content in files.items():
-        path = tmp / fname
+        path = Path(directory) / fname
         if fname.endswith(".safetensors"):
             save_tensors(path, content)
         elif fname.endswith(".pt"):
@@ -182,10 +190,29 @@ def write_checkpoint(ckpt_dir: Path, step: int, files: Mapping[str, Any], keep: 
         else:
             raise CheckpointError(f"unsupported checkpoint file type {fname}")
         _fsync_file(path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*"), reverse=True):  # files first, then their directories
+        if p.is_file():
+            _fsync_file(p)
+        else:
+            _fsync_dir(p)
+
+
+def commit_checkpoint(ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None) -> Path:
+    """Publish a complete temporary checkpoint directory: ``state.json``, rename, move ``latest``.
+
+    Every file under ``tmp`` is fsynced again (shards other ranks wrote included), then ``tmp`` is
+    renamed to ``step_X`` and only then ``latest`` is replaced; older checkpoints beyond ``keep``
+    and stale temporary directories of killed processes are removed afterwards.
+    """
+    ckpt_dir = Path(ckpt_dir)
     info = {"step": step, "time": time.time(), **(summary or {})}
     (tmp / "state.json").write_text(json.dumps(info, indent=1, default=float), encoding="utf-8")
-    _fsync_file(tmp / "state.json")
+    _fsync_tree(tmp)
     _fsync_dir(tmp)
+    name = f"step_{step:08d}"
     final = ckpt_dir / name
     if final.exists():  # a re-run of the same step after a crash between rename and pointer
         shutil.rmtree(final)
@@ -200,3 +227,17 @@ def write_checkpoint(ckpt_dir: Path, step: int, files: Mapping[str, Any], keep: 
     for stale in ckpt_dir.glob(f".{LATEST}.tmp-*"):  # a pointer write killed before its rename
         stale.unlink(missing_ok=True)
     return final
+
+
+def write_checkpoint(ckpt_dir: Path, step: int, files: Mapping[str, Any], keep: int = 2,
+                     summary: Optional[dict] = None) -> Path:
+    """Write one checkpoint atomically (one writer: :func:`begin_checkpoint` + files + commit).
+
+    Args:
+        files: name -> content; ``*.safetensors`` take a dict of tensors, ``state.pt`` any
+            weights-only-loadable object.
+        keep: how many complete checkpoints to keep (older ones are removed afterwards).
+    """
+    tmp = begin_checkpoint(ckpt_dir, step)
+    write_files(tmp, files)
+    return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary)

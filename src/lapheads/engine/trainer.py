@@ -19,6 +19,10 @@ Design choices:
   (the loss, or the first parameter whose gradient is not finite).
 * Checkpoints are written by rank 0 only, atomically (engine.checkpoint), every ``ckpt_every``
   optimizer steps and at the end.
+* ``train.parallel``: ``ddp`` (default) replicates the model on every rank; ``fsdp`` shards each
+  block with FSDP2 (engine.fsdp) before the recipe builds its optimizers, and checkpoints become
+  DCP shards that every rank writes into rank 0's temporary directory; rank 0 publishes the
+  checkpoint after a barrier. ``final/`` is the same single-file export either way.
 * ``train.until_plateau`` (``patience`` > 0): after each ``eval_every`` evaluation, stop once
   ``patience`` evals in a row did not improve ``metric`` by more than ``min_rel_delta`` (relative
   to the best so far; :func:`lapheads.stats.evals_without_improvement`). The same rule for every
@@ -60,8 +64,8 @@ from torch import nn
 from ..errors import ConfigError, LapheadsError, NonFiniteError
 from . import dist as D
 from .config import bounded
-from .checkpoint import (latest_checkpoint, load_tensors, load_weights, safe_torch_load, save_tensors,
-                         write_checkpoint)
+from .checkpoint import (begin_checkpoint, commit_checkpoint, latest_checkpoint, load_tensors, load_weights,
+                         safe_torch_load, save_tensors, write_checkpoint, write_files)
 from .run import RunDir
 
 
@@ -71,7 +75,7 @@ class UntilPlateau:
 
     patience: int = bounded(0, ge=0)  # evals in a row without improvement before stopping; 0 = off
     min_rel_delta: float = bounded(0.0, ge=0.0)  # an improvement must exceed this fraction of |best|
-    metric: str = ""  # a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_top1)
+    metric: str = ""  # a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_k20_top1)
     mode: Literal["", "min", "max"] = ""  # max: higher is better (accuracy); min: lower (loss, bits per byte)
 
 
@@ -103,6 +107,8 @@ class TrainConfig:
     progress: bool = True  # tqdm bars; shown only when stderr is a terminal
     find_unused_parameters: bool = False
     until_plateau: UntilPlateau = field(default_factory=UntilPlateau)  # early stopping (module docstring)
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 per-block sharding + sharded (DCP) checkpoints
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (transformers models)
 
     def validate(self) -> None:
         if self.grad_accum < 1:
@@ -119,6 +125,9 @@ class TrainConfig:
         if up.patience and (not up.metric or not up.mode or not self.eval_every):
             raise ConfigError("train.until_plateau.patience > 0 needs train.until_plateau.metric (e.g. top1, val_bpb), "
                               "train.until_plateau.mode (max or min) and train.eval_every > 0")
+        if self.parallel == "fsdp" and self.ema_decay > 0:
+            raise ConfigError("train.ema_decay > 0 is not supported with train.parallel=fsdp (the EMA copy would "
+                              "be unsharded); set train.ema_decay=0 or use train.parallel=ddp")
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
@@ -153,9 +162,14 @@ class Task:
 
     name: str = "task"
     model: nn.Module
+    sharded: bool = False  # set by the Trainer under FSDP: a forward is a collective (see engine.fsdp.lockstep)
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         raise TypeError(f"{type(self).__name__} must override Task.optimizers()")
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The modules FSDP shards one by one (``train.parallel: fsdp``); recipes that support it override."""
+        raise ConfigError(f"train.parallel=fsdp is not supported by the {self.name} recipe (use train.parallel=ddp)")
 
     def total_steps(self) -> int:
         """Optimizer steps of the whole run when ``train.max_steps`` is 0."""
@@ -296,6 +310,13 @@ class Trainer:
         self.use_bf16 = (cfg.precision == "bf16") or (
             cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported())
         self.model = task.model
+        self.sharded = False  # FSDP2 applied (parallel: fsdp with more than one process)
+        self._export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
+        if cfg.activation_checkpointing:
+            from .fsdp import enable_activation_checkpointing
+            enable_activation_checkpointing(self.model)
+        if cfg.parallel == "fsdp":
+            self._shard()  # before the optimizers: they must hold the sharded parameters
         try:
             self.optims = task.optimizers()
         except LapheadsError:
@@ -311,7 +332,7 @@ class Trainer:
                                       f"finite number >= 0 (check the optim section)")
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.ddp_model: nn.Module = self.model
-        if self.info.distributed:
+        if self.info.distributed and cfg.parallel == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
             self.ddp_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                  find_unused_parameters=cfg.find_unused_parameters)
@@ -322,6 +343,18 @@ class Trainer:
         self._tb_purge_step: Optional[int] = None
         self._ckpt_step = -1  # step of the newest checkpoint written or loaded
         self._stop_signal = 0  # set by the SIGINT / SIGTERM handler during fit()
+
+    def _shard(self) -> None:
+        """FSDP2 on the task's blocks (engine.fsdp); one process keeps the model whole."""
+        from . import fsdp as F
+        blocks = self.task.fsdp_blocks()  # also checks that the recipe supports FSDP
+        if not self.info.distributed:
+            return
+        if self.info.is_main:
+            self._export_skeleton = F.meta_copy(self.model)
+        F.shard_model(self.model, blocks, self.device, bf16=self.use_bf16, world_size=self.info.world_size)
+        self.sharded = True
+        self.task.sharded = True
 
     # ------------------------------------------------------------------ state
     def _param_names(self) -> dict[int, str]:
@@ -345,7 +378,26 @@ class Trainer:
                              "optimizers": [o.state_dict() for o in self.optims], "rng": rngs}
         return files
 
+    def _gather_rngs(self) -> list[Any]:
+        rng = _rng_state(self.device)
+        if not self.info.distributed:
+            return [rng]
+        gathered: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(gathered, rng)
+        return gathered
+
+    def _weights_nonfinite(self) -> Optional[str]:
+        """Name of the first weight with a NaN/Inf in this rank's (shard of the) model, else None."""
+        for name, t in self.model.state_dict().items():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                return name
+        return None
+
     def save_checkpoint(self) -> None:
+        if self.cfg.parallel == "fsdp":
+            self._save_sharded_checkpoint()
+            return
         files = self.state_files()  # every rank takes part in the RNG gather
         # The guard checks loss and gradients each step; an update can still overflow the weights
         # with finite gradients, so never let such weights replace the last good checkpoint.
@@ -360,7 +412,63 @@ class Trainer:
         self._ckpt_step = self.step
         D.barrier()
 
+    def _save_sharded_checkpoint(self) -> None:
+        """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
+        from . import fsdp as F
+        bad = self._weights_nonfinite()
+        if F.nonfinite_anywhere(bad is not None, self.device):  # every rank stops, none writes
+            ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
+            raise NonFiniteError(
+                f"non-finite value at step {self.step}: weight {bad or '(on another rank)'} is NaN/Inf after the "
+                f"optimizer step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})")
+        rngs = self._gather_rngs()
+        extra = self.task.extra_state()
+        box: list[Any] = [begin_checkpoint(self.run.ckpt_dir, self.step) if self.info.is_main else None]
+        if self.info.distributed:
+            dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        F.save_sharded(tmp, self.model, self.optims)  # collective; each rank fsyncs its own files
+        D.barrier()
+        if self.info.is_main:
+            files: dict[str, Any] = {"state.pt": {"step": self.step, "skipped": self.skipped, "rng": rngs,
+                                                  "world_size": self.info.world_size}}
+            if extra:
+                files["extra.safetensors"] = extra
+            write_files(tmp, files)
+            commit_checkpoint(self.run.ckpt_dir, tmp, self.step, keep=self.cfg.keep_checkpoints)
+        self._ckpt_step = self.step
+        D.barrier()
+
+    def _load_sharded_checkpoint(self, path: Path) -> None:
+        from . import fsdp as F
+        F.load_sharded(path, self.model, self.optims)
+        if (path / "extra.safetensors").is_file():
+            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
+        st = safe_torch_load(path / "state.pt")
+        self.step = int(st["step"])
+        self._ckpt_step = self.step
+        self.skipped = int(st.get("skipped", 0))
+        rngs = st["rng"]
+        if len(rngs) == self.info.world_size:
+            _set_rng_state(rngs[self.info.rank], self.device)
+            return
+        # re-sharded onto another number of processes: weights and optimizer states are exact,
+        # the random streams and each rank's data order cannot be
+        seed_everything(self.cfg.seed + self.info.rank + 1_000_003 * self.step)
+        if self.info.is_main:
+            import sys
+            print(f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
+                  "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
+                  "run", file=sys.stderr, flush=True)
+
     def load_checkpoint(self, path: Path) -> None:
+        from .fsdp import is_sharded_checkpoint
+        if self.cfg.parallel == "fsdp" or is_sharded_checkpoint(path):
+            if not is_sharded_checkpoint(path):
+                raise ConfigError(f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with "
+                                  "train.parallel=ddp")
+            self._load_sharded_checkpoint(path)
+            return
         load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
         if self.ema is not None:
             load_weights(self.ema.module, load_tensors(path / "ema.safetensors"), source=str(path / "ema.safetensors"))
@@ -450,7 +558,9 @@ class Trainer:
     def _first_nonfinite_grad(self) -> str:
         names = self._param_names()
         for p in self.model.parameters():
-            if p.grad is not None and not torch.isfinite(p.grad).all():
+            # a sharded gradient is gathered, so every rank names the same parameter
+            g = p.grad.full_tensor() if p.grad is not None and hasattr(p.grad, "full_tensor") else p.grad
+            if g is not None and not torch.isfinite(g).all():
                 return f"gradient of {names.get(id(p), '?')}"
         return "the gradient norm"
 
@@ -516,7 +626,9 @@ class Trainer:
             metrics_acc: dict[str, float] = {}
             for micro in range(cfg.grad_accum):
                 batch = next(batches)
-                sync = micro == cfg.grad_accum - 1 or not self.info.distributed
+                # DDP all-reduces only the last micro-batch; FSDP reduce-scatters each one (sharded
+                # gradients accumulate, which keeps the memory of a sharded model low)
+                sync = micro == cfg.grad_accum - 1 or self.ddp_model is self.model
                 ctx = contextlib.nullcontext() if sync else self.ddp_model.no_sync()
                 with ctx:
                     with autocast:
@@ -532,6 +644,9 @@ class Trainer:
             self.task.before_optimizer_step(step)
             max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+            if self.sharded:
+                from .fsdp import plain_norm
+                gnorm = plain_norm(gnorm)  # the global norm of the sharded gradients
             if not torch.isfinite(gnorm):
                 what = "the loss" if not loss_finite else self._first_nonfinite_grad()
                 if cfg.nan_policy == "stop" or self.skipped >= cfg.max_skipped_steps:
@@ -626,22 +741,35 @@ class Trainer:
             self._log({"step": self.step, "split": "val", **res})
         return res
 
+    def _export_model(self) -> Optional[nn.Module]:
+        """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
+        if not self.sharded:
+            return self.model if self.info.is_main else None
+        from .fsdp import full_state_dict, materialize
+        state = full_state_dict(self.model)  # collective: every rank takes part
+        if not self.info.is_main:
+            return None
+        assert self._export_skeleton is not None
+        return materialize(self._export_skeleton, state)
+
     def _export_final(self, last_eval: dict[str, Any]) -> None:
+        model = self._export_model()
         if self.info.is_main:
+            assert model is not None
             final = self.run.final_dir
             tmp = final.with_name(".final.tmp")
             if tmp.exists():
                 import shutil
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-            save_tensors(tmp / "model.safetensors", self.model.state_dict())
+            save_tensors(tmp / "model.safetensors", model.state_dict())
             if self.ema is not None:
                 save_tensors(tmp / "ema.safetensors", self.ema.module.state_dict())
             spec = {"recipe": self.task.name, "step": self.step, **self.task.model_spec()}
             (tmp / "model.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
             (tmp / "metrics.json").write_text(json.dumps({k: _to_float(v) for k, v in last_eval.items()},
                                                          indent=1), encoding="utf-8")
-            self.task.export_final(tmp, self.model, self.ema.module if self.ema else None)
+            self.task.export_final(tmp, model, self.ema.module if self.ema else None)
             if final.exists():
                 import shutil
                 shutil.rmtree(final)

@@ -38,7 +38,8 @@ Design choices:
 * Optimizers as nanochat (:func:`build_optimizers`): ``torch.optim.Muon`` (lr 0.02, momentum 0.95
   warmed up from 0.85 over 300 steps, Nesterov, no weight decay, Keller Jordan's
   ``sqrt(max(1, rows/cols))`` lr adjustment, which is torch's ``adjust_lr_fn="original"`` and
-  nanochat's own rule) on the 2D matrices of the blocks; AdamW (betas 0.8/0.95, eps 1e-10) on the
+  nanochat's own rule) on the 2D matrices of the blocks (on FSDP2 shards
+  ``lapheads.engine.fsdp.ShardedMuon``, which orthogonalises each whole matrix); AdamW (betas 0.8/0.95, eps 1e-10) on the
   embedding (lr 0.2) and lm_head (lr 0.004), both scaled by ``(width / 768) ** -0.5``.
 * The token budget is nanochat's: ``target_tokens = tokens_per_param * all_params`` (embeddings
   included, as Chinchilla and nanochat count), ``steps = target_tokens // total_batch_tokens``.
@@ -287,7 +288,9 @@ def build_optimizers(model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bo
     adamw = torch.optim.AdamW(adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
                               weight_decay=cfg.weight_decay, fused=fused)
     momentum = cfg.muon_momentum_start if cfg.muon_momentum_warmup > 0 else cfg.muon_momentum
-    muon = torch.optim.Muon([{"params": [p for _, p in g["matrix"]], "name": "matrix"}], lr=cfg.matrix_lr,
+    from ..engine.fsdp import muon_class  # ShardedMuon on FSDP2 shards: orthogonalises whole matrices
+    matrices = [p for _, p in g["matrix"]]
+    muon = muon_class(matrices)([{"params": matrices, "name": "matrix"}], lr=cfg.matrix_lr,
                             momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay,
                             adjust_lr_fn="original")
     return [adamw, muon]

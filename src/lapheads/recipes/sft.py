@@ -288,6 +288,10 @@ class SFTTask(Task):
         self.mean_len = sum(len(c[0]) for t in self.train_sets for c in t) / sum(len(t) for t in self.train_sets)
         self.n_params = count_params(self.model)
 
+    def fsdp_blocks(self) -> list[nn.Module]:
+        from ..engine.fsdp import transformer_blocks
+        return transformer_blocks(self.model)  # the decoder layers
+
     def optimizers(self) -> list[torch.optim.Optimizer]:
         opts = build_optimizers(self.model, self.cfg.optim)
         for o in opts:
@@ -356,8 +360,12 @@ class SFTTask(Task):
             return {}
         bs = self.cfg.data.batch_size
         sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)
-        for b in range(self.info.rank * bs, len(self.val_set), bs * self.info.world_size):
+        from ..engine.fsdp import lockstep
+        starts = range(self.info.rank * bs, len(self.val_set), bs * self.info.world_size)
+        for b, real in lockstep(starts, lambda: 0, self.info.device, self.sharded):
             nll, n = self._loss_sums(model, collate_padded(self.val_set[b:b + bs], self.pad_id))
+            if not real:  # a sharded model's forward in lock step with the ranks that still have batches
+                continue
             sums[0] += nll.double()
             sums[1] += n.double()
         if self.info.distributed:
