@@ -247,3 +247,16 @@ def test_analyze_cli_on_runs_of_this_project(tmp_path, tiny_runs):
     for d in dirs:  # each run also keeps its own geometry.json for the report
         assert (d / "geometry" / "geometry.json").is_file()
     assert cli(["analyze", "--run", str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_report_reads_the_metric_keys_each_recipe_logs():
+    """The report's dino metrics are the keys DINO's evaluation writes (knn_k{k}_top1)."""
+    import torch
+    from lapheads.recipes.dino import KnnConfig
+    from lapheads.recipes.probes import knn_classify
+    from lapheads.report import METRICS
+
+    f = torch.randn(30, 4)
+    y = torch.arange(30) % 3
+    logged = knn_classify(f, y, f[:6], y[:6], ks=KnnConfig().ks)
+    assert {k for k, _, _ in METRICS["dino"]} <= set(logged)

@@ -46,8 +46,8 @@ METRICS = {
                  ("mean_class_acc", "mean class acc", True), ("loss", "val loss", False)],
     "lm": [("val_bpb", "val bits/byte", False), ("val_loss", "val loss", False)],
     "sft": [("val_loss", "val loss (assistant tokens)", False)],
-    "dino": [("knn_top1", "k-NN top-1", True), ("knn20_top1", "20-NN top-1", True),
-             ("linear_top1", "linear top-1", True)],
+    # the keys DINO's evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
+    "dino": [("knn_k20_top1", "20-NN top-1", True), ("knn_k10_top1", "10-NN top-1", True)],
 }
 # geometry numbers summarised in the table: (summary key, layer, section, field, label). Layer
 # "last": the last transformer block; "classifier": the features the classifier reads (the run's
