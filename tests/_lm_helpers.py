@@ -1,7 +1,8 @@
-"""A tiny finished `lapheads train lm` run, shared by the SFT and evaluation tests."""
+"""A tiny finished `lapheads train lm` run and a local lm-eval task, shared by the LM tests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lapheads.engine.config import load_config
@@ -18,3 +19,21 @@ def tiny_lm_run(root: Path, laplacian_heads: str, steps: int) -> Path:
         "train.progress=false"])
     launch("lm", cfg, lambda c, i: R.build_task(c, i), str(root / "lm"))
     return root / "lm"
+
+
+def local_mc_task(tmp_path: Path, task: str) -> Path:
+    """A folder with one lm-eval multiple-choice task YAML (named ``task``) over 3 local JSONL items,
+    for ``--include_path`` / ``--lm-eval-include``; nothing is downloaded."""
+    items = [{"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
+             {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
+             {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0}]
+    data = tmp_path / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(i) + "\n" for i in items))
+    d = tmp_path / "tasks"
+    d.mkdir()
+    (d / "tiny_mc.yaml").write_text(
+        f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
+        "    aggregation: mean\n    higher_is_better: true\n")
+    return d

@@ -12,7 +12,7 @@ from lapheads.errors import ConfigError
 from lapheads.lm.evaluate import make_lm_eval_model, parse_tasks
 from lapheads.recipes import lm as R
 
-from _lm_helpers import tiny_lm_run
+from _lm_helpers import local_mc_task, tiny_lm_run
 
 
 pytestmark = pytest.mark.xdist_group("lm_eval")  # one tiny LM run shared by the module, on one worker
@@ -61,28 +61,12 @@ def test_lm_eval_wrapper_loglikelihood_is_exact(run):
         assert ll == pytest.approx(want, abs=1e-4)
 
 
-def _local_task(tmp_path):
-    items = [{"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
-             {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
-             {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0}]
-    data = tmp_path / "tiny_mc.jsonl"
-    data.write_text("".join(json.dumps(i) + "\n" for i in items))
-    d = tmp_path / "tasks"
-    d.mkdir()
-    (d / "tiny_mc.yaml").write_text(
-        "task: lapheads_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
-        "    aggregation: mean\n    higher_is_better: true\n")
-    return d
-
-
 @pytest.mark.slow  # lm-eval indexes its ~10k built-in task files on import (~1 min on 2 cores)
 def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tasks = _local_task(tmp_path)
+    tasks = local_mc_task(tmp_path, "lapheads_tiny_mc")
     assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "lapheads_tiny_mc",
                 "--lm-eval-include", str(tasks)]) == 0
     res = json.loads((run / "eval.json").read_text())
@@ -172,12 +156,14 @@ def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypat
             "print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
+    result = run / "eval.json"  # other tests of this module may have written one already
+    before = result.read_bytes() if result.exists() else None
     try:
         assert holder.stdout.readline().strip() == "held"
         monkeypatch.setattr(R, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
         assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc}"]) == 2
         assert f"PID {holder.pid}" in capsys.readouterr().err
-        assert not (run / "eval.json").exists()
+        assert (result.read_bytes() if result.exists() else None) == before
     finally:
         holder.kill()
         holder.wait()

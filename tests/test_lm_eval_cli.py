@@ -10,7 +10,7 @@ import torch
 from lapheads.cli import main as cli
 from lapheads.recipes import lm as R
 
-from _lm_helpers import tiny_lm_run
+from _lm_helpers import local_mc_task, tiny_lm_run
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -56,28 +56,12 @@ def test_lm_eval_cli_bad_flag_is_one_line(capsys):
     assert len(err) == 1 and "lapheads lm-eval" in err[0] and "--no_such_flag" in err[0]
 
 
-def _local_task(tmp_path):
-    items = [{"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
-             {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
-             {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0}]
-    data = tmp_path / "tiny_mc.jsonl"
-    data.write_text("".join(json.dumps(i) + "\n" for i in items))
-    d = tmp_path / "tasks"
-    d.mkdir()
-    (d / "tiny_mc.yaml").write_text(
-        "task: lapheads_cli_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
-        "    aggregation: mean\n    higher_is_better: true\n")
-    return d
-
-
 @pytest.mark.slow  # lm-eval indexes its ~10k built-in task files (~1 min on 2 cores)
 def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tasks = _local_task(tmp_path)
+    tasks = local_mc_task(tmp_path, "lapheads_cli_tiny_mc")
     out = tmp_path / "out"
     assert cli(["lm-eval", "--model", "hf", "--model_args", f"pretrained={run / 'final' / 'hf'},dtype=float32",
                 "--tasks", "lapheads_cli_tiny_mc", "--include_path", str(tasks), "--device", "cpu",

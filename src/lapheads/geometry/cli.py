@@ -288,8 +288,6 @@ def _load_run(run_dir: str) -> tuple[torch.nn.Module, str, Any]:
 
 def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
     """``--run`` without ``--data``: each run on its own held-out data (lapheads.geometry.runs)."""
-    from .capture import save_geometry_json
-    from .plots import plot_all
     from .runs import analyze_run
     for r in args.run:
         if not (Path(r) / "config.yaml").is_file():
@@ -306,7 +304,7 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
                     layers=layers, min_count=args.min_count, threshold=args.threshold, spectra=not args.no_spectra,
                     include_prefix=args.include_prefix, nc4=not args.no_nc4, max_batches=args.max_batches,
                     seq_len=args.seq_len, device=args.device, plots=not args.no_figures)
-    from ..engine.run import lock_dir, lock_enclosing_run  # analyze_run writes RUN/geometry
+    from ..engine.run import lock_dir  # analyze_run writes RUN/geometry
     runs = {}
     for lb, r in zip(labels, args.run):
         with lock_dir(r):
@@ -314,6 +312,14 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
         m = runs[lb]["meta"]
         print(f"{lb}: {m['recipe']} run, {m['n_tokens']} tokens, min_count {m['min_count']}"
               + "".join(f"\n  note: {n}" for n in m["notes"]))
+    return _write_results(runs, args)
+
+
+def _write_results(runs: dict[str, Any], args: argparse.Namespace) -> int:
+    """Figures and geometry.json into ``--out`` (under the lock of the run it lies in, if any)."""
+    from ..engine.run import lock_enclosing_run  # --out inside a run directory: one writer
+    from .capture import save_geometry_json
+    from .plots import plot_all
     out = Path(args.out)
     with lock_enclosing_run(out):
         figs = [] if args.no_figures else plot_all(runs, out)
@@ -357,8 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     model_args = _parse_kv(args.model_args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     labels = args.label or []
-    from .capture import analyze_model, save_geometry_json
-    from .plots import plot_all
+    from .capture import analyze_model
 
     # load (and validate) every model before the first expensive pass
     loaded = []
@@ -387,14 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         m = runs[label]["meta"]
         print(f"{label}: {m['n_batches']} batches, {m['n_tokens']} tokens, {len(m['layers'])} layers "
               f"in {m['seconds']:.1f}s" + "".join(f"\n  note: {n}" for n in m["notes"]))
-    out = Path(args.out)
-    from ..engine.run import lock_enclosing_run  # --out inside a run directory: one writer
-    with lock_enclosing_run(out):
-        figs = [] if args.no_figures else plot_all(runs, out)
-        path = save_geometry_json({"runs": runs, "figures": [str(f.name) for f in figs]}, out / "geometry.json")
-    _print_layers(runs, args.threshold)
-    print(f"wrote {path} and {len(figs)} figures to {out}")
-    return 0
+    return _write_results(runs, args)
 
 
 def _print_layers(runs: dict[str, Any], threshold: float) -> None:
