@@ -309,7 +309,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (implied on the CPU)")
     ap.add_argument("--quick", action="store_true", help="same as --tiny (benchmarks/run_all.py --quick)")
-    ap.add_argument("--compile", choices=("off", "on", "both"), default="both")
+    ap.add_argument("--compile", choices=("off", "on", "both"), default=None,
+                    help="torch.compile variants (default: both on CUDA, off on the CPU)")
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--repeats", type=int, default=5, help="measured rounds per variant")
     ap.add_argument("--resume-steps", type=int, default=50)
@@ -322,6 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
     args.tiny = args.tiny or args.quick or device.type != "cuda"
+    args.compile = args.compile or ("both" if device.type == "cuda" else "off")
     if args.resume_steps < 2:
         ap.error("--resume-steps must be >= 2")
     budget = Budget(args.budget_s)
