@@ -287,6 +287,26 @@ def muon_check(out: Path) -> None:
         out.write_text(json.dumps({k: float((v - results["plain"]).abs().max()) for k, v in results.items()}))
 
 
+def test_fsdp_refused_where_unsupported(tmp_path):
+    """A recipe without FSDP blocks, and an EMA under FSDP, are one-line config errors."""
+    from lapheads.engine.run import RunDir
+    from lapheads.engine.trainer import Task, TrainConfig, Trainer
+    from lapheads.errors import ConfigError
+
+    class Tiny(Task):
+        name = "tiny"
+        model = torch.nn.Linear(2, 2)
+
+        def optimizers(self) -> list[torch.optim.Optimizer]:
+            return [torch.optim.SGD(self.model.parameters(), lr=0.1)]
+
+    with pytest.raises(ConfigError, match="train.parallel=fsdp is not supported by the tiny recipe"):
+        Trainer(Tiny(), TrainConfig(max_steps=1, parallel="fsdp"), RunDir(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="ema_decay"):
+        TrainConfig(max_steps=1, parallel="fsdp", ema_decay=0.9).validate()
+    TrainConfig(max_steps=1, parallel="fsdp").validate()
+
+
 if __name__ == "__main__":  # the torchrun worker: OUT CACHE [--resume]
     import torch.distributed as dist
     dist.init_process_group("gloo")  # launch() takes this group over (and ends it)
