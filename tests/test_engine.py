@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import pickle
@@ -329,6 +331,23 @@ def test_resume_with_other_settings_lists_every_changed_key(tmp_path):
     with pytest.raises(ConfigError, match=r"at lr \(0\.01 -> 0\.5\), model\.width \(16 -> 8\); exact resume"):
         _run(out, bad, resume=True)
     assert snapshot(out) == before
+
+
+def test_resume_of_a_run_made_before_a_config_key_existed(tmp_path):
+    """A key added to a recipe later is absent from older runs' config.yaml: left at its default
+    it is no change (the run resumes); set to another value it is refused like any change."""
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        _run(out, dataclasses.replace(_cfg(), crash_at=7))
+    cfg_path = out / "config.yaml"
+    text = cfg_path.read_text().replace("crash_at: 7", "crash_at: -1")
+    old = "\n".join(line for line in text.splitlines() if not line.startswith("lr:")) + "\n"
+    assert old != text
+    cfg_path.write_text(old)  # as written by a version without the `lr` key
+    with pytest.raises(ConfigError, match=r"at lr \(None -> 0\.5\)"):
+        _run(out, dataclasses.replace(_cfg(), lr=0.5), resume=True)
+    _run(out, _cfg(), resume=True)
+    assert json.loads((out / "final" / "model.json").read_text())["step"] == 20
 
 
 def _hold_lock(path: Path) -> subprocess.Popen:

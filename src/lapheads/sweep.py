@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .engine.config import load_config, read_yaml, to_dict
-from .engine.run import (FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes,
-                         describe_changes, lock_dir)
+from .engine.run import (FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes,
+                         flatten_config, lock_dir)
 from .errors import ConfigError
 from .heads import LaplacianHeads
 
@@ -216,13 +216,6 @@ class GridRun:
         return out + (["--resume"] if self.state == "partial" else [])
 
 
-def _new_defaults(existing: dict, resolved: dict, defaults: dict, changes: list[str]) -> list[str]:
-    """``changes`` without keys that a run's config.yaml lacks because they were added to the recipe
-    later, and that this sweep leaves at their defaults (e.g. ``model.in_chans: 3``)."""
-    old, new, dflt = _flat(existing), _flat(resolved), _flat(defaults)
-    return [k for k in changes if not (k not in old and k in dflt and new.get(k) == dflt[k])]
-
-
 def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
               overrides: Sequence[str] = (), design: Sequence[dict[str, str]] = ({},)) -> list[GridRun]:
     """Every run of the design x k x seeds with its state and, for existing runs, the config keys that changed.
@@ -251,8 +244,7 @@ def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: S
                     run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
                     run.existing = RunDir(run.path).read_config()
                     allowed = FINISHED_MUTABLE if run.state == "done" else RESUME_MUTABLE
-                    run.changes = _new_defaults(run.existing, run.resolved, {"recipe": recipe, **defaults},
-                                                config_changes(run.existing, run.resolved, allowed))
+                    run.changes = config_changes(run.existing, run.resolved, allowed, {"recipe": recipe, **defaults})
                 plan.append(run)
     return plan
 
@@ -377,18 +369,9 @@ GRID_MEASURES = [("anova", "frac_within_sequence", "within-sequence fraction"),
 _NOT_AXES = {"model.laplacian_heads", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): d}
-
-
 def grid_axes(configs: Sequence[dict]) -> list[str]:
     """Config keys whose values differ between runs (of one recipe): the grid axes of a sweep."""
-    flats = [_flat(c) for c in configs]
+    flats = [flatten_config(c) for c in configs]
     keys = sorted(set().union(*flats)) if flats else []
     return [k for k in keys if k not in _NOT_AXES and len({repr(f.get(k)) for f in flats}) > 1]
 
@@ -434,7 +417,7 @@ def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[
         if not axes and len(labels) < 2:
             continue
         key, metric_name, _ = METRICS[recipe][0]
-        flats = [_flat(c) for c in configs]
+        flats = [flatten_config(c) for c in configs]
 
         def value(r_i: int, section: str, k: str) -> Optional[float]:
             r = rs[r_i]

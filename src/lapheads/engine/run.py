@@ -96,24 +96,33 @@ RESUME_MUTABLE = {"train.max_steps", "train.log_every", "train.eval_every", "tra
 FINISHED_MUTABLE = RESUME_MUTABLE - {"train.max_steps"}
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_config(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a nested config as dotted keys."""
     if isinstance(d, dict):
         out: dict[str, Any] = {}
         for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_config(v, f"{prefix}{k}."))
         return out
     return {prefix.rstrip("."): d}
 
 
-def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE) -> list[str]:
-    """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out."""
-    a, b = _flatten(old), _flatten(new)
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in allowed)
+def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE,
+                   defaults: Optional[dict] = None) -> list[str]:
+    """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out.
+
+    With ``defaults`` (the recipe's default config), a key the old config lacks because it was
+    added to the recipe later (e.g. ``model.in_chans``) is no change while the new config leaves
+    it at its default.
+    """
+    a, b = flatten_config(old), flatten_config(new)
+    d = flatten_config(defaults) if defaults is not None else {}
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in allowed
+                  and not (k not in a and k in d and b.get(k) == d[k]))
 
 
 def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:
     """``"model.depth (2 -> 3), optim.lr (0.1 -> 0.5)"`` for the first ``limit`` keys."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = flatten_config(old), flatten_config(new)
     parts = [f"{k} ({a.get(k)!r} -> {b.get(k)!r})" for k in keys[:limit]]
     return ", ".join(parts) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
@@ -319,7 +328,7 @@ class RunDir:
                 return False
             old = load_yaml(self.config_path.read_text(encoding="utf-8"), str(self.config_path)) or {}
             new = {"recipe": recipe, **to_dict(cfg)}
-            changed = config_changes(old, new, RESUME_MUTABLE)
+            changed = config_changes(old, new, RESUME_MUTABLE, defaults={"recipe": recipe, **to_dict(type(cfg)())})
             if changed:
                 raise ConfigError(
                     f"--resume: the config differs from {self.config_path} at "
