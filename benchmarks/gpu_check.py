@@ -169,12 +169,11 @@ def vit_step(k: int, device: torch.device, batch: int, img: int, bf16: bool) -> 
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(batch, 3, img, img, generator=g, device=device)
     y = torch.randint(0, model.num_classes, (batch,), generator=g, device=device)
-    blocks, heads = len(model.blocks), model.blocks[0].attn.num_heads
+    blocks = len(model.blocks)
     tokens = (img // 16) ** 2 + 1
     width = model.embed_dim
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 2 and "pos_embed" not in n)
     flops = batch * tokens * (6.0 * matmul + 12.0 * blocks * width * tokens)
-    del heads
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     def step(m: Callable[..., torch.Tensor]) -> Callable[[], None]:
@@ -225,7 +224,6 @@ def training_rows(device: torch.device, args: argparse.Namespace, budget: Budget
     peak = peak_flops(device, args.peak_tflops)
     rows: list[list[Any]] = []
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    models: list[tuple[str, int, Callable[[int], tuple[torch.nn.Module, Callable[[], Any], float]], int, str]]
     if args.tiny:
         vit = dict(batch=2, img=32)
         lm = dict(depth=2, width=64, heads=4, vocab=256, seq=32, batch=2)
