@@ -31,7 +31,9 @@ def test_quickstart_tiny_end_to_end(tmp_path, capsys):
         rows = [l for l in body.splitlines() if re.match(r"\| (k=0|k=2|all) \|", l)]
         assert [r.split("|")[1].strip() for r in rows] == ["k=0", "k=2", "all"], body
         for row in rows:
-            for cell in [c.strip() for c in row.strip("|").split("|")][2:]:
+            if section == "## classify":  # evaluated along the way: every run has a plateau flag
+                assert "unknown" not in row.split("|")[3], row
+            for cell in [c.strip() for c in row.strip("|").split("|")][3:]:  # after setting, runs, plateaued
                 value = float(cell.split(" ± ")[0])
                 assert math.isfinite(value), row
     for ref in re.findall(r"\]\(([^)]+)\)", md):

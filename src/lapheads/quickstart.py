@@ -26,12 +26,14 @@ from typing import Optional, Sequence
 from .errors import ConfigError
 
 # Run lengths: the full quickstart fits in ~10 minutes on 2 CPU cores; --tiny in under a minute.
+# Vision runs evaluate along the way (train.eval_every) so the report has validation curves and
+# plateau flags (three or more eval points per run).
 PLAN = {
     "full": {"vision_seeds": [0, 1, 2], "lm_seeds": [0],
-             "vision_set": ["data.epochs=10"], "lm_set": ["train.max_steps=120", "train.eval_every=40"],
+             "vision_set": ["data.epochs=10", "train.eval_every=25"], "lm_set": ["train.max_steps=120", "train.eval_every=40"],
              "max_items": 359},
     "tiny": {"vision_seeds": [0, 1], "lm_seeds": [0],
-             "vision_set": ["data.epochs=1", "train.max_steps=6", "data.max_eval_items=64"],
+             "vision_set": ["data.epochs=1", "train.max_steps=6", "data.max_eval_items=64", "train.eval_every=2"],
              "lm_set": ["train.max_steps=4", "train.eval_every=0", "data.eval_tokens=2048",
                         "samples.max_new_tokens=4"],
              "max_items": 32},
