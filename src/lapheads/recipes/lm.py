@@ -270,6 +270,19 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
     return tok, target / "shards"
 
 
+def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
+    """The train and val :class:`TokenShards` of ``shard_dir``, each checked to hold at least one
+    sequence of ``seq_len + 1`` tokens (input plus shifted target)."""
+    from ..data.text import TokenShards
+
+    shards = (TokenShards(shard_dir, "train"), TokenShards(shard_dir, "val"))
+    for s in shards:
+        if len(s) < seq_len + 1:
+            raise DataError(f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
+                            f"{seq_len + 1}; lower data.seq_len or give more text")
+    return shards
+
+
 # --------------------------------------------------------------------------- the task
 class LMTask(Task):
     """Pretraining as an engine :class:`Task` (see the module docstring)."""
@@ -277,7 +290,6 @@ class LMTask(Task):
     name = "lm"
 
     def __init__(self, cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
-        from ..data.text import TokenShards
         from ..lm.tokenizer import stop_token_ids
 
         self.cfg, self.info = cfg, info
@@ -285,12 +297,7 @@ class LMTask(Task):
         d = cfg.data
         resolve_grad_accum(d, cfg.train, info.world_size)  # also when built without load_config
         self.tokenizer, self.shard_dir = prepare_data(d, info, progress=cfg.train.progress and info.is_main)
-        self.train_shards = TokenShards(self.shard_dir, "train")
-        self.val_shards = TokenShards(self.shard_dir, "val")
-        for s in (self.train_shards, self.val_shards):
-            if len(s) < d.seq_len + 1:
-                raise DataError(f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
-                                f"{d.seq_len + 1}; lower data.seq_len or give more text")
+        self.train_shards, self.val_shards = open_token_shards(self.shard_dir, d.seq_len)
         vocab = len(self.tokenizer)
         if self.train_shards.vocab_size != vocab:
             raise DataError(f"{self.shard_dir}: shards have vocabulary {self.train_shards.vocab_size}, the tokenizer "

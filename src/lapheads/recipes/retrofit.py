@@ -182,11 +182,10 @@ class RetrofitTask(LMTask):
     name = "retrofit"
 
     def __init__(self, cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
-        from ..data.text import TokenShards
         from ..errors import DataError
         from ..lm.model import count_params
         from .lm import load_model as load_lm
-        from .lm import prepare_data, resolve_grad_accum, token_bytes
+        from .lm import open_token_shards, prepare_data, resolve_grad_accum, token_bytes
 
         self.cfg, self.info = cfg, info  # type: ignore[assignment]
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -199,12 +198,7 @@ class RetrofitTask(LMTask):
         self.tokenizer, self.shard_dir = prepare_data(d, info, progress=cfg.train.progress and info.is_main)
         if len(self.tokenizer) != model.config.vocab_size:
             raise DataError(f"{d.tokenizer}: vocabulary {len(self.tokenizer)} != the model's {model.config.vocab_size}")
-        self.train_shards = TokenShards(self.shard_dir, "train")
-        self.val_shards = TokenShards(self.shard_dir, "val")
-        for s in (self.train_shards, self.val_shards):
-            if len(s) < d.seq_len + 1:
-                raise DataError(f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
-                                f"{d.seq_len + 1}; lower data.seq_len or give more text")
+        self.train_shards, self.val_shards = open_token_shards(self.shard_dir, d.seq_len)
         self.token_bytes = token_bytes(self.tokenizer).to(info.device)
         self.eval_bs = d.eval_batch_size or d.batch_size
         self.eval_batches = max(1, d.eval_tokens // (self.eval_bs * d.seq_len))
