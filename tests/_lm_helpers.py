@@ -37,3 +37,14 @@ def local_mc_task(tmp_path: Path, task: str) -> Path:
         "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
         "    aggregation: mean\n    higher_is_better: true\n")
     return d
+
+
+def greedy_by_recompute(model, ids, n_new: int):
+    """``ids`` extended by ``n_new`` greedy tokens, each from a full forward pass without a cache:
+    the reference that ``model.generate(..., do_sample=False)`` with a KV cache must equal."""
+    import torch
+    seq = ids
+    with torch.no_grad():
+        for _ in range(n_new):
+            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq

@@ -18,6 +18,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 import lapheads.transformers as lt
 from lapheads import ConfigError
 
+from _lm_helpers import greedy_by_recompute
+
 V = 97
 
 
@@ -164,11 +166,7 @@ def test_greedy_generate_with_kv_cache_equals_full_recompute(arch):
     prompt = torch.randint(3, V, (1, 5), generator=torch.Generator().manual_seed(3))
     n_new = 8
     gen = model.generate(prompt, max_new_tokens=n_new, do_sample=False)
-    seq = prompt
-    with torch.no_grad():
-        for _ in range(n_new):
-            nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], dim=1)
+    seq = greedy_by_recompute(model, prompt, n_new)
     assert torch.equal(gen, seq)
     # The cache path itself (not just argmax) agrees: logits of the last step.
     with torch.no_grad():
@@ -230,10 +228,7 @@ def test_sliding_window_layers_decode_like_full_recompute():
                    layer_types=["sliding_attention", "full_attention"])
     prompt = torch.randint(3, V, (1, 6), generator=torch.Generator().manual_seed(5))
     gen = model.generate(prompt, max_new_tokens=6, do_sample=False)
-    seq = prompt
-    with torch.no_grad():
-        for _ in range(6):
-            seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    seq = greedy_by_recompute(model, prompt, 6)
     assert torch.equal(gen, seq)
 
 

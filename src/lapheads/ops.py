@@ -162,6 +162,18 @@ def _v_self(v: torch.Tensor, tq: int, h: int, hkv: int, heads: Optional[torch.Te
     return vs.index_select(-3, heads // group)
 
 
+def _fused_pv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+              is_causal: bool, scale: Optional[float], dropout_p: float, *, gqa: bool) -> torch.Tensor:
+    """``P V`` for every head by one SDPA call (lower-right causality, P = 0 on fully masked rows)."""
+    m, causal = _merge_causal(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.dtype, q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if m is not None:
+        # P = 0 on a fully masked row, whatever SDPA's kernel (or an exporter's decomposition) gives.
+        out = out.masked_fill(_dead_rows(m), 0.0)
+    return out
+
+
 def laplacian_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -207,13 +219,7 @@ def laplacian_attention(
     if any_lap and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
-    m, causal = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale,
-        enable_gqa=h != hkv)
-    if m is not None:
-        # P = 0 on a fully masked row, whatever SDPA's kernel (or an exporter's decomposition) gives.
-        out = out.masked_fill(_dead_rows(m), 0.0)
+    out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     if not any_lap:
         return out
     if all(flags):
@@ -250,11 +256,7 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
     if tq > tk:
         raise ConfigError(
             f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
-    m, causal = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=h != hkv)
-    if m is not None:
-        out = out.masked_fill(_dead_rows(m), 0.0)
+    out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     a = mix.a.to(out.dtype).view(h, 1, 1)
     b = mix.b.to(out.dtype).view(h, 1, 1)
     return torch.addcmul(out * b, _v_self(v, tq, h, hkv), a)
