@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
-from .streaming import ClassAccumulator, GeometryAccumulator, _check_classifier
+from .classes import ClassAccumulator, check_classifier
+from .streaming import GeometryAccumulator
 
 __all__ = ["analyze_model", "save_geometry_json", "iter_layer_tokens", "resolve_layers"]
 
@@ -420,7 +421,7 @@ def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "v
                 # 10-class digits is fine, a 3-way head is not): drop NC3/NC4, keep the rest
                 ta = acc if isinstance(acc, ClassAccumulator) else acc.tokens
                 try:
-                    _check_classifier(clf, ta.dim, ta.kept_classes())
+                    check_classifier(clf, ta.dim, ta.kept_classes())
                 except ConfigError as e:
                     notes.append(f"model classifier not used (NC3/NC4 skipped): {e}")
                     clf = classifier = None

@@ -7,7 +7,8 @@ Each takes ``x`` as a flat ``(N, D)`` array of tokens (torch or numpy) with ``(N
 Design choices:
 
 - :func:`anova` is computed directly with centred (two-pass) sums, independently of the streaming
-  :class:`~lapheads.geometry.streaming.AnovaAccumulator`, so the two check each other.
+  :class:`~lapheads.geometry.anova.AnovaAccumulator`, so the two check each other (they share
+  only the input checks).
 - :func:`neural_collapse`, :func:`cdnv`, :func:`spectral_k99` and :func:`within_sequence_cosine`
   run the streaming accumulator once over the whole input: one definition, one code path, and the
   streaming classes give exactly these numbers batch by batch. NC4 is computed here directly
@@ -23,17 +24,11 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
-from .streaming import (
-    ClassAccumulator,
-    CosineAccumulator,
-    GeometryAccumulator,
-    SpectraAccumulator,
-    _fractions,
-    check_inputs,
-    k_for_threshold,
-)
-
-F64 = torch.float64
+from .accumulate import F64, check_inputs
+from .anova import add_fractions, sequence_classes
+from .classes import ClassAccumulator
+from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold
+from .streaming import GeometryAccumulator
 
 __all__ = ["anova", "neural_collapse", "cdnv", "spectral_k99", "spectra", "within_sequence_cosine",
            "geometry", "pca_rgb"]
@@ -75,11 +70,7 @@ def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
     if cid is not None:
         if int(cid.min()) < 0:
             raise DataError("class_ids must be >= 0 for ANOVA (every sequence needs a class)")
-        lo = torch.full((S,), 1 << 62, dtype=torch.int64).scatter_reduce_(0, sid, cid, "amin")
-        hi = torch.full((S,), -1, dtype=torch.int64).scatter_reduce_(0, sid, cid, "amax")
-        if bool((lo != hi).any()):
-            raise DataError("class_ids must be constant within each sequence for ANOVA "
-                            "(a sequence has tokens of two classes)")
+        sequence_classes(sid, cid, S)  # the same check as the streaming accumulator's
         _, cid = torch.unique(cid, return_inverse=True)
         C = int(cid.max()) + 1
         n_c = torch.zeros(C, dtype=F64).index_add_(0, cid, ones)
@@ -87,7 +78,7 @@ def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
         out["n_classes"] = float(C)
         out["between_sequence_within_class"] = float(((mu_s[sid] - mu_c[cid]) ** 2).sum())
         out["between_class"] = float((n_c * ((mu_c - mu_g) ** 2).sum(1)).sum())
-    _fractions(out)
+    add_fractions(out)
     return out
 
 
@@ -110,7 +101,7 @@ def neural_collapse(features: Any, labels: Any, classifier: Optional[tuple[Any, 
       nearest class mean (both over the kept classes).
 
     Class means are centred at the unweighted mean of the kept class means (see
-    :mod:`lapheads.geometry.streaming` for this and the ``min_count`` choice).
+    :mod:`lapheads.geometry.classes` for this and the ``min_count`` choice).
 
     Args:
         features: (N, D) features.

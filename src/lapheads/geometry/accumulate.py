@@ -1,0 +1,279 @@
+"""The base of every streaming accumulator: input checks, float64 sums, merge, all-reduce, resume.
+
+Each accumulator is fed batch by batch with ``update(x, ...)`` where ``x`` is a flat ``(N, D)``
+tensor of token representations and ``sequence_ids`` a ``(N,)`` integer tensor, and answers
+with ``compute() -> dict``. The analyses live beside this module (:mod:`.anova`,
+:mod:`.classes`, :mod:`.spectra`) and :mod:`.streaming` combines them per layer.
+
+Design choices shared by all of them:
+
+- **float64 sums.** Every sum is kept in float64 whatever the input dtype, so bf16 / fp32
+  activations of millions of tokens lose nothing to accumulation order.
+- **A shift against cancellation.** Raw second moments (``sum x x^T - N mu mu^T``) cancel badly
+  when the mean is large compared with the spread (LLM hidden states have "massive activation"
+  dimensions). Each accumulator subtracts a reference vector ``shift`` (the mean of its first
+  batch) before summing; all variances are shift-invariant. Merging accumulators with different
+  shifts re-expresses one in the other's shift exactly (``_reshift``); ``all_reduce`` broadcasts
+  the shift of the lowest rank that has one first.
+- **Sequences are complete within one ``update`` call.** Sequence ids only need to be unique
+  within a call; the within-sequence parts (ANOVA, per-sequence spectra, cosine) are computed
+  exactly, centred, for the sequences of each call and then only their sums are kept.
+- **Mergeable and resumable.** ``merge(other)`` adds another accumulator's sums;
+  ``all_reduce()`` sums across processes when ``torch.distributed`` is initialised (a no-op
+  otherwise); ``state_dict()`` / ``load_state_dict()`` save and resume mid-stream exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, DataError
+
+F64 = torch.float64
+
+__all__ = ["F64", "Accumulator", "broadcast_from_lowest_rank", "check_inputs", "dense_ids", "segment_sum"]
+
+
+# ---------------------------------------------------------------------------------------------
+# input validation
+
+
+def check_inputs(x: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
+                 labels: Optional[torch.Tensor] = None, *, name: str = "x",
+                 label_name: str = "labels") -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                      Optional[torch.Tensor]]:
+    """Validate and convert one batch: ``x`` (N, D) finite, ids/labels (N,) integer.
+
+    Args:
+        x: token representations, (N, D); numpy arrays are accepted.
+        sequence_ids: sequence id of each token, (N,).
+        labels: class of each token, (N,); ``-1`` means "no class" (e.g. the last token of a
+            sequence for next-token classes).
+        name: how to call ``x`` in error messages.
+        label_name: how to call ``labels`` in error messages.
+
+    Returns:
+        ``(x, sequence_ids, labels)`` as torch tensors (ids and labels as int64).
+    """
+    x = torch.as_tensor(x)
+    if x.dim() != 2:
+        raise DataError(f"{name} must be a 2-D (tokens, dim) array, got shape {tuple(x.shape)}")
+    if not (x.is_floating_point()):
+        raise DataError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+    if x.shape[0] == 0:
+        raise DataError(f"{name} is empty (0 tokens)")
+    # one reduction instead of an elementwise isfinite (a pass that costs as much as a tenth of
+    # the d x d update): a NaN/Inf makes the float64 sum non-finite; only then look closer
+    if not bool(torch.isfinite(x.sum(dtype=torch.float64))) and not bool(torch.isfinite(x).all()):
+        bad = torch.nonzero(~torch.isfinite(x))[0]
+        raise DataError(f"{name} contains NaN or Inf (first at token {int(bad[0])}, dim {int(bad[1])}); "
+                        "geometry needs finite features")
+
+    def _ids(t: Any, what: str) -> torch.Tensor:
+        t = torch.as_tensor(t)
+        if t.dim() != 1 or t.shape[0] != x.shape[0]:
+            raise DataError(f"{what} must have shape ({x.shape[0]},) to match {name} "
+                            f"{tuple(x.shape)}, got {tuple(t.shape)}")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise DataError(f"{what} must be integers, got dtype {t.dtype}")
+        return t.to(device=x.device, dtype=torch.int64)
+
+    sid = _ids(sequence_ids, "sequence_ids") if sequence_ids is not None else None
+    lab = _ids(labels, label_name) if labels is not None else None
+    if lab is not None and lab.numel() and int(lab.min()) < -1:
+        raise DataError(f"{label_name} must be >= 0 (or -1 for 'no class'), got {int(lab.min())}")
+    if sid is not None and int(sid.min()) < 0:
+        raise DataError(f"sequence_ids must be >= 0, got {int(sid.min())}")
+    return x, sid, lab
+
+
+def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+    """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D).
+
+    For few segments (sequences of one batch) a dense (S, N) x (N, D) product reads ``src`` once
+    and runs as a GEMM; for many segments ``index_add_`` avoids the S x N matrix.
+    """
+    if S <= 64:
+        A = torch.zeros(S, src.shape[0], dtype=F64, device=src.device)
+        A[sid, torch.arange(src.shape[0], device=src.device)] = 1.0 if weights is None else weights
+        return A @ src.to(F64) if src.dtype != F64 else A @ src
+    s = src.to(F64) if weights is None else src * weights[:, None].to(F64)
+    return torch.zeros(S, src.shape[1], dtype=F64, device=src.device).index_add_(0, sid, s)
+
+
+def dense_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Map arbitrary non-negative ids to 0..S-1 (in sorted order); returns (dense ids, S)."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def broadcast_from_lowest_rank(value: Optional[torch.Tensor], shape: tuple[int, ...], device: torch.device,
+                               group: Any = None) -> Optional[torch.Tensor]:
+    """The float64 ``value`` of the lowest rank that has one (not None), on every rank.
+
+    Every rank must call it. Returns None when no rank has a value. Used for the reference points
+    (a shift vector, a scalar centre) that all ranks must share before their sums can be added.
+    """
+    none = 1 << 30
+    rank = torch.tensor([dist.get_rank() if value is not None else none], device=device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MIN, group=group)
+    src = int(rank.item())
+    if src >= none:
+        return None
+    out = (value if value is not None else torch.zeros(shape, dtype=F64, device=device)).clone()
+    dist.broadcast(out, src=src, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# base class
+
+
+class Accumulator:
+    """Base class: a bag of float64 state tensors that are summed to merge.
+
+    Subclasses list their summable tensors in ``_sum_names`` and their configuration (checked
+    on merge / load) in ``_config()``; ``_reshift`` re-expresses shifted sums in a new shift.
+    """
+
+    _sum_names: tuple[str, ...] = ()
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    # -- configuration ------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return {}
+
+    def _children(self) -> dict[str, "Accumulator"]:
+        return {}
+
+    def _check_compatible(self, other: "Accumulator") -> None:
+        if type(other) is not type(self):
+            raise ConfigError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+        if other._config() != self._config():
+            raise ConfigError(f"cannot merge accumulators with different settings: "
+                              f"{self._config()} vs {other._config()}")
+
+    # -- shifting (overridden by shifted accumulators) ----------------------------------------
+    shift: Optional[torch.Tensor] = None
+
+    def _reshift(self, new_shift: torch.Tensor) -> None:  # pragma: no cover - trivial default
+        self.shift = new_shift
+
+    def _grow(self, n: int) -> None:
+        """Make room for ``n`` classes (class-table accumulators override this)."""
+
+    def _n_classes_capacity(self) -> int:
+        return 0
+
+    # -- merge / distributed ------------------------------------------------------------------
+    def merge(self, other: "Accumulator") -> "Accumulator":
+        """Add the sums of ``other`` (same type and settings) into ``self``; returns ``self``."""
+        self._check_compatible(other)
+        if self.shift is None and other.shift is not None:
+            self._reshift(other.shift.clone())
+        if other.shift is not None and not torch.equal(self.shift, other.shift):
+            other = other.copy()
+            other._reshift(self.shift)
+        cap = max(self._n_classes_capacity(), other._n_classes_capacity())
+        self._grow(cap)
+        if other._n_classes_capacity() < cap:
+            other = other.copy() if other is not self else other
+            other._grow(cap)
+        for n in self._sum_names:
+            a, b = getattr(self, n), getattr(other, n)
+            setattr(self, n, a + b.to(a.device))
+        self._merge_extra(other)
+        for k, ch in self._children().items():
+            ch.merge(other._children()[k])
+        return self
+
+    def _merge_extra(self, other: "Accumulator") -> None:
+        """Hook for state that is not a plain sum (min/max)."""
+
+    def copy(self) -> "Accumulator":
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for n in self._sum_names:
+            setattr(new, n, getattr(self, n).clone())
+        if self.shift is not None:
+            new.shift = self.shift.clone()
+        for k, ch in self._children().items():
+            setattr(new, k, ch.copy())
+        return new
+
+    def all_reduce(self, group: Any = None) -> "Accumulator":
+        """Sum the state over all processes of ``torch.distributed`` (no-op when not initialised).
+
+        Every rank must call it. Rank 0's shift is broadcast first and the other ranks re-express
+        their sums in it, so the summed state is exactly the state of one accumulator fed with
+        every rank's batches.
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        cap = torch.tensor([self._n_classes_capacity()], dtype=torch.int64, device=self.device)
+        dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=group)
+        self._grow(int(cap.item()))
+        if hasattr(self, "dim"):
+            # rank 0 might have seen no data: take the shift of the lowest rank that has one
+            sh = broadcast_from_lowest_rank(self.shift, (self.dim,), self.device, group)
+            if sh is not None:
+                if self.shift is None:
+                    self.shift = sh
+                elif not torch.equal(sh, self.shift):
+                    self._reshift(sh)
+        for n in self._sum_names:
+            t = getattr(self, n)
+            dist.all_reduce(t, group=group)
+        self._all_reduce_extra(group)
+        for ch in self._children().values():
+            ch.all_reduce(group)
+        return self
+
+    def _all_reduce_extra(self, group: Any) -> None:
+        """Hook for state that is not a plain sum."""
+
+    # -- save / restore -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: config, sums, shift and children (tensors on CPU)."""
+        sd: dict[str, Any] = {"type": type(self).__name__, "config": self._config(),
+                              "shift": None if self.shift is None else self.shift.cpu().clone()}
+        for n in self._sum_names:
+            sd[n] = getattr(self, n).detach().cpu().clone()
+        sd.update(self._extra_state())
+        sd["children"] = {k: ch.state_dict() for k, ch in self._children().items()}
+        return sd
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> "Accumulator":
+        """Restore from :meth:`state_dict`; the settings must match the saved ones."""
+        if sd.get("type") != type(self).__name__:
+            raise ConfigError(f"state is for {sd.get('type')!r}, not {type(self).__name__}")
+        if sd.get("config") != self._config():
+            raise ConfigError(f"saved accumulator settings {sd.get('config')} differ from "
+                              f"these {self._config()}")
+        self.shift = None if sd["shift"] is None else sd["shift"].to(self.device, F64)
+        for n in self._sum_names:
+            setattr(self, n, sd[n].to(self.device).clone())
+        self._load_extra(sd)
+        for k, ch in self._children().items():
+            ch.load_state_dict(sd["children"][k])
+        return self
+
+    def _load_extra(self, sd: dict[str, Any]) -> None:
+        pass
+
+    def _prep(self, x: torch.Tensor) -> torch.Tensor:
+        """float64 copy of ``x`` minus the shift (set from the first batch's mean)."""
+        x = x.to(self.device)
+        if self.shift is None:
+            self.shift = x.mean(0, dtype=F64)
+        return x - self.shift  # promotes to float64 in the same pass
+

@@ -1,0 +1,174 @@
+"""ANOVA of token scatter, streamed: within sequence, between sequences, between classes.
+
+The law of total variance splits the token-weighted scatter exactly; see
+:func:`lapheads.geometry.anova` for the one-shot version, computed independently with centred
+sums so the two check each other. ANOVA uses the token-weighted global mean, as the law of
+total variance requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..errors import DataError
+from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
+
+__all__ = ["AnovaAccumulator", "add_fractions", "sequence_classes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# ANOVA
+
+
+class AnovaAccumulator(Accumulator):
+    """Law-of-total-variance decomposition of token scatter, streamed.
+
+    ``total = within-sequence + between-sequences-within-class + between-class`` (sums of squared
+    distances, token weighted). Without classes the decomposition is within vs between
+    sequences.
+
+    Args:
+        dim: feature dimension D.
+        device: where the sums live.
+    """
+
+    _sum_names = ("n", "sum", "sumsq", "within", "seqterm", "n_seq", "class_count", "class_sum")
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(device)
+        self.dim = int(dim)
+        z = lambda *s: torch.zeros(*s, dtype=F64, device=self.device)  # noqa: E731
+        self.n, self.sumsq, self.within, self.seqterm, self.n_seq = z(()), z(()), z(()), z(()), z(())
+        self.sum = z(self.dim)
+        self.class_count = z(0)
+        self.class_sum = z(0, self.dim)
+        self.has_classes: Optional[bool] = None
+
+    def _config(self) -> dict[str, Any]:
+        return {"dim": self.dim}
+
+    def _n_classes_capacity(self) -> int:
+        return int(self.class_count.shape[0])
+
+    def _grow(self, n: int) -> None:
+        c = self.class_count.shape[0]
+        if n > c:
+            self.class_count = torch.cat([self.class_count, self.class_count.new_zeros(n - c)])
+            self.class_sum = torch.cat([self.class_sum, self.class_sum.new_zeros(n - c, self.dim)])
+
+    def _reshift(self, new_shift: torch.Tensor) -> None:
+        if self.shift is None:
+            self.shift = new_shift.to(self.device, F64)
+            return
+        d = self.shift - new_shift.to(self.device, F64)  # x - b = (x - a) + d
+        dd = float(d @ d)
+        self.sumsq = self.sumsq + 2 * (d @ self.sum) + self.n * dd
+        self.seqterm = self.seqterm + 2 * (d @ self.sum) + self.n * dd
+        self.sum = self.sum + self.n * d
+        self.class_sum = self.class_sum + self.class_count[:, None] * d
+        self.shift = new_shift.to(self.device, F64).clone()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"has_classes": self.has_classes}
+
+    def _load_extra(self, sd: dict[str, Any]) -> None:
+        self.has_classes = sd.get("has_classes")
+
+    def _merge_extra(self, other: "Accumulator") -> None:
+        assert isinstance(other, AnovaAccumulator)
+        if self.has_classes is None:
+            self.has_classes = other.has_classes
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, sequence_ids: torch.Tensor,
+               class_ids: Optional[torch.Tensor] = None) -> None:
+        """Add one batch.
+
+        Args:
+            x: (N, D) tokens.
+            sequence_ids: (N,) sequence of each token; every sequence is complete in this batch.
+            class_ids: (N,) class of each token's sequence (constant within a sequence), or None.
+        """
+        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
+        if x.shape[1] != self.dim:
+            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        self.check_classes(cid, " for ANOVA")
+        y = self._prep(x)
+        sid, S = dense_ids(sid)
+        self._update_prepared(y, sid, S, torch.linalg.vector_norm(y, dim=1).square(), cid)
+
+    def check_classes(self, cid: Optional[torch.Tensor], where: str = "") -> None:
+        """Classes must be given for every batch or for none, and be >= 0 (``where`` names the caller)."""
+        has = cid is not None
+        if self.has_classes is None:
+            self.has_classes = has
+        elif self.has_classes != has:
+            raise DataError("class_ids were given for some batches and not others")
+        if has and int(cid.min()) < 0:
+            raise DataError(f"class_ids must be >= 0{where} (every sequence needs a class)")
+
+    def _update_prepared(self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor,
+                         cid: Optional[torch.Tensor]) -> torch.Tensor:
+        """Add shifted float64 rows; ``sid`` dense 0..S-1, ``r`` squared row norms.
+
+        The within-sequence scatter is sum ||y||^2 - sum_s ||S_s||^2 / n_s per batch: exact up to
+        float64 rounding because ``y`` is already shifted near the data, and it needs one pass
+        over the rows instead of four for the centred form. Returns the per-sequence sums.
+        """
+        cnt = torch.bincount(sid, minlength=S).to(F64)
+        ssum = segment_sum(y, sid, S)
+        sq = (ssum * ssum).sum(1) / cnt
+        rs = r.sum()
+        self.within += rs - sq.sum()
+        self.seqterm += sq.sum()                     # sum_s n_s ||mu_s - a||^2
+        self.n += y.shape[0]
+        self.n_seq += S
+        self.sum += ssum.sum(0)
+        self.sumsq += rs
+        if cid is not None:
+            lo = sequence_classes(sid, cid, S)
+            self._grow(int(cid.max()) + 1)
+            self.class_count.index_add_(0, lo, cnt)
+            self.class_sum.index_add_(0, lo, ssum)   # per-sequence sums: S rows, not N
+        return ssum
+
+    def compute(self) -> dict[str, float]:
+        """Sums and fractions of the decomposition (see :func:`lapheads.geometry.anova`)."""
+        if float(self.n) == 0:
+            raise DataError("ANOVA: no tokens were accumulated")
+        n = float(self.n)
+        g = float(self.sum @ self.sum) / n          # N ||mu_G - a||^2
+        total = float(self.sumsq) - g
+        within = float(self.within)
+        out: dict[str, float] = {"n_tokens": n, "n_sequences": float(self.n_seq), "total": total,
+                                 "within_sequence": within}
+        between_seq = float(self.seqterm) - g
+        out["between_sequence"] = between_seq
+        if self.has_classes:
+            keep = self.class_count > 0
+            cterm = float(((self.class_sum[keep] ** 2).sum(1) / self.class_count[keep]).sum())
+            out["n_classes"] = float(keep.sum())
+            out["between_sequence_within_class"] = float(self.seqterm) - cterm
+            out["between_class"] = cterm - g
+        add_fractions(out)
+        return out
+
+
+def add_fractions(out: dict[str, float]) -> None:
+    """Add ``frac_<part>`` = part / total for each part of the decomposition in ``out``."""
+    t = out["total"]
+    for k in ("within_sequence", "between_sequence", "between_sequence_within_class", "between_class"):
+        if k in out:
+            out["frac_" + k] = out[k] / t if t > 0 else float("nan")
+
+
+def sequence_classes(sid: torch.Tensor, cid: torch.Tensor, S: int) -> torch.Tensor:
+    """The class of each of ``S`` sequences (dense ids ``sid``), checking it is constant within each."""
+    lo = torch.full((S,), 1 << 62, dtype=torch.int64, device=sid.device).scatter_reduce_(0, sid, cid, "amin")
+    hi = torch.full((S,), -1, dtype=torch.int64, device=sid.device).scatter_reduce_(0, sid, cid, "amax")
+    if bool((lo != hi).any()):
+        raise DataError("class_ids must be constant within each sequence for ANOVA "
+                        "(a sequence has tokens of two classes)")
+    return lo
