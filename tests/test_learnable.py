@@ -42,10 +42,10 @@ def _mix(h=4, seed=1, dtype=torch.float64):
 def test_learn_spec_parses_and_initialises(spec, canonical, flags):
     s = LaplacianHeads(spec)
     assert s.learnable and s.spec == canonical and s.to_config() == canonical and s.label() == canonical
-    assert s.init_flags(2, 4) == [flags, flags]
+    assert [sel.flags for sel in s.init_selection(2, 4)] == [flags, flags]
     assert LaplacianHeads(s.to_config()) == s
     with pytest.raises(ConfigError, match="learnable mixing"):
-        s.resolve_flags(2, 4)  # not a fixed set of heads: fixed code paths cannot take it by mistake
+        s.resolve(2, 4)  # not a fixed set of heads: fixed code paths cannot take it by mistake
 
 
 @pytest.mark.parametrize("bad", ["learn:maybe", "learn:-1", "learnt"])
@@ -53,7 +53,7 @@ def test_bad_learn_specs_are_refused(bad):
     with pytest.raises(ConfigError):
         LaplacianHeads(bad)
     with pytest.raises(ConfigError, match="only 4 heads"):
-        LaplacianHeads("learn:5").init_flags(1, 4)
+        LaplacianHeads("learn:5").init_selection(1, 4)
 
 
 def test_operator_refuses_a_learn_string_and_bad_mix():
@@ -321,7 +321,7 @@ def test_mixing_table_and_suggested_selection():
     json.dumps(table)  # plain JSON for metrics.jsonl
     assert table[0]["a"] == pytest.approx([0.0, 1.0, 0.9, 0.2]) and len(table) == 2
     assert suggest_selection([table]) == [[1, 2], []]
-    assert LaplacianHeads(suggest_selection([table])).resolve_flags(2, 4)[0] == (False, True, True, False)
+    assert LaplacianHeads(suggest_selection([table])).resolve(2, 4)[0].flags == (False, True, True, False)
     with pytest.raises(ConfigError, match="no learned mixing"):
         suggest_selection([[]])
     assert mixing_table(_vit()) == []

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lapheads import ConfigError, laplacian_attention_reference
+from lapheads import ConfigError, LayerHeads, laplacian_attention_reference
 from lapheads.nn import MultiheadAttention
 
 E, H = 16, 4
@@ -167,7 +167,7 @@ def test_from_torch_keeps_options():
     t = torch.nn.MultiheadAttention(E, H, dropout=0.1, add_zero_attn=True, batch_first=True, kdim=3)
     m = MultiheadAttention.from_torch(t, laplacian_heads="all")
     assert (m.dropout, m.add_zero_attn, m.batch_first, m.kdim, m.vdim) == (0.1, True, True, 3, E)
-    assert m.laplacian_flags == (True,) * H
+    assert m.laplacian_selection == LayerHeads((True,) * H)
     assert "laplacian_heads='all' (4 of 4)" in repr(m)
 
 
@@ -361,7 +361,7 @@ def _encoder_layer_reference(layer, x, pad=None, causal=False):
             keep &= ~pad[:, None, None, :]
         if causal:
             keep &= torch.ones(t, t, dtype=torch.bool).tril()
-        out, _ = laplacian_attention_reference(*qkv.unbind(0), laplacian_heads=mha.laplacian_flags, attn_mask=keep)
+        out, _ = laplacian_attention_reference(*qkv.unbind(0), laplacian_heads=mha.laplacian_selection, attn_mask=keep)
         return mha.out_proj(out.transpose(1, 2).reshape(n, t, E))
 
     ff = lambda y: layer.linear2(layer.activation(layer.linear1(y)))  # noqa: E731

@@ -51,10 +51,10 @@ def _reference_block_attention(attn, x: torch.Tensor) -> torch.Tensor:
     qkv = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    out, op = laplacian_attention_reference(q, k, v, laplacian_heads=attn.lap_mask)
+    out, op = laplacian_attention_reference(q, k, v, laplacian_heads=attn.laplacian_selection.mask())
     # sanity on the operator itself: rows of I - P sum to 0, rows of P to 1
     rows = op.sum(-1)
-    expect = torch.where(attn.lap_mask.view(-1, 1), torch.zeros(()), torch.ones(()))
+    expect = torch.where(attn.laplacian_selection.mask().view(-1, 1), torch.zeros(()), torch.ones(()))
     torch.testing.assert_close(rows, expect.expand_as(rows), atol=1e-5, rtol=0)
     return attn.proj(attn.norm(out.transpose(1, 2).reshape(B, N, -1)))
 
@@ -123,7 +123,7 @@ def test_layer_masks_fused_eager_reference(mask_kind):
         layer.fused_attn = False
         b = layer(x, attn_mask=mask, is_causal=causal)
         qkv = layer.qkv(x).reshape(2, 7, 3, 4, 8).permute(2, 0, 3, 1, 4)
-        ref, _ = laplacian_attention_reference(*qkv.unbind(0), laplacian_heads=layer.lap_mask,
+        ref, _ = laplacian_attention_reference(*qkv.unbind(0), laplacian_heads=layer.laplacian_selection.mask(),
                                                attn_mask=mask, is_causal=causal)
         ref = layer.proj(ref.transpose(1, 2).reshape(2, 7, 32))
     torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
@@ -188,8 +188,7 @@ def test_state_dict_round_trip_between_plain_and_converted():
     for p in conv.parameters():  # weights that differ from `plain`'s
         p.data.normal_()
     sd = conv.state_dict()
-    assert not any("lap_mask" in k for k in sd)
-    assert set(sd) == set(plain.state_dict())
+    assert set(sd) == set(plain.state_dict())  # the selection is a plain attribute, not a buffer
     plain.load_state_dict(sd, strict=True)
     back = lt.convert(tiny_vit(), 2)
     back.load_state_dict(plain.state_dict(), strict=True)
@@ -221,7 +220,7 @@ def test_with_heads_as_timm_attn_layer():
     assert cls is lt.LaplacianAttention.with_heads(3) and issubclass(cls, Attention)
     model = VisionTransformer(**dict(TINY, attn_layer=cls))
     assert lt.laplacian_head_counts(model) == [3, 3, 3]
-    assert model.blocks[0].attn.lap_mask.tolist() == [False, True, True, True]
+    assert model.blocks[0].attn.laplacian_selection == lapheads.LayerHeads((False, True, True, True))
     with pytest.raises(ConfigError, match="per-layer"):
         lt.LaplacianAttention.with_heads([1, 2, 3])
     with pytest.raises(ConfigError, match="only 4 heads"):
@@ -232,7 +231,7 @@ def test_set_laplacian_heads_per_layer_after_construction():
     model = lt.convert(tiny_vit(), 0)
     model.blocks[1].attn.set_laplacian_heads([0, 2])
     assert lt.laplacian_head_counts(model) == [0, 2, 0]
-    assert model.blocks[1].attn.lap_mask.tolist() == [True, False, True, False]
+    assert model.blocks[1].attn.laplacian_selection.indices == (0, 2)
 
 
 def test_registered_names_create_models_with_the_right_masks():
@@ -245,7 +244,7 @@ def test_registered_names_create_models_with_the_right_masks():
         assert model.blocks[0].attn.num_heads == heads
         assert lt.laplacian_head_counts(model) == [k, k]
         expect = [False] * (heads - k) + [True] * k
-        assert all(b.attn.lap_mask.tolist() == expect for b in model.blocks)
+        assert all(list(b.attn.laplacian_selection.flags) == expect for b in model.blocks)
         assert model.blocks[0].ls1.gamma.shape == (model.embed_dim,)  # DeiT-3 LayerScale kept
         assert model.pretrained_cfg["architecture"] == name
         same = lt.create_model(name, depth=2, img_size=32, num_classes=3, embed_dim=4 * heads)

@@ -140,8 +140,8 @@ def test_integration_equals_manual_reference(arch):
 def test_explicit_head_indices(arch):
     model = _model(arch, [[0, 2], []])
     ids, am = _left_padded()
-    masks = lt.layer_head_masks(model.config)
-    assert masks[0].tolist() == [True, False, True, False] and not masks[1].any()
+    sels = lt.layer_selections(model.config)
+    assert sels[0].indices == (0, 2) and not sels[1].any
     eager = _clone(model, lt.EAGER_ATTN_IMPLEMENTATION)
     out = eager(ids, attention_mask=am, output_attentions=True)
     row_sums = out.attentions[0][0].sum(-1)  # batch row 0 has no padding

@@ -7,13 +7,14 @@ for the paper's three experiments, and a toolkit that measures token geometry.
 """
 
 from .errors import ConfigError, DataError, CheckpointError, LapheadsError
-from .heads import HeadMix, LaplacianHeads, head_mask, mixing_table, suggest_selection
+from .heads import HeadMix, LaplacianHeads, LayerHeads, head_mask, mixing_table, suggest_selection
 from .ops import laplacian_attention, laplacian_attention_reference
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LaplacianHeads",
+    "LayerHeads",
     "HeadMix",
     "head_mask",
     "mixing_table",

@@ -19,8 +19,8 @@ of a layer, and the same k is used in every layer. The LM code also takes a per-
 
 Learnable mixing (issue 13): a head's operator generalises to ``a_h I + b_h P`` with two learned
 numbers per head per layer (a standard head is ``a=0, b=1``, a Laplacian head ``a=1, b=-1``). A
-learnable selection is not a fixed set of heads: :meth:`LaplacianHeads.resolve_flags` refuses it,
-:meth:`LaplacianHeads.init_flags` gives the heads that START Laplacian, and the modules that
+learnable selection is not a fixed set of heads: :meth:`LaplacianHeads.resolve` refuses it,
+:meth:`LaplacianHeads.init_selection` gives the heads that START Laplacian, and the modules that
 accept it (:mod:`lapheads.nn`, :mod:`lapheads.timm`, :mod:`lapheads.transformers`) register the
 parameters ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``) on each attention layer. The
 stateless operator takes them as a :class:`HeadMix`. Names end in ``lap_mix_a`` / ``lap_mix_b``
@@ -28,13 +28,23 @@ stateless operator takes them as a :class:`HeadMix`. Names end in ``lap_mix_a`` 
 :func:`mixing_table` reads them back from any model, :func:`suggest_selection` turns them into a
 fixed selection (each head takes the nearer of the two fixed operators in the ``(a, b)`` plane).
 
-``resolve(n_layers, n_heads)`` returns one boolean mask of shape ``(n_heads,)`` per layer. Every
-invalid value raises :class:`lapheads.errors.ConfigError` (a ``ValueError``) that says what was
-given and what is allowed.
+``resolve(n_layers, n_heads)`` returns one :class:`LayerHeads` per layer: that layer's selection
+as a frozen tuple of Python bools (why bools and not a tensor: see :class:`LayerHeads`). Every
+integration resolves once and stores the result on the attention module as
+``laplacian_selection``; :func:`lapheads.laplacian_attention` takes it as is. Every invalid value
+raises :class:`lapheads.errors.ConfigError` (a ``ValueError``) that says what was given and what
+is allowed.
+
+Recipes declare the field with :func:`heads_field` (one default, :data:`DEFAULT_LAPLACIAN_HEADS`),
+so a bad value is refused when the config is parsed, with the key in the message.
+:meth:`LaplacianHeads.sort_key` orders settings for tables: none < 1 < 2 < ... < all <
+per-layer lists < learnable mixing.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from typing import Any, NamedTuple, Sequence, Union
 
@@ -66,7 +76,7 @@ class HeadMix(NamedTuple):
     b: torch.Tensor
 
 
-def _parse_learn(spec: str) -> Union[str, int]:
+def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
     """``"learn"``, ``"learn:standard"``, ``"learn:laplacian"``, ``"learn:<k>"`` -> the initialisation."""
     _, _, init = spec.partition(":")
     init = init.strip() or "standard"
@@ -74,7 +84,7 @@ def _parse_learn(spec: str) -> Union[str, int]:
         return init
     if init.isdigit():
         return int(init)
-    raise ConfigError(f"laplacian_heads={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
+    raise ConfigError(f"{name}={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
                       f"an int k >= 0 (trailing k heads start Laplacian), e.g. 'learn:laplacian' or 'learn:2'")
 
 
@@ -82,22 +92,136 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerHeads:
+    """The resolved selection of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
+
+    Why Python bools and not a tensor: the operator branches on the selection (no Laplacian head:
+    plain SDPA; every head: one subtraction; a mix: slices of runs of heads). Branching on a
+    device tensor would read it back to the host (a sync per layer per call on a GPU), is a
+    data-dependent graph break under ``torch.compile``, and ``torch.jit.trace`` / ``torch.export``
+    / the ONNX exporters would not record it as a constant. A tuple of bools is free to branch on
+    and a constant for every tracer. So every integration resolves its selection once (when the
+    layer is built or converted, or when ``config.laplacian_heads`` changes), stores it on the
+    attention module as ``laplacian_selection``, and hands it to
+    :func:`lapheads.laplacian_attention`, which trusts it (no validation per call). Where an op
+    needs the selection as a tensor (the eager ``torch.where``), :meth:`mask` gives one, cached per
+    device.
+
+    Frozen (hashable, equal when the flags are equal) so it can be shared and compared; build one
+    with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
+
+    Args:
+        flags: one bool per head (a list is turned into a tuple); at least one head.
+    """
+
+    flags: tuple[bool, ...]
+    # Device masks already built, by device; not part of equality, hash or repr.
+    _masks: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        flags = self.flags
+        if isinstance(flags, torch.Tensor) or not isinstance(flags, (tuple, list)) or not flags \
+                or any(type(f) is not bool for f in flags):
+            raise ConfigError(f"LayerHeads(flags={flags!r}): flags must be a non-empty tuple of bools, one per "
+                              "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms")
+        object.__setattr__(self, "flags", tuple(flags))
+
+    @classmethod
+    def of(cls, spec: Any, n_heads: int) -> "LayerHeads":
+        """One layer's selection from anything :func:`head_mask` accepts, validated against ``n_heads``.
+
+        ``spec`` may be a :class:`LayerHeads` (returned as is when it has ``n_heads`` heads), an int
+        k (trailing k heads), ``"all"``/``"none"``, a list of head indices, a boolean list/tensor of
+        length ``n_heads`` (a tensor is read back once, here), or a :class:`LaplacianHeads` that is
+        the same for every layer.
+        """
+        if isinstance(spec, LayerHeads):
+            if spec.n_heads != n_heads:
+                raise ConfigError(f"{spec!r} has {spec.n_heads} heads, expected {n_heads} (one flag per head)")
+            return spec
+        if isinstance(spec, torch.Tensor):
+            _check_mask_tensor(spec, n_heads)
+            return cls(tuple(bool(x) for x in spec.tolist()))
+        if isinstance(spec, HeadMix):
+            raise ConfigError("a HeadMix is learnable mixing, not a fixed selection; pass it to laplacian_attention")
+        if isinstance(spec, LaplacianHeads):
+            if spec.learnable:
+                spec.resolve(1, n_heads)  # raises the learnable-mixing error
+            if spec.kind not in ("k", "all", "none"):
+                raise ConfigError(
+                    f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])")
+            return spec.resolve(1, n_heads)[0]
+        if isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
+            if len(spec) != n_heads:
+                raise ConfigError(
+                    f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)")
+            return cls(tuple(spec))
+        if isinstance(spec, (list, tuple)):
+            return LaplacianHeads([list(spec)]).resolve(1, n_heads)[0]
+        return LaplacianHeads(spec).resolve(1, n_heads)[0]
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.flags)
+
+    @property
+    def any(self) -> bool:
+        """At least one Laplacian head (False: the layer is standard attention)."""
+        return any(self.flags)
+
+    @property
+    def all(self) -> bool:
+        """Every head is Laplacian."""
+        return all(self.flags)
+
+    @property
+    def count(self) -> int:
+        """Number of Laplacian heads."""
+        return sum(self.flags)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Indices of the Laplacian heads, ascending."""
+        return tuple(h for h, f in enumerate(self.flags) if f)
+
+    def mask(self, device: Any = None) -> torch.Tensor:
+        """The selection as a boolean ``(n_heads,)`` tensor on ``device`` (CPU by default), cached.
+
+        The tensor is shared by every caller: read it, do not write into it. It is built outside
+        inference mode, so a mask first asked for under ``torch.inference_mode`` still serves a
+        later training step (an inference tensor cannot be saved for backward).
+        """
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        m = self._masks.get(dev)
+        if m is None:
+            with torch.inference_mode(False):
+                m = torch.tensor(self.flags, dtype=torch.bool, device=dev)
+            self._masks[dev] = m
+        return m
+
+
+#: The one default of a recipe's ``laplacian_heads`` field: no Laplacian head (the baseline).
+DEFAULT_LAPLACIAN_HEADS: Any = 0
+
+
 class LaplacianHeads:
     """A validated description of the Laplacian heads of a model.
 
     Args:
         spec: ``int`` k, ``"all"``, ``"none"``, ``None`` (same as ``"none"``), a per-layer list of
-            ints, a per-layer list of index lists, or another :class:`LaplacianHeads`.
+            ints, a per-layer list of index lists, ``"learn..."``, or another :class:`LaplacianHeads`.
+        name: how error messages name the value (``model.laplacian_heads`` for a config key).
     """
 
-    def __init__(self, spec: HeadSpec = "none"):
+    def __init__(self, spec: HeadSpec = "none", *, name: str = "laplacian_heads"):
         if isinstance(spec, LaplacianHeads):
             spec = spec.spec
         if spec is None:
             spec = "none"
         self.learn_init: Union[str, int, None] = None
         if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
-            self.learn_init = _parse_learn(spec.strip().lower())
+            self.learn_init = _parse_learn(spec.strip().lower(), name)
             self.kind = "learn"
             self.spec = f"learn:{self.learn_init}"
             return
@@ -107,12 +231,12 @@ class LaplacianHeads:
                 if s.lstrip("-").isdigit():
                     spec = int(s)
                 else:
-                    raise ConfigError(f"laplacian_heads={spec!r} is not understood; allowed: {_ALLOWED}")
+                    raise ConfigError(f"{name}={spec!r} is not understood; allowed: {_ALLOWED}")
             else:
                 spec = s
         if _is_int(spec):
             if spec < 0:
-                raise ConfigError(f"laplacian_heads={spec} is negative; allowed: {_ALLOWED}")
+                raise ConfigError(f"{name}={spec} is negative; allowed: {_ALLOWED}")
             self.kind = "k"
         elif isinstance(spec, str):
             self.kind = spec
@@ -121,27 +245,24 @@ class LaplacianHeads:
             if all(_is_int(x) for x in items):
                 for i, x in enumerate(items):
                     if x < 0:
-                        raise ConfigError(f"laplacian_heads[{i}]={x} is negative; per-layer counts must be >= 0")
+                        raise ConfigError(f"{name}[{i}]={x} is negative; per-layer counts must be >= 0")
                 self.kind = "per_layer_k"
                 spec = items
             elif all(isinstance(x, (list, tuple)) for x in items):
                 for i, idx in enumerate(items):
                     for j in idx:
                         if not _is_int(j):
-                            raise ConfigError(
-                                f"laplacian_heads[{i}] contains {j!r}; head indices must be ints")
+                            raise ConfigError(f"{name}[{i}] contains {j!r}; head indices must be ints")
                         if j < 0:
-                            raise ConfigError(f"laplacian_heads[{i}] contains negative head index {j}")
+                            raise ConfigError(f"{name}[{i}] contains negative head index {j}")
                     if len(set(idx)) != len(idx):
-                        raise ConfigError(f"laplacian_heads[{i}]={list(idx)} has duplicate head indices")
+                        raise ConfigError(f"{name}[{i}]={list(idx)} has duplicate head indices")
                 self.kind = "per_layer_indices"
                 spec = [list(idx) for idx in items]
             else:
-                raise ConfigError(
-                    f"laplacian_heads={spec!r} mixes types; allowed: {_ALLOWED}")
+                raise ConfigError(f"{name}={spec!r} mixes types; allowed: {_ALLOWED}")
         else:
-            raise ConfigError(
-                f"laplacian_heads={spec!r} has type {type(spec).__name__}; allowed: {_ALLOWED}")
+            raise ConfigError(f"{name}={spec!r} has type {type(spec).__name__}; allowed: {_ALLOWED}")
         self.spec = spec
 
     @classmethod
@@ -160,27 +281,24 @@ class LaplacianHeads:
         """True for learnable mixing (``"learn..."``): the modules hold parameters ``lap_mix_a/b``."""
         return self.kind == "learn"
 
-    def init_flags(self, n_layers: int, n_heads: int) -> list[tuple[bool, ...]]:
+    def init_selection(self, n_layers: int, n_heads: int) -> list[LayerHeads]:
         """For a learnable spec, the heads that START Laplacian (``a=1, b=-1``); the rest start standard.
 
-        For a fixed spec this is :meth:`resolve_flags`.
+        For a fixed spec this is :meth:`resolve`.
         """
         if not self.learnable:
-            return self.resolve_flags(n_layers, n_heads)
+            return self.resolve(n_layers, n_heads)
         init = self.learn_init
         spec = "all" if init == "laplacian" else ("none" if init == "standard" else init)
-        return LaplacianHeads(spec).resolve_flags(n_layers, n_heads)
+        return LaplacianHeads(spec).resolve(n_layers, n_heads)
 
     # ------------------------------------------------------------------ resolution
-    def resolve(self, n_layers: int, n_heads: int) -> list[torch.Tensor]:
-        """Per-layer boolean masks (``True`` = Laplacian head), validated against the model shape."""
-        return [torch.tensor(f, dtype=torch.bool) for f in self.resolve_flags(n_layers, n_heads)]
+    def resolve(self, n_layers: int, n_heads: int) -> list[LayerHeads]:
+        """One :class:`LayerHeads` per layer, validated against the model shape.
 
-    def resolve_flags(self, n_layers: int, n_heads: int) -> list[tuple[bool, ...]]:
-        """Like :meth:`resolve` but plain Python tuples of bools.
-
-        Pure Python on purpose: branching on these never syncs an accelerator and stays a constant
-        under ``torch.compile`` (branching on a tensor would be a data-dependent graph break).
+        Raises:
+            ConfigError: the spec does not fit the shape, or it is learnable mixing (not a fixed set
+                of heads: see :meth:`init_selection`).
         """
         if n_layers < 1 or n_heads < 1:
             raise ConfigError(f"model shape n_layers={n_layers}, n_heads={n_heads} must be positive")
@@ -190,18 +308,18 @@ class LaplacianHeads:
                 "that holds the parameters (lapheads.nn.MultiheadAttention, lapheads.timm.convert, "
                 "lapheads.transformers.enable) or a HeadMix(a, b) for the operator")
         if self.kind == "all":
-            return [(True,) * n_heads for _ in range(n_layers)]
+            return [LayerHeads((True,) * n_heads)] * n_layers
         if self.kind == "none":
-            return [(False,) * n_heads for _ in range(n_layers)]
+            return [LayerHeads((False,) * n_heads)] * n_layers
         if self.kind == "k":
-            return [self._trailing(self.spec, n_heads, None) for _ in range(n_layers)]
+            return [self._trailing(self.spec, n_heads, None)] * n_layers
         if len(self.spec) != n_layers:
             raise ConfigError(
                 f"laplacian_heads={self.spec!r} has {len(self.spec)} per-layer entries but the model has "
                 f"{n_layers} layers; give exactly one entry per layer")
         if self.kind == "per_layer_k":
             return [self._trailing(k, n_heads, i) for i, k in enumerate(self.spec)]
-        flags = []
+        out = []
         for i, idx in enumerate(self.spec):
             for j in idx:
                 if j >= n_heads:
@@ -209,24 +327,24 @@ class LaplacianHeads:
                         f"laplacian_heads[{i}] contains head index {j}, but layers have {n_heads} "
                         f"heads (allowed 0..{n_heads - 1})")
             chosen = set(idx)
-            flags.append(tuple(h in chosen for h in range(n_heads)))
-        return flags
+            out.append(LayerHeads(tuple(h in chosen for h in range(n_heads))))
+        return out
 
     @staticmethod
-    def _trailing(k: int, n_heads: int, layer: int | None) -> tuple[bool, ...]:
+    def _trailing(k: int, n_heads: int, layer: int | None) -> LayerHeads:
         where = "" if layer is None else f"[{layer}]"
         if k > n_heads:
             raise ConfigError(
                 f"laplacian_heads{where}={k} but layers have only {n_heads} heads (allowed 0..{n_heads})")
-        return (False,) * (n_heads - k) + (True,) * k
+        return LayerHeads((False,) * (n_heads - k) + (True,) * k)
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
-        """The boolean head mask of one layer."""
-        return self.resolve(n_layers, n_heads)[layer]
+        """The boolean head mask of one layer (a new CPU tensor)."""
+        return torch.tensor(self.resolve(n_layers, n_heads)[layer].flags, dtype=torch.bool)
 
     def counts(self, n_layers: int, n_heads: int) -> list[int]:
         """Number of Laplacian heads per layer."""
-        return [int(m.sum()) for m in self.resolve(n_layers, n_heads)]
+        return [sel.count for sel in self.resolve(n_layers, n_heads)]
 
     def is_none(self) -> bool:
         """True when no head can be Laplacian, whatever the model shape."""
@@ -254,6 +372,68 @@ class LaplacianHeads:
             return self.kind
         return "per-layer:" + ",".join(str(k if _is_int(k) else len(k)) for k in self.spec)
 
+    # ------------------------------------------------------------------ ordering, config values
+    def _order(self) -> tuple:
+        # (group, rank, detail, text): every key has this shape, and two keys only reach `detail`
+        # when group and rank are equal, where the details have the same structure, so any two
+        # keys compare without a TypeError.
+        if self.kind == "none":
+            return (0, 0, (), "")
+        if self.kind == "k":
+            return (0, self.spec, (), "")
+        if self.kind == "all":
+            return (1, 0, (), "")
+        if self.kind == "per_layer_k":
+            return (2, 0, tuple(self.spec), "")
+        if self.kind == "per_layer_indices":
+            return (2, 1, tuple(tuple(i) for i in self.spec), "")
+        if self.learn_init == "standard":
+            return (3, 0, (), "")
+        if _is_int(self.learn_init):
+            return (3, 1, (self.learn_init,), "")
+        return (3, 2, (), "")
+
+    @classmethod
+    def sort_key(cls, value: Any) -> tuple:
+        """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing.
+
+        Args:
+            value: a :class:`LaplacianHeads`, anything it accepts, or a label as :meth:`label` writes
+                it (``"k=3"``, ``"all"``, ``"none"``, ``"per-layer:0,2"``, ``"learn:standard"``;
+                ``"k=all"`` and ``"k=learn"`` too). Per-layer lists order by their counts, learnable
+                mixing by its start: standard, then trailing k (ascending), then laplacian.
+
+        Returns:
+            a tuple; keys of different settings differ, so sorting is deterministic. A value that is
+            no setting (a hand-made label) sorts after every setting, by its text.
+        """
+        spec = value
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text.startswith("k="):
+                spec = text[2:]
+            elif text.startswith("per-layer:"):
+                parts = text[len("per-layer:"):].split(",")
+                spec = [int(p) for p in parts] if all(p.strip().isdigit() for p in parts) else value
+        try:
+            return cls(spec)._order()
+        except ConfigError:
+            return (4, 0, (), str(value))
+
+    @classmethod
+    def parse_config_value(cls, value: Any, key: str = "laplacian_heads") -> Any:
+        """Check a config value of ``key`` now (when the config is parsed) and return it for the config.
+
+        The value is kept as written (so a saved ``config.yaml`` reads back the same); a
+        :class:`LaplacianHeads` becomes its :meth:`to_config`. Whether it fits the model (k <= heads,
+        one entry per layer) is checked when the model is built.
+
+        Raises:
+            ConfigError: one line naming ``key``, the value and what is allowed.
+        """
+        heads = cls(value, name=key)
+        return heads.to_config() if isinstance(value, LaplacianHeads) else value
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, LaplacianHeads) and self.spec == other.spec
 
@@ -264,6 +444,23 @@ class LaplacianHeads:
         return f"LaplacianHeads({self.spec!r})"
 
 
+def heads_field(default: Any = DEFAULT_LAPLACIAN_HEADS) -> Any:
+    """The ``laplacian_heads`` field of a recipe config: one default, checked when the config is parsed.
+
+    :func:`lapheads.engine.config.from_dict` calls the field's ``parse`` metadata
+    (:meth:`LaplacianHeads.parse_config_value`) with the full key, so ``--set
+    model.laplacian_heads=alll`` fails before anything is built, with one line naming
+    ``model.laplacian_heads``. Annotate the field ``Any`` (the value takes several YAML forms)::
+
+        laplacian_heads: Any = heads_field()
+    """
+    LaplacianHeads(default)  # a bad default is a programming error: fail when the class is defined
+    meta = {"parse": LaplacianHeads.parse_config_value}
+    if isinstance(default, (list, tuple)):  # a mutable default needs a factory (one copy per config)
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(list(default)), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
 def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
     if spec.dtype != torch.bool:
         raise ConfigError(f"a laplacian_heads tensor must be boolean, got dtype {spec.dtype}")
@@ -272,59 +469,31 @@ def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
             f"laplacian_heads mask has shape {tuple(spec.shape)}, expected ({n_heads},) (one entry per head)")
 
 
-def head_flags(spec: Any, n_heads: int) -> tuple[bool, ...]:
-    """One layer's selection as a tuple of ``n_heads`` bools (``True`` = Laplacian head).
-
-    Accepts what :func:`head_mask` accepts. Except for a tensor ``spec`` (read back with
-    ``tolist()``), no tensor is involved, so the operator can branch on the result without an
-    accelerator sync or a ``torch.compile`` graph break.
-    """
-    if isinstance(spec, torch.Tensor):
-        _check_mask_tensor(spec, n_heads)
-        return tuple(bool(x) for x in spec.tolist())
-    if isinstance(spec, HeadMix):
-        raise ConfigError("a HeadMix is learnable mixing, not a fixed selection; pass it to laplacian_attention")
-    if isinstance(spec, LaplacianHeads):
-        if spec.learnable:
-            spec.resolve_flags(1, n_heads)  # raises the learnable-mixing error
-        if spec.kind not in ("k", "all", "none"):
-            raise ConfigError(
-                f"{spec!r} is per-layer; pass the mask of this layer (spec.layer_mask(layer, n_layers, n_heads))")
-        return spec.resolve_flags(1, n_heads)[0]
-    if isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
-        if len(spec) != n_heads:
-            raise ConfigError(
-                f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)")
-        return tuple(spec)
-    if isinstance(spec, (list, tuple)):
-        return LaplacianHeads([list(spec)]).resolve_flags(1, n_heads)[0]
-    return LaplacianHeads(spec).resolve_flags(1, n_heads)[0]
-
-
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
-    """Boolean mask of shape ``(n_heads,)`` for ONE layer.
+    """Boolean mask of shape ``(n_heads,)`` for ONE layer (a new tensor; a tensor ``spec`` is returned as is).
 
     ``spec`` may be a boolean tensor/list of length ``n_heads``, an int k (trailing k heads),
-    ``"all"``/``"none"``, a list of head indices, or a :class:`LaplacianHeads` that is the same for
-    every layer (an int, ``"all"`` or ``"none"``).
+    ``"all"``/``"none"``, a list of head indices, a :class:`LayerHeads`, or a
+    :class:`LaplacianHeads` that is the same for every layer (an int, ``"all"`` or ``"none"``).
     """
     if isinstance(spec, torch.Tensor):
         _check_mask_tensor(spec, n_heads)
         return spec.to(device) if device is not None else spec
-    m = torch.tensor(head_flags(spec, n_heads), dtype=torch.bool)
-    return m.to(device) if device is not None else m
+    return torch.tensor(LayerHeads.of(spec, n_heads).flags, dtype=torch.bool, device=device)
 
 
 # ---------------------------------------------------------------------- learnable mixing
-def init_mix(flags: Sequence[bool], dtype: torch.dtype = torch.float32,
+def init_mix(flags: Union[LayerHeads, Sequence[bool]], dtype: torch.dtype = torch.float32,
              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Initial ``(a, b)`` of one layer: ``(1, -1)`` for a head flagged Laplacian, ``(0, 1)`` otherwise."""
+    if isinstance(flags, LayerHeads):
+        flags = flags.flags
     f = torch.tensor(list(flags), dtype=torch.bool, device=device)
     a = f.to(dtype)
     return a, 1.0 - 2.0 * a
 
 
-def register_mix(module: torch.nn.Module, flags: Sequence[bool]) -> None:
+def register_mix(module: torch.nn.Module, flags: Union[LayerHeads, Sequence[bool]]) -> None:
     """Register ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``) on ``module``, initialised from ``flags``.
 
     The parameters take the device and floating dtype of the module's first floating parameter

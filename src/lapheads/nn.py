@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import ConfigError
-from .heads import HeadMix, head_flags, learnable_spec, register_mix
+from .heads import HeadMix, LayerHeads, learnable_spec, register_mix
 from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 
 __all__ = ["MultiheadAttention"]
@@ -105,7 +105,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         dtype: parameter dtype.
         laplacian_heads: which heads are Laplacian: anything :func:`lapheads.head_mask` accepts
             (int k = trailing k heads, ``"all"``, ``"none"``, a list of head indices, a boolean
-            list/tensor of length ``num_heads``, a uniform :class:`lapheads.LaplacianHeads`).
+            list/tensor of length ``num_heads``, a :class:`lapheads.heads.LayerHeads`, a uniform
+            :class:`lapheads.LaplacianHeads`). Resolved once, into ``laplacian_selection``.
             Default ``"none"``: the module computes exactly what torch's does. ``"learn"``,
             ``"learn:laplacian"``, ``"learn:<k>"``: learnable mixing ``a_h I + b_h P`` (parameters
             ``lap_mix_a`` / ``lap_mix_b``), initialised standard / Laplacian / trailing k Laplacian.
@@ -130,27 +131,23 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
         learn = learnable_spec(laplacian_heads)
-        flags = learn.init_flags(1, num_heads)[0] if learn is not None else head_flags(laplacian_heads, num_heads)
+        selection = (learn.init_selection(1, num_heads)[0] if learn is not None
+                     else LayerHeads.of(laplacian_heads, num_heads))
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
                          add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
                          device=device, dtype=dtype)
         self.laplacian_heads = laplacian_heads
-        # A tuple of Python bools, not a buffer: state_dict keys stay exactly torch's, and the
-        # operator branches on it without a device sync or a torch.compile graph break.
-        self.laplacian_flags: tuple[bool, ...] = flags
-        #: learnable mixing: lap_mix_a / lap_mix_b exist and the flags are only their initialisation.
+        #: this layer's resolved selection (a plain attribute, not a buffer: state_dict keys stay
+        #: exactly torch's); the operator takes it as is.
+        self.laplacian_selection: LayerHeads = selection
+        #: learnable mixing: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
         self.laplacian_learnable = learn is not None
         if learn is not None:
             self.laplacian_heads = learn.spec
-            register_mix(self, flags)
+            register_mix(self, selection)
         # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
         # the module docstring. A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
-
-    @property
-    def laplacian_mask(self) -> Tensor:
-        """Boolean ``(num_heads,)`` CPU tensor, True = Laplacian head."""
-        return torch.tensor(self.laplacian_flags, dtype=torch.bool)
 
     @classmethod
     def from_torch(cls, module: torch.nn.MultiheadAttention, laplacian_heads: Any = "none") -> "MultiheadAttention":
@@ -171,7 +168,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if self.laplacian_learnable:
             return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
                     f"laplacian_heads={self.laplacian_heads!r} (learnable a I + b P)")
-        n = sum(self.laplacian_flags)
+        n = self.laplacian_selection.count
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
                 f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})")
 
@@ -256,8 +253,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             raise ConfigError(
                 f"{given}: key and value must have the same batch and sequence sizes, and the same batch "
                 f"size as query (batch_first={self.batch_first})")
-        lap: Any = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_flags
-        if (self.laplacian_learnable or any(self.laplacian_flags)) and tq > s:
+        lap: Any = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
+        if (self.laplacian_learnable or self.laplacian_selection.any) and tq > s:
             raise ConfigError(
                 f"Laplacian heads need every query to have its own position among the keys, but the "
                 f"query has {tq} positions and the key only {s}")

@@ -29,8 +29,10 @@ Edge cases, the same on both paths (and in :mod:`lapheads.nn` / :mod:`lapheads.t
   float16 give the same finite result as the fused path, not NaN.
 * ``scale`` must be None or a finite number >= 0, ``dropout_p`` a number in [0, 1], and a float
   mask must have the dtype of ``q`` (SDPA's rule); anything else is a ConfigError.
-* Head counts are read as Python ints, so ``torch.jit.trace``, ``torch.export`` and both ONNX
-  exporters record the head selection as constants.
+* Head counts are read as Python ints and the selection is a :class:`lapheads.heads.LayerHeads`
+  (Python bools, see its docstring for why), so ``torch.jit.trace``, ``torch.export`` and both
+  ONNX exporters record the head selection as constants. A ``LayerHeads`` is taken as is (the
+  integrations resolve it once); any other form is resolved on each call.
 
 Learnable mixing (``laplacian_heads=HeadMix(a, b)``, ``a`` and ``b`` of shape ``(H,)``): head h
 outputs ``a_h v_self + b_h P V``, i.e. the operator ``a_h I + b_h P``. Same single SDPA call,
@@ -54,9 +56,10 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .heads import HeadMix, head_flags, head_mask
+from .heads import HeadMix, LayerHeads
 
-__all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask", "masked_softmax"]
+__all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask", "masked_softmax",
+           "subtract_selected"]
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> tuple[int, int]:
@@ -192,8 +195,9 @@ def laplacian_attention(
         q: queries ``(..., H, Tq, D)``.
         k: keys ``(..., H_kv, Tk, D)``.
         v: values ``(..., H_kv, Tk, Dv)``.
-        laplacian_heads: which heads are Laplacian: a boolean mask of shape ``(H,)``, an int k
-            (trailing k heads), ``"all"``, ``"none"``, a list of head indices, or a uniform
+        laplacian_heads: which heads are Laplacian: a :class:`lapheads.heads.LayerHeads` (used as
+            is: what the integrations pass), a boolean mask of shape ``(H,)``, an int k (trailing k
+            heads), ``"all"``, ``"none"``, a list of head indices, or a uniform
             :class:`lapheads.LaplacianHeads`; or a :class:`lapheads.HeadMix` ``(a, b)`` for
             learnable mixing (head h applies ``a_h I + b_h P``).
         attn_mask: boolean (True = attend) or additive mask broadcastable to ``(..., H, Tq, Tk)``.
@@ -212,27 +216,34 @@ def laplacian_attention(
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
     _check_numbers(scale, dropout_p)
-    # Plain Python bools: branching on them never waits for an accelerator and is a constant under
-    # torch.compile (fullgraph works unless the caller passes a tensor mask).
-    flags = head_flags(laplacian_heads, h)
-    any_lap = any(flags)
-    if any_lap and tq > tk:
+    # A LayerHeads (Python bools) is returned as is; a tensor mask is read back here, which is a
+    # sync and a graph break: the integrations never pass one.
+    sel = LayerHeads.of(laplacian_heads, h)
+    if sel.any and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
-    if not any_lap:
+    if not sel.any:
         return out
-    if all(flags):
-        return _v_self(v, tq, h, hkv) - out
-    # Mixed layer: slice the runs of consecutive Laplacian / standard heads (one run each in the
-    # trailing-k convention) and concatenate: Python indices only, so no head mask is copied to
-    # the device on every call and torch.compile sees constants.
-    vs = _v_self(v, tq, h, hkv)
+    return subtract_selected(out, _v_self(v, tq, h, hkv), sel)
+
+
+def subtract_selected(pv: torch.Tensor, v_self: torch.Tensor, heads: LayerHeads) -> torch.Tensor:
+    """``v_self - pv`` on the Laplacian heads of ``heads``, ``pv`` on the others (heads on dim -3).
+
+    Every head Laplacian: one subtraction. A mixed layer: the runs of consecutive Laplacian /
+    standard heads (one run each in the trailing-k convention) are sliced and concatenated. Python
+    indices only, so no head mask is copied to the device on every call and ``torch.compile`` sees
+    constants. The fused operator and timm's eager path both finish with this.
+    """
+    if heads.all:
+        return v_self - pv
+    flags, h = heads.flags, heads.n_heads
     pieces, start = [], 0
     for i in range(1, h + 1):
         if i == h or flags[i] != flags[start]:
-            o = out[..., start:i, :, :]
-            pieces.append(vs[..., start:i, :, :] - o if flags[start] else o)
+            o = pv[..., start:i, :, :]
+            pieces.append(v_self[..., start:i, :, :] - o if flags[start] else o)
             start = i
     return torch.cat(pieces, dim=-3)
 
@@ -289,10 +300,11 @@ def laplacian_attention_reference(
     mix = laplacian_heads if isinstance(laplacian_heads, HeadMix) else None
     if mix is not None:
         _check_mix(mix, h)
-        mask = torch.ones(h, dtype=torch.bool, device=q.device)  # the identity term is always there
+        identity = True  # the identity term is always there
     else:
-        mask = head_mask(laplacian_heads, h, device=q.device)
-    if bool(mask.any()) and tq > tk:
+        sel = LayerHeads.of(laplacian_heads, h)
+        mask, identity = sel.mask(q.device), sel.any
+    if identity and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
     group = h // hkv

@@ -15,21 +15,16 @@ What this module gives:
 
 Design choices:
 
-* The head mask of a layer is a buffer ``lap_mask`` of shape ``(num_heads,)`` (bool) registered
-  with ``persistent=False``: it follows ``.to(device)`` but is NOT in the ``state_dict``, so timm
-  checkpoints load into converted models and converted checkpoints load into plain timm models.
-  The selection that rebuilds the model is stored as ``model.laplacian_heads`` (a
-  :class:`lapheads.LaplacianHeads`) and ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON);
-  a saved run records it in its config.
-* Change a layer's heads with :meth:`LaplacianAttention.set_laplacian_heads` (it also updates the
-  cached Python-side flags); do not write into ``lap_mask`` directly.
-* The forward pass never reads ``lap_mask``: it uses ``_lap_flags``, a tuple of Python bools cached
-  by ``set_laplacian_heads``, both to pick the code path and as the ``laplacian_heads`` argument of
-  :func:`lapheads.laplacian_attention`. A device tensor there would cost a host sync per layer per
-  call on a GPU (the operator reads it back with ``tolist()``) and a graph break under
-  ``torch.compile``; the tuple is a compile-time constant, so ``fullgraph=True`` works.
-  ``lap_mask`` stays as the inspectable, device-following record of the selection (and the eager
-  path's ``torch.where`` operand, where a device tensor is what the op needs).
+* A layer's selection is ``laplacian_selection``, a :class:`lapheads.heads.LayerHeads` (Python
+  bools, resolved once; see its docstring for why not a tensor), set by
+  :meth:`LaplacianAttention.set_laplacian_heads`. It is a plain attribute, neither a parameter nor
+  a buffer, so the ``state_dict`` keys are timm's: timm checkpoints load into converted models and
+  converted checkpoints load into plain timm models. ``forward`` picks its code path from it, hands
+  it to :func:`lapheads.laplacian_attention` as is (fused path), and applies it by slicing
+  (:func:`lapheads.ops.subtract_selected`, eager path), so neither path touches a device mask and
+  ``torch.compile(fullgraph=True)`` works. The selection that rebuilds the model is stored as
+  ``model.laplacian_heads`` (a :class:`lapheads.LaplacianHeads`) and
+  ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON); a saved run records it in its config.
 * A layer with no Laplacian head runs timm's own ``Attention.forward`` unchanged, so the k = 0 model
   is bit-identical to timm on both paths and costs nothing extra.
 * Fused path (``fused_attn=True``, timm's default): :func:`lapheads.laplacian_attention` (one SDPA
@@ -83,8 +78,9 @@ from torch import nn
 from timm.layers import Attention
 
 from .errors import ConfigError
-from .heads import HeadMix, HeadSpec, LaplacianHeads, head_flags, laplacianness, learnable_spec, register_mix, remove_mix
-from .ops import laplacian_attention, masked_softmax
+from .heads import (HeadMix, HeadSpec, LaplacianHeads, LayerHeads, laplacianness, learnable_spec, register_mix,
+                    remove_mix)
+from .ops import laplacian_attention, masked_softmax, subtract_selected
 
 __all__ = [
     "LaplacianAttention",
@@ -116,8 +112,8 @@ class LaplacianAttention(Attention):
         num_heads: number of heads.
         *args: passed to ``timm.layers.Attention``.
         laplacian_heads: the heads of THIS layer that are Laplacian: an int k (trailing k heads),
-            ``"all"``, ``"none"``, a list of head indices or a boolean mask of shape
-            ``(num_heads,)``. ``None`` uses the class default ``default_laplacian_heads``
+            ``"all"``, ``"none"``, a list of head indices, a boolean mask of shape
+            ``(num_heads,)`` or a :class:`lapheads.heads.LayerHeads`. ``None`` uses the class default ``default_laplacian_heads``
             (``"none"`` here; see :meth:`with_heads`).
         **kwargs: passed to ``timm.layers.Attention`` (qkv_bias, qk_norm, attn_drop, proj_drop,
             norm_layer, scale_norm, ...).
@@ -134,11 +130,10 @@ class LaplacianAttention(Attention):
     # ------------------------------------------------------------------ head selection
     def _init_laplacian(self, spec: Any) -> None:
         # Called by __init__ and by convert() (after a __class__ swap, where __init__ never ran).
-        self.register_buffer("lap_mask", torch.zeros(self.num_heads, dtype=torch.bool), persistent=False)
-        self._lap_flags: tuple[bool, ...] = (False,) * self.num_heads
-        self._lap_any = False
-        self._lap_all = False
-        self._lap_learn = False
+        #: this layer's resolved selection (for learnable mixing: the heads that started Laplacian).
+        self.laplacian_selection = LayerHeads((False,) * self.num_heads)
+        #: learnable mixing: lap_mix_a / lap_mix_b exist and drive the forward pass.
+        self.laplacian_learnable = False
         self.set_laplacian_heads(spec)
 
     def set_laplacian_heads(self, spec: Any) -> None:
@@ -149,33 +144,26 @@ class LaplacianAttention(Attention):
         """
         learn = learnable_spec(spec)
         if learn is not None:
-            flags = learn.init_flags(1, self.num_heads)[0]
-            self.lap_mask.copy_(torch.tensor(flags, dtype=torch.bool))
-            register_mix(self, flags)
-            self._lap_flags = flags
-            self._lap_any, self._lap_all, self._lap_learn = True, all(flags), True
+            selection = learn.init_selection(1, self.num_heads)[0]
+            register_mix(self, selection)
+            self.laplacian_selection, self.laplacian_learnable = selection, True
             return
         if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single LaplacianAttention layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model")
-        # Validate and resolve once, in Python (a tensor spec is read back here, once, not per call).
-        flags = head_flags(spec, self.num_heads)
+        # Validate and resolve once (a tensor spec is read back here, once, not per call).
+        selection = LayerHeads.of(spec, self.num_heads)
         remove_mix(self)
-        self._lap_learn = False
-        self.lap_mask.copy_(torch.tensor(flags, dtype=torch.bool))
-        # forward() only reads these plain Python values: no device sync, constants under torch.compile.
-        self._lap_flags = flags
-        self._lap_any = any(flags)
-        self._lap_all = all(flags)
+        self.laplacian_selection, self.laplacian_learnable = selection, False
 
     @property
     def num_laplacian_heads(self) -> int:
         """Number of Laplacian heads in this layer (learnable: heads now nearer Laplacian than standard)."""
-        if self._lap_learn:
+        if self.laplacian_learnable:
             return sum(laplacianness(float(a), float(b)) > 0.5
                        for a, b in zip(self.lap_mix_a.tolist(), self.lap_mix_b.tolist()))
-        return sum(self._lap_flags)
+        return self.laplacian_selection.count
 
     @classmethod
     def with_heads(cls, laplacian_heads: Any) -> type["LaplacianAttention"]:
@@ -202,7 +190,7 @@ class LaplacianAttention(Attention):
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        if not self._lap_any:
+        if not (self.laplacian_learnable or self.laplacian_selection.any):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
         gate_layer = getattr(self, "gate", None)  # timm >= 1.0.2x: optional sigmoid output gate
@@ -214,7 +202,8 @@ class LaplacianAttention(Attention):
         if self.fused_attn:
             x = laplacian_attention(
                 q, k, v,
-                laplacian_heads=HeadMix(self.lap_mix_a, self.lap_mix_b) if self._lap_learn else self._lap_flags,
+                laplacian_heads=(HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable
+                                 else self.laplacian_selection),
                 attn_mask=attn_mask,
                 is_causal=is_causal,
                 dropout_p=self.attn_drop.p if self.training else 0.0,
@@ -232,11 +221,11 @@ class LaplacianAttention(Attention):
             # the fused path (lapheads.ops, "Edge cases").
             attn = self.attn_drop(masked_softmax(attn, dim=-1))
             x = attn @ v
-            if self._lap_learn:
+            if self.laplacian_learnable:
                 x = (self.lap_mix_a.to(x.dtype).view(-1, 1, 1) * v
                      + self.lap_mix_b.to(x.dtype).view(-1, 1, 1) * x)
             else:
-                x = v - x if self._lap_all else torch.where(self.lap_mask.view(-1, 1, 1), v - x, x)
+                x = subtract_selected(x, v, self.laplacian_selection)
         x = x.transpose(1, 2).reshape(B, N, attn_dim)
         x = self.norm(x)
         if gate is not None:
@@ -246,9 +235,9 @@ class LaplacianAttention(Attention):
         return x
 
     def extra_repr(self) -> str:
-        if self._lap_learn:
+        if self.laplacian_learnable:
             return f"num_heads={self.num_heads}, laplacian_heads=learnable a I + b P"
-        return f"num_heads={self.num_heads}, laplacian_heads={[h for h, f in enumerate(self._lap_flags) if f]}"
+        return f"num_heads={self.num_heads}, laplacian_heads={list(self.laplacian_selection.indices)}"
 
 
 # ---------------------------------------------------------------------- model-level helpers
@@ -288,7 +277,7 @@ def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
             + (f" (it has {', '.join(kinds)}, which lapheads does not convert)" if kinds else "")
             + "; use a timm ViT family model (vit_*, deit_*, deit3_*)")
     # Resolve every layer first (each with its own head count) so a bad spec changes nothing.
-    masks: list[Any] = [spec.init_flags(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
+    masks: list[Any] = [spec.init_selection(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
     if spec.learnable:
         masks = [spec] * len(layers)  # each layer registers its (a, b) at the spec's initialisation
     for (_, m), mask in zip(layers, masks):
@@ -298,7 +287,6 @@ def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
             # Class swap: LaplacianAttention adds no parameter, so the module keeps its tensors.
             m.__class__ = LaplacianAttention
             m._init_laplacian(mask)
-            m.lap_mask.data = m.lap_mask.data.to(m.qkv.weight.device)
     model.laplacian_heads = spec
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict):

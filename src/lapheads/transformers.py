@@ -16,12 +16,12 @@ gets Laplacian heads. Design choices:
   accepts: int k, per-layer list, explicit indices). It is a plain config attribute, so
   ``save_pretrained`` writes it to ``config.json`` and ``from_pretrained`` reads it back. A missing
   attribute means no Laplacian heads. The layer is found through ``module.layer_idx`` (every
-  supported attention module has it); the resolved selection is cached on the module, keyed by
-  the spec, so editing ``config.laplacian_heads`` takes effect on the next forward.
-* The fused path hands :func:`lapheads.laplacian_attention` that cached selection as a tuple of
-  Python bools, never a device tensor: the operator branches on it, and a tensor would be read
-  back with ``tolist()`` (a host sync per layer per call on a GPU, a graph break under
-  ``torch.compile``). The eager path gets the cached device mask, which its ``torch.where`` needs.
+  supported attention module has it); the layer's resolved selection, a
+  :class:`lapheads.heads.LayerHeads` (Python bools; see its docstring for why not a tensor), is
+  stored on the module as ``laplacian_selection`` (by :func:`enable`, else at the first forward)
+  and resolved again only when the spec changes, so editing ``config.laplacian_heads`` takes
+  effect on the next forward. Both attention functions hand it to the operator as is; the eager
+  one's ``torch.where`` takes its device mask (:meth:`LayerHeads.mask`, cached per device).
 * A checkpoint with Laplacian heads never loads as a standard model. transformers 5 reads an
   ``"attn_implementation"`` key of ``config.json`` (``PreTrainedConfig.__init__`` pops it into
   ``config._attn_implementation``) but never writes one (``_attn_implementation_internal`` is in
@@ -79,7 +79,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .errors import ConfigError
-from .heads import MIX_PARAM_SUFFIXES, HeadMix, LaplacianHeads, learnable_spec, register_mix, remove_mix
+from .heads import MIX_PARAM_SUFFIXES, HeadMix, LaplacianHeads, LayerHeads, learnable_spec, register_mix, remove_mix
 from .ops import laplacian_attention, laplacian_attention_reference
 
 try:
@@ -100,8 +100,7 @@ __all__ = [
     "laplacian_eager_attention_forward",
     "enable",
     "from_pretrained",
-    "layer_head_masks",
-    "layer_head_flags",
+    "layer_selections",
     "mixing_modules",
 ]
 
@@ -132,16 +131,8 @@ def _config_spec(config: Any) -> Any:
     return getattr(config, "laplacian_heads", None)
 
 
-def layer_head_masks(config: Any, n_heads: Optional[int] = None) -> list[torch.Tensor]:
-    """Resolve ``config.laplacian_heads`` to one boolean head mask (a CPU tensor) per layer.
-
-    Args and errors as :func:`layer_head_flags`.
-    """
-    return [torch.tensor(f, dtype=torch.bool) for f in layer_head_flags(config, n_heads)]
-
-
-def layer_head_flags(config: Any, n_heads: Optional[int] = None) -> list[tuple[bool, ...]]:
-    """Resolve ``config.laplacian_heads`` to one tuple of Python bools per layer (``True`` = Laplacian).
+def layer_selections(config: Any, n_heads: Optional[int] = None) -> list[LayerHeads]:
+    """Resolve ``config.laplacian_heads`` to one :class:`lapheads.heads.LayerHeads` per layer.
 
     Args:
         config: a transformers config with ``num_hidden_layers`` / ``num_attention_heads``.
@@ -157,7 +148,7 @@ def layer_head_flags(config: Any, n_heads: Optional[int] = None) -> list[tuple[b
             f"{type(config).__name__} has no integer num_hidden_layers / num_attention_heads "
             f"(got {n_layers!r} / {n_heads!r}); Laplacian heads cannot be resolved per layer")
     # A learnable spec resolves to the heads that START Laplacian (its initialisation).
-    return LaplacianHeads(_config_spec(config)).init_flags(n_layers, n_heads)
+    return LaplacianHeads(_config_spec(config)).init_selection(n_layers, n_heads)
 
 
 def _learnable(config: Any) -> bool:
@@ -184,13 +175,8 @@ def _any_laplacian(config: Any) -> bool:
     return spec is not None and not LaplacianHeads(spec).is_none()
 
 
-def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[tuple[bool, ...], torch.Tensor, bool]:
-    """``(flags, mask, any_laplacian)`` of ``module``'s layer, cached on the module (keyed by the spec).
-
-    ``flags`` is the selection as a tuple of Python bools (what the fused operator takes: no device
-    read per call), ``mask`` the same selection as a boolean tensor on ``device`` (for the eager
-    path), ``any_laplacian`` whether the layer has a Laplacian head at all.
-    """
+def _module_selection(module: Any, n_heads: int) -> LayerHeads:
+    """``module.laplacian_selection``, resolved again only when the spec (or the shape) changed."""
     n_heads = int(n_heads)  # a 0-d tensor under torch.jit.trace; the head count is a constant
     config = getattr(module, "config", None)
     layer = getattr(module, "layer_idx", None)
@@ -198,18 +184,16 @@ def _module_head_mask(module: Any, n_heads: int, device: torch.device) -> tuple[
         raise ConfigError(
             f"{type(module).__name__} has no `config` or `layer_idx`; the Laplacian attention "
             "implementation needs both to know which heads of which layer are Laplacian")
-    key = (repr(_config_spec(config)), int(layer), n_heads, getattr(config, "num_hidden_layers", None), str(device))
-    cached = getattr(module, "_lapheads_head_mask", None)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2], cached[3]
-    all_flags = layer_head_flags(config, n_heads)
-    if not 0 <= layer < len(all_flags):
-        raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(all_flags) - 1}")
-    flags = all_flags[layer]
-    mask = torch.tensor(flags, dtype=torch.bool, device=device)
-    # A plain attribute (not a buffer): never saved in state_dict, rebuilt when the spec changes.
-    object.__setattr__(module, "_lapheads_head_mask", (key, flags, mask, any(flags)))
-    return flags, mask, any(flags)
+    key = (repr(_config_spec(config)), int(layer), n_heads, getattr(config, "num_hidden_layers", None))
+    if getattr(module, "_laplacian_selection_key", None) == key:
+        return module.laplacian_selection
+    selections = layer_selections(config, n_heads)
+    if not 0 <= layer < len(selections):
+        raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(selections) - 1}")
+    # Plain attributes (not buffers): never saved in state_dict, rebuilt when the spec changes.
+    object.__setattr__(module, "laplacian_selection", selections[layer])
+    object.__setattr__(module, "_laplacian_selection_key", key)
+    return selections[layer]
 
 
 # --------------------------------------------------------------------------- cache checks
@@ -327,15 +311,15 @@ def laplacian_sdpa_attention_forward(
             query, key, value, laplacian_heads=_module_mix(module, int(h)), attn_mask=attention_mask,
             is_causal=causal, scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
         return out.transpose(1, 2).contiguous(), None
-    flags, _, any_lap = _module_head_mask(module, h, query.device)
-    if not any_lap:
+    selection = _module_selection(module, h)
+    if not selection.any:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     _unsupported_kwargs(kwargs)
     _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
     out = laplacian_attention(
-        query, key, value, laplacian_heads=flags, attn_mask=attention_mask, is_causal=causal,
+        query, key, value, laplacian_heads=selection, attn_mask=attention_mask, is_causal=causal,
         scale=scaling, dropout_p=dropout, enable_gqa=key.shape[1] != h)
     return out.transpose(1, 2).contiguous(), None
 
@@ -364,11 +348,12 @@ def laplacian_eager_attention_forward(
     h = query.shape[1]
     heads: Any
     if getattr(module, "is_cross_attention", False):
-        heads, any_lap = torch.zeros(h, dtype=torch.bool, device=query.device), False
+        heads, any_lap = LayerHeads((False,) * int(h)), False
     elif _learnable(module.config):
         heads, any_lap = _module_mix(module, int(h)), True
     else:
-        _, heads, any_lap = _module_head_mask(module, h, query.device)
+        heads = _module_selection(module, h)
+        any_lap = heads.any
     _unsupported_kwargs(kwargs)
     if any_lap:
         _check_attention_call(module, query, key, attention_mask)
@@ -505,7 +490,7 @@ def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_
     old = getattr(config, "laplacian_heads", None)
     config.laplacian_heads = spec
     try:
-        layer_head_masks(config)  # raise now if k > heads or the list length != layers
+        layer_selections(config)  # raise now if k > heads or the list length != layers
     except ConfigError:
         config.laplacian_heads = old
         raise
@@ -517,12 +502,15 @@ def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_
                 config.laplacian_heads = old
                 raise ConfigError(f"{type(model_or_config).__name__} has no self-attention module with a layer_idx "
                                   "to hold the learnable mixing parameters")
-            flags = learn.init_flags(config.num_hidden_layers, config.num_attention_heads)
+            start = learn.init_selection(config.num_hidden_layers, config.num_attention_heads)
             for m in mods:
-                register_mix(m, flags[int(m.layer_idx)])
+                register_mix(m, start[int(m.layer_idx)])
         else:
             for m in mods:
                 remove_mix(m)
+        for m in mods:  # each layer's laplacian_selection is readable now, not only after a forward
+            if 0 <= m.layer_idx < config.num_hidden_layers:
+                _module_selection(m, config.num_attention_heads)
         model_or_config.set_attn_implementation(impl)
     else:
         config._attn_implementation = impl

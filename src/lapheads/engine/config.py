@@ -14,7 +14,9 @@ Design choices:
   otherwise turn clipping off), an int field refuses values beyond 64 bits, and a field declared
   with :func:`bounded` refuses values outside its range, all when the config is parsed. No field
   uses infinity as a setting (``0`` is the "off" value, e.g. ``train.clip_grad``), so none opts out
-  of the finiteness check; :func:`bounded` has ``allow_inf`` for one that someday would.
+  of the finiteness check; :func:`bounded` has ``allow_inf`` for one that someday would. A field
+  whose metadata has ``"parse"`` (a callable ``(value, key) -> value``) is checked by it too, e.g.
+  ``laplacian_heads`` declared with :func:`lapheads.heads.heads_field`.
   Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
 * The resolved config is written next to every run (``config.yaml``); loading it again gives the
   same dataclass, which is how runs are rebuilt for evaluation and resume.
@@ -336,6 +338,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
         kwargs[k] = _coerce(v, hints[k], prefix + k, allow_inf=bool(bounds and bounds.allow_inf))
         if bounds is not None:
             bounds.check(kwargs[k], prefix + k)
+        parse = fields[k].metadata.get("parse")  # a field's own check, e.g. lapheads.heads.heads_field
+        if parse is not None:
+            kwargs[k] = parse(kwargs[k], prefix + k)
     try:
         obj = cls(**kwargs)
     except TypeError as e:

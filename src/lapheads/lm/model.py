@@ -56,6 +56,7 @@ from torch import nn
 
 from ..engine.config import bounded
 from ..errors import ConfigError
+from ..heads import heads_field, is_mix_param, learnable_spec
 
 __all__ = [
     "LMModelConfig",
@@ -85,7 +86,7 @@ class LMModelConfig:
     mlp_ratio: int = bounded(4, ge=1)
     rope_theta: float = bounded(10000.0, gt=0.0)
     softcap: float = bounded(15.0, ge=0.0)  # 0 = no logit soft-cap
-    laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
+    laplacian_heads: Any = heads_field()  # int k (trailing k heads per layer), "all", "none", per-layer list
     vocab_size: int = bounded(0, ge=0)  # 0 = the tokenizer's vocabulary size; otherwise it must match it
 
 
@@ -215,7 +216,6 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
     from transformers import NanoChatForCausalLM
 
     from .. import transformers as lap_tf
-    from ..heads import learnable_spec
 
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model = NanoChatForCausalLM(config)
@@ -241,8 +241,6 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
         ConfigError: a parameter fits no group or a block parameter is not a 2D matrix (Muon
             cannot take it); every parameter lands in exactly one group otherwise.
     """
-    from ..heads import is_mix_param
-
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "embedding": [], "lm_head": [], "mix": []}
     emb = model.get_input_embeddings().weight
     head = model.lm_head.weight
