@@ -9,11 +9,17 @@ resumable): :class:`GeometryAccumulator` (everything for one layer) and its part
 :class:`AnovaAccumulator`, :class:`ClassAccumulator`, :class:`NC4Accumulator`,
 :class:`SpectraAccumulator`, :class:`CosineAccumulator`.
 
-Capture from models (:func:`analyze_model`, ``kind="vit" | "hf" | "hooks"``) lives in
-:mod:`lapheads.geometry.capture` and plots in :mod:`lapheads.geometry.plots`; both are imported
-lazily so ``import lapheads.geometry`` stays light.
+Capture from models (:func:`analyze_model`, ``kind="vit" | "hf" | "hooks"``, one small adapter
+per kind) lives in :mod:`lapheads.geometry.capture`. The package depends on torch and numpy only:
+the adapters duck-type timm and transformers models instead of importing them. Plots
+(:mod:`lapheads.geometry.plots`, matplotlib) are imported only by those who draw.
+
+Modules: ``measures`` (in-memory functions), ``accumulate`` (the base accumulator), ``variance`` (ANOVA),
+``classes`` (NC, CDNV, NC4), ``sequences`` (spectra, cosine), ``streaming`` (one layer's
+:class:`GeometryAccumulator`; re-exports the others), ``capture`` (models -> accumulators).
 """
 
+from .capture import analyze_model, save_geometry_json
 from .measures import (
     anova,
     cdnv,
@@ -39,10 +45,3 @@ __all__ = [
     "GeometryAccumulator", "NC4Accumulator", "SpectraAccumulator", "analyze_model",
     "save_geometry_json",
 ]
-
-
-def __getattr__(name: str):  # lazy: capture imports timm / transformers only when used
-    if name in ("analyze_model", "save_geometry_json"):
-        from . import capture
-        return getattr(capture, name)
-    raise AttributeError(name)

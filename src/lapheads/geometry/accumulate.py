@@ -2,7 +2,7 @@
 
 Each accumulator is fed batch by batch with ``update(x, ...)`` where ``x`` is a flat ``(N, D)``
 tensor of token representations and ``sequence_ids`` a ``(N,)`` integer tensor, and answers
-with ``compute() -> dict``. The analyses live beside this module (:mod:`.anova`,
+with ``compute() -> dict``. The analyses live beside this module (:mod:`.variance`,
 :mod:`.classes`, :mod:`.spectra`) and :mod:`.streaming` combines them per layer.
 
 Design choices shared by all of them:

@@ -7,7 +7,7 @@ Each takes ``x`` as a flat ``(N, D)`` array of tokens (torch or numpy) with ``(N
 Design choices:
 
 - :func:`anova` is computed directly with centred (two-pass) sums, independently of the streaming
-  :class:`~lapheads.geometry.anova.AnovaAccumulator`, so the two check each other (they share
+  :class:`~lapheads.geometry.variance.AnovaAccumulator`, so the two check each other (they share
   only the input checks).
 - :func:`neural_collapse`, :func:`cdnv`, :func:`spectral_k99` and :func:`within_sequence_cosine`
   run the streaming accumulator once over the whole input: one definition, one code path, and the
@@ -25,10 +25,10 @@ import torch
 
 from ..errors import ConfigError, DataError
 from .accumulate import F64, check_inputs
-from .anova import add_fractions, sequence_classes
 from .classes import ClassAccumulator
 from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold
 from .streaming import GeometryAccumulator
+from .variance import add_fractions, sequence_classes
 
 __all__ = ["anova", "neural_collapse", "cdnv", "spectral_k99", "spectra", "within_sequence_cosine",
            "geometry", "pca_rgb"]

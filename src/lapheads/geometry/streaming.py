@@ -6,7 +6,7 @@ d x d update). The analyses live in their own modules:
 
 - :mod:`.accumulate`: the base :class:`Accumulator` (float64 sums, shift against cancellation,
   merge / all-reduce / resume) and :func:`check_inputs`;
-- :mod:`.anova`: :class:`AnovaAccumulator` (law-of-total-variance decomposition);
+- :mod:`.variance`: :class:`AnovaAccumulator` (law-of-total-variance decomposition);
 - :mod:`.classes`: :class:`ClassAccumulator` (Neural Collapse, CDNV, linguistic collapse) and
   :class:`NC4Accumulator` (its second pass);
 - :mod:`.sequences`: :class:`SpectraAccumulator` (per-sequence k99) and
@@ -26,9 +26,14 @@ import torch.distributed as dist
 
 from ..errors import DataError
 from .accumulate import F64, Accumulator, check_inputs, dense_ids
-from .anova import AnovaAccumulator
 from .classes import ClassAccumulator, NC4Accumulator
-from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold, sequence_eigenvalues
+from .sequences import (
+    CosineAccumulator,
+    SpectraAccumulator,
+    k_for_threshold,
+    sequence_eigenvalues,
+)
+from .variance import AnovaAccumulator
 
 __all__ = [
     "Accumulator",

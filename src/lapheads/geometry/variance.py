@@ -1,5 +1,8 @@
 """ANOVA of token scatter, streamed: within sequence, between sequences, between classes.
 
+(Named ``variance`` rather than ``anova`` so it cannot shadow the in-memory
+:func:`lapheads.geometry.anova` on the package.)
+
 The law of total variance splits the token-weighted scatter exactly; see
 :func:`lapheads.geometry.anova` for the one-shot version, computed independently with centred
 sums so the two check each other. ANOVA uses the token-weighted global mean, as the law of
