@@ -1,4 +1,5 @@
-"""Geometry measures: brute-force NumPy references, known geometries, streaming == one-shot."""
+"""Geometry measures: brute-force NumPy references, known geometries, streaming == one-shot;
+the registry of capture adapters (with a plain torch module, no timm / transformers)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from lapheads.geometry import (
     spectral_k99,
     within_sequence_cosine,
 )
+from lapheads.geometry.capture import ADAPTERS, ModelAdapter, analyze_model
 
 
 def _data(seed=0, n_seq=12, t=(3, 9), d=6, n_cls=4, offset=0.0):
@@ -397,3 +399,39 @@ def test_all_reduce_over_two_processes_equals_one_accumulator(tmp_path):
     out = tmp_path / "reduced.pt"
     mp.spawn(_all_reduce_worker, args=(2, f"file://{tmp_path / 'store'}", str(out), batches), nprocs=2, join=True)
     _assert_same(torch.load(out, weights_only=False), one.compute())
+
+
+# ---------------------------------------------------------------- capture: the adapter registry
+
+
+class _OutputAdapter(ModelAdapter):
+    """A new kind: the model's own output is its one layer."""
+
+    kind = "output"
+
+    def resolve(self, layers):
+        return ["out"] if layers is None else list(layers)
+
+    @staticmethod
+    def layer_name(layer):
+        return f"output.{layer}"
+
+    def capture(self, inputs, mask, layers):
+        return {"out": (self.model(inputs), None)}, mask, None
+
+
+def test_adapter_registry_is_the_one_dispatch_point(monkeypatch):
+    """analyze_model asks the adapter of ``kind`` everything kind-specific: a registered kind runs
+    the whole pipeline and gives the numbers of the hooks adapter on the same tokens."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh())
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(3, 5, 4, generator=g), torch.tensor([0, 1, 2])) for _ in range(2)]
+    assert set(ADAPTERS) == {"vit", "hf", "hooks"}
+    with pytest.raises(ConfigError, match=r"kind must be 'vit', 'hf' or 'hooks', got 'output'"):
+        analyze_model(model, batches, "output")
+    monkeypatch.setitem(ADAPTERS, "output", _OutputAdapter)
+    res = analyze_model(model, batches, "output")
+    hooked = analyze_model(model, batches, "hooks", layers=["1"])
+    assert res["meta"]["layers"] == ["output.out"] and res["meta"]["classifier_layer"] is None
+    assert res["meta"]["n_tokens"] == hooked["meta"]["n_tokens"] == 2 * 3 * 5
+    _assert_same(res["layers"]["output.out"], hooked["layers"]["1"])

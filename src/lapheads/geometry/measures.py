@@ -114,11 +114,7 @@ def neural_collapse(features: Any, labels: Any, classifier: Optional[tuple[Any, 
         A dict of floats (also ``n_classes``, ``n_tokens``, ``n_pairs``, ``trace_sigma_w``,
         ``trace_sigma_b``, ``within_class_variance``).
     """
-    x, _, lab = check_inputs(features, None, labels, name="features")
-    if lab is None:
-        raise DataError("labels are required")
-    acc = ClassAccumulator(x.shape[1], min_count=min_count, tile=tile)
-    acc.update(x, lab)
+    x, lab, acc = _classes(features, labels, min_count, tile)
     out = acc.compute(classifier)
     if classifier is not None:
         if isinstance(classifier, torch.nn.Linear):
@@ -145,12 +141,19 @@ def cdnv(features: Any, labels: Any, *, min_count: int = 1, tile: int = 2048) ->
     Returns:
         ``cdnv``, ``n_classes``, ``n_pairs``, ``n_tokens``.
     """
+    _, _, acc = _classes(features, labels, min_count, tile)
+    return acc.compute(cdnv_only=True)
+
+
+def _classes(features: Any, labels: Any, min_count: int, tile: int
+             ) -> tuple[torch.Tensor, torch.Tensor, ClassAccumulator]:
+    """Checked ``(features, labels)`` and a class accumulator fed with them once."""
     x, _, lab = check_inputs(features, None, labels, name="features")
     if lab is None:
         raise DataError("labels are required")
     acc = ClassAccumulator(x.shape[1], min_count=min_count, tile=tile)
     acc.update(x, lab)
-    return acc.compute(cdnv_only=True)
+    return x, lab, acc
 
 
 def spectra(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, Any]:
