@@ -9,7 +9,7 @@ images (``--batch`` x 3 x ``--img-size``^2, float32, train mode),
 what the classification recipe runs per step minus data loading.
 
 Data pipeline: the classification recipe's training transform
-(``lapheads.data.transforms.build_transforms(img_size, train=True, three_augment=True)``: random
+(``lapheads.vision.transforms.build_transforms(img_size, train=True, three_augment=True)``: random
 resized crop, flip, one of grayscale / solarize / blur, colour jitter, to tensor, normalise) on
 generated RGB PIL images of the benchmark size, batched by the engine's
 ``lapheads.engine.data.epoch_batches`` (seeded per-item RNG, the recipe's collate) with
@@ -58,7 +58,7 @@ from PIL import Image  # noqa: E402
 
 from _common import machine_line, markdown_table, medians, paired_ratio, time_interleaved  # noqa: E402
 import lapheads.timm as lap_timm  # noqa: E402
-from lapheads.data.transforms import build_transforms  # noqa: E402
+from lapheads.vision.transforms import build_transforms  # noqa: E402
 from lapheads.engine.data import epoch_batches  # noqa: E402
 
 MODEL = "deit3_small_patch16_224"

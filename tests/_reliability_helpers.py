@@ -123,7 +123,7 @@ def _serve(fsync_delay: float) -> None:
     import timm.data  # noqa: F401
     import timm.loss  # noqa: F401
     import lapheads.data.images  # noqa: F401
-    import lapheads.data.transforms  # noqa: F401
+    import lapheads.vision.transforms  # noqa: F401
     from torch.utils import tensorboard  # noqa: F401
     import tqdm.auto  # noqa: F401
     print("ready", flush=True)

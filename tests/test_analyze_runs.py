@@ -15,7 +15,7 @@ from lapheads.cli import main as cli
 from lapheads.engine.config import load_config
 from lapheads.engine.launch import launch
 from lapheads.engine.trainer import TrainConfig
-from lapheads.geometry.runs import LM_MIN_COUNT
+from lapheads.runs import LM_MIN_COUNT
 
 from _lm_helpers import tiny_lm_run
 
@@ -144,4 +144,4 @@ def test_every_recipe_module_loads_its_run(runs):
     from lapheads.recipes import load_run
     for recipe, run in runs.items():
         got = load_run(run)
-        assert got["recipe"] == recipe and got["kind"] == ("hf" if recipe in ("lm", "sft") else "vit")
+        assert got.recipe == recipe and got.kind == ("hf" if recipe in ("lm", "sft") else "vit")

@@ -51,7 +51,7 @@ def shared(tmp_path_factory):
     run = base / "run"
     assert cli(classify_argv(run, "--set", "train.max_steps=2", "--set", "train.ckpt_every=1",
                              "--set", "train.keep_checkpoints=3")) == 0
-    from lapheads.data.images import write_cifar_archive
+    from _data_writers import write_cifar_archive
     rng = np.random.default_rng(0)
     imgs = rng.integers(0, 255, size=(20, 32, 32, 3), dtype=np.uint8)
     cifar = Path(write_cifar_archive(base / "cifar-10-python.tar.gz", imgs, np.arange(20) % 10, kind="cifar10",
@@ -404,7 +404,7 @@ def d_corrupt_cifar(s, tmp):
 
 
 def d_idx_wrong_magic(s, tmp):
-    from lapheads.data.images import write_idx
+    from _data_writers import write_idx
     root = tmp / "mnist"
     root.mkdir()
     imgs = np.zeros((8, 8, 8), dtype=np.uint8)
@@ -447,7 +447,7 @@ def d_val_classes_differ(s, tmp):
 
 
 def d_labels_out_of_range(s, tmp):
-    from lapheads.data.images import write_cifar_archive
+    from _data_writers import write_cifar_archive
     imgs = np.zeros((8, 32, 32, 3), dtype=np.uint8)
     bad = write_cifar_archive(tmp / "badlabels.tar.gz", imgs, np.array([0, 1, 2, 3, 4, 5, 6, 12]), kind="cifar10",
                               test_images=imgs[:2], test_labels=np.array([0, 1]))

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from lapheads.cli import main as cli
-from lapheads.data.images import write_cifar_archive
+from _data_writers import write_cifar_archive
 from lapheads.engine.checkpoint import atomic_write_text, load_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +181,7 @@ def test_greyscale_model_on_a_fraction_of_digits(tmp_path, capsys):
     assert len(task.train_set) == round(0.25 * 1438) and len(task.val_set) == 359  # val stays whole
     assert np.all(np.bincount(task.train_set.targets, minlength=10) >= 30)  # stratified: every class kept
     assert cli(["eval", "classify", "--checkpoint", str(out)]) == 0
-    from lapheads.geometry.runs import analyze_run
+    from lapheads.runs import analyze_run
     res = analyze_run(out, max_items=16, batch_size=8, plots=False, spectra=False, nc4=False)
     assert res["meta"]["recipe"] == "classify"
     # a 3-value mean for a greyscale model is refused, naming the fields

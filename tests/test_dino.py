@@ -13,6 +13,7 @@ from lapheads.engine import RunDir
 from lapheads.engine.checkpoint import latest_checkpoint, load_tensors, save_tensors
 from lapheads.engine.launch import launch
 from lapheads.errors import ConfigError, DataError
+from lapheads.testing import CRASH_AFTER
 from lapheads.recipes.dino import (CropsConfig, DINOHead, DinoConfig, DinoDataConfig, DinoHeadConfig,
                                    DinoLossConfig, DinoModelConfig, DinoTask, KnnConfig, MultiCropNet, build_task,
                                    collapse_metrics, cosine, dino_loss, teacher_temperature)
@@ -113,18 +114,17 @@ def test_bad_config_fails_before_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_exact_resume_after_crash(tmp_path):
+def test_exact_resume_after_crash(tmp_path, monkeypatch):
     """Student, teacher, center and schedules continue bit-for-bit after a crash + --resume."""
     ref = tmp_path / "ref"
     _run(ref, tiny_cfg(k=5))
     crashed = tmp_path / "crashed"
     cfg = tiny_cfg(k=5)
-    cfg.crash_at = 4  # crashes after the 5th update; the newest checkpoint is step 3
+    monkeypatch.setenv(CRASH_AFTER, "4")  # crashes after the 5th update; the newest checkpoint is step 3
     with pytest.raises(RuntimeError, match="simulated crash"):
         _run(crashed, cfg)
     assert latest_checkpoint(crashed / "checkpoints").name == "step_00000003"
-    cfg.crash_at = -1
-    (crashed / "config.yaml").write_text((crashed / "config.yaml").read_text().replace("crash_at: 4", "crash_at: -1"))
+    monkeypatch.delenv(CRASH_AFTER)
     _run(crashed, cfg, resume=True)
     for name in ("model.safetensors", "teacher_backbone.safetensors", "teacher_head.safetensors"):
         a, b = load_tensors(ref / "final" / name), load_tensors(crashed / "final" / name)

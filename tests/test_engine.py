@@ -25,6 +25,7 @@ from lapheads.engine.launch import launch
 from lapheads.engine.run import RunDirBusy
 from lapheads.engine.trainer import RunInterrupted
 from lapheads.errors import CheckpointError, ConfigError, NonFiniteError
+from lapheads.testing import NAN_AT_STEP
 
 from _reliability_helpers import same_weights, snapshot, subprocess_env
 
@@ -177,19 +178,21 @@ def test_run_dir_is_never_overwritten(tmp_path):
     _run(out, _cfg(max_steps=2, ckpt_every=0), overwrite=True)
 
 
-def test_nan_guard_stops_and_keeps_last_checkpoint(tmp_path):
+def test_nan_guard_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     out = tmp_path / "nan"
+    monkeypatch.setenv(NAN_AT_STEP, "7")
     with pytest.raises(NonFiniteError, match="step 7: the loss"):
-        _run(out, _cfg(inject_nan_at_step=7))
+        _run(out, _cfg())
     ck = latest_checkpoint(out / "checkpoints")
     assert ck.name == "step_00000005"
     sd = load_tensors(ck / "model.safetensors")
     assert all(torch.isfinite(v).all() for v in sd.values())
 
 
-def test_nan_guard_skip_policy(tmp_path):
+def test_nan_guard_skip_policy(tmp_path, monkeypatch):
     out = tmp_path / "skip"
-    _run(out, _cfg(inject_nan_at_step=3, nan_policy="skip"))
+    monkeypatch.setenv(NAN_AT_STEP, "3")
+    _run(out, _cfg(nan_policy="skip"))
     recs = RunDir(out).metrics()
     assert any(r.get("skipped_nonfinite") == 1 and r["step"] == 4 for r in recs)
     sd = load_tensors(out / "final" / "model.safetensors")

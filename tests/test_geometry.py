@@ -10,19 +10,9 @@ import pytest
 import torch
 
 from lapheads.errors import ConfigError, DataError
-from lapheads.geometry import (
-    AnovaAccumulator,
-    ClassAccumulator,
-    CosineAccumulator,
-    GeometryAccumulator,
-    SpectraAccumulator,
-    anova,
-    cdnv,
-    neural_collapse,
-    pca_rgb,
-    spectral_k99,
-    within_sequence_cosine,
-)
+from lapheads.geometry import (AnovaAccumulator, ClassAccumulator, CosineAccumulator, GeometryAccumulator,
+                               SpectraAccumulator, anova, cdnv, neural_collapse, pca_rgb, spectral_k99,
+                               within_sequence_cosine)
 from lapheads.geometry.capture import ADAPTERS, ModelAdapter, analyze_model
 
 

@@ -177,8 +177,7 @@ def test_cli_end_to_end_text_and_vision(tmp_path, capsys):
     assert "hidden states are 0..2" in capsys.readouterr().err
     assert cli_main(["analyze", "--checkpoint", "no_such_model_xyz", "--data", "digits", "--out", str(out)]) == 2
     assert cli_main(args[:5] + ["--model-args", "img_size=32", "--data", "digits", "--out", str(out2)]) == 2
-    assert cli_main(["analyze", "--run", str(tmp_path), "--data", "digits", "--out", str(out)]) == 2 \
-        or hasattr(__import__("lapheads.recipes", fromlist=["x"]), "load_run")
+    assert cli_main(["analyze", "--run", str(tmp_path), "--data", "digits", "--out", str(out)]) == 2  # not a run
 
 
 def test_load_checkpoint_restores_laplacian_heads_in_a_fresh_process(tmp_path):
@@ -201,7 +200,7 @@ def test_load_checkpoint_restores_laplacian_heads_in_a_fresh_process(tmp_path):
     script = f"""
 import sys, torch
 assert "lapheads.transformers" not in sys.modules
-from lapheads.geometry.cli import load_checkpoint
+from lapheads.commands.analyze import load_checkpoint
 model, kind, _ = load_checkpoint({str(tmp_path)!r})
 with torch.no_grad():
     got = model(torch.arange(3, 11)[None]).logits

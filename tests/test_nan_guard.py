@@ -21,6 +21,7 @@ from _reliability_helpers import check_checkpoint_dir, classify_argv, train_step
 from lapheads.cli import main as cli
 from lapheads.engine.checkpoint import latest_checkpoint, load_tensors
 from lapheads.errors import NonFiniteError
+from lapheads.testing import NAN_AT_STEP
 
 
 def _run(out, capsys, *extra):
@@ -29,9 +30,10 @@ def _run(out, capsys, *extra):
     return rc, capsys.readouterr().err
 
 
-def test_injected_nan_stops_with_one_line_and_keeps_last_checkpoint(tmp_path, capsys):
+def test_injected_nan_stops_with_one_line_and_keeps_last_checkpoint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(NAN_AT_STEP, "5")  # the test hook (lapheads.testing), not part of any config
     out = tmp_path / "nan"
-    rc, err = _run(out, capsys, "--set", "train.max_steps=8", "--set", "train.inject_nan_at_step=5")
+    rc, err = _run(out, capsys, "--set", "train.max_steps=8")
     assert rc == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -41,17 +43,18 @@ def test_injected_nan_stops_with_one_line_and_keeps_last_checkpoint(tmp_path, ca
     assert train_steps(out) == [1, 2, 3, 4, 5]
     assert not (out / "final").exists()
     # resuming restarts from step 4 and stops again at the same step: nothing was corrupted
-    rc, err = _run(out, capsys, "--set", "train.max_steps=8", "--set", "train.inject_nan_at_step=5", "--resume")
+    rc, err = _run(out, capsys, "--set", "train.max_steps=8", "--resume")
     assert rc == 1 and "step 5" in err
     # with --debug the exception (and its traceback) comes through
     with pytest.raises(NonFiniteError, match="step 5"):
         cli(classify_argv(out, "--set", "train.ckpt_every=2", "--set", "train.max_steps=8",
-                          "--set", "train.inject_nan_at_step=5", "--resume", "--debug"))
+                          "--resume", "--debug"))
 
 
-def test_skip_policy_finishes_and_logs_the_skip(tmp_path, capsys):
+def test_skip_policy_finishes_and_logs_the_skip(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(NAN_AT_STEP, "2")
     out = tmp_path / "skip"
-    rc, err = _run(out, capsys, "--set", "train.max_steps=6", "--set", "train.inject_nan_at_step=2",
+    rc, err = _run(out, capsys, "--set", "train.max_steps=6",
                    "--set", "train.nan_policy=skip")
     assert rc == 0, err
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -10,8 +10,9 @@ import torch
 
 from lapheads.data.segmentation import build_segmentation_dataset, make_synthetic_segmentation
 from lapheads.errors import CheckpointError, ConfigError
-from lapheads.recipes.probes import (_fast_confusion, confusion_matrix, knn_classify, linear_probe,
-                                     load_backbone, miou_from_confusion, segmentation_probe)
+from lapheads.runs import load_backbone
+from lapheads.vision.probes import (_fast_confusion, confusion_matrix, knn_classify, linear_probe, miou_from_confusion,
+                                    segmentation_probe)
 
 
 def test_knn_weighted_vote_by_hand():
@@ -86,7 +87,7 @@ def test_segmentation_probe_beats_trivial(tmp_path):
 def _fake_run(tmp_path, k=5):
     """A run directory with final/model.json + weights, as `lapheads train dino` writes it."""
     from lapheads.engine.checkpoint import save_tensors
-    from lapheads.recipes.dino import create_backbone
+    from lapheads.vision.backbones import create_backbone
 
     kw = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=6)
     bb = create_backbone("vit_small_patch16_224", k, 0.0, **kw)

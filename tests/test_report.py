@@ -191,7 +191,7 @@ def test_number_formatting():
 
 def test_pca_images_come_from_several_classes_and_in_colour(tmp_path):
     from PIL import Image
-    from lapheads.geometry.pca_maps import load_images, spread_over_classes
+    from lapheads.data.images import load_images, spread_over_classes
 
     assert spread_over_classes([0, 0, 0, 1, 1, 2], 4) == [0, 3, 5, 1]
     assert spread_over_classes(["b", "a", "b"], 5) == [1, 0, 2]
@@ -253,7 +253,7 @@ def test_report_reads_the_metric_keys_each_recipe_logs():
     """The report's dino metrics are the keys DINO's evaluation writes (knn_k{k}_top1)."""
     import torch
     from lapheads.recipes.dino import KnnConfig
-    from lapheads.recipes.probes import knn_classify
+    from lapheads.vision.probes import knn_classify
     from lapheads.report import METRICS
 
     f = torch.randn(30, 4)

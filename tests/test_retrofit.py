@@ -90,8 +90,8 @@ def test_conversion_changes_the_model_and_the_export_reloads_laplacian(base, ful
         lap_tf.SAVED_ATTN_IMPLEMENTATION
     from lapheads.recipes import load_run
     got = load_run(full)  # what `lapheads analyze --run` / `report` read
-    assert got["recipe"] == "retrofit" and got["kind"] == "hf"
-    assert got["model"].config.laplacian_heads == spec["laplacian_heads"]
+    assert got.recipe == "retrofit" and got.kind == "hf"
+    assert got.model.config.laplacian_heads == spec["laplacian_heads"]
 
 
 def test_lora_merged_export_reloads_with_identical_logits(lora):

@@ -10,7 +10,8 @@ import yaml
 
 from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
-from lapheads.sweep import (axis_names, design_points, grid_axes, grid_report, parse_grid, parse_point, plan_grid,
+from lapheads.report import grid_axes, grid_report
+from lapheads.sweep import (axis_names, design_points, parse_grid, parse_point, plan_grid,
                             run_name, split_top)
 
 ROOT = Path(__file__).resolve().parents[1]

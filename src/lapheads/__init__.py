@@ -6,7 +6,7 @@ provides the operator, drop-in integrations for torch, timm and transformers, tr
 for the paper's three experiments, and a toolkit that measures token geometry.
 """
 
-from .errors import ConfigError, DataError, CheckpointError, LapheadsError
+from .errors import CheckpointError, ConfigError, DataError, LapheadsError
 from .heads import HeadMix, LaplacianHeads, LayerHeads, head_mask, mixing_table, suggest_selection
 from .ops import laplacian_attention, laplacian_attention_reference
 

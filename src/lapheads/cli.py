@@ -1,6 +1,7 @@
 """The ``lapheads`` command line.
 
-Commands are looked up in :data:`COMMANDS` and their modules imported only when run, so
+Commands are looked up in :data:`COMMANDS` and their modules (the :mod:`lapheads.commands` package)
+imported only when run, so
 ``lapheads --help`` is instant and a command never pays for another's imports. Each entry points
 at a function ``main(argv: list[str]) -> int | None`` that parses its own arguments.
 
@@ -22,28 +23,31 @@ import sys
 import threading
 from typing import Optional, Sequence
 
+from . import __version__
+from .errors import ConfigError, LapheadsError, NonFiniteError
+
 # (words...) -> ("module:function", one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("quickstart",): ("lapheads.quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
-    ("train", "classify"): ("lapheads.recipes.classify:train_main", "DeiT-3 supervised classification"),
-    ("train", "lm"): ("lapheads.recipes.lm:train_main", "NanoChat-style language-model pretraining"),
-    ("train", "sft"): ("lapheads.recipes.sft:train_main", "supervised fine-tuning on chat JSONL"),
-    ("train", "dino"): ("lapheads.recipes.dino:train_main", "DINO self-supervised pretraining"),
-    ("train", "retrofit"): ("lapheads.recipes.retrofit:train_main",
+    ("quickstart",): ("lapheads.commands.quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
+    ("train", "classify"): ("lapheads.commands.train:classify", "DeiT-3 supervised classification"),
+    ("train", "lm"): ("lapheads.commands.train:lm", "NanoChat-style language-model pretraining"),
+    ("train", "sft"): ("lapheads.commands.train:sft", "supervised fine-tuning on chat JSONL"),
+    ("train", "dino"): ("lapheads.commands.train:dino", "DINO self-supervised pretraining"),
+    ("train", "retrofit"): ("lapheads.commands.train:retrofit",
                             "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)"),
-    ("eval", "classify"): ("lapheads.recipes.classify:eval_main", "top-1/top-5/per-class accuracy of a run"),
-    ("eval", "lm"): ("lapheads.lm.evaluate:main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
-    ("lm-eval",): ("lapheads.lm.harness:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
-    ("eval", "knn"): ("lapheads.recipes.probes:knn_main", "weighted k-NN on frozen features"),
-    ("eval", "linear"): ("lapheads.recipes.probes:linear_main", "linear probe on frozen features"),
-    ("eval", "segment"): ("lapheads.recipes.probes:segment_main", "linear segmentation probe (mIoU)"),
-    ("tokenizer", "train"): ("lapheads.lm.tokenizer:main", "train a byte-level BPE tokenizer"),
-    ("data", "tokenize"): ("lapheads.data.text:tokenize_main", "text/JSONL/parquet -> token shards"),
-    ("sample",): ("lapheads.lm.sample:main", "sample text from a language-model run"),
-    ("analyze",): ("lapheads.geometry.cli:main", "token-geometry analysis of runs or models"),
-    ("pca-maps",): ("lapheads.geometry.pca_maps:main", "PCA maps of patch tokens as RGB images"),
-    ("sweep",): ("lapheads.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
-    ("report",): ("lapheads.report:main", "Markdown + HTML report comparing runs"),
+    ("eval", "classify"): ("lapheads.commands.eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
+    ("eval", "lm"): ("lapheads.commands.eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
+    ("lm-eval",): ("lapheads.commands.lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
+    ("eval", "knn"): ("lapheads.commands.probes:knn_main", "weighted k-NN on frozen features"),
+    ("eval", "linear"): ("lapheads.commands.probes:linear_main", "linear probe on frozen features"),
+    ("eval", "segment"): ("lapheads.commands.probes:segment_main", "linear segmentation probe (mIoU)"),
+    ("tokenizer", "train"): ("lapheads.commands.data:tokenizer_main", "train a byte-level BPE tokenizer"),
+    ("data", "tokenize"): ("lapheads.commands.data:tokenize_main", "text/JSONL/parquet -> token shards"),
+    ("sample",): ("lapheads.commands.sample:main", "sample text from a language-model run"),
+    ("analyze",): ("lapheads.commands.analyze:main", "token-geometry analysis of runs or models"),
+    ("pca-maps",): ("lapheads.commands.pca_maps:main", "PCA maps of patch tokens as RGB images"),
+    ("sweep",): ("lapheads.commands.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
+    ("report",): ("lapheads.commands.report:main", "Markdown + HTML report comparing runs"),
 }
 
 
@@ -91,7 +95,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(_usage())
         return 0
     if argv[0] == "--version":
-        from . import __version__
         print(__version__)
         return 0
     key, rest = _find(argv)
@@ -106,7 +109,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     target, _ = COMMANDS[key]
     mod_name, fn_name = target.split(":")
-    from .errors import ConfigError, LapheadsError, NonFiniteError
 
     def _argparse_error(parser: argparse.ArgumentParser, message: str):
         # argparse would print the whole usage block; one line naming the flag is the rule here
@@ -118,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
         if key[0] != "train":  # training commands choose threads from their config (train.threads)
-            from .engine.threads import configure_threads
+            from .engine.threads import configure_threads  # lazy: torch is imported only when a command runs
             configure_threads()
         rc = fn(rest)
         return int(rc or 0)
@@ -135,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lapheads {' '.join(key)}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line with the resume command
-        from .engine.launch import describe_interrupt
+        from .engine.launch import describe_interrupt  # lazy, as above
         line, rc = describe_interrupt(key, rest, e)
         if line:
             print(line, file=sys.stderr)

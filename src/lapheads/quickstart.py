@@ -18,10 +18,7 @@ and ``--overwrite`` starts afresh. It holds the lock of ``OUT`` while it runs (e
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
-from typing import Optional, Sequence
 
 from .errors import ConfigError
 
@@ -50,70 +47,3 @@ def recipes_dir() -> Path:
     raise ConfigError(
         "the quickstart needs the recipes/ folder of a lapheads source checkout (install with "
         "`pip install -e .` from the repository, or run `make quickstart`)")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lapheads quickstart", allow_abbrev=False,
-        description="Train baseline and Laplacian-head models on embedded data (digits images and "
-                    "Python's pydoc text), measure their token geometry and write a report.")
-    p.add_argument("--out", default="runs/quickstart", help="output directory (resumable)")
-    p.add_argument("--tiny", action="store_true", help="a few steps per run (pipeline check, < 1 minute)")
-    p.add_argument("--overwrite", action="store_true", help="delete --out first instead of resuming")
-    p.add_argument("--no-lm", action="store_true", help="skip the language-model part")
-    p.add_argument("--no-vision", action="store_true", help="skip the vision part")
-    args = p.parse_args(list(argv or []))
-    plan = PLAN["tiny" if args.tiny else "full"]
-    rdir = recipes_dir()
-    from .engine.run import lock_dir
-    with lock_dir(args.out):
-        return _run(args, plan, rdir, Path(args.out))
-
-
-def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
-    from .engine.config import read_yaml
-    from .engine.run import clear_dir, lock_dir
-    from .geometry.runs import analyze_run
-    from .report import build_report
-    from .sweep import plan_grid, refuse_changed, run_grid
-
-    t0 = time.time()
-    parts = []
-    if not args.no_vision:
-        cfg = rdir / "classify" / "digits.yaml"
-        heads = int(read_yaml(cfg)["model"]["num_heads"])
-        parts.append(("vision", "classify", cfg, ["0", str(heads // 2), "all"], plan["vision_seeds"],
-                      plan["vision_set"] + ["train.progress=true"]))
-    if not args.no_lm:
-        cfg = rdir / "lm" / "tiny.yaml"
-        heads = int(read_yaml(cfg)["model"]["n_heads"])
-        parts.append(("lm", "lm", cfg, ["0", str(heads // 2), "all"], plan["lm_seeds"], plan["lm_set"]))
-    if not parts:
-        raise ConfigError("--no-lm and --no-vision leave nothing to run")
-    hint = f"pass --overwrite to start {out} afresh, or choose another --out"
-    if args.overwrite:
-        clear_dir(out)
-    else:  # every part is checked before the first one trains
-        for name, recipe, cfg, heads, seeds, overrides in parts:
-            refuse_changed(plan_grid(recipe, str(cfg), heads, seeds, out / name, overrides), out / name, hint)
-    dirs: list[Path] = []
-    for name, recipe, cfg, heads, seeds, overrides in parts:
-        print(f"[quickstart] {name}: {recipe} with Laplacian heads {', '.join(heads)} x seeds "
-              f"{', '.join(map(str, seeds))}  ({cfg.relative_to(rdir.parent)})", flush=True)
-        dirs += run_grid(recipe, str(cfg), heads, seeds, out / name, overrides, hint=hint)
-    print("[quickstart] token geometry of every run", flush=True)
-    from tqdm.auto import tqdm
-    for d in tqdm(dirs, desc="analyze", unit="run", disable=None):  # None: a bar only on a terminal
-        if not (d / "geometry" / "geometry.json").is_file():
-            with lock_dir(d):
-                analyze_run(d, max_items=plan["max_items"], plots=False)
-    intro = ("Baseline (k=0) against Laplacian heads (k = half and all heads of every layer) on embedded "
-             "data: a tiny ViT on scikit-learn's digits and a tiny NanoChat-style LM on Python's pydoc "
-             "topics. These are toy-scale runs on a CPU; they check the pipeline and show the direction "
-             "of the effects at this scale, not the paper's numbers."
-             + (" This is a --tiny run (a few steps per model): its numbers mean nothing." if args.tiny else ""))
-    paths = build_report(dirs, out / "report", title="lapheads quickstart", intro=intro)
-    print(f"[quickstart] done in {time.time() - t0:.0f} s")
-    print(f"[quickstart] report: {paths['md']}")
-    print(f"[quickstart]         {paths['html']}")
-    return 0

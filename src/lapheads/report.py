@@ -24,21 +24,28 @@ the paragraphs). Integers are printed as integers (``n=10000``).
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 
-from .engine.config import number_arg
+from .data.images import spread_over_classes
+from .engine.run import RESUME_MUTABLE, RunDir, flatten_config
 from .errors import ConfigError
-from .heads import LaplacianHeads
+from .geometry import pca_rgb
+from .heads import LaplacianHeads, suggest_selection
+from .outputs import read_json
+from .recipes import get_recipe
+from .runs import load_geometry
 from .stats import Comparison, Plateau, compare, plateau
+from .vision.transforms import to_float_image
 
 # recipe -> [(metric key in final/metrics.json, label, higher is better)]
 METRICS = {
@@ -63,27 +70,10 @@ _GEO = {key: (where, section, field) for key, where, section, field, _ in GEOMET
 
 
 # ----------------------------------------------------------------------------------- collection
-def _k_sort_key(label: str) -> tuple:
-    if label == "none" or label == "k=0":
-        return (0, 0)
-    if label.startswith("k="):
-        return (1, int(label[2:]))
-    if label == "all":
-        return (2, 0)
-    return (3, label)
-
-
 def collect_run(run_dir: Path) -> dict[str, Any]:
-    from .engine.run import RunDir
-    from .geometry.runs import load_geometry
-    from .outputs import read_json
     run = RunDir(run_dir)
     cfg = run.read_config()
-    spec = (cfg.get("model") or {}).get("laplacian_heads", 0)
-    if cfg["recipe"] == "sft" and cfg.get("init_from"):  # SFT keeps the heads of the run it started from
-        base = Path(cfg["init_from"])
-        if (base / "config.yaml").is_file():
-            spec = (RunDir(base).read_config().get("model") or {}).get("laplacian_heads", 0)
+    spec = get_recipe(cfg["recipe"]).heads(run.path)  # the recipe's one rule (SFT: its pretraining run's)
     label = LaplacianHeads(spec).label()
     if label == "none":
         label = "k=0"
@@ -182,7 +172,7 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
                 g[key] = _mean_std([run_value(r, key) for r in g["runs"]])
             for key, *_ in GEOMETRY:
                 g[key] = _mean_std([run_value(r, key) for r in g["runs"]])
-        out[recipe] = dict(sorted(groups.items(), key=lambda kv: _k_sort_key(kv[0])))
+        out[recipe] = dict(sorted(groups.items(), key=lambda kv: LaplacianHeads.sort_key(kv[0])))
     return out
 
 
@@ -350,36 +340,17 @@ def _fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
 def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path]:
     """PCA maps (top 3 components of patch tokens as RGB) of a few validation images per setting.
 
-    ``classify``: the classifier's ViT with the run's evaluation transform; ``dino``: the teacher
-    backbone with the probes' transform (``lapheads pca-maps``), on ``data.val_split``.
+    The recipe's backbone of each run (``classify``: the ViT without its classifier; ``dino``: the
+    teacher) on its held-out images with its evaluation transform (the in_chans of a greyscale
+    model included).
     """
-    import torch
-    from .data.images import build_image_dataset
-    from .data.transforms import build_transforms
-    from .engine.config import from_dict
-    from .geometry import pca_rgb
-    from .geometry.pca_maps import spread_over_classes
-    from .recipes.classify import ClassifyConfig, load_model
-    from .recipes.dino import to_float_image
     reps = [(lb, g["runs"][0]) for lb, g in groups.items() if g["runs"] and g["runs"][0]["finished"]]
     if not reps:
         return None
-    from .engine.run import RunDir
-    raw = json.loads(json.dumps(RunDir(reps[0][1]["dir"]).read_config()))
-    raw.pop("recipe")
-    if recipe == "dino":
-        from .recipes.dino import DinoConfig, EvalTransform
-        from .recipes.probes import load_backbone
-        dcfg = from_dict(DinoConfig, raw)
-        ds = build_image_dataset(dcfg.data.val or dcfg.data.train, split=dcfg.data.val_split)
-        meta = load_backbone(run=reps[0][1]["dir"])[1]
-        tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
-        loader = lambda d: load_backbone(run=d)[0]  # noqa: E731
-    else:
-        cfg = from_dict(ClassifyConfig, raw)
-        ds = build_image_dataset(cfg.data.val or cfg.data.train, split="val")
-        tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std)
-        loader = lambda d: load_model(Path(d))  # noqa: E731
+    rec = get_recipe(recipe)
+    first = rec.load_run(reps[0][1]["dir"])
+    ds = rec.eval_dataset(first.config)
+    tf = first.transform
     labels = getattr(ds, "targets", None)  # one image from each of several classes, not the first six
     idx = spread_over_classes(list(labels), 6) if labels is not None else list(range(min(6, len(ds))))
     imgs = torch.stack([tf(ds[i][0]) for i in idx])
@@ -391,7 +362,7 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
         axes[0][j].set_axis_off()
     axes[0][0].set_title("input", fontsize=7, loc="left")
     for row, (label, r) in enumerate(reps, start=1):
-        model = loader(r["dir"])
+        model, _meta = rec.load_backbone(r["dir"])
         with torch.no_grad():
             toks = model.forward_intermediates(imgs, indices=[len(model.blocks) - 1], intermediates_only=True,
                                                output_fmt="NLC")[-1]
@@ -584,8 +555,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
             _add_fig(md, hb, mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head")
             md += ["", *mixing[1], ""]
             hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
-    from .sweep import grid_report  # runs that differ in config values: scaling and k-ablation figures
-    grid_tables, grid_figs = grid_report(runs, figs)
+    grid_tables, grid_figs = grid_report(runs, figs)  # runs that differ in config values: scaling, k-ablation
     for gtitle, header, rows in grid_tables:
         md += ["", f"### {gtitle}", "", _md_table(header, rows), ""]
         hb += [f"<h3>{html.escape(gtitle)}</h3>", _html_table(header, rows)]
@@ -661,41 +631,6 @@ def _add_fig(md: list[str], hb: list[str], path: Path, out: Path, caption: str) 
               f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads report",
-                                description="Markdown + HTML report comparing runs, grouped by Laplacian heads.")
-    p.add_argument("runs", nargs="+", help="run directories (finished `lapheads train ...` runs)")
-    p.add_argument("--out", default="report", help="output directory (report.md, report.html, figures/)")
-    p.add_argument("--title", default="lapheads report")
-    p.add_argument("--analyze", action="store_true",
-                   help="run the geometry analysis of runs that have none yet")
-    p.add_argument("--plateau-window", type=number_arg(float, gt=0.0, le=1.0), default=0.2,
-                   help="fraction of training at the end over which a run's plateau flag measures the change "
-                        "of its validation metric (default 0.2)")
-    p.add_argument("--plateau-tol", type=number_arg(float, ge=0.0), default=0.01,
-                   help="largest relative change of the validation metric over that window that counts as "
-                        "a plateau (default 0.01 = 1%%)")
-    args = p.parse_args(list(argv or []))
-    from .outputs import check_out_dir, removed_on_failure
-    check_out_dir(args.out)
-    dirs = [Path(d) for d in args.runs]
-    for d in dirs:
-        if not (d / "config.yaml").is_file():
-            raise ConfigError(f"{d} is not a run directory (no config.yaml)")
-    from .engine.run import lock_dir, lock_enclosing_run  # one writer per run directory
-    if args.analyze:
-        from .geometry.runs import analyze_run
-        for d in dirs:
-            if not (d / "geometry" / "geometry.json").is_file() and (d / "final" / "model.json").is_file():
-                with lock_dir(d):
-                    analyze_run(d)
-    with lock_enclosing_run(args.out), removed_on_failure(args.out):  # a failed report leaves no figures behind
-        paths = build_report(dirs, args.out, title=args.title, plateau_window=args.plateau_window,
-                             plateau_tol=args.plateau_tol)
-    print(f"report: {paths['md']}\n        {paths['html']}")
-    return 0
-
-
 # ----------------------------------------------------------------------------------- learnable mixing
 def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]:
     """Heatmaps of the learned head mixing and a suggested fixed selection per setting.
@@ -709,7 +644,6 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
     Returns:
         ``(figure path, lines of text)``, or None when no run learned its mixing.
     """
-    from .heads import suggest_selection
     panels = [(label, r) for label, g in groups.items() for r in g["runs"]
               if isinstance(r.get("final", {}).get("lap_mix"), list) and r["final"]["lap_mix"]]
     if not panels:
@@ -742,3 +676,147 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
         lines.append(f"{label}: suggested fixed selection from {len(tables)} run(s): laplacian_heads={sel} "
                      f"(Laplacian heads per layer {counts}; a head is Laplacian when its mean Laplacian-ness > 0.5)")
     return path, lines
+
+
+# ------------------------------------------------------------------------------ grid report
+# (the scaling picture of a sweep over config axes: lapheads.sweep --grid / --point)
+#: geometry measures plotted against each axis: (section, key, label), last transformer block
+GRID_MEASURES = [("anova", "frac_within_sequence", "within-sequence fraction"),
+                 ("anova", "frac_between_class", "between-class fraction"),
+                 ("spectra", "k_mean", "k99"),
+                 ("nc_tokens", "cdnv", "CDNV (tokens)"),
+                 ("cosine", "cosine_mean", "cosine")]
+# keys that never define a grid axis: the k and seed axes, and what does not change the math
+_NOT_AXES = {"model.laplacian_heads", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
+
+
+def grid_axes(configs: Sequence[dict]) -> list[str]:
+    """Config keys whose values differ between runs (of one recipe): the grid axes of a sweep."""
+    flats = [flatten_config(c) for c in configs]
+    keys = sorted(set().union(*flats)) if flats else []
+    return [k for k in keys if k not in _NOT_AXES and len({repr(f.get(k)) for f in flats}) > 1]
+
+
+def _k_position(label: str, heads_total: Optional[int]) -> Optional[float]:
+    """``k=3`` -> 3, ``all`` -> H (when known); None for per-layer settings."""
+    if label.startswith("k=") and label[2:].isdigit():
+        return float(label[2:])
+    if label == "all" and heads_total:
+        return float(heads_total)
+    return None
+
+
+def _numeric(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
+                                                          list[tuple[Path, str]]]:
+    """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
+
+    ``runs`` are :func:`lapheads.report.collect_run` records. For every recipe whose runs differ in
+    config values (other than k, seed and cadence keys), one figure per axis plots the recipe's
+    main metric and each of :data:`GRID_MEASURES` (last block) against the axis values, mean ± std
+    over seeds, one line per k (and per value of the other axes); with at least two k settings a
+    further figure is the k-ablation: the same panels against k = 0..H (``all`` = H when
+    ``model.num_heads`` is set). Returns tables ``(title, header, rows)``, one row per (grid point,
+    k), and ``(figure, caption)`` pairs.
+    """
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    made: list[tuple[Path, str]] = []
+    by_recipe: dict[str, list[dict]] = {}
+    for r in runs:
+        by_recipe.setdefault(r["recipe"], []).append(r)
+    for recipe, rs in by_recipe.items():
+        if not METRICS.get(recipe):
+            continue
+        configs = [RunDir(r["dir"]).read_config() for r in rs]
+        axes = grid_axes(configs)
+        labels = sorted({r["label"] for r in rs})
+        if not axes and len(labels) < 2:
+            continue
+        key, metric_name, _ = METRICS[recipe][0]
+        flats = [flatten_config(c) for c in configs]
+
+        def value(r_i: int, section: str, k: str) -> Optional[float]:
+            r = rs[r_i]
+            if section == "metric":
+                v = r["final"].get(k)
+                return float(v) if isinstance(v, (int, float)) else None
+            geo = r["geometry"]
+            return _geo_value(geo, _last_block(geo) if geo else None, section, k)
+
+        panels = [("metric", key, metric_name)] + GRID_MEASURES
+        # one group per (grid point, k); rows for the table
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(rs):
+            groups.setdefault((tuple(repr(flats[i].get(a)) for a in axes), r["label"]), []).append(i)
+        if axes:
+            rows: list[list[str]] = []
+            def order(kv: tuple) -> tuple:
+                (_, label), idx = kv
+                vals = [flats[idx[0]].get(a) for a in axes]
+                return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
+                        _k_position(label, 10**9) if _k_position(label, 10**9) is not None else float("inf"), label)
+
+            for (point, label), idx in sorted(groups.items(), key=order):
+                cells = [flats[idx[0]].get(a) for a in axes]
+                stats = [_mean_std([value(i, s, k) for i in idx]) for s, k, _ in panels]
+                rows.append([*(str(c) for c in cells), label, str(len(idx))] +
+                            [f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-") for m, sd, n in stats])
+            tables.append((f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
+                           [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES], rows))
+        heads_total = None
+        nh = {f.get("model.num_heads") for f in flats}
+        if len(nh) == 1 and isinstance(next(iter(nh)), int):
+            heads_total = next(iter(nh))
+        # x axes: every grid axis, then k (the ablation)
+        xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a: flats[i].get(a))) for a in axes]
+        if len(labels) >= 2:
+            xaxes.append(("Laplacian heads k", lambda i: _k_position(rs[i]["label"], heads_total)))
+        for name, xof in xaxes:
+            lines: dict[str, dict[Any, list[int]]] = {}
+            for i, r in enumerate(rs):
+                x = xof(i)
+                if x is None:
+                    continue
+                others = [f"{a.rsplit('.', 1)[-1]}={flats[i].get(a)}" for a in axes if a != name]
+                line = ", ".join(([r["label"]] if name != "Laplacian heads k" else []) + others) or "all runs"
+                lines.setdefault(line, {}).setdefault(repr(x) if not _numeric([x]) else x, []).append(i)
+            xs_all = [x for ln in lines.values() for x in ln]
+            if len(set(map(repr, xs_all))) < 2:
+                continue
+            numeric = _numeric(xs_all)
+            cats = sorted(set(xs_all), key=str) if not numeric else []
+            plt = _plt()
+            shown = [p for p in panels if any(value(i, p[0], p[1]) is not None for i in range(len(rs)))]
+            if not shown:
+                continue
+            fig, axs = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.2), squeeze=False)
+            for ax, (section, k, plabel) in zip(axs[0], shown):
+                for line, pts in sorted(lines.items()):
+                    xs = sorted(pts, key=lambda v: v if numeric else str(v))
+                    stats = [_mean_std([value(i, section, k) for i in pts[x]]) for x in xs]
+                    keep = [(x, m, sd) for x, (m, sd, n) in zip(xs, stats) if n]
+                    if not keep:
+                        continue
+                    px = [x if numeric else cats.index(x) for x, _, _ in keep]
+                    ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o",
+                                capsize=3, label=line)
+                if numeric and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
+                    ax.set_xscale("log")
+                if not numeric:
+                    ax.set_xticks(range(len(cats)))
+                    ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
+                ax.set_xlabel(name)
+                ax.set_title(plabel, fontsize=9)
+            axs[0][0].legend(fontsize=7)
+            fig.tight_layout()
+            slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", name)
+            path = figs / f"{recipe}_grid_{slug}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
+            made.append((path, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
+                               "mean ± std over seeds"))
+    return tables, made

@@ -42,20 +42,18 @@ Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` made by the
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import inspect
 import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-from .engine.config import load_config, read_yaml, to_dict
-from .engine.run import (FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes,
-                         flatten_config, lock_dir)
+from .engine.config import load_config, to_dict
+from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes, lock_dir
 from .errors import ConfigError
 from .heads import LaplacianHeads
+from .recipes import get_recipe
 
 SWEEP_HINT = ("pass --restart-changed to train them afresh, --overwrite to restart every run, "
               "or choose another --out")
@@ -192,12 +190,6 @@ def run_state(run_dir: Path) -> str:
     return "new"
 
 
-def config_class(recipe_mod: Any) -> type:
-    """The config dataclass of a recipe module (the annotation of ``build_task``'s ``cfg``)."""
-    ann = inspect.signature(recipe_mod.build_task).parameters["cfg"].annotation
-    return getattr(recipe_mod, ann) if isinstance(ann, str) else ann
-
-
 @dataclass
 class GridRun:
     """One grid point: its directory, its ``lapheads train`` flags, and how it stands."""
@@ -209,12 +201,6 @@ class GridRun:
     existing: dict = field(default_factory=dict)  # the config.yaml already there
     changes: list[str] = field(default_factory=list)  # keys that differ beyond what may differ
 
-    def argv(self, config: Optional[str]) -> list[str]:
-        out = (["--config", config] if config else []) + ["--out", str(self.path)]
-        for s in self.sets:
-            out += ["--set", s]
-        return out + (["--resume"] if self.state == "partial" else [])
-
 
 def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
               overrides: Sequence[str] = (), design: Sequence[dict[str, str]] = ({},)) -> list[GridRun]:
@@ -223,8 +209,7 @@ def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: S
     Raises:
         ConfigError: a design point's config does not load (unknown key, bad value), before anything runs.
     """
-    from .recipes import recipe_module
-    cfg_cls = config_class(recipe_module(recipe))
+    cfg_cls = get_recipe(recipe).config_type
     short = axis_names(sorted({k for p in design for k in p}))
     defaults = to_dict(cfg_cls())
     plan = []
@@ -283,8 +268,7 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
     unless ``restart_changed`` (those runs start afresh) or ``overwrite`` (every run does);
     ``hint`` is the advice appended to that error.
     """
-    from .recipes import recipe_module
-    mod = recipe_module(recipe)
+    rec = get_recipe(recipe)
     with lock_dir(out):
         plan = plan_grid(recipe, config, heads, seeds, out, overrides, design)
         if not (overwrite or restart_changed):
@@ -302,202 +286,8 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
                 continue
             if not quiet:
                 print(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
-            mod.train_main(r.argv(config))
+            cfg = load_config(rec.config_type, config, r.sets, recipe=recipe)
+            res = rec.train(cfg, r.path, resume=r.state == "partial")
+            for line in rec.result_lines(res, r.path):
+                print(line)
     return [r.path for r in plan]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lapheads sweep", allow_abbrev=False,
-        description="Run a recipe for several Laplacian-head settings and seeds, optionally crossed with "
-                    "config axes (--grid, --point), resumably; then write a report comparing them.")
-    p.add_argument("--config", required=True, help="recipe YAML (its top-level `recipe:` names the recipe)")
-    p.add_argument("--recipe", default=None, help="recipe name when the YAML does not say it")
-    p.add_argument("--laplacian-heads", default="0,all",
-                   help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all")
-    p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a config axis crossed with every other --grid, k and seed (repeatable), "
-                        "e.g. model.embed_dim=64,128")
-    p.add_argument("--point", action="append", default=[], metavar="KEY=V,KEY2=V2",
-                   help="one explicit design point (repeatable), for uneven designs, e.g. "
-                        "model.embed_dim=128,train.max_steps=400")
-    p.add_argument("--out", required=True, help="sweep directory (one run directory per grid point)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override applied to every run (repeatable)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete every existing run of the grid first and train them all afresh")
-    p.add_argument("--restart-changed", action="store_true",
-                   help="train afresh the existing runs whose config differs from this command's "
-                        "(default: stop and list them)")
-    p.add_argument("--analyze", action="store_true", help="run the geometry analysis of every run")
-    p.add_argument("--no-report", action="store_true", help="skip the report")
-    args = p.parse_args(list(argv or []))
-    heads, seeds = parse_heads_list(args.laplacian_heads), parse_seeds(args.seeds)
-    design = design_points(parse_grid(args.grid, args.overrides),
-                           [parse_point(x, args.overrides) for x in args.point])
-    recipe = read_yaml(args.config).get("recipe") or args.recipe
-    if not recipe:
-        raise ConfigError(f"{args.config} has no top-level `recipe:`; pass --recipe classify|lm|sft|dino")
-    if args.recipe and recipe != args.recipe:
-        raise ConfigError(f"{args.config} is a {recipe!r} recipe but --recipe says {args.recipe!r}")
-    out = Path(args.out)
-    with lock_dir(out):
-        dirs = run_grid(recipe, args.config, heads, seeds, out, args.overrides, overwrite=args.overwrite,
-                        restart_changed=args.restart_changed, design=design)
-        if args.analyze:
-            from .geometry.runs import analyze_run
-            for d in dirs:
-                with lock_dir(d):
-                    analyze_run(d)
-        if not args.no_report:
-            from .report import build_report
-            paths = build_report(dirs, out / "report", title=f"Sweep: {Path(args.config).name}")
-            print(f"report: {paths['html']}")
-    return 0
-
-
-# ------------------------------------------------------------------------------ grid report
-# (called by lapheads.report.build_report; lives here beside the grid it describes)
-#: geometry measures plotted against each axis: (section, key, label), last transformer block
-GRID_MEASURES = [("anova", "frac_within_sequence", "within-sequence fraction"),
-                 ("anova", "frac_between_class", "between-class fraction"),
-                 ("spectra", "k_mean", "k99"),
-                 ("nc_tokens", "cdnv", "CDNV (tokens)"),
-                 ("cosine", "cosine_mean", "cosine")]
-# keys that never define a grid axis: the k and seed axes, and what does not change the math
-_NOT_AXES = {"model.laplacian_heads", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
-
-
-def grid_axes(configs: Sequence[dict]) -> list[str]:
-    """Config keys whose values differ between runs (of one recipe): the grid axes of a sweep."""
-    flats = [flatten_config(c) for c in configs]
-    keys = sorted(set().union(*flats)) if flats else []
-    return [k for k in keys if k not in _NOT_AXES and len({repr(f.get(k)) for f in flats}) > 1]
-
-
-def _k_position(label: str, heads_total: Optional[int]) -> Optional[float]:
-    """``k=3`` -> 3, ``all`` -> H (when known); None for per-layer settings."""
-    if label.startswith("k=") and label[2:].isdigit():
-        return float(label[2:])
-    if label == "all" and heads_total:
-        return float(heads_total)
-    return None
-
-
-def _numeric(values: Sequence[Any]) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-
-
-def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
-                                                          list[tuple[Path, str]]]:
-    """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
-
-    ``runs`` are :func:`lapheads.report.collect_run` records. For every recipe whose runs differ in
-    config values (other than k, seed and cadence keys), one figure per axis plots the recipe's
-    main metric and each of :data:`GRID_MEASURES` (last block) against the axis values, mean ± std
-    over seeds, one line per k (and per value of the other axes); with at least two k settings a
-    further figure is the k-ablation: the same panels against k = 0..H (``all`` = H when
-    ``model.num_heads`` is set). Returns tables ``(title, header, rows)``, one row per (grid point,
-    k), and ``(figure, caption)`` pairs.
-    """
-    from .engine.run import RunDir
-    from .report import METRICS, _geo_value, _last_block, _mean_std, _plt
-    tables: list[tuple[str, list[str], list[list[str]]]] = []
-    made: list[tuple[Path, str]] = []
-    by_recipe: dict[str, list[dict]] = {}
-    for r in runs:
-        by_recipe.setdefault(r["recipe"], []).append(r)
-    for recipe, rs in by_recipe.items():
-        if not METRICS.get(recipe):
-            continue
-        configs = [RunDir(r["dir"]).read_config() for r in rs]
-        axes = grid_axes(configs)
-        labels = sorted({r["label"] for r in rs})
-        if not axes and len(labels) < 2:
-            continue
-        key, metric_name, _ = METRICS[recipe][0]
-        flats = [flatten_config(c) for c in configs]
-
-        def value(r_i: int, section: str, k: str) -> Optional[float]:
-            r = rs[r_i]
-            if section == "metric":
-                v = r["final"].get(k)
-                return float(v) if isinstance(v, (int, float)) else None
-            geo = r["geometry"]
-            return _geo_value(geo, _last_block(geo) if geo else None, section, k)
-
-        panels = [("metric", key, metric_name)] + GRID_MEASURES
-        # one group per (grid point, k); rows for the table
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(rs):
-            groups.setdefault((tuple(repr(flats[i].get(a)) for a in axes), r["label"]), []).append(i)
-        if axes:
-            rows: list[list[str]] = []
-            def order(kv: tuple) -> tuple:
-                (_, label), idx = kv
-                vals = [flats[idx[0]].get(a) for a in axes]
-                return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
-                        _k_position(label, 10**9) if _k_position(label, 10**9) is not None else float("inf"), label)
-
-            for (point, label), idx in sorted(groups.items(), key=order):
-                cells = [flats[idx[0]].get(a) for a in axes]
-                stats = [_mean_std([value(i, s, k) for i in idx]) for s, k, _ in panels]
-                rows.append([*(str(c) for c in cells), label, str(len(idx))] +
-                            [f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-") for m, sd, n in stats])
-            tables.append((f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
-                           [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES], rows))
-        heads_total = None
-        nh = {f.get("model.num_heads") for f in flats}
-        if len(nh) == 1 and isinstance(next(iter(nh)), int):
-            heads_total = next(iter(nh))
-        # x axes: every grid axis, then k (the ablation)
-        xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a: flats[i].get(a))) for a in axes]
-        if len(labels) >= 2:
-            xaxes.append(("Laplacian heads k", lambda i: _k_position(rs[i]["label"], heads_total)))
-        for name, xof in xaxes:
-            lines: dict[str, dict[Any, list[int]]] = {}
-            for i, r in enumerate(rs):
-                x = xof(i)
-                if x is None:
-                    continue
-                others = [f"{a.rsplit('.', 1)[-1]}={flats[i].get(a)}" for a in axes if a != name]
-                line = ", ".join(([r["label"]] if name != "Laplacian heads k" else []) + others) or "all runs"
-                lines.setdefault(line, {}).setdefault(repr(x) if not _numeric([x]) else x, []).append(i)
-            xs_all = [x for ln in lines.values() for x in ln]
-            if len(set(map(repr, xs_all))) < 2:
-                continue
-            numeric = _numeric(xs_all)
-            cats = sorted(set(xs_all), key=str) if not numeric else []
-            plt = _plt()
-            shown = [p for p in panels if any(value(i, p[0], p[1]) is not None for i in range(len(rs)))]
-            if not shown:
-                continue
-            fig, axs = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.2), squeeze=False)
-            for ax, (section, k, plabel) in zip(axs[0], shown):
-                for line, pts in sorted(lines.items()):
-                    xs = sorted(pts, key=lambda v: v if numeric else str(v))
-                    stats = [_mean_std([value(i, section, k) for i in pts[x]]) for x in xs]
-                    keep = [(x, m, sd) for x, (m, sd, n) in zip(xs, stats) if n]
-                    if not keep:
-                        continue
-                    px = [x if numeric else cats.index(x) for x, _, _ in keep]
-                    ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o",
-                                capsize=3, label=line)
-                if numeric and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
-                    ax.set_xscale("log")
-                if not numeric:
-                    ax.set_xticks(range(len(cats)))
-                    ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
-                ax.set_xlabel(name)
-                ax.set_title(plabel, fontsize=9)
-            axs[0][0].legend(fontsize=7)
-            fig.tight_layout()
-            slug = _SAFE.sub("_", name)
-            path = figs / f"{recipe}_grid_{slug}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
-            made.append((path, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
-                               "mean ± std over seeds"))
-    return tables, made

@@ -74,8 +74,8 @@ from typing import Any, Optional
 
 import timm
 import torch
-from torch import nn
 from timm.layers import Attention
+from torch import nn
 
 from .errors import ConfigError
 from .heads import (HeadMix, HeadSpec, LaplacianHeads, LayerHeads, laplacianness, learnable_spec, register_mix,

@@ -532,8 +532,8 @@ def mixing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _checkpoint_files(path: str) -> list[str]:
-    import os
     import json
+    import os
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:

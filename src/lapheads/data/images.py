@@ -67,8 +67,6 @@ __all__ = [
     "IdxDataset",
     "DigitsDataset",
     "build_image_dataset",
-    "write_cifar_archive",
-    "write_idx",
     "read_idx",
     "IMAGE_EXTENSIONS",
     "DATASET_KINDS",
@@ -408,89 +406,6 @@ class CIFARDataset(ArrayImageDataset):
         self.kind = found
 
 
-def write_cifar_archive(
-    path: PathLike,
-    images: np.ndarray,
-    labels: Sequence[int],
-    kind: str = "cifar10",
-    *,
-    test_images: Optional[np.ndarray] = None,
-    test_labels: Optional[Sequence[int]] = None,
-    classes: Optional[Sequence[str]] = None,
-    coarse_labels: Optional[Sequence[int]] = None,
-    test_coarse_labels: Optional[Sequence[int]] = None,
-) -> Path:
-    """Write images in exactly the official CIFAR python layout (for tests and demos).
-
-    Args:
-        path: ``*.tar.gz`` / ``*.tgz`` to write an archive; any other path is a folder into which
-            the archive's top folder (``cifar-10-batches-py`` / ``cifar-100-python``) is written,
-            as ``tar xzf`` would.
-        images: uint8 ``(N, 32, 32, 3)`` training images.
-        labels: training labels (fine labels for CIFAR-100).
-        kind: ``"cifar10"`` (training set split over ``data_batch_1..5``) or ``"cifar100"``.
-        test_images, test_labels: the test set; defaults to a copy of the training set.
-        classes: class names; default ``class0..`` with 10 / 100 entries.
-        coarse_labels, test_coarse_labels: CIFAR-100 superclass labels; default ``label // 5``.
-
-    Returns:
-        the path to give to :class:`CIFARDataset`: the archive, or the extracted top folder.
-    """
-    if kind not in _CIFAR_LAYOUT:
-        raise ConfigError(f"kind={kind!r}; expected 'cifar10' or 'cifar100'")
-    lay = _CIFAR_LAYOUT[kind]
-    images = np.asarray(images)
-    if images.dtype != np.uint8 or images.shape[1:] != (32, 32, 3):
-        raise ConfigError(f"images must be uint8 (N, 32, 32, 3), got {images.dtype} {images.shape}")
-    test_images = images if test_images is None else np.asarray(test_images)
-    labels = [int(x) for x in labels]
-    test_labels = labels if test_labels is None else [int(x) for x in test_labels]
-    n_classes = lay["n_classes"]
-    classes = [f"class{i}" for i in range(n_classes)] if classes is None else list(classes)
-
-    def rows(x: np.ndarray) -> np.ndarray:  # (N, 32, 32, 3) -> (N, 3072), channel-major
-        return np.ascontiguousarray(x.transpose(0, 3, 1, 2).reshape(len(x), 3072))
-
-    # Official files are Python-2 pickles (protocol 2) of dicts with bytes keys.
-    files: dict[str, dict[bytes, Any]] = {}
-    if kind == "cifar10":
-        parts = np.array_split(np.arange(len(images)), 5)
-        for i, idx in enumerate(parts, 1):
-            files[f"data_batch_{i}"] = {b"batch_label": f"training batch {i} of 5".encode(),
-                                        b"labels": [labels[j] for j in idx], b"data": rows(images[idx]),
-                                        b"filenames": [f"img_{j}.png".encode() for j in idx]}
-        files["test_batch"] = {b"batch_label": b"testing batch 1 of 1", b"labels": list(test_labels),
-                               b"data": rows(test_images),
-                               b"filenames": [f"test_{j}.png".encode() for j in range(len(test_images))]}
-        files["batches.meta"] = {b"num_cases_per_batch": int(max(len(p) for p in parts)),
-                                 b"label_names": [c.encode() for c in classes], b"num_vis": 3072}
-    else:
-        coarse = [x // 5 for x in labels] if coarse_labels is None else [int(x) for x in coarse_labels]
-        tcoarse = ([x // 5 for x in test_labels] if test_coarse_labels is None
-                   else [int(x) for x in test_coarse_labels])
-        for name, x, fine, co in (("train", images, labels, coarse), ("test", test_images, test_labels, tcoarse)):
-            files[name] = {b"filenames": [f"{name}_{j}.png".encode() for j in range(len(x))],
-                           b"batch_label": f"{name}ing batch 1 of 1".encode(), b"fine_labels": list(fine),
-                           b"coarse_labels": list(co), b"data": rows(x)}
-        files["meta"] = {b"fine_label_names": [c.encode() for c in classes],
-                         b"coarse_label_names": [f"super{i}".encode() for i in range(20)]}
-    blobs = {name: pickle.dumps(d, protocol=2) for name, d in files.items()}
-    path = Path(path)
-    if path.name.endswith((".tar.gz", ".tgz")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(path, "w:gz") as tar:
-            for name, blob in blobs.items():
-                info = tarfile.TarInfo(f"{lay['folder']}/{name}")
-                info.size = len(blob)
-                tar.addfile(info, io.BytesIO(blob))
-        return path
-    folder = path / lay["folder"]
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, blob in blobs.items():
-        (folder / name).write_bytes(blob)
-    return folder
-
-
 # ============================================================================ ImageFolder
 def _list_images(folder: Path) -> list[Path]:
     out = []
@@ -650,24 +565,6 @@ def read_idx(path: PathLike, ndim: Optional[int] = None) -> np.ndarray:
         raise DataError(f"{path}: size {len(raw)} bytes does not match its header (dims {dims} need {expect} "
                         f"bytes); the file is truncated or corrupted")
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
-
-
-def write_idx(path: PathLike, array: np.ndarray) -> Path:
-    """Write a uint8/int8 array as an idx file (gzip-compressed when ``path`` ends in ``.gz``)."""
-    array = np.asarray(array)
-    if array.dtype not in _IDX_CODES:
-        raise ConfigError(f"write_idx supports uint8 and int8 arrays, got {array.dtype}")
-    head = bytes([0, 0, _IDX_CODES[array.dtype], array.ndim]) + b"".join(
-        int(d).to_bytes(4, "big") for d in array.shape)
-    data = head + np.ascontiguousarray(array).tobytes()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".gz":
-        with gzip.open(path, "wb") as f:
-            f.write(data)
-    else:
-        path.write_bytes(data)
-    return path
 
 
 def _find_idx(root: Path, prefix: str, kind: str, nd: int) -> Path:
@@ -831,3 +728,53 @@ def build_image_dataset(spec: Union[str, dict[str, Any]], split: str = "train",
     if kind == "imagefolder":
         return ImageFolderDataset(path, split, transform=transform, **options)
     return IdxDataset(path, split, transform=transform, **options)
+
+
+#: File suffixes read as images by :func:`load_images`.
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def spread_over_classes(labels: Sequence[Any], k: int) -> list[int]:
+    """Up to ``k`` indices taken round-robin over the classes of ``labels``.
+
+    Classes in sorted order; within a class, items in their given order. Deterministic: the first
+    item of every class, then the second of every class, and so on, returned in that order.
+    """
+    by_class: dict[Any, list[int]] = {}
+    for i, lab in enumerate(labels):
+        by_class.setdefault(lab, []).append(i)
+    queues = [by_class[c] for c in sorted(by_class)]
+    out: list[int] = []
+    depth = 0
+    while len(out) < k and any(depth < len(q) for q in queues):
+        out += [q[depth] for q in queues if depth < len(q)][: k - len(out)]
+        depth += 1
+    return out
+
+
+def load_images(source: str, max_images: int = 16) -> list[Any]:
+    """Up to ``max_images`` images, spread over classes, from a folder (recursive; a class is a
+    file's parent folder) or an image data spec (val split; its labels)."""
+    if max_images < 1:
+        raise ConfigError(f"max_images={max_images} must be >= 1")
+    p = Path(source).expanduser()
+    if p.is_dir() or (p.is_file() and p.suffix.lower() in IMAGE_EXTS):
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTS)
+        if not files:
+            raise DataError(f"{p}: no image files ({', '.join(IMAGE_EXTS)}) found")
+        out = []
+        picked = spread_over_classes([str(f.parent) for f in files], max_images)
+        for f in (files[i] for i in picked):
+            try:
+                with Image.open(f) as im:
+                    out.append(im.convert("RGB"))
+            except OSError as e:
+                raise DataError(f"cannot decode image {f}: {e}") from None
+        return out
+    ds = build_image_dataset(source, "val")
+    if len(ds) == 0:
+        raise DataError(f"{source}: no images")
+    labels = getattr(ds, "targets", None)
+    idx = (spread_over_classes(list(labels), max_images) if labels is not None
+           else list(range(min(max_images, len(ds)))))
+    return [ds[i][0] for i in idx]

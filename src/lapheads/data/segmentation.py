@@ -31,20 +31,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ..errors import ConfigError, DataError
+from .images import IMAGE_EXTS
 
 __all__ = ["SegmentationDataset", "build_segmentation_dataset", "ade20k", "image_mask_folder",
            "make_synthetic_segmentation", "IGNORE_INDEX", "ADE20K_CLASSES"]
 
 IGNORE_INDEX = 255
 ADE20K_CLASSES = 150
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 _SPLIT_NAMES = {"train": ("train", "training"), "val": ("val", "validation", "test")}
 
 PathLike = Union[str, os.PathLike]

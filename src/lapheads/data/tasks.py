@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import os
 import re
-from decimal import Decimal
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Iterator, Optional
 
 from ..errors import DataError
+from .jsonl import iter_jsonl
 
 __all__ = [
     "TaskItem",
@@ -139,7 +140,6 @@ def builtin_humaneval_path() -> Optional[str]:
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    from .jsonl import iter_jsonl
     return iter_jsonl(path, "task file")
 
 

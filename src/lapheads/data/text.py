@@ -42,7 +42,7 @@ Design choices:
 
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
 import math
 import os
@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
+from .jsonl import iter_jsonl
 
 __all__ = [
     "embedded_documents",
@@ -118,7 +119,6 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
     Raises:
         DataError: naming ``file:line`` for a line that is not JSON, not an object, or lacks the field.
     """
-    from .jsonl import iter_jsonl
     p = Path(path)
     for n, obj in iter_jsonl(p):
         if text_field not in obj:
@@ -381,7 +381,6 @@ def tokenize_to_shards(
     """
     from tqdm.auto import tqdm
 
-    from ..lm.tokenizer import tokenizer_hash
 
     out = Path(out_dir)
     f = _fraction(val_fraction)
@@ -592,7 +591,6 @@ class TokenShards:
             raise DataError(f"{self.path / INDEX_NAME}: the shards are incomplete (an interrupted run); "
                             f"finish them with `lapheads data tokenize ... --out {self.path} --resume`")
         if tokenizer is not None:
-            from ..lm.tokenizer import tokenizer_hash
             h = tokenizer_hash(tokenizer)
             if h != self.index["tokenizer_hash"] or len(tokenizer) != self.index["vocab_size"]:
                 raise DataError(f"{self.path / INDEX_NAME}: shards were made with tokenizer {self.index['tokenizer_hash']} "
@@ -690,75 +688,11 @@ class TokenShards:
             yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-# --------------------------------------------------------------------------- CLI
-def _split_arg(text: str) -> Any:
-    try:
-        return check_split_mode(text, "--split-documents")
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lapheads data tokenize``: text/JSONL/parquet (or the embedded corpus) -> token shards."""
-    from ..engine.config import number_arg
-
-    ap = argparse.ArgumentParser(
-        prog="lapheads data tokenize",
-        description="Tokenize a corpus into BOS-prefixed uint16/uint32 token shards with a validation split "
-                    "(by document) and an index.json holding the statistics bits-per-byte needs. "
-                    "Interrupted runs continue with --resume.")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="FILE",
-                     help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one per line) or parquet "
-                          "(.parquet with a text column, FineWeb-Edu's layout) files, in this order")
-    src.add_argument("--embedded", action="store_true", help="the corpus that ships with Python (pydoc_data.topics)")
-    ap.add_argument("--tokenizer", required=True, help="directory written by `lapheads tokenizer train`")
-    ap.add_argument("--out", required=True, help="output directory for the shards and index.json")
-    ap.add_argument("--val-fraction", type=number_arg(float, ge=0.0, lt=1.0), default=0.05,
-                    help="fraction of documents held out for validation (default 0.05; the first document is "
-                         "always validation when > 0)")
-    ap.add_argument("--shard-tokens", type=number_arg(int, ge=1), default=2**24,
-                    help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less "
-                         "lost work")
-    ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
-    ap.add_argument("--split-documents", type=_split_arg, default=None, metavar="blank_lines|chapters|N",
-                    help="cut every input document (e.g. one large .txt file) into several: at blank lines, "
-                         "before chapter headings, or into pieces of about N characters")
-    ap.add_argument("--val-by", choices=["documents", "tokens"], default="documents",
-                    help="validation split by whole documents (default) or by the last --val-fraction of the "
-                         "tokens of every document (works for a single document)")
-    ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = ap.parse_args(list(argv) if argv is not None else None)
-
-    from ..lm.tokenizer import load_tokenizer
-    from ..outputs import check_out_dir, removed_on_failure
-
-    check_out_dir(args.out)
-    tok = load_tokenizer(args.tokenizer)
-    if args.embedded:
-        from pydoc_data.topics import topics
-        docs: Iterable[str] = embedded_documents()
-        total: Optional[int] = len(topics)
-        source = "pydoc_data.topics"
-    else:
-        check_inputs(args.input, text_field=args.text_field)
-        docs = iter_documents(args.input, text_field=args.text_field)
-        total = None
-        source = ", ".join(str(p) for p in args.input)
-    if args.split_documents is not None:
-        docs = split_documents(docs, args.split_documents, source)
-        total = None
-    # A failed fresh run leaves nothing (not even an empty folder); a resumed one keeps its shards,
-    # which its index.json lists. Ctrl-C keeps everything: --resume continues it.
-    with removed_on_failure(args.out, remove_new_entries=not args.resume):
-        index = tokenize_to_shards(docs, tok, args.out, shard_tokens=args.shard_tokens,
-                                   val_fraction=args.val_fraction, resume=args.resume, total_documents=total,
-                                   source=source, progress=not args.no_progress, val_by=args.val_by)
-    for s in _SPLITS:
-        sp = index["splits"][s]
-        bpt = sp["bytes_per_token"]
-        print(f"{s}: {sp['documents']} documents, {sp['tokens']} tokens in {len(sp['shards'])} shard(s), "
-              f"{'-' if bpt is None else f'{bpt:.3f}'} bytes/token")
-    print(f"index: {Path(args.out) / INDEX_NAME} ({index['dtype']}, tokenizer {index['tokenizer_hash']})")
-    return 0
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A short sha256 of the tokenizer's canonical JSON (vocabulary, merges, special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    data = json.loads(backend.to_str())
+    data.pop("post_processor", None)  # how BOS is added to tokenizer(text) does not change the ids
+    data.pop("truncation", None)
+    data.pop("padding", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""``lapheads train <recipe>``: parse the shared flags, build the task, run the engine.
+"""Launch a training run on the engine (``lapheads train <recipe>``), and describe an interrupted one.
 
 Order matters for "nothing is lost, nothing half-written, one writer at a time":
 
@@ -16,19 +16,16 @@ that continues the run (:func:`describe_interrupt`), and exit status 128 + signa
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import signal
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
 from . import dist as D
 from .checkpoint import latest_checkpoint
-from .config import load_config
-from .run import RunDir, add_train_args
+from .run import RunDir
 from .threads import configure_threads
 from .trainer import RunInterrupted, Task, Trainer, seed_everything
 
@@ -124,18 +121,3 @@ def describe_interrupt(words: Sequence[str], args: Sequence[str], exc: BaseExcep
     if words and words[0] == "train":  # stopped before launch() (e.g. while reading the config)
         return f"{head}; rerun with: {resume_command(words, args, started=False)}", rc
     return head, rc
-
-
-def train_cli(recipe: str, cfg_cls: type, build_task: Callable[[Any, D.DistInfo], Task],
-              argv: Optional[Sequence[str]], *, default_config: Optional[str] = None,
-              description: str = "") -> int:
-    p = argparse.ArgumentParser(prog=f"lapheads train {recipe}", description=description, allow_abbrev=False)
-    add_train_args(p, default_config)
-    args = p.parse_args(list(argv or []))
-    cfg = load_config(cfg_cls, args.config, args.overrides, recipe=recipe)
-    res = launch(recipe, cfg, build_task, args.out, resume=args.resume, overwrite=args.overwrite)
-    if res:
-        print("final:", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in res.items()))
-    print(f"run directory: {args.out}")
-    return 0

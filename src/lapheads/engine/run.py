@@ -53,8 +53,9 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from ..errors import CheckpointError, ConfigError
-from .checkpoint import atomic_write_text
+from ..heads import LaplacianHeads
 from ..outputs import check_out_dir
+from .checkpoint import atomic_write_text
 from .config import load_yaml, to_dict
 
 LOCK_NAME = ".lock"
@@ -116,8 +117,20 @@ def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE,
     """
     a, b = flatten_config(old), flatten_config(new)
     d = flatten_config(defaults) if defaults is not None else {}
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in allowed
+    return sorted(k for k in set(a) | set(b) if not _same_value(k, a.get(k), b.get(k)) and k not in allowed
                   and not (k not in a and k in d and b.get(k) == d[k]))
+
+
+def _same_value(key: str, x: Any, y: Any) -> bool:
+    """Equal values; for a ``laplacian_heads`` key, equal settings (``None``, ``"none"`` and ``0`` are one)."""
+    if x == y:
+        return True
+    if key.rsplit(".", 1)[-1] != "laplacian_heads":
+        return False
+    try:
+        return LaplacianHeads(x).label() == LaplacianHeads(y).label()
+    except ConfigError:
+        return False
 
 
 def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:

@@ -62,10 +62,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, LapheadsError, NonFiniteError
+from ..heads import mixing_table
+from ..stats import evals_without_improvement
+from ..testing import Faults
 from . import dist as D
-from .config import bounded
+from . import fsdp as F
 from .checkpoint import (begin_checkpoint, commit_checkpoint, latest_checkpoint, load_tensors, load_weights,
                          safe_torch_load, save_tensors, write_checkpoint, write_files)
+from .config import bounded
+from .fsdp import enable_activation_checkpointing, full_state_dict, is_sharded_checkpoint, materialize, plain_norm
 from .run import RunDir
 
 
@@ -100,7 +105,6 @@ class TrainConfig:
     log_every: int = bounded(10, ge=0)
     nan_policy: Literal["stop", "skip"] = "stop"
     max_skipped_steps: int = bounded(20, ge=0)  # with nan_policy=skip, stop after this many skipped steps
-    inject_nan_at_step: int = bounded(-1, ge=-1)  # fault injection for tests: make the loss NaN at this step
     device: str = "auto"
     num_workers: int = bounded(0, ge=0)
     threads: int = bounded(0, ge=0)  # CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy (engine/threads.py)
@@ -302,6 +306,7 @@ class Trainer:
 
     def __init__(self, task: Task, cfg: TrainConfig, run: RunDir, info: Optional[D.DistInfo] = None):
         self.task, self.cfg, self.run = task, cfg, run
+        self.faults = Faults()
         self.info = info or D.DistInfo()
         self.device = self.info.device
         self.total = cfg.max_steps or task.total_steps()
@@ -313,7 +318,6 @@ class Trainer:
         self.sharded = False  # FSDP2 applied (parallel: fsdp with more than one process)
         self._export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
         if cfg.activation_checkpointing:
-            from .fsdp import enable_activation_checkpointing
             enable_activation_checkpointing(self.model)
         if cfg.parallel == "fsdp":
             self._shard()  # before the optimizers: they must hold the sharded parameters
@@ -346,7 +350,6 @@ class Trainer:
 
     def _shard(self) -> None:
         """FSDP2 on the task's blocks (engine.fsdp); one process keeps the model whole."""
-        from . import fsdp as F
         blocks = self.task.fsdp_blocks()  # also checks that the recipe supports FSDP
         if not self.info.distributed:
             return
@@ -414,7 +417,6 @@ class Trainer:
 
     def _save_sharded_checkpoint(self) -> None:
         """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
-        from . import fsdp as F
         bad = self._weights_nonfinite()
         if F.nonfinite_anywhere(bad is not None, self.device):  # every rank stops, none writes
             ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
@@ -440,7 +442,6 @@ class Trainer:
         D.barrier()
 
     def _load_sharded_checkpoint(self, path: Path) -> None:
-        from . import fsdp as F
         F.load_sharded(path, self.model, self.optims)
         if (path / "extra.safetensors").is_file():
             self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
@@ -462,7 +463,6 @@ class Trainer:
                   "run", file=sys.stderr, flush=True)
 
     def load_checkpoint(self, path: Path) -> None:
-        from .fsdp import is_sharded_checkpoint
         if self.cfg.parallel == "fsdp" or is_sharded_checkpoint(path):
             if not is_sharded_checkpoint(path):
                 raise ConfigError(f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with "
@@ -633,7 +633,7 @@ class Trainer:
                 with ctx:
                     with autocast:
                         loss, metrics = self.task.loss(self.ddp_model, batch, step)
-                    if step == cfg.inject_nan_at_step:
+                    if self.faults.nan_loss(step):  # tests only (lapheads.testing)
                         loss = loss * float("nan")
                     if not torch.isfinite(loss.detach()):
                         loss_finite = False
@@ -645,7 +645,6 @@ class Trainer:
             max_norm = cfg.clip_grad if cfg.clip_grad > 0 else float("inf")
             gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
             if self.sharded:
-                from .fsdp import plain_norm
                 gnorm = plain_norm(gnorm)  # the global norm of the sharded gradients
             if not torch.isfinite(gnorm):
                 what = "the loss" if not loss_finite else self._first_nonfinite_grad()
@@ -668,6 +667,7 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update(self.model)
             self.task.after_optimizer_step(step, self.total)
+            self.faults.after_update(step)  # tests only (lapheads.testing)
             self.step += 1
             bar.update(1)
             if self.step % max(1, cfg.log_every) == 0 or self.step == self.total:
@@ -712,7 +712,6 @@ class Trainer:
             return False
         code, error = 0, ""  # 0 = go on, 1 = stop, 2 = the metric is missing (every rank raises)
         if self.info.is_main:
-            from ..stats import evals_without_improvement
             vals = [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step", 0) < self.total]
             if vals and up.metric not in vals[-1]:
                 keys = sorted(k for k, v in vals[-1].items() if isinstance(v, (int, float)) and k != "step")
@@ -733,7 +732,6 @@ class Trainer:
         with torch.no_grad():
             res = self.task.evaluate(self.model, self.ema.module if self.ema else None, self.step)
         self.model.train()
-        from ..heads import mixing_table
         mix = mixing_table(self.model)
         if mix and res is not None:  # learnable head mixing: (a, b) per layer and head (report plots it)
             res = {**res, "lap_mix": mix}
@@ -745,7 +743,6 @@ class Trainer:
         """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
         if not self.sharded:
             return self.model if self.info.is_main else None
-        from .fsdp import full_state_dict, materialize
         state = full_state_dict(self.model)  # collective: every rank takes part
         if not self.info.is_main:
             return None

@@ -25,19 +25,16 @@ Design choices:
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from .measures import pca_rgb
-
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 @torch.no_grad()
@@ -76,54 +73,6 @@ def pca_maps(backbone: nn.Module, images: torch.Tensor, layer: int = -1, mask_ba
     return rgb
 
 
-def spread_over_classes(labels: Sequence[Any], k: int) -> list[int]:
-    """Up to ``k`` indices taken round-robin over the classes of ``labels``.
-
-    Classes in sorted order; within a class, items in their given order. Deterministic: the first
-    item of every class, then the second of every class, and so on, returned in that order.
-    """
-    by_class: dict[Any, list[int]] = {}
-    for i, lab in enumerate(labels):
-        by_class.setdefault(lab, []).append(i)
-    queues = [by_class[c] for c in sorted(by_class)]
-    out: list[int] = []
-    depth = 0
-    while len(out) < k and any(depth < len(q) for q in queues):
-        out += [q[depth] for q in queues if depth < len(q)][: k - len(out)]
-        depth += 1
-    return out
-
-
-def load_images(source: str, max_images: int = 16) -> list[Any]:
-    """Up to ``max_images`` images, spread over classes, from a folder (recursive; a class is a
-    file's parent folder) or an image data spec (val split; its labels)."""
-    if max_images < 1:
-        raise ConfigError(f"max_images={max_images} must be >= 1")
-    p = Path(source).expanduser()
-    if p.is_dir() or (p.is_file() and p.suffix.lower() in IMAGE_EXTS):
-        from PIL import Image
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTS)
-        if not files:
-            raise DataError(f"{p}: no image files ({', '.join(IMAGE_EXTS)}) found")
-        out = []
-        picked = spread_over_classes([str(f.parent) for f in files], max_images)
-        for f in (files[i] for i in picked):
-            try:
-                with Image.open(f) as im:
-                    out.append(im.convert("RGB"))
-            except OSError as e:
-                raise DataError(f"cannot decode image {f}: {e}") from None
-        return out
-    from ..data.images import build_image_dataset
-    ds = build_image_dataset(source, "val")
-    if len(ds) == 0:
-        raise DataError(f"{source}: no images")
-    labels = getattr(ds, "targets", None)
-    idx = (spread_over_classes(list(labels), max_images) if labels is not None
-           else list(range(min(max_images, len(ds)))))
-    return [ds[i][0] for i in idx]
-
-
 def save_grid(pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path, title: str = "",
               ncols: int = 8) -> Path:
     """PNG grid: for each group of ``ncols`` images, a row of pictures then a row of PCA maps."""
@@ -149,44 +98,3 @@ def save_grid(pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path,
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads pca-maps", description=(
-        "RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
-        "the images). Compare a baseline run with a Laplacian-heads run on the same images."))
-    from ..recipes.probes import add_backbone_args
-    add_backbone_args(p)
-    p.add_argument("--images", required=True, help="image folder, a single image, or a data spec such as digits")
-    p.add_argument("--out", required=True, help="PNG file to write")
-    p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
-    p.add_argument("--max-images", type=int, default=16)
-    p.add_argument("--mask-background", action="store_true", help="black out patches whose first component "
-                                                                  "is on the background side of --threshold")
-    p.add_argument("--threshold", type=float, default=0.5, help="threshold on the first component in [0, 1]")
-    p.add_argument("--foreground", choices=["auto", "high", "low"], default="auto")
-    p.add_argument("--device", default="auto")
-    args = p.parse_args(list(argv or []))
-    if not 0.0 <= args.threshold <= 1.0:
-        raise ConfigError(f"--threshold={args.threshold} must be in [0, 1]")
-    if not str(args.out).lower().endswith(".png"):
-        raise ConfigError(f"--out={args.out} must be a .png file")
-    from ..outputs import check_out_file
-    check_out_file(args.out)
-    from ..engine.dist import pick_device
-    from ..recipes.dino import EvalTransform, to_float_image
-    from ..recipes.probes import load_backbone
-
-    pics = load_images(args.images, args.max_images)
-    dev = pick_device(args.device)
-    bb, meta = load_backbone(run=args.run, model=args.model, weights=args.weights,
-                             laplacian_heads=args.laplacian_heads, img_size=args.img_size, device=dev)
-    size = args.img_size or meta["img_size"]
-    tf = EvalTransform(size, meta["mean"], meta["std"])
-    x = torch.stack([tf(im) for im in pics]).to(dev)
-    maps = pca_maps(bb, x, args.layer, args.mask_background, args.threshold, args.foreground)
-    shown = [to_float_image(im).permute(1, 2, 0).numpy() for im in pics]
-    title = f"{meta['source']}  layer {args.layer}  laplacian_heads={meta.get('laplacian_heads')}"
-    out = save_grid(shown, maps, args.out, title=title)
-    print(f"wrote {out} ({len(pics)} images, patch grid {maps.shape[1]}x{maps.shape[2]})")
-    return 0

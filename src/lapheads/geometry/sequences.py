@@ -18,14 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DataError
-from .accumulate import (
-    F64,
-    Accumulator,
-    broadcast_from_lowest_rank,
-    check_inputs,
-    dense_ids,
-    segment_sum,
-)
+from .accumulate import F64, Accumulator, broadcast_from_lowest_rank, check_inputs, dense_ids, segment_sum
 
 __all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold"]
 

@@ -27,12 +27,7 @@ import torch.distributed as dist
 from ..errors import DataError
 from .accumulate import F64, Accumulator, check_inputs, dense_ids
 from .classes import ClassAccumulator, NC4Accumulator
-from .sequences import (
-    CosineAccumulator,
-    SpectraAccumulator,
-    k_for_threshold,
-    sequence_eigenvalues,
-)
+from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold, sequence_eigenvalues
 from .variance import AnovaAccumulator
 
 __all__ = [

@@ -41,7 +41,6 @@ Design choices:
 from __future__ import annotations
 
 import inspect
-import math
 import re
 from collections import Counter
 from typing import Any, Callable, Optional, Sequence
@@ -50,6 +49,8 @@ import torch
 
 from ..data.tasks import LETTERS, TaskItem, load_task, normalize_number
 from ..errors import ConfigError
+from .sandbox import build_humaneval_program, require_sandbox, run_many
+from .tokenizer import render_chat
 
 __all__ = [
     "default_render_prompt",
@@ -102,7 +103,6 @@ def default_render_prompt(tokenizer: Any) -> tuple[RenderPrompt, str]:
     """
     if _has_chat_tokens(tokenizer):
         def render_chat_prompt(messages: list[dict]) -> list[int]:
-            from .tokenizer import render_chat  # only needed for the project's own tokenizers
             return list(render_chat(tokenizer, messages, add_generation_prompt=True)[0])
         return render_chat_prompt, ""
 
@@ -509,7 +509,6 @@ def evaluate_humaneval(items: Sequence[TaskItem], generate: GenerateFn, render_p
     """
     from tqdm.auto import tqdm
 
-    from .sandbox import build_humaneval_program, require_sandbox, run_many
 
     require_sandbox(sandbox_kwargs.get("allow_unsafe", False), sandbox_kwargs.get("python"))
 
@@ -593,7 +592,6 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
         raise ConfigError(f"batch_size and num_samples must be >= 1, got {batch_size}, {num_samples}")
     loaded = {name: load_task(name, path, max_items=max_items) for name, path in tasks.items()}
     if any(items and items[0].kind == "code" for items in loaded.values()):
-        from .sandbox import require_sandbox
         require_sandbox(allow_unsafe_code)  # refuse before any model work, not after
     if device is not None and hasattr(model, "to"):
         model = model.to(device)

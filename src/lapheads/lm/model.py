@@ -54,7 +54,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import transformers as lap_tf
 from ..engine.config import bounded
+from ..engine.fsdp import muon_class  # ShardedMuon on FSDP2 shards: orthogonalises whole matrices
 from ..errors import ConfigError
 from ..heads import heads_field, is_mix_param, learnable_spec
 
@@ -154,7 +156,6 @@ def build_config(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_t
     """
     from transformers import NanoChatConfig
 
-    from .. import transformers as lap_tf
 
     if cfg.vocab_size and cfg.vocab_size != vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} does not match the tokenizer's vocabulary of "
@@ -215,7 +216,6 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
     """
     from transformers import NanoChatForCausalLM
 
-    from .. import transformers as lap_tf
 
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model = NanoChatForCausalLM(config)
@@ -286,7 +286,6 @@ def build_optimizers(model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bo
     adamw = torch.optim.AdamW(adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
                               weight_decay=cfg.weight_decay, fused=fused)
     momentum = cfg.muon_momentum_start if cfg.muon_momentum_warmup > 0 else cfg.muon_momentum
-    from ..engine.fsdp import muon_class  # ShardedMuon on FSDP2 shards: orthogonalises whole matrices
     matrices = [p for _, p in g["matrix"]]
     muon = muon_class(matrices)([{"params": matrices, "name": "matrix"}], lr=cfg.matrix_lr,
                             momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay,

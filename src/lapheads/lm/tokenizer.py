@@ -27,13 +27,11 @@ Design choices:
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from ..data.text import tokenizer_hash  # noqa: F401  (defined beside the shards it fingerprints)
 from ..errors import ConfigError, DataError
 
 __all__ = [
@@ -175,16 +173,6 @@ def load_tokenizer(path: str | os.PathLike):
     return tok
 
 
-def tokenizer_hash(tokenizer: Any) -> str:
-    """A short sha256 of the tokenizer's canonical JSON (vocabulary, merges, special tokens)."""
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    data = json.loads(backend.to_str())
-    data.pop("post_processor", None)  # how BOS is added to tokenizer(text) does not change the ids
-    data.pop("truncation", None)
-    data.pop("padding", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def stop_token_ids(tokenizer: Any) -> list[int]:
     """Token ids that end a generation: ``<|assistant_end|>`` (chat) and ``<|bos|>`` (a new document)."""
     return [tokenizer.convert_tokens_to_ids("<|assistant_end|>"), tokenizer.convert_tokens_to_ids("<|bos|>")]
@@ -301,46 +289,3 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt:
     if max_tokens is not None:
         ids, mask = ids[:max_tokens], mask[:max_tokens]
     return ids, mask
-
-
-# --------------------------------------------------------------------------- CLI
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lapheads tokenizer train``: train a byte-level BPE tokenizer and save it."""
-    from ..engine.config import number_arg
-
-    ap = argparse.ArgumentParser(
-        prog="lapheads tokenizer train",
-        description="Train a byte-level BPE tokenizer (nanochat's special tokens + <|pad|>) and save it as a "
-                    "transformers tokenizer directory (AutoTokenizer.from_pretrained(DIR) loads it).")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="FILE",
-                     help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one document per line) or "
-                          "parquet (.parquet, FineWeb-Edu layout) files")
-    src.add_argument("--embedded", action="store_true",
-                     help="train on the corpus that ships with Python (pydoc_data.topics, ~0.5M characters)")
-    ap.add_argument("--vocab-size", type=number_arg(int, ge=1), required=True,
-                    help=f"total vocabulary (>= {_MIN_VOCAB}); nanochat uses 65536, the embedded corpus supports "
-                         "~1000-4000 before merges become rare")
-    ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
-    ap.add_argument("--max-chars", type=number_arg(int, ge=1), default=None,
-                    help="stop reading after this many characters (nanochat trains on ~2B); default: all")
-    args = ap.parse_args(list(argv) if argv is not None else None)
-
-    from ..data import text as text_data
-    from ..outputs import check_out_dir, removed_on_failure
-
-    check_out_dir(args.out)
-    if args.embedded:
-        docs: Iterable[str] = text_data.embedded_documents()
-        source = "pydoc_data.topics"
-    else:
-        text_data.check_inputs(args.input, text_field=args.text_field)
-        docs = text_data.iter_documents(args.input, text_field=args.text_field)
-        source = ", ".join(args.input)
-    if args.max_chars is not None:
-        docs = text_data.limit_chars(docs, args.max_chars)
-    with removed_on_failure(args.out):
-        tok = train_tokenizer(docs, args.vocab_size, args.out)
-    print(f"tokenizer: vocab {len(tok)} trained on {source} -> {args.out} (hash {tokenizer_hash(tok)})")
-    return 0

@@ -1,4 +1,4 @@
-"""Recipes: one module per experiment, all running on the shared engine (lapheads.engine).
+"""Recipes: one module per training task, all running on the shared engine (lapheads.engine).
 
 =========  ===========================  ===============================================
 recipe     module                       what it trains
@@ -10,17 +10,21 @@ dino       lapheads.recipes.dino        DINO self-supervised ViT
 retrofit   lapheads.recipes.retrofit    k heads of a pretrained LM switched, then trained
 =========  ===========================  ===============================================
 
-Each module exposes ``train_main(argv)`` (the CLI), ``build_task(cfg, info)`` and
-``load_model(run_dir, weights="model")`` which rebuilds the trained model from ``final/``.
+Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe`
+subclass: the typed contract (config type, engine task, run loader, heads, evaluation batches)
+that the commands, the report, the sweep and the geometry of runs use.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
 
+from ..engine.run import RunDir
 from ..errors import CheckpointError
+from .base import LoadedRun, Recipe
+
+__all__ = ["RECIPES", "get_recipe", "recipe_of_run", "load_run", "Recipe", "LoadedRun"]
 
 RECIPES = {
     "classify": "lapheads.recipes.classify",
@@ -31,31 +35,19 @@ RECIPES = {
 }
 
 
-def recipe_module(name: str) -> Any:
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``. Its module is imported here, on demand: a vision command never
+    pays for the language stack (tokenizers, transformers) and vice versa."""
     if name not in RECIPES:
         raise CheckpointError(f"unknown recipe {name!r}; known recipes: {sorted(RECIPES)}")
-    return importlib.import_module(RECIPES[name])
+    return importlib.import_module(RECIPES[name]).RECIPE
 
 
-def run_recipe(run_dir: str | Path) -> str:
-    """The recipe name recorded in ``run_dir/config.yaml``."""
-    from ..engine.run import RunDir
-    return RunDir(run_dir).read_config()["recipe"]
+def recipe_of_run(run_dir: str | Path) -> Recipe:
+    """The recipe that made ``run_dir`` (the ``recipe`` field of its ``config.yaml``)."""
+    return get_recipe(RunDir(run_dir).read_config()["recipe"])
 
 
-def load_run(run_dir: str | Path, weights: str = "model") -> dict[str, Any]:
-    """A finished run's trained model, rebuilt from ``final/``.
-
-    Returns ``{"recipe", "model", "kind", "tokenizer"}`` where ``kind`` is how the geometry
-    toolkit reads it (``"vit"`` for classify / dino backbones, ``"hf"`` for lm / sft) and
-    ``tokenizer`` is set for language models.
-    """
-    name = run_recipe(run_dir)
-    if name == "dino":
-        from .probes import load_backbone
-        model, _meta = load_backbone(run=str(run_dir))
-        return {"recipe": name, "model": model, "kind": "vit", "tokenizer": None}
-    got = recipe_module(name).load_model(Path(run_dir), weights)
-    if isinstance(got, tuple):  # lm / sft: (model, tokenizer)
-        return {"recipe": name, "model": got[0], "kind": "hf", "tokenizer": got[1]}
-    return {"recipe": name, "model": got, "kind": "vit", "tokenizer": None}
+def load_run(run_dir: str | Path, weights: str = "model", device: str = "cpu") -> LoadedRun:
+    """A finished run's trained model and what feeds it (see :class:`LoadedRun`)."""
+    return recipe_of_run(run_dir).load_run(run_dir, weights=weights, device=device)

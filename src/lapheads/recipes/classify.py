@@ -8,7 +8,7 @@ Design choices:
   overrides, so a 4-layer 64-wide ViT for 8x8 digits and the paper's ViT-B share one code path).
 * DeiT-3 recipe pieces come from timm where timm has them: ``Mixup`` (mixup + cutmix, soft
   targets with label smoothing), ``BinaryCrossEntropy`` / ``SoftTargetCrossEntropy`` /
-  ``LabelSmoothingCrossEntropy``, ``Lamb``; 3-Augment lives in ``lapheads.data.transforms``.
+  ``LabelSmoothingCrossEntropy``, ``Lamb``; 3-Augment lives in ``lapheads.vision.transforms``.
 * The learning rate is given per ``lr_batch`` images and scaled linearly with the global batch
   (DeiT: ``lr = 1e-3 * batch / 1024``). Epochs are converted to optimizer steps.
 * Greyscale models: ``model.in_chans: 1`` with one-value ``data.mean`` / ``data.std`` (checked
@@ -22,28 +22,36 @@ Design choices:
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from timm.data import Mixup
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import Lamb
 from torch import nn
 
+from .. import timm as lap_timm
+from ..data.images import build_image_dataset, subset
 from ..engine import Task, TrainConfig
-from ..engine.checkpoint import atomic_write_text
-from ..engine.config import bounded, number_arg
+from ..engine.checkpoint import load_tensors, load_weights
+from ..engine.config import bounded, from_dict, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+from ..heads import heads_field
+from ..outputs import read_json
+from ..vision.backbones import frozen
+from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+from .base import LoadedRun, Recipe
 
 
 @dataclass
 class ModelConfig:
     name: str = "vit_tiny_patch16_224"  # any timm ViT (or a registered *_lap<k> name)
-    laplacian_heads: Any = 0  # int k (trailing k heads per layer), "all", "none", per-layer list
+    laplacian_heads: Any = heads_field()  # int k (trailing k heads per layer), "all", "none", per-layer list
     img_size: int = bounded(224, ge=1)
     in_chans: int = 3  # 3 (RGB) or 1 (greyscale model; then data.mean/std hold one value each)
     patch_size: Optional[int] = bounded(None, ge=1)
@@ -67,8 +75,8 @@ class DataConfig:
     color_jitter: float = bounded(0.3, ge=0.0)
     scale_min: float = 0.08  # random-resized-crop scale range (scale_min, 1)
     hflip: float = bounded(0.5, ge=0.0, le=1.0)  # probability of a horizontal flip
-    mean: tuple[float, ...] = (0.485, 0.456, 0.406)  # one value per model.in_chans channel
-    std: tuple[float, ...] = bounded((0.229, 0.224, 0.225), gt=0.0)
+    mean: tuple[float, ...] = IMAGENET_MEAN  # one value per model.in_chans channel
+    std: tuple[float, ...] = bounded(IMAGENET_STD, gt=0.0)
     max_eval_items: int = 0  # 0 = all
     fraction: float = bounded(1.0, gt=0.0, le=1.0)  # stratified share of the TRAINING images used
     max_items: int = bounded(0, ge=0)  # cap on training images after `fraction` (0 = no cap)
@@ -160,7 +168,6 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
     Raises:
         ConfigError: timm refuses the keyword arguments (e.g. an unknown key in ``model.extra``).
     """
-    from .. import timm as lap_timm
     try:
         return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False,
                                      **timm_kwargs(m, num_classes))
@@ -169,11 +176,11 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e}){extra}") from None
 
 
-def _datasets(d: DataConfig):
+def _datasets(cfg: ClassifyConfig):
     """Train (the ``data.fraction`` / ``data.max_items`` subset) and validation (always whole) sets."""
-    from ..data.images import build_image_dataset, subset
+    d = cfg.data
     train = subset(build_image_dataset(d.train, split="train"), d.fraction, d.max_items, d.subset_seed)
-    val = build_image_dataset(d.val or d.train, split="val")
+    val = eval_dataset(cfg)
     if val.num_classes != train.num_classes:
         raise ConfigError(f"data.val has {val.num_classes} classes but data.train has {train.num_classes}")
     return train, val
@@ -217,16 +224,15 @@ class ClassifyTask(Task):
     name = "classify"
 
     def __init__(self, cfg: ClassifyConfig, info: DistInfo):
-        from ..data.transforms import build_transforms
         self.cfg, self.info = cfg, info
         d = cfg.data
-        self.train_set, self.val_set = _datasets(d)
+        self.train_set, self.val_set = _datasets(cfg)
         self.num_classes = self.train_set.num_classes
         in_chans = in_chans_of(cfg.model)
         self.train_tf = build_transforms(cfg.model.img_size, train=True, three_augment=d.three_augment,
                                          color_jitter=d.color_jitter, mean=d.mean, std=d.std, in_chans=in_chans,
                                          scale=(d.scale_min, 1.0), hflip=d.hflip)
-        self.eval_tf = build_transforms(cfg.model.img_size, train=False, mean=d.mean, std=d.std, in_chans=in_chans)
+        self.eval_tf = eval_transform(cfg)
         if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and d.batch_size % 2:
             raise ConfigError(f"data.batch_size={d.batch_size} must be even for mixup/cutmix")
         self.model = build_model(cfg.model, self.num_classes).to(info.device)
@@ -238,11 +244,9 @@ class ClassifyTask(Task):
         a = cfg.aug
         self.mixup = None
         if a.mixup > 0 or a.cutmix > 0:
-            from timm.data import Mixup
             self.mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mix_prob,
                                switch_prob=a.switch_prob, label_smoothing=a.label_smoothing,
                                num_classes=self.num_classes)
-        from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
         if a.loss == "bce":
             # with mixup the smoothing is already in the soft targets
             self.criterion = BinaryCrossEntropy(smoothing=0.0 if self.mixup else a.label_smoothing)
@@ -267,7 +271,6 @@ class ClassifyTask(Task):
              else decay).append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if o.name == "lamb":
-            from timm.optim import Lamb
             return [Lamb(groups, lr=lr, betas=o.betas)]
         if o.name == "sgd":
             return [torch.optim.SGD(groups, lr=lr, momentum=o.momentum)]
@@ -305,7 +308,6 @@ class ClassifyTask(Task):
         return out
 
     def model_spec(self) -> dict:
-        from ..engine.config import to_dict
         return {"model": to_dict(self.cfg.model), "num_classes": self.num_classes,
                 "classes": list(getattr(self.train_set, "classes", []))}
 
@@ -316,15 +318,10 @@ def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
 
 def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
     """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
-    from ..engine.checkpoint import load_tensors, load_weights
     final = Path(run_dir) / "final"
     spec_path = final / "model.json"
     if not spec_path.is_file():
-        from ..errors import CheckpointError
         raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
-    from ..engine.config import from_dict
-    from ..errors import CheckpointError
-    from ..outputs import read_json
     spec = read_json(spec_path, "the model description of a classify run")
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) \
             or not isinstance(spec.get("num_classes"), int) or isinstance(spec.get("num_classes"), bool):
@@ -336,49 +333,44 @@ def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
     return model.eval()
 
 
-def train_main(argv=None) -> int:
-    from ..engine.launch import train_cli
-    return train_cli("classify", ClassifyConfig, build_task, argv,
-                     description="DeiT-3 supervised classification with k Laplacian heads per layer.")
+def eval_transform(cfg: ClassifyConfig) -> Any:
+    """The evaluation transform of a classify config (the one place that builds it)."""
+    d = cfg.data
+    return build_transforms(cfg.model.img_size, train=False, mean=d.mean, std=d.std, in_chans=in_chans_of(cfg.model))
 
 
-def eval_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval classify",
-                                description="Top-1/top-5/per-class accuracy of a finished classify run.")
-    p.add_argument("--checkpoint", required=True, help="run directory of `lapheads train classify`")
-    p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
-    p.add_argument("--weights", choices=["model", "ema"], default="model")
-    p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
-    p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
-    args = p.parse_args(argv)
-    from ..engine.run import RunDir, lock_enclosing_run
-    from ..outputs import check_out_file
-    if args.out:
-        check_out_file(args.out)
-    run = RunDir(args.checkpoint)
-    out = Path(args.out) if args.out else run.final_dir / "eval.json"
-    with lock_enclosing_run(out):  # the result goes into a run directory: one writer at a time
-        return _eval_run(args, run, out)
+def eval_dataset(cfg: ClassifyConfig, data: Optional[str] = None) -> Any:
+    """The held-out images of a classify config: ``data`` (a data spec) or the run's validation split."""
+    return build_image_dataset(data or cfg.data.val or cfg.data.train, split="val")
 
 
-def _eval_run(args: argparse.Namespace, run: Any, out: Path) -> int:
-    """Body of ``lapheads eval classify`` (under the run's writer lock)."""
-    from ..data.images import build_image_dataset
-    from ..data.transforms import build_transforms
-    from ..engine.config import from_dict
-    raw = run.read_config()
-    raw.pop("recipe")
-    cfg = from_dict(ClassifyConfig, raw)
-    spec = args.data or cfg.data.val or cfg.data.train
-    ds = build_image_dataset(spec, split="val")
-    model = load_model(run.path, args.weights)
-    n_cls = model.num_classes if hasattr(model, "num_classes") else ds.num_classes
-    if ds.num_classes != n_cls:
-        raise ConfigError(f"--data {spec} has {ds.num_classes} classes but the model predicts {n_cls}")
-    tf = build_transforms(cfg.model.img_size, train=False, mean=cfg.data.mean, std=cfg.data.std,
-                          in_chans=in_chans_of(cfg.model))
-    res = evaluate_classifier(model, ds, tf, n_cls, args.batch_size, torch.device("cpu"))
-    atomic_write_text(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
-    print(f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
-          f"loss={res['loss']:.4f} (n={res['n']}) -> {out}")
-    return 0
+class ClassifyRecipe(Recipe):
+    name = "classify"
+    config_type = ClassifyConfig
+    kind = "vit"
+    description = "DeiT-3 supervised classification with k Laplacian heads per layer."
+
+    def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
+        return build_task(cfg, info)
+
+    def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
+        cfg = self.read_config(run_dir)
+        model = load_model(Path(run_dir), weights).to(device)
+        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind, cfg.model.laplacian_heads,
+                         transform=eval_transform(cfg))
+
+    def eval_dataset(self, config: ClassifyConfig) -> Any:
+        return eval_dataset(config)
+
+    def load_backbone(self, run_dir: str | Path, device: Any = "cpu") -> tuple[nn.Module, dict]:
+        """The run's ViT without its classifier: the pooled, normalised CLS token, as a DINO backbone returns."""
+        cfg = self.read_config(run_dir)
+        bb = load_model(Path(run_dir))
+        bb.reset_classifier(0)
+        meta = {"source": str(run_dir), "timm_name": cfg.model.name, "laplacian_heads": cfg.model.laplacian_heads,
+                "img_size": cfg.model.img_size, "mean": list(cfg.data.mean or IMAGENET_MEAN),
+                "std": list(cfg.data.std or IMAGENET_STD)}
+        return frozen(bb, meta, device)
+
+
+RECIPE = ClassifyRecipe()

@@ -42,10 +42,10 @@ Design choices (DINO's own choices unless said otherwise):
   teacher distribution; 0 = one-hot = sharpening-collapse) and ``teacher_kl_uniform`` =
   KL(mean teacher prob || uniform) (0 = uniform on average = the center dominates; large = one
   dimension dominates).
-* ``evaluate`` runs the weighted k-NN probe (:func:`lapheads.recipes.probes.knn_classify`) with the
+* ``evaluate`` runs the weighted k-NN probe (:func:`lapheads.vision.probes.knn_classify`) with the
   teacher backbone on ``data.val_split`` against a bank from ``data.train_split``.
 * ``final/`` holds ``model.json`` (timm name, kwargs, Laplacian heads, input size, normalisation:
-  what :func:`lapheads.recipes.probes.load_backbone` needs), ``teacher_backbone.safetensors`` (the
+  what :meth:`DinoRecipe.load_backbone` reads), ``teacher_backbone.safetensors`` (the
   backbone the probes use, as in DINO), ``teacher_head.safetensors`` and the engine's
   ``model.safetensors`` (student backbone + head).
 """
@@ -62,16 +62,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.images import build_image_dataset
 from ..engine import DistInfo, Task, TrainConfig
-from ..engine.config import bounded
 from ..engine.checkpoint import load_weights, save_tensors
+from ..engine.config import bounded
 from ..engine.data import epoch_batches, steps_per_epoch
-from ..engine.launch import train_cli
-from ..errors import ConfigError, DataError
-from ..heads import LaplacianHeads
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from ..errors import CheckpointError, ConfigError, DataError
+from ..heads import LaplacianHeads, heads_field
+from ..outputs import read_json
+from ..vision.backbones import create_backbone, frozen, load_backbone_weights
+from ..vision.probes import extract_features, knn_classify
+from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, EvalTransform, MultiCropAugment
+from .base import LoadedRun, Recipe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ class DinoModelConfig:
     """The backbone: any timm ViT name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...)."""
 
     name: str = "vit_small_patch16_224"
-    laplacian_heads: Any = None  # int k (trailing k heads of every layer), "all", "none", per-layer list
+    laplacian_heads: Any = heads_field()  # int k (trailing k heads of every layer), "all", "none", per-layer list
     drop_path_rate: float = 0.1  # student only; the teacher has none
     kwargs: dict[str, Any] = field(default_factory=dict)  # timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ...
 
@@ -159,7 +161,6 @@ class DinoConfig:
     loss: DinoLossConfig = field(default_factory=DinoLossConfig)
     knn: KnnConfig = field(default_factory=KnnConfig)
     epochs: int = 100
-    crash_at: int = -1  # fault injection for tests: raise after this optimizer step
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
@@ -186,32 +187,10 @@ class DinoConfig:
             raise ConfigError(f"data.batch_size={self.data.batch_size} must be >= 1")
         if not self.knn.ks or min(self.knn.ks) < 1 or self.knn.temperature <= 0:
             raise ConfigError(f"knn.ks={self.knn.ks} must be a non-empty list of k >= 1 and knn.temperature > 0")
-        LaplacianHeads(self.model.laplacian_heads)  # type check before anything is built
 
 
 # ---------------------------------------------------------------------------------------------
 # model
-def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0,
-                    **kwargs: Any) -> nn.Module:
-    """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
-
-    Args:
-        name: timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...).
-        laplacian_heads: the selection (see :func:`lapheads.timm.convert`).
-        drop_path_rate: stochastic depth.
-        **kwargs: more timm keyword arguments (``img_size``, ``patch_size``, ``embed_dim``, ...).
-    """
-    from .. import timm as lt
-
-    kw = dict(kwargs)
-    kw.setdefault("num_classes", 0)
-    kw.setdefault("dynamic_img_size", True)
-    try:
-        return lt.create_model(name, laplacian_heads=laplacian_heads, drop_path_rate=drop_path_rate, **kw)
-    except TypeError as e:  # a timm kwarg the model does not take
-        raise ConfigError(f"model {name!r} does not accept the given kwargs {sorted(kw)}: {e}") from None
-
-
 class DINOHead(nn.Module):
     """DINO projection head: MLP -> bottleneck -> L2 norm -> weight-normalised linear (no bias).
 
@@ -332,108 +311,8 @@ def collapse_metrics(probs: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
-# augmentation
-def to_float_image(img: Any) -> torch.Tensor:
-    """PIL image / numpy array / tensor -> float tensor ``(3, H, W)`` in [0, 1]."""
-    import numpy as np
-
-    if isinstance(img, torch.Tensor):
-        t = img
-    elif isinstance(img, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(img))
-        if t.ndim == 3 and t.shape[-1] in (1, 3, 4) and t.shape[0] not in (1, 3, 4):
-            t = t.permute(2, 0, 1)
-    else:  # PIL
-        from torchvision.transforms.v2 import functional as TF
-        if getattr(img, "mode", "RGB") not in ("RGB", "L"):
-            img = img.convert("RGB")
-        t = TF.pil_to_tensor(img)
-    if t.ndim == 2:
-        t = t.unsqueeze(0)
-    if t.dtype == torch.uint8:
-        t = t.float() / 255.0
-    else:
-        t = t.float()
-    if t.shape[0] == 1:
-        t = t.expand(3, -1, -1)
-    elif t.shape[0] == 4:
-        t = t[:3]
-    return t.contiguous()
-
-
-def _blur_kernel(size: int) -> int:
-    k = max(3, int(round(size / 10)))
-    return k if k % 2 == 1 else k + 1
-
-
-class MultiCropAugment:
-    """DINO's multi-crop augmentation on tensors: ``(image, label) -> ([crops...], label)``.
-
-    Global crop 1: blur p=1.0; global crop 2: blur p=0.1, solarize p=``solarize``; local crops:
-    blur p=0.5. All crops: random resized crop, flip, color jitter, grayscale, normalisation.
-    Randomness comes from torch's RNG, which the engine seeds per item.
-    """
-
-    def __init__(self, cfg: CropsConfig):
-        self.cfg = cfg
-        self._t: Optional[list] = None
-
-    def _build(self) -> list:
-        from torchvision.transforms import v2
-
-        c = self.cfg
-
-        def pipe(size: int, scale: tuple[float, float], blur_p: float, sol_p: float) -> Any:
-            ops: list = [v2.RandomResizedCrop(size, scale=tuple(scale), antialias=True)]
-            if c.hflip > 0:
-                ops.append(v2.RandomHorizontalFlip(c.hflip))
-            if c.color_jitter > 0 and any(j > 0 for j in c.jitter):
-                b, co, sa, hu = c.jitter
-                ops.append(v2.RandomApply([v2.ColorJitter(b, co, sa, hu)], p=c.color_jitter))
-            if c.grayscale > 0:
-                ops.append(v2.RandomGrayscale(c.grayscale))
-            if c.blur and blur_p > 0:
-                ops.append(v2.RandomApply([v2.GaussianBlur(_blur_kernel(size), sigma=(0.1, 2.0))], p=blur_p))
-            if sol_p > 0:
-                ops.append(v2.RandomSolarize(0.5, p=sol_p))
-            ops.append(v2.Normalize(list(c.mean), list(c.std)))
-            return v2.Compose(ops)
-
-        return [pipe(c.global_size, c.global_scale, 1.0, 0.0),
-                pipe(c.global_size, c.global_scale, 0.1, c.solarize),
-                pipe(c.local_size, c.local_scale, 0.5, 0.0)]
-
-    def __call__(self, item: Any) -> tuple[list[torch.Tensor], Any]:
-        if self._t is None:
-            self._t = self._build()
-        img, label = item
-        x = to_float_image(img)
-        g1, g2, loc = self._t
-        crops = [g1(x), g2(x)] + [loc(x) for _ in range(self.cfg.local_crops)]
-        return crops, label
-
-
-class EvalTransform:
-    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image."""
-
-    def __init__(self, size: int, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
-        self.size, self.mean, self.std = int(size), list(mean), list(std)
-
-    def __call__(self, img: Any) -> torch.Tensor:
-        x = to_float_image(img)
-        if tuple(x.shape[-2:]) != (self.size, self.size):
-            x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", antialias=True,
-                              align_corners=False)[0]
-        m = torch.tensor(self.mean).view(3, 1, 1)
-        s = torch.tensor(self.std).view(3, 1, 1)
-        return (x - m) / s
-
-
-# ---------------------------------------------------------------------------------------------
 # task
 def _load_images(spec: str, split: str, what: str) -> Any:
-    from ..data.images import build_image_dataset
-
     ds = build_image_dataset(spec, split)
     if len(ds) == 0:
         raise DataError(f"{what}: data set {spec!r} split {split!r} is empty")
@@ -563,8 +442,6 @@ class DinoTask(Task):
         for n, b_t in self.teacher.named_buffers():
             if n in s_bufs and b_t.dtype.is_floating_point:
                 b_t.copy_(s_bufs[n])
-        if step == self.cfg.crash_at:
-            raise RuntimeError(f"simulated crash after step {step} (crash_at)")
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         state = {f"teacher.{k}": v for k, v in self.teacher.state_dict().items()}
@@ -573,7 +450,6 @@ class DinoTask(Task):
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         if "center" not in state:
-            from ..errors import CheckpointError
             raise CheckpointError("the checkpoint's extra.safetensors has no DINO center")
         self.center.copy_(state["center"].to(self.device))
         t = {k[len("teacher."):]: v for k, v in state.items() if k.startswith("teacher.")}
@@ -581,7 +457,6 @@ class DinoTask(Task):
 
     # ---------------------------------------------------------------- evaluation / export
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
-        from .probes import extract_features, knn_classify
 
         if self._val_set is None:
             self._val_set = _load_images(self.val_spec, self.cfg.data.val_split, "data.val")
@@ -619,29 +494,48 @@ def build_task(cfg: DinoConfig, info: DistInfo) -> DinoTask:
     return DinoTask(cfg, info)
 
 
-def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> nn.Module:
-    """The teacher backbone of a finished DINO run (what the probes, PCA maps and geometry use).
+class DinoRecipe(Recipe):
+    name = "dino"
+    config_type = DinoConfig
+    kind = "vit"
+    description = ("DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
+                   "Try: --config recipes/dino/digits.yaml (CPU, minutes); "
+                   "recipes/dino/vits16_imagenet_lap5.yaml is the paper's ViT-S/16 recipe.")
 
-    Args:
-        run_dir: the run directory.
-        weights: ``"model"`` or ``"ema"``: both mean the teacher, DINO's EMA of the student and the
-            network it evaluates (the engine's own ``train.ema_decay`` is not used by DINO).
-        device: where to put it.
+    def build_task(self, cfg: DinoConfig, info: DistInfo, run_dir: Any = None) -> DinoTask:
+        return build_task(cfg, info)
 
-    Raises:
-        ConfigError: another ``weights`` value.
-    """
-    from .probes import load_backbone
+    def load_backbone(self, run_dir: str | Path, device: Any = "cpu") -> tuple[nn.Module, dict]:
+        """The teacher backbone of a finished run (DINO's evaluated network), from ``final/model.json``."""
+        final = Path(run_dir) / "final"
+        spec_path = final / "model.json"
+        if not spec_path.is_file():
+            raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished run directory?")
+        spec = read_json(spec_path, "the model description of a run")
+        if not isinstance(spec, dict) or "timm_name" not in spec:
+            raise CheckpointError(f"{spec_path} must hold a JSON object with 'timm_name'; the file is damaged")
+        bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **dict(spec.get("timm_kwargs", {})))
+        load_backbone_weights(bb, final / spec.get("backbone_file", "model.safetensors"))
+        meta = {"source": str(run_dir), "timm_name": spec["timm_name"], "laplacian_heads": spec.get("laplacian_heads"),
+                "img_size": spec.get("img_size"), "mean": list(spec.get("mean", IMAGENET_MEAN)),
+                "std": list(spec.get("std", IMAGENET_STD))}
+        return frozen(bb, meta, device)
 
-    if weights not in ("model", "ema"):
-        raise ConfigError(f"weights={weights!r}: a DINO run has one evaluated network, its teacher "
-                          "(use 'model')")
-    backbone, _meta = load_backbone(run=str(run_dir), device=device)
-    return backbone
+    def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
+        """The teacher backbone: ``weights`` "model" and "ema" both mean the teacher, DINO's EMA of the
+        student and the network it evaluates (the engine's own ``train.ema_decay`` is not used by DINO)."""
+        if weights not in ("model", "ema"):
+            raise ConfigError(f"weights={weights!r}: a DINO run has one evaluated network, its teacher "
+                              "(use 'model')")
+        cfg = self.read_config(run_dir)
+        bb, meta = self.load_backbone(run_dir, device)
+        return LoadedRun(self.name, Path(run_dir), cfg, bb, self.kind, meta["laplacian_heads"],
+                         transform=EvalTransform(meta["img_size"], meta["mean"], meta["std"]),
+                         analyze_options={"classifier": None})
+
+    def eval_dataset(self, config: DinoConfig) -> Any:
+        d = config.data  # the labels are used only for measuring: DINO never saw them
+        return build_image_dataset(d.val or d.train, split=d.val_split)
 
 
-def train_main(argv: Optional[Sequence[str]] = None) -> int:
-    return train_cli("dino", DinoConfig, build_task, argv, default_config=None,
-                     description="DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
-                                 "Try: --config recipes/dino/digits.yaml (CPU, minutes); "
-                                 "recipes/dino/vits16_imagenet_lap5.yaml is the paper's ViT-S/16 recipe.")
+RECIPE = DinoRecipe()

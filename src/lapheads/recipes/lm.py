@@ -54,17 +54,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import transformers as lap_tf
+from ..data import text as T
+from ..data.text import TokenShards
 from ..engine import Task, TrainConfig
 from ..engine import dist as D
-from ..engine.config import bounded
+from ..engine.config import bounded, to_dict
 from ..engine.data import _mix
 from ..engine.dist import DistInfo
+from ..engine.fsdp import lockstep, transformer_blocks
 from ..errors import CheckpointError, ConfigError, DataError
 from ..lm.model import (LMModelConfig, LMOptimConfig, budget_steps, build_model, build_optimizers, count_params,
                         muon_momentum)
+from ..lm.tokenizer import load_tokenizer, stop_token_ids, tokenizer_hash, train_tokenizer
+from .base import LoadedRun, Recipe
 
 __all__ = ["LMDataConfig", "SampleConfig", "LMConfig", "LMTask", "build_task", "load_model", "token_bytes",
-           "prepare_data", "train_main", "bits_per_byte"]
+           "prepare_data", "bits_per_byte", "LMRecipe", "RECIPE"]
 
 DEFAULT_PROMPTS = ["The capital of France is", "The meaning of the word", "def fibonacci(n):",
                    "In Python, a list"]
@@ -186,7 +192,6 @@ def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
 
 
 def _documents(paths: Optional[list[str]], text_field: str, split: Any = None):
-    from ..data import text as T
     docs = T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=text_field)
     return T.split_documents(docs, split, "pydoc_data.topics" if paths is None else ", ".join(paths))
 
@@ -207,8 +212,6 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         ConfigError / DataError: before any expensive work, for a missing path, an empty corpus,
             a shard directory without a tokenizer, or shards made with another tokenizer.
     """
-    from ..data import text as T
-    from ..lm.tokenizer import load_tokenizer, tokenizer_hash, train_tokenizer
 
     info = info or DistInfo()
     if d.shards is not None:
@@ -273,7 +276,6 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
 def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
     """The train and val :class:`TokenShards` of ``shard_dir``, each checked to hold at least one
     sequence of ``seq_len + 1`` tokens (input plus shifted target)."""
-    from ..data.text import TokenShards
 
     shards = (TokenShards(shard_dir, "train"), TokenShards(shard_dir, "val"))
     for s in shards:
@@ -290,7 +292,6 @@ class LMTask(Task):
     name = "lm"
 
     def __init__(self, cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
-        from ..lm.tokenizer import stop_token_ids
 
         self.cfg, self.info = cfg, info
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -314,7 +315,6 @@ class LMTask(Task):
 
     # ---- engine interface
     def fsdp_blocks(self) -> list[nn.Module]:
-        from ..engine.fsdp import transformer_blocks
         return transformer_blocks(self.model)  # the decoder layers
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -366,7 +366,6 @@ class LMTask(Task):
         loss_all = torch.zeros((), dtype=torch.float64, device=dev)
         autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dev.type == "cuda" and
                     self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported() else None)
-        from ..engine.fsdp import lockstep
         batches = self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=self.eval_batches,
                                                rank=self.info.rank, world_size=self.info.world_size)
         first = lambda: next(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=1))  # noqa: E731
@@ -401,8 +400,6 @@ class LMTask(Task):
         return recs
 
     def model_spec(self) -> dict:
-        from ..engine.config import to_dict
-        from ..lm.tokenizer import tokenizer_hash
         return {"model": to_dict(self.cfg.model), "vocab_size": len(self.tokenizer), "max_seq_len": self.cfg.data.seq_len,
                 "n_params": self.n_params, "tokenizer_hash": tokenizer_hash(self.tokenizer),
                 "laplacian_heads": self.model.config.laplacian_heads}
@@ -469,8 +466,6 @@ def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu",
         device: where to load the model.
         eager: use the eager attention implementation (returns the operator as attentions).
     """
-    from .. import transformers as lap_tf
-    from ..lm.tokenizer import load_tokenizer
 
     d = hf_dir(run_dir, weights)
     tok = load_tokenizer(d)
@@ -480,19 +475,40 @@ def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu",
     return model, tok
 
 
-def _peek_out(argv: Optional[Sequence[str]]) -> Optional[str]:
-    """The ``--out`` of a train command line (the task writes samples.jsonl there)."""
-    import argparse
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--out")
-    ns, _ = p.parse_known_args(list(argv or []))
-    return ns.out
+class LMRecipe(Recipe):
+    name = "lm"
+    config_type = LMConfig
+    kind = "hf"
+    description = ("NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
+                   "validation bits per byte) with k Laplacian heads per layer.")
+
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+        return LMTask(cfg, info, run_dir=run_dir)
+
+    def text_config(self, run: LoadedRun) -> LMDataConfig:
+        """The data config whose validation text measures a run (SFT: that of its pretraining run)."""
+        return run.config.data
+
+    def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
+        cfg = self.read_config(run_dir)
+        model, tok = load_model(run_dir, weights=weights, device=device)
+        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind,
+                         getattr(model.config, "laplacian_heads", None), tokenizer=tok,
+                         analyze_options={"num_classes": model.config.vocab_size})
+
+    def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int,
+                     seq_len: Optional[int] = None) -> list:
+        """Windows of the validation token shards (a sequence is a window; a token's class is its next token)."""
+        data = self.text_config(run)
+        _, shard_dir = prepare_data(data)
+        length = seq_len or data.seq_len
+        max_pos = int(getattr(run.model.config, "max_position_embeddings", 0) or 0)
+        if max_pos and length > max_pos:
+            raise ConfigError(f"--seq-len {length} is longer than the model's {max_pos} positions")
+        val = TokenShards(shard_dir, "val")
+        n_batches = max(1, max_items // batch_size)
+        return [{"input_ids": x, "attention_mask": torch.ones_like(x)}
+                for x, _y in val.iter_batches(batch_size, length, max_batches=n_batches)]
 
 
-def train_main(argv: Optional[Sequence[str]] = None) -> int:
-    from functools import partial
-
-    from ..engine.launch import train_cli
-    return train_cli("lm", LMConfig, partial(build_task, run_dir=_peek_out(argv)), argv,
-                     description="NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
-                                 "validation bits per byte) with k Laplacian heads per layer.")
+RECIPE = LMRecipe()

@@ -43,16 +43,25 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .. import transformers as lap_tf
 from ..engine import TrainConfig
 from ..engine.config import bounded
 from ..engine.dist import DistInfo
-from ..errors import ConfigError
-from .lm import LMDataConfig, LMTask, SampleConfig, export_hf, hf_dir
+from ..engine.run import RunDir
+from ..errors import ConfigError, DataError
+from ..heads import LaplacianHeads
+from ..lm.model import count_params
+from ..lm.tokenizer import tokenizer_hash
+from ..outputs import read_json
+from .lm import (LMDataConfig, LMRecipe, LMTask, SampleConfig, export_hf, hf_dir, open_token_shards, prepare_data,
+                 resolve_grad_accum, token_bytes)
+from .lm import load_model as load_lm
 
 __all__ = ["LoraSettings", "RetrofitOptim", "RetrofitConfig", "RetrofitTask", "switch_costs", "select_heads",
-           "build_task", "load_model", "train_main", "summarize"]
+           "build_task", "load_model", "summarize", "RetrofitRecipe", "RECIPE"]
 
 KEEP = "keep"
 
@@ -112,7 +121,6 @@ class RetrofitConfig:
             raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
                               f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
         if self.laplacian_heads != KEEP:
-            from ..heads import LaplacianHeads
             LaplacianHeads(self.laplacian_heads)  # a malformed spec fails here; its shape is checked on load
 
 
@@ -123,7 +131,6 @@ def _is_count(spec: Any) -> bool:
 # --------------------------------------------------------------------------- head selection
 @torch.no_grad()
 def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    import torch.nn.functional as F
     tot, n = 0.0, 0
     dev = next(model.parameters()).device
     for x, y in batches:
@@ -140,7 +147,6 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
     ``model.config.laplacian_heads`` is restored afterwards. One forward pass over ``batches`` per
     head (plus one for the reference).
     """
-    from .. import transformers as lap_tf
 
     cfg = model.config
     n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
@@ -182,10 +188,6 @@ class RetrofitTask(LMTask):
     name = "retrofit"
 
     def __init__(self, cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
-        from ..errors import DataError
-        from ..lm.model import count_params
-        from .lm import load_model as load_lm
-        from .lm import open_token_shards, prepare_data, resolve_grad_accum, token_bytes
 
         self.cfg, self.info = cfg, info  # type: ignore[assignment]
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -217,7 +219,6 @@ class RetrofitTask(LMTask):
 
     def _convert(self, model: nn.Module, cfg: RetrofitConfig) -> None:
         """Measure the pretrained model, switch the heads (unless ``keep``), measure again."""
-        from .. import transformers as lap_tf
 
         d = cfg.data
         self.before = self.val_bpb(model)
@@ -259,7 +260,6 @@ class RetrofitTask(LMTask):
         return res
 
     def model_spec(self) -> dict:
-        from ..lm.tokenizer import tokenizer_hash
         c = self.cfg
         return {"init_from": str(c.init_from), "method": c.method, "original_laplacian_heads": self.original_heads,
                 "laplacian_heads": self.heads, "select": c.select, "switch_costs": self.switch_costs,
@@ -279,7 +279,7 @@ class RetrofitTask(LMTask):
 
 def _with_lora(model: nn.Module, s: LoraSettings) -> nn.Module:
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # optional dependency (the eval extra)
     except ImportError:
         raise ConfigError("method: lora needs PEFT; pip install 'lapheads[eval]' (or pip install peft)") from None
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -296,10 +296,7 @@ def build_task(cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path
     return RetrofitTask(cfg, info, run_dir=run_dir)
 
 
-def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu", eager: bool = False):
-    """``(model, tokenizer)`` of a finished retrofit run (``final/hf``, LoRA merged), heads restored."""
-    from .lm import load_model as load_lm
-    return load_lm(run_dir, weights=weights, device=device, eager=eager)
+load_model = load_lm  # a finished retrofit run is read like a pretraining run (final/hf, LoRA merged)
 
 
 # --------------------------------------------------------------------------- the comparison
@@ -321,34 +318,44 @@ def summarize(out: str | Path) -> dict[str, Any]:
     return res
 
 
-def train_main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
+class RetrofitRecipe(LMRecipe):
+    name = "retrofit"
+    config_type = RetrofitConfig
+    kind = "hf"
+    description = ("Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
+                   "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
+                   "steps (OUT/baseline).")
 
-    from ..engine.config import load_config
-    from ..engine.launch import launch
-    from ..engine.run import add_train_args
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
+        return RetrofitTask(cfg, info, run_dir=run_dir)
 
-    p = argparse.ArgumentParser(prog="lapheads train retrofit", allow_abbrev=False,
-                                description="Switch k heads of a pretrained causal LM to Laplacian heads and continue "
-                                            "training for train.max_steps (full or LoRA), against fine-tuning the "
-                                            "unconverted model for the same steps (OUT/baseline).")
-    add_train_args(p, None)
-    args = p.parse_args(list(argv or []))
-    cfg = load_config(RetrofitConfig, args.config, args.overrides, recipe="retrofit")
-    runs = [(cfg, args.out)]
-    if cfg.baseline:
-        base = copy.deepcopy(cfg)
-        base.laplacian_heads, base.select, base.baseline = KEEP, "trailing", False
-        runs.append((base, str(Path(args.out) / "baseline")))
-    for i, (c, out) in enumerate(runs):
-        # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
-        resume = args.resume and (i == 0 or Path(out).exists())
-        launch("retrofit", c, lambda cc, info, o=out: build_task(cc, info, run_dir=o), out, resume=resume,
-               overwrite=args.overwrite)
-    res = summarize(args.out)
-    print(f"retrofit to laplacian_heads={res['laplacian_heads']!r} ({res['method']}, {res['steps']} steps):")
-    for name, m in res["metrics"].items():
-        print(f"  {name:<22} " + "  ".join(f"{k}={v:.4f}" for k, v in m.items()
-                                           if isinstance(v, float) and math.isfinite(v)))
-    print(f"-> {Path(args.out) / 'retrofit.json'}")
-    return 0
+    def heads(self, run_dir: str | Path) -> Any:
+        """The heads after conversion (``final/model.json``), else the configured ones."""
+        spec = Path(run_dir) / "final" / "model.json"
+        if spec.is_file():
+            return read_json(spec, "the model description of a retrofit run").get("laplacian_heads")
+        return RunDir(run_dir).read_config().get("laplacian_heads", KEEP)
+
+    def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
+        """The retrofit run in ``out``, then (``baseline``) the unconverted model for the same steps in
+        ``out/baseline``; returns the comparison (:func:`summarize`)."""
+        runs = [(cfg, str(out))]
+        if cfg.baseline:
+            base = copy.deepcopy(cfg)
+            base.laplacian_heads, base.select, base.baseline = KEEP, "trailing", False
+            runs.append((base, str(Path(out) / "baseline")))
+        for i, (c, o) in enumerate(runs):
+            # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
+            super().train(c, o, resume=resume and (i == 0 or Path(o).exists()), overwrite=overwrite)
+        return summarize(out)
+
+    def result_lines(self, result: dict, out: str | Path) -> list[str]:
+        lines = [f"retrofit to laplacian_heads={result['laplacian_heads']!r} ({result['method']}, "
+                 f"{result['steps']} steps):"]
+        for name, m in result["metrics"].items():
+            lines.append(f"  {name:<22} " + "  ".join(f"{k}={v:.4f}" for k, v in m.items()
+                                                      if isinstance(v, float) and math.isfinite(v)))
+        return lines + [f"-> {Path(out) / 'retrofit.json'}"]
+
+
+RECIPE = RetrofitRecipe()

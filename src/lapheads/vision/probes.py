@@ -1,12 +1,13 @@
 """Probes on frozen features: weighted k-NN, linear probe, linear segmentation probe (mIoU).
 
-``lapheads eval knn|linear --run RUN --data digits`` and ``lapheads eval segment --run RUN --data
-FOLDER`` evaluate a frozen backbone; each prints its result and writes it as JSON (``--json``,
-default ``RUN/eval_<probe>.json``).
+The functions here take a frozen backbone (:mod:`lapheads.vision.backbones`) and data sets; the
+commands ``lapheads eval knn|linear --run RUN --data digits`` and ``lapheads eval segment --run RUN
+--data FOLDER`` (:mod:`lapheads.commands.probes`) load the backbone, call them, print the result
+and write it as JSON (``--json``, default ``RUN/eval_<probe>.json``).
 
 Design choices:
 
-* Backbone: from a run directory (``final/model.json`` with ``timm_name``, ``timm_kwargs``,
+* Backbone (loaded by the command): from a run directory (``final/model.json`` with ``timm_name``, ``timm_kwargs``,
   ``laplacian_heads``, ``backbone_file``, ``img_size``, ``mean``, ``std``, as written by
   ``lapheads train dino``; or a ``lapheads train classify`` run, whose ViT is used without its
   classifier, normalised as in its training; an lm / sft run is refused: it has no images), or
@@ -35,127 +36,18 @@ Design choices:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, ConfigError, DataError
+from ..errors import ConfigError, DataError
+from .backbones import patch_size
+from .transforms import EvalTransform
 
 IGNORE_INDEX = 255
-
-
-# ---------------------------------------------------------------------------------------------
-# backbone
-def load_backbone(run: Optional[str] = None, model: Optional[str] = None, weights: Optional[str] = None,
-                  laplacian_heads: Any = None, img_size: Optional[int] = None,
-                  device: str | torch.device = "cpu", **timm_kwargs: Any) -> tuple[nn.Module, dict]:
-    """A frozen backbone and its metadata (``img_size``, ``mean``, ``std``, ``patch_size``, ...).
-
-    Args:
-        run: a run directory whose ``final/model.json`` describes a timm backbone.
-        model: a timm model name (used when ``run`` is None).
-        weights: safetensors file for ``model`` (default: random init, a chance-level baseline).
-        laplacian_heads: Laplacian heads for ``model``.
-        img_size: input size for ``model`` (default: the model's own).
-        device: where to put the backbone.
-        **timm_kwargs: more timm kwargs for ``model``.
-    """
-    from ..engine.checkpoint import load_tensors, load_weights
-    from .dino import IMAGENET_MEAN, IMAGENET_STD, create_backbone
-
-    if (run is None) == (model is None):
-        raise ConfigError("give exactly one of --run DIR or --model NAME")
-    if run is not None:
-        final = Path(run) / "final"
-        spec_path = final / "model.json"
-        if not spec_path.is_file():
-            raise CheckpointError(f"{spec_path} does not exist; is {run} a finished run directory?")
-        from ..outputs import read_json
-        spec = read_json(spec_path, "the model description of a run")
-        if not isinstance(spec, dict):
-            raise CheckpointError(f"{spec_path} must hold a JSON object; the file is damaged")
-        if "timm_name" in spec:  # a DINO run
-            kw = dict(spec.get("timm_kwargs", {}))
-            bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **kw)
-            wfile = final / spec.get("backbone_file", "model.safetensors")
-            _load_backbone_weights(bb, load_tensors(wfile), str(wfile), load_weights)
-            meta = {"source": str(run), "timm_name": spec["timm_name"],
-                    "laplacian_heads": spec.get("laplacian_heads"),
-                    "img_size": int(spec.get("img_size") or _native_size(bb)),
-                    "mean": list(spec.get("mean", IMAGENET_MEAN)), "std": list(spec.get("std", IMAGENET_STD))}
-        else:
-            bb, meta = _run_backbone(Path(run), spec_path)
-    else:
-        kw = dict(timm_kwargs)
-        if img_size:
-            kw["img_size"] = img_size
-        bb = create_backbone(model, laplacian_heads, 0.0, **kw)
-        if weights:
-            _load_backbone_weights(bb, load_tensors(Path(weights)), str(weights), load_weights)
-        cfg = getattr(bb, "pretrained_cfg", {}) or {}
-        meta = {"source": f"timm:{model}" + (f"+{weights}" if weights else " (random init)"), "timm_name": model,
-                "laplacian_heads": getattr(bb, "laplacian_heads", None) and bb.laplacian_heads.to_config(),
-                "img_size": int(img_size or _native_size(bb)),
-                "mean": list(cfg.get("mean", IMAGENET_MEAN)), "std": list(cfg.get("std", IMAGENET_STD))}
-    meta["patch_size"] = _patch_size(bb)
-    meta["embed_dim"] = int(bb.num_features)
-    bb.eval().requires_grad_(False)
-    return bb.to(device), meta
-
-
-def _run_backbone(run: Path, spec_path: Path) -> tuple[nn.Module, dict]:
-    """The backbone of a finished run that is not a DINO run: a classify run's ViT without its head.
-
-    Raises:
-        CheckpointError: a language-model run (lm / sft) or an unknown layout: no vision backbone.
-    """
-    from ..engine.run import RunDir
-    from .dino import IMAGENET_MEAN, IMAGENET_STD
-
-    cfg = RunDir(run).read_config() if (run / "config.yaml").is_file() else {}
-    recipe = cfg.get("recipe")
-    if recipe == "classify":
-        from .classify import load_model
-
-        bb = load_model(run)
-        bb.reset_classifier(0)  # the pooled, normalised CLS token, as a DINO backbone returns
-        m, d = cfg.get("model") or {}, cfg.get("data") or {}
-        meta = {"source": str(run), "timm_name": m.get("name"), "laplacian_heads": m.get("laplacian_heads"),
-                "img_size": int(m.get("img_size") or _native_size(bb)),
-                "mean": list(d.get("mean", IMAGENET_MEAN)), "std": list(d.get("std", IMAGENET_STD))}
-        return bb, meta
-    if recipe in ("lm", "sft"):
-        raise CheckpointError(f"{run} is a `{recipe}` run (a language model): probes and PCA maps need a vision "
-                              "backbone, a `classify` or `dino` run or --model NAME; use `lapheads analyze "
-                              "--run` for the token geometry of a language model")
-    raise CheckpointError(f"{spec_path} has no 'timm_name' and {run} is not a classify run; the probes need "
-                          "a timm backbone (a `dino` or `classify` run, or --model NAME)")
-
-
-def _load_backbone_weights(bb: nn.Module, sd: dict, source: str, load_weights: Callable) -> None:
-    if any(k.startswith("backbone.") for k in sd):
-        sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
-    own = bb.state_dict()
-    sd = {k: v for k, v in sd.items() if not (k.startswith("head.") and k not in own)}
-    load_weights(bb, sd, source=source)
-
-
-def _native_size(bb: nn.Module) -> int:
-    pe = getattr(bb, "patch_embed", None)
-    size = getattr(pe, "img_size", None)
-    return int(size[0] if isinstance(size, (tuple, list)) else (size or 224))
-
-
-def _patch_size(bb: nn.Module) -> int:
-    pe = getattr(bb, "patch_embed", None)
-    ps = getattr(pe, "patch_size", 16)
-    return int(ps[0] if isinstance(ps, (tuple, list)) else ps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +243,6 @@ class _SegView(torch.utils.data.Dataset):
     """``(image, mask)`` -> (normalised image at ``size``, mask at ``size`` (nearest), original mask)."""
 
     def __init__(self, base: Any, size: int, mean: Sequence[float], std: Sequence[float]):
-        from .dino import EvalTransform
         self.base, self.size, self.tf = base, size, EvalTransform(size, mean, std)
 
     def __len__(self) -> int:
@@ -390,7 +281,7 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
     tr = _SegView(train_set, img_size, mean, std)
     va = _SegView(val_set, img_size, mean, std)
     dim = int(backbone.num_features)
-    ps = _patch_size(backbone)
+    ps = patch_size(backbone)
     grid = img_size // ps
     est_mb = len(tr) * dim * grid * grid * 4 / 2**20
     backbone.eval()
@@ -459,139 +350,3 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
             "pixel_acc": float(cm.diag().sum()) / max(1, int(valid)), "trivial_miou": trivial,
             "per_class_iou": per_class, "num_classes": num_classes, "layer": layer,
             "train_images": len(tr), "val_images": len(va), "cached_features": cached is not None}
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-def add_backbone_args(p: argparse.ArgumentParser) -> None:
-    """Where a frozen backbone comes from (shared by the probes and ``lapheads pca-maps``)."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--run", help="run directory of `lapheads train dino` (uses final/model.json)")
-    src.add_argument("--model", help="timm model name (e.g. vit_small_patch16_224 or deit3_small_patch16_224_lap5)")
-    p.add_argument("--weights", help="safetensors weights for --model (default: random init, a baseline)")
-    p.add_argument("--laplacian-heads", default=None, help="Laplacian heads for --model (k, all, none)")
-    p.add_argument("--img-size", type=int, default=None, help="input size for --model (default: the model's)")
-
-
-def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
-    add_backbone_args(p)
-    p.add_argument("--data", required=True, help=data_help)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--json", default=None, help="where to write the JSON result (default RUN/eval_<probe>.json, "
-                                                "or eval_<probe>.json in the current folder with --model)")
-
-
-def _setup(args: argparse.Namespace) -> tuple[nn.Module, dict, torch.device]:
-    from ..engine.dist import pick_device
-
-    dev = pick_device(args.device)
-    lh = args.laplacian_heads
-    bb, meta = load_backbone(run=args.run, model=args.model, weights=args.weights, laplacian_heads=lh,
-                             img_size=args.img_size, device=dev)
-    if args.img_size and args.run:
-        meta["img_size"] = args.img_size
-    return bb, meta, dev
-
-
-def _finish(args: argparse.Namespace, probe: str, meta: dict, res: dict) -> int:
-    out = {"probe": probe, "data": args.data, **{k: v for k, v in meta.items()}, **res}
-    path = Path(args.json) if args.json else (Path(args.run) if args.run else Path(".")) / f"eval_{probe}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1), encoding="utf-8")
-    short = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, list)}
-    print(json.dumps(short))
-    print(f"wrote {path}")
-    return 0
-
-
-def _image_splits(args: argparse.Namespace) -> tuple[Any, Any]:
-    from ..data.images import build_image_dataset
-    return build_image_dataset(args.data, args.train_split), build_image_dataset(args.data, args.val_split)
-
-
-def knn_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval knn", description=(
-        "Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
-        "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote."))
-    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="val")
-    p.add_argument("--k", type=int, nargs="+", default=[10, 20], help="numbers of neighbours")
-    p.add_argument("--temperature", type=float, default=0.07)
-    args = p.parse_args(list(argv or []))
-    if args.temperature <= 0 or min(args.k) < 1:
-        raise ConfigError(f"--temperature={args.temperature} must be > 0 and every --k >= 1")
-    train, val = _image_splits(args)
-    bb, meta, dev = _setup(args)
-    from .dino import EvalTransform
-    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
-    ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev)
-    fte, yte = extract_features(bb, val, tf, args.batch_size, dev)
-    res = knn_classify(ftr, ytr, fte, yte, ks=args.k, temperature=args.temperature,
-                       num_classes=getattr(train, "num_classes", None))
-    return _finish(args, "knn", meta, res)
-
-
-def linear_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval linear", description=(
-        "Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
-        "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
-        "avgpool). Features are extracted once; the linear layer trains in seconds."))
-    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="val")
-    p.add_argument("--n-last-blocks", type=int, default=4)
-    p.add_argument("--avgpool", action="store_true", help="also concatenate the average patch token")
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak lr (cosine); SGD wants ~0.001*batch/256 "
-                                                          "x 10-100 on unnormalised features")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(list(argv or []))
-    train, val = _image_splits(args)
-    bb, meta, dev = _setup(args)
-    if not 1 <= args.n_last_blocks <= len(bb.blocks):
-        raise ConfigError(f"--n-last-blocks={args.n_last_blocks} must be in 1..{len(bb.blocks)} (the model's depth)")
-    from .dino import EvalTransform
-    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
-    ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
-    fte, yte = extract_features(bb, val, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
-    res = linear_probe(ftr, ytr, fte, yte, num_classes=getattr(train, "num_classes", None), epochs=args.epochs,
-                       lr=args.lr, optimizer=args.optimizer, weight_decay=args.weight_decay,
-                       batch_size=args.batch_size, seed=args.seed)
-    res.update(n_last_blocks=args.n_last_blocks, avgpool=args.avgpool, feature_dim=int(ftr.shape[1]))
-    return _finish(args, "linear", meta, res)
-
-
-def segment_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval segment", description=(
-        "Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
-        "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
-        "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation."))
-    _common_args(p, "segmentation folder (ADE20K layout or images/ + masks/)")
-    p.add_argument("--num-classes", type=int, default=None,
-                   help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)")
-    p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-images", type=int, default=0, help="use at most this many train/val images (0 = all)")
-    p.set_defaults(batch_size=16)
-    args = p.parse_args(list(argv or []))
-    from ..data.segmentation import build_segmentation_dataset
-    train = build_segmentation_dataset(args.data, "train", num_classes=args.num_classes)
-    val = build_segmentation_dataset(args.data, "val", num_classes=train.num_classes)
-    if args.max_images:
-        train = torch.utils.data.Subset(train, list(range(min(args.max_images, len(train)))))
-        val = torch.utils.data.Subset(val, list(range(min(args.max_images, len(val)))))
-    bb, meta, dev = _setup(args)
-    nc = train.dataset.num_classes if isinstance(train, torch.utils.data.Subset) else train.num_classes
-    if not -len(bb.blocks) <= args.layer < len(bb.blocks):
-        raise ConfigError(f"--layer={args.layer} is outside the model's {len(bb.blocks)} blocks")
-    res = segmentation_probe(bb, train, val, nc, meta["img_size"], meta["mean"], meta["std"], layer=args.layer,
-                             epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
-                             batch_size=args.batch_size, seed=args.seed, device=dev)
-    return _finish(args, "segment", meta, res)

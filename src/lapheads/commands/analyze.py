@@ -19,7 +19,8 @@ tokenizer is read from the same directory); anything else must be a timm model n
 with ``pretrained=False`` plus ``--model-args``; ``--weights`` loads a ``.safetensors`` /
 ``.pt`` state dict strictly). Nothing is downloaded. Data loaders here are small and
 self-contained (digits, ImageFolder, pydoc, .txt) so the command does not depend on the training
-recipes. ``--run DIR`` defers to ``lapheads.recipes.load_run`` (runs trained by this project).
+recipes. ``--run DIR`` reads a run of this project through its recipe (``lapheads.recipes.load_run``;
+without ``--data``, :func:`lapheads.runs.analyze_run`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,22 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import timm
 import torch
+import transformers
+from safetensors.torch import load_file
+from torchvision import datasets
+from torchvision.transforms import v2
 
+from .. import transformers as lap_tf
+from ..engine.config import load_yaml
+from ..engine.run import lock_dir, lock_enclosing_run
 from ..errors import CheckpointError, ConfigError, DataError
+from ..geometry.capture import analyze_model, resolve_layers, save_geometry_json
+from ..geometry.plots import plot_all
+from ..outputs import check_out_dir
+from ..recipes import load_run
+from ..runs import analyze_run
 
 __all__ = ["main", "load_checkpoint", "build_batches"]
 
@@ -41,7 +55,6 @@ __all__ = ["main", "load_checkpoint", "build_batches"]
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
-    from ..engine.config import load_yaml
 
     out: dict[str, Any] = {}
     for it in items or []:
@@ -68,10 +81,6 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
                                   "give a directory saved with save_pretrained or a timm model name")
         if weights:
             raise ConfigError("--weights is for timm models; a transformers directory holds its weights")
-        import transformers
-
-        from .. import transformers as lap_tf
-
         cfg = transformers.AutoConfig.from_pretrained(p)
         causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (cfg.architectures or []))
         cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
@@ -86,8 +95,6 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{spec}: cannot load the tokenizer: {e}") from e
         return model, "hf", tok
-    import timm
-
     if not timm.is_model(spec):
         close = timm.list_models(f"*{spec.split('.')[0][:12]}*")[:8]
         raise CheckpointError(f"{spec!r} is neither an existing directory nor a timm model name"
@@ -102,7 +109,6 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
             raise CheckpointError(f"--weights {weights}: no such file")
         try:
             if wp.suffix == ".safetensors":
-                from safetensors.torch import load_file
                 sd = load_file(str(wp))
             else:
                 sd = torch.load(wp, map_location="cpu", weights_only=True)
@@ -139,7 +145,7 @@ def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_si
     mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5)))[:, None, None]
     std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5)))[:, None, None]
     if data == "digits":
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # only for --data digits
 
         d = load_digits()
         imgs = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0
@@ -154,10 +160,8 @@ def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_si
     p = Path(data)
     if not p.is_dir():
         raise DataError(f"--data {data}: expected 'digits' or an ImageFolder directory (class subfolders)")
-    from torchvision import datasets, transforms
-
-    tf = transforms.Compose([transforms.Resize(image_size), transforms.CenterCrop(image_size),
-                             transforms.ToTensor(), transforms.Normalize(mean.flatten().tolist(), std.flatten().tolist())])
+    tf = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+                     v2.Normalize(mean.flatten().tolist(), std.flatten().tolist())])
     try:
         ds = datasets.ImageFolder(str(p), transform=tf)
     except (FileNotFoundError, RuntimeError) as e:
@@ -172,7 +176,7 @@ def _text_batches(model: torch.nn.Module, tok: Any, data: str, batch_size: int, 
         raise CheckpointError("text data needs a tokenizer saved in the checkpoint directory "
                               "(tokenizer.json / tokenizer_config.json)")
     if data == "pydoc":
-        from pydoc_data.topics import topics
+        from pydoc_data.topics import topics  # a 0.8 MB module: only for --data pydoc
         text = "\n\n".join(topics[k] for k in sorted(topics))
     else:
         p = Path(data)
@@ -271,24 +275,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_run(run_dir: str) -> tuple[torch.nn.Module, str, Any]:
-    try:
-        from ..recipes import load_run  # type: ignore[attr-defined]
-    except ImportError:
-        raise ConfigError("--run needs lapheads.recipes.load_run, which this installation does not "
-                          "provide yet; export the model and use --checkpoint instead") from None
     got = load_run(run_dir)
-    if isinstance(got, dict):
-        return got["model"], got.get("kind", "vit"), got.get("tokenizer")
-    if isinstance(got, tuple):
-        model, kind = got[0], got[1]
-        return model, kind, got[2] if len(got) > 2 else None
-    model = getattr(got, "model", got)
-    return model, getattr(got, "kind", "vit"), getattr(got, "tokenizer", None)
+    return got.model, got.kind, got.tokenizer
 
 
 def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
     """``--run`` without ``--data``: each run on its own held-out data (lapheads.geometry.runs)."""
-    from .runs import analyze_run
     for r in args.run:
         if not (Path(r) / "config.yaml").is_file():
             raise ConfigError(f"--run {r} is not a run directory (no config.yaml)")
@@ -304,7 +296,6 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
                     layers=layers, min_count=args.min_count, threshold=args.threshold, spectra=not args.no_spectra,
                     include_prefix=args.include_prefix, nc4=not args.no_nc4, max_batches=args.max_batches,
                     seq_len=args.seq_len, device=args.device, plots=not args.no_figures)
-    from ..engine.run import lock_dir  # analyze_run writes RUN/geometry
     runs = {}
     for lb, r in zip(labels, args.run):
         with lock_dir(r):
@@ -317,9 +308,6 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
 
 def _write_results(runs: dict[str, Any], args: argparse.Namespace) -> int:
     """Figures and geometry.json into ``--out`` (under the lock of the run it lies in, if any)."""
-    from ..engine.run import lock_enclosing_run  # --out inside a run directory: one writer
-    from .capture import save_geometry_json
-    from .plots import plot_all
     out = Path(args.out)
     with lock_enclosing_run(out):
         figs = [] if args.no_figures else plot_all(runs, out)
@@ -332,7 +320,6 @@ def _write_results(runs: dict[str, Any], args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``lapheads analyze``."""
     args = _parser().parse_args(argv)
-    from ..outputs import check_out_dir
     check_out_dir(args.out)
     sources = [("checkpoint", c) for c in args.checkpoint] + [("run", r) for r in args.run]
     if not sources:
@@ -363,7 +350,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     model_args = _parse_kv(args.model_args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     labels = args.label or []
-    from .capture import analyze_model
 
     # load (and validate) every model before the first expensive pass
     loaded = []
@@ -376,7 +362,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         label = labels[i] if labels else Path(spec).name or spec
         batches = build_batches(model, kind, tok, args.data, args.batch_size, args.seq_len,
                                 args.image_size, args.max_batches)
-        from .capture import resolve_layers
         resolve_layers(model, kind, layers)
         loaded.append((label, model, kind, batches))
     if len({l for l, *_ in loaded}) != len(loaded):

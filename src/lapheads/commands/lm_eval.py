@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
+from .. import transformers  # noqa: F401  (registers the Laplacian attention implementation)
 from ..errors import ConfigError
 
 __all__ = ["main"]
@@ -43,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ConfigError: lm-evaluation-harness (or ``accelerate``, which its ``HFLM`` needs) is not installed.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    try:  # optional dependencies (the eval extra): imported when the command runs
         from lm_eval._cli.harness import HarnessCLI
         from lm_eval.utils import setup_logging
     except ImportError as e:
@@ -54,8 +55,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         raise ConfigError("lapheads lm-eval needs accelerate for lm-eval's HFLM; pip install 'lapheads[eval]'") \
             from None
-
-    from .. import transformers as _registered  # noqa: F401 - registers the Laplacian attention implementations
 
     setup_logging()
     cli = HarnessCLI()

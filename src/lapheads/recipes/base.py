@@ -1,0 +1,135 @@
+"""The recipe contract: what every recipe provides, enforced by a base class.
+
+A recipe is a training task on the shared engine (:mod:`lapheads.engine`) plus the knowledge of
+how to read back a run it made. Everything above the recipes (the train/eval commands, geometry
+of runs, the report, the sweep, the probes) talks to a recipe through this class only, never
+through ``if recipe == ...`` chains:
+
+==================  ===========================================================================
+``name``            the recipe's name (``lapheads train <name>``, ``recipe:`` in config.yaml)
+``config_type``     its config dataclass (parsed and validated by :func:`lapheads.engine.config.load_config`)
+``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
+``build_task``      the engine :class:`~lapheads.engine.Task` for a config
+``train``           run it into a directory (default: one engine launch)
+``load_run``        a finished run's model, tokenizer / eval transform, heads: a :class:`LoadedRun`
+``heads``           the run's Laplacian-head setting, read from the run directory (one rule)
+``eval_dataset``    held-out images of a vision run (report figures)
+``eval_batches``    held-out batches of a loaded run, for geometry
+``load_backbone``   a frozen vision backbone of a run (probes, PCA maps); language recipes refuse
+==================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from ..engine import DistInfo, Task
+from ..engine.config import from_dict
+from ..engine.launch import launch
+from ..engine.run import RunDir
+from ..errors import CheckpointError
+
+
+@dataclass
+class LoadedRun:
+    """A finished run read back by its recipe.
+
+    Attributes:
+        recipe: the recipe's name.
+        path: the run directory.
+        config: the run's typed config (the recipe's ``config_type``).
+        model: the network the run is evaluated with (classify: the classifier; dino: the teacher
+            backbone; lm / sft / retrofit: the transformers causal LM), in eval mode.
+        kind: ``"vit"`` or ``"hf"`` (see :func:`lapheads.geometry.analyze_model`).
+        heads: the Laplacian-head setting as written in the config (``0``, ``"all"``, ``[..]``, ...).
+        tokenizer: language runs: the tokenizer.
+        transform: vision runs: the evaluation transform (PIL image -> normalised tensor).
+        analyze_options: keyword arguments for :func:`lapheads.geometry.analyze_model` that this
+            recipe's models need (``num_classes`` of a language model, ``classifier=None``, ...).
+    """
+
+    recipe: str
+    path: Path
+    config: Any
+    model: nn.Module
+    kind: str
+    heads: Any
+    tokenizer: Any = None
+    transform: Any = None
+    analyze_options: dict = field(default_factory=dict)
+
+
+def vision_batches(dataset: Any, transform: Any, batch_size: int, max_items: int) -> list:
+    """A fixed subset (the first ``max_items`` of a seeded permutation) as ``(images, labels)`` batches."""
+    n = min(len(dataset), max_items) if max_items else len(dataset)
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:n].tolist()
+    batches = []
+    for s in range(0, n, batch_size):
+        items = [dataset[i] for i in order[s:s + batch_size]]
+        batches.append((torch.stack([transform(img) for img, _ in items]),
+                        torch.as_tensor([y for _, y in items], dtype=torch.long)))
+    return batches
+
+
+class Recipe(ABC):
+    """Base class of every recipe (see the module docstring for the contract)."""
+
+    name: ClassVar[str]
+    config_type: ClassVar[type]
+    kind: ClassVar[str]
+    description: ClassVar[str] = ""
+    default_config: ClassVar[Optional[str]] = None
+
+    # ------------------------------------------------------------------ training
+    @abstractmethod
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+        """The engine task for ``cfg`` (``run_dir``: where the run writes, for tasks that log files)."""
+
+    def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
+        """Train ``cfg`` into run directory ``out``; returns the final metrics."""
+        return launch(self.name, cfg, lambda c, info: self.build_task(c, info, run_dir=out), str(out),
+                      resume=resume, overwrite=overwrite)
+
+    def result_lines(self, result: dict, out: str | Path) -> list[str]:
+        """What ``lapheads train <name>`` prints when :meth:`train` returns ``result``."""
+        lines = ["final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in result.items())] if result else []
+        return lines + [f"run directory: {out}"]
+
+    # ------------------------------------------------------------------ reading runs back
+    def read_config(self, run_dir: str | Path) -> Any:
+        """The typed config of a run of this recipe (its ``config.yaml``)."""
+        raw = RunDir(run_dir).read_config()
+        if raw.pop("recipe") != self.name:
+            raise CheckpointError(f"{run_dir} is not a `{self.name}` run")
+        return from_dict(self.config_type, raw, prefix=f"{Path(run_dir) / 'config.yaml'}: ")
+
+    def heads(self, run_dir: str | Path) -> Any:
+        """The Laplacian-head setting of a run as written in its config (``model.laplacian_heads``)."""
+        return (RunDir(run_dir).read_config().get("model") or {}).get("laplacian_heads", 0)
+
+    @abstractmethod
+    def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
+        """A finished run's model and everything needed to feed it (see :class:`LoadedRun`)."""
+
+    def eval_dataset(self, config: Any) -> Any:
+        """The held-out images of a vision run's config (``(image, label)`` items)."""
+        raise CheckpointError(f"a `{self.name}` run has no images")
+
+    def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int,
+                     seq_len: Optional[int] = None) -> list:
+        """Held-out batches of ``run`` for :func:`lapheads.geometry.analyze_model` (vision: a fixed,
+        seeded subset of :meth:`eval_dataset` through the run's evaluation transform)."""
+        return vision_batches(self.eval_dataset(run.config), run.transform, batch_size, max_items)
+
+    def load_backbone(self, run_dir: str | Path, device: Any = "cpu") -> tuple[nn.Module, dict]:
+        """A frozen vision backbone of the run and its metadata (:mod:`lapheads.vision.backbones`)."""
+        raise CheckpointError(f"{run_dir} is a `{self.name}` run (a language model): probes and PCA maps need a "
+                              "vision backbone, a `classify` or `dino` run or --model NAME; use `lapheads analyze "
+                              "--run` for the token geometry of a language model")

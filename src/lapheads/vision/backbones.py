@@ -1,0 +1,107 @@
+"""Frozen timm ViT backbones for the probes, PCA maps and geometry of vision runs.
+
+A backbone is a timm ViT created with ``num_classes=0`` (its output is the pooled, normalised CLS
+token) and ``dynamic_img_size=True`` (crops of any size share one interpolated positional
+embedding), with k Laplacian heads. Every loader returns it frozen (``eval()``, no gradients)
+together with a ``meta`` dict: ``source``, ``timm_name``, ``laplacian_heads``, ``img_size``,
+``mean``, ``std``, ``patch_size``, ``embed_dim``: what a probe needs to feed it images.
+
+Backbones of finished runs are loaded by their recipe (``lapheads.recipes``, ``load_backbone``
+of the classify and dino recipes); this module holds what both need and the loader for a timm
+name (``--model NAME [--weights FILE]``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .. import timm as lt
+from ..engine.checkpoint import load_tensors, load_weights
+from ..errors import ConfigError
+from .transforms import IMAGENET_MEAN, IMAGENET_STD
+
+
+def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0,
+                    **kwargs: Any) -> nn.Module:
+    """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
+
+    Args:
+        name: timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...).
+        laplacian_heads: the selection (see :func:`lapheads.timm.convert`).
+        drop_path_rate: stochastic depth.
+        **kwargs: more timm keyword arguments (``img_size``, ``patch_size``, ``embed_dim``, ...).
+    """
+    kw = dict(kwargs)
+    kw.setdefault("num_classes", 0)
+    kw.setdefault("dynamic_img_size", True)
+    try:
+        return lt.create_model(name, laplacian_heads=laplacian_heads, drop_path_rate=drop_path_rate, **kw)
+    except TypeError as e:  # a timm kwarg the model does not take
+        raise ConfigError(f"model {name!r} does not accept the given kwargs {sorted(kw)}: {e}") from None
+
+
+def load_backbone_weights(bb: nn.Module, path: Path) -> None:
+    """Load ``path`` (safetensors) into ``bb``; keys prefixed ``backbone.`` are accepted and a
+    classifier ``head.*`` the backbone does not have is dropped."""
+    sd = load_tensors(Path(path))
+    if any(k.startswith("backbone.") for k in sd):
+        sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
+    own = bb.state_dict()
+    sd = {k: v for k, v in sd.items() if not (k.startswith("head.") and k not in own)}
+    load_weights(bb, sd, source=str(path))
+
+
+def native_size(bb: nn.Module) -> int:
+    """The input side the backbone was built for (its patch embedding's ``img_size``)."""
+    pe = getattr(bb, "patch_embed", None)
+    size = getattr(pe, "img_size", None)
+    return int(size[0] if isinstance(size, (tuple, list)) else (size or 224))
+
+
+def patch_size(bb: nn.Module) -> int:
+    pe = getattr(bb, "patch_embed", None)
+    ps = getattr(pe, "patch_size", 16)
+    return int(ps[0] if isinstance(ps, (tuple, list)) else ps)
+
+
+def frozen(bb: nn.Module, meta: dict, device: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
+    """``bb`` frozen on ``device``, ``meta`` completed with ``patch_size`` and ``embed_dim``."""
+    meta = dict(meta)
+    meta["img_size"] = int(meta.get("img_size") or native_size(bb))
+    meta.setdefault("mean", list(IMAGENET_MEAN))
+    meta.setdefault("std", list(IMAGENET_STD))
+    meta["patch_size"] = patch_size(bb)
+    meta["embed_dim"] = int(bb.num_features)
+    bb.eval().requires_grad_(False)
+    return bb.to(device), meta
+
+
+def timm_backbone(model: str, weights: Optional[str] = None, laplacian_heads: Any = None,
+                  img_size: Optional[int] = None, device: str | torch.device = "cpu",
+                  **timm_kwargs: Any) -> tuple[nn.Module, dict]:
+    """A frozen backbone from a timm name (``--model NAME``) and its metadata.
+
+    Args:
+        model: a timm model name.
+        weights: safetensors file (default: random init, a chance-level baseline).
+        laplacian_heads: Laplacian heads of the backbone.
+        img_size: input size (default: the model's own).
+        device: where to put the backbone.
+        **timm_kwargs: more timm kwargs.
+    """
+    kw = dict(timm_kwargs)
+    if img_size:
+        kw["img_size"] = img_size
+    bb = create_backbone(model, laplacian_heads, 0.0, **kw)
+    if weights:
+        load_backbone_weights(bb, Path(weights))
+    cfg = getattr(bb, "pretrained_cfg", {}) or {}
+    heads = getattr(bb, "laplacian_heads", None)
+    meta = {"source": f"timm:{model}" + (f"+{weights}" if weights else " (random init)"), "timm_name": model,
+            "laplacian_heads": heads.to_config() if heads is not None else None, "img_size": img_size,
+            "mean": list(cfg.get("mean", IMAGENET_MEAN)), "std": list(cfg.get("std", IMAGENET_STD))}
+    return frozen(bb, meta, device)
