@@ -221,6 +221,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             ``(attn_output, attn_weights)``; ``attn_weights`` is ``(N, L, S)`` (averaged) or
             ``(N, num_heads, L, S)``, without N when unbatched, or None when ``need_weights`` is False.
         """
+        # One function on purpose: it mirrors torch.nn.MultiheadAttention.forward argument by argument (masks,
+        # need_weights, batch_first, kdim/vdim), so the two can be read side by side.
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
                                         average_attn_weights, is_causal)

@@ -178,9 +178,9 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
 
 # ----------------------------------------------------------------------------------- figures
 def _plt():
-    import matplotlib
+    import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
     return plt
 
 
@@ -528,33 +528,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
         md += ["", note]
         hb.append(f"<p>{html.escape(note)}</p>")
     for recipe, groups in summary.items():
-        header, rows = _table_rows(recipe, groups, flags)
-        md += ["", f"## {recipe}", "", _md_table(header, rows), ""]
-        hb += [f"<h2>{html.escape(recipe)}</h2>", _html_table(header, rows)]
-        note = ("Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
-                "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
-                f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
-                f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points).")
-        md.append(note)
-        hb.append(f"<p>{html.escape(note)}</p>")
-        makers = [("curves", _fig_curves, "training loss per step"),
-                  ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
-                  ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
-                  ("layers", _fig_layers, "token geometry per layer"),
-                  ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
-        for name, fn, caption in makers:
-            p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
-            if p is not None:
-                _add_fig(md, hb, p, out, f"{recipe}: {caption}")
-        if recipe in ("classify", "dino"):  # vision runs; a language model has no patch tokens
-            p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
-            if p is not None:
-                _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
-        mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")  # learnable head mixing (issue 13)
-        if mixing is not None:
-            _add_fig(md, hb, mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head")
-            md += ["", *mixing[1], ""]
-            hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
+        _recipe_section(recipe, groups, flags, out, md, hb, plateau_window, plateau_tol)
     grid_tables, grid_figs = grid_report(runs, figs)  # runs that differ in config values: scaling, k-ablation
     for gtitle, header, rows in grid_tables:
         md += ["", f"### {gtitle}", "", _md_table(header, rows), ""]
@@ -587,6 +561,39 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
     (out / "summary.json").write_text(json.dumps(
         _summary_json(summary, flags, cl), indent=1, default=str, allow_nan=False))
     return {"md": out / "report.md", "html": out / "report.html", "summary": out / "summary.json"}
+
+
+def _recipe_section(recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, md: list[str], hb: list[str],
+                    plateau_window: float, plateau_tol: float) -> None:
+    """The report's section of one recipe: its table, the note on the columns and its figures."""
+    figs = out / "figures"
+    header, rows = _table_rows(recipe, groups, flags)
+    md += ["", f"## {recipe}", "", _md_table(header, rows), ""]
+    hb += [f"<h2>{html.escape(recipe)}</h2>", _html_table(header, rows)]
+    note = ("Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
+            "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
+            f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
+            f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points).")
+    md.append(note)
+    hb.append(f"<p>{html.escape(note)}</p>")
+    makers = [("curves", _fig_curves, "training loss per step"),
+              ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
+              ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
+              ("layers", _fig_layers, "token geometry per layer"),
+              ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
+    for name, fn, caption in makers:
+        p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
+        if p is not None:
+            _add_fig(md, hb, p, out, f"{recipe}: {caption}")
+    if get_recipe(recipe).kind == "vit":  # vision runs; a language model has no patch tokens
+        p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
+        if p is not None:
+            _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
+    mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")  # learnable head mixing (issue 13)
+    if mixing is not None:
+        _add_fig(md, hb, mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head")
+        md += ["", *mixing[1], ""]
+        hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
 
 
 def _steps(run: dict) -> str:
@@ -710,6 +717,15 @@ def _numeric(values: Sequence[Any]) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
+def _panel_value(r: dict, section: str, k: str) -> Optional[float]:
+    """A run's value of one grid panel: its final metric ``k`` (section "metric") or a geometry measure."""
+    if section == "metric":
+        v = r["final"].get(k)
+        return float(v) if isinstance(v, (int, float)) else None
+    geo = r["geometry"]
+    return _geo_value(geo, _last_block(geo) if geo else None, section, k)
+
+
 def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
                                                           list[tuple[Path, str]]]:
     """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
@@ -737,86 +753,90 @@ def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[
             continue
         key, metric_name, _ = METRICS[recipe][0]
         flats = [flatten_config(c) for c in configs]
-
-        def value(r_i: int, section: str, k: str) -> Optional[float]:
-            r = rs[r_i]
-            if section == "metric":
-                v = r["final"].get(k)
-                return float(v) if isinstance(v, (int, float)) else None
-            geo = r["geometry"]
-            return _geo_value(geo, _last_block(geo) if geo else None, section, k)
-
         panels = [("metric", key, metric_name)] + GRID_MEASURES
-        # one group per (grid point, k); rows for the table
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(rs):
-            groups.setdefault((tuple(repr(flats[i].get(a)) for a in axes), r["label"]), []).append(i)
         if axes:
-            rows: list[list[str]] = []
-            def order(kv: tuple) -> tuple:
-                (_, label), idx = kv
-                vals = [flats[idx[0]].get(a) for a in axes]
-                return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
-                        _k_position(label, 10**9) if _k_position(label, 10**9) is not None else float("inf"), label)
-
-            for (point, label), idx in sorted(groups.items(), key=order):
-                cells = [flats[idx[0]].get(a) for a in axes]
-                stats = [_mean_std([value(i, s, k) for i in idx]) for s, k, _ in panels]
-                rows.append([*(str(c) for c in cells), label, str(len(idx))] +
-                            [f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-") for m, sd, n in stats])
             tables.append((f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
-                           [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES], rows))
-        heads_total = None
+                           [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES],
+                           _grid_rows(rs, flats, axes, panels)))
         nh = {f.get("model.num_heads") for f in flats}
-        if len(nh) == 1 and isinstance(next(iter(nh)), int):
-            heads_total = next(iter(nh))
+        heads_total = next(iter(nh)) if len(nh) == 1 and isinstance(next(iter(nh)), int) else None
         # x axes: every grid axis, then k (the ablation)
         xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a: flats[i].get(a))) for a in axes]
         if len(labels) >= 2:
             xaxes.append(("Laplacian heads k", lambda i: _k_position(rs[i]["label"], heads_total)))
         for name, xof in xaxes:
-            lines: dict[str, dict[Any, list[int]]] = {}
-            for i, r in enumerate(rs):
-                x = xof(i)
-                if x is None:
-                    continue
-                others = [f"{a.rsplit('.', 1)[-1]}={flats[i].get(a)}" for a in axes if a != name]
-                line = ", ".join(([r["label"]] if name != "Laplacian heads k" else []) + others) or "all runs"
-                lines.setdefault(line, {}).setdefault(repr(x) if not _numeric([x]) else x, []).append(i)
-            xs_all = [x for ln in lines.values() for x in ln]
-            if len(set(map(repr, xs_all))) < 2:
-                continue
-            numeric = _numeric(xs_all)
-            cats = sorted(set(xs_all), key=str) if not numeric else []
-            plt = _plt()
-            shown = [p for p in panels if any(value(i, p[0], p[1]) is not None for i in range(len(rs)))]
-            if not shown:
-                continue
-            fig, axs = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.2), squeeze=False)
-            for ax, (section, k, plabel) in zip(axs[0], shown):
-                for line, pts in sorted(lines.items()):
-                    xs = sorted(pts, key=lambda v: v if numeric else str(v))
-                    stats = [_mean_std([value(i, section, k) for i in pts[x]]) for x in xs]
-                    keep = [(x, m, sd) for x, (m, sd, n) in zip(xs, stats) if n]
-                    if not keep:
-                        continue
-                    px = [x if numeric else cats.index(x) for x, _, _ in keep]
-                    ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o",
-                                capsize=3, label=line)
-                if numeric and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
-                    ax.set_xscale("log")
-                if not numeric:
-                    ax.set_xticks(range(len(cats)))
-                    ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
-                ax.set_xlabel(name)
-                ax.set_title(plabel, fontsize=9)
-            axs[0][0].legend(fontsize=7)
-            fig.tight_layout()
-            slug = re.sub(r"[^A-Za-z0-9._+-]+", "_", name)
-            path = figs / f"{recipe}_grid_{slug}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
-            made.append((path, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
-                               "mean ± std over seeds"))
+            fig = _grid_figure(rs, flats, axes, panels, name, xof, figs / f"{recipe}_grid_"
+                               f"{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png")
+            if fig is not None:
+                what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
+                made.append((fig, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
+                                  "mean ± std over seeds"))
     return tables, made
+
+
+def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list) -> list[list[str]]:
+    """One table row per (grid point, k): the axis values, k, runs, then mean ± std of each panel."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(rs):
+        groups.setdefault((tuple(repr(flats[i].get(a)) for a in axes), r["label"]), []).append(i)
+
+    def order(kv: tuple) -> tuple:
+        (_, label), idx = kv
+        vals = [flats[idx[0]].get(a) for a in axes]
+        k = _k_position(label, 10**9)
+        return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
+                k if k is not None else float("inf"), label)
+
+    rows: list[list[str]] = []
+    for (_point, label), idx in sorted(groups.items(), key=order):
+        cells = [flats[idx[0]].get(a) for a in axes]
+        stats = [_mean_std([_panel_value(rs[i], s, k) for i in idx]) for s, k, _ in panels]
+        rows.append([*(str(c) for c in cells), label, str(len(idx))] +
+                    [f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-") for m, sd, n in stats])
+    return rows
+
+
+def _grid_figure(rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any,
+                 path: Path) -> Optional[Path]:
+    """Every panel against the x axis ``name`` (values ``xof(run index)``), one line per k and other-axis
+    values, mean ± std over seeds; None when the axis has fewer than two values or no panel has data."""
+    lines: dict[str, dict[Any, list[int]]] = {}
+    for i, r in enumerate(rs):
+        x = xof(i)
+        if x is None:
+            continue
+        others = [f"{a.rsplit('.', 1)[-1]}={flats[i].get(a)}" for a in axes if a != name]
+        line = ", ".join(([r["label"]] if name != "Laplacian heads k" else []) + others) or "all runs"
+        lines.setdefault(line, {}).setdefault(repr(x) if not _numeric([x]) else x, []).append(i)
+    xs_all = [x for ln in lines.values() for x in ln]
+    if len(set(map(repr, xs_all))) < 2:
+        return None
+    numeric = _numeric(xs_all)
+    cats = sorted(set(xs_all), key=str) if not numeric else []
+    shown = [p for p in panels if any(_panel_value(r, p[0], p[1]) is not None for r in rs)]
+    if not shown:
+        return None
+    plt = _plt()
+    fig, axs = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.2), squeeze=False)
+    for ax, (section, k, plabel) in zip(axs[0], shown):
+        for line, pts in sorted(lines.items()):
+            xs = sorted(pts, key=lambda v: v if numeric else str(v))
+            stats = [_mean_std([_panel_value(rs[i], section, k) for i in pts[x]]) for x in xs]
+            keep = [(x, m, sd) for x, (m, sd, n) in zip(xs, stats) if n]
+            if not keep:
+                continue
+            px = [x if numeric else cats.index(x) for x, _, _ in keep]
+            ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o", capsize=3,
+                        label=line)
+        if numeric and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(cats)))
+            ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
+        ax.set_xlabel(name)
+        ax.set_title(plabel, fontsize=9)
+    axs[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from scipy import stats
 
 ALPHA = 0.05
 POWER = 0.8
@@ -58,7 +59,6 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
     values. With zero spread in both, ``se = 0``: equal means give ``t = 0, p = 1`` and a zero-width
     CI, different means ``t = +-inf, p = 0``.
     """
-    from scipy import stats
 
     a, b = _finite(baseline), _finite(other)
     if a.size < 2 or b.size < 2:
@@ -80,7 +80,6 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
 
 
 def _power(n: int, d: float, alpha: float) -> float:
-    from scipy import stats
 
     df = 2 * n - 2
     crit = stats.t.ppf(1 - alpha / 2, df)
@@ -96,7 +95,6 @@ def seeds_needed(d: float, alpha: float = ALPHA, power: float = POWER, max_n: in
     d = abs(float(d))
     if not math.isfinite(d) or d == 0.0:
         return None
-    from scipy import stats
 
     # normal approximation as the starting point, then the exact noncentral-t power upward/downward
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)

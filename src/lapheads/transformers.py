@@ -73,10 +73,16 @@ gets Laplacian heads. Design choices:
 from __future__ import annotations
 
 import functools
+import json
+import logging as _logging
+import os
 import weakref
 from typing import Any, Optional, Union
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from .errors import ConfigError
 from .heads import MIX_PARAM_SUFFIXES, HeadMix, LaplacianHeads, LayerHeads, learnable_spec, register_mix, remove_mix
@@ -532,8 +538,6 @@ def mixing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _checkpoint_files(path: str) -> list[str]:
-    import json
-    import os
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -544,7 +548,6 @@ def _checkpoint_files(path: str) -> list[str]:
 
 def _load_mixing(model: PreTrainedModel, path: str) -> None:
     """Register the mixing parameters on ``model`` and fill them from the checkpoint at ``path``."""
-    from safetensors import safe_open
 
     enable(model, model.config.laplacian_heads, eager=model.config._attn_implementation in
            (EAGER_ATTN_IMPLEMENTATION, SAVED_EAGER_ATTN_IMPLEMENTATION))
@@ -584,7 +587,6 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
             (see :func:`check_implementation`), or a learnable-mixing config whose checkpoint (a local
             directory of safetensors) lacks the mixing parameters.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_class = model_class or AutoModelForCausalLM
     config = kwargs.get("config")
@@ -597,9 +599,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
         kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
     if not _learnable(config):
         return model_class.from_pretrained(path, **kwargs)
-    import logging as _logging
 
-    from transformers.utils import logging as hf_logging
     # transformers warns that lap_mix_* are unexpected keys (its freshly built model lacks them);
     # _load_mixing restores them right after, so that warning would be wrong here.
     level = hf_logging.get_verbosity()

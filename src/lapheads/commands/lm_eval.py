@@ -46,7 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # optional dependencies (the eval extra): imported when the command runs
         from lm_eval._cli.harness import HarnessCLI
-        from lm_eval.utils import setup_logging
+        from lm_eval.utils import setup_logging  # lazy: optional dependency (the eval extra)
     except ImportError as e:
         raise ConfigError(f"lapheads lm-eval needs lm-evaluation-harness ({e}); "
                           "pip install 'lapheads[eval]'") from None

@@ -52,7 +52,9 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import ConfigError, DataError
 from .jsonl import iter_jsonl
@@ -83,7 +85,7 @@ _SPLITS = ("train", "val")
 # --------------------------------------------------------------------------- readers
 def embedded_documents() -> Iterator[str]:
     """The corpus that ships with Python: ``pydoc_data.topics.topics``, one document per topic."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # lazy: a 0.8 MB module, only for the embedded corpus
 
     for name in sorted(topics):  # dict order is an implementation detail; sorting makes splits stable
         yield topics[name]
@@ -131,7 +133,6 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
 
 
 def _parquet_file(p: Path, text_field: str):
-    import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(p)
@@ -379,36 +380,9 @@ def tokenize_to_shards(
             not the one recorded in a resumed index, an existing index without ``resume``.
         ConfigError: invalid ``shard_tokens`` / ``val_fraction`` / ``dtype``.
     """
-    from tqdm.auto import tqdm
-
-
     out = Path(out_dir)
     f = _fraction(val_fraction)
-    if not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ConfigError(f"shard_tokens={shard_tokens!r} must be a positive int")
-    vocab = len(tokenizer)
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        raise DataError("the tokenizer has no bos_token; every document is prefixed with BOS")
-    dtype = dtype or _dtype_for(vocab)
-    if dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"dtype={dtype!r} must be 'uint16' or 'uint32'")
-    if vocab > np.iinfo(dtype).max + 1:
-        raise DataError(f"the tokenizer has {vocab} tokens, which do not fit {dtype} shards "
-                        f"(max {np.iinfo(dtype).max + 1}); use uint32")
-    thash = tokenizer_hash(tokenizer)
-    if val_by not in ("documents", "tokens"):
-        raise ConfigError(f"val_by={val_by!r} must be 'documents' or 'tokens'")
-    if not isinstance(train_fraction, (int, float)) or not 0 < train_fraction <= 1:
-        raise ConfigError(f"train_fraction={train_fraction!r} must be a number in (0, 1]")
-    if not isinstance(max_train_documents, int) or max_train_documents < 0:
-        raise ConfigError(f"max_train_documents={max_train_documents!r} must be an int >= 0")
-    g = Fraction(str(train_fraction)).limit_denominator(10**6)
-    hints = {**_CLI_HINTS, **(hints or {})}
-    settings = {"tokenizer_hash": thash, "vocab_size": vocab, "dtype": dtype, "bos_id": int(bos),
-                "shard_tokens": shard_tokens, "val_fraction": str(f), "val_by": val_by,
-                "train_fraction": str(g), "max_train_documents": max_train_documents}
-
+    settings = _shard_settings(tokenizer, shard_tokens, f, dtype, val_by, train_fraction, max_train_documents)
     if (out / INDEX_NAME).exists():
         if not resume:
             raise DataError(f"{out / INDEX_NAME} already exists; pass resume=True (--resume) to continue it "
@@ -425,135 +399,23 @@ def tokenize_to_shards(
         out.mkdir(parents=True, exist_ok=True)
         index = {"version": _INDEX_VERSION, **settings, "source": source, "complete": False,
                  "documents_consumed": 0, "splits": {s: _empty_split() for s in _SPLITS}}
-
-    splits = index["splits"]
-    np_dtype = np.dtype(dtype)
-    buffers: dict[str, list] = {s: [] for s in _SPLITS}  # lists of token arrays, one per document
-    pending = {s: {"tokens": 0, "bytes": 0, "documents": 0} for s in _SPLITS}
-
-    def flush(split: str, next_doc: int) -> None:
-        """Write the buffered documents of ``split`` as one shard and record it in the index."""
-        sp = splits[split]
-        if pending[split]["tokens"]:
-            name = f"{split}_{len(sp['shards']):06d}.bin"
-            arr = np.concatenate(buffers[split])
-            _atomic_write_bytes(out / name, arr.tobytes())
-            sp["shards"].append({"file": name, **pending[split]})
-            for k in ("tokens", "bytes", "documents"):
-                sp[k] += pending[split][k]
-            sp["bytes_per_token"] = sp["bytes"] / sp["tokens"]
-        sp["next_document"] = next_doc
-        # Input documents fully committed to disk: a restart never needs to tokenize these again.
-        index["documents_consumed"] = min(splits[s]["next_document"] for s in _SPLITS)
-        buffers[split].clear()
-        pending[split] = {"tokens": 0, "bytes": 0, "documents": 0}
-        _write_index(out, index)
-
-    total = total_documents if total_documents is not None else (len(documents) if hasattr(documents, "__len__") else None)
-    bar = tqdm(total=total, initial=0, unit="doc", desc=f"tokenize -> {out.name}",
-               disable=None if progress else True,  # None: only on a terminal
-               dynamic_ncols=True)
-    seen = 0  # input documents read so far (including those a resumed run skips)
-    nonempty = 0
-
-    # Corpus text that happens to contain "<|bos|>" etc. is text, not a special token (as nanochat's
-    # encode_ordinary); the flag is restored afterwards since the tokenizer belongs to the caller.
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    old_flag = getattr(backend, "encode_special_tokens", None)
-
-    by_tokens = val_by == "tokens"
-
-    def parts_of(i: int, text: str, ids: list, enc: Any) -> list[tuple[str, list, str]]:
-        """``(split, token ids, text)`` pieces of document ``i`` still to be written."""
-        if not by_tokens:
-            parts = [("val" if is_validation_document(i, f) else "train", ids, text)]
-        else:
-            n_val = math.floor(len(ids) * f + Fraction(1, 2))
-            cut = len(ids) - n_val
-            if cut >= len(ids):
-                at = len(text)
-            elif enc is not None:
-                at = enc.offsets[cut][0]
-            else:
-                at = len(tokenizer.decode(ids[:cut]))
-            parts = [("train", ids[:cut], text[:at]), ("val", ids[cut:], text[at:])]
-        return [(s_, x, t) for s_, x, t in parts
-                if x and i >= splits[s_]["next_document"] and (s_ == "val" or keep_train(i))]
-
-    def process(batch: list[tuple[int, str]]) -> None:
-        nonlocal nonempty
-        texts = [t for _, t in batch]
-        encs = backend.encode_batch(texts, add_special_tokens=False) if backend is not None else [None] * len(texts)
-        for (i, text), enc in zip(batch, encs):
-            ids = enc.ids if enc is not None else tokenizer.encode(text, add_special_tokens=False,
-                                                                   split_special_tokens=True)
-            if len(ids) and max(ids) >= vocab:
-                raise DataError(f"document {i} of {source or 'the corpus'} produced token id {max(ids)} "
-                                f">= vocabulary size {vocab}")
-            for split, part, part_text in parts_of(i, text, list(ids), enc):
-                arr = np.empty(len(part) + 1, dtype=np.int64)
-                arr[0] = bos
-                arr[1:] = part
-                buffers[split].append(arr.astype(np_dtype))
-                p = pending[split]
-                p["tokens"] += len(arr)
-                p["bytes"] += len(part_text.encode("utf-8"))
-                p["documents"] += 1
-                nonempty += 1
-                if p["tokens"] >= shard_tokens:
-                    flush(split, i + 1)
-        bar.update(len(batch))
-        bar.set_postfix(train_tokens=splits["train"]["tokens"] + pending["train"]["tokens"],
-                        val_tokens=splits["val"]["tokens"] + pending["val"]["tokens"], refresh=False)
-
-    def keep_train(i: int) -> bool:
-        """Whether the training part of document ``i`` is kept (``train_fraction``, ``max_train_documents``)."""
-        ceil = lambda x: -((-x.numerator) // x.denominator)  # noqa: E731 - exact ceil of a Fraction
-        j = i if by_tokens else i - ceil(i * f)  # its position among the training documents
-        return ceil((j + 1) * g) > ceil(j * g) and (not max_train_documents or ceil(j * g) < max_train_documents)
-
-    def done_or_dropped(i: int) -> bool:
-        """Document ``i`` needs no tokenizing: every split it feeds holds it already, or it is left out."""
-        if by_tokens:
-            return i < splits["val"]["next_document"] and (i < splits["train"]["next_document"] or not keep_train(i))
-        split = "val" if is_validation_document(i, f) else "train"
-        return i < splits[split]["next_document"] or (split == "train" and not keep_train(i))
-
-    batch: list[tuple[int, str]] = []
-    try:
-        if backend is not None:
-            backend.encode_special_tokens = True
-        for i, text in enumerate(documents):
-            seen = i + 1
-            if not isinstance(text, str):
-                raise DataError(f"document {i} of {source or 'the corpus'} is a {type(text).__name__}, not a str")
-            # Empty documents are skipped (nothing to learn); documents already inside a complete
-            # shard of their split (a resumed run) are read but not tokenized again.
-            if not text or done_or_dropped(i):
-                bar.update(1)
-                continue
-            batch.append((i, text))
-            if len(batch) >= batch_documents:
-                process(batch)
-                batch = []
-        if batch:
-            process(batch)
-    finally:
-        bar.close()
-        if backend is not None:
-            backend.encode_special_tokens = old_flag
-
+    writer = _ShardWriter(out, index, settings, tokenizer, f, source)
+    if total_documents is None and hasattr(documents, "__len__"):
+        total_documents = len(documents)
+    seen = writer.run(documents, batch_documents, total_documents, progress)
     where = f" {source}" if source else ""
+    splits = index["splits"]
     committed = max(splits[s]["next_document"] for s in _SPLITS)
     if seen < committed:
         raise DataError(f"{out / INDEX_NAME}: the resumed run already holds {committed} input documents but "
                         f"the input{where} has only {seen}; resume with the same input, in the same order")
-    if seen == 0 or (nonempty == 0 and all(splits[s]["documents"] == 0 for s in _SPLITS)):
+    if seen == 0 or (writer.nonempty == 0 and all(splits[s]["documents"] == 0 for s in _SPLITS)):
         raise DataError(f"the corpus{where} is empty: no non-empty document to tokenize")
     for s in _SPLITS:
-        flush(s, seen)
+        writer.flush(s, seen)
     if splits["train"]["tokens"] == 0:
-        if by_tokens:
+        hints = {**_CLI_HINTS, **(hints or {})}
+        if val_by == "tokens":
             why = f"{hints['fraction']}={train_fraction} and val_fraction={val_fraction} leave no training token"
         else:
             why = (f"validation by document ({hints['val_fraction']}={val_fraction}) leaves no training "
@@ -565,6 +427,170 @@ def tokenize_to_shards(
     index["complete"] = True
     _write_index(out, index)
     return index
+
+
+def _shard_settings(tokenizer: Any, shard_tokens: int, f: Fraction, dtype: Optional[str], val_by: str,
+                    train_fraction: float, max_train_documents: int) -> dict:
+    """The checked settings of a shard directory, as its index records them (a resume must match them)."""
+    if not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ConfigError(f"shard_tokens={shard_tokens!r} must be a positive int")
+    vocab = len(tokenizer)
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise DataError("the tokenizer has no bos_token; every document is prefixed with BOS")
+    dtype = dtype or _dtype_for(vocab)
+    if dtype not in ("uint16", "uint32"):
+        raise ConfigError(f"dtype={dtype!r} must be 'uint16' or 'uint32'")
+    if vocab > np.iinfo(dtype).max + 1:
+        raise DataError(f"the tokenizer has {vocab} tokens, which do not fit {dtype} shards "
+                        f"(max {np.iinfo(dtype).max + 1}); use uint32")
+    if val_by not in ("documents", "tokens"):
+        raise ConfigError(f"val_by={val_by!r} must be 'documents' or 'tokens'")
+    if not isinstance(train_fraction, (int, float)) or not 0 < train_fraction <= 1:
+        raise ConfigError(f"train_fraction={train_fraction!r} must be a number in (0, 1]")
+    if not isinstance(max_train_documents, int) or max_train_documents < 0:
+        raise ConfigError(f"max_train_documents={max_train_documents!r} must be an int >= 0")
+    g = Fraction(str(train_fraction)).limit_denominator(10**6)
+    return {"tokenizer_hash": tokenizer_hash(tokenizer), "vocab_size": vocab, "dtype": dtype, "bos_id": int(bos),
+            "shard_tokens": shard_tokens, "val_fraction": str(f), "val_by": val_by,
+            "train_fraction": str(g), "max_train_documents": max_train_documents}
+
+
+def _ceil(x: Fraction) -> int:
+    return -((-x.numerator) // x.denominator)  # exact ceil of a Fraction
+
+
+class _ShardWriter:
+    """Tokenizes documents into the splits of one shard directory, committing shards to ``index`` as it goes.
+
+    ``index`` is the directory's index (new or resumed, matching ``settings``: checked by the caller).
+    """
+
+    def __init__(self, out: Path, index: dict, settings: dict, tokenizer: Any, f: Fraction, source: str):
+        self.out, self.index, self.tokenizer, self.f, self.source = out, index, tokenizer, f, source
+        self.g = Fraction(settings["train_fraction"])
+        self.splits = index["splits"]
+        self.by_tokens = settings["val_by"] == "tokens"
+        self.max_train = settings["max_train_documents"]
+        self.vocab, self.bos, self.shard_tokens = settings["vocab_size"], settings["bos_id"], settings["shard_tokens"]
+        self.np_dtype = np.dtype(settings["dtype"])
+        self.buffers: dict[str, list] = {s: [] for s in _SPLITS}  # lists of token arrays, one per document
+        self.pending = {s: {"tokens": 0, "bytes": 0, "documents": 0} for s in _SPLITS}
+        self.nonempty = 0
+        # Corpus text that happens to contain "<|bos|>" etc. is text, not a special token (as nanochat's
+        # encode_ordinary); the flag is restored afterwards since the tokenizer belongs to the caller.
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def flush(self, split: str, next_doc: int) -> None:
+        """Write the buffered documents of ``split`` as one shard and record it in the index."""
+        sp, pend = self.splits[split], self.pending[split]
+        if pend["tokens"]:
+            name = f"{split}_{len(sp['shards']):06d}.bin"
+            _atomic_write_bytes(self.out / name, np.concatenate(self.buffers[split]).tobytes())
+            sp["shards"].append({"file": name, **pend})
+            for k in ("tokens", "bytes", "documents"):
+                sp[k] += pend[k]
+            sp["bytes_per_token"] = sp["bytes"] / sp["tokens"]
+        sp["next_document"] = next_doc
+        # Input documents fully committed to disk: a restart never needs to tokenize these again.
+        self.index["documents_consumed"] = min(self.splits[s]["next_document"] for s in _SPLITS)
+        self.buffers[split].clear()
+        self.pending[split] = {"tokens": 0, "bytes": 0, "documents": 0}
+        _write_index(self.out, self.index)
+
+    def keep_train(self, i: int) -> bool:
+        """Whether the training part of document ``i`` is kept (``train_fraction``, ``max_train_documents``)."""
+        j = i if self.by_tokens else i - _ceil(i * self.f)  # its position among the training documents
+        return _ceil((j + 1) * self.g) > _ceil(j * self.g) and (not self.max_train or _ceil(j * self.g) < self.max_train)
+
+    def done_or_dropped(self, i: int) -> bool:
+        """Document ``i`` needs no tokenizing: every split it feeds holds it already, or it is left out."""
+        if self.by_tokens:
+            return i < self.splits["val"]["next_document"] and (
+                i < self.splits["train"]["next_document"] or not self.keep_train(i))
+        split = "val" if is_validation_document(i, self.f) else "train"
+        return i < self.splits[split]["next_document"] or (split == "train" and not self.keep_train(i))
+
+    def parts_of(self, i: int, text: str, ids: list, enc: Any) -> list[tuple[str, list, str]]:
+        """``(split, token ids, text)`` pieces of document ``i`` still to be written."""
+        if not self.by_tokens:
+            parts = [("val" if is_validation_document(i, self.f) else "train", ids, text)]
+        else:
+            cut = len(ids) - math.floor(len(ids) * self.f + Fraction(1, 2))
+            if cut >= len(ids):
+                at = len(text)
+            elif enc is not None:
+                at = enc.offsets[cut][0]
+            else:
+                at = len(self.tokenizer.decode(ids[:cut]))
+            parts = [("train", ids[:cut], text[:at]), ("val", ids[cut:], text[at:])]
+        return [(s, x, t) for s, x, t in parts
+                if x and i >= self.splits[s]["next_document"] and (s == "val" or self.keep_train(i))]
+
+    def process(self, batch: list[tuple[int, str]]) -> None:
+        """Tokenize a batch of ``(index, text)`` documents into the split buffers (flushing full shards)."""
+        texts = [t for _, t in batch]
+        be = self.backend
+        encs = be.encode_batch(texts, add_special_tokens=False) if be is not None else [None] * len(texts)
+        for (i, text), enc in zip(batch, encs):
+            ids = enc.ids if enc is not None else self.tokenizer.encode(text, add_special_tokens=False,
+                                                                        split_special_tokens=True)
+            if len(ids) and max(ids) >= self.vocab:
+                raise DataError(f"document {i} of {self.source or 'the corpus'} produced token id {max(ids)} "
+                                f">= vocabulary size {self.vocab}")
+            for split, part, part_text in self.parts_of(i, text, list(ids), enc):
+                arr = np.empty(len(part) + 1, dtype=np.int64)
+                arr[0] = self.bos
+                arr[1:] = part
+                self.buffers[split].append(arr.astype(self.np_dtype))
+                p = self.pending[split]
+                p["tokens"] += len(arr)
+                p["bytes"] += len(part_text.encode("utf-8"))
+                p["documents"] += 1
+                self.nonempty += 1
+                if p["tokens"] >= self.shard_tokens:
+                    self.flush(split, i + 1)
+
+    def run(self, documents: Iterable[str], batch_documents: int, total: Optional[int], progress: bool) -> int:
+        """Read every document (tokenizing those not written yet); returns how many were read."""
+        bar = tqdm(total=total, initial=0, unit="doc", desc=f"tokenize -> {self.out.name}",
+                   disable=None if progress else True,  # None: only on a terminal
+                   dynamic_ncols=True)
+        old_flag = getattr(self.backend, "encode_special_tokens", None)
+        seen = 0  # input documents read so far (including those a resumed run skips)
+        batch: list[tuple[int, str]] = []
+
+        def process(b: list[tuple[int, str]]) -> None:
+            self.process(b)
+            bar.update(len(b))
+            sp, pend = self.splits, self.pending
+            bar.set_postfix(train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
+                            val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"], refresh=False)
+
+        try:
+            if self.backend is not None:
+                self.backend.encode_special_tokens = True
+            for i, text in enumerate(documents):
+                seen = i + 1
+                if not isinstance(text, str):
+                    raise DataError(f"document {i} of {self.source or 'the corpus'} is a {type(text).__name__}, "
+                                    "not a str")
+                # Empty documents are skipped (nothing to learn); documents already inside a complete
+                # shard of their split (a resumed run) are read but not tokenized again.
+                if not text or self.done_or_dropped(i):
+                    bar.update(1)
+                    continue
+                batch.append((i, text))
+                if len(batch) >= batch_documents:
+                    process(batch)
+                    batch = []
+            if batch:
+                process(batch)
+        finally:
+            bar.close()
+            if self.backend is not None:
+                self.backend.encode_special_tokens = old_flag
+        return seen
 
 
 # --------------------------------------------------------------------------- reading shards

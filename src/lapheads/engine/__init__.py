@@ -8,10 +8,10 @@
 - ``trainer``: ``Task`` (what a recipe provides) and ``Trainer`` (the loop).
 """
 
-from .config import load_config, save_config, to_dict, from_dict, parse_overrides
-from .run import RunDir, add_train_args
-from .trainer import Task, Trainer, TrainConfig, lr_factor, ModelEma
+from .config import from_dict, load_config, parse_overrides, save_config, to_dict
 from .dist import DistInfo, init_distributed
+from .run import RunDir, add_train_args
+from .trainer import ModelEma, Task, TrainConfig, Trainer, lr_factor
 
 __all__ = ["load_config", "save_config", "to_dict", "from_dict", "parse_overrides", "RunDir",
            "add_train_args", "Task", "Trainer", "TrainConfig", "lr_factor", "ModelEma", "DistInfo",

@@ -237,6 +237,8 @@ def _coerce(value: Any, tp: Any, where: str, allow_inf: bool = False) -> Any:
 
     Floats must be finite (``allow_inf`` admits +-inf), ints must fit in 64 bits.
     """
+    # One dispatch over every annotation a config field can have (Optional, Literal, tuple, list, dict,
+    # dataclass, scalars): split up, the order of the cases (which decides ambiguous values) would be lost.
     origin = typing.get_origin(tp)
     if tp is Any or tp is object:
         return value

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import platform
@@ -50,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import torch
 import yaml
 
 from ..errors import CheckpointError, ConfigError
@@ -166,7 +168,6 @@ class RunLock:
 
     @classmethod
     def acquire(cls, path: str | Path) -> "RunLock":
-        import fcntl
         path = Path(path)
         key = path.resolve()
         held = cls._held.get(key)
@@ -215,7 +216,6 @@ class RunLock:
         return lock
 
     def release(self) -> None:
-        import fcntl
         self._count -= 1
         if self._count > 0 or self._fd < 0:
             return
@@ -376,7 +376,6 @@ class RunDir:
         atomic_write_text(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
         meta_path = self.path / "meta.json"
         meta = json.loads(meta_path.read_text()) if (resume and meta_path.is_file()) else {}
-        import torch
         meta.setdefault("starts", []).append({
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "argv": sys.argv,

@@ -48,8 +48,11 @@ import contextlib
 import copy
 import json
 import math
+import os
 import random
+import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,6 +63,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
 
 from ..errors import ConfigError, LapheadsError, NonFiniteError
 from ..heads import mixing_table
@@ -337,7 +342,6 @@ class Trainer:
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.ddp_model: nn.Module = self.model
         if self.info.distributed and cfg.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
             self.ddp_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                  find_unused_parameters=cfg.find_unused_parameters)
         self.step = 0
@@ -457,7 +461,6 @@ class Trainer:
         # the random streams and each rank's data order cannot be
         seed_everything(self.cfg.seed + self.info.rank + 1_000_003 * self.step)
         if self.info.is_main:
-            import sys
             print(f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
                   "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
                   "run", file=sys.stderr, flush=True)
@@ -591,6 +594,8 @@ class Trainer:
                 self._tb = None
 
     def _fit(self, resume: bool) -> dict[str, Any]:
+        # The step loop in one piece on purpose: accumulate, non-finite guard, clip, step, hooks, log, evaluate,
+        # checkpoint, stop. The order of these is what exact resume depends on; it reads top to bottom here.
         cfg = self.cfg
         if not resume:
             seed_everything(cfg.seed + self.info.rank)
@@ -601,7 +606,6 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16
                     else contextlib.nullcontext())
-        from tqdm.auto import tqdm
         # disable=None: tqdm draws only when stderr is a terminal (no bars in logs and pipes)
         bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.task.name}", unit="step",
                    disable=None if (self.info.is_main and cfg.progress) else True, dynamic_ncols=True)
@@ -756,7 +760,6 @@ class Trainer:
             final = self.run.final_dir
             tmp = final.with_name(".final.tmp")
             if tmp.exists():
-                import shutil
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
             save_tensors(tmp / "model.safetensors", model.state_dict())
@@ -768,8 +771,6 @@ class Trainer:
                                                          indent=1), encoding="utf-8")
             self.task.export_final(tmp, model, self.ema.module if self.ema else None)
             if final.exists():
-                import shutil
                 shutil.rmtree(final)
-            import os
             os.replace(tmp, final)
         D.barrier()

@@ -76,9 +76,9 @@ def pca_maps(backbone: nn.Module, images: torch.Tensor, layer: int = -1, mask_ba
 def save_grid(pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path, title: str = "",
               ncols: int = 8) -> Path:
     """PNG grid: for each group of ``ncols`` images, a row of pictures then a row of PCA maps."""
-    import matplotlib
+    import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
 
     n = len(pictures)
     ncols = max(1, min(ncols, n))

@@ -46,6 +46,7 @@ from collections import Counter
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..data.tasks import LETTERS, TaskItem, load_task, normalize_number
 from ..errors import ConfigError
@@ -255,7 +256,6 @@ def evaluate_multiple_choice(model: Any, tokenizer: Any, items: Sequence[TaskIte
     Returns:
         ``{"accuracy", "correct", "total", "baseline", "predictions"}``.
     """
-    from tqdm.auto import tqdm
 
     render, prefix = _render_and_prefix(tokenizer, render_prompt, answer_prefix)
     max_choices = max(len(it.choices or []) for it in items)
@@ -413,7 +413,6 @@ def evaluate_gsm8k(items: Sequence[TaskItem], generate: GenerateFn,
         batch_size: problems per ``generate`` call.
         progress: show a tqdm bar.
     """
-    from tqdm.auto import tqdm
 
     correct, answers = 0, []
     for start in tqdm(range(0, len(items), batch_size), desc="gsm8k", disable=None if progress else True, leave=False):
@@ -507,7 +506,6 @@ def evaluate_humaneval(items: Sequence[TaskItem], generate: GenerateFn, render_p
         SandboxUnavailableError: the sandbox cannot run and ``allow_unsafe`` is not set (raised
             before anything is generated).
     """
-    from tqdm.auto import tqdm
 
 
     require_sandbox(sandbox_kwargs.get("allow_unsafe", False), sandbox_kwargs.get("python"))
@@ -584,7 +582,6 @@ def evaluate_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]],
         DataError: a task file is missing or malformed (checked before the model runs).
         ConfigError: bad options.
     """
-    from tqdm.auto import tqdm
 
     if not tasks:
         raise ConfigError("evaluate_tasks needs at least one task")

@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..errors import ConfigError, DataError
 from .tokenizer import stop_token_ids
@@ -74,8 +75,9 @@ def _offline() -> None:
 def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_length: Optional[int] = None,
                        max_gen_toks: int = 256):
     """Wrap a transformers causal LM and its tokenizer as an lm-eval ``LM`` (see the module docstring)."""
-    from lm_eval.api.model import TemplateLM
-    from tqdm.auto import tqdm
+    # The class is defined inside the function because its base class comes from lm-eval, an optional
+    # dependency imported only here; its methods make the function long.
+    from lm_eval.api.model import TemplateLM  # lazy: optional dependency (the eval extra)
 
 
     class LapheadsLM(TemplateLM):
@@ -141,7 +143,10 @@ def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_leng
             return res
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-            from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+            from lm_eval.utils import (  # lazy: optional dependency (the eval extra)
+                get_rolling_token_windows,
+                make_disjoint_window,
+            )
 
             out = []
             for req in tqdm(requests, disable=disable_tqdm, desc="loglikelihood_rolling"):
@@ -197,7 +202,7 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
     if include_path is not None and not Path(include_path).is_dir():
         what = "does not exist" if not Path(include_path).exists() else "is a file"
         raise ConfigError(f"--lm-eval-include {include_path} {what}; give a directory of lm-eval task YAML files")
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lazy: optional dependency (the eval extra)
 
     tm = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [t for t in tasks if t not in tm.all_tasks]
@@ -234,7 +239,7 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
         ConfigError: an unknown task (the message lists where lm-eval looked), a missing include dir.
     """
     tm = task_manager or lm_eval_task_manager(tasks, include_path, allow_network)
-    import lm_eval
+    import lm_eval  # lazy: optional dependency (the eval extra)
 
     lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,

@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from transformers import NanoChatConfig, NanoChatForCausalLM
 
 from .. import transformers as lap_tf
 from ..engine.config import bounded
@@ -154,7 +155,6 @@ def build_config(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_t
     Raises:
         ConfigError: shape errors, a vocabulary mismatch, or Laplacian heads that do not fit.
     """
-    from transformers import NanoChatConfig
 
 
     if cfg.vocab_size and cfg.vocab_size != vocab_size:
@@ -214,7 +214,6 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
         init: apply :func:`init_weights` (off when weights are loaded next anyway).
         bos_token_id / eos_token_id / pad_token_id: special ids for ``generate()``.
     """
-    from transformers import NanoChatForCausalLM
 
 
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)

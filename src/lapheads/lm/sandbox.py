@@ -94,6 +94,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
+from tqdm.auto import tqdm
+
 from ..errors import LapheadsError
 
 __all__ = [
@@ -673,6 +675,8 @@ def run_code(code: str, timeout: float = 5.0, memory_mb: int = 512,
 def _run(st: SandboxStatus, code: str, *, timeout: float, memory_mb: int, max_output_bytes: int,
          max_processes: int, max_file_mb: int, max_open_files: int, disk_mb: int,
          python: Optional[str] = None) -> ExecResult:
+    # The sandboxed launch in one place on purpose: namespaces, limits, seccomp and the program's life are
+    # security-relevant and are audited top to bottom.
     start = time.monotonic()
     is_root = os.getuid() == 0
     uid = _acquire_uid() if is_root else None
@@ -884,7 +888,6 @@ def run_many(codes: Sequence[str], workers: int = 2, progress: bool = False,
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         it: Iterable[ExecResult] = pool.map(lambda c: run_code(c, **kwargs), codes)
         if progress:
-            from tqdm.auto import tqdm
             it = tqdm(it, total=len(codes), desc="sandbox", leave=False, disable=None)  # only on a terminal
         return list(it)
 

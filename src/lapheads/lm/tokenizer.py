@@ -31,6 +31,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
 from ..data.text import tokenizer_hash  # noqa: F401  (defined beside the shards it fingerprints)
 from ..errors import ConfigError, DataError
 
@@ -71,7 +74,6 @@ _MIN_VOCAB = 256 + len(ALL_SPECIAL_TOKENS)
 
 
 def _backend(vocab_size: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(byte_fallback=False, unk_token=None, fuse_unk=False))
     tok.normalizer = None
@@ -88,8 +90,6 @@ def _backend(vocab_size: int):
 
 def _wrap(backend: Any):
     """Wrap a ``tokenizers.Tokenizer`` as a transformers fast tokenizer with our special tokens."""
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
 
     bos_id = backend.token_to_id("<|bos|>")
     # Prefix BOS on tokenizer(text); pairs get one BOS each (documents are BOS-delimited).
@@ -153,13 +153,11 @@ def load_tokenizer(path: str | os.PathLike):
     if not file.is_file():
         raise DataError(f"{p}: no tokenizer.json here; train one with `lapheads tokenizer train --out {p}`")
     if p.is_dir() and (p / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
         try:
             tok = AutoTokenizer.from_pretrained(str(p))
         except Exception as e:  # corrupt JSON etc.: one clear line instead of a deep traceback
             raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
     else:
-        from tokenizers import Tokenizer
         try:
             backend = Tokenizer.from_file(str(file))
         except Exception as e:

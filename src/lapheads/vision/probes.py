@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics.classification import MulticlassJaccardIndex
 
 from ..errors import ConfigError, DataError
 from .backbones import patch_size
@@ -273,7 +274,8 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
         ``miou`` (torchmetrics), ``miou_bruteforce`` (confusion matrix), ``pixel_acc``, ``per_class_iou``,
         ``trivial_miou`` (the mIoU of predicting the most frequent train class everywhere).
     """
-    from torchmetrics.classification import MulticlassJaccardIndex
+    # One function: the probe's training and its evaluation at the original mask sizes share the cached
+    # features and the head; the steps are short and in order.
 
     if len(train_set) == 0 or len(val_set) == 0:
         raise DataError("the segmentation probe needs non-empty train and val sets")
