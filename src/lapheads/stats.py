@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from scipy import stats
 
 ALPHA = 0.05
 POWER = 0.8
@@ -59,6 +58,7 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
     values. With zero spread in both, ``se = 0``: equal means give ``t = 0, p = 1`` and a zero-width
     CI, different means ``t = +-inf, p = 0``.
     """
+    from scipy import stats  # lazy: ~0.7 s to import, reports only
 
     a, b = _finite(baseline), _finite(other)
     if a.size < 2 or b.size < 2:
@@ -80,6 +80,7 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
 
 
 def _power(n: int, d: float, alpha: float) -> float:
+    from scipy import stats  # lazy: ~0.7 s to import, reports only
 
     df = 2 * n - 2
     crit = stats.t.ppf(1 - alpha / 2, df)
@@ -95,6 +96,7 @@ def seeds_needed(d: float, alpha: float = ALPHA, power: float = POWER, max_n: in
     d = abs(float(d))
     if not math.isfinite(d) or d == 0.0:
         return None
+    from scipy import stats  # lazy: ~0.7 s to import, reports only
 
     # normal approximation as the starting point, then the exact noncentral-t power upward/downward
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)

@@ -280,7 +280,7 @@ def _load_run(run_dir: str) -> tuple[torch.nn.Module, str, Any]:
 
 
 def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
-    """``--run`` without ``--data``: each run on its own held-out data (lapheads.geometry.runs)."""
+    """``--run`` without ``--data``: each run on its own held-out data (lapheads.runs.analyze_run)."""
     for r in args.run:
         if not (Path(r) / "config.yaml").is_file():
             raise ConfigError(f"--run {r} is not a run directory (no config.yaml)")

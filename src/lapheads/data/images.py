@@ -679,7 +679,7 @@ def build_image_dataset(spec: Union[str, dict[str, Any]], split: str = "train",
             ``cifar10, cifar100, imagefolder, idx`` (aliases ``mnist``, ``folder``, ``imagenet``,
             ``cifar``); or a dict ``{"kind": ..., "path": ..., **options}``.
         split: ``"train"`` or ``"val"``.
-        transform: transform of the PIL image (see :mod:`lapheads.data.transforms`).
+        transform: transform of the PIL image (see :mod:`lapheads.vision.transforms`).
         **options: format options, merged over those of a dict spec: ``label_type`` (CIFAR-100
             ``"fine"``/``"coarse"``), ``verify`` / ``val_fraction`` / ``seed`` (ImageFolder),
             ``num_classes`` / ``classes`` (idx), ``val_fraction`` / ``seed`` (digits).

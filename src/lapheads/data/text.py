@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
@@ -133,6 +132,7 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
 
 
 def _parquet_file(p: Path, text_field: str):
+    import pyarrow.parquet as pq  # lazy: ~2.5 s to import, parquet corpora only
 
     try:
         pf = pq.ParquetFile(p)

@@ -46,21 +46,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import CheckpointError, ConfigError
 
@@ -104,6 +96,8 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module], device: torch.dev
         bf16: mixed precision (bf16 compute and all-gather, fp32 gradient reduction).
         world_size: processes to shard over (default: the process group's size).
     """
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: ~1 s to import, FSDP only
 
     world = world_size or dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
@@ -129,6 +123,7 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether the model's parameters are DTensor shards (``fully_shard`` was applied)."""
+    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -143,10 +138,8 @@ class ShardedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        from torch.optim._muon import (  # lazy: private torch module, present only in torch versions with Muon
-            _adjust_lr,
-            _zeropower_via_newtonschulz,
-        )
+        from torch.distributed.tensor import DTensor, distribute_tensor  # lazy: ~1 s to import, FSDP only
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # lazy: private torch module, present only in torch versions with Muon
 
         loss = None
         if closure is not None:
@@ -178,12 +171,14 @@ class ShardedMuon(torch.optim.Muon):
 
 def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
     """:class:`ShardedMuon` when any parameter is a DTensor shard, else ``torch.optim.Muon``."""
+    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
     return ShardedMuon if any(isinstance(p, DTensor) for p in params) else torch.optim.Muon
 
 
 # --------------------------------------------------------------------------- norms and guards
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
+    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
@@ -221,6 +216,7 @@ def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on rank 0's CPU (other ranks get ``{}``); a collective call."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy: ~1 s to import, FSDP only
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
@@ -235,6 +231,8 @@ def _quiet_single_process() -> Any:
 
 def save_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Optimizer]) -> None:
     """Every rank writes its shards of model and optimizer state into ``path/dcp`` (collective)."""
+    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # lazy: ~1 s to import, FSDP only
 
     msd, osd = get_state_dict(model, list(optims))
     with _quiet_single_process():
@@ -247,6 +245,8 @@ def load_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Opti
     Raises:
         CheckpointError: the checkpoint does not fit this model or these optimizers.
     """
+    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # lazy: ~1 s to import, FSDP only
 
     msd, osd = get_state_dict(model, list(optims))
     state = {"model": msd, "optim": osd}
@@ -270,7 +270,9 @@ def consolidate(path: Path) -> dict[str, Any]:
 
     Needs no process group (DCP's no-dist mode); used to inspect or convert a checkpoint.
     """
+    import tempfile
 
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # lazy: ~1 s to import, FSDP only
 
     path = Path(path)
     if not is_sharded_checkpoint(path):

@@ -29,7 +29,7 @@ Design choices:
 * The comparison the retrofit is judged by: validation loss / bits per byte of the pretrained
   model before conversion, right after conversion (no step taken), after N steps, and of the
   unconverted model fine-tuned the same N steps with the same data, optimizer and method. With
-  ``baseline: true`` (default) ``train_main`` runs that baseline as a second engine run in
+  ``baseline: true`` (default) :meth:`RetrofitRecipe.train` runs that baseline as a second engine run in
   ``OUT/baseline`` and writes all four numbers to ``OUT/retrofit.json`` (and prints them).
 """
 

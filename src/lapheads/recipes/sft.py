@@ -61,7 +61,7 @@ from .lm import RECIPE as LM_RECIPE
 from .lm import LMDataConfig, LMRecipe, export_hf, load_model
 
 __all__ = ["SFTSource", "SFTDataConfig", "SFTConfig", "SFTTask", "read_chat_jsonl", "topics_qa",
-           "write_topics_qa", "collate_padded", "collate_packed", "build_task", "train_main"]
+           "write_topics_qa", "collate_padded", "collate_packed", "build_task", "SFTRecipe", "RECIPE"]
 
 EMBEDDED = "embedded"
 

@@ -42,7 +42,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics.classification import MulticlassJaccardIndex
 
 from ..errors import ConfigError, DataError
 from .backbones import patch_size
@@ -328,6 +327,7 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
             step += 1
 
     head.eval()
+    from torchmetrics.classification import MulticlassJaccardIndex  # lazy: several s to import, this probe only
     jac = MulticlassJaccardIndex(num_classes=num_classes, ignore_index=ignore_index, average="macro")
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     trivial_cm = torch.zeros_like(cm)
