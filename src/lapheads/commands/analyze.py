@@ -55,7 +55,6 @@ __all__ = ["main", "load_checkpoint", "build_batches"]
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
-
     out: dict[str, Any] = {}
     for it in items or []:
         if "=" not in it:

@@ -41,7 +41,6 @@ def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
 
 
 def _setup(args: argparse.Namespace) -> tuple[nn.Module, dict, torch.device]:
-
     dev = pick_device(args.device)
     lh = args.laplacian_heads
     bb, meta = load_backbone(run=args.run, model=args.model, weights=args.weights, laplacian_heads=lh,

@@ -36,7 +36,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
-
     t0 = time.time()
     parts = []
     if not args.no_vision:

@@ -507,7 +507,6 @@ def evaluate_humaneval(items: Sequence[TaskItem], generate: GenerateFn, render_p
             before anything is generated).
     """
 
-
     require_sandbox(sandbox_kwargs.get("allow_unsafe", False), sandbox_kwargs.get("python"))
 
     completions: list[list[str]] = []

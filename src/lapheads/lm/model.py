@@ -156,7 +156,6 @@ def build_config(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_t
         ConfigError: shape errors, a vocabulary mismatch, or Laplacian heads that do not fit.
     """
 
-
     if cfg.vocab_size and cfg.vocab_size != vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.vocab_size} does not match the tokenizer's vocabulary of "
                           f"{vocab_size} tokens; set model.vocab_size=0 (take it from the tokenizer) or use "
@@ -214,7 +213,6 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
         init: apply :func:`init_weights` (off when weights are loaded next anyway).
         bos_token_id / eos_token_id / pad_token_id: special ids for ``generate()``.
     """
-
 
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model = NanoChatForCausalLM(config)

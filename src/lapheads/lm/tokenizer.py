@@ -74,7 +74,6 @@ _MIN_VOCAB = 256 + len(ALL_SPECIAL_TOKENS)
 
 
 def _backend(vocab_size: int):
-
     tok = Tokenizer(models.BPE(byte_fallback=False, unk_token=None, fuse_unk=False))
     tok.normalizer = None
     tok.pre_tokenizer = pre_tokenizers.Sequence([

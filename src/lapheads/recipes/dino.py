@@ -457,7 +457,6 @@ class DinoTask(Task):
 
     # ---------------------------------------------------------------- evaluation / export
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
-
         if self._val_set is None:
             self._val_set = _load_images(self.val_spec, self.cfg.data.val_split, "data.val")
         tf = EvalTransform(self.cfg.crops.global_size, self.cfg.crops.mean, self.cfg.crops.std)
