@@ -266,3 +266,17 @@ def test_read_json(tmp_path):
         read_json(f)
     with pytest.raises(CheckpointError, match="does not exist"):
         read_json(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("recipe,config", [("classify", "classify/digits.yaml"), ("dino", "dino/digits.yaml"),
+                                           ("lm", "lm/tiny.yaml")])
+def test_every_recipe_refuses_a_bad_head_selection_when_the_config_is_parsed(recipe, config, tmp_path, capsys):
+    """One shared, typed config field (heads_field): a bad value is one line naming the key, before any work."""
+    from lapheads.cli import main as cli
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    out = tmp_path / "run"
+    rc = cli(["train", recipe, "--config", str(root / config), "--out", str(out), "--set", "model.laplacian_heads=alll"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.laplacian_heads='alll'" in err[0], err
+    assert not out.exists()
