@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs (test_fsdp_recipes.py shares `cache`), on one worker
+
 STEPS = 12
 CKPT_EVERY = 2
 GLOBAL_BATCH = 4

@@ -5,6 +5,12 @@
 environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK). A rank that loses its peers does not
 hang forever: collectives time out after ``LAPHEADS_DIST_TIMEOUT`` seconds (default 120) and the
 error names the rank.
+
+A process may create the group more than once (``lapheads train retrofit`` runs its baseline as a
+second ``launch``, which ends the group like the first). torch restarts its group names after
+``destroy_process_group``, so under torchrun, whose store outlives the group, a second group would
+read the first one's rendezvous keys and hang (pytorch#55967); every group after the first gets
+keys of its own (a ``PrefixStore``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+_groups_created = 0  # process groups this process initialised (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
 
 def init_distributed(device: str = "auto") -> DistInfo:
     """Initialise the process group when launched by torchrun; otherwise a single process."""
+    global _groups_created
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -55,7 +64,13 @@ def init_distributed(device: str = "auto") -> DistInfo:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         timeout = datetime.timedelta(seconds=float(os.environ.get("LAPHEADS_DIST_TIMEOUT", "120")))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        if _groups_created:  # a fresh key space in the same store (pytorch#55967)
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world,
+                                    store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store))
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        _groups_created += 1
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=dev)
 
 

@@ -341,7 +341,9 @@ class RunDir:
                 return False
             old = load_yaml(self.config_path.read_text(encoding="utf-8"), str(self.config_path)) or {}
             new = {"recipe": recipe, **to_dict(cfg)}
-            changed = config_changes(old, new, RESUME_MUTABLE, defaults={"recipe": recipe, **to_dict(type(cfg)())})
+            # plus the keys a config derives from the world size (lm: train.grad_accum from data.total_batch_tokens)
+            allowed = RESUME_MUTABLE | (cfg.resume_mutable() if hasattr(cfg, "resume_mutable") else set())
+            changed = config_changes(old, new, allowed, defaults={"recipe": recipe, **to_dict(type(cfg)())})
             if changed:
                 raise ConfigError(
                     f"--resume: the config differs from {self.config_path} at "

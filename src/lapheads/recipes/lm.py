@@ -27,7 +27,9 @@ Design choices:
   ``(seed, rank, micro step)``: a pure function of the micro step, so resume is exact.
 * ``data.total_batch_tokens`` fixes the optimizer batch in tokens (nanochat: 524288);
   ``train.grad_accum = total / (batch_size * seq_len * world_size)`` is derived when the config
-  is loaded (``WORLD_SIZE`` from torchrun), so the saved config shows it and resume checks it.
+  is loaded (``WORLD_SIZE`` from torchrun), so the saved config shows it and resume checks it;
+  a resume on another number of processes (``train.parallel: fsdp`` re-shards) derives it anew, so
+  the optimizer batch stays the same (:meth:`LMConfig.resume_mutable`).
   ``data.tokens_per_param`` sets the run length when ``train.max_steps`` is 0 (nanochat: 20).
 * Validation bits per byte (nanochat's ``evaluate_bpb``): over a fixed set of consecutive
   validation windows, ``sum of target-token losses in nats / (ln 2 * sum of their UTF-8 bytes)``;
@@ -120,6 +122,12 @@ class LMConfig:
 
     def validate(self) -> None:
         resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def resume_mutable(self) -> set[str]:
+        """Keys a ``--resume`` may change (engine.run.RunDir.check): with ``data.total_batch_tokens``,
+        ``train.grad_accum`` follows the world size and the optimizer batch stays the same, so a
+        sharded checkpoint resumes on another number of processes."""
+        return {"train.grad_accum"} if self.data.total_batch_tokens else set()
 
 
 def resolve_grad_accum(d: LMDataConfig, t: TrainConfig, world_size: int) -> None:

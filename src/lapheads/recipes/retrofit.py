@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -122,6 +123,12 @@ class RetrofitConfig:
                               f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
         if self.laplacian_heads != KEEP:
             LaplacianHeads(self.laplacian_heads)  # a malformed spec fails here; its shape is checked on load
+        # derived here, as for `train lm`, so that --resume compares the resolved value
+        resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def resume_mutable(self) -> set[str]:
+        """Keys a ``--resume`` may change: ``train.grad_accum`` with ``data.total_batch_tokens`` (see lm)."""
+        return {"train.grad_accum"} if self.data.total_batch_tokens else set()
 
 
 def _is_count(spec: Any) -> bool:

@@ -1,0 +1,280 @@
+"""FSDP2 for the SFT and retrofit recipes, activation checkpointing, and resume on another world size.
+
+One torchrun (2 processes, gloo, ``train.parallel=fsdp``) trains three tiny runs from one
+"pretrained" save_pretrained directory (2 layers, width 32, k = 0): an SFT run, a retrofit run
+(``data.total_batch_tokens`` set, a checkpoint every 2 steps), and the same retrofit run with
+``train.activation_checkpointing``. One torchrun start costs most of the time, so the runs share it.
+
+Each is compared with one process, through the recipe's own ``train`` (what ``lapheads train``
+calls). What makes the numbers comparable (``_Interleaved``):
+
+* The recipes draw each rank's micro-batches from its own stream, seeded by (seed, rank, micro
+  step). The test tasks draw micro-batch ``m`` of rank ``r`` from the single-process stream at
+  ``m * world + r``, so 2 ranks x ``grad_accum`` 1 see, in one optimizer step, what 1 process sees
+  with ``grad_accum`` 2. The loss of a micro-batch is the recipe's (SFT: mean over its assistant
+  tokens), and FSDP averages the ranks' gradients as accumulation averages the micro-batches, so
+  the updates agree to float rounding.
+* For retrofit ``data.total_batch_tokens`` is set and ``train.grad_accum`` is derived from the
+  world size (1 with 2 processes, 2 with one): literally the same config on both sides. The
+  checkpoint the 2-process run wrote at step 2 is then resumed by one process, which recomputes
+  ``grad_accum`` (the optimizer batch in tokens stays the same) and ends where the uninterrupted
+  2-process run ends.
+* The "pretrained" model has no zero-initialised matrices (nanochat zeroes ``o_proj``, ``fc2`` and
+  ``lm_head``): SFT's Muon would otherwise orthogonalise low-rank gradients, which blows float
+  rounding up to the size of the update (see test_fsdp.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
+import yaml
+
+from test_fsdp import _assert_close, _env, _free_port, _weights
+from test_fsdp import cache  # noqa: F401  (the module-scoped tokenizer + shards fixture, shared)
+
+pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs, on one worker
+
+STEPS = 4
+CKPT_EVERY = 2
+PER_RANK = 2  # sequences per process and micro-step
+SFT_SEQ, RETRO_SEQ = 64, 32
+TOTAL_TOKENS = 2 * PER_RANK * RETRO_SEQ  # grad_accum 1 on 2 processes, 2 on one
+
+
+# --------------------------------------------------------------------------- tasks and recipes of the tests
+class _Interleaved:
+    """Micro-batch ``m`` of rank ``r`` is the recipe's single-process micro-batch ``m * world + r``."""
+
+    info: Any
+
+    def batches(self, start_micro_step: int) -> Iterator[Any]:
+        world, rank = self.info.world_size, self.info.rank
+        one = copy.copy(self)  # the recipe's stream as rank 0 of one process draws it
+        one.info = dataclasses.replace(self.info, rank=0, world_size=1)
+        return itertools.islice(super(_Interleaved, one).batches(start_micro_step * world + rank),  # type: ignore[misc]
+                                0, None, world)
+
+
+def _sft_recipe() -> Any:
+    from lapheads.recipes import sft as S
+
+    class Task(_Interleaved, S.SFTTask):
+        pass
+
+    class Recipe(S.SFTRecipe):
+        def build_task(self, cfg: Any, info: Any, run_dir: Optional[str | Path] = None) -> Any:
+            return Task(cfg, info)
+
+    return Recipe()
+
+
+def _retrofit_recipe() -> Any:
+    from lapheads.recipes import retrofit as RF
+
+    class Task(_Interleaved, RF.RetrofitTask):
+        """Counts the training-time calls of the first decoder layer's MLP: twice per micro-step when
+        activation checkpointing recomputes the layer in backward. (transformers checkpoints the layer's
+        ``forward``, so hooks on the layer itself, FSDP's included, run once; torch stops the recompute
+        once it has the saved tensors, so the MLP's post-forward hook runs once too: a pre-hook counts.)"""
+
+        layer_calls = 0
+
+        def __init__(self, *args: Any, **kw: Any):
+            super().__init__(*args, **kw)
+            Task.layer_calls = 0
+
+            def count(module: Any, args: Any) -> None:
+                if torch.is_grad_enabled():  # not the evaluations (no_grad)
+                    Task.layer_calls += 1
+
+            self.model.model.layers[0].mlp.register_forward_pre_hook(count)
+
+    class Recipe(RF.RetrofitRecipe):
+        task = Task
+
+        def build_task(self, cfg: Any, info: Any, run_dir: Optional[str | Path] = None) -> Any:
+            return Task(cfg, info, run_dir=run_dir)
+
+    return Recipe()
+
+
+def _sft_config(pretrained: Path, world: int) -> Any:
+    from lapheads.engine.config import load_config
+    from lapheads.recipes import sft as S
+
+    return load_config(S.SFTConfig, None, [
+        f"init_from={pretrained}", f"data.seq_len={SFT_SEQ}", f"data.batch_size={PER_RANK}", "data.max_eval_items=4",
+        f"train.grad_accum={2 // world}", f"train.max_steps={STEPS}", "train.eval_every=0", "train.log_every=1",
+        "train.progress=false", f"train.parallel={'fsdp' if world > 1 else 'ddp'}"])
+
+
+def _retrofit_config(pretrained: Path, cache: Path, parallel: str, *extra: str) -> Any:
+    from lapheads.engine.config import load_config
+    from lapheads.recipes import retrofit as RF
+
+    return load_config(RF.RetrofitConfig, None, [
+        f"init_from={pretrained}", f"data.cache_dir={cache}", "laplacian_heads=1", "baseline=false",
+        f"data.seq_len={RETRO_SEQ}", f"data.batch_size={PER_RANK}", f"data.total_batch_tokens={TOTAL_TOKENS}",
+        "data.eval_tokens=128", f"train.max_steps={STEPS}", "train.warmup_ratio=0", "train.log_every=1",
+        f"train.ckpt_every={CKPT_EVERY}", "train.keep_checkpoints=0", "train.progress=false",
+        f"train.parallel={parallel}", *extra])
+
+
+def _losses(run: Path) -> list[tuple[float, float]]:
+    from lapheads.engine.run import RunDir
+    return [(r["loss"], r["grad_norm"]) for r in RunDir(run).metrics() if "loss" in r and r.get("split") != "val"]
+
+
+def _check_same_run(one: Path, two: Path, start: Path) -> None:
+    """Same logged losses and gradient norms, and the same final weights, to 1e-5; weights that moved
+    from ``start`` (the pretrained model) by far more than that, so the comparison can fail."""
+    a, b = _losses(one), _losses(two)
+    assert len(a) == len(b) == STEPS
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0)
+    final = _weights(one / "final" / "model.safetensors")
+    _assert_close(final, _weights(two / "final" / "model.safetensors"), atol=1e-5)
+    begin = _weights(start / "model.safetensors")
+    assert max(float((final[k] - begin[k]).abs().max()) for k in final) > 1e-4
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def pretrained(cache, tmp_path_factory) -> Path:  # noqa: F811  (cache: the fixture imported above)
+    """A save_pretrained directory: a 2-layer, 32-wide NanoChat LM (k = 0) with random weights everywhere."""
+    from lapheads.engine.config import load_config
+    from lapheads.engine.dist import DistInfo
+    from lapheads.recipes import lm as R
+
+    cfg = load_config(R.LMConfig, None, [f"data.cache_dir={cache}", "data.vocab_size=400", f"data.seq_len={SFT_SEQ}",
+                                         "model.depth=2", "model.width=32", "model.n_heads=2",
+                                         "model.laplacian_heads=0", "train.progress=false"])
+    task = R.LMTask(cfg, DistInfo())
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in task.model.named_parameters():
+            if name.endswith(("o_proj.weight", "fc2.weight", "lm_head.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    out = tmp_path_factory.mktemp("fsdp_recipes") / "pretrained"
+    R.export_hf(task.model, task.tokenizer, out)
+    # the retrofit shards (tokenized with this model's tokenizer) are built once, here
+    R.prepare_data(_retrofit_config(out, cache, "ddp").data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process(pretrained, cache, tmp_path_factory) -> Path:  # noqa: F811
+    """The three 2-process FSDP runs (sft, retro, retro_ac) of one torchrun."""
+    out = tmp_path_factory.mktemp("fsdp_recipes_2p")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           __file__, str(out), str(cache), str(pretrained)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def retro_one(pretrained, cache, tmp_path_factory) -> Path:  # noqa: F811
+    """The retrofit run in one process (grad_accum derived: 2)."""
+    out = tmp_path_factory.mktemp("fsdp_recipes_1p") / "retro"
+    cfg = _retrofit_config(pretrained, cache, "ddp")
+    assert cfg.train.grad_accum == 2
+    _retrofit_recipe().train(cfg, out)
+    return out
+
+
+# --------------------------------------------------------------------------- tests
+def test_sft_two_process_fsdp_equals_one_process(two_process, pretrained, tmp_path):
+    """``lapheads train sft --set train.parallel=fsdp`` on 2 ranks = 1 process with the same global batch."""
+    from lapheads.recipes.lm import load_model
+
+    one = tmp_path / "sft"
+    _sft_recipe().train(_sft_config(pretrained, 1), one)
+    two = two_process / "sft"
+    _check_same_run(one, two, pretrained)
+    assert json.loads((two / "meta.json").read_text())["starts"][0]["world_size"] == 2
+    assert (two / "checkpoints" / f"step_{STEPS:08d}" / "dcp" / ".metadata").is_file()
+    model, _ = load_model(two)  # final/hf reads like any SFT run's
+    assert model.config.laplacian_heads == 0
+    assert json.loads((two / "final" / "metrics.json").read_text())["val_loss"] > 0
+
+
+def test_retrofit_two_process_fsdp_equals_one_process(two_process, retro_one, pretrained):
+    """``lapheads train retrofit --set train.parallel=fsdp`` on 2 ranks = 1 process, same config."""
+    two = two_process / "retro"
+    _check_same_run(retro_one, two, pretrained)
+    assert yaml.safe_load((two / "config.yaml").read_text())["train"]["grad_accum"] == 1
+    summary = json.loads((two / "retrofit.json").read_text())
+    assert summary["laplacian_heads"] == 1 and summary["original_laplacian_heads"] == 0
+    assert summary["metrics"]["after_steps"]["val_loss"] > 0
+    hf = json.loads((two / "final" / "hf" / "config.json").read_text())
+    assert hf["laplacian_heads"] == 1
+
+
+def test_activation_checkpointing_changes_nothing(two_process, retro_one, pretrained, cache, tmp_path):  # noqa: F811
+    """``train.activation_checkpointing``: same losses and weights, with FSDP (2 ranks) and without (1 process);
+    the first layer's MLP runs twice per micro-step (forward, recompute in backward) instead of once."""
+    _check_same_run(two_process / "retro", two_process / "retro_ac", pretrained)
+    recipe = _retrofit_recipe()
+    calls = json.loads((two_process / "layer_calls.json").read_text())
+    assert calls == {"retro": STEPS, "retro_ac": 2 * STEPS}  # per rank: grad_accum 1
+    ac = tmp_path / "retro_ac"
+    cfg = _retrofit_config(pretrained, cache, "ddp", "train.activation_checkpointing=true")
+    recipe.train(cfg, ac)
+    assert recipe.task.layer_calls == 2 * 2 * STEPS  # grad_accum 2
+    _check_same_run(retro_one, ac, pretrained)
+
+
+def test_two_process_checkpoint_resumes_on_one_process(two_process, retro_one, pretrained, cache, tmp_path):  # noqa: F811
+    """With ``data.total_batch_tokens`` the 2-process checkpoint of step 2 resumes in 1 process: grad_accum
+    is recomputed (1 -> 2), the optimizer batch stays 128 tokens, and the run ends with the weights of the
+    uninterrupted 2-process run."""
+    from lapheads.engine.run import RunDir
+    from lapheads.errors import ConfigError
+    from lapheads.recipes.lm import resolve_grad_accum
+
+    run = tmp_path / "retro"
+    shutil.copytree(two_process / "retro", run)
+    ckd = run / "checkpoints"
+    for p in ckd.glob("step_*"):
+        if p.name != f"step_{CKPT_EVERY:08d}":
+            shutil.rmtree(p)
+    (ckd / "latest").write_text(f"step_{CKPT_EVERY:08d}")
+    shutil.rmtree(run / "final")
+    cfg = _retrofit_config(pretrained, cache, "fsdp")
+    assert cfg.train.grad_accum == 2
+    _retrofit_recipe().train(cfg, run, resume=True)
+    steps = [r["step"] for r in RunDir(run).metrics() if "loss" in r and r.get("split") != "val"]
+    assert steps == list(range(1, STEPS + 1))
+    _assert_close(_weights(run / "final" / "model.safetensors"),
+                  _weights(two_process / "retro" / "final" / "model.safetensors"), atol=1e-5)
+    torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(retro_one)), rtol=1e-5, atol=0)
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["grad_accum"] == 2
+    assert [s["world_size"] for s in json.loads((run / "meta.json").read_text())["starts"]] == [2, 1]
+    # a world size whose micro-step does not divide the optimizer batch cannot keep it: one line, the key
+    with pytest.raises(ConfigError) as e:
+        resolve_grad_accum(copy.deepcopy(cfg.data), copy.deepcopy(cfg.train), 3)
+    assert "data.total_batch_tokens=128" in str(e.value) and "\n" not in str(e.value)
+
+
+if __name__ == "__main__":  # the torchrun worker: OUT CACHE PRETRAINED
+    out, cache_dir, pre = (Path(a) for a in sys.argv[1:4])
+    _sft_recipe().train(_sft_config(pre, 2), out / "sft")
+    calls = {}
+    for name, extra in (("retro", ()), ("retro_ac", ("train.activation_checkpointing=true",))):
+        recipe = _retrofit_recipe()
+        recipe.train(_retrofit_config(pre, cache_dir, "fsdp", *extra), out / name)
+        calls[name] = recipe.task.layer_calls
+    if int(os.environ["RANK"]) == 0:
+        (out / "layer_calls.json").write_text(json.dumps(calls))
