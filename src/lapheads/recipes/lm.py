@@ -300,7 +300,6 @@ class LMTask(Task):
     name = "lm"
 
     def __init__(self, cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
-
         self.cfg, self.info = cfg, info
         self.run_dir = Path(run_dir) if run_dir is not None else None
         d = cfg.data

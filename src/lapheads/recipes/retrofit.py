@@ -195,7 +195,6 @@ class RetrofitTask(LMTask):
     name = "retrofit"
 
     def __init__(self, cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
-
         self.cfg, self.info = cfg, info  # type: ignore[assignment]
         self.run_dir = Path(run_dir) if run_dir is not None else None
         d = cfg.data

@@ -168,7 +168,6 @@ def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
 
 def _render_all(tokenizer: Any, where: str, convs: Sequence[tuple[int, list[dict]]], max_tokens: int
                 ) -> list[tuple[list[int], list[int]]]:
-
     out = []
     for n, msgs in convs:
         try:
@@ -257,7 +256,6 @@ class SFTTask(Task):
     name = "sft"
 
     def __init__(self, cfg: SFTConfig, info: DistInfo):
-
         self.cfg, self.info = cfg, info
         d = cfg.data
         # Read every file before loading the model: bad data fails in seconds.
