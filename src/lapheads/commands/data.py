@@ -38,7 +38,6 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
                     help="stop reading after this many characters (nanochat trains on ~2B); default: all")
     args = ap.parse_args(list(argv) if argv is not None else None)
 
-
     check_out_dir(args.out)
     if args.embedded:
         docs: Iterable[str] = text_data.embedded_documents()
@@ -94,7 +93,6 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(list(argv) if argv is not None else None)
-
 
     check_out_dir(args.out)
     tok = load_tokenizer(args.tokenizer)

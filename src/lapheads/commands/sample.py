@@ -28,7 +28,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=number_arg(int), default=0)
     args = p.parse_args(list(argv) if argv is not None else None)
 
-
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
     texts = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,

@@ -294,6 +294,7 @@ _CLI_HINTS = {"val_fraction": "--val-fraction", "val_by": "--val-by tokens",
 # Settings an index written before they existed implicitly had.
 _SETTING_DEFAULTS = {"val_by": "documents", "train_fraction": "1", "max_train_documents": 0}
 
+
 def _dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 

@@ -79,7 +79,6 @@ def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_leng
     # dependency imported only here; its methods make the function long.
     from lm_eval.api.model import TemplateLM  # lazy: optional dependency (the eval extra)
 
-
     class LapheadsLM(TemplateLM):
         """lm-eval's view of a lapheads LM (log-likelihoods, rolling log-likelihoods, generation)."""
 
