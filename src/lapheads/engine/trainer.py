@@ -489,7 +489,8 @@ class Trainer:
         if len(rngs) != self.info.world_size:
             raise ConfigError(
                 f"{path} was written by {len(rngs)} processes but this run has {self.info.world_size}; "
-                "exact resume needs the same world size")
+                f"exact resume needs the same world size: resume it on {len(rngs)} processes (torchrun); "
+                "checkpoints of train.parallel=fsdp also resume on another number")
         _set_rng_state(rngs[self.info.rank], self.device)
 
     # ------------------------------------------------------------------ logging
