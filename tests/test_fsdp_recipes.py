@@ -120,12 +120,12 @@ def _sft_config(pretrained: Path, world: int) -> Any:
         "train.progress=false", f"train.parallel={'fsdp' if world > 1 else 'ddp'}"])
 
 
-def _retrofit_config(pretrained: Path, cache: Path, parallel: str, *extra: str) -> Any:
+def _retrofit_config(pretrained: Path, cache_dir: Path, parallel: str, *extra: str) -> Any:
     from lapheads.engine.config import load_config
     from lapheads.recipes import retrofit as RF
 
     return load_config(RF.RetrofitConfig, None, [
-        f"init_from={pretrained}", f"data.cache_dir={cache}", "laplacian_heads=1", "baseline=false",
+        f"init_from={pretrained}", f"data.cache_dir={cache_dir}", "laplacian_heads=1", "baseline=false",
         f"data.seq_len={RETRO_SEQ}", f"data.batch_size={PER_RANK}", f"data.total_batch_tokens={TOTAL_TOKENS}",
         "data.eval_tokens=128", f"train.max_steps={STEPS}", "train.warmup_ratio=0", "train.log_every=1",
         f"train.ckpt_every={CKPT_EVERY}", "train.keep_checkpoints=0", "train.progress=false",
