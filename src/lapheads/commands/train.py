@@ -8,6 +8,7 @@ every value before anything runs (:func:`lapheads.engine.config.load_config`).
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional, Sequence
 
 from ..engine.config import load_config
@@ -24,8 +25,9 @@ def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
     args = p.parse_args(list(argv or []))
     cfg = load_config(recipe.config_type, args.config, args.overrides, recipe=recipe.name)
     result = recipe.train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
-    for line in recipe.result_lines(result, args.out):
-        print(line)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report per job, not one per process
+        for line in recipe.result_lines(result, args.out):
+            print(line)
     return 0
 
 

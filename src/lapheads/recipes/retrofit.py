@@ -353,7 +353,7 @@ class RetrofitRecipe(LMRecipe):
         for i, (c, o) in enumerate(runs):
             # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
             super().train(c, o, resume=resume and (i == 0 or Path(o).exists()), overwrite=overwrite)
-        return summarize(out)
+        return summarize(out) if int(os.environ.get("RANK", "0")) == 0 else {}  # rank 0 writes retrofit.json
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         lines = [f"retrofit to laplacian_heads={result['laplacian_heads']!r} ({result['method']}, "
