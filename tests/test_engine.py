@@ -437,3 +437,22 @@ def test_resume_command_and_interrupt_line(monkeypatch, tmp_path):
     assert resume_command(["train", "lm"], ["--out", "r"]).startswith("torchrun --nproc_per_node=2 -m lapheads.cli ")
     monkeypatch.setenv("RANK", "1")
     assert describe_interrupt(["train", "lm"], args, e) == (None, 143)  # one line per job, from rank 0
+
+
+def test_a_resumed_event_file_sorts_after_the_killed_attempts(tmp_path):
+    """TensorBoard reads event files in name order; names made in the same second compare by pid and a
+    counter as strings ("...10" < "...9"), so a resume waits for the next second (it once lost steps 1-10)."""
+    import time
+
+    from lapheads.engine.trainer import _after_earlier_event_files
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.4242.9").write_bytes(b"")
+    _after_earlier_event_files(tmp_path)
+    assert int(time.time()) > now  # a file made now gets a later second than the earlier one
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "events.out.tfevents.notanumber.host.1.1").write_bytes(b"")  # not TensorBoard's layout: ignored
+    t0 = time.time()
+    _after_earlier_event_files(other)
+    assert time.time() - t0 < 0.5

@@ -218,6 +218,24 @@ class Task:
         """Extra files in ``final/`` (e.g. a transformers ``save_pretrained`` directory)."""
 
 
+
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
+
+    TensorBoard reads a run's event files in name order, and a name is
+    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: two files made in the same second
+    compare by pid and counter as strings ("...10" < "...9"), so a resumed attempt's file could be read
+    before the killed attempt's, and its purge marker would then erase the earlier steps instead of
+    the orphaned ones. A resume is rare; waiting for the next second makes the order certain.
+    """
+    stamps = []
+    for f in Path(tb_dir).glob("events.out.tfevents.*"):
+        parts = f.name.split(".")
+        if len(parts) > 3 and parts[3].isdigit():
+            stamps.append(int(parts[3]))
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
+
 class ModelEma:
     """Exponential moving average of a module's parameters and buffers (float copies)."""
 
@@ -503,6 +521,8 @@ class Trainer:
         if self._tb is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+                if self._tb_purge_step is not None:
+                    _after_earlier_event_files(self.run.tb_dir)
                 # after a resume, events past the checkpoint (logged by a killed attempt) are purged
                 self._tb = SummaryWriter(str(self.run.tb_dir), purge_step=self._tb_purge_step)
             except ImportError:  # tensorboard is a dependency; tolerate its absence anyway
