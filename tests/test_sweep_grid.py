@@ -110,3 +110,25 @@ def test_grid_report_axes_lines_and_k_ablation(tmp_path):
     # runs that differ only in k and seed: no grid table, only the k-ablation figure
     tables2, made2 = grid_report([r for r in runs if "w16_" in r["name"]], figs)
     assert tables2 == [] and [p.name for p, _ in made2] == ["classify_grid_Laplacian_heads_k.png"]
+
+
+def test_grid_claims_compare_k_within_each_grid_point(tmp_path):
+    """Pooled over widths, the spread between grid points hides a clear within-point effect of k."""
+    from lapheads.report import claims, grid_claims, summarise
+    from lapheads.stats import plateau
+
+    runs = [_fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5 + 0.001 * w + 0.01 * k + 0.002 * s,
+                      0.3 - 0.05 * k)
+            for w in (16, 64, 256) for k in (0, 2) for s in (0, 1, 2)]
+    flags = {r["dir"]: plateau([], []) for r in runs}  # no validation curves: plateau unknown
+
+    def top1(cs: list) -> list:
+        return [comp for c in cs if c["key"] == "top1" for comp in c["comparisons"]]
+
+    pooled = top1(claims(summarise(runs), flags))
+    assert [c.verdict for c in pooled] == ["not resolved"]  # widths 16..256 move top-1 by 0.24, k by 0.02
+    per_point = grid_claims(runs, flags)
+    assert [c["point"] for c in per_point if c["key"] == "top1"] == ["embed_dim=16", "embed_dim=64", "embed_dim=256"]
+    within = top1(per_point)
+    assert [c.verdict for c in within] == ["observed"] * 3 and all(abs(c.diff - 0.02) < 1e-9 for c in within)
+    assert grid_claims([r for r in runs if "w16_" in r["name"]], flags) == []  # one point: the pooled verdicts suffice

@@ -456,6 +456,36 @@ def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[di
     return out
 
 
+def grid_claims(runs: Sequence[dict], flags: dict[str, Plateau]) -> list[dict[str, Any]]:
+    """:func:`claims` inside each grid point, for every recipe whose runs differ in config values.
+
+    A grid point is one combination of the grid axes (:func:`grid_axes`); its runs differ only in k
+    and seed, so a comparison there is not blurred by the spread between points. Each entry is a
+    :func:`claims` entry whose ``claim`` names the point, plus ``"point"`` (``"embed_dim=32, epochs=5"``).
+    """
+    out: list[dict[str, Any]] = []
+    by_recipe: dict[str, list[dict]] = {}
+    for r in runs:
+        by_recipe.setdefault(r["recipe"], []).append(r)
+    for recipe, rs in by_recipe.items():
+        configs = [RunDir(r["dir"]).read_config() for r in rs]
+        axes = grid_axes(configs)
+        if not axes:
+            continue
+        points: dict[tuple, list[dict]] = {}
+        for r, c in zip(rs, configs):
+            f = flatten_config(c)
+            points.setdefault(tuple(f.get(a) for a in axes), []).append(r)
+        for values in sorted(points, key=lambda vs: tuple((0, v, "") if _numeric([v]) else (1, 0, str(v))
+                                                             for v in vs)):
+            name = ", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(axes, values))
+            for c in claims(summarise(points[values]), flags):
+                c["claim"] = f"{recipe} at {name}: {c['claim'].split(': ', 1)[1]}"
+                c["point"] = name
+                out.append(c)
+    return out
+
+
 # ----------------------------------------------------------------------------------- rendering
 def _plateaued(runs: list[dict], flags: dict[str, Plateau]) -> str:
     st = [flags[r["dir"]].status for r in runs]
@@ -546,6 +576,16 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
         for c in cl:
             md += [f"**{c['claim']}.** {c['text']}", ""]
             hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
+    gcl = grid_claims(runs, flags)
+    if gcl:
+        how = ("The verdicts above pool every grid point of a setting, so the differences between grid points "
+               "(width, training length, data size) enter the spread. The same comparisons inside each grid "
+               "point, between runs that differ only in k and seed:")
+        md += ["", "### Within each grid point", "", how, ""]
+        hb += ["<h3>Within each grid point</h3>", f"<p>{html.escape(how)}</p>"]
+        for c in gcl:
+            md += [f"**{c['claim']}.** {c['text']}", ""]
+            hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
     md += ["", "## Runs", ""]
     run_header = ["run", "recipe", "Laplacian heads", "seed", "steps", "plateau", "final metrics"]
     run_rows = [[r["name"], r["recipe"], r["label"], str(r["seed"]), _steps(r), flags[r["dir"]].describe(),
@@ -559,7 +599,7 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
             f"<style>{_CSS}</style></head><body>{''.join(hb)}{_IMG_CHECK}</body></html>")
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(
-        _summary_json(summary, flags, cl), indent=1, default=str, allow_nan=False))
+        _summary_json(summary, flags, cl, gcl), indent=1, default=str, allow_nan=False))
     return {"md": out / "report.md", "html": out / "report.html", "summary": out / "summary.json"}
 
 
@@ -610,9 +650,10 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
-def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict]) -> dict:
+def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl: Sequence[dict] = ()) -> dict:
     """recipe -> setting -> {key: [mean, std, n], "runs": [names], "plateau": {run: {...}},
-    "comparisons": {key: {claim, verdict, diff, ci_low, ci_high, t, df, p, seeds ...}} (vs k=0)}."""
+    "comparisons": {key: {claim, verdict, diff, ci_low, ci_high, t, df, p, seeds ...}} (vs k=0),
+    and for grid runs "comparisons_by_grid_point": {point: {key: {...}}} (:func:`grid_claims`)}."""
     out: dict[str, dict[str, Any]] = {}
     for rec, groups in summary.items():
         out[rec] = {}
@@ -626,6 +667,12 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict]) -> d
             d["comparisons"] = {c["key"]: {"claim": c["claim"], "want_lower": c["want_lower"],
                                            "convergence": c["convergence"], **comp.to_dict()}
                                 for c in cl if c["recipe"] == rec for comp in c["comparisons"] if comp.other == lb}
+            for c in gcl:
+                for comp in c["comparisons"]:
+                    if c["recipe"] == rec and comp.other == lb:
+                        d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})[c["key"]] = {
+                            "claim": c["claim"], "want_lower": c["want_lower"], "convergence": c["convergence"],
+                            **comp.to_dict()}
             out[rec][lb] = d
     return out
 
