@@ -566,26 +566,16 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
     for p, caption in grid_figs:
         _add_fig(md, hb, p, out, caption)
     cl = claims(summary, flags)
-    if cl:
-        how = ("Each setting against k=0: the difference of the means, its 95% confidence interval and "
-               "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
-               "with the seeds per setting a t-test would need to detect a difference of the observed "
-               "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested.")
-        md += ["", "## The paper's claims, checked on these runs", "", how, ""]
-        hb += ["<h2>The paper's claims, checked on these runs</h2>", f"<p>{html.escape(how)}</p>"]
-        for c in cl:
-            md += [f"**{c['claim']}.** {c['text']}", ""]
-            hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
+    _claims_section(md, hb, "##", "The paper's claims, checked on these runs", cl, (
+        "Each setting against k=0: the difference of the means, its 95% confidence interval and "
+        "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
+        "with the seeds per setting a t-test would need to detect a difference of the observed "
+        "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested."))
     gcl = grid_claims(runs, flags)
-    if gcl:
-        how = ("The verdicts above pool every grid point of a setting, so the differences between grid points "
-               "(width, training length, data size) enter the spread. The same comparisons inside each grid "
-               "point, between runs that differ only in k and seed:")
-        md += ["", "### Within each grid point", "", how, ""]
-        hb += ["<h3>Within each grid point</h3>", f"<p>{html.escape(how)}</p>"]
-        for c in gcl:
-            md += [f"**{c['claim']}.** {c['text']}", ""]
-            hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
+    _claims_section(md, hb, "###", "Within each grid point", gcl, (
+        "The verdicts above pool every grid point of a setting, so the differences between grid points "
+        "(width, training length, data size) enter the spread. The same comparisons inside each grid "
+        "point, between runs that differ only in k and seed:"))
     md += ["", "## Runs", ""]
     run_header = ["run", "recipe", "Laplacian heads", "seed", "steps", "plateau", "final metrics"]
     run_rows = [[r["name"], r["recipe"], r["label"], str(r["seed"]), _steps(r), flags[r["dir"]].describe(),
@@ -635,6 +625,18 @@ def _recipe_section(recipe: str, groups: dict, flags: dict[str, Plateau], out: P
         md += ["", *mixing[1], ""]
         hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
 
+
+
+def _claims_section(md: list[str], hb: list[str], level: str, title: str, claims_: list[dict], how: str) -> None:
+    """A heading, the paragraph saying how the claims are tested, then one paragraph per claim (none: nothing)."""
+    if not claims_:
+        return
+    tag = f"h{len(level)}"
+    md += ["", f"{level} {title}", "", how, ""]
+    hb += [f"<{tag}>{html.escape(title)}</{tag}>", f"<p>{html.escape(how)}</p>"]
+    for c in claims_:
+        md += [f"**{c['claim']}.** {c['text']}", ""]
+        hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
 
 def _steps(run: dict) -> str:
     steps = [r["step"] for r in run["train"] + run["val"] if isinstance(r.get("step"), int)]
