@@ -44,6 +44,7 @@ import difflib
 import json
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
@@ -68,7 +69,7 @@ Captured = dict[Any, tuple[torch.Tensor, Optional[torch.Tensor]]]
 # adapters: the kind-specific answers
 
 
-class ModelAdapter:
+class ModelAdapter(ABC):
     """What :func:`analyze_model` asks of one kind of model.
 
     The defaults suit a plain torch module fed ``(inputs, labels)`` / ``inputs`` / a dict with
@@ -84,9 +85,9 @@ class ModelAdapter:
         self.model = model
 
     # -- layers -------------------------------------------------------------------------------
+    @abstractmethod
     def resolve(self, layers: Optional[Sequence[Layer]]) -> list[Layer]:
         """Check ``layers`` against the model; canonical forms (None = the kind's default)."""
-        raise NotImplementedError
 
     @staticmethod
     def layer_name(layer: Layer) -> str:
@@ -131,10 +132,10 @@ class ModelAdapter:
         """Set up (and afterwards remove) whatever :meth:`capture` needs, e.g. forward hooks."""
         yield
 
+    @abstractmethod
     def capture(self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
                 ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """One forward pass (under ``no_grad``) -> (tokens per layer, token mask, token classes)."""
-        raise NotImplementedError
 
 
 class TimmViTAdapter(ModelAdapter):
