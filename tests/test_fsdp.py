@@ -186,6 +186,19 @@ def test_two_process_fsdp_equals_one_process(fsdp_run, cache, tmp_path):
     assert meta["starts"][0]["world_size"] == 2
 
 
+def _rewound_copy(run: Path, dst: Path, step: int) -> Path:
+    """A copy of a finished run as if it had stopped after the checkpoint of ``step`` (later ones and
+    ``final/`` removed): what ``--resume`` then continues."""
+    shutil.copytree(run, dst)
+    ckd = dst / "checkpoints"
+    for p in ckd.glob("step_*"):
+        if p.name != f"step_{step:08d}":
+            shutil.rmtree(p)
+    (ckd / "latest").write_text(f"step_{step:08d}")
+    shutil.rmtree(dst / "final")
+    return dst
+
+
 def test_sharded_checkpoint_resumes_on_one_process(fsdp_run, cache, tmp_path):
     """A checkpoint of 2 FSDP ranks loads into 1 process exactly (re-sharded) and training continues."""
     from lapheads.engine import dist as D
@@ -193,14 +206,8 @@ def test_sharded_checkpoint_resumes_on_one_process(fsdp_run, cache, tmp_path):
     from lapheads.engine.run import RunDir
     from lapheads.engine.trainer import Trainer
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(fsdp_run, run_dir)
+    run_dir = _rewound_copy(fsdp_run, tmp_path / "run", CKPT_EVERY)
     ckd = run_dir / "checkpoints"
-    for p in ckd.glob("step_*"):
-        if p.name != f"step_{CKPT_EVERY:08d}":
-            shutil.rmtree(p)
-    (ckd / "latest").write_text(f"step_{CKPT_EVERY:08d}")
-    shutil.rmtree(run_dir / "final")
     # the resumed state is the checkpoint's, tensor for tensor
     cfg = _config(run_dir, cache, "fsdp")
     trainer = Trainer(_build(cfg, D.DistInfo()), cfg.train, RunDir(run_dir))

@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +40,7 @@ import pytest
 import torch
 import yaml
 
-from test_fsdp import _assert_close, _env, _free_port, _weights
+from test_fsdp import _assert_close, _env, _free_port, _rewound_copy, _weights
 from test_fsdp import cache  # noqa: F401  (the module-scoped tokenizer + shards fixture, shared)
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs, on one worker
@@ -244,14 +243,7 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process, retro_one, p
     from lapheads.errors import ConfigError
     from lapheads.recipes.lm import resolve_grad_accum
 
-    run = tmp_path / "retro"
-    shutil.copytree(two_process / "retro", run)
-    ckd = run / "checkpoints"
-    for p in ckd.glob("step_*"):
-        if p.name != f"step_{CKPT_EVERY:08d}":
-            shutil.rmtree(p)
-    (ckd / "latest").write_text(f"step_{CKPT_EVERY:08d}")
-    shutil.rmtree(run / "final")
+    run = _rewound_copy(two_process / "retro", tmp_path / "retro", CKPT_EVERY)
     cfg = _retrofit_config(pretrained, cache, "fsdp")
     assert cfg.train.grad_accum == 2
     _retrofit_recipe().train(cfg, run, resume=True)

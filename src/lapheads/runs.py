@@ -107,7 +107,7 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
                         max_batches=max_batches, device=dev, progress=progress, **loaded.analyze_options)
     if loaded.kind == "hf":
         res["meta"]["seq_len"] = int(batches[0]["input_ids"].shape[1])
-    res["meta"].update({"run": str(run.path), "recipe": recipe.name, "laplacian_heads": loaded.heads,
+    res["meta"].update({"run": str(run.path), "recipe": recipe.name, "laplacian_heads": recipe.heads(run.path),
                         "max_items": max_items, "batch_size": batch_size, "spectra": spectra, "nc4": nc4})
     out = Path(out_dir) if out_dir else run.path / "geometry"
     out.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,6 @@ class LoadedRun:
         model: the network the run is evaluated with (classify: the classifier; dino: the teacher
             backbone; lm / sft / retrofit: the transformers causal LM), in eval mode.
         kind: ``"vit"`` or ``"hf"`` (see :func:`lapheads.geometry.analyze_model`).
-        heads: the Laplacian-head setting as written in the config (``0``, ``"all"``, ``[..]``, ...).
         tokenizer: language runs: the tokenizer.
         transform: vision runs: the evaluation transform (PIL image -> normalised tensor).
         analyze_options: keyword arguments for :func:`lapheads.geometry.analyze_model` that this
@@ -60,7 +59,6 @@ class LoadedRun:
     config: Any
     model: nn.Module
     kind: str
-    heads: Any
     tokenizer: Any = None
     transform: Any = None
     analyze_options: dict = field(default_factory=dict)

@@ -356,7 +356,7 @@ class ClassifyRecipe(Recipe):
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)
         model = load_model(Path(run_dir), weights).to(device)
-        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind, cfg.model.laplacian_heads,
+        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind,
                          transform=eval_transform(cfg))
 
     def eval_dataset(self, config: ClassifyConfig) -> Any:

@@ -528,7 +528,7 @@ class DinoRecipe(Recipe):
                               "(use 'model')")
         cfg = self.read_config(run_dir)
         bb, meta = self.load_backbone(run_dir, device)
-        return LoadedRun(self.name, Path(run_dir), cfg, bb, self.kind, meta["laplacian_heads"],
+        return LoadedRun(self.name, Path(run_dir), cfg, bb, self.kind,
                          transform=EvalTransform(meta["img_size"], meta["mean"], meta["std"]),
                          analyze_options={"classifier": None})
 

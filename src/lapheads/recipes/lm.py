@@ -499,8 +499,7 @@ class LMRecipe(Recipe):
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)
         model, tok = load_model(run_dir, weights=weights, device=device)
-        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind,
-                         getattr(model.config, "laplacian_heads", None), tokenizer=tok,
+        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind, tokenizer=tok,
                          analyze_options={"num_classes": model.config.vocab_size})
 
     def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int,
