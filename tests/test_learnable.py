@@ -310,6 +310,30 @@ def test_classify_optimizer_excludes_the_mixing_from_weight_decay():
     assert len(mix) == 2 and not decayed & {id(p) for p in mix}
 
 
+
+@pytest.mark.parametrize("scale", [1.0, 10.0])
+def test_classify_mix_lr_scale_sets_the_mixing_learning_rate(scale):
+    from lapheads.engine.dist import DistInfo
+    from lapheads.engine.config import from_dict
+    from lapheads.recipes.classify import ClassifyConfig, ClassifyTask
+    cfg = ClassifyConfig()
+    cfg.model.name, cfg.model.img_size, cfg.model.patch_size = "vit_tiny_patch16_224", 8, 4
+    cfg.model.embed_dim, cfg.model.depth, cfg.model.num_heads, cfg.model.laplacian_heads = 16, 2, 2, "learn"
+    cfg.data.train, cfg.data.three_augment = "digits", False
+    cfg.optim.lr, cfg.optim.lr_batch, cfg.optim.mix_lr_scale = 2e-3, 0, scale
+    task = ClassifyTask(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    (opt,) = task.optimizers()
+    mix = {id(p) for n, p in task.model.named_parameters() if "lap_mix" in n}
+    lr_of = {id(p): (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    assert len(mix) == 4
+    assert all(lr_of[i][0] == pytest.approx(2e-3 * scale) and lr_of[i][1] == 0.0 for i in mix)
+    assert all(lr == pytest.approx(2e-3) for i, (lr, _) in lr_of.items() if i not in mix)
+    # the default keeps today's two groups (mixing inside the no-decay group): old checkpoints resume
+    assert len(opt.param_groups) == (2 if scale == 1.0 else 3)
+    with pytest.raises(ConfigError, match="mix_lr_scale"):
+        from_dict(ClassifyConfig, {"optim": {"mix_lr_scale": -1.0}})
+
+
 # ----------------------------------------------------------------------------- logging and suggestion
 def test_mixing_table_and_suggested_selection():
     assert laplacianness(0, 1) == 0 and laplacianness(1, -1) == 1

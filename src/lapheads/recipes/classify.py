@@ -110,6 +110,10 @@ class OptimConfig:
     weight_decay: float = bounded(0.05, ge=0.0)
     betas: tuple[float, float] = bounded((0.9, 0.999), ge=0.0, lt=1.0)
     momentum: float = bounded(0.9, ge=0.0, lt=1.0)  # sgd only
+    # learnable head mixing (laplacian_heads: learn...): its lr = the (batch-scaled) lr x this; the
+    # mixing is a few scalars per layer that AdamW moves by at most ~lr per step, so at a small-model
+    # lr they barely leave their start (studies/learnable/README.md)
+    mix_lr_scale: float = bounded(1.0, ge=0.0)
 
 
 @dataclass
@@ -261,15 +265,24 @@ class ClassifyTask(Task):
     def optimizers(self):
         o = self.cfg.optim
         lr = o.lr * self.global_batch() / o.lr_batch if o.lr_batch else o.lr
-        decay, no_decay = [], []
+        # the mixing gets a group of its own only at a scale other than 1, so the default keeps the
+        # two groups (and the optimizer-state layout of existing checkpoints) unchanged
+        own_mix = o.mix_lr_scale != 1.0
+        decay, no_decay, mix = [], [], []
         for n, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
             # no weight decay on biases, norms, tokens and position embeddings (timm convention),
             # nor on the learnable head mixing (lap_mix_a / lap_mix_b)
-            (no_decay if p.ndim <= 1 or n.endswith(("cls_token", "pos_embed", "reg_token", "lap_mix_a", "lap_mix_b"))
-             else decay).append(p)
+            if n.endswith(("lap_mix_a", "lap_mix_b")):
+                (mix if own_mix else no_decay).append(p)
+            elif p.ndim <= 1 or n.endswith(("cls_token", "pos_embed", "reg_token")):
+                no_decay.append(p)
+            else:
+                decay.append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if mix:
+            groups.append({"params": mix, "weight_decay": 0.0, "lr": lr * o.mix_lr_scale})
         if o.name == "lamb":
             return [Lamb(groups, lr=lr, betas=o.betas)]
         if o.name == "sgd":
