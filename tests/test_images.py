@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from lapheads.data.images import (CIFARDataset, DigitsDataset, IdxDataset, ImageFolderDataset,
+from lapheads.data.images import (CIFARDataset, DigitsDataset, IdxDataset, ImageFolderDataset, load_digits_arrays,
                                   build_image_dataset, read_idx)
 from _data_writers import write_cifar_archive, write_idx
 from lapheads.vision.transforms import build_transforms
@@ -299,6 +301,29 @@ def test_digits_split_is_stratified_deterministic_and_scaled():
     assert set(tr.indices).isdisjoint(va.indices) and len(set(tr.indices) | set(va.indices)) == 1797
     np.testing.assert_array_equal(tr.images, scaled[tr.indices])
     np.testing.assert_array_equal(tr.targets, d.target[tr.indices])
+    raw, target = load_digits_arrays()  # read from sklearn's CSV without importing sklearn
+    np.testing.assert_array_equal(raw, d.images)
+    np.testing.assert_array_equal(target, d.target)
+
+
+def test_digits_are_read_without_importing_sklearn():
+    code = ("import sys; from lapheads.data.images import build_image_dataset; "
+            "ds = build_image_dataset('digits', 'train'); assert len(ds) > 1000; "
+            "assert 'sklearn' not in sys.modules, 'sklearn was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_digits_without_sklearn_names_the_fix(monkeypatch):
+    import importlib.util
+    load_digits_arrays.cache_clear()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
+    try:
+        with pytest.raises(DataError, match="pip install scikit-learn"):
+            load_digits_arrays()
+    finally:
+        load_digits_arrays.cache_clear()
 
 
 # ------------------------------------------------------------------ factory errors

@@ -38,6 +38,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from .. import transformers as lap_tf
+from ..data.images import load_digits_arrays
 from ..engine.config import load_yaml
 from ..engine.run import lock_dir, lock_enclosing_run
 from ..errors import CheckpointError, ConfigError, DataError
@@ -144,11 +145,9 @@ def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_si
     mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5)))[:, None, None]
     std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5)))[:, None, None]
     if data == "digits":
-        from sklearn.datasets import load_digits  # only for --data digits
-
-        d = load_digits()
-        imgs = torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0
-        labels = torch.tensor(d.target, dtype=torch.int64)
+        raw, target = load_digits_arrays()
+        imgs = torch.tensor(raw, dtype=torch.float32)[:, None] / 16.0
+        labels = torch.tensor(target, dtype=torch.int64)
 
         def gen() -> Iterator[Any]:
             for i in range(0, len(labels), batch_size):

@@ -12,8 +12,10 @@ Formats (DESIGN.md, "Data"):
 * ``idx``: MNIST-style idx files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
   ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``); MNIST,
   Fashion-MNIST, KMNIST and EMNIST all use it.
-* ``digits``: the embedded default, ``sklearn.datasets.load_digits`` (1797 8x8 images, 10
-  classes), scaled from 0..16 to 0..255, with a deterministic stratified 80/20 split.
+* ``digits``: the embedded default, scikit-learn's digits (``sklearn.datasets.load_digits``: 1797
+  8x8 images, 10 classes), scaled from 0..16 to 0..255, with a deterministic stratified 80/20 split.
+  The CSV that ships inside scikit-learn is read directly (:func:`load_digits_arrays`): importing
+  sklearn costs ~2.5 s per process, more than the whole tiny training runs that use digits.
 
 Design choices:
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import importlib.util
 import io
 import os
 import pickle
@@ -609,15 +612,40 @@ class IdxDataset(ArrayImageDataset):
 
 
 # ============================================================================ digits
+def digits_csv() -> Path:
+    """The digits CSV inside the installed scikit-learn package (found without importing sklearn)."""
+    spec = importlib.util.find_spec("sklearn")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    raise DataError("the embedded digits data set ships with scikit-learn: pip install scikit-learn "
+                    f"(looked for sklearn/datasets/data/digits.csv.gz in {roots or 'no installed sklearn'})")
+
+
+@functools.lru_cache(maxsize=1)
+def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """``sklearn.datasets.load_digits()``'s ``images`` (1797x8x8 float, 0..16) and ``target``, same order.
+
+    Read once per process (train and val share it); the arrays are read-only.
+    """
+    path = digits_csv()
+    with gzip.open(path, "rt") as f:
+        data = np.loadtxt(f, delimiter=",")
+    if data.ndim != 2 or data.shape[1] != 65:
+        raise DataError(f"{path}: expected rows of 64 pixels and a label, got shape {data.shape}")
+    images, target = data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    images.flags.writeable = target.flags.writeable = False
+    return images, target
+
+
 @functools.lru_cache(maxsize=1)
 def _load_digits() -> tuple[np.ndarray, np.ndarray]:
-    # sklearn parses a CSV each call (~0.3 s); train and val share one load per process.
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    images = np.clip(np.rint(d.images * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+    raw, target = load_digits_arrays()
+    images = np.clip(np.rint(raw * (255.0 / 16.0)), 0, 255).astype(np.uint8)
     images.flags.writeable = False
-    return images, d.target.astype(np.int64)
+    return images, target
 
 
 class DigitsDataset(ArrayImageDataset):
