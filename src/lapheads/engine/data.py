@@ -43,7 +43,10 @@ class SeededTransform(Dataset):
         s = _mix(self.seed, self.epoch, i)
         state = random.getstate()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(s)
+            # the CPU generator only: transforms run on the CPU, and torch.manual_seed would also
+            # (re)seed every accelerator's RNG (outside what fork_rng restores here) and, without
+            # CUDA initialised, queue a lazy CUDA seeding that records a stack trace (~3 ms per item)
+            torch.default_generator.manual_seed(s)
             random.seed(s)
             out = self.transform(item)
         random.setstate(state)
