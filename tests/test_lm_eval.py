@@ -48,17 +48,26 @@ def test_kv_cached_sampling_matches_full_recompute(run):
     assert gen == seq
 
 
-def test_lm_eval_wrapper_loglikelihood_is_exact(run):
+def test_eval_lm_model_is_lm_evals_hflm_and_scores_after_one_bos(run):
+    """``eval lm --lm-eval`` evaluates through lm-eval's HFLM (the wrapper it replaced is gone); each
+    (context, continuation) is scored after exactly one BOS, batched with right padding."""
+    pytest.importorskip("accelerate")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
     model, tok = R.load_model(run)
     lm = make_lm_eval_model(model, tok, batch_size=2)
-    reqs = [(("c", "x"), tok.encode("The list"), tok.encode(" type", add_special_tokens=False)),
-            (("c", "x"), tok.encode("A"), tok.encode(" dict is a mapping", add_special_tokens=False))]
-    got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
-    for (_, ctx, cont), (ll, _) in zip(reqs, got):
+    assert isinstance(lm, HFLM) and lm.max_length == model.config.max_position_embeddings
+    pairs = [("The list", " type"), ("A", " dict is a mapping"), ("", "Hello world")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)], disable_tqdm=True)
+    for (ctx, cont), (ll, _) in zip(pairs, got):
+        body = tok.encode(ctx + cont, add_special_tokens=False)
+        n_ctx = len(tok.encode(ctx, add_special_tokens=False))
+        seq = [tok.bos_token_id] + body  # one BOS, then the text
         with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([ctx + cont]), use_cache=False).logits[0].float(), -1)
-        want = sum(float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))
-        assert ll == pytest.approx(want, abs=1e-4)
+            lp = torch.log_softmax(model(torch.tensor([seq]), use_cache=False).logits[0].float(), -1)
+        want = sum(float(lp[j, seq[j + 1]]) for j in range(n_ctx, len(body)))
+        assert ll == pytest.approx(want, abs=1e-5)
 
 
 @pytest.mark.slow  # lm-eval indexes its ~10k built-in task files on import (~1 min on 2 cores)
@@ -72,6 +81,9 @@ def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch, caps
     res = json.loads((run / "eval.json").read_text())
     r = res["lm_eval"]["results"]["lapheads_tiny_mc"]
     assert 0.0 <= r["acc,none"] <= 1.0 and res["lm_eval"]["n-samples"]["lapheads_tiny_mc"]["effective"] == 3
+    # bootstrap_iters is lm-eval's default (> 0), so the accuracy carries its standard error
+    acc = r["acc,none"]
+    assert r["acc_stderr,none"] == pytest.approx((acc * (1 - acc) / 2) ** 0.5)  # sample std / sqrt(n), n = 3
     assert res["laplacian_heads"] == "all"
     assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "no_such_task",
                 "--lm-eval-include", str(tasks)]) == 2

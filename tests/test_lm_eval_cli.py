@@ -10,7 +10,7 @@ import torch
 from lapheads.cli import main as cli
 from lapheads.recipes import lm as R
 
-from _lm_helpers import local_mc_task, tiny_lm_run
+from _lm_helpers import greedy_by_recompute, local_mc_task, tiny_lm_run
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -23,31 +23,76 @@ def run(tmp_path_factory):
     return tiny_lm_run(tmp_path_factory.mktemp("lmevalcli"), "2", 4)
 
 
-def _hflm(run, **kw):
+def _hflm(run, model="hf"):
+    """lm-eval's ``--model hf`` (HFLM) or ``--model lapheads`` (LapheadsHFLM), built by path from the
+    registry, with the Laplacian heads registered as ``lapheads lm-eval`` registers them."""
+    from lm_eval.api.registry import get_model
+
+    import lapheads.lm.hflm  # noqa: F401 - registers --model lapheads (and imports lapheads.transformers)
+
+    return get_model(model)(pretrained=str(run / "final" / "hf"), device="cpu", batch_size=2, dtype="float32")
+
+
+def _rolling_ll(model, tokens, prefix, L):
+    """lm-eval's rolling log-likelihood of ``tokens`` (context length ``L``) written out: one forward
+    pass over ``prefix`` + the first tokens predicts the first min(L, n) tokens; each later window
+    of L inputs ends just before the last of the (up to L) new tokens it predicts."""
+    seq = [prefix] + list(tokens)
+    total, done = 0.0, 0
+    with torch.no_grad():
+        while done < len(tokens):
+            end = done + min(L, len(tokens) - done)  # this window predicts seq[done + 1 .. end]
+            start = max(0, end - L)
+            lp = torch.log_softmax(model(torch.tensor([seq[start:end]]), use_cache=False).logits[0].float(), -1)
+            total += sum(float(lp[e - 1 - start, seq[e]]) for e in range(done + 1, end + 1))
+            done = end
+    return total
+
+
+def test_hflm_scores_after_exactly_one_bos_in_every_request_type(run):
+    """HFLM on the export: loglikelihood and generate_until see one BOS; rolling log-likelihoods
+    (perplexity tasks) see one BOS with ``--model lapheads`` and two with lm-eval's plain ``--model hf``."""
+    from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    import lapheads.transformers  # noqa: F401 - what `lapheads lm-eval` imports first
-
-    return HFLM(pretrained=str(run / "final" / "hf"), device="cpu", batch_size=2, dtype="float32", **kw)
-
-
-def test_hflm_loglikelihoods_equal_the_lapheads_wrapper(run):
-    """HFLM on the export scores (context, continuation) pairs exactly like ``lapheads eval lm``'s wrapper."""
-    from lm_eval.api.instance import Instance
-
-    from lapheads.lm.evaluate import make_lm_eval_model
-
     model, tok = R.load_model(run)
-    wrapper = make_lm_eval_model(model, tok, batch_size=2)
-    hflm = _hflm(run)
-    assert hflm.model.config.laplacian_heads == 2
-    reqs = [Instance("loglikelihood", {}, ("The list", " type"), 0),
-            Instance("loglikelihood", {}, ("A", " dict is a mapping"), 1),
-            Instance("loglikelihood", {}, ("", "Hello world"), 2)]
-    want = wrapper.loglikelihood(reqs, disable_tqdm=True)
-    got = hflm.loglikelihood(reqs, disable_tqdm=True)
-    for (a, ga), (b, gb) in zip(want, got):
-        assert a == pytest.approx(b, rel=1e-6, abs=1e-6) and ga == gb  # float32 sums of ~50 nats
+    bos, L = tok.bos_token_id, model.config.max_position_embeddings
+    hf, lap = _hflm(run, "hf"), _hflm(run, "lapheads")
+    assert type(hf) is HFLM and isinstance(lap, HFLM) and lap.model.config.laplacian_heads == 2
+    # loglikelihood (also an empty context, where lm-eval puts its prefix token before the continuation)
+    pairs = [("The list", " type"), ("A", " dict is a mapping"), ("", "Hello world")]
+    reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    for (ctx, cont), (a, _), (b, _) in zip(pairs, hf.loglikelihood(reqs, disable_tqdm=True),
+                                           lap.loglikelihood(reqs, disable_tqdm=True)):
+        body = tok.encode(ctx + cont, add_special_tokens=False)
+        n_ctx = len(tok.encode(ctx, add_special_tokens=False))
+        want = _rolling_ll(model, body, bos, L) - _rolling_ll(model, body[:n_ctx], bos, L)
+        assert a == pytest.approx(want, abs=1e-5) and b == pytest.approx(want, abs=1e-5)
+    # loglikelihood_rolling, one document longer than the 64-token context (two windows) and a short one
+    docs = ["The list type is a mutable sequence. " * 4, "None is a singleton."]
+    assert len(tok.encode(docs[0], add_special_tokens=False)) > L
+    reqs = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)]
+    got_lap = lap.loglikelihood_rolling(reqs, disable_tqdm=True)
+    got_hf = hf.loglikelihood_rolling(reqs, disable_tqdm=True)
+    for d, a, b in zip(docs, got_lap, got_hf):  # float32 sums of up to ~430 nats: 1e-5 or 0.1 ppm
+        ids = tok.encode(d, add_special_tokens=False)
+        assert a == pytest.approx(_rolling_ll(model, ids, bos, L), rel=1e-7, abs=1e-5)
+        # lm-eval 0.4.13's HFLM scores BOS after BOS first; if this fails, lm-eval has changed its
+        # rolling encoding and LapheadsHFLM's override (lapheads.lm.hflm) may no longer be needed
+        assert b == pytest.approx(_rolling_ll(model, [bos] + ids, bos, L), rel=1e-7, abs=1e-5) and b < a - 1.0
+    # generate_until: the model is given BOS + the context (left-padded in a batch of unequal lengths)
+    seen = []
+    real = lap._model_generate
+    lap._model_generate = lambda context, **kw: (seen.extend(context.tolist()), real(context=context, **kw))[1]
+    ctxs = ["The list", "A dict is a mapping from"]
+    out = lap.generate_until([Instance("generate_until", {}, (c, {"until": ["\n\n"], "max_gen_toks": 6}), i)
+                              for i, c in enumerate(ctxs)], disable_tqdm=True)
+    for c, text in zip(ctxs, out):
+        ids = [bos] + tok.encode(c, add_special_tokens=False)
+        assert any(row[len(row) - len(ids):] == ids and bos not in row[:len(row) - len(ids)] for row in seen)
+        new = greedy_by_recompute(model, torch.tensor([ids]), 6)[0, len(ids):].tolist()
+        stop = [j for j, t in enumerate(new) if t in (bos, tok.eos_token_id)]  # generation_config's stop ids
+        assert text == tok.decode(new[:stop[0] if stop else None], skip_special_tokens=True).split("\n\n")[0]
 
 
 def test_lm_eval_cli_bad_flag_is_one_line(capsys):
@@ -63,7 +108,7 @@ def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tasks = local_mc_task(tmp_path, "lapheads_cli_tiny_mc")
     out = tmp_path / "out"
-    assert cli(["lm-eval", "--model", "hf", "--model_args", f"pretrained={run / 'final' / 'hf'},dtype=float32",
+    assert cli(["lm-eval", "--model", "lapheads", "--model_args", f"pretrained={run / 'final' / 'hf'},dtype=float32",
                 "--tasks", "lapheads_cli_tiny_mc", "--include_path", str(tasks), "--device", "cpu",
                 "--batch_size", "2", "--output_path", str(out)]) == 0
     assert "lapheads_cli_tiny_mc" in capsys.readouterr().out  # lm-eval's own results table
@@ -72,7 +117,7 @@ def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path,
     res = json.loads(files[0].read_text())
     assert 0.0 <= res["results"]["lapheads_cli_tiny_mc"]["acc,none"] <= 1.0
     assert res["n-samples"]["lapheads_cli_tiny_mc"]["effective"] == 3
-    # the numbers are those of the Laplacian model: same accuracy as the in-process wrapper gives
+    # the numbers are those of the Laplacian model: same accuracy as `lapheads eval lm` gives
     from lapheads.lm.evaluate import run_lm_eval
     model, tok = R.load_model(run)
     mine = run_lm_eval(model, tok, ["lapheads_cli_tiny_mc"], include_path=str(tasks))
@@ -115,13 +160,4 @@ def test_eval_lm_rolling_loglikelihood_has_one_bos(run):
     assert 64 < len(ids) <= 128
     (got,) = make_lm_eval_model(model, tok).loglikelihood_rolling(
         [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
-    want = 0.0
-    with torch.no_grad():  # window 1: BOS + ids[:63] predicts ids[:64]; window 2: the last 64 inputs predict the rest
-        seq = [tok.bos_token_id] + ids
-        lp = torch.log_softmax(model(torch.tensor([seq[:64]]), use_cache=False).logits[0].float(), -1)
-        want += sum(float(lp[j, seq[j + 1]]) for j in range(64))
-        rest = len(ids) - 64
-        ctx = seq[len(seq) - 1 - 64:len(seq) - 1]
-        lp = torch.log_softmax(model(torch.tensor([ctx]), use_cache=False).logits[0].float(), -1)
-        want += sum(float(lp[j, seq[len(seq) - 64 + j]]) for j in range(64 - rest, 64))
-    assert got == pytest.approx(want, rel=1e-6, abs=1e-5)
+    assert got == pytest.approx(_rolling_ll(model, ids, tok.bos_token_id, 64), rel=1e-6, abs=1e-5)

@@ -1,7 +1,7 @@
 """``lapheads lm-eval ...``: lm-evaluation-harness's own command line, with Laplacian heads registered.
 
-``lapheads lm-eval --model hf --model_args pretrained=runs/lm/final/hf --tasks arc_easy,mmlu``
-``lapheads lm-eval run --model hf --model_args pretrained=RUN/final/hf --tasks humaneval --confirm_run_unsafe_code``
+``lapheads lm-eval --model lapheads --model_args pretrained=runs/lm/final/hf --tasks arc_easy,mmlu,wikitext``
+``lapheads lm-eval run --model lapheads --model_args pretrained=RUN/final/hf --tasks humaneval --confirm_run_unsafe_code``
 ``lapheads lm-eval ls tasks``
 
 Design choices:
@@ -12,6 +12,12 @@ Design choices:
   import registers the attention implementation that an exported run's ``config.json`` names
   (``"laplacian_sdpa (import lapheads.transformers first)"``), so lm-eval's ``HFLM`` (``--model hf``)
   builds the model with its Laplacian heads through plain ``AutoModelForCausalLM.from_pretrained``.
+* ``--model lapheads`` (same ``--model_args`` as ``hf``) is :class:`lapheads.lm.hflm.LapheadsHFLM`,
+  registered in lm-eval's model registry under a name of its own: ``HFLM`` whose rolling
+  log-likelihoods (perplexity tasks) score a document after one BOS, as ``lapheads eval lm`` does.
+  ``--model hf`` is left as lm-eval defines it: with this project's tokenizer (which adds BOS, as
+  Llama's does) it scores rolling documents after two BOS (see :mod:`lapheads.lm.hflm`); its
+  ``loglikelihood`` and ``generate_until`` requests equal ``--model lapheads``'s.
   Nothing else of lm-eval is patched: task selection, few-shot, batching, generation, output
   files, caching, W&B logging and the unsafe-code confirmation of code tasks
   (``--confirm_run_unsafe_code`` for humaneval / mbpp) behave exactly as in ``lm-eval``.
@@ -55,6 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         raise ConfigError("lapheads lm-eval needs accelerate for lm-eval's HFLM; pip install 'lapheads[eval]'") \
             from None
+
+    from ..lm import hflm  # noqa: F401 - registers --model lapheads (imports lm-eval: the eval extra)
 
     setup_logging()
     cli = HarnessCLI()

@@ -12,7 +12,10 @@ Design choices:
   ``<|bos|>`` (the document delimiter), ``eos_token`` = ``<|assistant_end|>`` (where a chat reply
   stops; :func:`stop_token_ids` gives both for generation), ``pad_token`` = ``<|pad|>``.
   ``tokenizer(text)`` prefixes ``<|bos|>`` (as every pretraining document starts with it, so
-  lm-eval's encodings match training); ``add_special_tokens=False`` gives the bare ids.
+  lm-eval's encodings match training; lm-eval's rolling log-likelihoods add their own BOS, which
+  :mod:`lapheads.lm.hflm` accounts for); ``add_special_tokens=False`` gives the bare ids. Token
+  shards never use this default: they encode with ``add_special_tokens=False`` and write BOS
+  themselves, and :func:`tokenizer_hash` ignores the post-processor.
   ``save_pretrained`` writes ``tokenizer.json`` + ``tokenizer_config.json``, so
   ``AutoTokenizer.from_pretrained(dir)`` loads it.
 * :func:`render_chat` renders a conversation exactly as nanochat's SFT does:
