@@ -35,6 +35,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("train", "dino"): ("lapheads.commands.train:dino", "DINO self-supervised pretraining"),
     ("train", "retrofit"): ("lapheads.commands.train:retrofit",
                             "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)"),
+    ("train", "retrofit_vit"): ("lapheads.commands.train:retrofit_vit",
+                                "switch k heads of a pretrained timm ViT to Laplacian and fine-tune (full or LoRA)"),
     ("eval", "classify"): ("lapheads.commands.eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
     ("eval", "lm"): ("lapheads.commands.eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
     ("lm-eval",): ("lapheads.commands.lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),

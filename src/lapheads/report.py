@@ -56,6 +56,7 @@ METRICS = {
     # the keys DINO's evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
     "dino": [("knn_k20_top1", "20-NN top-1", True), ("knn_k10_top1", "10-NN top-1", True)],
 }
+METRICS["retrofit_vit"] = METRICS["classify"]  # a retrofitted ViT is evaluated by the classify task
 # geometry numbers summarised in the table: (summary key, layer, section, field, label). Layer
 # "last": the last transformer block; "classifier": the features the classifier reads (the run's
 # meta.classifier_layer, else pre_logits, else the last block).

@@ -20,8 +20,9 @@ from ..lm.evaluate import LM_EVAL_BOOTSTRAP_ITERS, parse_tasks, run_lm_eval
 from ..lm.sandbox import require_sandbox
 from ..outputs import check_out_file
 from ..recipes import lm as lm_recipe  # called through the module (tests replace load_model)
+from ..recipes import recipe_of_run
 from ..recipes.classify import RECIPE as CLASSIFY
-from ..recipes.classify import eval_dataset, evaluate_classifier
+from ..recipes.classify import ClassifyRecipe, eval_dataset, evaluate_classifier
 
 
 def _print_chat(results: dict[str, Any]) -> None:
@@ -123,7 +124,8 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, lm_tasks: list, tm: An
 def classify_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="lapheads eval classify",
                                 description="Top-1/top-5/per-class accuracy of a finished classify run.")
-    p.add_argument("--checkpoint", required=True, help="run directory of `lapheads train classify`")
+    p.add_argument("--checkpoint", required=True,
+                   help="run directory of `lapheads train classify` (or `train retrofit_vit`)")
     p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
@@ -139,10 +141,13 @@ def classify_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _eval_classify(args: argparse.Namespace, run: RunDir, out: Path) -> int:
     """Body of ``lapheads eval classify`` (under the run's writer lock)."""
-    cfg = CLASSIFY.read_config(run.path)
+    rec = recipe_of_run(run.path)  # classify, or a recipe whose runs read back as classify runs (retrofit_vit)
+    if not isinstance(rec, ClassifyRecipe):
+        rec = CLASSIFY  # its read_config refuses the run, naming the recipe expected
+    cfg = rec.read_config(run.path)
     spec = args.data or cfg.data.val or cfg.data.train
     ds = eval_dataset(cfg, args.data)
-    loaded = CLASSIFY.load_run(run.path, args.weights)
+    loaded = rec.load_run(run.path, args.weights)
     model = loaded.model
     n_cls = model.num_classes if hasattr(model, "num_classes") else ds.num_classes
     if ds.num_classes != n_cls:

@@ -49,3 +49,7 @@ def dino(argv: Optional[Sequence[str]] = None) -> int:
 
 def retrofit(argv: Optional[Sequence[str]] = None) -> int:
     return train("retrofit", argv)
+
+
+def retrofit_vit(argv: Optional[Sequence[str]] = None) -> int:
+    return train("retrofit_vit", argv)

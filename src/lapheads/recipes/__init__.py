@@ -1,14 +1,15 @@
 """Recipes: one module per training task, all running on the shared engine (lapheads.engine).
 
-=========  ===========================  ===============================================
-recipe     module                       what it trains
-=========  ===========================  ===============================================
-classify   lapheads.recipes.classify    DeiT-3 supervised ViT classification
-lm         lapheads.recipes.lm          NanoChat-style language-model pretraining
-sft        lapheads.recipes.sft         supervised fine-tuning on chat JSONL
-dino       lapheads.recipes.dino        DINO self-supervised ViT
-retrofit   lapheads.recipes.retrofit    k heads of a pretrained LM switched, then trained
-=========  ===========================  ===============================================
+============  =============================  =================================================
+recipe        module                         what it trains
+============  =============================  =================================================
+classify      lapheads.recipes.classify      DeiT-3 supervised ViT classification
+lm            lapheads.recipes.lm            NanoChat-style language-model pretraining
+sft           lapheads.recipes.sft           supervised fine-tuning on chat JSONL
+dino          lapheads.recipes.dino          DINO self-supervised ViT
+retrofit      lapheads.recipes.retrofit      k heads of a pretrained LM switched, then trained
+retrofit_vit  lapheads.recipes.retrofit_vit  the same for a pretrained timm ViT classifier
+============  =============================  =================================================
 
 Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe`
 subclass: the typed contract (config type, engine task, run loader, heads, evaluation batches)
@@ -32,6 +33,7 @@ RECIPES = {
     "sft": "lapheads.recipes.sft",
     "dino": "lapheads.recipes.dino",
     "retrofit": "lapheads.recipes.retrofit",
+    "retrofit_vit": "lapheads.recipes.retrofit_vit",
 }
 
 

@@ -31,6 +31,11 @@ Design choices:
   unconverted model fine-tuned the same N steps with the same data, optimizer and method. With
   ``baseline: true`` (default) :meth:`RetrofitRecipe.train` runs that baseline as a second engine run in
   ``OUT/baseline`` and writes all four numbers to ``OUT/retrofit.json`` (and prints them).
+* The pieces that do not depend on the kind of model live here once and are shared with the timm
+  ViT retrofit (:mod:`lapheads.recipes.retrofit_vit`): the switch-cost rule
+  (:func:`switch_cost_table`, :func:`select_heads`), the LoRA wrapper (:func:`with_lora`), the
+  comparison file (:func:`summarize`) and the baseline-as-a-second-run logic with the heads rule
+  (:class:`RetrofitRuns`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +66,9 @@ from .lm import (LMDataConfig, LMRecipe, LMTask, SampleConfig, export_hf, hf_dir
                  resolve_grad_accum, token_bytes)
 from .lm import load_model as load_lm
 
-__all__ = ["LoraSettings", "RetrofitOptim", "RetrofitConfig", "RetrofitTask", "switch_costs", "select_heads",
-           "build_task", "load_model", "summarize", "RetrofitRecipe", "RECIPE"]
+__all__ = ["LoraSettings", "RetrofitOptim", "RetrofitConfig", "RetrofitTask", "switch_cost_table", "switch_costs",
+           "select_heads", "with_lora", "build_task", "load_model", "summarize", "RetrofitRuns", "RetrofitRecipe",
+           "RECIPE"]
 
 KEEP = "keep"
 
@@ -147,6 +153,20 @@ def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Ten
     return tot / max(1, n)
 
 
+def switch_cost_table(heads_per_layer: Sequence[int], loss: Callable[[list[list[int]]], float]) -> list[list[float]]:
+    """The switch-cost rule: ``costs[i][h] = loss(only head h of layer i Laplacian) - loss(no Laplacian head)``.
+
+    Args:
+        heads_per_layer: the number of heads of each layer.
+        loss: the validation loss of the model with the given selection (per-layer head-index lists)
+            in place of its own; called once per head, plus once for the reference.
+    """
+    n_layers = len(heads_per_layer)
+    ref = loss([[] for _ in range(n_layers)])
+    return [[loss([[h] if i == layer else [] for i in range(n_layers)]) - ref for h in range(n_heads)]
+            for layer, n_heads in enumerate(heads_per_layer)]
+
+
 @torch.no_grad()
 def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[float]]:
     """Per layer and head: validation loss with only that head Laplacian minus the unconverted loss.
@@ -160,16 +180,13 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
     old, old_impl = getattr(cfg, "laplacian_heads", None), cfg._attn_implementation
     was_training = model.training
     model.eval()
+    def loss(selection: list[list[int]]) -> float:
+        cfg.laplacian_heads = selection
+        return _mean_loss(model, batches)
+
     try:
         lap_tf.enable(model, 0)
-        ref = _mean_loss(model, batches)
-        costs = []
-        for layer in range(n_layers):
-            row = []
-            for h in range(n_heads):
-                cfg.laplacian_heads = [[h] if i == layer else [] for i in range(n_layers)]
-                row.append(_mean_loss(model, batches) - ref)
-            costs.append(row)
+        costs = switch_cost_table([n_heads] * n_layers, loss)
     finally:
         cfg.laplacian_heads = old
         model.set_attn_implementation(old_impl)
@@ -217,7 +234,7 @@ class RetrofitTask(LMTask):
         with torch.no_grad():
             self._convert(model, cfg)
         if cfg.method == "lora":
-            model = _with_lora(model, cfg.lora)
+            model = with_lora(model, cfg.lora, task_type="CAUSAL_LM")
         model.train()
         self.model = model
         self.n_params = count_params(model)
@@ -283,18 +300,29 @@ class RetrofitTask(LMTask):
             super().export_final(final_dir, model, ema_model)
 
 
-def _with_lora(model: nn.Module, s: LoraSettings) -> nn.Module:
+def with_lora(model: nn.Module, s: LoraSettings, task_type: Optional[str] = None,
+              linear_only: bool = False) -> nn.Module:
+    """``model`` wrapped with PEFT LoRA adapters on the modules whose last name is in ``s.target_modules``.
+
+    Args:
+        task_type: PEFT's ``task_type`` (``"CAUSAL_LM"``; ``None`` for a plain module such as a timm ViT).
+        linear_only: adapt only ``nn.Linear`` modules of those names, given to PEFT by full name (timm
+            calls both the attention output and the patch-embedding convolution ``proj``).
+    """
     try:
         from peft import LoraConfig, get_peft_model  # optional dependency (the eval extra)
     except ImportError:
         raise ConfigError("method: lora needs PEFT; pip install 'lapheads[eval]' (or pip install peft)") from None
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    modules = [(n, m) for n, m in model.named_modules() if not linear_only or isinstance(m, nn.Linear)]
+    names = {n.rsplit(".", 1)[-1] for n, _ in modules}
     missing = [t for t in s.target_modules if t not in names]
     if missing or not s.target_modules:
         raise ConfigError(f"lora.target_modules {missing or s.target_modules} not found in the model; "
                           f"its linear layers are named {sorted(n for n in names if n and not n.isdigit())}")
-    cfg = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.target_modules),
-                     task_type="CAUSAL_LM")
+    targets = ([n for n, _ in modules if n.rsplit(".", 1)[-1] in s.target_modules] if linear_only
+               else list(s.target_modules))
+    cfg = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
+                     task_type=task_type)
     return get_peft_model(model, cfg)
 
 
@@ -306,41 +334,46 @@ load_model = load_lm  # a finished retrofit run is read like a pretraining run (
 
 
 # --------------------------------------------------------------------------- the comparison
-def summarize(out: str | Path) -> dict[str, Any]:
-    """``OUT/retrofit.json``: before conversion, right after, after N steps, and the baseline after N steps."""
+def summarize(out: str | Path, keys: Sequence[str] = ("val_loss", "val_bpb")) -> dict[str, Any]:
+    """``OUT/retrofit.json``: before conversion, right after, after N steps, and the baseline after N steps.
+
+    ``keys``: the metrics compared (the LM's validation loss and bits per byte; the ViT's top-1 and loss).
+    """
     out = Path(out)
     spec = json.loads((out / "final" / "model.json").read_text())
     final = json.loads((out / "final" / "metrics.json").read_text())
-    rows = {"before_conversion": spec["before"], "after_conversion": spec["converted"],
-            "after_steps": {k: final[k] for k in ("val_loss", "val_bpb") if k in final}}
+    rows = {"before_conversion": spec["before"], "after_conversion": spec["converted"], "after_steps": final}
     base = out / "baseline" / "final" / "metrics.json"
     if base.is_file():
-        b = json.loads(base.read_text())
-        rows["baseline_after_steps"] = {k: b[k] for k in ("val_loss", "val_bpb") if k in b}
-    rows = {k: {m: v[m] for m in ("val_loss", "val_bpb") if m in v} for k, v in rows.items()}
+        rows["baseline_after_steps"] = json.loads(base.read_text())
+    rows = {k: {m: v[m] for m in keys if m in v} for k, v in rows.items()}
     res = {"steps": spec["step"], "method": spec["method"], "original_laplacian_heads": spec["original_laplacian_heads"],
            "laplacian_heads": spec["laplacian_heads"], "select": spec["select"], "metrics": rows}
     (out / "retrofit.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     return res
 
 
-class RetrofitRecipe(LMRecipe):
-    name = "retrofit"
-    config_type = RetrofitConfig
-    kind = "hf"
-    description = ("Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
-                   "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
-                   "steps (OUT/baseline).")
+class RetrofitRuns:
+    """What every retrofit recipe adds to the recipe of its model (mixed in before it): the heads rule,
+    the baseline as a second engine run in ``OUT/baseline``, and ``OUT/retrofit.json``.
 
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
-        return RetrofitTask(cfg, info, run_dir=run_dir)
+    The config needs ``laplacian_heads``, ``select`` and ``baseline``; the task's ``model_spec`` the
+    keys :func:`summarize` reads (``before``, ``converted``, ``method``, ``laplacian_heads``, ...).
+    """
+
+    #: the metrics of ``retrofit.json`` (keys of the task's evaluation)
+    summary_keys: tuple[str, ...] = ("val_loss", "val_bpb")
 
     def heads(self, run_dir: str | Path) -> Any:
         """The heads after conversion (``final/model.json``), else the configured ones."""
         spec = Path(run_dir) / "final" / "model.json"
         if spec.is_file():
             return read_json(spec, "the model description of a retrofit run").get("laplacian_heads")
-        return RunDir(run_dir).read_config().get("laplacian_heads", KEEP)
+        return self.configured_heads(RunDir(run_dir).read_config())
+
+    def configured_heads(self, raw: dict) -> Any:
+        """The heads of an unfinished run (from its ``config.yaml``, as written)."""
+        return raw.get("laplacian_heads", KEEP)
 
     def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
         """The retrofit run in ``out``, then (``baseline``) the unconverted model for the same steps in
@@ -352,8 +385,10 @@ class RetrofitRecipe(LMRecipe):
             runs.append((base, str(Path(out) / "baseline")))
         for i, (c, o) in enumerate(runs):
             # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
-            super().train(c, o, resume=resume and (i == 0 or Path(o).exists()), overwrite=overwrite)
-        return summarize(out) if int(os.environ.get("RANK", "0")) == 0 else {}  # rank 0 writes retrofit.json
+            super().train(c, o, resume=resume and (i == 0 or Path(o).exists()),  # type: ignore[misc]
+                          overwrite=overwrite)
+        # rank 0 writes retrofit.json
+        return summarize(out, self.summary_keys) if int(os.environ.get("RANK", "0")) == 0 else {}
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         lines = [f"retrofit to laplacian_heads={result['laplacian_heads']!r} ({result['method']}, "
@@ -362,6 +397,18 @@ class RetrofitRecipe(LMRecipe):
             lines.append(f"  {name:<22} " + "  ".join(f"{k}={v:.4f}" for k, v in m.items()
                                                       if isinstance(v, float) and math.isfinite(v)))
         return lines + [f"-> {Path(out) / 'retrofit.json'}"]
+
+
+class RetrofitRecipe(RetrofitRuns, LMRecipe):
+    name = "retrofit"
+    config_type = RetrofitConfig
+    kind = "hf"
+    description = ("Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
+                   "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
+                   "steps (OUT/baseline).")
+
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
+        return RetrofitTask(cfg, info, run_dir=run_dir)
 
 
 RECIPE = RetrofitRecipe()
