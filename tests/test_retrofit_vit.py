@@ -17,7 +17,7 @@ from lapheads import timm as lap_timm
 from lapheads.cli import main as cli
 from lapheads.engine.checkpoint import load_tensors
 from lapheads.engine.config import load_config
-from lapheads.errors import ConfigError
+from lapheads.errors import CheckpointError, ConfigError
 from lapheads.recipes import classify as C
 from lapheads.recipes import load_run
 from lapheads.recipes import retrofit_vit as RV
@@ -167,7 +167,11 @@ def test_checkpoint_head_is_kept_only_for_the_same_classes(tmp_path):
     assert model.head.weight.shape == (10, 32)
     assert torch.equal(model.blocks[1].attn.qkv.weight, src.blocks[1].attn.qkv.weight)
     assert torch.equal(RV.pretrained_model(cfg, 7).head.weight, src.head.weight)
-    with pytest.raises(Exception, match="does not fit"):
+    torn = tmp_path / "torn.pth"
+    torn.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="torn.pth: not a readable timm checkpoint"):
+        RV.checkpoint_classes(torn)
+    with pytest.raises(CheckpointError, match="does not fit"):
         RV.pretrained_model(load_config(RV.RetrofitViTConfig, RECIPE, [f"init_from={path}", *ARCH[:5],
                                                                           "model.embed_dim=64"]), 7)
 

@@ -206,9 +206,7 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
         lap_timm.convert(probe, selection)
         return _mean_loss(probe, batches)
 
-    costs = switch_cost_table([m.num_heads for _, m in lap_timm.laplacian_attention_layers(probe)], loss)
-    del probe
-    return costs
+    return switch_cost_table([m.num_heads for _, m in lap_timm.laplacian_attention_layers(probe)], loss)
 
 
 def _heads_config(model: nn.Module) -> Any:
