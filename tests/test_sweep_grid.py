@@ -132,3 +132,70 @@ def test_grid_claims_compare_k_within_each_grid_point(tmp_path):
     within = top1(per_point)
     assert [c.verdict for c in within] == ["observed"] * 3 and all(abs(c.diff - 0.02) < 1e-9 for c in within)
     assert grid_claims([r for r in runs if "w16_" in r["name"]], flags) == []  # one point: the pooled verdicts suffice
+
+
+def _sweep_argv(out: Path, *extra: str) -> list[str]:
+    return ["sweep", "--config", DIGITS, "--laplacian-heads", "0,all", "--seeds", "0", "--out", str(out),
+            "--no-report", *TINY[:-2], "--set", "train.max_steps=60", "--set", "train.ckpt_every=5", "--set", "train.log_every=1",
+            "--set", "model.embed_dim=32", "--set", "model.img_size=16", "--set", "model.patch_size=4", *extra]
+
+
+@pytest.mark.slow
+def test_parallel_sweep_stops_on_sigterm_resumes_and_equals_one_at_a_time(tmp_path):
+    """--jobs 2: two `lapheads train` subprocesses; SIGTERM to the sweep reaches both (each stops at a
+    step with a checkpoint); the same command resumes them; the weights equal an in-process sweep's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from lapheads.engine.checkpoint import load_tensors
+    from _reliability_helpers import subprocess_env, train_steps
+
+    par = tmp_path / "par"
+    argv = [sys.executable, "-m", "lapheads.cli", *_sweep_argv(par, "--jobs", "2")]
+    p = subprocess.Popen(argv, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        runs = [par / "lap0_seed0", par / "lapall_seed0"]
+        while not all((r / "metrics.jsonl").is_file() for r in runs):
+            assert p.poll() is None and time.time() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, err[-3000:]
+    assert "2 runs, 2 at a time (1 thread(s) each)" in out
+    for r in runs:
+        assert not (r / "final").exists() and (r / "checkpoints" / "latest").is_file()
+        assert "interrupted by SIGTERM" in (par / "logs" / f"{r.name}.log").read_text()
+    r = subprocess.run(argv, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("resuming") == 2 and r.stdout.count("final: top1=") == 2, r.stdout
+
+    one = tmp_path / "one"
+    assert cli(_sweep_argv(one)) == 0  # --jobs 1: in this process
+    assert not (one / "logs").exists()
+    for r in runs:
+        assert train_steps(r) == list(range(1, 61))
+        a, b = load_tensors(r / "final" / "model.safetensors"), load_tensors(one / r.name / "final" / "model.safetensors")
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
+
+
+def test_parallel_sweep_failure_names_the_run_and_its_log(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LAPHEADS_TEST_NAN_AT_STEP", "2")
+    assert cli(_sweep_argv(tmp_path / "s", "--jobs", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run lap0_seed0 failed (1 more failed): lapheads train classify: error:" in err[0], err
+    assert "non-finite" in err[0].lower() or "nan" in err[0].lower(), err
+    assert f"(log: {tmp_path / 's' / 'logs' / 'lap0_seed0.log'})" in err[0]
+    monkeypatch.delenv("LAPHEADS_TEST_NAN_AT_STEP")
+    with pytest.raises(ConfigError, match="--jobs 0: expected a positive number"):
+        from lapheads.sweep import run_grid
+        run_grid("classify", DIGITS, ["0"], [0], tmp_path / "z", jobs=0)

@@ -29,3 +29,7 @@ class CheckpointError(LapheadsError):
 
 class NonFiniteError(RuntimeError):
     """Training produced a NaN or Inf; raised by the engine's guard."""
+
+
+class RunFailed(LapheadsError):
+    """A run that a sweep trained in a subprocess ended with an error (its own error line is quoted)."""

@@ -36,6 +36,13 @@ Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` made by the
   interrupted sweep resumes with the same command without those flags.
 * One writer: the sweep holds the lock of ``OUT`` (engine.run.RunLock) for its whole duration,
   each run the lock of its own directory.
+* Parallel runs (``--jobs N``, default 1): up to N runs train at once, each a ``lapheads train``
+  subprocess with ``OMP_NUM_THREADS`` = the usable cores // N (tiny CPU models gain more from
+  running side by side than from more threads each). Each writes ``OUT/logs/<run>.log`` (its
+  stdout and stderr); the sweep prints each run's result lines when it ends. A failed run stops
+  the sweep after the running ones end, with its error line and log named. Ctrl-C / SIGTERM are
+  passed on: every running run stops at a step boundary with a checkpoint, and the same sweep
+  command resumes them. With ``--jobs 1`` runs train in the sweep's own process.
 * Afterwards every run can be analysed (``--analyze``) and ``OUT/report/`` gets the comparison
   report (``lapheads report``).
 """
@@ -44,14 +51,22 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tqdm.auto import tqdm
+
 from .engine.config import load_config, to_dict
+from .engine.threads import available_cpus
 from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes, lock_dir
-from .errors import ConfigError
+from .errors import ConfigError, RunFailed
 from .heads import LaplacianHeads
 from .recipes import get_recipe
 
@@ -261,13 +276,16 @@ def _restart(run: GridRun) -> None:
 def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
              overrides: Sequence[str] = (), quiet: bool = False, *, overwrite: bool = False,
              restart_changed: bool = False, hint: str = SWEEP_HINT,
-             design: Sequence[dict[str, str]] = ({},)) -> list[Path]:
+             design: Sequence[dict[str, str]] = ({},), jobs: int = 1) -> list[Path]:
     """Train every (design point, k, seed) run that is not finished yet; returns the run directories.
 
     Raises ConfigError (before anything runs) when existing runs were made with other settings,
     unless ``restart_changed`` (those runs start afresh) or ``overwrite`` (every run does);
-    ``hint`` is the advice appended to that error.
+    ``hint`` is the advice appended to that error. ``jobs`` > 1 trains that many runs at once in
+    subprocesses (see the module docstring).
     """
+    if jobs < 1:
+        raise ConfigError(f"--jobs {jobs}: expected a positive number of runs at once")
     rec = get_recipe(recipe)
     with lock_dir(out):
         plan = plan_grid(recipe, config, heads, seeds, out, overrides, design)
@@ -279,11 +297,17 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
                     why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"
                     print(f"[sweep] {r.path.name}: deleted to start afresh ({why})")
                 _restart(r)
+        todo = []
         for r in plan:
             if r.state == "done":
                 if not quiet:
                     print(f"[sweep] {r.path.name}: finished, skipped")
-                continue
+            else:
+                todo.append(r)
+        if jobs > 1 and len(todo) > 1:
+            _train_in_subprocesses(recipe, config, todo, out, min(jobs, len(todo)), quiet)
+            return [r.path for r in plan]
+        for r in todo:
             if not quiet:
                 print(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
             cfg = load_config(rec.config_type, config, r.sets, recipe=recipe)
@@ -291,3 +315,76 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
             for line in rec.result_lines(res, r.path):
                 print(line)
     return [r.path for r in plan]
+
+
+def train_command(recipe: str, config: Optional[str], run: GridRun) -> list[str]:
+    """The ``lapheads train`` command line of one grid run (``--resume`` when it has started)."""
+    cmd = [sys.executable, "-m", "lapheads.cli", "train", recipe, "--out", str(run.path)]
+    cmd += ["--config", str(config)] if config else []
+    cmd += [arg for s in run.sets for arg in ("--set", s)]
+    return cmd + (["--resume"] if run.state == "partial" else [])
+
+
+def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[GridRun], out: Path, jobs: int,
+                           quiet: bool) -> None:
+    """Train ``todo`` with ``jobs`` ``lapheads train`` subprocesses at a time (module docstring)."""
+    threads = max(1, available_cpus() // jobs)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("RANK", None)  # a sweep started under torchrun still runs single-process children
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"[sweep] {len(todo)} runs, {jobs} at a time ({threads} thread(s) each); logs in {logs}", flush=True)
+    pending, running, failed = list(todo), {}, []
+    bar = tqdm(total=len(todo), desc="runs", unit="run", disable=True if quiet else None)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs and not failed:
+                r = pending.pop(0)
+                log_path = logs / f"{r.path.name}.log"
+                log = open(log_path, "a")
+                log.write(f"# {' '.join(train_command(recipe, config, r)[1:])}\n")
+                log.flush()
+                proc = subprocess.Popen(train_command(recipe, config, r), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env)
+                running[proc] = (r, log, log_path, time.time())
+                if not quiet:
+                    tqdm.write(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
+            if not running:
+                break
+            time.sleep(0.2)
+            for proc in [p for p in running if p.poll() is not None]:
+                r, log, log_path, t0 = running.pop(proc)
+                log.close()
+                text = log_path.read_text(errors="replace").splitlines()
+                if proc.returncode != 0:
+                    errors = [t for t in text if t.startswith("lapheads ")] or text[-1:]
+                    failed.append((r, log_path, errors[-1] if errors else f"exit status {proc.returncode}"))
+                    continue
+                bar.update(1)
+                if not quiet:
+                    tqdm.write(f"[sweep] {r.path.name}: done in {time.time() - t0:.0f} s")
+                    for line in text[[i for i, t in enumerate(text) if t.startswith("# ")][-1] + 1:]:
+                        if line.startswith(("final", "->", "run directory")):
+                            tqdm.write(line)
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: every run stops at a step with a checkpoint
+        signum = getattr(e, "signum", signal.SIGINT)
+        for proc in running:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        for proc, (r, log, _, _) in running.items():
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+        raise
+    finally:
+        bar.close()
+    if failed:
+        failed.sort(key=lambda f: [r.path for r in todo].index(f[0].path))  # the first in the plan's order
+        r, log_path, line = failed[0]
+        more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
+        raise RunFailed(f"run {r.path.name} failed{more}: {line} (log: {log_path}); once that is "
+                             "fixed, the same sweep command resumes the unfinished runs")

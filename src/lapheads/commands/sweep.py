@@ -38,6 +38,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--restart-changed", action="store_true",
                    help="train afresh the existing runs whose config differs from this command's "
                         "(default: stop and list them)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each in its own process with the cores shared out "
+                        "(default 1: one run at a time, in this process)")
     p.add_argument("--analyze", action="store_true", help="run the geometry analysis of every run")
     p.add_argument("--no-report", action="store_true", help="skip the report")
     args = p.parse_args(list(argv or []))
@@ -52,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out)
     with lock_dir(out):
         dirs = run_grid(recipe, args.config, heads, seeds, out, args.overrides, overwrite=args.overwrite,
-                        restart_changed=args.restart_changed, design=design)
+                        restart_changed=args.restart_changed, design=design, jobs=args.jobs)
         if args.analyze:
             for d in dirs:
                 with lock_dir(d):
