@@ -170,6 +170,8 @@ def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, t
     m = json.loads((dirs[0] / "final" / "metrics.json").read_text())
     m["n"] = 10000
     (dirs[0] / "final" / "metrics.json").write_text(json.dumps(m))
+    with open(dirs[1] / "metrics.jsonl", "a") as f:  # as if train.until_plateau had stopped it at step 3
+        f.write(json.dumps({"step": 3, "event": "until_plateau_stop", "metric": "top1"}) + "\n")
     out = tmp_path / "rep"
     assert cli(["report", *map(str, dirs), "--out", str(out), "--plateau-tol", "10"]) == 0
     md = (out / "report.md").read_text()
@@ -178,6 +180,7 @@ def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, t
     c = json.loads((out / "summary.json").read_text())["classify"]["all"]["comparisons"]["top1"]
     assert c["verdict"] == "single run" and c["p"] is None
     assert "| k0_s0 | classify | k=0 | 0 | 3 | yes (" in md  # every run plateaus at a 1000% tolerance
+    assert "| kall_s0 | classify | all | 0 | 3 | yes (stopped by train.until_plateau at step 3) |" in md
     assert "Convergence:" not in md
     assert cli(["report", *map(str, dirs), "--out", str(tmp_path / "bad"), "--plateau-window", "0"]) == 2
 

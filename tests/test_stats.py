@@ -87,3 +87,8 @@ def test_plateau_flag():
     assert plateau([10, 20, 30], [0.1, float("nan"), 0.1]).status == "unknown"  # nan points do not count
     # few points: the window always spans at least the last two
     assert plateau([1, 2, 3], [0.1, 0.5, 0.9]).window_start == 2
+    # a run stopped by train.until_plateau has plateaued by that rule, even if it ended above its best
+    overfit = [2.4, 2.2, 2.1, 2.05, 2.09, 2.11, 2.2]
+    assert plateau(steps[:7], overfit).status == "no"
+    stopped = plateau(steps[:7], overfit, stopped_at=700)
+    assert stopped.status == "yes" and stopped.describe() == "yes (stopped by train.until_plateau at step 700)"

@@ -15,7 +15,8 @@ Writes ``report.md`` (figures beside it in ``figures/``) and a self-contained ``
   test). A paragraph says when runs it compares had not plateaued.
 * a table of the runs with a plateau flag each: the relative change of the validation metric over
   the last ``--plateau-window`` fraction of training, below ``--plateau-tol`` = plateaued, fewer
-  than three eval points = unknown (set ``train.eval_every``).
+  than three eval points = unknown (set ``train.eval_every``); a run stopped by
+  ``train.until_plateau`` counts as plateaued (:func:`lapheads.stats.plateau`).
 
 ``summary.json`` holds, per recipe and setting, the mean / std / n of every number, the per-run
 plateau flags and, for each setting other than k=0, the comparisons with k=0 (the same numbers as
@@ -87,6 +88,7 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
         "finished": (run.final_dir / "model.json").is_file(),
         "train": [r for r in records if "loss" in r and r.get("split") is None],
         "val": [r for r in records if r.get("split") == "val"],
+        "plateau_stop": next((r["step"] for r in records if r.get("event") == "until_plateau_stop"), None),
         "geometry": load_geometry(run.path),
     }
 
@@ -131,7 +133,7 @@ def run_plateau(run: dict, window: float = 0.2, tol: float = 0.01) -> Plateau:
     """Plateau flag of a run's validation curve of its recipe's main metric (:func:`lapheads.stats.plateau`)."""
     m = main_metric(run["recipe"])
     pts = [(r["step"], r[m[0]]) for r in run["val"] if m and isinstance(r.get(m[0]), (int, float))]
-    return plateau([s for s, _ in pts], [v for _, v in pts], window, tol)
+    return plateau([s for s, _ in pts], [v for _, v in pts], window, tol, stopped_at=run.get("plateau_stop"))
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float, int]:

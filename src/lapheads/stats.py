@@ -23,7 +23,10 @@ Design choices:
 * Plateau (:func:`plateau`): over the eval points whose step lies in the last ``window`` fraction
   of training (at least the last two points), the relative change ``|v_end - v_start| /
   |v_start|`` of the validation metric; below ``tol`` the run counts as plateaued. Fewer than three
-  eval points (a run evaluated only at the end) is "unknown".
+  eval points (a run evaluated only at the end) is "unknown". A run that ``train.until_plateau``
+  stopped (``stopped_at``) has plateaued by that rule's definition (``patience`` evals without
+  improvement), whatever the window shows: an early-stopped curve often ends a little above its
+  best value, and that is the plateau, not a run still moving.
 * Stopping at a plateau (:func:`evals_without_improvement`, used by ``train.until_plateau``): an
   eval improves when it beats the best earlier value by more than ``min_rel_delta * |best|`` in
   the metric's direction (the first eval always improves); training stops once the last
@@ -199,14 +202,18 @@ class Plateau:
     rel_change: Optional[float]  # |v_end - v_start| / |v_start| over the window
     points: int  # eval points in the curve
     window_start: Optional[int] = None  # step where the window starts
+    stopped_at: Optional[int] = None  # step where train.until_plateau stopped the run (then status "yes")
 
     def describe(self) -> str:
+        if self.stopped_at is not None:
+            return f"yes (stopped by train.until_plateau at step {self.stopped_at})"
         if self.status == "unknown":
             return f"unknown ({self.points} eval point{'s' if self.points != 1 else ''}; needs >= 3)"
         return f"{self.status} ({100 * self.rel_change:.2g}% change since step {self.window_start})"
 
 
-def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, tol: float = 0.01) -> Plateau:
+def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, tol: float = 0.01,
+            stopped_at: Optional[int] = None) -> Plateau:
     """Plateau flag of one validation curve (see the module docstring).
 
     Args:
@@ -214,6 +221,7 @@ def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, 
         values: the validation metric at those steps (non-finite values are dropped).
         window: fraction of training (by step) at the end over which the change is measured.
         tol: largest relative change that still counts as a plateau.
+        stopped_at: the step where ``train.until_plateau`` stopped the run, if it did.
     """
     if not 0.0 < window <= 1.0:
         raise ValueError(f"window={window} must be in (0, 1]")
@@ -221,7 +229,7 @@ def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, 
         raise ValueError(f"tol={tol} must be >= 0")
     pts = sorted((int(s), float(v)) for s, v in zip(steps, values) if v is not None and math.isfinite(float(v)))
     if len(pts) < 3:
-        return Plateau("unknown", None, len(pts))
+        return Plateau("yes" if stopped_at is not None else "unknown", None, len(pts), None, stopped_at)
     last = pts[-1][0]
     start = last * (1.0 - window)  # training starts at step 0
     inside = [i for i, (s, _) in enumerate(pts) if s >= start]
@@ -229,7 +237,7 @@ def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, 
     s0, v0 = pts[i0]
     v1 = pts[-1][1]
     rel = abs(v1 - v0) / abs(v0) if v0 != 0 else (0.0 if v1 == v0 else math.inf)
-    return Plateau("yes" if rel < tol else "no", rel, len(pts), s0)
+    return Plateau("yes" if rel < tol or stopped_at is not None else "no", rel, len(pts), s0, stopped_at)
 
 
 def evals_without_improvement(values: Sequence[float], mode: str, min_rel_delta: float = 0.0) -> int:
