@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -202,3 +204,100 @@ def test_probe_and_pca_clis_on_a_run(trained_run, tmp_path):
     assert main(["pca-maps", "--run", str(out), "--images", "digits", "--max-images", "6", "--out", str(png),
                  "--mask-background"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# greyscale models and training subsets (issue 15, item 4): the same options as classify
+DINO_DIGITS = str(Path(__file__).resolve().parents[1] / "recipes" / "dino" / "digits.yaml")
+
+
+def test_greyscale_run_trains_reloads_and_analyzes(tmp_path):
+    """model.in_chans: 1 with one-value crops.mean/std: 1-channel crops, a 1-channel backbone, and
+    every loader (load_run, load_backbone, the k-NN probe and pca-maps CLIs, analyze_run) rebuilds it
+    from final/."""
+    from lapheads.cli import main
+    from lapheads.recipes import load_run
+    from lapheads.runs import analyze_run, load_backbone
+
+    cfg = tiny_cfg(k=2, batch_size=32, max_steps=2, ckpt_every=0)
+    cfg.epochs, cfg.knn.max_train = 1, 100
+    cfg.model.in_chans = 1
+    cfg.crops.mean, cfg.crops.std = (0.5,), (0.5,)
+    task = DinoTask(cfg)
+    crops, _ = task.augment(task.train_set[0])
+    assert [tuple(c.shape) for c in crops] == [(1, 16, 16)] * 2 + [(1, 8, 8)] * 2
+    out = tmp_path / "grey"
+    res = _run(out, cfg)
+    assert "knn_k10_top1" in res  # the k-NN evaluation ran on 1-channel views
+    spec = json.loads((out / "final" / "model.json").read_text())
+    assert spec["timm_kwargs"]["in_chans"] == 1 and spec["mean"] == [0.5] and spec["std"] == [0.5]
+    for name in ("teacher_backbone.safetensors", "model.safetensors"):
+        w = load_tensors(out / "final" / name)
+        key = next(k for k in w if k.endswith("patch_embed.proj.weight"))
+        assert w[key].shape[1] == 1, name
+    loaded = load_run(out)
+    x = loaded.transform(task.bank_set[0][0])
+    assert x.shape == (1, 16, 16)
+    assert loaded.model(x[None]).shape == (1, 48)
+    bb, meta = load_backbone(run=out)
+    assert bb.patch_embed.proj.in_channels == 1 and meta["mean"] == [0.5]
+    assert main(["eval", "knn", "--run", str(out), "--data", "digits", "--k", "5",
+                 "--json", str(tmp_path / "k.json")]) == 0
+    assert json.loads((tmp_path / "k.json").read_text())["knn_k5_top1"] > 0.1
+    png = tmp_path / "maps.png"
+    assert main(["pca-maps", "--run", str(out), "--images", "digits", "--max-images", "4", "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    geo = analyze_run(out, max_items=16, batch_size=8, plots=False, spectra=False, nc4=False)
+    assert geo["meta"]["recipe"] == "dino" and geo["layers"]
+
+
+def test_fraction_and_max_items_train_on_a_stratified_subset():
+    """data.fraction / data.max_items: a stratified, seeded, nested subset of the training images;
+    the k-NN bank (and the val split) stays whole."""
+    def task_with(**data):
+        cfg = tiny_cfg(batch_size=16)
+        for key, value in data.items():
+            setattr(cfg.data, key, value)
+        return DinoTask(cfg)
+
+    whole = task_with()
+    n = len(whole.bank_set)
+    counts = np.bincount(whole.bank_set.targets, minlength=10)
+    assert whole.train_set is whole.bank_set
+    quarter = task_with(fraction=0.25)
+    assert len(quarter.train_set) == round(0.25 * n) and len(quarter.bank_set) == n
+    # stratified: every class keeps a quarter of its images (rounding moves at most one)
+    assert np.all(np.abs(np.bincount(quarter.train_set.targets, minlength=10) - 0.25 * counts) <= 1)
+    assert quarter.steps_per_epoch == len(quarter.train_set) // 16 < whole.steps_per_epoch
+    capped = task_with(fraction=0.5, max_items=100)
+    assert len(capped.train_set) == 100
+    assert np.all(np.abs(np.bincount(capped.train_set.targets, minlength=10) - 100 * counts / n) <= 1)
+    # one seed: the smaller subset lies inside the larger one; another seed draws other images
+    assert set(capped.train_set.indices) <= set(quarter.train_set.indices)
+    other = task_with(max_items=100, subset_seed=1)
+    assert set(other.train_set.indices) != set(capped.train_set.indices)
+    with pytest.raises(ConfigError, match="batch"):
+        task_with(max_items=10)  # fewer images than one batch of 16
+
+
+def test_bad_channel_settings_are_one_config_error_at_parse_time(tmp_path, capsys):
+    from lapheads.cli import main
+    from lapheads.engine.config import load_config
+
+    cfg = load_config(DinoConfig, DINO_DIGITS, ["model.in_chans=1", "crops.mean=[0.5]", "crops.std=[0.25]"])
+    assert cfg.model.in_chans == 1 and cfg.crops.mean == (0.5,) and cfg.crops.std == (0.25,)
+    for overrides, needles in [
+        (["model.in_chans=1"], ("crops.mean has 3 value(s)", "model.in_chans=1")),  # the yaml's RGB mean
+        (["model.in_chans=1", "crops.mean=[0.5]"], ("crops.std has 3 value(s)",)),
+        (["crops.mean=[0.5]", "crops.std=[0.5]"], ("crops.mean has 1 value(s)", "model.in_chans=3")),
+        (["model.in_chans=2"], ("model.in_chans=2", "1 (greyscale) or 3 (RGB)")),
+        (["model.in_chans=1", "crops.mean=[0.5]", "crops.std=[0.5]", "model.kwargs.in_chans=3"],
+         ("model.kwargs.in_chans=3 contradicts model.in_chans=1",)),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DinoConfig, DINO_DIGITS, overrides)
+        assert all(n in str(e.value) for n in needles), (overrides, str(e.value))
+    out = tmp_path / "never"
+    assert main(["train", "dino", "--config", DINO_DIGITS, "--out", str(out), "--set", "model.in_chans=1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "crops.mean" in err and not out.exists()

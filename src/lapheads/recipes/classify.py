@@ -44,7 +44,9 @@ from ..errors import CheckpointError, ConfigError
 from ..heads import heads_field
 from ..outputs import read_json
 from ..vision.backbones import frozen
-from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms
+# check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
+# here also so that `from lapheads.recipes.classify import check_channels` keeps working
+from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
 from .base import LoadedRun, Recipe
 
 
@@ -126,29 +128,6 @@ class ClassifyConfig:
 
     def validate(self) -> None:
         check_channels(self.model, self.data.mean, self.data.std)
-
-
-def in_chans_of(m: ModelConfig) -> int:
-    """Channels the model reads: ``model.in_chans`` (``model.extra.in_chans`` in older configs)."""
-    return int(m.extra.get("in_chans", m.in_chans))
-
-
-def check_channels(m: ModelConfig, mean: Any, std: Any, where: str = "data") -> None:
-    """``model.in_chans`` is 1 or 3 and ``{where}.mean`` / ``{where}.std`` have that many values.
-
-    Raises:
-        ConfigError: naming the fields.
-    """
-    if "in_chans" in m.extra and m.in_chans != 3 and m.extra["in_chans"] != m.in_chans:
-        raise ConfigError(f"model.extra.in_chans={m.extra['in_chans']!r} contradicts model.in_chans={m.in_chans}; "
-                          "set only model.in_chans")
-    c = m.extra.get("in_chans", m.in_chans)
-    if c not in (1, 3) or isinstance(c, bool):
-        raise ConfigError(f"model.in_chans={c!r} must be 1 (greyscale) or 3 (RGB)")
-    for name, v in (("mean", mean), ("std", std)):
-        if len(v) != c:
-            raise ConfigError(f"{where}.{name} has {len(v)} value(s) but model.in_chans={c} needs {c} "
-                              f"(e.g. {where}.mean: [0.5] and {where}.std: [0.5] for a greyscale model)")
 
 
 def timm_kwargs(m: ModelConfig, num_classes: int) -> dict:

@@ -44,6 +44,14 @@ Design choices (DINO's own choices unless said otherwise):
   dimension dominates).
 * ``evaluate`` runs the weighted k-NN probe (:func:`lapheads.vision.probes.knn_classify`) with the
   teacher backbone on ``data.val_split`` against a bank from ``data.train_split``.
+* Greyscale models: ``model.in_chans: 1`` with one-value ``crops.mean`` / ``crops.std`` (checked
+  when the config loads, by the same :func:`lapheads.vision.transforms.check_channels` as classify);
+  the multi-crop and evaluation transforms then give 1-channel crops, and ``final/model.json``
+  records ``in_chans`` among the timm kwargs and the one-value normalisation, so every loader
+  (``load_run``, ``load_backbone``, the probes, ``lapheads analyze --run``) rebuilds it as trained.
+* Data-size scaling: ``data.fraction`` / ``data.max_items`` train on a stratified, seeded, nested
+  subset of the training images (:func:`lapheads.data.images.subset`, as classify). The k-NN
+  evaluation (bank and queries) stays whole, so every fraction is measured on the same images.
 * ``final/`` holds ``model.json`` (timm name, kwargs, Laplacian heads, input size, normalisation:
   what :meth:`DinoRecipe.load_backbone` reads), ``teacher_backbone.safetensors`` (the
   backbone the probes use, as in DINO), ``teacher_head.safetensors`` and the engine's
@@ -62,7 +70,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.images import build_image_dataset
+from ..data.images import build_image_dataset, subset
 from ..engine import DistInfo, Task, TrainConfig
 from ..engine.checkpoint import load_weights, save_tensors
 from ..engine.config import bounded
@@ -72,7 +80,8 @@ from ..heads import LaplacianHeads, heads_field
 from ..outputs import read_json
 from ..vision.backbones import create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
-from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, EvalTransform, MultiCropAugment
+from ..vision.transforms import (IMAGENET_MEAN, IMAGENET_STD, EvalTransform, MultiCropAugment, check_channels,
+                                 in_chans_of)
 from .base import LoadedRun, Recipe
 
 
@@ -85,6 +94,7 @@ class DinoModelConfig:
     name: str = "vit_small_patch16_224"
     laplacian_heads: Any = heads_field()  # int k (trailing k heads of every layer), "all", "none", per-layer list
     drop_path_rate: float = 0.1  # student only; the teacher has none
+    in_chans: int = 3  # 3 (RGB) or 1 (greyscale model; then crops.mean/std hold one value each)
     kwargs: dict[str, Any] = field(default_factory=dict)  # timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ...
 
 
@@ -111,8 +121,8 @@ class CropsConfig:
     grayscale: float = bounded(0.2, ge=0.0, le=1.0)
     blur: bool = True  # DINO's blur probabilities: global 1.0 / 0.1, local 0.5
     solarize: float = bounded(0.2, ge=0.0, le=1.0)  # probability, second global crop only
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
+    mean: tuple[float, ...] = IMAGENET_MEAN  # one value per model.in_chans channel
+    std: tuple[float, ...] = bounded(IMAGENET_STD, gt=0.0)
 
 
 @dataclass
@@ -122,6 +132,9 @@ class DinoDataConfig:
     val: str = ""  # k-NN evaluation data ("" = same as train)
     val_split: str = "val"
     batch_size: int = 64  # per process (DINO's batch_size_per_gpu)
+    fraction: float = bounded(1.0, gt=0.0, le=1.0)  # stratified share of the TRAINING images used
+    max_items: int = bounded(0, ge=0)  # cap on training images after `fraction` (0 = no cap)
+    subset_seed: int = 0  # seed of that subset (one seed: smaller subsets nest in larger ones)
 
 
 @dataclass
@@ -164,6 +177,7 @@ class DinoConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
+        check_channels(self.model, self.crops.mean, self.crops.std, where="crops", kwargs_field="kwargs")
         if self.epochs < 1:
             raise ConfigError(f"epochs={self.epochs} must be >= 1")
         if self.head.out_dim < 2 or self.head.nlayers < 1:
@@ -187,6 +201,14 @@ class DinoConfig:
             raise ConfigError(f"data.batch_size={self.data.batch_size} must be >= 1")
         if not self.knn.ks or min(self.knn.ks) < 1 or self.knn.temperature <= 0:
             raise ConfigError(f"knn.ks={self.knn.ks} must be a non-empty list of k >= 1 and knn.temperature > 0")
+
+
+def backbone_kwargs(m: DinoModelConfig) -> dict[str, Any]:
+    """The timm kwargs of the backbone: ``model.kwargs`` plus ``in_chans`` for a greyscale model."""
+    kw = dict(m.kwargs)
+    if in_chans_of(m, "kwargs") != 3:
+        kw["in_chans"] = in_chans_of(m, "kwargs")
+    return kw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,21 +350,25 @@ class DinoTask(Task):
         self.cfg = cfg
         self.info = info or DistInfo()
         self.device = self.info.device
-        # Data first: a bad path fails before any model is built.
-        self.train_set = _load_images(cfg.data.train, cfg.data.train_split, "data.train")
+        # Data first: a bad path fails before any model is built. The k-NN bank is the whole train
+        # split; training sees the data.fraction / data.max_items subset of it.
+        d = cfg.data
+        self.bank_set = _load_images(d.train, d.train_split, "data.train")
+        self.train_set = subset(self.bank_set, d.fraction, d.max_items, d.subset_seed)
         self.val_spec = cfg.data.val or cfg.data.train
         self._val_set: Any = None
         self.spe = steps_per_epoch(len(self.train_set), cfg.data.batch_size, self.info.world_size)
         if self.spe < cfg.train.grad_accum:
+            used = "" if len(self.train_set) == len(self.bank_set) else " (data.fraction / data.max_items)"
             raise ConfigError(
-                f"data.train {cfg.data.train!r} has {len(self.train_set)} images, fewer than one optimizer "
-                f"step of {cfg.data.batch_size} x {self.info.world_size} processes x {cfg.train.grad_accum} "
+                f"data.train {cfg.data.train!r} has {len(self.train_set)} training images{used}, fewer than one "
+                f"optimizer step of {cfg.data.batch_size} x {self.info.world_size} processes x {cfg.train.grad_accum} "
                 "accumulation steps; lower data.batch_size")
         self.steps_per_epoch = self.spe // cfg.train.grad_accum
 
         m = cfg.model
-        student_bb = create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **m.kwargs)
-        teacher_bb = create_backbone(m.name, m.laplacian_heads, 0.0, **m.kwargs)
+        student_bb = create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **backbone_kwargs(m))
+        teacher_bb = create_backbone(m.name, m.laplacian_heads, 0.0, **backbone_kwargs(m))
         dim = student_bb.num_features
         h = cfg.head
         mk_head = lambda: DINOHead(dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers, h.use_bn,  # noqa: E731
@@ -360,7 +386,7 @@ class DinoTask(Task):
         self.laplacian_heads = getattr(student_bb, "laplacian_heads", LaplacianHeads(None)).to_config()
         self.embed_dim = dim
         self.n_crops = 2 + cfg.crops.local_crops
-        self.augment = MultiCropAugment(cfg.crops)
+        self.augment = MultiCropAugment(cfg.crops, in_chans_of(m, "kwargs"))
         self._wd = cfg.optim.weight_decay
         self._momentum = cfg.loss.momentum_teacher
 
@@ -464,7 +490,7 @@ class DinoTask(Task):
         was = bb.training
         bb.eval()
         kc = self.cfg.knn
-        train_ds = self.train_set
+        train_ds = self.bank_set
         if kc.max_train and len(train_ds) > kc.max_train:
             g = torch.Generator().manual_seed(self.cfg.train.seed)
             idx = torch.randperm(len(train_ds), generator=g)[: kc.max_train].tolist()
@@ -477,7 +503,7 @@ class DinoTask(Task):
 
     def model_spec(self) -> dict:
         m = self.cfg.model
-        kw = {k: v for k, v in m.kwargs.items() if k != "drop_path_rate"}
+        kw = {k: v for k, v in backbone_kwargs(m).items() if k != "drop_path_rate"}
         return {"timm_name": m.name, "timm_kwargs": {"num_classes": 0, "dynamic_img_size": True, **kw},
                 "laplacian_heads": self.laplacian_heads, "embed_dim": self.embed_dim,
                 "backbone_file": "teacher_backbone.safetensors", "img_size": self.cfg.crops.global_size,

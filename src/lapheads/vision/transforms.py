@@ -9,6 +9,8 @@
 * :class:`EvalTransform`: the probes' view of an image (resize to a square, normalise), also used by
   the DINO recipe, geometry of DINO runs and PCA maps.
 * :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD`: the normalisation defaults, defined here only.
+* :func:`check_channels` / :func:`in_chans_of`: the one check of a vision recipe's ``model.in_chans``
+  (1 = greyscale, 3 = RGB) against its one-value-per-channel ``mean`` / ``std`` (classify, DINO).
 
 Design choices:
 
@@ -20,12 +22,16 @@ Design choices:
   kernel size). Every random draw uses torch's RNG (v2's ``RandomChoice`` included), which
   DataLoader seeds per worker and the training engine saves for exact resume.
 * ``three_augment=False`` gives the plain crop + flip (+ jitter) pipeline, for ablations.
+* :class:`MultiCropAugment` and :class:`EvalTransform` give 1-channel tensors for a greyscale model
+  (RGB sources converted with the ITU-R 601 luma weights, as PIL's ``"L"`` mode) and 3-channel
+  tensors otherwise (1-channel sources repeated); :class:`EvalTransform` takes the channel count from
+  ``len(mean)``, so every loader that passes a run's saved mean / std gets the run's channels.
 * Mixup / CutMix act on batches and live in the classify recipe (timm's ``Mixup``), not here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -37,13 +43,53 @@ from torchvision.transforms.v2 import functional as TF
 from ..errors import ConfigError
 
 __all__ = ["build_transforms", "ToMode", "RandomGaussianBlurPIL", "to_float_image", "MultiCropAugment",
-           "EvalTransform", "IMAGENET_MEAN", "IMAGENET_STD"]
+           "EvalTransform", "IMAGENET_MEAN", "IMAGENET_STD", "check_channels", "in_chans_of"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _INTERP = {"bicubic": InterpolationMode.BICUBIC, "bilinear": InterpolationMode.BILINEAR,
            "nearest": InterpolationMode.NEAREST}
+
+
+def _timm_kwargs(model: Any, kwargs_field: str) -> Mapping[str, Any]:
+    return getattr(model, kwargs_field, None) or {}
+
+
+def in_chans_of(model: Any, kwargs_field: str = "extra") -> int:
+    """Channels a vision recipe's model reads: ``model.in_chans``, or ``in_chans`` among its extra timm
+    keyword arguments (``model.<kwargs_field>``, e.g. classify's ``model.extra``) where that is set.
+
+    Args:
+        model: a model config with an ``in_chans`` field and a mapping of extra timm kwargs.
+        kwargs_field: the name of that mapping (classify: ``"extra"``, DINO: ``"kwargs"``).
+    """
+    return int(_timm_kwargs(model, kwargs_field).get("in_chans", model.in_chans))
+
+
+def check_channels(model: Any, mean: Any, std: Any, where: str = "data", kwargs_field: str = "extra") -> None:
+    """``model.in_chans`` is 1 or 3 and ``{where}.mean`` / ``{where}.std`` have that many values.
+
+    Args:
+        model: a model config with ``in_chans`` and extra timm kwargs ``model.<kwargs_field>``.
+        mean, std: the normalisation of the config (one value per channel).
+        where: the config section that holds ``mean`` / ``std`` (for the message).
+        kwargs_field: the name of the extra timm kwargs mapping (an ``in_chans`` there must agree).
+
+    Raises:
+        ConfigError: naming the fields.
+    """
+    extra = _timm_kwargs(model, kwargs_field)
+    if "in_chans" in extra and model.in_chans != 3 and extra["in_chans"] != model.in_chans:
+        raise ConfigError(f"model.{kwargs_field}.in_chans={extra['in_chans']!r} contradicts "
+                          f"model.in_chans={model.in_chans}; set only model.in_chans")
+    c = extra.get("in_chans", model.in_chans)
+    if c not in (1, 3) or isinstance(c, bool):
+        raise ConfigError(f"model.in_chans={c!r} must be 1 (greyscale) or 3 (RGB)")
+    for name, v in (("mean", mean), ("std", std)):
+        if len(v) != c:
+            raise ConfigError(f"{where}.{name} has {len(v)} value(s) but model.in_chans={c} needs {c} "
+                              f"(e.g. {where}.mean: [0.5] and {where}.std: [0.5] for a greyscale model)")
 
 
 class ToMode:
@@ -155,8 +201,16 @@ def build_transforms(
     return v2.Compose(ops)
 
 
-def to_float_image(img: Any) -> torch.Tensor:
-    """PIL image / numpy array / tensor -> float tensor ``(3, H, W)`` in [0, 1]."""
+def to_float_image(img: Any, channels: int = 3) -> torch.Tensor:
+    """PIL image / numpy array / tensor -> float tensor ``(channels, H, W)`` in [0, 1].
+
+    ``channels=3``: grey sources are repeated; ``channels=1``: colour sources become their luma
+    (PIL images through PIL's ``"L"`` mode, tensors with the same ITU-R 601 weights).
+    """
+    if channels not in (1, 3):
+        raise ConfigError(f"channels={channels!r}; expected 1 or 3")
+    if channels == 1 and isinstance(img, Image.Image) and img.mode != "L":
+        img = img.convert("L")
     if isinstance(img, torch.Tensor):
         t = img
     elif isinstance(img, np.ndarray):
@@ -173,10 +227,12 @@ def to_float_image(img: Any) -> torch.Tensor:
         t = t.float() / 255.0
     else:
         t = t.float()
+    if t.shape[0] == 4:
+        t = t[:3]
+    if channels == 1:
+        return (TF.rgb_to_grayscale(t) if t.shape[0] == 3 else t).contiguous()
     if t.shape[0] == 1:
         t = t.expand(3, -1, -1)
-    elif t.shape[0] == 4:
-        t = t[:3]
     return t.contiguous()
 
 
@@ -196,10 +252,14 @@ class MultiCropAugment:
         cfg: the crop settings (the DINO recipe's ``CropsConfig``): ``global_size``, ``local_size``,
             ``global_scale``, ``local_scale``, ``local_crops``, ``hflip``, ``color_jitter``,
             ``jitter``, ``grayscale``, ``blur``, ``solarize``, ``mean``, ``std``.
+        in_chans: channels of the crops (1 for a greyscale model: colour jitter then changes only
+            brightness and contrast, and random grayscale is a no-op).
     """
 
-    def __init__(self, cfg: Any):
-        self.cfg = cfg
+    def __init__(self, cfg: Any, in_chans: int = 3):
+        if in_chans not in (1, 3):
+            raise ConfigError(f"in_chans={in_chans!r}; expected 1 or 3")
+        self.cfg, self.in_chans = cfg, in_chans
         self._t: Optional[list] = None
 
     def _build(self) -> list:
@@ -229,23 +289,29 @@ class MultiCropAugment:
         if self._t is None:
             self._t = self._build()
         img, label = item
-        x = to_float_image(img)
+        x = to_float_image(img, self.in_chans)
         g1, g2, loc = self._t
         crops = [g1(x), g2(x)] + [loc(x) for _ in range(self.cfg.local_crops)]
         return crops, label
 
 
 class EvalTransform:
-    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image."""
+    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image.
+
+    The output has ``len(mean)`` channels: 3 (RGB) or 1 (a greyscale model's one-value mean / std).
+    """
 
     def __init__(self, size: int, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
         self.size, self.mean, self.std = int(size), list(mean), list(std)
+        if len(self.mean) not in (1, 3) or len(self.std) != len(self.mean):
+            raise ConfigError(f"mean={self.mean} and std={self.std} must both have 1 (greyscale) or 3 (RGB) values")
+        self.channels = len(self.mean)
 
     def __call__(self, img: Any) -> torch.Tensor:
-        x = to_float_image(img)
+        x = to_float_image(img, self.channels)
         if tuple(x.shape[-2:]) != (self.size, self.size):
             x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", antialias=True,
                               align_corners=False)[0]
-        m = torch.tensor(self.mean).view(3, 1, 1)
-        s = torch.tensor(self.std).view(3, 1, 1)
+        m = torch.tensor(self.mean).view(-1, 1, 1)
+        s = torch.tensor(self.std).view(-1, 1, 1)
         return (x - m) / s
