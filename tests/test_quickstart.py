@@ -14,11 +14,11 @@ from lapheads.cli import main as cli
 @pytest.mark.slow
 def test_quickstart_tiny_end_to_end(tmp_path, capsys):
     out = tmp_path / "qs"
-    assert cli(["quickstart", "--tiny", "--out", str(out)]) == 0
+    assert cli(["quickstart", "--tiny", "--out", str(out), "--jobs", "1"]) == 0  # in this process: faster here
     printed = capsys.readouterr().out
     assert str(out / "report" / "report.html") in printed
     runs = sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("*/*/config.yaml"))
-    assert runs == ["lm/lap0_seed0", "lm/lap2_seed0", "lm/lapall_seed0", "vision/lap0_seed0",
+    assert runs == ["lm/lap0_seed0", "lm/lap0_seed1", "lm/lapall_seed0", "lm/lapall_seed1", "vision/lap0_seed0",
                     "vision/lap0_seed1", "vision/lap2_seed0", "vision/lap2_seed1", "vision/lapall_seed0",
                     "vision/lapall_seed1"]
     for run in out.glob("*/lap*_seed*"):
@@ -29,7 +29,8 @@ def test_quickstart_tiny_end_to_end(tmp_path, capsys):
     for section in ("## classify", "## lm"):
         body = md.split(section, 1)[1].split("\n## ", 1)[0]
         rows = [l for l in body.splitlines() if re.match(r"\| (k=0|k=2|all) \|", l)]
-        assert [r.split("|")[1].strip() for r in rows] == ["k=0", "k=2", "all"], body
+        expected = ["k=0", "k=2", "all"] if section == "## classify" else ["k=0", "all"]
+        assert [r.split("|")[1].strip() for r in rows] == expected, body
         for row in rows:
             if section == "## classify":  # evaluated along the way: every run has a plateau flag
                 assert "unknown" not in row.split("|")[3], row
@@ -42,6 +43,7 @@ def test_quickstart_tiny_end_to_end(tmp_path, capsys):
     for src in re.findall(r"src='([^']+)'", html):
         assert src.startswith("data:image/png;base64,"), src[:60]
     assert "The paper's claims" in md
+    assert "What this can and cannot say." in md and "its numbers mean nothing" in md
     # run it again: every finished run is reused, nothing is retrained
     before = {p: p.stat().st_mtime_ns for p in out.glob("*/*/final/model.safetensors")}
     assert cli(["quickstart", "--tiny", "--out", str(out)]) == 0
