@@ -276,6 +276,26 @@ def test_transformers_save_and_from_pretrained_restore_the_learned_values(tmp_pa
         ltr.from_pretrained(str(tmp_path / "bad"))
 
 
+def test_from_pretrained_of_a_hub_id_restores_the_learned_values(tmp_path, monkeypatch):
+    """A hub id resolves through the hub cache like transformers' own loader (no network: a cache
+    laid out as huggingface_hub writes it, local_files_only), sharded checkpoints included."""
+    model = _nanochat("learn")
+    _perturb(model)
+    snap = tmp_path / "hub" / "models--someone--tiny-learn" / "snapshots" / ("a" * 40)
+    model.save_pretrained(snap, max_shard_size="20KB")
+    assert (snap / "model.safetensors.index.json").is_file()  # sharded: the mixing sits in some shard
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("a" * 40)
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up
+    loaded = ltr.from_pretrained("someone/tiny-learn", cache_dir=str(tmp_path / "hub"), local_files_only=True,
+                                 dtype=torch.float64).eval()
+    assert mixing_table(loaded) == mixing_table(model)
+    ids = torch.randint(3, 97, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-12, rtol=0)
+
+
 def test_enable_with_a_fixed_spec_removes_the_parameters():
     model = _nanochat("learn")
     ltr.enable(model, 1)

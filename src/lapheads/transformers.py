@@ -82,6 +82,7 @@ from typing import Any, Optional, Union
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import cached_file
 from transformers.utils import logging as hf_logging
 
 from .errors import ConfigError
@@ -537,23 +538,41 @@ def mixing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def _checkpoint_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
+# keyword arguments of from_pretrained that say where a hub checkpoint's files are
+_HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "subfolder", "force_download", "proxies")
+
+
+def _checkpoint_files(path: str, **hub: Any) -> list[str]:
+    """The safetensors files of a checkpoint: a local directory, or a hub id resolved the way
+    ``from_pretrained`` resolves it (transformers' ``cached_file``: the local cache, offline mode,
+    ``revision``, ``cache_dir``; a download only where the hub can be reached)."""
+    if os.path.isdir(path):
+        def find(name: str) -> Optional[str]:
+            f = os.path.join(path, hub.get("subfolder") or "", name)
+            return f if os.path.isfile(f) else None
+    else:
+        def find(name: str) -> Optional[str]:
+            return cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False, **hub)
+    index = find("model.safetensors.index.json")
+    if index:
         with open(index, encoding="utf-8") as f:
-            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    single = os.path.join(path, "model.safetensors")
-    return [single] if os.path.isfile(single) else []
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [find(name) for name in shards]
+        return [f for f in files if f]
+    single = find("model.safetensors")
+    return [single] if single else []
 
 
-def _load_mixing(model: PreTrainedModel, path: str) -> None:
-    """Register the mixing parameters on ``model`` and fill them from the checkpoint at ``path``."""
+def _load_mixing(model: PreTrainedModel, path: str, **hub: Any) -> None:
+    """Register the mixing parameters on ``model`` and fill them from the checkpoint at ``path``
+    (a directory or a hub id; ``hub``: where ``from_pretrained`` was told to look)."""
 
     enable(model, model.config.laplacian_heads, eager=model.config._attn_implementation in
            (EAGER_ATTN_IMPLEMENTATION, SAVED_EAGER_ATTN_IMPLEMENTATION))
     wanted = {n: p for n, p in model.named_parameters() if n.endswith(MIX_PARAM_SUFFIXES)}
     found: dict[str, torch.Tensor] = {}
-    for file in _checkpoint_files(path):
+    for file in _checkpoint_files(path, **hub):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 if key in wanted:
@@ -577,21 +596,22 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     name (not the saved alias) as the model's implementation.
 
     Args:
-        path: a directory written by ``save_pretrained`` (or a hub id available locally).
+        path: a directory written by ``save_pretrained``, or a hub id (resolved like
+            ``from_pretrained`` does: the local cache, ``cache_dir``, ``revision``, offline mode).
         model_class: default ``AutoModelForCausalLM``.
         eager: pick :data:`EAGER_ATTN_IMPLEMENTATION`.
         **kwargs: passed to ``from_pretrained``.
 
     Raises:
         ConfigError: an explicit standard ``attn_implementation`` for a config with Laplacian heads
-            (see :func:`check_implementation`), or a learnable-mixing config whose checkpoint (a local
-            directory of safetensors) lacks the mixing parameters.
+            (see :func:`check_implementation`), or a learnable-mixing config whose checkpoint
+            (safetensors, in a directory or a hub repository) lacks the mixing parameters.
     """
 
     model_class = model_class or AutoModelForCausalLM
     config = kwargs.get("config")
     if not isinstance(config, PreTrainedConfig):
-        config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads"}
+        config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads" or k in _HUB_KWARGS}
         config = AutoConfig.from_pretrained(config or path, **config_kwargs)
     if "attn_implementation" in kwargs:
         check_implementation(config, kwargs["attn_implementation"])
@@ -608,5 +628,5 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
         model = model_class.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(level)
-    _load_mixing(model, path)
+    _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
     return model
