@@ -36,10 +36,20 @@ Edge cases, the same on both paths (and in :mod:`lapheads.nn` / :mod:`lapheads.t
 
 Learnable mixing (``laplacian_heads=HeadMix(a, b)``, ``a`` and ``b`` of shape ``(H,)``): head h
 outputs ``a_h v_self + b_h P V``, i.e. the operator ``a_h I + b_h P``. Same single SDPA call,
-then one multiply-add over heads with ``a``/``b`` viewed as ``(H, 1, 1)`` and cast to the output
-dtype (gradients reach both); no T x T matrix. The identity term is always present, so
-``Tq <= Tk`` is required as for a Laplacian head. The fixed-selection path never sees a tensor
-of mixing weights and is unchanged.
+then one multiply-add over heads with ``a``/``b`` cast to the output dtype and broadcast as
+``(H, 1, 1)``; no T x T matrix. The identity term is always present, so ``Tq <= Tk`` is required
+as for a Laplacian head. The fixed-selection path never sees a tensor of mixing weights and is
+unchanged. When a gradient is wanted the multiply-add is one autograd Function
+(:class:`_MixHeads`) with a hand-written backward: the generic graph (a multiply, an ``addcmul``,
+two views) allocated six ``(..., H, Tq, Dv)`` buffers per step and ran five autograd nodes; the
+Function allocates three (the output, the SDPA output's gradient, ``v_self``'s gradient: the
+products reduced into the gradients of ``a`` and ``b`` share one scratch buffer that then becomes
+the SDPA output's gradient) and is one node. The values are the same ops in the same order (the
+forward is ``out * b`` then an in-place ``addcmul``, exactly what ``torch.addcmul(out * b, v_self,
+a)`` computes; the reductions are ``sum_to_size`` as autograd's own). With ``create_graph=True``
+the backward uses out-of-place ops only, so a second derivative still flows (as far as SDPA's
+kernel has one). Without a gradient (inference, ``torch.no_grad`` exports) the same two ops run
+directly.
 
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
 standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
@@ -268,9 +278,75 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
         raise ConfigError(
             f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
-    a = mix.a.to(out.dtype).view(h, 1, 1)
-    b = mix.b.to(out.dtype).view(h, 1, 1)
-    return torch.addcmul(out * b, _v_self(v, tq, h, hkv), a)
+    v_self = _v_self(v, tq, h, hkv)
+    a, b = mix.a.to(out.dtype), mix.b.to(out.dtype)  # no-ops (no graph node) when the dtypes agree
+    if torch.is_grad_enabled() and (out.requires_grad or v_self.requires_grad or a.requires_grad or b.requires_grad):
+        return _MixHeads.apply(out, v_self, a, b)
+    return _mix_heads(out, v_self, a, b)
+
+
+def _mix_heads(out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``b_h out + a_h v_self`` per head (heads on dim -3, ``a``/``b`` of shape ``(H,)``): one new buffer."""
+    h = a.shape[0]
+    y = out * b.view(h, 1, 1)
+    if y.shape != v_self.shape:  # batch dims broadcast against each other: the result is larger than y
+        return torch.addcmul(y, v_self, a.view(h, 1, 1))
+    return y.addcmul_(v_self, a.view(h, 1, 1))  # in place on our own fresh buffer: no second allocation
+
+
+def _head_sum(x: torch.Tensor, h: int) -> torch.Tensor:
+    """Sum over every dim but the head dim (-3) -> ``(H,)``, reduced as autograd reduces a broadcast.
+
+    Always a new tensor: the backward reuses ``x`` as scratch afterwards, and ``sum_to_size``
+    returns ``x`` itself when there is nothing to sum (a 3-d ``(H, 1, 1)`` input).
+    """
+    if x.dim() == 3 and x.shape[-2] == 1 and x.shape[-1] == 1:
+        return x.reshape(h).clone()
+    return x.sum_to_size((h, 1, 1)).view(h)
+
+
+class _MixHeads(torch.autograd.Function):
+    """``y = b_h out + a_h v_self`` with a backward that allocates only the gradients it returns.
+
+    ``dy -> (b dy, a dy, sum(dy * v_self), sum(dy * out))``, the sums over everything but the head
+    dim. ``out`` and ``v_self`` are saved without copies (SDPA saves ``out`` itself, ``v_self`` is
+    a view of ``v`` or GQA's expanded copy that the generic graph saved as well).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(out, v_self, a, b)
+        return _mix_heads(out, v_self, a, b)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        out, v_self, a, b = ctx.saved_tensors
+        need_out, need_vs, need_a, need_b = ctx.needs_input_grad
+        h = a.shape[0]
+        d_out = d_vs = d_a = d_b = None
+        if torch.is_grad_enabled():  # create_graph=True: out-of-place ops, so they can be differentiated again
+            if need_b:
+                d_b = _head_sum(dy * out, h)
+            if need_a:
+                d_a = _head_sum(dy * v_self, h)
+            if need_out:
+                d_out = dy * b.view(h, 1, 1)
+        else:
+            # One scratch buffer serves both reductions and then holds the SDPA output's gradient.
+            scratch = None
+            if need_b:
+                scratch = torch.mul(dy, out)
+                d_b = _head_sum(scratch, h)
+            if need_a:
+                scratch = torch.mul(dy, v_self) if scratch is None else torch.mul(dy, v_self, out=scratch)
+                d_a = _head_sum(scratch, h)
+            if need_out:
+                bh = b.view(h, 1, 1)
+                d_out = torch.mul(dy, bh) if scratch is None else torch.mul(dy, bh, out=scratch)
+        if need_vs:
+            d_vs = dy * a.view(h, 1, 1)
+        return d_out, d_vs, d_a, d_b
 
 
 def laplacian_attention_reference(
