@@ -15,7 +15,9 @@ rate would share one row there. This script therefore
   seeds), their Laplacian-ness ``(a - 2b + 2) / 5`` (0 standard, 1 Laplacian) and the ratio
   ``a / b``. The ratio is the scale-free part: the output projection that follows can absorb a
   common factor of ``a`` and ``b``, so ``a I + b P`` and ``c (a I + b P)`` are the same head up to
-  ``W_O`` (0 = standard, -1 = Laplacian, > 0 = attention plus some of the token's own value), and
+  ``W_O`` (0 = standard, -1 = Laplacian, > 0 = attention plus some of the token's own value), its
+  angle ``atan(a / b)`` (0, -45 and +-90 degrees for standard, Laplacian and the identity alone;
+  bounded where a / b is not, when b crosses 0), and
   how many heads lie nearer the Laplacian than the standard operator, once by the report's rule
   (Laplacian-ness > 0.5) and once by that scale-free angle (:func:`nearer_laplacian`); first
   condensed to one row per layer (mean ± std over heads and seeds), then per head.
@@ -34,9 +36,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from lapheads.engine.run import RunDir
 from lapheads.errors import ConfigError
 from lapheads.report import collect_run, main_metric, run_plateau, run_value
-from lapheads.engine.run import RunDir
 from lapheads.stats import compare
 
 # the config key of the mixing's learning rate, per recipe, and how a setting's name shows it
@@ -51,6 +53,12 @@ def setting(run: dict[str, Any]) -> str:
     key, fmt = MIX_LR_KEY.get(run["recipe"], (None, ""))
     optim = RunDir(run["dir"]).read_config().get("optim") or {}
     return f"{run['label']} ({fmt.format(optim[key])})" if key in optim else run["label"]
+
+
+def line_angle(a: float, b: float) -> float:
+    """``atan(a / b)`` in degrees, in [-90, 90]: the direction of the line through ``(b, a)``; 0 =
+    standard, -45 = Laplacian, +-90 = the identity alone (bounded where ``a / b`` is not, at b = 0)."""
+    return math.degrees(math.atan(a / b)) if b else 90.0
 
 
 def nearer_laplacian(a: float, b: float) -> bool:
@@ -98,8 +106,8 @@ def metric_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         groups[setting(r)].append(r)
     order = sorted(groups, key=lambda s: (FIXED.index(s) if s in FIXED else len(FIXED), s))
-    lines = [f"| setting | runs | plateaued | {name} (mean ± std) | Δ vs k=0 [95% CI], Welch p "
-             f"| Δ vs all [95% CI], Welch p |", "|---|---|---|---|---|---|"]
+    lines = [(f"| setting | runs | plateaued | {name} (mean ± std) | Δ vs k=0 [95% CI], Welch p "
+              f"| Δ vs all [95% CI], Welch p |"), "|---|---|---|---|---|---|"]
     for s in order:
         rs = groups[s]
         vals = [v for v in (run_value(r, key) for r in rs) if v is not None]
@@ -153,8 +161,8 @@ def mixing_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         if isinstance(r["final"].get("lap_mix"), list) and r["final"]["lap_mix"]:
             groups[setting(r)].append(r)
-    lines = ["| setting | layer | a per head | b per head | Laplacian-ness per head | a / b per head "
-             "| Laplacian-ness > 0.5 (heads, per seed) | nearer Laplacian by angle (heads, per seed) |",
+    lines = [("| setting | layer | a per head | b per head | Laplacian-ness per head | a / b per head "
+              "| Laplacian-ness > 0.5 (heads, per seed) | nearer Laplacian by angle (heads, per seed) |"),
              "|---|---|---|---|---|---|---|---|"]
     for s in sorted(groups):
         rs = sorted(groups[s], key=lambda r: r["seed"])
@@ -179,8 +187,8 @@ def layer_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         if isinstance(r["final"].get("lap_mix"), list) and r["final"]["lap_mix"]:
             groups[setting(r)].append(r)
-    lines = ["| setting | layer | a | b | a / b | Laplacian-ness | heads nearer Laplacian: by Laplacian-ness "
-             "> 0.5 | by angle |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| setting | layer | a | b | a / b | atan(a / b) (°) | Laplacian-ness | heads nearer Laplacian: "
+              "by Laplacian-ness > 0.5 | by angle |"), "|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(groups):
         rs = groups[s]
         for i in range(len(rs[0]["final"]["lap_mix"])):
@@ -189,7 +197,9 @@ def layer_table(runs: list[dict[str, Any]]) -> str:
             b = [x for row in rows for x in row["b"]]
             lap = [x for row in rows for x in row["laplacianness"]]
             ratio = [x / y for x, y in zip(a, b) if y]
-            cells = [s, str(i)] + ["{:+.2f} ± {:.2f}".format(*_mean_std(v)) for v in (a, b, ratio, lap)]
+            angle = [line_angle(x, y) for x, y in zip(a, b)]
+            cells = [s, str(i)] + ["{:+.2f} ± {:.2f}".format(*_mean_std(v)) for v in (a, b, ratio)]
+            cells += ["{:+.0f} ± {:.0f}".format(*_mean_std(angle)), "{:+.2f} ± {:.2f}".format(*_mean_std(lap))]
             cells += [f"{sum(v > 0.5 for v in lap)}/{len(lap)}",
                       f"{sum(nearer_laplacian(x, y) for x, y in zip(a, b))}/{len(a)}"]
             lines.append("| " + " | ".join(cells) + " |")

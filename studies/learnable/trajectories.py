@@ -5,13 +5,14 @@ and the Laplacian-ness per head). The report draws the final values as heatmaps;
 their path: one row per learnable setting (named as in ``table.py``: label and mixing learning
 rate), one column per layer, one line per head (the mean over seeds, the band its range over seeds),
 against the optimizer step. The measure is the Laplacian-ness ``(a - 2b + 2) / 5`` (0 standard,
-1 Laplacian) or the scale-free ratio ``a / b`` (0 standard, -1 Laplacian); dashed lines mark the
+1 Laplacian), the scale-free ratio ``a / b`` (0 standard, -1 Laplacian) or its angle
+``atan(a / b)`` in degrees (0 standard, -45 Laplacian, bounded where ``b`` crosses 0); dashed lines mark the
 two fixed operators, a dotted line the value equidistant from them.
 
 Usage, from the repository root::
 
     .venv/bin/python studies/learnable/trajectories.py OUT.png laplacianness SWEEP_DIR [SWEEP_DIR ...]
-    .venv/bin/python studies/learnable/trajectories.py OUT.png ratio SWEEP_DIR [SWEEP_DIR ...]
+    .venv/bin/python studies/learnable/trajectories.py OUT.png angle SWEEP_DIR [SWEEP_DIR ...]
 """
 
 from __future__ import annotations
@@ -24,20 +25,23 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from lapheads.engine.run import RunDir  # noqa: E402
-from lapheads.errors import ConfigError  # noqa: E402
+from lapheads.engine.run import RunDir
+from lapheads.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from table import collect, setting  # noqa: E402
+from table import collect, line_angle, setting
 
 # (axis label, the two fixed operators, the value equidistant from them). For a / b the middle is
 # by angle: the lines a = 0 (standard) and a = -b (Laplacian) are 45 degrees apart in the (b, a)
 # plane, and a / b = -tan(22.5 deg) = -0.414 lies 22.5 degrees from each.
+# The angle atan(a / b) in degrees is the same scale-free quantity, bounded: 0 standard, -45 Laplacian,
+# +-90 the identity alone (b = 0, where a / b jumps to +-infinity when b changes sign).
 MEASURES = {"laplacianness": ("Laplacian-ness (0 standard, 1 Laplacian)", (0.0, 1.0), 0.5),
-            "ratio": ("a / b (0 standard, -1 Laplacian)", (0.0, -1.0), -math.tan(math.pi / 8))}
+            "ratio": ("a / b (0 standard, -1 Laplacian)", (0.0, -1.0), -math.tan(math.pi / 8)),
+            "angle": ("atan(a / b), degrees\n(0 standard, -45 Laplacian)", (0.0, -45.0), -22.5)}
 
 
 def _series(run_dir: str, measure: str) -> tuple[np.ndarray, np.ndarray]:
@@ -49,6 +53,8 @@ def _series(run_dir: str, measure: str) -> tuple[np.ndarray, np.ndarray]:
             continue
         if measure == "laplacianness":
             v = [row["laplacianness"] for row in mix]
+        elif measure == "angle":
+            v = [[line_angle(a, b) for a, b in zip(row["a"], row["b"])] for row in mix]
         else:
             v = [[a / b if b else np.nan for a, b in zip(row["a"], row["b"])] for row in mix]
         steps.append(rec["step"])
@@ -100,5 +106,5 @@ def main(out: str, measure: str, sweep_dirs: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4:
-        sys.exit(f"usage: {sys.argv[0]} OUT.png laplacianness|ratio SWEEP_DIR [SWEEP_DIR ...]")
+        sys.exit(f"usage: {sys.argv[0]} OUT.png laplacianness|ratio|angle SWEEP_DIR [SWEEP_DIR ...]")
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
