@@ -41,7 +41,7 @@ then one multiply-add over heads with ``a``/``b`` cast to the output dtype and b
 as for a Laplacian head. The fixed-selection path never sees a tensor of mixing weights and is
 unchanged. When a gradient is wanted the multiply-add is one autograd Function
 (:class:`_MixHeads`) with a hand-written backward: the generic graph (a multiply, an ``addcmul``,
-two views) allocated six ``(..., H, Tq, Dv)`` buffers per step and ran five autograd nodes; the
+two views) allocated six ``(..., H, Tq, Dv)`` buffers per step and ran four autograd nodes; the
 Function allocates three (the output, the SDPA output's gradient, ``v_self``'s gradient: the
 products reduced into the gradients of ``a`` and ``b`` share one scratch buffer that then becomes
 the SDPA output's gradient) and is one node. The values are the same ops in the same order (the
