@@ -21,6 +21,8 @@ from lapheads.recipes.dino import (CropsConfig, DINOHead, DinoConfig, DinoDataCo
                                    collapse_metrics, cosine, dino_loss, teacher_temperature)
 from lapheads.engine.trainer import TrainConfig
 
+pytestmark = pytest.mark.xdist_group("dino")  # the module-scoped tiny run is trained once, on one worker
+
 
 def tiny_cfg(k=0, batch_size=256, **train) -> DinoConfig:
     base = dict(max_steps=7, ckpt_every=3, log_every=1, progress=False, clip_grad=3.0, warmup_steps=2,

@@ -125,7 +125,9 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.fixture(scope="module")
+# session scope: the xdist group "fsdp" may interleave this module's tests with
+# test_fsdp_recipes.py's, and a module-scoped fixture would then be built again when we come back
+@pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
     """Tokenizer and token shards built once (in this process) for every run of the module."""
     from lapheads.recipes import lm as R
@@ -134,7 +136,7 @@ def cache(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fsdp_run(cache, tmp_path_factory) -> Path:
     """The uninterrupted 2-process FSDP run (checkpoints every 2 steps, all kept)."""
     out = tmp_path_factory.mktemp("fsdp") / "run"

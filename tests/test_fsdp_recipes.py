@@ -41,7 +41,7 @@ import torch
 import yaml
 
 from test_fsdp import _assert_close, _env, _free_port, _rewound_copy, _weights
-from test_fsdp import cache  # noqa: F401  (the module-scoped tokenizer + shards fixture, shared)
+from test_fsdp import cache  # noqa: F401  (the session-scoped tokenizer + shards fixture, shared)
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs, on one worker
 

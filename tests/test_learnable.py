@@ -4,6 +4,7 @@ optimizer groups, saving and loading, KV cache, logging and the suggested fixed 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import lapheads.timm as ltimm
 import lapheads.transformers as ltr
 from lapheads import (ConfigError, HeadMix, LaplacianHeads, laplacian_attention, laplacian_attention_reference,
                       mixing_table, suggest_selection)
-from lapheads.heads import laplacianness
+from lapheads.heads import laplacianness, nearer_laplacian
 from lapheads.nn import MultiheadAttention
 
 from _lm_helpers import greedy_by_recompute
@@ -357,6 +358,12 @@ def test_classify_mix_lr_scale_sets_the_mixing_learning_rate(scale):
 # ----------------------------------------------------------------------------- logging and suggestion
 def test_mixing_table_and_suggested_selection():
     assert laplacianness(0, 1) == 0 and laplacianness(1, -1) == 1
+    # scale-free: the output projection absorbs a common factor of (a, b), sign included
+    assert laplacianness(2, -2) == pytest.approx(1) and laplacianness(-1, 1) == pytest.approx(1)
+    assert laplacianness(0.5, -1.4) == pytest.approx(0.4369, abs=1e-3)  # a sign-flipped P - 0.36 I: nearer P
+    assert abs(laplacianness(1, 0)) == pytest.approx(2) and math.isnan(laplacianness(0, 0))
+    assert [nearer_laplacian(x) for x in (0.4, 0.6, -1.4, -1.6, -2.0, math.nan)] == [False, True, False, True, True,
+                                                                                        False]
     model = ltimm.convert(_vit(), "learn")
     with torch.no_grad():
         model.blocks[0].attn.lap_mix_a.copy_(torch.tensor([0.0, 1.0, 0.9, 0.2]))
@@ -402,16 +409,17 @@ def test_classify_run_logs_the_mixing_and_restores_it(tmp_path):
 def test_report_suggestion_averages_seeds(tmp_path):
     from lapheads.report import learned_mixing
 
-    def run(seed, a):
+    def run(seed, a):  # the stored "laplacianness" is stale on purpose: the report recomputes it from a, b
         return {"seed": seed, "final": {"lap_mix": [{"layer": "blocks.0.attn", "a": a, "b": [1.0, 1.0],
-                                                     "laplacianness": [laplacianness(x, 1.0) for x in a]}]}}
-    # head 1: Laplacian-ness (3 - 2 + 2) / 5 = 0.6 and (2 - 2 + 2) / 5 = 0.4 -> mean 0.5, not above it
-    groups = {"learn:standard": {"runs": [run(0, [0.0, 3.0]), run(1, [0.0, 2.0])]},
+                                                     "laplacianness": [9.0 for _ in a]}]}}
+    # head 1: Laplacian-ness -atan(-0.5)/45 = 0.590 and -atan(-0.3)/45 = 0.371 -> mean 0.480, not above 0.5
+    groups = {"learn:standard": {"runs": [run(0, [0.0, -0.5]), run(1, [0.0, -0.3])]},
               "k=0": {"runs": [{"seed": 0, "final": {"top1": 0.9}}]}}
     path, lines = learned_mixing(groups, tmp_path / "mix.png")
     assert path.is_file()
     assert lines == ["learn:standard: suggested fixed selection from 2 run(s): laplacian_heads=[[]] (Laplacian heads "
-                     "per layer [0]; a head is Laplacian when its mean Laplacian-ness > 0.5)"]
-    groups["learn:standard"]["runs"][1] = run(1, [0.0, 2.5])
+                     "per layer [0]; a head is Laplacian when its mean Laplacian-ness -atan(a/b)/45deg puts it "
+                     "nearer I - P than P)"]
+    groups["learn:standard"]["runs"][1] = run(1, [0.0, -0.45])  # 0.534 -> mean 0.562
     assert "laplacian_heads=[[1]]" in learned_mixing(groups, tmp_path / "mix.png")[1][0]
     assert learned_mixing({"k=0": groups["k=0"]}, tmp_path / "none.png") is None

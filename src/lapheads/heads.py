@@ -519,14 +519,41 @@ def is_mix_param(name: str) -> bool:
     return name.endswith(MIX_PARAM_SUFFIXES)
 
 
-def laplacianness(a: float, b: float) -> float:
-    """Position of ``a I + b P`` along the segment standard ``(0, 1)`` -> Laplacian ``(1, -1)``.
+def mix_angle(a: float, b: float) -> float:
+    """The angle ``atan(a / b)`` of ``a I + b P`` in degrees, folded into ``(-90, 90]``.
 
-    The orthogonal projection of ``(a, b)`` onto that segment's line: 0 = standard, 1 = Laplacian,
-    above 0.5 = nearer the Laplacian operator than the standard one (the rule of
-    :func:`suggest_selection`).
+    A head's output is multiplied by the attention's output projection, which absorbs any common
+    factor of ``(a, b)``, sign included: ``(a, b)`` and ``(s a, s b)`` are the same head up to a
+    rescaling the model learns anyway. So a head is its line through the origin, i.e. this angle:
+    0 = standard ``P``, -45 = Laplacian ``I - P``, +-90 = the identity alone; ``(0, 0)`` is NaN.
     """
-    return (a - 2.0 * b + 2.0) / 5.0
+    if a == 0 and b == 0:
+        return math.nan
+    theta = math.degrees(math.atan2(a, b))
+    if theta > 90.0:
+        theta -= 180.0
+    elif theta <= -90.0:
+        theta += 180.0
+    return theta
+
+
+def laplacianness(a: float, b: float) -> float:
+    """Scale-free position of ``a I + b P`` relative to standard and Laplacian: ``-mix_angle / 45``.
+
+    0 = standard, 1 = Laplacian (``(1, -1)``, ``(2, -2)`` and ``(-1, 1)`` alike), between = ``P``
+    minus some of the head's own value; negative = ``P`` plus some of it; +-2 = the identity alone.
+    Not the projection of ``(a, b)`` on the segment from ``(0, 1)`` to ``(1, -1)``: that changed
+    with the scale the output projection absorbs (``(0.5, -1.4)``, a sign-flipped ``P - 0.36 I``,
+    scored as fully Laplacian).
+    """
+    return -mix_angle(a, b) / 45.0
+
+
+def nearer_laplacian(lap: float) -> bool:
+    """Whether a head of Laplacian-ness ``lap`` is nearer the Laplacian operator than the standard
+    one, by angle between lines (mod 180 degrees): ``lap > 0.5``, or ``lap < -1.5`` (mostly the
+    identity, whose line lies nearer ``I - P``'s than ``P``'s)."""
+    return math.isfinite(lap) and (lap > 0.5 or lap < -1.5)
 
 
 @torch.no_grad()
@@ -556,8 +583,10 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
 def suggest_selection(tables: Sequence[Sequence[dict[str, Any]]]) -> list[list[int]]:
     """A fixed per-layer selection from one or more :func:`mixing_table` results (e.g. seeds).
 
-    A head is suggested Laplacian when its mean Laplacian-ness over the tables is above 0.5,
-    i.e. its learned ``(a, b)`` lies nearer ``(1, -1)`` (Laplacian) than ``(0, 1)`` (standard).
+    A head is suggested Laplacian when its mean :func:`laplacianness` over the tables (seeds) is
+    nearer the Laplacian operator than the standard one (:func:`nearer_laplacian`). Computed from
+    each table's ``a`` and ``b``, not a stored Laplacian-ness (runs logged before the scale-free
+    measure carry the old one).
 
     Returns:
         per-layer head-index lists, a valid :class:`LaplacianHeads` spec.
@@ -576,7 +605,7 @@ def suggest_selection(tables: Sequence[Sequence[dict[str, Any]]]) -> list[list[i
     out = []
     for i, n in enumerate(shape):
         mean = [sum(laplacianness(t[i]["a"][h], t[i]["b"][h]) for t in tables) / len(tables) for h in range(n)]
-        out.append([h for h, x in enumerate(mean) if math.isfinite(x) and x > 0.5])
+        out.append([h for h, x in enumerate(mean) if nearer_laplacian(x)])
     return out
 
 

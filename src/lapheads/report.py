@@ -41,7 +41,7 @@ from .data.images import spread_over_classes
 from .engine.run import RESUME_MUTABLE, RunDir, flatten_config
 from .errors import ConfigError
 from .geometry import pca_rgb
-from .heads import LaplacianHeads, suggest_selection
+from .heads import LaplacianHeads, laplacianness, suggest_selection
 from .outputs import read_json
 from .recipes import get_recipe
 from .runs import load_geometry
@@ -696,9 +696,10 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
 
     For every run whose ``final/metrics.json`` holds ``lap_mix`` (runs with ``laplacian_heads:
     learn...``; see :func:`lapheads.heads.mixing_table`), one heatmap, layers x heads, coloured by
-    the Laplacian-ness ``(a - 2b + 2) / 5`` (0 = standard ``P``, 1 = Laplacian ``I - P``). Per
-    setting, the suggested fixed selection: heads whose Laplacian-ness, averaged over seeds, is
-    above 0.5 (:func:`lapheads.heads.suggest_selection`).
+    the scale-free Laplacian-ness ``-atan(a / b) / 45 deg`` (0 = standard ``P``, 1 = Laplacian
+    ``I - P``; :func:`lapheads.heads.laplacianness`), computed from ``a`` and ``b``. Per setting,
+    the suggested fixed selection: heads whose Laplacian-ness, averaged over seeds, lies nearer
+    the Laplacian operator (:func:`lapheads.heads.suggest_selection`).
 
     Returns:
         ``(figure path, lines of text)``, or None when no run learned its mixing.
@@ -711,8 +712,9 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
     im = None
     for ax, (label, r) in zip(axes[0], panels):
-        grid = np.array([row["laplacianness"] for row in r["final"]["lap_mix"]], dtype=float)
-        im = ax.imshow(grid, cmap="coolwarm", vmin=0.0, vmax=1.0, aspect="auto")
+        grid = np.array([[laplacianness(a, b) for a, b in zip(row["a"], row["b"])] for row in r["final"]["lap_mix"]],
+                        dtype=float)
+        im = ax.imshow(grid, cmap="coolwarm", vmin=-0.5, vmax=1.5, aspect="auto")  # centred on the 0.5 boundary
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_title(f"{label} seed {r['seed']}", fontsize=9)
@@ -733,7 +735,8 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
             continue
         counts = [len(s) for s in sel]
         lines.append(f"{label}: suggested fixed selection from {len(tables)} run(s): laplacian_heads={sel} "
-                     f"(Laplacian heads per layer {counts}; a head is Laplacian when its mean Laplacian-ness > 0.5)")
+                     f"(Laplacian heads per layer {counts}; a head is Laplacian when its mean Laplacian-ness "
+                     "-atan(a/b)/45deg puts it nearer I - P than P)")
     return path, lines
 
 

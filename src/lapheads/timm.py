@@ -78,7 +78,8 @@ from timm.layers import Attention
 from torch import nn
 
 from .errors import ConfigError
-from .heads import (HeadMix, HeadSpec, LaplacianHeads, LayerHeads, laplacianness, learnable_spec, register_mix,
+from .heads import (HeadMix, HeadSpec, LaplacianHeads, LayerHeads, laplacianness, learnable_spec, nearer_laplacian,
+                    register_mix,
                     remove_mix)
 from .ops import laplacian_attention, masked_softmax, subtract_selected
 
@@ -161,7 +162,7 @@ class LaplacianAttention(Attention):
     def num_laplacian_heads(self) -> int:
         """Number of Laplacian heads in this layer (learnable: heads now nearer Laplacian than standard)."""
         if self.laplacian_learnable:
-            return sum(laplacianness(float(a), float(b)) > 0.5
+            return sum(nearer_laplacian(laplacianness(float(a), float(b)))
                        for a, b in zip(self.lap_mix_a.tolist(), self.lap_mix_b.tolist()))
         return self.laplacian_selection.count
 
