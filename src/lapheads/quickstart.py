@@ -5,9 +5,10 @@ its validation metric stops moving, and the report gives each difference from k=
 confidence interval, Welch's t and p, plus a plateau flag per run.
 
 1. Vision: the digits recipe (``recipes/classify/digits.yaml``: a 4-layer, 4-head, 64-wide ViT on
-   scikit-learn's embedded 8x8 digits) for k = 0, k = half and k = all Laplacian heads per layer,
-   3 seeds each, 20 epochs (cosine schedule), evaluated every 2 epochs. The scaling study
-   (``studies/scaling``) found this length at or near a plateau for this width.
+   scikit-learn's embedded 8x8 digits) for k = 0 and k = all Laplacian heads per layer, 3 seeds
+   each, 20 epochs (cosine schedule), evaluated every 2 epochs. The scaling study
+   (``studies/scaling``) found this length at or near a plateau for this width. Fewer, longer
+   runs: k = half is left to ``lapheads sweep`` (the time budget is 10 minutes with set-up).
 2. Language: the tiny NanoChat-style recipe (``recipes/lm/tiny.yaml``) on Python's embedded
    ``pydoc_data.topics`` corpus, shrunk to 2 layers x 64 wide so it converges in the time budget,
    for k = 0 and k = all, 3 seeds each, with a constant learning rate until validation bits per
@@ -33,19 +34,19 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-# Run lengths: the full quickstart takes ~6 minutes on 2 CPU cores (README); --tiny under a minute.
+# Run lengths: the full quickstart takes ~6 minutes on 2 idle CPU cores (README); --tiny under a minute.
 # Every run evaluates along the way (train.eval_every) so the report has validation curves and
 # plateau flags (three or more eval points per run).
 _LM_SMALL = ["model.width=64", "model.depth=2", "model.n_heads=2", "data.total_batch_tokens=2048"]
 PLAN = {
-    "full": {"vision_heads": ["0", "half", "all"], "vision_seeds": [0, 1, 2],
+    "full": {"vision_heads": ["0", "all"], "vision_seeds": [0, 1, 2],
              "vision_set": ["data.epochs=20", "train.eval_every=44"],
              "lm_heads": ["0", "all"], "lm_seeds": [0, 1, 2],
              "lm_set": _LM_SMALL + ["train.schedule=constant", "train.max_steps=600", "train.eval_every=25",
                                     "train.until_plateau.patience=3", "train.until_plateau.metric=val_bpb",
                                     "train.until_plateau.mode=min"],
              "max_items": 359},
-    "tiny": {"vision_heads": ["0", "half", "all"], "vision_seeds": [0, 1],
+    "tiny": {"vision_heads": ["0", "all"], "vision_seeds": [0, 1],
              "vision_set": ["data.epochs=1", "train.max_steps=6", "data.max_eval_items=64", "train.eval_every=2"],
              "lm_heads": ["0", "all"], "lm_seeds": [0, 1],
              "lm_set": _LM_SMALL + ["train.max_steps=4", "train.eval_every=0", "data.eval_tokens=2048",

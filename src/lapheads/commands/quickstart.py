@@ -9,7 +9,6 @@ from typing import Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..engine.config import read_yaml
 from ..engine.run import clear_dir, lock_dir
 from ..engine.threads import available_cpus
 from ..errors import ConfigError
@@ -46,13 +45,11 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     parts = []
     if not args.no_vision:
         cfg = rdir / "classify" / "digits.yaml"
-        heads = int(read_yaml(cfg)["model"]["num_heads"])
-        parts.append(("vision", "classify", cfg, _heads(plan["vision_heads"], heads), plan["vision_seeds"],
+        parts.append(("vision", "classify", cfg, plan["vision_heads"], plan["vision_seeds"],
                       plan["vision_set"]))
     if not args.no_lm:
         cfg = rdir / "lm" / "tiny.yaml"
-        heads = int(read_yaml(cfg)["model"]["n_heads"])
-        parts.append(("lm", "lm", cfg, _heads(plan["lm_heads"], heads), plan["lm_seeds"], plan["lm_set"]))
+        parts.append(("lm", "lm", cfg, plan["lm_heads"], plan["lm_seeds"], plan["lm_set"]))
     if not parts:
         raise ConfigError("--no-lm and --no-vision leave nothing to run")
     hint = f"pass --overwrite to start {out} afresh, or choose another --out"
@@ -72,8 +69,8 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
             with lock_dir(d):
                 analyze_run(d, max_items=plan["max_items"], plots=False)
     intro = ("Baseline (k=0) against Laplacian heads on embedded data: a tiny ViT on scikit-learn's "
-             "digits (k = 0, half and all heads of every layer) and a tiny NanoChat-style LM on Python's "
-             "pydoc topics (k = 0 and all), 3 seeds each, every run trained to a plateau on a CPU.\n\n"
+             "digits and a tiny NanoChat-style LM on Python's pydoc topics (k = 0 and all heads of every "
+             "layer Laplacian), 3 seeds each, every run trained to a plateau on a CPU.\n\n"
              + SCOPE
              + ("\n\nThis is a --tiny run (a few steps per model): its numbers mean nothing." if args.tiny else ""))
     paths = build_report(dirs, out / "report", title="lapheads quickstart", intro=intro)
@@ -82,7 +79,3 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     print(f"[quickstart]         {paths['html']}")
     return 0
 
-
-def _heads(names: list[str], num_heads: int) -> list[str]:
-    """The plan's head settings for a model with ``num_heads`` heads ("half" = num_heads // 2)."""
-    return [str(num_heads // 2) if h == "half" else h for h in names]
