@@ -125,21 +125,27 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-# session scope: the xdist group "fsdp" may interleave this module's tests with
-# test_fsdp_recipes.py's, and a module-scoped fixture would then be built again when we come back
+# Session scope and fixed paths under this worker's base temp: the xdist group "fsdp" interleaves
+# this module's tests with test_fsdp_recipes.py's, and an xdist worker whose queue runs dry tears
+# down even session fixtures; a re-created fixture finds its finished run on disk instead of
+# training it again (one torchrun launch, ~20 s).
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
-    """Tokenizer and token shards built once (in this process) for every run of the module."""
+    """Tokenizer and token shards built once per worker for every run of the module."""
     from lapheads.recipes import lm as R
-    root = tmp_path_factory.mktemp("fsdp_cache")
-    R.prepare_data(_config(root / "unused", root, "ddp").data)
+    root = tmp_path_factory.getbasetemp() / "fsdp_cache"
+    root.mkdir(exist_ok=True)
+    R.prepare_data(_config(root / "unused", root, "ddp").data)  # reuses shards already there
     return root
 
 
 @pytest.fixture(scope="session")
 def fsdp_run(cache, tmp_path_factory) -> Path:
     """The uninterrupted 2-process FSDP run (checkpoints every 2 steps, all kept)."""
-    out = tmp_path_factory.mktemp("fsdp") / "run"
+    out = tmp_path_factory.getbasetemp() / "fsdp_run"
+    if (out / "final" / "model.json").is_file():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
     r = subprocess.run(_torchrun(out, cache), env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return out
