@@ -343,9 +343,10 @@ def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[Gr
                 r = pending.pop(0)
                 log_path = logs / f"{r.path.name}.log"
                 log = open(log_path, "a")
-                log.write(f"# {' '.join(train_command(recipe, config, r)[1:])}\n")
+                cmd = train_command(recipe, config, r)
+                log.write(f"# {' '.join(cmd[1:])}\n")
                 log.flush()
-                proc = subprocess.Popen(train_command(recipe, config, r), stdout=log, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env)
                 running[proc] = (r, log, log_path, time.time())
                 if not quiet:
