@@ -1,7 +1,9 @@
 """The learnable path's fused multiply-add (issue 13, benchmark item): ``_MixHeads`` is one autograd
-Function with a hand-written backward. Its outputs and gradients (q, k, v, a, b) are checked
+Function with a hand-written backward, and ``_FlashMix`` does SDPA's CPU flash kernel and the mixing
+in one node where SDPA would run that kernel. Outputs and gradients (q, k, v, a, b) are checked
 against the explicit operator ``a I + b P`` (``laplacian_attention_reference``), against finite
-differences (gradcheck, float64), and bit for bit against the generic autograd graph it replaced."""
+differences (gradcheck, float64), bit for bit against the generic autograd graph both replaced, and
+bit for bit against each other."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lapheads import HeadMix, laplacian_attention, laplacian_attention_reference
+from lapheads import ops
 from lapheads.ops import _MixHeads
 
 
@@ -52,6 +55,8 @@ def _case(name: str, dtype=torch.float64):
 
 CASES = ["self", "causal", "kv-cache", "gqa", "gqa-kv-cache", "bool-mask", "additive-mask", "two-batch-dims",
          "unbatched-1x1"]
+# 4-d, Tq == Tk, no mask, no GQA: SDPA runs its CPU flash kernel, so the learnable path is one _FlashMix node
+FLASH_CASES = {"self": "_FlashMix", "causal": "_FlashMix"}
 
 
 def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -78,7 +83,8 @@ def test_outputs_and_gradients_equal_the_explicit_operator(case):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     for name, got, want in zip("qkvab", grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=f"gradient of {name} ({case})")
-    assert out.grad_fn is not None and "_MixHeads" in out.grad_fn.name()  # the fused Function ran
+    # the fused Functions ran: SDPA's CPU flash kernel and the mixing in one node where SDPA would take that kernel
+    assert out.grad_fn is not None and out.grad_fn.name() == f"{FLASH_CASES.get(case, '_MixHeads')}Backward"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -190,5 +196,80 @@ def test_torch_compile_fullgraph_matches_eager_gradients():
     want = torch.autograd.grad(loss(*eager_ins), eager_ins)
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     got = torch.autograd.grad(compiled(*comp_ins), comp_ins)
+    for name, x, y in zip("qkvab", got, want):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"gradient of {name}")
+
+
+def _without_flash_mix(monkeypatch) -> None:
+    monkeypatch.setattr(ops, "_cpu_flash_takes", lambda *args: False)
+
+
+@pytest.mark.parametrize("case", ["self", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("trainable", ["all", "a", "b", "qkv-only", "v-only"])
+def test_flash_mix_is_bit_identical_to_sdpa_then_mix_heads(case, dtype, trainable, monkeypatch):
+    """``_FlashMix`` changes allocations and graph nodes, not results: forward and every requested
+    gradient are the same bits as SDPA followed by ``_MixHeads``; unrequested gradients stay None."""
+    q, k, v, kw = _case(case, dtype)
+    q, k, v = (torch.cat([t] * 4, dim=-2) for t in (q, k, v))  # 20 positions: more than one kernel block
+    a, b = _mix(q.shape[-3], dtype)
+    gy = torch.randn(q.shape, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    wants = {"all": "qkvab", "a": "a", "b": "b", "qkv-only": "qkv", "v-only": "v"}[trainable]
+    results = []
+    for fused in (True, False):
+        if not fused:
+            _without_flash_mix(monkeypatch)
+        ins = [t.detach().clone().requires_grad_(n in wants) for n, t in zip("qkvab", (q, k, v, a, b))]
+        out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), **kw)
+        assert out.grad_fn.name() == ("_FlashMixBackward" if fused else "_MixHeadsBackward")
+        out.backward(gy)
+        results.append((out.detach(), [t.grad for t in ins]))
+    (out_f, grads_f), (out_m, grads_m) = results
+    assert torch.equal(out_f, out_m)
+    for name, x, y in zip("qkvab", grads_f, grads_m):
+        assert (x is None) == (name not in wants) == (y is None), name
+        if x is not None:
+            assert torch.equal(x, y), f"gradient of {name} differs ({case}, {dtype}, {trainable})"
+
+
+@pytest.mark.parametrize("case", ["kv-cache", "gqa", "bool-mask", "additive-mask", "two-batch-dims"])
+def test_flash_mix_only_where_sdpa_takes_the_flash_kernel(case):
+    q, k, v, kw = _case(case, torch.float32)
+    ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
+    out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), **kw)
+    assert out.grad_fn.name() == "_MixHeadsBackward"
+    # dropout: SDPA leaves the flash kernel, and so does the learnable path
+    q, k, v, _ = _case("self", torch.float32)
+    ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
+    out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), dropout_p=0.5)
+    assert out.grad_fn.name() == "_MixHeadsBackward"
+
+
+def test_flash_mix_double_backward_fails_as_sdpa_does():
+    """SDPA's CPU flash backward has no derivative; create_graph=True through it fails the same
+    way with or without the mixing, never with a silently wrong second derivative."""
+    q, k, v, _ = _case("self", torch.float32)
+    errors = []
+    for fn in (lambda *t: F.scaled_dot_product_attention(*t[:3]),
+               lambda *t: laplacian_attention(*t[:3], laplacian_heads=HeadMix(t[3], t[4]))):
+        ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
+        (gq,) = torch.autograd.grad(fn(*ins).square().sum(), ins[0], create_graph=True)
+        with pytest.raises(RuntimeError) as err:
+            torch.autograd.grad(gq.sum(), ins[0])
+        errors.append(str(err.value))
+    assert "not implemented" in errors[0] and "not implemented" in errors[1], errors
+
+
+def test_torch_compile_of_a_flash_case_matches_eager_flash_mix():
+    """Under torch.compile the learnable path traces SDPA + _MixHeads; eager runs _FlashMix: same gradients."""
+    q, k, v, kw = _case("causal", torch.float32)
+    a, b = _mix(q.shape[-3], torch.float32)
+
+    def loss(q, k, v, a, b):
+        return laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b), **kw).square().sum()
+
+    eager_ins, comp_ins = _leaves(q, k, v, a, b), _leaves(q, k, v, a, b)
+    want = torch.autograd.grad(loss(*eager_ins), eager_ins)
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*comp_ins), comp_ins)
     for name, x, y in zip("qkvab", got, want):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"gradient of {name}")

@@ -51,6 +51,14 @@ the backward uses out-of-place ops only, so a second derivative still flows (as 
 kernel has one). Without a gradient (inference, ``torch.no_grad`` exports) the same two ops run
 directly.
 
+On the CPU, when SDPA would run its flash kernel anyway (no mask, no dropout, no GQA, ``Tq == Tk``,
+4-d inputs, not under ``torch.compile``) and a gradient is wanted, :class:`_FlashMix` calls that
+kernel's forward and backward itself and does the mixing in the same autograd node: the gradient
+of ``v`` gets ``a dy`` added in place instead of autograd adding two branches into a new buffer,
+and ``b dy`` is written in the layout the kernel's backward reads without a copy. Same kernels and
+ops in the same order, so the same bits as SDPA + :class:`_MixHeads`; every other case takes that
+pair (benchmarks/RESULTS.md has the costs).
+
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
 standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
 the fused path against it; plots show it.
@@ -64,6 +72,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from .errors import ConfigError
 from .heads import HeadMix, LayerHeads
@@ -277,12 +286,29 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
     if tq > tk:
         raise ConfigError(
             f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+    a, b = mix.a.to(q.dtype), mix.b.to(q.dtype)  # no-ops (no graph node) when the dtypes agree
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b))
+    if grad and _cpu_flash_takes(q, k, v, attn_mask, is_causal, scale, dropout_p, tq, tk, h, hkv):
+        return _FlashMix.apply(q, k, v, a, b, is_causal, scale)
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     v_self = _v_self(v, tq, h, hkv)
-    a, b = mix.a.to(out.dtype), mix.b.to(out.dtype)  # no-ops (no graph node) when the dtypes agree
-    if torch.is_grad_enabled() and (out.requires_grad or v_self.requires_grad or a.requires_grad or b.requires_grad):
+    if grad:
         return _MixHeads.apply(out, v_self, a, b)
     return _mix_heads(out, v_self, a, b)
+
+
+def _cpu_flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                     is_causal: bool, scale: Optional[float], dropout_p: float, tq: int, tk: int, h: int,
+                     hkv: int) -> bool:
+    """True when SDPA itself would run its CPU flash kernel on exactly these arguments and
+    :class:`_FlashMix` can stand in for SDPA + :class:`_MixHeads`: 4-d CPU tensors, no mask (a
+    mask needs the dead-row rule of :func:`_fused_pv`), no dropout (the kernel's backward would
+    have to replay its random numbers), no GQA, ``Tq == Tk`` (causality aligned as SDPA aligns
+    it), and not while ``torch.compile`` traces (compiled graphs keep SDPA + ``_MixHeads``)."""
+    if (q.device.type != "cpu" or q.dim() != 4 or attn_mask is not None or dropout_p != 0.0 or h != hkv
+            or tq != tk or torch.compiler.is_compiling()):
+        return False
+    return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH
 
 
 def _mix_heads(out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -323,30 +349,75 @@ class _MixHeads(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         out, v_self, a, b = ctx.saved_tensors
         need_out, need_vs, need_a, need_b = ctx.needs_input_grad
-        h = a.shape[0]
-        d_out = d_vs = d_a = d_b = None
-        if torch.is_grad_enabled():  # create_graph=True: out-of-place ops, so they can be differentiated again
-            if need_b:
-                d_b = _head_sum(dy * out, h)
-            if need_a:
-                d_a = _head_sum(dy * v_self, h)
-            if need_out:
-                d_out = dy * b.view(h, 1, 1)
-        else:
-            # One scratch buffer serves both reductions and then holds the SDPA output's gradient.
-            scratch = None
-            if need_b:
-                scratch = torch.mul(dy, out)
-                d_b = _head_sum(scratch, h)
-            if need_a:
-                scratch = torch.mul(dy, v_self) if scratch is None else torch.mul(dy, v_self, out=scratch)
-                d_a = _head_sum(scratch, h)
-            if need_out:
-                bh = b.view(h, 1, 1)
-                d_out = torch.mul(dy, bh) if scratch is None else torch.mul(dy, bh, out=scratch)
-        if need_vs:
-            d_vs = dy * a.view(h, 1, 1)
+        d_out, d_a, d_b = _mix_backward(dy, out, v_self, a, b, need_out, need_a, need_b)
+        d_vs = dy * a.view(a.shape[0], 1, 1) if need_vs else None
         return d_out, d_vs, d_a, d_b
+
+
+def _mix_backward(dy: torch.Tensor, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  need_out: bool, need_a: bool, need_b: bool) -> tuple[Optional[torch.Tensor], ...]:
+    """``(b dy, sum(dy * v_self), sum(dy * out))`` for ``y = b out + a v_self``, the sums over every
+    dim but the head dim; each only when asked for. Shared by :class:`_MixHeads` and :class:`_FlashMix`."""
+    h = a.shape[0]
+    d_out = d_a = d_b = None
+    if torch.is_grad_enabled():  # create_graph=True: out-of-place ops, so they can be differentiated again
+        if need_b:
+            d_b = _head_sum(dy * out, h)
+        if need_a:
+            d_a = _head_sum(dy * v_self, h)
+        if need_out:
+            d_out = dy * b.view(h, 1, 1)
+        return d_out, d_a, d_b
+    # One scratch buffer serves both reductions and then holds the SDPA output's gradient.
+    scratch = None
+    if need_b:
+        scratch = torch.mul(dy, out)
+        d_b = _head_sum(scratch, h)
+    if need_a:
+        scratch = torch.mul(dy, v_self) if scratch is None else torch.mul(dy, v_self, out=scratch)
+        d_a = _head_sum(scratch, h)
+    if need_out:
+        bh = b.view(h, 1, 1)
+        d_out = torch.mul(dy, bh) if scratch is None else torch.mul(dy, bh, out=scratch)
+    return d_out, d_a, d_b
+
+
+_FLASH = int(SDPBackend.FLASH_ATTENTION.value)
+
+
+class _FlashMix(torch.autograd.Function):
+    """SDPA's CPU flash kernel and the mixing ``y = b_h P V + a_h V`` as ONE autograd node.
+
+    The same kernels as SDPA + :class:`_MixHeads` (the flash forward and backward that SDPA itself
+    dispatches to, then the same multiply-add and reductions), with the same results, but:
+    the gradient of ``v`` is the kernel's gradient plus ``a dy`` added in place (autograd would
+    add the two branches into a new buffer), and ``b dy`` is written in the layout of the kernel's
+    output, which its backward reads without a copy. Taken only where :func:`_cpu_flash_takes`
+    says SDPA would run this kernel; every other case goes through SDPA + :class:`_MixHeads`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                is_causal: bool, scale: Optional[float]) -> torch.Tensor:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, a, b)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return _mix_heads(out, v, a, b)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse, a, b = ctx.saved_tensors
+        need_q, need_k, need_v, need_a, need_b = ctx.needs_input_grad[:5]
+        need_out = need_q or need_k or need_v
+        d_out, d_a, d_b = _mix_backward(dy, out, v, a, b, need_out, need_a, need_b)
+        dq = dk = dv = None
+        if need_out:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                d_out, q, k, v, out, lse, 0.0, ctx.is_causal, scale=ctx.scale)
+            if need_v:  # a dy into the spent d_out buffer, then added in place: the bits autograd's sum gives
+                ah = a.view(a.shape[0], 1, 1)
+                dv = dv + dy * ah if torch.is_grad_enabled() else dv.add_(torch.mul(dy, ah, out=d_out))
+        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, d_a, d_b, None, None)
 
 
 def laplacian_attention_reference(
