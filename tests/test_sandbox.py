@@ -670,6 +670,31 @@ def test_bundled_bwrap_copy_runs_for_other_uids(tmp_path, monkeypatch):
             sandbox_status(refresh=True)
 
 
+def test_fresh_uids_ignore_the_seeded_random_module_and_skip_live_uids(monkeypatch):
+    """Training and lm-eval seed Python's `random`; two processes that did so drew the same sandbox
+    uids, and each one's cleanup SIGKILLed the other's programs. Uids come from the OS instead, and
+    a uid some live process has is skipped."""
+    import random
+
+    from lapheads.lm import sandbox as sb
+
+    drawn = []
+    for _ in range(2):
+        random.seed(0)
+        uid = sb._acquire_uid()
+        sb._release_uid(uid)
+        drawn.append(uid)
+    assert drawn[0] != drawn[1] and all(sb.UID_RANGE[0] <= u < sb.UID_RANGE[1] for u in drawn)
+
+    busy, free = sb.UID_RANGE[0] + 7, sb.UID_RANGE[0] + 8
+    picks = iter([busy, free])
+    monkeypatch.setattr(sb._uid_rng, "randrange", lambda lo, hi: next(picks))
+    monkeypatch.setattr(sb, "_tasks_of_uid", lambda uid, live_only=True: [(1, 1)] if uid == busy else [])
+    uid = sb._acquire_uid()
+    sb._release_uid(uid)
+    assert uid == free
+
+
 def test_run_code_rejects_bad_limits():
     with pytest.raises(ValueError, match="timeout"):
         run_code("pass", timeout=0)

@@ -529,11 +529,18 @@ def require_sandbox(allow_unsafe: bool = False, python: Optional[str] = None) ->
 
 
 # ------------------------------------------------------------------------------ uid bookkeeping
+# Drawn from the OS, never from the `random` module: training and lm-eval seed its global state
+# (seed 0 by default), so two evaluation processes would draw the same uid sequence and each would
+# kill the other's programs when it cleans up its uid ("killed by SIGKILL" on correct solutions).
+_uid_rng = random.SystemRandom()
+
+
 def _acquire_uid() -> int:
+    """A uid of :data:`UID_RANGE` that no run of this process holds and no live process has."""
     with _uid_lock:
         while True:
-            uid = random.randrange(*UID_RANGE)
-            if uid not in _active_uids:
+            uid = _uid_rng.randrange(*UID_RANGE)
+            if uid not in _active_uids and not _tasks_of_uid(uid):
                 _active_uids.add(uid)
                 return uid
 
