@@ -179,47 +179,6 @@ def test_sweep_never_mixes_settings(server, tmp_path):
     assert snapshot(qs) == before
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="torchrun with gloo on the CPU")
-def test_sigterm_under_torchrun_prints_one_line_and_resumes(tmp_path):
-    """torchrun forwards SIGTERM to every rank: the ranks agree on the step, rank 0 writes the
-    checkpoint and prints the one line (torchrun adds its own report, which is not ours to change)."""
-    import socket
-    import subprocess
-
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    run, steps = tmp_path / "run", 100
-    argv = classify_argv(run, "--set", f"train.max_steps={steps}", "--set", "train.ckpt_every=0",
-                         "--set", "data.batch_size=8")
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    p = subprocess.Popen([*torchrun, "--nproc_per_node=2", f"--master_port={port()}", "-m", "lapheads.cli", *argv],
-                         env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 240
-        while not _lines(run / "metrics.jsonl"):
-            assert p.poll() is None and time.time() < deadline, p.communicate()[1][-3000:]
-            time.sleep(0.01)
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    ours = [line for line in err.splitlines() if line.startswith("lapheads train classify:")]
-    assert len(ours) == 1 and "interrupted by SIGTERM after step " in ours[0], err[-3000:]
-    step = int(ours[0].split("after step ")[1].split()[0])
-    assert check_checkpoint_dir(run / "checkpoints") == step < steps
-    cmd = shlex.split(ours[0].split("; resume with: ", 1)[1])
-    assert cmd[:3] == ["torchrun", "--nproc_per_node=2", "-m"] and cmd[-1] == "--resume", cmd
-    r = subprocess.run([*torchrun, f"--master_port={port()}", *cmd[1:]], env=subprocess_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert train_steps(run) == list(range(1, steps + 1))
-
-
 def test_eval_classify_into_a_run_takes_its_writer_lock(tmp_path, capsys):
     """eval classify writes RUN/final/eval.json: refused in one line while another process holds the
     run, written once it is free."""
