@@ -90,6 +90,38 @@ def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch, caps
     assert "no_such_task" in capsys.readouterr().err
 
 
+def test_local_tasks_are_indexed_without_lm_evals_built_ins(tmp_path, monkeypatch):
+    """Tasks that are all plain tasks of --lm-eval-include use that directory's index alone (the
+    built-in index costs seconds); a group, a tag, a built-in or unknown name takes the full one."""
+    import lm_eval.tasks
+
+    from lapheads.lm import evaluate as E
+
+    monkeypatch.setattr(E, "_offline", lambda: None)
+    built = []
+    local_index = {"my_task": "task", "my_group": "group"}
+
+    class FakeTaskManager:
+        def __init__(self, include_path=None, include_defaults=True):
+            built.append(include_defaults)
+            index = dict(local_index, **({"arc_easy": "task"} if include_defaults else {}))
+            self.all_tasks = sorted(index)
+            self.all_subtasks = sorted(k for k, v in index.items() if v == "task")
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", FakeTaskManager)
+    inc = str(tmp_path)
+    assert E.lm_eval_task_manager(["my_task"], inc).all_tasks == ["my_group", "my_task"] and built == [False]
+    for tasks in (["my_task", "arc_easy"], ["my_group"]):
+        built.clear()
+        assert "arc_easy" in E.lm_eval_task_manager(tasks, inc).all_tasks and built == [False, True]
+    built.clear()
+    with pytest.raises(ConfigError, match="no_such_task"):
+        E.lm_eval_task_manager(["no_such_task"], inc)
+    assert built == [False, True]
+    built.clear()
+    assert "arc_easy" in E.lm_eval_task_manager(["arc_easy"]).all_tasks and built == [True]  # no include dir
+
+
 def test_eval_lm_cli_chat_tasks(run, tmp_path):
     arc = tmp_path / "arc.jsonl"
     arc.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Which is {w}?",
