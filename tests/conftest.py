@@ -14,12 +14,12 @@ import shutil
 import tempfile
 
 import pytest
-import torch
 
+# torch is imported by the tests, not here: the xdist controller, which only schedules, then starts
+# its workers ~3 s sooner. Every process that imports torch after this reads OMP_NUM_THREADS.
 _THREADS = os.environ.get("LAPHEADS_TEST_THREADS", "1")
 os.environ["LAPHEADS_TEST_THREADS"] = _THREADS
 os.environ["OMP_NUM_THREADS"] = _THREADS
-torch.set_num_threads(int(_THREADS))
 
 # The controller process (or a run without xdist) makes the cache folder; xdist workers are
 # started by the controller after this file is imported, so they inherit the variable.
@@ -35,5 +35,9 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def _seed():
+    import torch
+
+    if torch.get_num_threads() != int(_THREADS):  # torch imported before this file set the variable
+        torch.set_num_threads(int(_THREADS))
     torch.manual_seed(0)
     yield
