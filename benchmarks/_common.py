@@ -3,9 +3,12 @@
 Design choices:
 
 * Time: every variant is warmed up first, then the variants are measured INTERLEAVED, round by
-  round (A B C, B C A, C A B, ...), and each variant's median over the rounds is reported. On a
-  shared machine the load drifts; interleaving exposes every variant to the same drift, so the
-  RATIOS measured in one run are trustworthy even when absolute times wobble.
+  round, each round in a new shuffled order (seeded), and each variant's median over the rounds is
+  reported. On a shared machine the load drifts; interleaving exposes every variant to the same
+  drift, so the RATIOS measured in one run are trustworthy even when absolute times wobble. The
+  order is shuffled, not rotated: with a rotation each variant always follows the same other one,
+  and a variant measured right after one that frees a large heap (the materialised T x T
+  operator) paid for it in every round (the learnable variant, 13% at T=4096).
 * Peak memory on CPU: each (variant, size) runs in a FRESH Python subprocess that builds its
   inputs and warms its kernels up on a tiny problem (lazy library loading and thread pools must
   not count). Then the kernel's high-water mark of the resident set is reset (Linux: write ``5`` to
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -37,15 +41,18 @@ __all__ = ["time_interleaved", "medians", "paired_ratio", "maxrss_bytes", "PeakM
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 2, repeats: int = 7,
-                     min_time: float = 0.0) -> dict[str, list[float]]:
+                     min_time: float = 0.0, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Wall time (seconds) of each callable in every round, measured interleaved.
 
     Args:
         fns: name -> zero-argument callable doing one complete measured step.
         warmup: untimed calls per callable before measuring.
-        repeats: measured rounds; every round calls each callable once, in a rotated order.
+        repeats: measured rounds; every round calls each callable once, in a shuffled order.
         min_time: if > 0, each measurement loops a callable until this many seconds have passed
             and divides by the number of calls (for steps much shorter than the timer's noise).
+        cpu: if given, filled like the result with the CPU time of this process per call
+            (``time.process_time``, every thread). On a shared VM, wall time also counts the
+            moments the core was taken away; CPU time is the work the step itself did.
 
     Returns:
         name -> list of per-round times (round r at index r), for :func:`medians` and
@@ -57,10 +64,10 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 2, r
             fns[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = random.Random(r).sample(names, len(names))
         for name in order:
             fn, calls = fns[name], 0
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             while True:
                 fn()
                 calls += 1
@@ -68,6 +75,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 2, r
                 if elapsed >= min_time:
                     break
             times[name].append(elapsed / calls)
+            if cpu is not None:
+                cpu.setdefault(name, []).append((time.process_time() - cpu_start) / calls)
     return times
 
 
