@@ -36,7 +36,7 @@ import pytest
 from _reliability_helpers import check_checkpoint_dir, classify_argv, same_weights, subprocess_env, train_steps
 
 STEPS = 30
-CKPT_EVERY = 8
+CKPT_EVERY = 12
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")]
 
 
