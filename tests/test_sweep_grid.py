@@ -10,7 +10,7 @@ import yaml
 
 from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
-from lapheads.report import grid_axes, grid_report
+from lapheads.report import curve_series, grid_axes, grid_report, summarise
 from lapheads.sweep import (axis_names, design_points, parse_grid, parse_point, plan_grid,
                             run_name, split_top)
 
@@ -86,6 +86,24 @@ def _fake_run(root: Path, name: str, k: int, seed: int, width: int, top1: float,
                                    "cosine": {"cosine_mean": 0.2}}}}
     return {"dir": str(d), "name": name, "recipe": "classify", "label": "all" if k == 4 else f"k={k}",
             "seed": seed, "final": {"top1": top1}, "finished": True, "train": [], "val": [], "geometry": geo}
+
+
+def test_curves_are_drawn_per_grid_point_not_pooled(tmp_path):
+    """A sweep over widths: the curve figures draw one line per (k, width), each the mean over its
+    seeds, not one line per k pooled over widths whose curves differ by design."""
+    runs = [_fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5, 0.3) for w in (16, 64) for k in (0, 4) for s in (0, 1)]
+    for r in runs:
+        width = int(r["name"].split("_")[0][1:])
+        r["train"] = [{"step": t, "loss": 10.0 / width + t} for t in (1, 2, 3)]
+    groups = summarise(runs)["classify"]
+    series = curve_series(groups, lambda run: {x["step"]: x["loss"] for x in run["train"]})
+    assert [label for label, _ in series] == ["k=0 (embed_dim=16)", "k=0 (embed_dim=64)",
+                                              "all (embed_dim=16)", "all (embed_dim=64)"]
+    for label, curves in series:
+        width = int(label.split("embed_dim=")[1].rstrip(")"))
+        assert len(curves) == 2 and all(c == {t: 10.0 / width + t for t in (1, 2, 3)} for c in curves)
+    one_width = summarise([r for r in runs if r["name"].startswith("w16_")])["classify"]
+    assert [label for label, _ in curve_series(one_width, lambda run: {1: 0.0})] == ["k=0", "all"]
 
 
 def test_grid_report_axes_lines_and_k_ablation(tmp_path):

@@ -202,26 +202,51 @@ def _finish_lines(plt, fig, ax, drawn: bool, path: Path, xlabel: str, ylabel: st
     return path
 
 
-def _fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
+def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, float]]]]:
+    """``(line label, per-run {step: value})`` for the curve figures: one line per setting and grid point.
+
+    ``values(run)`` gives a run's curve. The runs of a setting (k) are split by grid point
+    (:func:`grid_points`): a sweep over widths or lengths then draws ``k=0 (embed_dim=32)`` and
+    ``k=0 (embed_dim=64)``, never a mean ± std pooled over points whose curves differ by design.
+    Runs without a curve are left out.
+    """
+    runs = [r for g in groups.values() for r in g["runs"]]
+    point_of = {r["dir"]: name for name, rs in grid_points(runs).items() for r in rs} if runs else {}
+    several = len(set(point_of.values())) > 1
+    out = []
+    for label, g in groups.items():
+        by_point: dict[str, list[dict[int, float]]] = {}
+        for r in g["runs"]:
+            c = values(r)
+            if c:
+                by_point.setdefault(point_of[r["dir"]], []).append(c)
+        for name in sorted(by_point, key=list(point_of.values()).index):
+            out.append((f"{label} ({name})" if several else str(label), by_point[name]))
+    return out
+
+
+def _draw_curves(groups: dict, values: Any, path: Path, ylabel: str, title: str, style: str) -> Optional[Path]:
+    """Mean ± std over seeds of each :func:`curve_series` line, at the steps all its runs share."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     drawn = False
-    for label, g in groups.items():
-        curves = [r["train"] for r in g["runs"] if r["train"]]
-        if not curves:
-            continue
-        steps = sorted(set.intersection(*[set(x["step"] for x in c) for c in curves]))
+    for label, curves in curve_series(groups, values):
+        steps = sorted(set.intersection(*[set(c) for c in curves]))
         if not steps:
             continue
-        vals = np.array([[{x["step"]: x["loss"] for x in c}[s] for s in steps] for c in curves])
-        m = vals.mean(0)
-        ax.plot(steps, m, label=f"{label} (n={len(curves)})")
+        vals = np.array([[c[s] for s in steps] for c in curves])
+        mean = vals.mean(0)
+        ax.plot(steps, mean, style, ms=3, label=f"{label} (n={len(curves)})")
         if len(curves) > 1:
             sd = vals.std(0, ddof=1)
-            ax.fill_between(steps, m - sd, m + sd, alpha=0.2)
+            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
         drawn = True
-    return _finish_lines(plt, fig, ax, drawn, path, "optimizer step", "training loss",
-                         f"{recipe}: training loss (mean ± std over seeds)")
+    return _finish_lines(plt, fig, ax, drawn, path, "optimizer step", ylabel, title)
+
+
+def _fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
+    return _draw_curves(groups, lambda run: {x["step"]: x["loss"] for x in run["train"]}, path, "training loss",
+                        f"{recipe}: training loss (mean ± std over seeds)", "-")
 
 
 def _fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -233,27 +258,9 @@ def _fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
     if m is None:
         return None
     key, name, _ = m
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    drawn = False
-    for label, g in groups.items():
-        curves = [{r["step"]: float(r[key]) for r in run["val"] if isinstance(r.get(key), (int, float))}
-                  for run in g["runs"]]
-        curves = [c for c in curves if c]
-        if not curves:
-            continue
-        steps = sorted(set.intersection(*[set(c) for c in curves]))
-        if not steps:
-            continue
-        vals = np.array([[c[s] for s in steps] for c in curves])
-        mean = vals.mean(0)
-        ax.plot(steps, mean, "-o", ms=3, label=f"{label} (n={len(curves)})")
-        if len(curves) > 1:
-            sd = vals.std(0, ddof=1)
-            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
-        drawn = True
-    return _finish_lines(plt, fig, ax, drawn, path, "optimizer step", name,
-                         f"{recipe}: validation {name} (mean ± std over seeds)")
+    return _draw_curves(groups, lambda run: {r["step"]: float(r[key]) for r in run["val"]
+                                             if isinstance(r.get(key), (int, float))},
+                        path, name, f"{recipe}: validation {name} (mean ± std over seeds)", "-o")
 
 
 def _fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -459,6 +466,23 @@ def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[di
     return out
 
 
+def grid_points(runs: Sequence[dict]) -> dict[str, list[dict]]:
+    """The runs of ONE recipe by grid point (one combination of :func:`grid_axes`), in axis order.
+
+    Keys name the point (``"embed_dim=32, epochs=5"``); runs that differ only in k and seed share a
+    point. Without grid axes every run is in one point named ``""``.
+    """
+    configs = [RunDir(r["dir"]).read_config() for r in runs]
+    axes = grid_axes(configs)
+    points: dict[tuple, list[dict]] = {}
+    for r, c in zip(runs, configs):
+        f = flatten_config(c)
+        points.setdefault(tuple(f.get(a) for a in axes), []).append(r)
+    order = sorted(points, key=lambda vs: tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vs))
+    return {", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(axes, values)): points[values]
+            for values in order}
+
+
 def grid_claims(runs: Sequence[dict], flags: dict[str, Plateau]) -> list[dict[str, Any]]:
     """:func:`claims` inside each grid point, for every recipe whose runs differ in config values.
 
@@ -471,18 +495,11 @@ def grid_claims(runs: Sequence[dict], flags: dict[str, Plateau]) -> list[dict[st
     for r in runs:
         by_recipe.setdefault(r["recipe"], []).append(r)
     for recipe, rs in by_recipe.items():
-        configs = [RunDir(r["dir"]).read_config() for r in rs]
-        axes = grid_axes(configs)
-        if not axes:
+        points = grid_points(rs)
+        if len(points) < 2:
             continue
-        points: dict[tuple, list[dict]] = {}
-        for r, c in zip(rs, configs):
-            f = flatten_config(c)
-            points.setdefault(tuple(f.get(a) for a in axes), []).append(r)
-        for values in sorted(points, key=lambda vs: tuple((0, v, "") if _numeric([v]) else (1, 0, str(v))
-                                                             for v in vs)):
-            name = ", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(axes, values))
-            for c in claims(summarise(points[values]), flags):
+        for name, point_runs in points.items():
+            for c in claims(summarise(point_runs), flags):
                 c["claim"] = f"{recipe} at {name}: {c['claim'].split(': ', 1)[1]}"
                 c["point"] = name
                 out.append(c)
