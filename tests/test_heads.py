@@ -274,6 +274,18 @@ def test_sort_key_orders_settings():
     assert LaplacianHeads.sort_key("k=learn") == LaplacianHeads.sort_key(LaplacianHeads.learn())
 
 
+@pytest.mark.parametrize("text", ["²", "learn:²", "٣", "--3", "k=²"])
+def test_non_ascii_digits_are_one_config_error_not_a_crash(text):
+    """'²'.isdigit() is True but int('²') raises ValueError (found by the property test below);
+    '٣' would have been read as 3. Only ASCII digits are a head count."""
+    from lapheads.heads import is_count
+
+    with pytest.raises(ConfigError, match="laplacian_heads"):
+        LaplacianHeads(text.removeprefix("k="))
+    assert LaplacianHeads.sort_key(text)[0] == 4  # an unknown label: sorted last, by its text
+    assert not is_count(text) and is_count("3") and is_count(3) and not is_count(True)
+
+
 def test_sort_key_puts_unknown_labels_last_by_text():
     labels = ["zeta", "k=3", "alpha", "learn:laplacian", "k=0"]
     assert sorted(labels, key=LaplacianHeads.sort_key) == ["k=0", "k=3", "learn:laplacian", "alpha", "zeta"]

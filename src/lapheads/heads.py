@@ -82,7 +82,7 @@ def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
     init = init.strip() or "standard"
     if init in ("standard", "laplacian"):
         return init
-    if init.isdigit():
+    if _digits(init):
         return int(init)
     raise ConfigError(f"{name}={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
                       f"an int k >= 0 (trailing k heads start Laplacian), e.g. 'learn:laplacian' or 'learn:2'")
@@ -90,6 +90,17 @@ def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only. ``str.isdigit`` also accepts '²' or '٣', which ``int`` refuses or reads as a
+    number nobody typed, so a spec like ``"²"`` raised ValueError instead of the one-line ConfigError."""
+    return text.isascii() and text.isdigit()
+
+
+def is_count(spec: Any) -> bool:
+    """True for a head count k as a spec gives it: an int (not a bool) or its text in ASCII digits."""
+    return _is_int(spec) or (isinstance(spec, str) and _digits(spec.strip()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +239,7 @@ class LaplacianHeads:
         if isinstance(spec, str):
             s = spec.strip().lower()
             if s not in ("all", "none"):
-                if s.lstrip("-").isdigit():
+                if _digits(s.removeprefix("-")):
                     spec = int(s)
                 else:
                     raise ConfigError(f"{name}={spec!r} is not understood; allowed: {_ALLOWED}")
@@ -414,7 +425,7 @@ class LaplacianHeads:
                 spec = text[2:]
             elif text.startswith("per-layer:"):
                 parts = text[len("per-layer:"):].split(",")
-                spec = [int(p) for p in parts] if all(p.strip().isdigit() for p in parts) else value
+                spec = [int(p) for p in parts] if all(_digits(p.strip()) for p in parts) else value
         try:
             return cls(spec)._order()
         except ConfigError:

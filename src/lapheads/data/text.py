@@ -228,7 +228,7 @@ def check_split_mode(how: Any, name: str = "split_documents") -> Any:
         return how
     if isinstance(how, int) and not isinstance(how, bool) and how >= 1:
         return how
-    if isinstance(how, str) and how.strip().isdigit() and int(how) >= 1:
+    if isinstance(how, str) and how.strip().isascii() and how.strip().isdigit() and int(how) >= 1:
         return int(how)
     raise ConfigError(f"{name}={how!r} must be one of {list(SPLIT_MODES)} or a positive number of characters")
 

@@ -58,7 +58,7 @@ from ..engine.config import bounded
 from ..engine.dist import DistInfo
 from ..engine.run import RunDir
 from ..errors import ConfigError, DataError
-from ..heads import LaplacianHeads
+from ..heads import LaplacianHeads, is_count
 from ..lm.model import count_params
 from ..lm.tokenizer import tokenizer_hash
 from ..outputs import read_json
@@ -124,7 +124,7 @@ class RetrofitConfig:
         if self.train.max_steps < 1:
             raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
                               "comparison")
-        if self.select == "score" and not _is_count(self.laplacian_heads):
+        if self.select == "score" and not is_count(self.laplacian_heads):
             raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
                               f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
         if self.laplacian_heads != KEEP:
@@ -135,10 +135,6 @@ class RetrofitConfig:
     def resume_mutable(self) -> set[str]:
         """Keys a ``--resume`` may change: ``train.grad_accum`` with ``data.total_batch_tokens`` (see lm)."""
         return {"train.grad_accum"} if self.data.total_batch_tokens else set()
-
-
-def _is_count(spec: Any) -> bool:
-    return (isinstance(spec, int) and not isinstance(spec, bool)) or (isinstance(spec, str) and spec.isdigit())
 
 
 # --------------------------------------------------------------------------- head selection

@@ -63,7 +63,7 @@ from ..engine.checkpoint import save_tensors
 from ..engine.config import bounded, from_dict, to_dict
 from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
-from ..heads import LaplacianHeads, learnable_spec
+from ..heads import LaplacianHeads, is_count, learnable_spec
 from ..outputs import read_json
 from ..vision.backbones import frozen
 from .base import vision_batches
@@ -113,7 +113,7 @@ class RetrofitViTConfig:
             raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
                               "comparison")
         spec = self.laplacian_heads
-        count = (isinstance(spec, int) and not isinstance(spec, bool)) or (isinstance(spec, str) and spec.isdigit())
+        count = is_count(spec)
         if self.select == "score" and not count:
             raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
                               f"{spec!r}; give explicit heads with select: trailing")
