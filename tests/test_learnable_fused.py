@@ -247,6 +247,21 @@ def test_flash_mix_only_where_sdpa_takes_the_flash_kernel(case):
     assert out.grad_fn.name() == "_MixHeadsBackward"
 
 
+def test_under_autocast_the_learnable_path_computes_as_sdpa_does():
+    """Autocast casts SDPA's inputs to bfloat16 but not a kernel called directly: under autocast the
+    learnable path must not take _FlashMix (it would compute in float32, not as SDPA does)."""
+    q, k, v, _ = _case("self", torch.float32)
+    a, b = _mix(q.shape[-3], torch.float32)
+    ins = _leaves(q, k, v, a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]))
+        pv = F.scaled_dot_product_attention(q, k, v)
+    assert out.grad_fn.name() == "_MixHeadsBackward" and pv.dtype == torch.bfloat16  # SDPA ran in bfloat16
+    want = b.view(-1, 1, 1) * pv + a.view(-1, 1, 1) * v  # the mixing itself in (a, b)'s float32
+    assert out.dtype == want.dtype
+    torch.testing.assert_close(out.detach(), want, atol=1e-6, rtol=1e-6)  # float32 SDPA would be ~1e-2 away
+
+
 def test_flash_mix_double_backward_fails_as_sdpa_does():
     """SDPA's CPU flash backward has no derivative; create_graph=True through it fails the same
     way with or without the mixing, never with a silently wrong second derivative."""

@@ -52,7 +52,7 @@ kernel has one). Without a gradient (inference, ``torch.no_grad`` exports) the s
 directly.
 
 On the CPU, when SDPA would run its flash kernel anyway (no mask, no dropout, no GQA, ``Tq == Tk``,
-4-d inputs, not under ``torch.compile``) and a gradient is wanted, :class:`_FlashMix` calls that
+4-d inputs, not under autocast or ``torch.compile``) and a gradient is wanted, :class:`_FlashMix` calls that
 kernel's forward and backward itself and does the mixing in the same autograd node: the gradient
 of ``v`` gets ``a dy`` added in place instead of autograd adding two branches into a new buffer,
 and ``b dy`` is written in the layout the kernel's backward reads without a copy. Same kernels and
@@ -304,9 +304,10 @@ def _cpu_flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
     :class:`_FlashMix` can stand in for SDPA + :class:`_MixHeads`: 4-d CPU tensors, no mask (a
     mask needs the dead-row rule of :func:`_fused_pv`), no dropout (the kernel's backward would
     have to replay its random numbers), no GQA, ``Tq == Tk`` (causality aligned as SDPA aligns
-    it), and not while ``torch.compile`` traces (compiled graphs keep SDPA + ``_MixHeads``)."""
+    it), not under autocast (autocast casts SDPA's inputs, never the kernel called directly), and
+    not while ``torch.compile`` traces (compiled graphs keep SDPA + ``_MixHeads``)."""
     if (q.device.type != "cpu" or q.dim() != 4 or attn_mask is not None or dropout_p != 0.0 or h != hkv
-            or tq != tk or torch.compiler.is_compiling()):
+            or tq != tk or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
         return False
     return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH
 
