@@ -384,6 +384,9 @@ def _mix_backward(dy: torch.Tensor, out: torch.Tensor, v_self: torch.Tensor, a: 
 
 
 _FLASH = int(SDPBackend.FLASH_ATTENTION.value)
+# The overloads themselves: calling the op packet resolves the overload in Python on every call (~10 us).
+_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 class _FlashMix(torch.autograd.Function):
@@ -400,7 +403,7 @@ class _FlashMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 is_causal: bool, scale: Optional[float]) -> torch.Tensor:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        out, lse = _FLASH_FWD(q, k, v, 0.0, is_causal, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse, a, b)
         ctx.is_causal, ctx.scale = is_causal, scale
         return _mix_heads(out, v, a, b)
@@ -413,8 +416,7 @@ class _FlashMix(torch.autograd.Function):
         d_out, d_a, d_b = _mix_backward(dy, out, v, a, b, need_out, need_a, need_b)
         dq = dk = dv = None
         if need_out:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                d_out, q, k, v, out, lse, 0.0, ctx.is_causal, scale=ctx.scale)
+            dq, dk, dv = _FLASH_BWD(d_out, q, k, v, out, lse, 0.0, ctx.is_causal, scale=ctx.scale)
             if need_v:  # a dy into the spent d_out buffer, then added in place: the bits autograd's sum gives
                 ah = a.view(a.shape[0], 1, 1)
                 dv = dv + dy * ah if torch.is_grad_enabled() else dv.add_(torch.mul(dy, ah, out=d_out))
