@@ -211,8 +211,10 @@ def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, fl
     Runs without a curve are left out.
     """
     runs = [r for g in groups.values() for r in g["runs"]]
-    point_of = {r["dir"]: name for name, rs in grid_points(runs).items() for r in rs} if runs else {}
-    several = len(set(point_of.values())) > 1
+    by_grid = grid_points(runs) if runs else {}
+    rank = {name: i for i, name in enumerate(by_grid)}  # axis order
+    point_of = {r["dir"]: name for name, rs in by_grid.items() for r in rs}
+    several = len(by_grid) > 1
     out = []
     for label, g in groups.items():
         by_point: dict[str, list[dict[int, float]]] = {}
@@ -220,7 +222,7 @@ def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, fl
             c = values(r)
             if c:
                 by_point.setdefault(point_of[r["dir"]], []).append(c)
-        for name in sorted(by_point, key=list(point_of.values()).index):
+        for name in sorted(by_point, key=rank.__getitem__):
             out.append((f"{label} ({name})" if several else str(label), by_point[name]))
     return out
 
