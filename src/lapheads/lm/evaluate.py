@@ -29,8 +29,8 @@ Design choices:
 * Local task YAML files come from ``--lm-eval-include DIR`` (lm-eval's ``TaskManager(include_path=
   DIR)``). When every task asked for is a task of DIR, only DIR is indexed (seconds saved: the
   built-in index is needed for groups, tags and built-in tasks only). Nothing touches the
-  network: ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set before lm-eval and ``datasets`` are imported (unless ``--allow-network``), so a task must use a
-  local data set, e.g. ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
+  network: ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set before lm-eval and ``datasets``
+  are imported (unless ``--allow-network``), so a task must use a local data set, e.g. ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
 * The results (chat tasks, lm-eval's ``results`` table, the settings) are written to
   ``RUN/eval.json`` (or ``--out``).
 """
