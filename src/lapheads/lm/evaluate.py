@@ -30,7 +30,8 @@ Design choices:
   DIR)``). When every task asked for is a task of DIR, only DIR is indexed (seconds saved: the
   built-in index is needed for groups, tags and built-in tasks only). Nothing touches the
   network: ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set before lm-eval and ``datasets``
-  are imported (unless ``--allow-network``), so a task must use a local data set, e.g. ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
+  are imported (unless ``--allow-network``), so a task must use a local data set, e.g.
+  ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
 * The results (chat tasks, lm-eval's ``results`` table, the settings) are written to
   ``RUN/eval.json`` (or ``--out``).
 """
