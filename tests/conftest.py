@@ -9,6 +9,7 @@ session, so the suite neither reads nor fills the user's ``~/.cache/lapheads``; 
 (builds are atomic renames), so the embedded corpus is tokenized once per session, not per test.
 """
 
+import gc
 import os
 import shutil
 import tempfile
@@ -39,6 +40,9 @@ if "LAPHEADS_CACHE" not in os.environ:
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    # Each worker has imported torch, timm, transformers, lm-eval...: exit without walking all of that
+    # in the shutdown collections (a few seconds per worker; see lapheads.cli._spare_the_exit_collections).
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ resumes it) and status 130 / 143;
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import signal
@@ -157,6 +158,22 @@ def entry() -> int:
     except BrokenPipeError:
         sys.stderr.close()
         return 141
+    finally:
+        _spare_the_exit_collections()
+
+
+def _spare_the_exit_collections() -> None:
+    """Let the interpreter exit without garbage-collecting every object the imports made.
+
+    After torch, timm and transformers are imported, the collections Python runs while it shuts
+    down walk millions of live objects: ~1.5 s per process on two cores, paid by every command and
+    by every torchrun worker. The garbage that exists now is collected here (its finalizers run, as
+    they would at exit), then the survivors are frozen (``gc.freeze``): the shutdown collections
+    skip them. Files, checkpoints and loggers are closed by the commands themselves before this
+    point; ``atexit`` handlers still run.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 if __name__ == "__main__":  # pragma: no cover
