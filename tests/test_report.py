@@ -97,10 +97,18 @@ def _copies(dirs: list[Path], dest: Path) -> list[Path]:
     return out
 
 
-def test_report_groups_runs_and_references_existing_files(tmp_path, tiny_runs):
-    dirs = _copies(tiny_runs, tmp_path)
-    out = tmp_path / "rep"
+@pytest.fixture(scope="module")
+def analyzed_report(tiny_runs, tmp_path_factory) -> tuple[list[Path], Path]:
+    """``report --analyze`` over copies of the six runs, made once: the tests below only read it."""
+    root = tmp_path_factory.mktemp("analyzed_report")
+    dirs = _copies(tiny_runs, root)
+    out = root / "rep"
     assert cli(["report", *map(str, dirs), "--out", str(out), "--analyze"]) == 0
+    return dirs, out
+
+
+def test_report_groups_runs_and_references_existing_files(analyzed_report):
+    dirs, out = analyzed_report
     md = (out / "report.md").read_text()
     rows = [l for l in md.splitlines() if re.match(r"\| (k=0|k=1|all) \| 2 \|", l)]
     assert len(rows) == 3, md
@@ -124,16 +132,14 @@ def test_report_groups_runs_and_references_existing_files(tmp_path, tiny_runs):
         assert re.search(rf"\| {d.name} \| classify \| .* \| 3 \| {flag['status']} \(", runs_table), runs_table
 
 
-def test_report_verdicts_carry_welch_statistics(tmp_path, tiny_runs):
+def test_report_verdicts_carry_welch_statistics(analyzed_report):
     """Every claim paragraph and summary.json give the difference, its 95% CI, Welch's t and p and
     the seeds; a verdict is observed/opposite only at p < 0.05; NC1 is among the claims."""
     from scipy import stats as st
     from lapheads.report import collect_run, run_value
     from lapheads.stats import seeds_needed
 
-    dirs = _copies(tiny_runs, tmp_path)
-    out = tmp_path / "rep"
-    assert cli(["report", *map(str, dirs), "--out", str(out), "--analyze"]) == 0
+    dirs, out = analyzed_report
     md = (out / "report.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
     paras = [l for l in md.splitlines() if l.startswith("**classify: ")]
@@ -221,10 +227,8 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.skipif(_chromium() is None, reason="headless Chromium not installed (make test installs it)")
-def test_html_report_renders_with_every_image_loaded(tmp_path, tiny_runs):
-    dirs = _copies(tiny_runs[::2], tmp_path)
-    out = tmp_path / "rep"
-    assert cli(["report", *map(str, dirs), "--out", str(out), "--analyze"]) == 0
+def test_html_report_renders_with_every_image_loaded(tmp_path, analyzed_report):
+    out = analyzed_report[1]
     r = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                         "--disable-background-networking", "--disable-component-update", "--disable-sync",
                         f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=10000", "--dump-dom",
