@@ -120,10 +120,15 @@ def test_bad_config_fails_before_training(tmp_path):
 @pytest.mark.slow
 def test_exact_resume_after_crash(tmp_path, monkeypatch):
     """Student, teacher, center and schedules continue bit-for-bit after a crash + --resume."""
+    def cfg_():  # 320 training images in batches of 64: 5 steps per epoch, so step 6 starts epoch 1
+        cfg = tiny_cfg(k=5, batch_size=64)
+        cfg.data.max_items = 320
+        return cfg
+
     ref = tmp_path / "ref"
-    _run(ref, tiny_cfg(k=5))
+    _run(ref, cfg_())
     crashed = tmp_path / "crashed"
-    cfg = tiny_cfg(k=5)
+    cfg = cfg_()
     monkeypatch.setenv(CRASH_AFTER, "4")  # crashes after the 5th update; the newest checkpoint is step 3
     with pytest.raises(RuntimeError, match="simulated crash"):
         _run(crashed, cfg)
