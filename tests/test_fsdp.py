@@ -330,3 +330,5 @@ if __name__ == "__main__":  # the torchrun worker: OUT CACHE [--resume]
     if "--resume" not in sys.argv:
         muon_check(Path(sys.argv[1]).parent / "muon_check.json")
     run(Path(sys.argv[1]), Path(sys.argv[2]), "fsdp", resume="--resume" in sys.argv[3:])
+    from lapheads.cli import _spare_the_exit_collections
+    _spare_the_exit_collections()  # as the console does: exit without the shutdown collections

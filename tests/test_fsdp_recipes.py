@@ -270,3 +270,5 @@ if __name__ == "__main__":  # the torchrun worker: OUT CACHE PRETRAINED
         calls[name] = recipe.task.layer_calls
     if int(os.environ["RANK"]) == 0:
         (out / "layer_calls.json").write_text(json.dumps(calls))
+    from lapheads.cli import _spare_the_exit_collections
+    _spare_the_exit_collections()  # as the console does: exit without the shutdown collections
