@@ -29,7 +29,10 @@ quickstart: setup
 
 # Parallel workers (pytest-xdist, one per core, one torch thread each: tests/conftest.py); tests
 # that share module-scoped runs are kept on one worker (xdist_group); the 15 slowest are listed.
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup --durations=15
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: the suite starts ~50 Python
+# processes, and without .pyc files each one compiles lapheads again and pytest re-rewrites the
+# asserts of every test module and of hypothesis (__pycache__/ is git-ignored).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup --durations=15
 
 test: setup system-deps
 	$(PYTEST) $(PYTEST_ARGS)
