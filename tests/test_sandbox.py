@@ -816,14 +816,11 @@ def _altered_passing(problems: list[dict]) -> list[str]:
 
 
 @needs_bwrap
-def test_humaneval_altered_solutions_fail_subset():
-    assert _altered_passing(_humaneval_problems()[::8]) == []
-
-
-@needs_bwrap
-@pytest.mark.slow
-def test_humaneval_altered_solutions_fail_all():
-    assert _altered_passing(_humaneval_problems()) == []
+def test_humaneval_altered_solutions_fail():
+    """A quarter of the problems (41, every 4th), each with two wrong bodies: none passes. (All
+    164 x 2 took ~10 s of the suite's 5 minutes on 2 cores; the canonical solutions above still
+    run for all 164.)"""
+    assert _altered_passing(_humaneval_problems()[::4]) == []
 
 
 @needs_bwrap
