@@ -84,10 +84,11 @@ def test_extracted_cifar_folder_and_laplacian_model(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", ["0", "all"])
-def test_digits_reaches_sane_accuracy(tmp_path, k):
-    out = tmp_path / f"digits_{k}"
-    assert cli(["train", "classify", "--config", DIGITS, "--out", str(out), "--set", f"model.laplacian_heads={k}",
+def test_digits_reaches_sane_accuracy(tmp_path):
+    """The shipped digits recipe (every head Laplacian) learns. Only k = all (~15 s on 2 cores): that
+    k = 0 leaves timm's model as it is, is tested against timm itself (tests/test_timm.py)."""
+    out = tmp_path / "digits_all"
+    assert cli(["train", "classify", "--config", DIGITS, "--out", str(out), "--set", "model.laplacian_heads=all",
                 "--set", "data.epochs=8", "--set", "train.progress=false"]) == 0
     top1 = json.loads((out / "final" / "metrics.json").read_text())["top1"]
     assert top1 > 0.6, top1  # chance is 0.1
