@@ -18,7 +18,6 @@ Design choices:
 
 from __future__ import annotations
 
-import gzip
 import json
 import pickle
 import shutil

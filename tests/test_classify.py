@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,13 +103,10 @@ def test_two_process_ddp_step_equals_one_process(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(["train", "classify", *common, "--out", str(one), "--set", "data.batch_size=16"]) == 0
-    import socket
-    with socket.socket() as sock:  # a free port (--master_port=0 is not understood by the workers)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-                        "-m", "lapheads.cli", "train", "classify", *common, "--out", str(two),
-                        "--set", "data.batch_size=8"], env=env, capture_output=True, text=True, timeout=300)
+    from _reliability_helpers import torchrun
+    r = subprocess.run(torchrun("--nproc_per_node=2", "-m", "lapheads.cli", "train", "classify", *common, "--out",
+                                str(two), "--set", "data.batch_size=8"), env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_tensors(one / "final" / "model.safetensors"), load_tensors(two / "final" / "model.safetensors")
     for k in a:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,24 +32,17 @@ from pathlib import Path
 
 import pytest
 
-from _reliability_helpers import check_checkpoint_dir, classify_argv, same_weights, subprocess_env, train_steps
+from _reliability_helpers import check_checkpoint_dir, classify_argv, same_weights, subprocess_env, torchrun, train_steps
 
 STEPS = 30
 CKPT_EVERY = 12
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")]
 
 
-def _free_port() -> int:
-    # (--master_port=0 made the workers dial 127.0.0.1:0 and time out in this torch version)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cmd(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-            "-m", "lapheads.cli", *classify_argv(out, "--set", f"train.max_steps={STEPS}", "--set", f"train.ckpt_every={CKPT_EVERY}",
-                                                 "--set", "data.batch_size=8", *extra)]
+    return torchrun("--nproc_per_node=2", "-m", "lapheads.cli",
+                    *classify_argv(out, "--set", f"train.max_steps={STEPS}", "--set", f"train.ckpt_every={CKPT_EVERY}",
+                                   "--set", "data.batch_size=8", *extra))
 
 
 def _children(pid: int) -> list[int]:
@@ -122,8 +114,7 @@ def test_sigterm_then_killed_rank_then_resume_equals_uninterrupted(tmp_path):
 
     # 2. the printed command, as printed; rank 1 SIGKILLed after the next periodic checkpoint
     log = open(tmp_path / "faulty.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--master_port={_free_port()}", *cmd[1:]],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(torchrun(*cmd[1:]), env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
         while _latest_step(run) <= stopped:

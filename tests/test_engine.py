@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from lapheads.engine import RunDir, Task, TrainConfig, Trainer, load_config, lr_factor
+from lapheads.engine import RunDir, Task, TrainConfig, load_config, lr_factor
 from lapheads.engine.checkpoint import (latest_checkpoint, load_tensors, safe_torch_load,
                                         load_weights, write_checkpoint)
 from lapheads.engine.data import epoch_batches

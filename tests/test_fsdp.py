@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import pytest
 import torch
 
+from _reliability_helpers import torchrun
+
 pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs (test_fsdp_recipes.py shares `cache`), on one worker
 
 STEPS = 12
@@ -98,16 +100,8 @@ def run(out: Path, cache: Path, parallel: str, resume: bool = False, steps: int 
 
 
 # --------------------------------------------------------------------------- helpers of the tests
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(out: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-            __file__, str(out), str(cache), *extra]
+    return torchrun("--nproc_per_node=2", __file__, str(out), str(cache), *extra)
 
 
 def _env() -> dict[str, str]:

@@ -40,7 +40,8 @@ import pytest
 import torch
 import yaml
 
-from test_fsdp import _assert_close, _env, _free_port, _rewound_copy, _weights
+from _reliability_helpers import torchrun
+from test_fsdp import _assert_close, _env, _rewound_copy, _weights
 from test_fsdp import cache  # noqa: F401  (the session-scoped tokenizer + shards fixture, shared)
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs, on one worker
@@ -176,8 +177,7 @@ def pretrained(cache, tmp_path_factory) -> Path:  # noqa: F811  (cache: the fixt
 def two_process(pretrained, cache, tmp_path_factory) -> Path:  # noqa: F811
     """The three 2-process FSDP runs (sft, retro, retro_ac) of one torchrun."""
     out = tmp_path_factory.mktemp("fsdp_recipes_2p")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           __file__, str(out), str(cache), str(pretrained)]
+    cmd = torchrun("--nproc_per_node=2", __file__, str(out), str(cache), str(pretrained))
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -162,7 +161,6 @@ def _sweep_argv(out: Path, *extra: str) -> list[str]:
 def test_parallel_sweep_stops_on_sigterm_resumes_and_equals_one_at_a_time(tmp_path, capsys):
     """--jobs 2: two `lapheads train` subprocesses; SIGTERM to the sweep reaches both (each stops at a
     step with a checkpoint); the same command resumes them; the weights equal an in-process sweep's."""
-    import os
     import signal
     import subprocess
     import sys
