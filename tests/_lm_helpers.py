@@ -21,6 +21,26 @@ def tiny_lm_run(root: Path, laplacian_heads: str, steps: int) -> Path:
     return root / "lm"
 
 
+def offline(monkeypatch, datasets_cache: Path) -> None:
+    """Hub and ``datasets`` offline for one test, as ``HF_*_OFFLINE=1`` at start-up would make them.
+
+    The variables are read when the libraries are imported, which has happened by now (transformers
+    imports huggingface_hub), so the module switches are set too; the teardown restores all of it.
+    """
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(datasets_cache))
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(k, "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    try:
+        import datasets.config as ds
+    except ImportError:
+        return
+    monkeypatch.setattr(ds, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(ds, "HF_DATASETS_OFFLINE", True)
+
+
 def local_mc_task(tmp_path: Path, task: str) -> Path:
     """A folder with one lm-eval multiple-choice task YAML (named ``task``) over 3 local JSONL items,
     for ``--include_path`` / ``--lm-eval-include``; nothing is downloaded."""

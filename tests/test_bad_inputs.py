@@ -720,12 +720,12 @@ def test_console_exit_code_and_stderr(shared, tmp_path):
 @pytest.mark.slow  # lm-eval indexes its ~10k built-in task files (10-60 s on 2 cores)
 def test_eval_lm_checks_lm_eval_task_names_before_loading_the_model(tmp_path, capsys, monkeypatch):
     import lapheads.recipes.lm as lm_recipe
+    from _lm_helpers import offline
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the lm-eval task names were checked")
     monkeypatch.setattr(lm_recipe, "load_model", no_load)
-    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(k, "1")
+    offline(monkeypatch, tmp_path / "hf_datasets")
     (tmp_path / "tasks").mkdir()
     rc = cli(["eval", "lm", "--run", str(tmp_path / "run"), "--lm-eval", "no_such_task_xyz",
               "--lm-eval-include", str(tmp_path / "tasks"), "--out", str(tmp_path / "eval.json")])

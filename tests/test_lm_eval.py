@@ -12,7 +12,7 @@ from lapheads.errors import ConfigError
 from lapheads.lm.evaluate import make_lm_eval_model, parse_tasks
 from lapheads.recipes import lm as R
 
-from _lm_helpers import local_mc_task, tiny_lm_run
+from _lm_helpers import local_mc_task, offline, tiny_lm_run
 
 
 pytestmark = pytest.mark.xdist_group("lm_eval")  # one tiny LM run shared by the module, on one worker
@@ -72,9 +72,7 @@ def test_eval_lm_model_is_lm_evals_hflm_and_scores_after_one_bos(run):
 
 @pytest.mark.slow  # a whole lm-eval evaluation of a local task
 def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch, tmp_path / "hf_datasets")
     tasks = local_mc_task(tmp_path, "lapheads_tiny_mc")
     assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "lapheads_tiny_mc",
                 "--lm-eval-include", str(tasks)]) == 0
@@ -87,6 +85,30 @@ def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch):
     assert res["laplacian_heads"] == "all"
     # an unknown task name (which needs lm-eval's whole index, ~8 s): test_bad_inputs.py's
     # test_eval_lm_checks_lm_eval_task_names_before_loading_the_model
+
+
+def test_offline_also_switches_the_already_imported_hub_and_datasets(monkeypatch):
+    """``lapheads eval lm`` puts the hub offline. Setting HF_HUB_OFFLINE in the environment came too
+    late for huggingface_hub, which reads it when imported (transformers imports it first): it stayed
+    online while ``datasets`` (imported later) went offline. A user's explicit ``...=0`` still wins."""
+    import datasets.config as ds
+    import huggingface_hub
+    import huggingface_hub.constants as hub
+
+    from lapheads.lm import evaluate as E
+
+    names = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    for k in names:
+        monkeypatch.setenv(k, "x")  # recorded, so the teardown removes what _offline() sets
+        monkeypatch.delenv(k)
+    for mod, attr in ((hub, "HF_HUB_OFFLINE"), (ds, "HF_HUB_OFFLINE"), (ds, "HF_DATASETS_OFFLINE")):
+        monkeypatch.setattr(mod, attr, False)  # online, as after an import without the variables
+    E._offline()
+    assert huggingface_hub.is_offline_mode() and ds.HF_HUB_OFFLINE and ds.HF_DATASETS_OFFLINE
+    for k in names:
+        monkeypatch.setenv(k, "0")
+    E._offline()
+    assert not huggingface_hub.is_offline_mode() and not ds.HF_HUB_OFFLINE
 
 
 def test_local_tasks_are_indexed_without_lm_evals_built_ins(tmp_path, monkeypatch):

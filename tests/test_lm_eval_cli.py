@@ -10,7 +10,7 @@ import torch
 from lapheads.cli import main as cli
 from lapheads.recipes import lm as R
 
-from _lm_helpers import greedy_by_recompute, local_mc_task, tiny_lm_run
+from _lm_helpers import greedy_by_recompute, local_mc_task, offline, tiny_lm_run
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -103,9 +103,7 @@ def test_lm_eval_cli_bad_flag_is_one_line(capsys):
 
 @pytest.mark.slow  # lm-eval indexes its ~10k built-in task files (~1 min on 2 cores)
 def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch, tmp_path / "hf_datasets")  # `lapheads lm-eval` leaves that to the user, as lm-eval does
     tasks = local_mc_task(tmp_path, "lapheads_cli_tiny_mc")
     out = tmp_path / "out"
     assert cli(["lm-eval", "--model", "lapheads", "--model_args", f"pretrained={run / 'final' / 'hf'},dtype=float32",

@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -72,9 +73,25 @@ def parse_tasks(spec: str) -> dict[str, Optional[str]]:
 
 
 def _offline() -> None:
-    # lm-eval loads data sets with `datasets`, which otherwise tries the hub for metadata first.
+    """The hub and ``datasets`` offline, unless the user's environment says otherwise.
+
+    lm-eval loads data sets with ``datasets``, which otherwise tries the hub for metadata first.
+    Both libraries read these variables when they are imported, and by the time an evaluation
+    starts ``huggingface_hub`` is (``transformers`` imports it): setting the variables alone left it
+    online, so its module-level switches are set as well, to what the variables now say.
+    """
     for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
+
+    def on(k: str) -> bool:
+        return os.environ[k].strip().upper() in ("1", "ON", "YES", "TRUE")
+
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = on("HF_HUB_OFFLINE") or on("TRANSFORMERS_OFFLINE")
+    ds = sys.modules.get("datasets.config")
+    if ds is not None:
+        ds.HF_HUB_OFFLINE = ds.HF_DATASETS_OFFLINE = on("HF_DATASETS_OFFLINE")
 
 
 def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_length: Optional[int] = None,
