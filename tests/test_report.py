@@ -26,9 +26,9 @@ TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model
         "--set", "train.ckpt_every=1", "--set", "train.log_every=1", "--set", "train.eval_every=1"]
 
 
-def _sweep_argv(out: Path, steps: int) -> list[str]:
+def _sweep_argv(out: Path, steps: int) -> list[str]:  # (the report's --analyze: tests below)
     return ["sweep", "--config", DIGITS, "--laplacian-heads", "0,all", "--seeds", "0", "--out", str(out),
-            "--set", f"train.max_steps={steps}", *TINY, "--analyze"]
+            "--set", f"train.max_steps={steps}", *TINY]
 
 
 def _summary_numbers(path: Path) -> dict:
