@@ -72,39 +72,8 @@ def test_interrupted_sweep_skips_finished_runs_and_aggregates_the_same(tmp_path)
     assert "| k=0 | 1 |" in md and "| all | 1 |" in md
 
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        p = shutil.which(name)
-        if p:
-            return p
-    return None
-
-
-_HEADLESS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
 @pytest.fixture(scope="module")
-def _chromium_started(tmp_path_factory):
-    """Starts headless Chromium once in the background, while the runs below train.
-
-    On fresh CI clones its first start took 13-38 s with under 1 s of CPU (waiting, not working);
-    later starts take ~1 s. The rendering test then finds it warm instead of idling a worker."""
-    exe = _chromium()
-    if exe is None:
-        yield
-        return
-    profile = tmp_path_factory.mktemp("chrome_warm")
-    p = subprocess.Popen([exe, *_HEADLESS, f"--user-data-dir={profile}", "--dump-dom", "about:blank"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield
-    if p.poll() is None:
-        p.kill()
-    p.wait()
-
-
-@pytest.fixture(scope="module")
-def tiny_runs(tmp_path_factory, _chromium_started) -> list[Path]:
+def tiny_runs(tmp_path_factory) -> list[Path]:
     """Six tiny finished runs (k = 0 / 1 / all x seeds 0, 1), trained once for this module.
 
     Tests that write into a run (analysis results) work on copies, so every test sees the runs
@@ -249,12 +218,21 @@ def test_pca_images_come_from_several_classes_and_in_colour(tmp_path):
     assert sorted(int(ds.targets[i]) for i in idx) == list(range(10)) and len(digits) == 10
 
 
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
 @pytest.mark.skipif(_chromium() is None, reason="headless Chromium not installed (make test installs it)")
 def test_html_report_renders_with_every_image_loaded(tmp_path, analyzed_report):
     out = analyzed_report[1]
-    r = subprocess.run([_chromium(), *_HEADLESS, f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=10000",
-                        "--dump-dom", (out / "report.html").resolve().as_uri()], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=10000", "--dump-dom",
+                        (out / "report.html").resolve().as_uri()], capture_output=True, text=True, timeout=120)
     m = re.search(r'data-images-total="(\d+)" data-images-loaded="(\d+)"', r.stdout)
     assert m, r.stdout[:500] + r.stderr[-500:]
     total, loaded = int(m.group(1)), int(m.group(2))
