@@ -38,12 +38,12 @@ def classify_argv(out: Path, *extra: str) -> list[str]:
 
 # torch's launcher as the `torchrun` console script runs it (its module's main), then the exit without
 # the shutdown garbage collections that lapheads' own console takes (lapheads.cli): ~1.5 s per launch.
-_TORCHRUN = ("import gc, runpy\n"
+_TORCHRUN = ("import runpy\n"
              "try:\n"
              "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
              "finally:\n"
-             "    gc.collect()\n"
-             "    gc.freeze()\n")
+             "    from lapheads.cli import _spare_the_exit_collections\n"
+             "    _spare_the_exit_collections()\n")
 
 
 def free_port() -> int:
