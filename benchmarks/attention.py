@@ -6,11 +6,14 @@ Variants (B=1, H heads of dim D, non-causal self-attention, float32):
   (b) ``laplacian`` ``lapheads.laplacian_attention(q, k, v, laplacian_heads="all")`` (SDPA then ``v - out``);
   (c) ``naive``     the materialised operator ``(I - softmax(q k^T / sqrt(D))) @ v``;
   (d) ``learnable`` ``laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b))``, learnable mixing
-                    ``a_h I + b_h P``: here SDPA's CPU flash kernel and the multiply-add in one autograd node
-                    (``_FlashMix``); a, b are leaves made once, like q, k, v, and get gradients too;
-  (e) ``mixheads``  the same call with ``_FlashMix`` switched off: SDPA, then ``_MixHeads`` (the path every
-                    case without the flash kernel takes, and the learnable path before ``_FlashMix``); e/a
-                    beside d/a shows what the single node saves.
+                    ``a_h I + b_h P``: here SDPA's CPU flash kernel and the mixing in one autograd node, the
+                    compiled C++ node ``lapheads::flash_mix`` where ``lapheads kernels build`` has built it
+                    (the header line says which ran); a, b are leaves made once, like q, k, v, and get
+                    gradients too;
+  (e) ``mixheads``  the same call with both single nodes switched off: SDPA, then ``_MixHeads`` (the path
+                    every case without the flash kernel takes);
+  (f) ``pynode``    the same call with the compiled node switched off: the Python node ``_FlashMix`` (what
+                    runs where the kernel is not built). e/a and f/a beside d/a show what each node saves.
 
 Time: median of interleaved rounds (benchmarks/_common.py); ratios are medians of the per-round
 ratios, so both variants of a ratio saw the same machine load. The same rounds are also timed in
@@ -43,11 +46,13 @@ import torch.nn.functional as F  # noqa: E402
 from _common import (PeakMemory, machine_line, markdown_table, medians, paired_ratio, run_child,  # noqa: E402
                      time_interleaved)
 from lapheads import HeadMix, laplacian_attention  # noqa: E402
-from lapheads import ops  # noqa: E402
+from lapheads import kernels, ops  # noqa: E402
 
-VARIANTS = ("sdpa", "laplacian", "naive", "learnable", "mixheads")
+VARIANTS = ("sdpa", "laplacian", "naive", "learnable", "mixheads", "pynode")
 LABEL = {"sdpa": "(a) SDPA", "laplacian": "(b) laplacian_attention, all heads", "naive": "(c) naive (I - P) @ V",
-         "learnable": "(d) learnable a I + b P", "mixheads": "(e) SDPA, then _MixHeads"}
+         "learnable": "(d) learnable a I + b P", "mixheads": "(e) SDPA, then _MixHeads",
+         "pynode": "(f) Python node _FlashMix"}
+MIXING = ("learnable", "mixheads", "pynode")
 
 
 def naive_laplacian(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -64,23 +69,26 @@ def forward_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor]
         return lambda q, k, v: laplacian_attention(q, k, v, laplacian_heads="all")
     if name == "naive":
         return naive_laplacian
-    if name in ("learnable", "mixheads"):
+    if name in MIXING:
         raise ValueError("the learnable variants own their mixing weights: build them with mixing_fn(heads)")
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
 
 
 def mixing_fn(heads: int, name: str = "learnable") -> tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                                                                      torch.Tensor], HeadMix]:
-    """Variant (d) or (e) and its (a, b): leaves made ONCE, like q, k, v (and like a model's parameters);
+    """Variant (d), (e) or (f) and its (a, b): leaves made ONCE, like q, k, v (and like a model's parameters);
     their gradients are computed every step and are part of the cost."""
     mix = HeadMix(torch.full((heads,), 0.5, requires_grad=True), torch.full((heads,), 0.5, requires_grad=True))
-    if name == "mixheads":  # the same call, with the flash-kernel node switched off for it
+    if name in ("mixheads", "pynode"):  # the same call, with the single node(s) switched off for it
         def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            takes, ops._cpu_flash_takes = ops._cpu_flash_takes, lambda *args: False
+            takes, compiled = ops._cpu_flash_takes, kernels.flash_mix_op
+            kernels.flash_mix_op = lambda: None
+            if name == "mixheads":
+                ops._cpu_flash_takes = lambda *args: False
             try:
                 return laplacian_attention(q, k, v, laplacian_heads=mix)
             finally:
-                ops._cpu_flash_takes = takes
+                ops._cpu_flash_takes, kernels.flash_mix_op = takes, compiled
         return fn, mix
     return (lambda q, k, v: laplacian_attention(q, k, v, laplacian_heads=mix)), mix
 
@@ -94,7 +102,7 @@ def make_inputs(t: int, heads: int, dim: int, seed: int = 0):
 
 def make_step(name: str, q, k, v, grad) -> Callable[[], None]:
     """One forward + backward; every leaf's gradient is reset first, so none accumulates across steps."""
-    if name in ("learnable", "mixheads"):
+    if name in MIXING:
         fn, mix = mixing_fn(q.shape[-3], name)
         leaves = (q, k, v, mix.a, mix.b)
     else:
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     # --- time
-    rows_t, ratio_ba, ratio_cb, ratio_da, ratio_ea, cpu_ba, cpu_da = [], {}, {}, {}, {}, {}, {}
+    rows_t, ratio_ba, ratio_cb, ratio_da, ratio_ea, ratio_fa, cpu_ba, cpu_da = [], {}, {}, {}, {}, {}, {}, {}
     for t in sizes:
         q, k, v, grad = make_inputs(t, args.heads, args.dim)
         steps = {n: make_step(n, q, k, v, grad) for n in VARIANTS}
@@ -163,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         ratio_cb[t] = paired_ratio(raw, "naive", "laplacian")
         ratio_da[t] = paired_ratio(raw, "learnable", "sdpa")
         ratio_ea[t] = paired_ratio(raw, "mixheads", "sdpa")
+        ratio_fa[t] = paired_ratio(raw, "pynode", "sdpa")
         cpu_ba[t], cpu_da[t] = paired_ratio(cpu, "laplacian", "sdpa"), paired_ratio(cpu, "learnable", "sdpa")
         rows_t.append([t] + [f"{med[n] * 1e3:.1f}" for n in VARIANTS]
                       + [f"{ratio_ba[t]:.3f}", f"{ratio_cb[t]:.2f}", f"{ratio_da[t]:.3f}", f"{ratio_ea[t]:.3f}",
+                         f"{ratio_fa[t]:.3f}",
                          f"{cpu_ba[t]:.3f}", f"{cpu_da[t]:.3f}"])
         del q, k, v, grad, steps
         gc.collect()
@@ -195,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     mark = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     print(f"## Attention: Laplacian heads vs SDPA vs naive (I - P) V{' (quick)' if args.quick else ''}\n")
     print(f"B=1, H={args.heads}, D={args.dim}, float32, non-causal, forward + backward; {machine_line()}.\n")
+    node = ("the compiled node lapheads::flash_mix" if kernels.flash_mix_op() is not None else
+            "the Python node _FlashMix (the compiled node is not built here: `lapheads kernels build`)")
+    print(f"(d) ran {node}.\n")
     print("Time (ms, median of interleaved rounds; ratios are medians of per-round ratios, in wall time and,"
           " last two columns, in process CPU time):\n")
-    print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS] + ["b/a", "c/b", "d/a", "e/a", "b/a CPU", "d/a CPU"],
-                         rows_t))
+    ratios = ["b/a", "c/b", "d/a", "e/a", "f/a", "b/a CPU", "d/a CPU"]
+    print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS] + ratios, rows_t))
     print("\nPeak memory growth over one forward + backward step (MiB, fresh process each):\n")
     print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS], [[t] + [mib(mem[n][t]) for n in VARIANTS] for t in sizes]))
     print(f"\nMemory growth T={t1} -> T={t2} (linear would be {lin:g}x, quadratic {lin ** 2:g}x): "

@@ -3,7 +3,8 @@ Function with a hand-written backward, and ``_FlashMix`` does SDPA's CPU flash k
 in one node where SDPA would run that kernel. Outputs and gradients (q, k, v, a, b) are checked
 against the explicit operator ``a I + b P`` (``laplacian_attention_reference``), against finite
 differences (gradcheck, float64), bit for bit against the generic autograd graph both replaced, and
-bit for bit against each other."""
+bit for bit against each other. The compiled node that replaces ``_FlashMix`` where it is built is
+switched off here (tests/test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from lapheads import HeadMix, laplacian_attention, laplacian_attention_reference
-from lapheads import ops
+from lapheads import kernels, ops
 from lapheads.ops import _MixHeads
+
+
+@pytest.fixture(autouse=True)
+def _python_nodes(monkeypatch):
+    """This file tests the Python nodes; where the compiled node is built it would stand in for
+    ``_FlashMix`` (tests/test_kernels.py tests it against this one and the explicit operator)."""
+    monkeypatch.setattr(kernels, "flash_mix_op", lambda: None)
 
 
 def _case(name: str, dtype=torch.float64):

@@ -57,7 +57,12 @@ kernel's forward and backward itself and does the mixing in the same autograd no
 of ``v`` gets ``a dy`` added in place instead of autograd adding two branches into a new buffer,
 and ``b dy`` is written in the layout the kernel's backward reads without a copy. Same kernels and
 ops in the same order, so the same bits as SDPA + :class:`_MixHeads`; every other case takes that
-pair (benchmarks/RESULTS.md has the costs).
+pair (benchmarks/RESULTS.md has the costs). Where ``lapheads kernels build`` has compiled it
+(:mod:`lapheads.kernels`), the C++ node ``lapheads::flash_mix`` stands in for :class:`_FlashMix`:
+the same flash kernels, the mixing fused into one pass forward and two backward, and no Python in
+the node; results agree to rounding, not to the bit (a fused multiply-add, sums in another order).
+The common training call reaches it through :func:`_fast_flash_mix`, which skips the general
+argument checks only where every one of them would pass.
 
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
 standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
@@ -74,6 +79,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from . import kernels
 from .errors import ConfigError
 from .heads import HeadMix, LayerHeads
 
@@ -229,6 +235,10 @@ def laplacian_attention(
         ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
     """
     if isinstance(laplacian_heads, HeadMix):
+        if attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None:
+            out = _fast_flash_mix(q, k, v, laplacian_heads, is_causal)
+            if out is not None:
+                return out
         return _mixed_attention(q, k, v, laplacian_heads, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                 dropout_p=dropout_p, enable_gqa=enable_gqa)
     h, hkv = _check_shapes(q, k, v, enable_gqa)
@@ -289,12 +299,44 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
     a, b = mix.a.to(q.dtype), mix.b.to(q.dtype)  # no-ops (no graph node) when the dtypes agree
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b))
     if grad and _cpu_flash_takes(q, k, v, attn_mask, is_causal, scale, dropout_p, tq, tk, h, hkv):
+        fused = kernels.flash_mix_op()  # the C++ node when built for this environment (lapheads/kernels.py)
+        if fused is not None:
+            return fused(q, k, v, a, b, is_causal, None if scale is None else float(scale))
         return _FlashMix.apply(q, k, v, a, b, is_causal, scale)
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     v_self = _v_self(v, tq, h, hkv)
     if grad:
         return _MixHeads.apply(out, v_self, a, b)
     return _mix_heads(out, v_self, a, b)
+
+
+def _fast_flash_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: HeadMix,
+                    is_causal: bool) -> Optional[torch.Tensor]:
+    """The compiled node for the common training call, with as little Python as possible, or None.
+
+    Taken only when every check of :func:`_mixed_attention` would pass and it would call the same
+    node (no mask, no dropout, default scale: the caller checked those; here: 4-d CPU tensors of one
+    shape, ``a``/``b`` of shape ``(H,)`` in q's dtype, a gradient wanted, SDPA's flash kernel chosen,
+    the kernel built). In a training step this call follows large kernels that leave the CPU's caches
+    cold for the interpreter, where each line of argument checking costs microseconds: the general
+    path's checks measured ~0.1-0.2 ms per call there (benchmarks/attention.py). Anything else
+    returns None and takes the general path, which checks everything and raises the clear errors.
+    """
+    a, b = mix
+    shape = q.shape
+    if torch.jit.is_tracing() or not (
+            q.is_cpu and len(shape) == 4 and shape == k.shape and shape == v.shape
+            and (is_causal is False or is_causal is True)
+            and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == q.dtype and b.dtype == q.dtype and a.shape == shape[1:2] and b.shape == shape[1:2]
+            and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad or a.requires_grad or b.requires_grad)):
+        return None
+    op = kernels.flash_mix_op()
+    if (op is None or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
+            or torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None) != _FLASH):
+        return None
+    return op(q, k, v, a, b, is_causal, None)
 
 
 def _cpu_flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
@@ -305,9 +347,10 @@ def _cpu_flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
     mask needs the dead-row rule of :func:`_fused_pv`), no dropout (the kernel's backward would
     have to replay its random numbers), no GQA, ``Tq == Tk`` (causality aligned as SDPA aligns
     it), not under autocast (autocast casts SDPA's inputs, never the kernel called directly), and
-    not while ``torch.compile`` traces (compiled graphs keep SDPA + ``_MixHeads``)."""
+    not while ``torch.compile`` or ``torch.jit.trace`` traces (their graphs keep SDPA + ``_MixHeads``,
+    plain ATen ops that load and export anywhere)."""
     if (q.device.type != "cpu" or q.dim() != 4 or attn_mask is not None or dropout_p != 0.0 or h != hkv
-            or tq != tk or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
+            or tq != tk or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return False
     return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH
 

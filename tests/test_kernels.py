@@ -1,0 +1,338 @@
+"""The learnable path's compiled CPU node (``src/lapheads/csrc/flash_mix.cpp``, ``lapheads.kernels``).
+
+Where SDPA would run its CPU flash kernel, ``laplacian_attention(..., laplacian_heads=HeadMix(a, b))``
+runs one C++ autograd node (``lapheads::flash_mix``) when it is built. It is checked here against the
+explicit operator ``a I + b P`` (outputs, first and second derivatives), finite differences, the
+Python node it stands in for, odd memory layouts, thread counts, tracing, and a model's training
+step; and its loading, switching off, broken builds and build errors. ``make setup`` builds it
+(``lapheads kernels build``); the tests of the node itself need that build and say so when skipped,
+and the first test fails outright on a machine that has the tool chain but no build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lapheads import HeadMix, kernels, laplacian_attention, laplacian_attention_reference
+from lapheads.errors import ConfigError
+
+NODE = "torch::autograd::CppNode<lapheads::FlashMix>"
+PY_NODE = "_FlashMixBackward"
+
+needs_build = pytest.mark.skipif(not kernels.library_path().is_file(),
+                                 reason="the CPU kernel is not built (`lapheads kernels build`, run by `make setup`)")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.delenv("LAPHEADS_KERNELS", raising=False)
+
+
+def _toolchain() -> bool:
+    ninja = shutil.which("ninja") or os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja"))
+    return bool(ninja and shutil.which(os.environ.get("CXX", "c++")))
+
+
+def test_the_kernel_is_built_and_loads_wherever_a_tool_chain_exists():
+    if not _toolchain():
+        pytest.skip("no C++ compiler or ninja here: the learnable path runs its Python node")
+    st = kernels.status()
+    assert st["built"] and st["loaded"] and st["error"] is None, st
+
+
+def _inputs(b=2, h=3, t=9, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, t, d, generator=g, dtype=dtype) for _ in range(3))
+    a, bb = torch.randn(h, generator=g, dtype=dtype), torch.randn(h, generator=g, dtype=dtype)
+    gy = torch.randn(b, h, t, d, generator=g, dtype=dtype)
+    return [q, k, v, a, bb], gy
+
+
+def _run(ins, gy, wants="qkvab", **kw):
+    leaves = [t.detach().clone().requires_grad_(n in wants) for n, t in zip("qkvab", ins)]
+    out = laplacian_attention(*leaves[:3], laplacian_heads=HeadMix(leaves[3], leaves[4]), **kw)
+    node = out.grad_fn.name()
+    out.backward(gy)
+    return out.detach(), [t.grad for t in leaves], node
+
+
+def _reference(ins, gy, wants="qkvab", **kw):
+    leaves = [t.detach().clone().requires_grad_(n in wants) for n, t in zip("qkvab", ins)]
+    out, _ = laplacian_attention_reference(*leaves[:3], laplacian_heads=HeadMix(leaves[3], leaves[4]), **kw)
+    out.backward(gy)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@needs_build
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("wants", ["qkvab", "ab", "qkv", "v", "a"])
+def test_outputs_and_gradients_equal_the_explicit_operator(causal, wants):
+    ins, gy = _inputs()
+    out, grads, node = _run(ins, gy, wants, is_causal=causal)
+    assert node == NODE
+    ref, ref_grads = _reference(ins, gy, wants, is_causal=causal)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for name, got, want in zip("qkvab", grads, ref_grads):
+        assert (got is None) == (name not in wants) == (want is None), name
+        if got is not None:
+            torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=f"gradient of {name}")
+
+
+@needs_build
+def test_gradcheck_against_finite_differences():
+    ins, _ = _inputs(b=1, h=2, t=5, d=3, seed=1)
+    leaves = tuple(t.clone().requires_grad_() for t in ins)
+
+    def fn(q, k, v, a, b):
+        return laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b), is_causal=True)
+
+    assert fn(*leaves).grad_fn.name() == NODE
+    assert torch.autograd.gradcheck(fn, leaves)
+
+
+@needs_build
+def test_second_derivatives_through_the_mixing_equal_the_reference():
+    """create_graph=True: the node's backward is built from differentiable ops, so d(grad a)/d b and
+    d(grad b)/d a (which need no second derivative of SDPA's kernel) match the explicit operator."""
+    ins, _ = _inputs(b=1, h=2, t=6, d=4, seed=2)
+    results = []
+    for fn in (laplacian_attention, lambda *t, **kw: laplacian_attention_reference(*t, **kw)[0]):
+        q, k, v = ins[:3]
+        a, b = (t.clone().requires_grad_() for t in ins[3:])
+        loss = fn(q, k, v, laplacian_heads=HeadMix(a, b)).square().sum()
+        ga, gb = torch.autograd.grad(loss, (a, b), create_graph=True)
+        results.append((ga, gb, torch.autograd.grad(ga.sum() + 2 * gb.sum(), (a, b))))
+    (ga, gb, second), (ra, rb, rsecond) = results
+    torch.testing.assert_close(ga.detach(), ra.detach(), atol=1e-10, rtol=0)
+    torch.testing.assert_close(gb.detach(), rb.detach(), atol=1e-10, rtol=0)
+    for got, want in zip(second, rsecond):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+
+
+@needs_build
+def test_double_backward_through_sdpa_fails_as_sdpa_does():
+    ins, _ = _inputs(dtype=torch.float32)
+    errors = []
+    for fn in (lambda *t: F.scaled_dot_product_attention(*t[:3]),
+               lambda *t: laplacian_attention(*t[:3], laplacian_heads=HeadMix(t[3], t[4]))):
+        leaves = [t.clone().requires_grad_() for t in ins]
+        (gq,) = torch.autograd.grad(fn(*leaves).square().sum(), leaves[0], create_graph=True)
+        with pytest.raises(RuntimeError) as err:
+            torch.autograd.grad(gq.sum(), leaves[0])
+        errors.append(str(err.value))
+    assert "not implemented" in errors[0] and "not implemented" in errors[1], errors
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_agrees_with_the_python_node(dtype, causal, monkeypatch):
+    """Same kernels, the mixing fused: the same results to rounding (one fused multiply-add per element,
+    sums in a different order), in float32 and in bfloat16 (computed in float32 inside, as the Python node)."""
+    ins, gy = _inputs(b=2, h=4, t=40, d=16, dtype=dtype, seed=3)
+    out, grads, node = _run(ins, gy, is_causal=causal)
+    monkeypatch.setattr(kernels, "flash_mix_op", lambda: None)
+    out_py, grads_py, node_py = _run(ins, gy, is_causal=causal)
+    assert (node, node_py) == (NODE, PY_NODE)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(out, out_py, **tol)
+    for name, got, want in zip("qkvab", grads, grads_py):
+        scale = want.abs().max().item() if name in "ab" else 1.0  # a, b: sums over 2 x 40 x 16 products
+        torch.testing.assert_close(got / scale, want / scale, **tol, msg=f"gradient of {name}")
+
+
+@needs_build
+def test_odd_layouts_of_inputs_and_incoming_gradient():
+    """q, k, v as views of a packed projection (rows not contiguous, as in a timm or nn attention
+    layer) and the incoming gradient of ``out.sum()`` (an expanded tensor with zero strides). A v whose
+    last dim is strided is not SDPA's flash case: the general path runs, and the operator refuses it."""
+    g = torch.Generator().manual_seed(4)
+    b, h, t, d = 2, 3, 7, 4
+    qkv = torch.randn(b, t, 3, h, d, generator=g, dtype=torch.float64)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    a, bb = torch.randn(h, generator=g, dtype=torch.float64), torch.randn(h, generator=g, dtype=torch.float64)
+    leaves = [x.detach().requires_grad_() for x in (qkv, a, bb)]
+    lq, lk, lv = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
+    assert lq.stride(-1) == 1 and not lq.is_contiguous()
+    out = laplacian_attention(lq, lk, lv, laplacian_heads=HeadMix(leaves[1], leaves[2]))
+    assert out.grad_fn.name() == NODE
+    out.sum().backward()
+    ref, ref_grads = _reference([q, k, v, a, bb], torch.ones_like(out))
+    torch.testing.assert_close(out.detach(), ref, atol=1e-12, rtol=0)
+    want_qkv = torch.stack(ref_grads[:3]).permute(1, 3, 0, 2, 4)  # (3, B, H, T, D) -> (B, T, 3, H, D)
+    torch.testing.assert_close(leaves[0].grad, want_qkv, atol=1e-10, rtol=0)
+    for x, want in zip(leaves[1:], ref_grads[3:]):
+        torch.testing.assert_close(x.grad, want, atol=1e-10, rtol=0)
+    v_strided = torch.randn(b, h, d, t, generator=g, dtype=torch.float64).transpose(-1, -2)
+    ins = [q.contiguous(), k.contiguous(), v_strided, a, bb]
+    got, _, node = _run(ins, torch.ones(b, h, t, d, dtype=torch.float64))
+    assert node == "_MixHeadsBackward"
+    torch.testing.assert_close(got, _reference(ins, torch.ones(b, h, t, d, dtype=torch.float64))[0])
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        kernels.flash_mix_op()(*ins, False, None)
+
+
+@needs_build
+def test_mixing_results_do_not_depend_on_the_thread_count():
+    """Rows are split between threads (1024 rows here, chunks of 512); the per-head sums are added in
+    row order afterwards, so a, b's gradients and the output are the same bits on 1 and 2 threads."""
+    ins, gy = _inputs(b=1, h=4, t=256, d=64, dtype=torch.float32, seed=5)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(_run(ins, gy))
+    finally:
+        torch.set_num_threads(threads)
+    (out1, g1, _), (out2, g2, _) = runs
+    assert torch.equal(out1, out2)
+    assert torch.equal(g1[3], g2[3]) and torch.equal(g1[4], g2[4])
+    for x, y in zip(g1[:3], g2[:3]):  # SDPA's own backward may split its sums by thread
+        torch.testing.assert_close(x, y)
+
+
+def _node_names(out: torch.Tensor) -> set[str]:
+    names, seen, stack = set(), set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        names.add(fn.name())
+        stack.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@needs_build
+def test_tracing_records_plain_aten_ops_not_the_compiled_node():
+    """torch.jit.trace of a learnable layer with gradients on: the trace must load and run without
+    lapheads' library, so it records SDPA + the mixing, never lapheads::flash_mix (nor a Python node)."""
+    from lapheads.nn import MultiheadAttention
+
+    torch.manual_seed(0)
+    model = MultiheadAttention(16, 2, batch_first=True, laplacian_heads="learn")
+    x = torch.randn(2, 5, 16)
+    assert NODE in _node_names(model(x, x, x, need_weights=False)[0])  # eager: the compiled node
+    class SelfAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = model
+
+        def forward(self, t):
+            return self.attn(t, t, t, need_weights=False)[0]
+
+    traced = torch.jit.trace(SelfAttention(), (x,), check_trace=False)
+    graph = str(traced.graph)
+    assert "lapheads::" not in graph and "PythonOp" not in graph, graph
+    y = torch.randn(3, 7, 16)
+    torch.testing.assert_close(traced(y), model(y, y, y, need_weights=False)[0])
+
+
+@needs_build
+def test_a_learnable_model_trains_through_the_compiled_node(monkeypatch):
+    """lapheads.nn's attention with laplacian_heads="learn": the node is what a training step runs, and
+    one step gives the Python node's loss and gradients."""
+    from lapheads.nn import MultiheadAttention
+
+    torch.manual_seed(0)
+    model = MultiheadAttention(32, 4, batch_first=True, laplacian_heads="learn")
+    x = torch.randn(2, 12, 32)
+    results = []
+    for node in (NODE, PY_NODE):
+        if node == PY_NODE:
+            monkeypatch.setattr(kernels, "flash_mix_op", lambda: None)
+        model.zero_grad()
+        out = model(x, x, x, need_weights=False)[0]
+        names = _node_names(out)
+        assert node in names, names
+        out.square().mean().backward()
+        results.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in results[0]:
+        torch.testing.assert_close(results[0][name], results[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@needs_build
+def test_the_operator_refuses_bad_arguments_loudly():
+    op = kernels.flash_mix_op()
+    q = torch.randn(1, 2, 4, 3)
+    with pytest.raises(RuntimeError, match="shape \\(H,\\)"):
+        op(q, q, q, torch.ones(3), torch.ones(2), False, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(q, q, q.double(), torch.ones(2), torch.ones(2), False, None)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("LAPHEADS_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_state", {"tried": False, "op": None, "error": None})  # a fresh process
+    assert kernels.flash_mix_op() is None and kernels.status()["enabled"] is False
+    ins, gy = _inputs(dtype=torch.float32)
+    assert _run(ins, gy)[2] == PY_NODE
+
+
+def test_a_broken_build_warns_once_and_the_python_node_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAPHEADS_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_state", {"tried": False, "op": None, "error": None})
+    path = kernels.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    with pytest.warns(RuntimeWarning, match="did not load"):
+        assert kernels.flash_mix_op() is None
+    assert kernels.flash_mix_op() is None  # looked up once: no second warning (pytest fails on none here)
+    assert str(path) in kernels.status()["error"]
+    ins, gy = _inputs(dtype=torch.float32)
+    assert _run(ins, gy)[2] == PY_NODE
+    with pytest.raises(ConfigError, match="does not load"):
+        kernels.build()
+
+
+def test_build_errors_are_one_clear_line(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("LAPHEADS_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_state", {"tried": False, "op": None, "error": None})
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs ninja"):
+        kernels.build()
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(ConfigError, match="needs a C\\+\\+ compiler: 'no-such-compiler-here'"):
+        kernels.build()
+    monkeypatch.delenv("CXX")
+
+    def fail(**kw):
+        raise RuntimeError("Error building extension 'lapheads_flash_mix': [1/2] c++ -c flash_mix.cpp\n"
+                           "flash_mix.cpp:12:3: error: expected ';' before 'return'\nninja: build stopped")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.raises(ConfigError, match="flash_mix.cpp:12:3: error: expected ';' before 'return'"):
+        kernels.build()
+    assert not kernels.library_path().exists()
+
+
+def test_the_cache_key_follows_what_the_binary_depends_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("LAPHEADS_KERNEL_DIR", str(tmp_path))
+    first = kernels.library_path()
+    assert first.parent.parent == tmp_path and kernels.library_path() == first
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "compile_flags", lambda: ["-O3"])  # another CPU: another directory
+        assert kernels.library_path() != first
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", "0.0.0")  # another torch: another directory
+        assert kernels.library_path() != first
+    assert kernels.library_path() == first
+
+
+def test_cli_status(capsys, monkeypatch):
+    from lapheads.cli import main
+
+    monkeypatch.setenv("LAPHEADS_KERNELS", "0")
+    assert main(["kernels", "status"]) == 0
+    text = capsys.readouterr().out
+    assert "Python node" in text and "LAPHEADS_KERNELS=0" in text and str(kernels.library_path()) in text
