@@ -104,12 +104,13 @@ Tensor head_sums(const std::vector<double>& rows, int64_t H, int64_t T, const Te
   return s;
 }
 
-// (b_h dy in out's layout or undefined, sum(dy * v) per head or undefined, sum(dy * out) per head or undefined).
+// (b_h dy or undefined, sum(dy * v) per head or undefined, sum(dy * out) per head or undefined).
 std::tuple<Tensor, Tensor, Tensor> mix_backward(const Tensor& dy, const Tensor& out, const Tensor& v,
                                                 const Tensor& a, const Tensor& b, bool need_out, bool need_a,
                                                 bool need_b) {
   const int64_t B = out.size(0), H = out.size(1), T = out.size(2), D = out.size(3);
-  Tensor d_out = need_out ? at::empty_like(out) : Tensor();
+  // (B, T, H, D) in memory: the layout the flash backward works in, so it reads d_out without a copy
+  Tensor d_out = need_out ? at::empty({B, T, H, D}, out.options()).transpose(1, 2) : Tensor();
   std::vector<double> rows_a(need_a ? B * H * T : 0), rows_b(need_b ? B * H * T : 0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "lapheads_mix_backward", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
