@@ -266,6 +266,8 @@ def test_the_operator_refuses_bad_arguments_loudly():
         op(q, q, q, torch.ones(3), torch.ones(2), False, None)
     with pytest.raises(RuntimeError, match="one dtype"):
         op(q, q, q.double(), torch.ones(2), torch.ones(2), False, None)
+    with pytest.raises(RuntimeError, match="CPU tensors only"):
+        op(q, q, q, torch.ones(2, device="meta"), torch.ones(2), False, None)
 
 
 def test_switched_off_by_the_environment(monkeypatch):

@@ -301,7 +301,7 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
     if grad and _cpu_flash_takes(q, k, v, attn_mask, is_causal, scale, dropout_p, tq, tk, h, hkv):
         fused = kernels.flash_mix_op()  # the C++ node when built for this environment (lapheads/kernels.py)
         if fused is not None:
-            return fused(q, k, v, a, b, is_causal, None if scale is None else float(scale))
+            return fused(q, k, v, a, b, bool(is_causal), None if scale is None else float(scale))
         return _FlashMix.apply(q, k, v, a, b, is_causal, scale)
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     v_self = _v_self(v, tq, h, hkv)

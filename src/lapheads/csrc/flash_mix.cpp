@@ -43,7 +43,9 @@ struct Rows {
 Tensor rows_ready(const Tensor& x) { return x.stride(3) == 1 ? x : x.contiguous(); }
 
 void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "lapheads::flash_mix: CPU tensors only");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && a.device().is_cpu() &&
+                  b.device().is_cpu(),
+              "lapheads::flash_mix: CPU tensors only (q, k, v, a and b)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "lapheads::flash_mix: q, k, v must be (B, H, T, D)");
   TORCH_CHECK(q.sizes() == k.sizes() && k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(2) == v.size(2),
               "lapheads::flash_mix: q and k must have the same shape and v the same (B, H, T)");
