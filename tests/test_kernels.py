@@ -211,6 +211,7 @@ def _node_names(out: torch.Tensor) -> set[str]:
 
 
 @needs_build
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore:`torch.jit.trace:FutureWarning")
 def test_tracing_records_plain_aten_ops_not_the_compiled_node():
     """torch.jit.trace of a learnable layer with gradients on: the trace must load and run without
     lapheads' library, so it records SDPA + the mixing, never lapheads::flash_mix (nor a Python node)."""
