@@ -11,10 +11,6 @@ and the first test fails outright on a machine that has the tool chain but no bu
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,14 +30,10 @@ def _kernels_on(monkeypatch):
     monkeypatch.delenv("LAPHEADS_KERNELS", raising=False)
 
 
-def _toolchain() -> bool:
-    ninja = shutil.which("ninja") or os.path.exists(os.path.join(os.path.dirname(sys.executable), "ninja"))
-    return bool(ninja and shutil.which(os.environ.get("CXX", "c++")))
-
-
 def test_the_kernel_is_built_and_loads_wherever_a_tool_chain_exists():
-    if not _toolchain():
-        pytest.skip("no C++ compiler or ninja here: the learnable path runs its Python node")
+    problem = kernels.toolchain_problem()
+    if problem:
+        pytest.skip(f"{problem}: the learnable path runs its Python node")
     st = kernels.status()
     assert st["built"] and st["loaded"] and st["error"] is None, st
 
@@ -235,6 +227,22 @@ def test_tracing_records_plain_aten_ops_not_the_compiled_node():
     assert "lapheads::" not in graph and "PythonOp" not in graph, graph
     y = torch.randn(3, 7, 16)
     torch.testing.assert_close(traced(y), model(y, y, y, need_weights=False)[0])
+
+
+@needs_build
+def test_torch_compile_keeps_plain_aten_ops_and_the_operator():
+    """Under torch.compile the learnable call is traced as SDPA + the mixing (not the compiled node, which
+    has no fake-tensor kernel); its gradients equal the explicit operator's."""
+    ins, gy = _inputs(b=1, h=2, t=6, d=4, dtype=torch.float32, seed=8)
+
+    def loss(q, k, v, a, b):
+        return (laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b), is_causal=True) * gy).sum()
+
+    leaves = [t.clone().requires_grad_() for t in ins]
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)
+    _, want = _reference(ins, gy, is_causal=True)
+    for name, x, y in zip("qkvab", got, want):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"gradient of {name}")
 
 
 @needs_build

@@ -27,6 +27,7 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -40,7 +41,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["SOURCE", "build", "cache_dir", "compile_flags", "flash_mix_op", "library_path", "status"]
+__all__ = ["SOURCE", "build", "cache_dir", "compile_flags", "flash_mix_op", "library_path", "status",
+           "toolchain_problem"]
 
 SOURCE = Path(__file__).with_name("csrc") / "flash_mix.cpp"
 NAME = "lapheads_flash_mix"
@@ -56,15 +58,16 @@ def cache_dir() -> Path:
     return Path(base) / "lapheads" / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def compile_flags() -> list[str]:
@@ -113,24 +116,39 @@ def _load(path: Path) -> bool:
         return False
 
 
-def _compile(target: Path, verbose: bool) -> None:
+def _cpp_extension() -> Any:
+    """torch's extension builder, imported quietly (its import warns that no CUDA runtime exists)."""
     import logging
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
-    logger.setLevel(logging.ERROR)  # its import warns that no CUDA runtime exists: irrelevant to a CPU kernel
+    logger.setLevel(logging.ERROR)
     try:
         from torch.utils import cpp_extension  # imported here: pulls in setuptools, only needed to build
     finally:
         logger.setLevel(level)
+    return cpp_extension
+
+
+def toolchain_problem() -> Optional[str]:
+    """Why this machine cannot build the kernel (no ninja, no C++ compiler), or None when it can."""
+    cpp_extension = _cpp_extension()
     venv_bin = os.path.dirname(sys.executable)  # pip's ninja lands next to the interpreter, maybe not on PATH
     if not shutil.which("ninja") and os.path.exists(os.path.join(venv_bin, "ninja")):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     if not cpp_extension.is_ninja_available():
-        raise ConfigError("building the lapheads CPU kernel needs ninja: `pip install ninja` (or the system package)")
+        return "building the lapheads CPU kernel needs ninja: `pip install ninja` (or the system package)"
     cxx = os.environ.get("CXX", "c++")
     if not shutil.which(cxx):
-        raise ConfigError(f"building the lapheads CPU kernel needs a C++ compiler: {cxx!r} is not on PATH "
-                          f"(install g++ or clang, or set CXX)")
+        return (f"building the lapheads CPU kernel needs a C++ compiler: {cxx!r} is not on PATH "
+                f"(install g++ or clang, or set CXX)")
+    return None
+
+
+def _compile(target: Path, verbose: bool) -> None:
+    problem = toolchain_problem()
+    if problem:
+        raise ConfigError(problem)
+    cpp_extension = _cpp_extension()
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=compile_flags(),
