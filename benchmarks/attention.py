@@ -6,10 +6,11 @@ Variants (B=1, H heads of dim D, non-causal self-attention, float32):
   (b) ``laplacian`` ``lapheads.laplacian_attention(q, k, v, laplacian_heads="all")`` (SDPA then ``v - out``);
   (c) ``naive``     the materialised operator ``(I - softmax(q k^T / sqrt(D))) @ v``;
   (d) ``learnable`` ``laplacian_attention(q, k, v, laplacian_heads=HeadMix(a, b))``, learnable mixing
-                    ``a_h I + b_h P``: here SDPA's CPU flash kernel and the mixing in one autograd node, the
-                    compiled C++ node ``lapheads::flash_mix`` where ``lapheads kernels build`` has built it
-                    (the header line says which ran); a, b are leaves made once, like q, k, v, and get
-                    gradients too;
+                    ``a_h I + b_h P``: the attention and the mixing in one autograd node, the compiled C++
+                    node ``lapheads::flash_mix`` where ``lapheads kernels build`` has built it (in float32
+                    up to T = 1024 its own attention kernel with the mixing inside, beyond that SDPA's
+                    flash kernel and fused passes; the header line says which ran); a, b are leaves made
+                    once, like q, k, v, and get gradients too;
   (e) ``mixheads``  the same call with both single nodes switched off: SDPA, then ``_MixHeads`` (the path
                     every case without the flash kernel takes);
   (f) ``pynode``    the same call with the compiled node switched off: the Python node ``_FlashMix`` (what
@@ -205,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     mark = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     print(f"## Attention: Laplacian heads vs SDPA vs naive (I - P) V{' (quick)' if args.quick else ''}\n")
     print(f"B=1, H={args.heads}, D={args.dim}, float32, non-causal, forward + backward; {machine_line()}.\n")
-    node = ("the compiled node lapheads::flash_mix" if kernels.flash_mix_op() is not None else
-            "the Python node _FlashMix (the compiled node is not built here: `lapheads kernels build`)")
+    if kernels.flash_mix_op() is not None:
+        paths = {t: kernels.float32_path(t) for t in sizes}
+        node = ("the compiled node lapheads::flash_mix; computed by "
+                + ", ".join(f"T={t}: {'its own float32 kernel (fused)' if p == 'fused' else 'SDPA flash + fused passes'}"
+                            for t, p in paths.items()))
+    else:
+        node = "the Python node _FlashMix (the compiled node is not built here: `lapheads kernels build`)"
     print(f"(d) ran {node}.\n")
     print("Time (ms, median of interleaved rounds; ratios are medians of per-round ratios, in wall time and,"
           " last two columns, in process CPU time):\n")

@@ -1,15 +1,20 @@
 """The learnable path's compiled CPU node (``src/lapheads/csrc/flash_mix.cpp``, ``lapheads.kernels``).
 
 Where SDPA would run its CPU flash kernel, ``laplacian_attention(..., laplacian_heads=HeadMix(a, b))``
-runs one C++ autograd node (``lapheads::flash_mix``) when it is built. It is checked here against the
+runs one C++ autograd node (``lapheads::flash_mix``) when it is built. It computes the operator two
+ways: float32 up to T = 1024 with its own attention kernel and the mixing inside ("fused"), anything
+else with SDPA's flash kernel and fused mixing passes ("flash"). Both are checked here against the
 explicit operator ``a I + b P`` (outputs, first and second derivatives), finite differences, the
-Python node it stands in for, odd memory layouts, thread counts, tracing, and a model's training
-step; and its loading, switching off, broken builds and build errors. ``make setup`` builds it
-(``lapheads kernels build``); the tests of the node itself need that build and say so when skipped,
-and the first test fails outright on a machine that has the tool chain but no build.
+Python node they stand in for, odd memory layouts, thread counts, NaN inputs, tracing, and a model's
+training step; the fused kernel's vectorised exp on every width the build has; and the node's
+loading, switching off, broken builds and build errors. ``make setup`` builds it (``lapheads kernels
+build``); the tests of the node itself need that build and say so when skipped, and the first test
+fails outright on a machine that has the tool chain but no build.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -36,6 +41,15 @@ def test_the_kernel_is_built_and_loads_wherever_a_tool_chain_exists():
         pytest.skip(f"{problem}: the learnable path runs its Python node")
     st = kernels.status()
     assert st["built"] and st["loaded"] and st["error"] is None, st
+    if torch.backends.mkl.is_available():  # torch's sgemm is MKL's there: the float32 kernel must run
+        assert st["float32"] == "fused", st
+
+
+def _fused() -> bool:
+    return kernels.library_path().is_file() and kernels.flash_mix_op() is not None and kernels.float32_path() == "fused"
+
+
+needs_fused = pytest.mark.skipif(not _fused(), reason="the float32 kernel needs the build and torch's sgemm")
 
 
 def _inputs(b=2, h=3, t=9, d=8, dtype=torch.float64, seed=0):
@@ -141,27 +155,33 @@ def test_agrees_with_the_python_node(dtype, causal, monkeypatch):
 
 
 @needs_build
-def test_odd_layouts_of_inputs_and_incoming_gradient():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_odd_layouts_of_inputs_and_incoming_gradient(dtype):
     """q, k, v as views of a packed projection (rows not contiguous, as in a timm or nn attention
-    layer) and the incoming gradient of ``out.sum()`` (an expanded tensor with zero strides). A v whose
-    last dim is strided is not SDPA's flash case: the general path runs, and the operator refuses it."""
+    layer) and the incoming gradient of ``out.sum()`` (an expanded tensor with zero strides), on the
+    flash path (float64) and the fused kernel (float32, against the float64 operator). A v whose last
+    dim is strided is not SDPA's flash case: the general path runs, and the operator refuses it."""
     g = torch.Generator().manual_seed(4)
     b, h, t, d = 2, 3, 7, 4
     qkv = torch.randn(b, t, 3, h, d, generator=g, dtype=torch.float64)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     a, bb = torch.randn(h, generator=g, dtype=torch.float64), torch.randn(h, generator=g, dtype=torch.float64)
-    leaves = [x.detach().requires_grad_() for x in (qkv, a, bb)]
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (qkv, a, bb)]
     lq, lk, lv = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
     assert lq.stride(-1) == 1 and not lq.is_contiguous()
     out = laplacian_attention(lq, lk, lv, laplacian_heads=HeadMix(leaves[1], leaves[2]))
     assert out.grad_fn.name() == NODE
     out.sum().backward()
-    ref, ref_grads = _reference([q, k, v, a, bb], torch.ones_like(out))
-    torch.testing.assert_close(out.detach(), ref, atol=1e-12, rtol=0)
+    ref, ref_grads = _reference([q, k, v, a, bb], torch.ones(out.shape, dtype=torch.float64))
+    tol = dict(atol=1e-12, rtol=0) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.detach().double(), ref, **tol)
     want_qkv = torch.stack(ref_grads[:3]).permute(1, 3, 0, 2, 4)  # (3, B, H, T, D) -> (B, T, 3, H, D)
-    torch.testing.assert_close(leaves[0].grad, want_qkv, atol=1e-10, rtol=0)
+    tol = dict(atol=1e-10, rtol=0) if dtype == torch.float64 else dict(atol=1e-4, rtol=2e-5)
+    torch.testing.assert_close(leaves[0].grad.double(), want_qkv, **tol)
     for x, want in zip(leaves[1:], ref_grads[3:]):
-        torch.testing.assert_close(x.grad, want, atol=1e-10, rtol=0)
+        torch.testing.assert_close(x.grad.double(), want, **tol)
+    if dtype == torch.float32:
+        return
     v_strided = torch.randn(b, h, d, t, generator=g, dtype=torch.float64).transpose(-1, -2)
     ins = [q.contiguous(), k.contiguous(), v_strided, a, bb]
     got, _, node = _run(ins, torch.ones(b, h, t, d, dtype=torch.float64))
@@ -172,10 +192,13 @@ def test_odd_layouts_of_inputs_and_incoming_gradient():
 
 
 @needs_build
-def test_mixing_results_do_not_depend_on_the_thread_count():
-    """Rows are split between threads (1024 rows here, chunks of 512); the per-head sums are added in
-    row order afterwards, so a, b's gradients and the output are the same bits on 1 and 2 threads."""
-    ins, gy = _inputs(b=1, h=4, t=256, d=64, dtype=torch.float32, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mixing_results_do_not_depend_on_the_thread_count(dtype):
+    """Work is split between threads (per head and block of rows in the float32 kernel, per chunk of
+    rows in the flash path's passes); the per-head sums are added in row order afterwards and no block
+    size depends on the thread count, so the output and a, b's gradients are the same bits on 1 and 2
+    threads (and q, k, v's too in the float32 kernel, where each head's are one thread's work)."""
+    ins, gy = _inputs(b=1, h=4, t=256, d=64, dtype=dtype, seed=5)
     threads = torch.get_num_threads()
     runs = []
     try:
@@ -187,8 +210,99 @@ def test_mixing_results_do_not_depend_on_the_thread_count():
     (out1, g1, _), (out2, g2, _) = runs
     assert torch.equal(out1, out2)
     assert torch.equal(g1[3], g2[3]) and torch.equal(g1[4], g2[4])
+    fused = dtype == torch.float32 and _fused()
     for x, y in zip(g1[:3], g2[:3]):  # SDPA's own backward may split its sums by thread
-        torch.testing.assert_close(x, y)
+        assert torch.equal(x, y) if fused else torch.allclose(x, y)
+
+
+def _relative_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    """|got - want| <= tol * max|want| (float32 against the float64 operator: rounding relative to the scale)."""
+    scale = want.abs().max().item() or 1.0
+    err = (got.double() - want).abs().max().item() / scale
+    assert err <= tol, f"{what}: max error {err:.2e} of the largest value (allowed {tol:.0e})"
+
+
+@needs_fused
+@pytest.mark.parametrize("shape", [(2, 3, 9, 8), (1, 2, 300, 33), (1, 1, 600, 16), (3, 1, 70, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_float32_kernel_equals_the_explicit_operator(shape, causal, scale):
+    """The fused float32 kernel against the float64 operator on the same (float32) inputs: one block and
+    several (blocks of 64, 256 and 128 rows: T = 9, 70, 300 with a tail, 600), odd head dims, causal,
+    an explicit scale."""
+    b, h, t, d = shape
+    ins, gy = _inputs(b, h, t, d, dtype=torch.float32, seed=t + d)
+    assert torch.ops.lapheads.flash_mix_path(*ins[:3]) == "fused"
+    out, grads, node = _run(ins, gy, is_causal=causal, scale=scale)
+    assert node == NODE
+    ref, ref_grads = _reference([x.double() for x in ins], gy.double(), is_causal=causal, scale=scale)
+    _relative_close(out, ref, 2e-6, "output")
+    for name, got, want in zip("qkvab", grads, ref_grads):
+        _relative_close(got, want, 2e-5, f"gradient of {name}")
+
+
+@needs_fused
+@pytest.mark.parametrize("wants", ["ab", "qkv", "v", "a", "qb"])
+def test_float32_kernel_computes_only_the_gradients_wanted(wants):
+    ins, gy = _inputs(1, 2, 300, 33, dtype=torch.float32, seed=11)
+    _, grads, node = _run(ins, gy, wants, is_causal=True)
+    _, ref_grads = _reference([x.double() for x in ins], gy.double(), wants, is_causal=True)
+    assert node == NODE
+    for name, got, want in zip("qkvab", grads, ref_grads):
+        assert (got is None) == (name not in wants) == (want is None), name
+        if got is not None:
+            _relative_close(got, want, 2e-5, f"gradient of {name}")
+
+
+@needs_fused
+def test_float32_long_sequences_take_the_flash_path():
+    ins, gy = _inputs(1, 1, 1025, 4, dtype=torch.float32, seed=12)
+    assert torch.ops.lapheads.flash_mix_path(*ins[:3]) == "flash"
+    assert torch.ops.lapheads.flash_mix_path(*(x[:, :, :1024] for x in ins[:3])) == "fused"
+    out, grads, node = _run(ins, gy, is_causal=True)
+    ref, ref_grads = _reference([x.double() for x in ins], gy.double(), is_causal=True)
+    assert node == NODE
+    _relative_close(out, ref, 2e-6, "output")
+    for name, got, want in zip("qkvab", grads, ref_grads):
+        _relative_close(got, want, 2e-5, f"gradient of {name}")
+
+
+@needs_fused
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_float32_kernel_keeps_nan_where_sdpa_does(where):
+    """A NaN in one query (that row) or one key (every row that sees it) makes the same outputs NaN as
+    SDPA's: the kernel's max and exp must not skip it."""
+    ins, _ = _inputs(1, 2, 70, 8, dtype=torch.float32, seed=13)
+    ins["qk".index(where)][0, 1, 30, 2] = float("nan")
+    for causal in (False, True):
+        with torch.no_grad():
+            want = F.scaled_dot_product_attention(*ins[:3], is_causal=causal) * ins[4].view(-1, 1, 1) \
+                + ins[2] * ins[3].view(-1, 1, 1)
+        leaves = [x.clone().requires_grad_() for x in ins]
+        got = laplacian_attention(*leaves[:3], laplacian_heads=HeadMix(leaves[3], leaves[4]), is_causal=causal)
+        assert got.grad_fn.name() == NODE
+        assert torch.isnan(want).any() and torch.equal(torch.isnan(got), torch.isnan(want)), (where, causal)
+
+
+@needs_fused
+def test_every_exp_width_of_the_build_is_accurate():
+    """The kernel's exp(x - c), each vector width this build has (1 = std::exp, 8 = AVX2, 16 = AVX-512):
+    within 3 float ulps of exp in float64 over the whole range, 0 far below it, NaN kept, the sum right."""
+    special = torch.tensor([float("nan"), float("-inf"), 0.0])  # first: inside a vector, not the scalar tail
+    x = torch.cat([special, torch.linspace(-120.0, 5.0, 20011)])
+    want = torch.exp((x - 1.5).double())
+    widths = list(torch.ops.lapheads.exp_widths())
+    assert 1 in widths
+    for w in widths:
+        y = torch.ops.lapheads.exp_shift_sum(x, 1.5, w)
+        got, total = y[:-1].double(), y[-1].item()
+        normal = want > 1.2e-38
+        rel = ((got[normal] - want[normal]).abs() / want[normal]).max().item()
+        assert rel < 3.6e-7, (w, rel)
+        assert (got[~normal & ~torch.isnan(want)] <= 1.2e-38).all(), w
+        assert torch.isnan(got[0]) and got[1] == 0 and math.isnan(total), w
+        finite = torch.ops.lapheads.exp_shift_sum(x[1:], 1.5, w)
+        assert abs(finite[-1].item() / want[1:].sum().item() - 1) < 1e-6, w
 
 
 def _node_names(out: torch.Tensor) -> set[str]:

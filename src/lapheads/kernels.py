@@ -1,11 +1,13 @@
 """The optional compiled CPU kernel of the learnable path (``csrc/flash_mix.cpp``): build, find, load.
 
-Learnable mixing (``laplacian_heads=HeadMix(a, b)``) on the CPU runs SDPA's flash kernel and the
-mixing ``b_h P V + a_h V`` in one autograd node. The Python node (``ops._FlashMix``) costs a fixed
-~0.2 ms per step and seven memory passes; the C++ node registered here as ``lapheads::flash_mix``
-costs a few microseconds and three passes (benchmarks/attention.py measures both). It is the same
-operator with the same kernels: results agree to rounding (tests/test_kernels.py checks it against
-the explicit operator, the Python node and finite differences).
+Learnable mixing (``laplacian_heads=HeadMix(a, b)``) on the CPU runs the attention and the mixing
+``b_h P V + a_h V`` in one autograd node. The Python node (``ops._FlashMix``: SDPA's flash kernel,
+then the mixing) costs a fixed ~0.2 ms per step and seven memory passes. The C++ node registered
+here as ``lapheads::flash_mix`` costs a few microseconds; in float32 up to T = 1024 it runs its own
+attention kernel with the mixing inside (no extra memory pass; :func:`float32_path` says whether it
+does), elsewhere SDPA's flash kernel and three fused passes (benchmarks/attention.py measures all
+of them). It is the same operator: results agree to rounding (tests/test_kernels.py checks both ways
+against the explicit operator, the Python node and finite differences).
 
 Design choices:
 
@@ -16,7 +18,7 @@ Design choices:
   node runs: slower, same operator; ``lapheads kernels status`` says which is in use.
 * The build directory is keyed on everything the binary depends on: the source's hash, the torch
   version, the Python version, the machine, and the instruction-set flags it was compiled with
-  (``-mavx2 -mfma`` where this CPU has them), so a cache shared between machines or environments
+  (``-mavx2 -mfma``, and ``-mavx512f`` where this CPU has them), so a cache shared between machines or environments
   never loads a binary built for another one.
 * ``LAPHEADS_KERNELS=0`` switches the compiled node off (the Python node runs);
   ``LAPHEADS_KERNEL_DIR`` moves the cache (default ``$XDG_CACHE_HOME/lapheads/kernels``, else
@@ -41,7 +43,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["SOURCE", "build", "cache_dir", "compile_flags", "flash_mix_op", "library_path", "status",
+__all__ = ["SOURCE", "build", "cache_dir", "compile_flags", "flash_mix_op", "float32_path", "library_path", "status",
            "toolchain_problem"]
 
 SOURCE = Path(__file__).with_name("csrc") / "flash_mix.cpp"
@@ -71,10 +73,13 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def compile_flags() -> list[str]:
-    """``-O3``, plus ``-mavx2 -mfma`` on an x86-64 CPU that has both (the build runs where it is used)."""
+    """``-O3``, plus ``-mavx2 -mfma`` on an x86-64 CPU that has both, and 512-bit vectors where it has AVX-512F
+    (the build runs where it is used; the cache key includes these flags)."""
     flags = ["-O3", "-fopenmp"]
     if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
+        if "avx512f" in _cpu_flags():
+            flags += ["-mavx512f", "-mprefer-vector-width=512"]
     return flags
 
 
@@ -188,4 +193,15 @@ def status() -> dict[str, Any]:
     enabled = _enabled()
     op = flash_mix_op() if enabled else None
     return {"library": str(path), "built": path.is_file(), "enabled": enabled, "loaded": op is not None,
+            "float32": float32_path() if op is not None else None,
             "error": _state["error"], "flags": " ".join(compile_flags()), "torch": torch.__version__}
+
+
+def float32_path(t: int = 256) -> str:
+    """Which way the loaded node computes a float32 call of length ``t``: ``"fused"`` (lapheads' own
+    attention kernel with the mixing inside; float32, T <= 1024, where torch's sgemm is found) or
+    ``"flash"`` (SDPA's CPU flash kernel plus fused mixing passes)."""
+    if flash_mix_op() is None:
+        raise RuntimeError("the compiled node is not loaded")
+    x = torch.zeros(1, 1, t, 8)
+    return str(torch.ops.lapheads.flash_mix_path(x, x, x))

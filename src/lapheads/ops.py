@@ -58,9 +58,12 @@ of ``v`` gets ``a dy`` added in place instead of autograd adding two branches in
 and ``b dy`` is written in the layout the kernel's backward reads without a copy. Same kernels and
 ops in the same order, so the same bits as SDPA + :class:`_MixHeads`; every other case takes that
 pair (benchmarks/RESULTS.md has the costs). Where ``lapheads kernels build`` has compiled it
-(:mod:`lapheads.kernels`), the C++ node ``lapheads::flash_mix`` stands in for :class:`_FlashMix`:
-the same flash kernels, the mixing fused into one pass forward and two backward, and no Python in
-the node; results agree to rounding, not to the bit (a fused multiply-add, sums in another order).
+(:mod:`lapheads.kernels`), the C++ node ``lapheads::flash_mix`` stands in for :class:`_FlashMix`,
+with no Python in the node. In float32 up to T = 1024 it computes the attention with its own
+kernel (blocks of query rows, torch's sgemm, the mixing and its gradients done on each block in
+cache: no extra memory pass); otherwise the same flash kernels with the mixing fused into one pass
+forward and two backward. Results agree to rounding, not to the bit (tests/test_kernels.py checks
+both ways against the explicit operator).
 The common training call reaches it through :func:`_fast_flash_mix`, which skips the general
 argument checks only where every one of them would pass.
 

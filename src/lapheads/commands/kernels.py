@@ -39,5 +39,11 @@ def status_main(argv: Optional[Sequence[str]] = None) -> int:
     why = "" if st["loaded"] else (" (switched off by LAPHEADS_KERNELS=0)" if not st["enabled"] else
                                    f" (did not load: {st['error']})" if st["error"] else
                                    " (not built: run `lapheads kernels build`)")
-    print(f"learnable path on CPU: {node}{why}\nlibrary: {st['library']}\nflags: {st['flags']}\ntorch: {st['torch']}")
+    fp32 = ""
+    if st["loaded"]:
+        fp32 = ("\nfloat32, T <= 1024: lapheads' own attention kernel with the mixing inside (fused)"
+                if st["float32"] == "fused" else
+                "\nfloat32: SDPA's flash kernel and fused mixing passes (torch's sgemm was not found)")
+    print(f"learnable path on CPU: {node}{why}{fp32}\nlibrary: {st['library']}\nflags: {st['flags']}\n"
+          f"torch: {st['torch']}")
     return 0

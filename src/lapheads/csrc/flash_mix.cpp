@@ -1,30 +1,47 @@
 // Learnable head mixing on the CPU as ONE autograd node in C++ (issue 13's benchmark target).
 //
-// Head h outputs y = b_h * P V + a_h * V, P V from SDPA's own CPU flash kernel. The Python twin is
-// lapheads.ops._FlashMix: the same flash forward and backward, with the mixing done by several
-// eager ops and the node's bookkeeping in Python. Here the node is C++ and the mixing is fused:
-//   forward   one pass:  y = b*out + a*v                        (eager: a multiply, an addcmul_)
-//   backward  one pass:  d_out = b*dy, per-row sums of dy*v and dy*out
-//                        (eager: two products, two reductions, a multiply)
-//             one pass:  dv += a*dy after the flash backward    (eager: a multiply, an add_)
-// Each row's sums are vectorised (`omp simd` reductions); rows are then added per head in a fixed
-// order in double, so the result does not depend on the thread count. With create_graph=True the
-// backward uses differentiable ATen ops instead (a second derivative then flows as far as SDPA's
-// kernel has one).
+// Head h outputs y = b_h * P V + a_h * V. Two ways to compute it, both exact to float rounding:
+//
+// * float32, T <= 1024 ("fused"): our own attention kernel with the mixing inside it (further down):
+//   blocks of query rows against all keys, BLAS sgemm for the products, the softmax, the mixing and
+//   the mixing's gradients done on each block while it is in cache. No extra memory pass at all.
+// * everything else ("flash"): SDPA's own CPU flash kernel (forward and backward), with the mixing
+//   as fused passes over the tensors:
+//     forward   one pass:  y = b*out + a*v
+//     backward  one pass:  d_out = b*dy, per-row sums of dy*v and dy*out
+//               one pass:  dv += a*dy after the flash backward
+//
+// Per-row sums are vectorised; rows are then added per head in a fixed order in double, so a and b's
+// gradients do not depend on the thread count. With create_graph=True the backward uses
+// differentiable ATen ops on SDPA's kernel instead (a second derivative then flows as far as SDPA's
+// kernel has one). The Python twin of the flash path is lapheads.ops._FlashMix.
 //
 // Registered as the operator lapheads::flash_mix (Autograd key only: tracers record the operator
-// itself, never the raw loops). lapheads/kernels.py builds and loads it; lapheads/ops.py calls it
-// only where SDPA itself would run its CPU flash kernel (4-d, no mask, no dropout, no GQA,
-// Tq == Tk, not under autocast, compile, tracing or export).
+// itself, never the raw loops); lapheads::flash_mix_path(q, k, v) says which way a call would go.
+// lapheads/kernels.py builds and loads it; lapheads/ops.py calls it only where SDPA itself would run
+// its CPU flash kernel (4-d, no mask, no dropout, no GQA, Tq == Tk, not under autocast, compile,
+// tracing or export).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -168,6 +185,347 @@ void add_scaled_(Tensor& dv, const Tensor& dy, const Tensor& a) {
   });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// float32: our own attention kernel with the mixing inside it (no extra memory passes).
+//
+// SDPA's CPU flash kernel (above) leaves the mixing three passes over (B, H, T, D) tensors (~0.1 ms
+// at T = 256). This kernel computes the attention itself, a block of query rows at a time against all
+// (causal: all earlier) keys, with BLAS's sgemm for the products, and mixes each block in cache:
+//   forward   S = scale Q K^T; E = exp(S - rowmax); O = (E V) / rowsum(E); y = b O + a V
+//   backward  P = exp(S - lse) (recomputed); dO = b dy; D = rowsum(dO * O); dP = dO V^T;
+//             dV += P^T dO; dS = P (dP - D); dQ = scale dS K; dK += scale dS^T Q; dV += a dy
+// Without the online-softmax rescaling a flash kernel needs (rows see all their keys at once), and
+// with the exp vectorised below, it is a little faster than SDPA's kernel up to T ~ 1024; beyond,
+// SDPA's kv tiling keeps its backward in cache and the flash path runs. Memory stays linear in T
+// (a few rows x T buffers per thread). sgemm is the one torch itself calls (found at run time in
+// libtorch_cpu, checked on a tiny product first); without it the flash path runs.
+constexpr int64_t kMaxRows = 256;  // query rows per block, at most
+constexpr int64_t kMaxT = 1024;    // longer sequences: the flash-kernel path (its kv tiling wins there)
+
+// Rows per block: 256 up to T = 512 (fewer, larger products), 128 beyond (the rows x T buffers stay
+// <= 512 KiB); 64 when that leaves the forward fewer than 4 blocks to share between threads. Never
+// the thread count itself: results are the same bits on any number of threads.
+int64_t block_rows(int64_t BH, int64_t T) {
+  const int64_t rows = T <= 512 ? 256 : 128;
+  return BH * ((T + rows - 1) / rows) < 4 ? 64 : rows;
+}
+
+using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                         const int*, const float*, const int*, const float*, float*, const int*);
+
+// Column-major C = alpha op(A) op(B) + beta C, as BLAS defines it.
+struct Gemm {
+  sgemm_t fn;
+  void operator()(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A, int64_t lda,
+                  const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
+    const int mi = int(m), ni = int(n), ki = int(k), la = int(lda), lb = int(ldb), lc = int(ldc);
+    fn(&ta, &tb, &mi, &ni, &ki, &alpha, A, &la, B, &lb, &beta, C, &lc);
+  }
+};
+
+sgemm_t find_sgemm() {
+  static const sgemm_t found = []() -> sgemm_t {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void*>(&at::native::cpublas::could_pack), &info) == 0 || info.dli_fname == nullptr)
+      return nullptr;
+    void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == nullptr) return nullptr;
+    auto fn = reinterpret_cast<sgemm_t>(dlsym(lib, "sgemm_"));
+    dlclose(lib);  // RTLD_NOLOAD: only drops the reference this call took
+    if (fn == nullptr) return nullptr;
+    // A 2x3 times 3x2 product with padded leading dims: a BLAS with 64-bit integers or another
+    // convention fails it, and the flash-kernel path is used instead.
+    const float A[8] = {1, 2, 0, 3, 4, 0, 5, 6}, B[8] = {1, 2, 3, 0, 4, 5, 6, 0};
+    float C[6] = {-1, -1, -1, -1, -1, -1};
+    Gemm{fn}('N', 'N', 2, 2, 3, 1.0f, A, 3, B, 4, 0.0f, C, 3);  // A: 2x3 (ld 3), B: 3x2 (ld 4), C: 2x2 (ld 3)
+    const float want[6] = {1 * 1 + 3 * 2 + 5 * 3, 2 * 1 + 4 * 2 + 6 * 3, -1, 1 * 4 + 3 * 5 + 5 * 6,
+                           2 * 4 + 4 * 5 + 6 * 6, -1};
+    for (int i = 0; i < 6; ++i)
+      if (C[i] != want[i]) return nullptr;
+    return fn;
+  }();
+  return found;
+}
+
+// exp(x) = 2^n p(r) with x = n ln2 + r, |r| <= ln2/2 and p the degree-6 Taylor polynomial (relative
+// error < 1.3e-7, about one float ulp, before rounding; SDPA's own CPU kernel uses a degree-5 one).
+// NaN stays NaN (the clamps keep x's NaN: max/min return their second operand on NaN). The widest
+// variant this build has runs; lapheads::exp_shift_sum lets the tests check every one of them.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kC6 = 1.0f / 720, kC5 = 1.0f / 120, kC4 = 1.0f / 24, kC3 = 1.0f / 6;
+
+// s[j] = exp(s[j] - c) for j < w, one float at a time from `from` on; returns the sum of those.
+inline float exp_shift_sum_scalar(float* s, int64_t from, int64_t w, float c) {
+  float total = 0.0f;
+  for (int64_t j = from; j < w; ++j) {
+    s[j] = std::exp(s[j] - c);
+    total += s[j];
+  }
+  return total;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // below the smallest normal: 0
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(lo, x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kC6), r, _mm256_set1_ps(kC5));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kC4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kC3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+inline float exp_shift_sum_avx2(float* s, int64_t w, float c) {
+  const __m256 cc = _mm256_set1_ps(c);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= w; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), cc));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float total = 0.0f;
+  for (float x : lanes) total += x;
+  return total + exp_shift_sum_scalar(s, j, w, c);
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC6), r, _mm512_set1_ps(kC5));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // p 2^n; below -104 that is 0
+}
+
+inline float exp_shift_sum_avx512(float* s, int64_t w, float c) {
+  const __m512 cc = _mm512_set1_ps(c);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= w; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), cc));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc) + exp_shift_sum_scalar(s, j, w, c);
+}
+#endif
+
+// The widest variant this build has (the widths it has: exp_widths()).
+inline float exp_shift_sum(float* s, int64_t w, float c) {
+#if defined(__AVX512F__)
+  return exp_shift_sum_avx512(s, w, c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return exp_shift_sum_avx2(s, w, c);
+#else
+  return exp_shift_sum_scalar(s, 0, w, c);
+#endif
+}
+
+std::vector<int64_t> exp_widths() {
+  std::vector<int64_t> widths{1};
+#if defined(__AVX2__) && defined(__FMA__)
+  widths.push_back(8);
+#endif
+#if defined(__AVX512F__)
+  widths.push_back(16);
+#endif
+  return widths;
+}
+
+inline int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }  // a whole number of 16-float vectors
+
+// Whether this kernel takes the call: float32, sgemm found, every size and stride fits BLAS's int.
+bool own_kernel_takes(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (q.scalar_type() != at::kFloat || find_sgemm() == nullptr) return false;
+  if (q.size(2) != k.size(2)) return false;
+  const int64_t lim = std::numeric_limits<int>::max() / 4;
+  for (const Tensor* t : {&q, &k, &v})
+    for (int64_t i = 0; i < 4; ++i)
+      if (t->stride(i) >= lim || t->size(i) >= lim) return false;
+  return q.size(2) > 0 && q.size(2) <= kMaxT && q.size(3) > 0;
+}
+
+struct Heads4 {  // pointer to the (T, D) matrix of batch b, head h, and its row stride
+  const float* p;
+  int64_t sb, sh, st;
+  explicit Heads4(const Tensor& x) : p(x.const_data_ptr<float>()), sb(x.stride(0)), sh(x.stride(1)), st(x.stride(2)) {}
+  const float* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
+};
+
+// Row r's valid keys and the masked tail: s[n, w) = -inf so exp gives 0 there.
+inline void mask_tail(float* s, int64_t n, int64_t w) {
+  for (int64_t j = n; j < w; ++j) s[j] = -std::numeric_limits<float>::infinity();
+}
+
+// (y, out, lse): y = b*out + a*v, out = softmax(scale q k^T) v (both (B, T, H, D) in memory), lse (B, H, T).
+std::tuple<Tensor, Tensor, Tensor> own_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& a,
+                                               const Tensor& b, bool is_causal, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
+  Tensor y = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
+  Tensor lse = at::empty({B, H, T}, q.options());
+  const Heads4 Q(q), K(k), V(v);
+  const float* pa = a.const_data_ptr<float>();
+  const float* pb = b.const_data_ptr<float>();
+  float* po = out.mutable_data_ptr<float>();
+  float* py = y.mutable_data_ptr<float>();
+  float* pl = lse.mutable_data_ptr<float>();
+  const int64_t so = out.stride(2), sob = out.stride(0), soh = out.stride(1);
+  const int64_t rows = block_rows(B * H, T), blocks = (T + rows - 1) / rows, ld = padded(T);
+  const Gemm gemm{find_sgemm()};
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(rows * ld);
+    float* S = buf.data();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, bi = bh / H, h = bh % H, i0 = (task % blocks) * rows;
+      const int64_t i1 = std::min(T, i0 + rows), mq = i1 - i0, kv = is_causal ? i1 : T, w = padded(kv);
+      const float *q0 = Q.at(bi, h) + i0 * Q.st, *k0 = K.at(bi, h), *v0 = V.at(bi, h);
+      gemm('T', 'N', kv, mq, D, sc, k0, K.st, q0, Q.st, 0.0f, S, ld);
+      float inv[kMaxRows];
+      for (int64_t r = 0; r < mq; ++r) {
+        float* s = S + r * ld;
+        const int64_t n = is_causal ? i0 + r + 1 : T;
+        float m = -std::numeric_limits<float>::infinity();
+        _Pragma("omp simd reduction(max : m)")
+        for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+        mask_tail(s, n, w);
+        const float l = exp_shift_sum(s, w, m);
+        inv[r] = 1.0f / l;
+        pl[bh * T + i0 + r] = m + std::log(l);
+      }
+      // O = exp(S - m) V, then each row divided by its sum (Mq x D values, not Mq x T)
+      float* o0 = po + bi * sob + h * soh + i0 * so;
+      gemm('N', 'N', D, mq, kv, 1.0f, v0, V.st, S, ld, 0.0f, o0, so);
+      const float ah = pa[h], bhv = pb[h];
+      float* y0 = py + bi * sob + h * soh + i0 * so;
+      for (int64_t r = 0; r < mq; ++r) {
+        float* o = o0 + r * so;
+        const float* vv = v0 + (i0 + r) * V.st;
+        float* yy = y0 + r * so;
+        const float ir = inv[r];
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < D; ++d) {
+          const float od = o[d] * ir;
+          o[d] = od;
+          yy[d] = bhv * od + ah * vv[d];
+        }
+      }
+    }
+  });
+  return {y, out, lse};
+}
+
+// Gradients of y = b*out + a*v for q, k, v, a, b (undefined where not needed).
+std::vector<Tensor> own_backward(const Tensor& dy, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& out, const Tensor& lse, const Tensor& a, const Tensor& b,
+                                 bool is_causal, double scale, std::array<bool, 5> need) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const bool nq = need[0], nk = need[1], nv = need[2], na = need[3], nb = need[4], nqk = nq || nk;
+  Tensor dq = nq ? at::empty_like(q) : Tensor(), dk = nk ? at::empty_like(k) : Tensor();
+  Tensor dv = nv ? at::empty_like(v) : Tensor();
+  std::vector<double> rows_a(na ? B * H * T : 0), rows_b(nb ? B * H * T : 0);
+  const Heads4 Q(q), K(k), V(v), O(out), G(dy);
+  float* pdq = nq ? dq.mutable_data_ptr<float>() : nullptr;
+  float* pdk = nk ? dk.mutable_data_ptr<float>() : nullptr;
+  float* pdv = nv ? dv.mutable_data_ptr<float>() : nullptr;
+  const float* pa = a.const_data_ptr<float>();
+  const float* pb = b.const_data_ptr<float>();
+  const float* pl = lse.const_data_ptr<float>();
+  const int64_t rows = block_rows(B * H, T), blocks = (T + rows - 1) / rows, ld = padded(T);
+  const Gemm gemm{find_sgemm()};
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf((nqk || nv) ? 2 * rows * ld + rows * D : 0);
+    float *S = buf.data(), *dP = S + rows * ld, *dO = dP + rows * ld;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t bi = bh / H, h = bh % H;
+      const float *q_ = Q.at(bi, h), *k_ = K.at(bi, h), *v_ = V.at(bi, h), *o_ = O.at(bi, h), *g_ = G.at(bi, h);
+      float* dq_ = nq ? pdq + bi * dq.stride(0) + h * dq.stride(1) : nullptr;
+      float* dk_ = nk ? pdk + bi * dk.stride(0) + h * dk.stride(1) : nullptr;
+      float* dv_ = nv ? pdv + bi * dv.stride(0) + h * dv.stride(1) : nullptr;
+      const int64_t sdq = nq ? dq.stride(2) : 0, sdk = nk ? dk.stride(2) : 0, sdv = nv ? dv.stride(2) : 0;
+      const float ah = pa[h], bhv = pb[h];
+      // Last block first: it reaches every key (causal too), so it initialises dK and dV (beta 0).
+      for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+        const int64_t i0 = blk * rows, i1 = std::min(T, i0 + rows), mq = i1 - i0;
+        const int64_t kv = is_causal ? i1 : T, w = padded(kv);
+        const float beta = blk == blocks - 1 ? 0.0f : 1.0f;
+        // dO = b dy; per-row sums of dy*v (for a) and dy*out (for b, and D = b * that)
+        float Drow[kMaxRows];
+        for (int64_t r = 0; r < mq; ++r) {
+          const float* g = g_ + (i0 + r) * G.st;
+          const float* vv = v_ + (i0 + r) * V.st;
+          const float* o = o_ + (i0 + r) * O.st;
+          float sa = 0, sb = 0;
+          _Pragma("omp simd reduction(+ : sa, sb)")
+          for (int64_t d = 0; d < D; ++d) {
+            sa += g[d] * vv[d];
+            sb += g[d] * o[d];
+          }
+          if (na) rows_a[bh * T + i0 + r] = sa;
+          if (nb) rows_b[bh * T + i0 + r] = sb;
+          Drow[r] = bhv * sb;
+          if (nqk || nv) {
+            float* dd = dO + r * D;
+            _Pragma("omp simd")
+            for (int64_t d = 0; d < D; ++d) dd[d] = bhv * g[d];
+          }
+        }
+        if (!(nqk || nv)) continue;
+        const float* q0 = q_ + i0 * Q.st;
+        gemm('T', 'N', kv, mq, D, sc, k_, K.st, q0, Q.st, 0.0f, S, ld);
+        for (int64_t r = 0; r < mq; ++r) {
+          float* s = S + r * ld;
+          mask_tail(s, is_causal ? i0 + r + 1 : T, w);
+          exp_shift_sum(s, w, pl[bh * T + i0 + r]);
+        }
+        if (nv) gemm('N', 'T', D, kv, mq, 1.0f, dO, D, S, ld, beta, dv_, sdv);
+        if (nqk) {
+          gemm('T', 'N', kv, mq, D, 1.0f, v_, V.st, dO, D, 0.0f, dP, ld);
+          for (int64_t r = 0; r < mq; ++r) {
+            const float* p = S + r * ld;
+            float* dp = dP + r * ld;
+            const float Dr = Drow[r];
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < kv; ++j) dp[j] = p[j] * (dp[j] - Dr);
+          }
+          if (nq) gemm('N', 'N', D, mq, kv, sc, k_, K.st, dP, ld, 0.0f, dq_ + i0 * sdq, sdq);
+          if (nk) gemm('N', 'T', D, kv, mq, sc, q0, Q.st, dP, ld, beta, dk_, sdk);
+        }
+        if (nv) {
+          for (int64_t r = 0; r < mq; ++r) {
+            const float* g = g_ + (i0 + r) * G.st;
+            float* dd = dv_ + (i0 + r) * sdv;
+            _Pragma("omp simd")
+            for (int64_t d = 0; d < D; ++d) dd[d] += ah * g[d];
+          }
+        }
+      }
+    }
+  });
+  return {dq, dk, dv, na ? head_sums(rows_a, H, T, a) : Tensor(), nb ? head_sums(rows_b, H, T, b) : Tensor()};
+}
+
 }  // namespace
 
 // Named outside the anonymous namespace: autograd shows the node as CppNode<lapheads::FlashMix>.
@@ -175,9 +533,17 @@ struct FlashMix : public torch::autograd::Function<FlashMix> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& a, const Tensor& b, bool is_causal, std::optional<double> scale) {
     check_inputs(q, k, v, a, b);
-    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, {}, scale);
-    Tensor y = mix_forward(out, v, a.contiguous(), b.contiguous());
+    const bool own = own_kernel_takes(q, k, v);
+    Tensor y, out, lse;
+    if (own) {
+      std::tie(y, out, lse) = own_forward(q, k, v, a.contiguous(), b.contiguous(), is_causal,
+                                          scale.has_value() ? *scale : 1.0 / std::sqrt(double(q.size(3))));
+    } else {
+      std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, {}, scale);
+      y = mix_forward(out, v, a.contiguous(), b.contiguous());
+    }
     ctx->save_for_backward({q, k, v, out, lse, a, b});
+    ctx->saved_data["own"] = own;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
     return y;
@@ -186,7 +552,8 @@ struct FlashMix : public torch::autograd::Function<FlashMix> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    Tensor out = saved[3], lse = saved[4];
     const Tensor a = saved[5].contiguous(), b = saved[6].contiguous();
     const bool is_causal = ctx->saved_data["is_causal"].toBool();
     const c10::IValue& sv = ctx->saved_data["scale"];
@@ -196,8 +563,18 @@ struct FlashMix : public torch::autograd::Function<FlashMix> {
     const bool need_out = nq || nk || nv;
     const Tensor dy = rows_ready(grads[0]);
     const int64_t H = a.size(0);
+    const bool own = ctx->saved_data["own"].toBool();
     Tensor dq, dk, dv, da, db;
-    if (at::GradMode::is_enabled()) {  // create_graph=True: differentiable ops only
+    if (own && !at::GradMode::is_enabled()) {
+      const std::vector<Tensor> g = own_backward(dy, q, k, v, out, lse, a, b, is_causal,
+                                                 scale.has_value() ? *scale : 1.0 / std::sqrt(double(q.size(3))),
+                                                 {nq, nk, nv, na, nb});
+      dq = g[0], dk = g[1], dv = g[2], da = g[3], db = g[4];
+    } else if (at::GradMode::is_enabled()) {  // create_graph=True: differentiable ops only
+      if (own) {  // SDPA's backward reads its own forward's out and logsumexp
+        at::NoGradGuard no_grad;
+        std::tie(out, lse) = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, {}, scale);
+      }
       if (na) da = (dy * v).sum({0, 2, 3});
       if (nb) db = (dy * out).sum({0, 2, 3});
       if (need_out) {
@@ -224,10 +601,43 @@ Tensor flash_mix(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   return FlashMix::apply(q, k, v, a, b, is_causal, scale);
 }
 
+// For the tests: exp(x - c) by the variant of the given width (1, 8 or 16 lanes; exp_widths() lists
+// what this build has), and the variant's sum appended as a last element.
+Tensor exp_shift_sum_op(const Tensor& x, double c, int64_t width) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "lapheads::exp_shift_sum: a 1-d float32 CPU tensor");
+  const std::vector<int64_t> widths = exp_widths();
+  TORCH_CHECK(std::find(widths.begin(), widths.end(), width) != widths.end(),
+              "lapheads::exp_shift_sum: this build has no variant of width ", width);
+  Tensor out = at::empty({x.size(0) + 1}, x.options());
+  float* p = out.mutable_data_ptr<float>();
+  std::copy(x.contiguous().const_data_ptr<float>(), x.contiguous().const_data_ptr<float>() + x.size(0), p);
+  const float cf = static_cast<float>(c);
+  float total = 0.0f;
+  if (width == 1) total = exp_shift_sum_scalar(p, 0, x.size(0), cf);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (width == 8) total = exp_shift_sum_avx2(p, x.size(0), cf);
+#endif
+#if defined(__AVX512F__)
+  if (width == 16) total = exp_shift_sum_avx512(p, x.size(0), cf);
+#endif
+  p[x.size(0)] = total;
+  return out;
+}
+
+std::vector<int64_t> exp_widths_op() { return exp_widths(); }
+
+std::string flash_mix_path(const Tensor& q, const Tensor& k, const Tensor& v) {
+  return q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && own_kernel_takes(q, k, v) ? "fused" : "flash";
+}
+
 }  // namespace lapheads
 
 TORCH_LIBRARY(lapheads, m) {
   m.def("flash_mix(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, bool is_causal, float? scale) -> Tensor");
+  m.def("flash_mix_path(Tensor q, Tensor k, Tensor v) -> str", &lapheads::flash_mix_path);
+  m.def("exp_shift_sum(Tensor x, float c, int width) -> Tensor", &lapheads::exp_shift_sum_op);
+  m.def("exp_widths() -> int[]", &lapheads::exp_widths_op);
 }
 
 TORCH_LIBRARY_IMPL(lapheads, Autograd, m) { m.impl("flash_mix", &lapheads::flash_mix); }
