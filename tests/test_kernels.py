@@ -462,3 +462,14 @@ def test_cli_status(capsys, monkeypatch):
     assert main(["kernels", "status"]) == 0
     text = capsys.readouterr().out
     assert "Python node" in text and "LAPHEADS_KERNELS=0" in text and str(kernels.library_path()) in text
+
+
+@needs_fused
+def test_cli_status_says_how_float32_is_computed(capsys):
+    from lapheads.cli import main
+
+    assert main(["kernels", "status"]) == 0
+    text = capsys.readouterr().out
+    assert "compiled C++ node" in text and "own attention kernel with the mixing inside (fused)" in text
+    assert main(["kernels", "status", "--json"]) == 0
+    assert '"float32": "fused"' in capsys.readouterr().out

@@ -7,7 +7,7 @@ here as ``lapheads::flash_mix`` costs a few microseconds; in float32 up to T = 1
 attention kernel with the mixing inside (no extra memory pass; :func:`float32_path` says whether it
 does), elsewhere SDPA's flash kernel and three fused passes (benchmarks/attention.py measures all
 of them). It is the same operator: results agree to rounding (tests/test_kernels.py checks both ways
-against the explicit operator, the Python node and finite differences).
+against the explicit operator and the Python node, and the flash way against finite differences).
 
 Design choices:
 
@@ -18,8 +18,8 @@ Design choices:
   node runs: slower, same operator; ``lapheads kernels status`` says which is in use.
 * The build directory is keyed on everything the binary depends on: the source's hash, the torch
   version, the Python version, the machine, and the instruction-set flags it was compiled with
-  (``-mavx2 -mfma``, and ``-mavx512f`` where this CPU has them), so a cache shared between machines or environments
-  never loads a binary built for another one.
+  (``-mavx2 -mfma``, and ``-mavx512f`` where this CPU has them), so a cache shared between machines
+  or environments never loads a binary built for another one.
 * ``LAPHEADS_KERNELS=0`` switches the compiled node off (the Python node runs);
   ``LAPHEADS_KERNEL_DIR`` moves the cache (default ``$XDG_CACHE_HOME/lapheads/kernels``, else
   ``~/.cache/lapheads/kernels``).
