@@ -352,14 +352,18 @@ std::vector<int64_t> exp_widths() {
 
 inline int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }  // a whole number of 16-float vectors
 
-// Whether this kernel takes the call: float32, sgemm found, every size and stride fits BLAS's int.
+// Whether this kernel takes the call: float32, sgemm found, every size and stride fits BLAS's int,
+// and rows that are BLAS matrices: a row stride of at least the row's length (BLAS refuses a smaller
+// leading dimension, MKL with a message and NO result; q, k or v expanded along T has stride 0).
 bool own_kernel_takes(const Tensor& q, const Tensor& k, const Tensor& v) {
   if (q.scalar_type() != at::kFloat || find_sgemm() == nullptr) return false;
   if (q.size(2) != k.size(2)) return false;
   const int64_t lim = std::numeric_limits<int>::max() / 4;
-  for (const Tensor* t : {&q, &k, &v})
+  for (const Tensor* t : {&q, &k, &v}) {
     for (int64_t i = 0; i < 4; ++i)
       if (t->stride(i) >= lim || t->size(i) >= lim) return false;
+    if (t->stride(2) < std::max<int64_t>(1, t->size(3))) return false;
+  }
   return q.size(2) > 0 && q.size(2) <= kMaxT && q.size(3) > 0;
 }
 
