@@ -43,8 +43,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["SOURCE", "build", "cache_dir", "compile_flags", "flash_mix_op", "float32_path", "library_path", "status",
-           "toolchain_problem"]
+__all__ = ["SOURCE", "build", "cache_dir", "compile_flags", "flash_mix_op", "float32_path", "library_path",
+           "status", "toolchain_problem"]
 
 SOURCE = Path(__file__).with_name("csrc") / "flash_mix.cpp"
 NAME = "lapheads_flash_mix"
