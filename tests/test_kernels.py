@@ -41,15 +41,15 @@ def test_the_kernel_is_built_and_loads_wherever_a_tool_chain_exists():
         pytest.skip(f"{problem}: the learnable path runs its Python node")
     st = kernels.status()
     assert st["built"] and st["loaded"] and st["error"] is None, st
-    if torch.backends.mkl.is_available():  # torch's sgemm is MKL's there: the float32 kernel must run
-        assert st["float32"] == "fused", st
+    if torch.backends.mkl.is_available() and len(torch.ops.lapheads.exp_widths()) > 1:
+        assert st["float32"] == "fused", st  # torch's sgemm is MKL's and the exp is vectorised: it must run
 
 
 def _fused() -> bool:
     return kernels.library_path().is_file() and kernels.flash_mix_op() is not None and kernels.float32_path() == "fused"
 
 
-needs_fused = pytest.mark.skipif(not _fused(), reason="the float32 kernel needs the build and torch's sgemm")
+needs_fused = pytest.mark.skipif(not _fused(), reason="the float32 kernel needs the build, AVX2 and torch's sgemm")
 
 
 def _inputs(b=2, h=3, t=9, d=8, dtype=torch.float64, seed=0):
@@ -321,7 +321,7 @@ def test_float32_kernel_keeps_nan_where_sdpa_does(where):
         assert torch.isnan(want).any() and torch.equal(torch.isnan(got), torch.isnan(want)), (where, causal)
 
 
-@needs_fused
+@needs_build
 def test_every_exp_width_of_the_build_is_accurate():
     """The kernel's exp(x - c), each vector width this build has (1 = std::exp, 8 = AVX2, 16 = AVX-512):
     within 3 float ulps of exp in float64 over the whole range, 0 far below it, NaN kept, the sum right."""

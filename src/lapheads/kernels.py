@@ -199,7 +199,7 @@ def status() -> dict[str, Any]:
 
 def float32_path(t: int = 256) -> str:
     """Which way the loaded node computes a float32 call of length ``t``: ``"fused"`` (lapheads' own
-    attention kernel with the mixing inside; float32, T <= 1024, where torch's sgemm is found) or
+    attention kernel with the mixing inside; float32, T <= 1024, a build with AVX2, torch's sgemm found) or
     ``"flash"`` (SDPA's CPU flash kernel plus fused mixing passes)."""
     if flash_mix_op() is None:
         raise RuntimeError("the compiled node is not loaded")

@@ -43,7 +43,8 @@ def status_main(argv: Optional[Sequence[str]] = None) -> int:
     if st["loaded"]:
         fp32 = ("\nfloat32, T <= 1024: lapheads' own attention kernel with the mixing inside (fused)"
                 if st["float32"] == "fused" else
-                "\nfloat32: SDPA's flash kernel and fused mixing passes (torch's sgemm was not found)")
+                "\nfloat32: SDPA's flash kernel and fused mixing passes (this build has no AVX2 exp, or torch's "
+                "sgemm was not found)")
     print(f"learnable path on CPU: {node}{why}{fp32}\nlibrary: {st['library']}\nflags: {st['flags']}\n"
           f"torch: {st['torch']}")
     return 0

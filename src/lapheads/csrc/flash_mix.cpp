@@ -2,7 +2,7 @@
 //
 // Head h outputs y = b_h * P V + a_h * V. Two ways to compute it, both exact to float rounding:
 //
-// * float32, T <= 1024 ("fused"): our own attention kernel with the mixing inside it (further down):
+// * float32, T <= 1024, AVX2 ("fused"): our own attention kernel with the mixing inside (further down):
 //   blocks of query rows against all keys, BLAS sgemm for the products, the softmax, the mixing and
 //   the mixing's gradients done on each block while it is in cache. No extra memory pass at all.
 // * everything else ("flash"): SDPA's own CPU flash kernel (forward and backward), with the mixing
@@ -339,6 +339,14 @@ inline float exp_shift_sum(float* s, int64_t w, float c) {
 #endif
 }
 
+// Without a vector exp (a build without AVX2) the softmax alone made the float32 kernel 1.4x SDPA at
+// T = 256 (measured with a build of -O3 only): such builds keep the flash way.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+constexpr bool kVectorExp = true;
+#else
+constexpr bool kVectorExp = false;
+#endif
+
 std::vector<int64_t> exp_widths() {
   std::vector<int64_t> widths{1};
 #if defined(__AVX2__) && defined(__FMA__)
@@ -352,10 +360,12 @@ std::vector<int64_t> exp_widths() {
 
 inline int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }  // a whole number of 16-float vectors
 
-// Whether this kernel takes the call: float32, sgemm found, every size and stride fits BLAS's int,
+// Whether this kernel takes the call: a vector exp built in, float32, sgemm found, every size and
+// stride fits BLAS's int,
 // and rows that are BLAS matrices: a row stride of at least the row's length (BLAS refuses a smaller
 // leading dimension, MKL with a message and NO result; q, k or v expanded along T has stride 0).
 bool own_kernel_takes(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (!kVectorExp) return false;
   if (q.scalar_type() != at::kFloat || find_sgemm() == nullptr) return false;
   if (q.size(2) != k.size(2)) return false;
   const int64_t lim = std::numeric_limits<int>::max() / 4;
