@@ -202,8 +202,8 @@ void add_scaled_(Tensor& dv, const Tensor& dy, const Tensor& a) {
 constexpr int64_t kMaxRows = 256;  // query rows per block, at most
 constexpr int64_t kMaxT = 1024;    // longer sequences: the flash-kernel path (its kv tiling wins there)
 
-// Rows per block: 256 (fewer, larger products; measured faster than 64 or 128 from T = 256 to 1024,
-// the rows x T buffers staying <= 1 MiB), 64 when that leaves the forward fewer than 4 blocks to share
+// Rows per block: 256 (fewer, larger products; measured as fast as 128 or faster, and faster than 64,
+// from T = 256 to 1024, the rows x T buffers staying <= 1 MiB), 64 when that leaves the forward fewer than 4 blocks to share
 // between threads. Never the thread count itself: results are the same bits on any number of threads.
 int64_t block_rows(int64_t BH, int64_t T) {
   return BH * ((T + kMaxRows - 1) / kMaxRows) < 4 ? 64 : kMaxRows;
@@ -212,13 +212,16 @@ int64_t block_rows(int64_t BH, int64_t T) {
 using sgemm_t = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                          const int*, const float*, const int*, const float*, float*, const int*);
 
-// Column-major C = alpha op(A) op(B) + beta C, as BLAS defines it.
+// Column-major C = alpha op(A) op(B) + beta C, as BLAS defines it. The integers are passed from 64-bit
+// storage (values < 2^31, checked by the caller): a BLAS with 32-bit integers reads their low halves
+// (little-endian), one with 64-bit integers reads them whole; anything else fails find_sgemm's check.
 struct Gemm {
   sgemm_t fn;
   void operator()(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A, int64_t lda,
                   const float* B, int64_t ldb, float beta, float* C, int64_t ldc) const {
-    const int mi = int(m), ni = int(n), ki = int(k), la = int(lda), lb = int(ldb), lc = int(ldc);
-    fn(&ta, &tb, &mi, &ni, &ki, &alpha, A, &la, B, &lb, &beta, C, &lc);
+    const int64_t d[6] = {m, n, k, lda, ldb, ldc};
+    const auto i = [&](int j) { return reinterpret_cast<const int*>(d + j); };
+    fn(&ta, &tb, i(0), i(1), i(2), &alpha, A, i(3), B, i(4), &beta, C, i(5));
   }
 };
 
@@ -232,8 +235,8 @@ sgemm_t find_sgemm() {
     auto fn = reinterpret_cast<sgemm_t>(dlsym(lib, "sgemm_"));
     dlclose(lib);  // RTLD_NOLOAD: only drops the reference this call took
     if (fn == nullptr) return nullptr;
-    // A 2x3 times 3x2 product with padded leading dims: a BLAS with 64-bit integers or another
-    // convention fails it, and the flash-kernel path is used instead.
+    // A 2x3 times 3x2 product with padded leading dims: a BLAS with another convention fails it, and
+    // the flash-kernel path is used instead.
     const float A[8] = {1, 2, 0, 3, 4, 0, 5, 6}, B[8] = {1, 2, 3, 0, 4, 5, 6, 0};
     float C[6] = {-1, -1, -1, -1, -1, -1};
     Gemm{fn}('N', 'N', 2, 2, 3, 1.0f, A, 3, B, 4, 0.0f, C, 3);  // A: 2x3 (ld 3), B: 3x2 (ld 4), C: 2x2 (ld 3)
