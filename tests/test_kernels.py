@@ -169,6 +169,8 @@ def test_odd_layouts_of_inputs_and_incoming_gradient(dtype):
     leaves = [x.detach().to(dtype).requires_grad_() for x in (qkv, a, bb)]
     lq, lk, lv = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
     assert lq.stride(-1) == 1 and not lq.is_contiguous()
+    want_path = "fused" if dtype == torch.float32 and _fused() else "flash"
+    assert torch.ops.lapheads.flash_mix_path(lq, lk, lv) == want_path
     out = laplacian_attention(lq, lk, lv, laplacian_heads=HeadMix(leaves[1], leaves[2]))
     assert out.grad_fn.name() == NODE
     out.sum().backward()
