@@ -208,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"B=1, H={args.heads}, D={args.dim}, float32, non-causal, forward + backward; {machine_line()}.\n")
     if kernels.flash_mix_op() is not None:
         paths = {t: kernels.float32_path(t) for t in sizes}
-        node = ("the compiled node lapheads::flash_mix; computed by "
-                + ", ".join(f"T={t}: {'its own float32 kernel (fused)' if p == 'fused' else 'SDPA flash + fused passes'}"
-                            for t, p in paths.items()))
+        way = {"fused": "its own float32 kernel (fused)", "flash": "SDPA flash + fused passes"}
+        node = "the compiled node lapheads::flash_mix; computed by " + ", ".join(
+            f"T={t}: {way[p]}" for t, p in paths.items())
     else:
         node = "the Python node _FlashMix (the compiled node is not built here: `lapheads kernels build`)"
     print(f"(d) ran {node}.\n")

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -203,8 +204,9 @@ constexpr int64_t kMaxRows = 256;  // query rows per block, at most
 constexpr int64_t kMaxT = 1024;    // longer sequences: the flash-kernel path (its kv tiling wins there)
 
 // Rows per block: 256 (fewer, larger products; measured as fast as 128 or faster, and faster than 64,
-// from T = 256 to 1024, the rows x T buffers staying <= 1 MiB), 64 when that leaves the forward fewer than 4 blocks to share
-// between threads. Never the thread count itself: results are the same bits on any number of threads.
+// from T = 256 to 1024, the rows x T buffers staying <= 1 MiB), 64 when that leaves the forward fewer
+// than 4 blocks to share between threads. Never the thread count itself: results are the same bits on
+// any number of threads.
 int64_t block_rows(int64_t BH, int64_t T) {
   return BH * ((T + kMaxRows - 1) / kMaxRows) < 4 ? 64 : kMaxRows;
 }
@@ -266,77 +268,78 @@ inline float exp_shift_sum_scalar(float* s, int64_t from, int64_t w, float c) {
   return total;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // below the smallest normal: 0
-  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(lo, x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kC6), r, _mm256_set1_ps(kC5));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kC4));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kC3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+// The vector widths share the reduction, the polynomial and the loop (templates on the vector type,
+// a GCC/Clang vector, so +, - and * work on it); each has its own clamps and 2^n (AVX-512 has
+// vscalefps, AVX2 builds the exponent bits).
+template <typename V>
+inline V splat(float x) {
+  V v;
+  for (size_t i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = x;  // one broadcast after -O3
+  return v;
 }
 
-inline float exp_shift_sum_avx2(float* s, int64_t w, float c) {
-  const __m256 cc = _mm256_set1_ps(c);
-  __m256 acc = _mm256_setzero_ps();
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 vfnma(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+#endif
+#if defined(__AVX512F__)
+inline __m512 vfma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 vfnma(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+#endif
+
+// p(r), r = x - n ln2 (in two parts, so n ln2_hi is exact).
+template <typename V>
+inline V exp_poly(V x, V n) {
+  V r = vfnma(n, splat<V>(kLn2Hi), x);
+  r = vfnma(n, splat<V>(kLn2Lo), r);
+  V p = vfma(splat<V>(kC6), r, splat<V>(kC5));
+  for (float c : {kC4, kC3, 0.5f, 1.0f, 1.0f}) p = vfma(p, r, splat<V>(c));
+  return p;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 vexp(__m256 x) {
+  const __m256 lo = splat<__m256>(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // below the smallest normal: 0
+  x = _mm256_min_ps(splat<__m256>(88.3f), _mm256_max_ps(lo, x));
+  const __m256 n = _mm256_round_ps(x * kLog2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, exp_poly(x, n) * _mm256_castsi256_ps(e));
+}
+#endif
+#if defined(__AVX512F__)
+inline __m512 vexp(__m512 x) {
+  x = _mm512_min_ps(splat<__m512>(88.3f), _mm512_max_ps(splat<__m512>(-104.0f), x));
+  const __m512 n = _mm512_roundscale_ps(x * kLog2e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp_poly(x, n), n);  // p 2^n; below -104 that is 0
+}
+#endif
+
+// The vector loop of exp_shift_sum for vector type V; the tail (w not a whole number of vectors) in scalar.
+template <typename V>
+inline float exp_shift_sum_vec(float* s, int64_t w, float c) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  const V cc = splat<V>(c);
+  V acc = splat<V>(0.0f);
   int64_t j = 0;
-  for (; j + 8 <= w; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), cc));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
+  for (; j + lanes <= w; j += lanes) {
+    V x;
+    std::memcpy(&x, s + j, sizeof(V));  // unaligned load
+    const V e = vexp(x - cc);
+    std::memcpy(s + j, &e, sizeof(V));
+    acc += e;
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
   float total = 0.0f;
-  for (float x : lanes) total += x;
+  for (int64_t i = 0; i < lanes; ++i) total += acc[i];
   return total + exp_shift_sum_scalar(s, j, w, c);
 }
-#endif
-
-#if defined(__AVX512F__)
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.3f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kC6), r, _mm512_set1_ps(kC5));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kC3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // p 2^n; below -104 that is 0
-}
-
-inline float exp_shift_sum_avx512(float* s, int64_t w, float c) {
-  const __m512 cc = _mm512_set1_ps(c);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= w; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), cc));
-    _mm512_storeu_ps(s + j, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  return _mm512_reduce_add_ps(acc) + exp_shift_sum_scalar(s, j, w, c);
-}
-#endif
 
 // The widest variant this build has (the widths it has: exp_widths()).
 inline float exp_shift_sum(float* s, int64_t w, float c) {
 #if defined(__AVX512F__)
-  return exp_shift_sum_avx512(s, w, c);
+  return exp_shift_sum_vec<__m512>(s, w, c);
 #elif defined(__AVX2__) && defined(__FMA__)
-  return exp_shift_sum_avx2(s, w, c);
+  return exp_shift_sum_vec<__m256>(s, w, c);
 #else
   return exp_shift_sum_scalar(s, 0, w, c);
 #endif
@@ -380,13 +383,6 @@ bool own_kernel_takes(const Tensor& q, const Tensor& k, const Tensor& v) {
   return q.size(2) > 0 && q.size(2) <= kMaxT && q.size(3) > 0;
 }
 
-struct Heads4 {  // pointer to the (T, D) matrix of batch b, head h, and its row stride
-  const float* p;
-  int64_t sb, sh, st;
-  explicit Heads4(const Tensor& x) : p(x.const_data_ptr<float>()), sb(x.stride(0)), sh(x.stride(1)), st(x.stride(2)) {}
-  const float* at(int64_t b, int64_t h) const { return p + b * sb + h * sh; }
-};
-
 // Row r's valid keys and the masked tail: s[n, w) = -inf so exp gives 0 there.
 inline void mask_tail(float* s, int64_t n, int64_t w) {
   for (int64_t j = n; j < w; ++j) s[j] = -std::numeric_limits<float>::infinity();
@@ -399,13 +395,13 @@ std::tuple<Tensor, Tensor, Tensor> own_forward(const Tensor& q, const Tensor& k,
   Tensor out = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
   Tensor y = at::empty({B, T, H, D}, q.options()).transpose(1, 2);
   Tensor lse = at::empty({B, H, T}, q.options());
-  const Heads4 Q(q), K(k), V(v);
+  const Rows Q(q), K(k), V(v), O(out);  // y has out's layout
+  const float *pq = q.const_data_ptr<float>(), *pk = k.const_data_ptr<float>(), *pv = v.const_data_ptr<float>();
   const float* pa = a.const_data_ptr<float>();
   const float* pb = b.const_data_ptr<float>();
   float* po = out.mutable_data_ptr<float>();
   float* py = y.mutable_data_ptr<float>();
   float* pl = lse.mutable_data_ptr<float>();
-  const int64_t so = out.stride(2), sob = out.stride(0), soh = out.stride(1);
   const int64_t rows = block_rows(B * H, T), blocks = (T + rows - 1) / rows, ld = padded(T);
   const Gemm gemm{find_sgemm()};
   const float sc = static_cast<float>(scale);
@@ -415,7 +411,7 @@ std::tuple<Tensor, Tensor, Tensor> own_forward(const Tensor& q, const Tensor& k,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, bi = bh / H, h = bh % H, i0 = (task % blocks) * rows;
       const int64_t i1 = std::min(T, i0 + rows), mq = i1 - i0, kv = is_causal ? i1 : T, w = padded(kv);
-      const float *q0 = Q.at(bi, h) + i0 * Q.st, *k0 = K.at(bi, h), *v0 = V.at(bi, h);
+      const float *q0 = pq + Q.at(bi, h, i0), *k0 = pk + K.at(bi, h, 0), *v0 = pv + V.at(bi, h, 0);
       gemm('T', 'N', kv, mq, D, sc, k0, K.st, q0, Q.st, 0.0f, S, ld);
       float inv[kMaxRows];
       for (int64_t r = 0; r < mq; ++r) {
@@ -430,14 +426,14 @@ std::tuple<Tensor, Tensor, Tensor> own_forward(const Tensor& q, const Tensor& k,
         pl[bh * T + i0 + r] = m + std::log(l);
       }
       // O = exp(S - m) V, then each row divided by its sum (Mq x D values, not Mq x T)
-      float* o0 = po + bi * sob + h * soh + i0 * so;
-      gemm('N', 'N', D, mq, kv, 1.0f, v0, V.st, S, ld, 0.0f, o0, so);
+      float* o0 = po + O.at(bi, h, i0);
+      gemm('N', 'N', D, mq, kv, 1.0f, v0, V.st, S, ld, 0.0f, o0, O.st);
       const float ah = pa[h], bhv = pb[h];
-      float* y0 = py + bi * sob + h * soh + i0 * so;
+      float* y0 = py + O.at(bi, h, i0);
       for (int64_t r = 0; r < mq; ++r) {
-        float* o = o0 + r * so;
+        float* o = o0 + r * O.st;
         const float* vv = v0 + (i0 + r) * V.st;
-        float* yy = y0 + r * so;
+        float* yy = y0 + r * O.st;
         const float ir = inv[r];
         _Pragma("omp simd")
         for (int64_t d = 0; d < D; ++d) {
@@ -460,7 +456,9 @@ std::vector<Tensor> own_backward(const Tensor& dy, const Tensor& q, const Tensor
   Tensor dq = nq ? at::empty_like(q) : Tensor(), dk = nk ? at::empty_like(k) : Tensor();
   Tensor dv = nv ? at::empty_like(v) : Tensor();
   std::vector<double> rows_a(na ? B * H * T : 0), rows_b(nb ? B * H * T : 0);
-  const Heads4 Q(q), K(k), V(v), O(out), G(dy);
+  const Rows Q(q), K(k), V(v), O(out), G(dy), DQ(nq ? dq : q), DK(nk ? dk : k), DV(nv ? dv : v);
+  const float *pq = q.const_data_ptr<float>(), *pk = k.const_data_ptr<float>(), *pv = v.const_data_ptr<float>();
+  const float *po = out.const_data_ptr<float>(), *pg = dy.const_data_ptr<float>();
   float* pdq = nq ? dq.mutable_data_ptr<float>() : nullptr;
   float* pdk = nk ? dk.mutable_data_ptr<float>() : nullptr;
   float* pdv = nv ? dv.mutable_data_ptr<float>() : nullptr;
@@ -475,11 +473,12 @@ std::vector<Tensor> own_backward(const Tensor& dy, const Tensor& q, const Tensor
     float *S = buf.data(), *dP = S + rows * ld, *dO = dP + rows * ld;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t bi = bh / H, h = bh % H;
-      const float *q_ = Q.at(bi, h), *k_ = K.at(bi, h), *v_ = V.at(bi, h), *o_ = O.at(bi, h), *g_ = G.at(bi, h);
-      float* dq_ = nq ? pdq + bi * dq.stride(0) + h * dq.stride(1) : nullptr;
-      float* dk_ = nk ? pdk + bi * dk.stride(0) + h * dk.stride(1) : nullptr;
-      float* dv_ = nv ? pdv + bi * dv.stride(0) + h * dv.stride(1) : nullptr;
-      const int64_t sdq = nq ? dq.stride(2) : 0, sdk = nk ? dk.stride(2) : 0, sdv = nv ? dv.stride(2) : 0;
+      const float *q_ = pq + Q.at(bi, h, 0), *k_ = pk + K.at(bi, h, 0), *v_ = pv + V.at(bi, h, 0);
+      const float *o_ = po + O.at(bi, h, 0), *g_ = pg + G.at(bi, h, 0);
+      float* dq_ = nq ? pdq + DQ.at(bi, h, 0) : nullptr;
+      float* dk_ = nk ? pdk + DK.at(bi, h, 0) : nullptr;
+      float* dv_ = nv ? pdv + DV.at(bi, h, 0) : nullptr;
+      const int64_t sdq = DQ.st, sdk = DK.st, sdv = DV.st;
       const float ah = pa[h], bhv = pb[h];
       // Last block first: it reaches every key (causal too), so it initialises dK and dV (beta 0).
       for (int64_t blk = blocks - 1; blk >= 0; --blk) {
@@ -626,22 +625,20 @@ Tensor exp_shift_sum_op(const Tensor& x, double c, int64_t width) {
   TORCH_CHECK(std::find(widths.begin(), widths.end(), width) != widths.end(),
               "lapheads::exp_shift_sum: this build has no variant of width ", width);
   Tensor out = at::empty({x.size(0) + 1}, x.options());
+  out.narrow(0, 0, x.size(0)).copy_(x);
   float* p = out.mutable_data_ptr<float>();
-  std::copy(x.contiguous().const_data_ptr<float>(), x.contiguous().const_data_ptr<float>() + x.size(0), p);
   const float cf = static_cast<float>(c);
   float total = 0.0f;
   if (width == 1) total = exp_shift_sum_scalar(p, 0, x.size(0), cf);
 #if defined(__AVX2__) && defined(__FMA__)
-  if (width == 8) total = exp_shift_sum_avx2(p, x.size(0), cf);
+  if (width == 8) total = exp_shift_sum_vec<__m256>(p, x.size(0), cf);
 #endif
 #if defined(__AVX512F__)
-  if (width == 16) total = exp_shift_sum_avx512(p, x.size(0), cf);
+  if (width == 16) total = exp_shift_sum_vec<__m512>(p, x.size(0), cf);
 #endif
   p[x.size(0)] = total;
   return out;
 }
-
-std::vector<int64_t> exp_widths_op() { return exp_widths(); }
 
 std::string flash_mix_path(const Tensor& q, const Tensor& k, const Tensor& v) {
   return q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && own_kernel_takes(q, k, v) ? "fused" : "flash";
@@ -653,7 +650,7 @@ TORCH_LIBRARY(lapheads, m) {
   m.def("flash_mix(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, bool is_causal, float? scale) -> Tensor");
   m.def("flash_mix_path(Tensor q, Tensor k, Tensor v) -> str", &lapheads::flash_mix_path);
   m.def("exp_shift_sum(Tensor x, float c, int width) -> Tensor", &lapheads::exp_shift_sum_op);
-  m.def("exp_widths() -> int[]", &lapheads::exp_widths_op);
+  m.def("exp_widths() -> int[]", &lapheads::exp_widths);
 }
 
 TORCH_LIBRARY_IMPL(lapheads, Autograd, m) { m.impl("flash_mix", &lapheads::flash_mix); }
