@@ -7,22 +7,16 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.lapheads-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels system-deps quickstart test test-fast bench clean
+.PHONY: setup system-deps quickstart test test-fast bench clean
 
-setup: $(STAMP) kernels
+setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -c constraints.txt -e ".[eval,test,kernels]"
+	$(PIP) install -q -c constraints.txt -e ".[eval,test]"
 	touch $(STAMP)
-
-# The learnable path's compiled CPU node (src/lapheads/csrc): compiled once per torch version and
-# CPU into ~/.cache/lapheads/kernels (about a minute), a file check after that. Without a C++
-# compiler the Python node runs instead (same operator, slower) and the kernel tests are skipped.
-kernels: $(STAMP)
-	@$(VENV)/bin/lapheads kernels build || echo "note: the CPU kernel was not built; the learnable path runs its Python node"
 
 # Headless Chromium renders the HTML report in one test; installed when missing (Debian).
 system-deps:

@@ -1,10 +1,7 @@
-"""The learnable path's fused multiply-add (issue 13, benchmark item): ``_MixHeads`` is one autograd
-Function with a hand-written backward, and ``_FlashMix`` does SDPA's CPU flash kernel and the mixing
-in one node where SDPA would run that kernel. Outputs and gradients (q, k, v, a, b) are checked
-against the explicit operator ``a I + b P`` (``laplacian_attention_reference``), against finite
-differences (gradcheck, float64), bit for bit against the generic autograd graph both replaced, and
-bit for bit against each other. The compiled node that replaces ``_FlashMix`` where it is built is
-switched off here (tests/test_kernels.py)."""
+"""The learnable path's fused multiply-add: SDPA, then ``_MixHeads``, one autograd Function with a
+hand-written backward. Outputs and gradients (q, k, v, a, b) are checked against the explicit
+operator ``a I + b P`` (``laplacian_attention_reference``), against finite differences (gradcheck,
+float64) and bit for bit against the generic autograd graph it replaced."""
 
 from __future__ import annotations
 
@@ -13,15 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lapheads import HeadMix, laplacian_attention, laplacian_attention_reference
-from lapheads import kernels, ops
 from lapheads.ops import _MixHeads
-
-
-@pytest.fixture(autouse=True)
-def _python_nodes(monkeypatch):
-    """This file tests the Python nodes; where the compiled node is built it would stand in for
-    ``_FlashMix`` (tests/test_kernels.py tests it against this one and the explicit operator)."""
-    monkeypatch.setattr(kernels, "flash_mix_op", lambda: None)
 
 
 def _case(name: str, dtype=torch.float64):
@@ -63,8 +52,6 @@ def _case(name: str, dtype=torch.float64):
 
 CASES = ["self", "causal", "kv-cache", "gqa", "gqa-kv-cache", "bool-mask", "additive-mask", "two-batch-dims",
          "unbatched-1x1"]
-# 4-d, Tq == Tk, no mask, no GQA: SDPA runs its CPU flash kernel, so the learnable path is one _FlashMix node
-FLASH_CASES = {"self": "_FlashMix", "causal": "_FlashMix"}
 
 
 def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -91,8 +78,7 @@ def test_outputs_and_gradients_equal_the_explicit_operator(case):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     for name, got, want in zip("qkvab", grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=f"gradient of {name} ({case})")
-    # the fused Functions ran: SDPA's CPU flash kernel and the mixing in one node where SDPA would take that kernel
-    assert out.grad_fn is not None and out.grad_fn.name() == f"{FLASH_CASES.get(case, '_MixHeads')}Backward"
+    assert out.grad_fn is not None and out.grad_fn.name() == "_MixHeadsBackward"  # the fused Function ran
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -117,8 +103,8 @@ def test_the_function_alone_passes_gradcheck_and_gradgradcheck():
     assert torch.autograd.gradgradcheck(_MixHeads.apply, ins)
 
 
-@pytest.mark.parametrize("case", ["self", "kv-cache", "gqa", "bool-mask"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["self", "causal", "kv-cache", "gqa", "bool-mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_bit_identical_to_the_generic_graph(case, dtype):
     """The fused Function changes allocations, not results: forward and every gradient are the
     same bits as ``torch.addcmul(out * b, v_self, a)`` differentiated by autograd."""
@@ -195,7 +181,7 @@ def test_half_precision_activations_float32_mixing():
 
 @pytest.mark.parametrize("case", ["kv-cache", "causal"])
 def test_torch_compile_fullgraph_matches_eager_gradients(case):
-    """Compiled graphs trace SDPA + _MixHeads; eager runs _MixHeads (kv-cache) or _FlashMix (causal): same gradients."""
+    """Compiled graphs trace SDPA + _MixHeads (a plain autograd Function): the eager gradients."""
     q, k, v, kw = _case(case, torch.float32)
     a, b = _mix(q.shape[-3], torch.float32)
 
@@ -210,45 +196,13 @@ def test_torch_compile_fullgraph_matches_eager_gradients(case):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"gradient of {name}")
 
 
-def _without_flash_mix(monkeypatch) -> None:
-    monkeypatch.setattr(ops, "_cpu_flash_takes", lambda *args: False)
-
-
-@pytest.mark.parametrize("case", ["self", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("trainable", ["all", "a", "b", "qkv-only", "v-only"])
-def test_flash_mix_is_bit_identical_to_sdpa_then_mix_heads(case, dtype, trainable, monkeypatch):
-    """``_FlashMix`` changes allocations and graph nodes, not results: forward and every requested
-    gradient are the same bits as SDPA followed by ``_MixHeads``; unrequested gradients stay None."""
-    q, k, v, kw = _case(case, dtype)
-    q, k, v = (torch.cat([t] * 4, dim=-2) for t in (q, k, v))  # 20 positions: more than one kernel block
-    a, b = _mix(q.shape[-3], dtype)
-    gy = torch.randn(q.shape, generator=torch.Generator().manual_seed(7), dtype=dtype)
-    wants = {"all": "qkvab", "a": "a", "b": "b", "qkv-only": "qkv", "v-only": "v"}[trainable]
-    results = []
-    for fused in (True, False):
-        if not fused:
-            _without_flash_mix(monkeypatch)
-        ins = [t.detach().clone().requires_grad_(n in wants) for n, t in zip("qkvab", (q, k, v, a, b))]
-        out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), **kw)
-        assert out.grad_fn.name() == ("_FlashMixBackward" if fused else "_MixHeadsBackward")
-        out.backward(gy)
-        results.append((out.detach(), [t.grad for t in ins]))
-    (out_f, grads_f), (out_m, grads_m) = results
-    assert torch.equal(out_f, out_m)
-    for name, x, y in zip("qkvab", grads_f, grads_m):
-        assert (x is None) == (name not in wants) == (y is None), name
-        if x is not None:
-            assert torch.equal(x, y), f"gradient of {name} differs ({case}, {dtype}, {trainable})"
-
-
-@pytest.mark.parametrize("case", ["kv-cache", "gqa", "bool-mask", "additive-mask", "two-batch-dims"])
-def test_flash_mix_only_where_sdpa_takes_the_flash_kernel(case):
+@pytest.mark.parametrize("case", ["self", "causal", "kv-cache", "gqa", "bool-mask", "additive-mask", "two-batch-dims"])
+def test_every_case_is_sdpa_then_one_mix_heads_node(case):
     q, k, v, kw = _case(case, torch.float32)
     ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
     out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), **kw)
     assert out.grad_fn.name() == "_MixHeadsBackward"
-    # dropout: SDPA leaves the flash kernel, and so does the learnable path
+    # dropout too
     q, k, v, _ = _case("self", torch.float32)
     ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
     out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), dropout_p=0.5)
@@ -256,8 +210,8 @@ def test_flash_mix_only_where_sdpa_takes_the_flash_kernel(case):
 
 
 def test_under_autocast_the_learnable_path_computes_as_sdpa_does():
-    """Autocast casts SDPA's inputs to bfloat16 but not a kernel called directly: under autocast the
-    learnable path must not take _FlashMix (it would compute in float32, not as SDPA does)."""
+    """Under autocast SDPA runs in bfloat16; the mixing then runs in (a, b)'s float32, as the same
+    two ops written out would."""
     q, k, v, _ = _case("self", torch.float32)
     a, b = _mix(q.shape[-3], torch.float32)
     ins = _leaves(q, k, v, a, b)
@@ -270,7 +224,7 @@ def test_under_autocast_the_learnable_path_computes_as_sdpa_does():
     torch.testing.assert_close(out.detach(), want, atol=1e-6, rtol=1e-6)  # float32 SDPA would be ~1e-2 away
 
 
-def test_flash_mix_double_backward_fails_as_sdpa_does():
+def test_double_backward_fails_as_sdpa_does():
     """SDPA's CPU flash backward has no derivative; create_graph=True through it fails the same
     way with or without the mixing, never with a silently wrong second derivative."""
     q, k, v, _ = _case("self", torch.float32)

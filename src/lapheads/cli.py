@@ -51,8 +51,6 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("pca-maps",): ("lapheads.commands.pca_maps:main", "PCA maps of patch tokens as RGB images"),
     ("sweep",): ("lapheads.commands.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
     ("report",): ("lapheads.commands.report:main", "Markdown + HTML report comparing runs"),
-    ("kernels", "build"): ("lapheads.commands.kernels:build_main", "compile the learnable path's CPU kernel (once)"),
-    ("kernels", "status"): ("lapheads.commands.kernels:status_main", "which learnable-path CPU node this machine runs"),
 }
 
 

@@ -1,7 +1,7 @@
 """The Laplacian attention operator.
 
 A standard head outputs ``P V`` with ``P = softmax(Q K^T * scale + mask)``; a Laplacian head outputs
-``(I - P) V = V - P V`` (PAPER.md, "The operator"). Design choices:
+``(I - P) V = V - P V``. Design choices:
 
 * The fused path calls ``F.scaled_dot_product_attention`` once for all heads and then subtracts
   its output from ``v_self`` for the selected heads. No T x T matrix is ever built, so speed and
@@ -51,22 +51,6 @@ the backward uses out-of-place ops only, so a second derivative still flows (as 
 kernel has one). Without a gradient (inference, ``torch.no_grad`` exports) the same two ops run
 directly.
 
-On the CPU, when SDPA would run its flash kernel anyway (no mask, no dropout, no GQA, ``Tq == Tk``,
-4-d inputs, not under autocast or ``torch.compile``) and a gradient is wanted, :class:`_FlashMix` calls that
-kernel's forward and backward itself and does the mixing in the same autograd node: the gradient
-of ``v`` gets ``a dy`` added in place instead of autograd adding two branches into a new buffer,
-and ``b dy`` is written in the layout the kernel's backward reads without a copy. Same kernels and
-ops in the same order, so the same bits as SDPA + :class:`_MixHeads`; every other case takes that
-pair (benchmarks/RESULTS.md has the costs). Where ``lapheads kernels build`` has compiled it
-(:mod:`lapheads.kernels`), the C++ node ``lapheads::flash_mix`` stands in for :class:`_FlashMix`,
-with no Python in the node. In float32 up to T = 1024 it computes the attention with its own
-kernel (blocks of query rows, torch's sgemm, the mixing and its gradients done on each block in
-cache: no extra memory pass); otherwise the same flash kernels with the mixing fused into one pass
-forward and two backward. Results agree to rounding, not to the bit (tests/test_kernels.py checks
-both ways against the explicit operator).
-The common training call reaches it through :func:`_fast_flash_mix`, which skips the general
-argument checks only where every one of them would pass.
-
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
 standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
 the fused path against it; plots show it.
@@ -80,9 +64,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 
-from . import kernels
 from .errors import ConfigError
 from .heads import HeadMix, LayerHeads
 
@@ -238,10 +220,6 @@ def laplacian_attention(
         ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
     """
     if isinstance(laplacian_heads, HeadMix):
-        if attn_mask is None and dropout_p.__class__ is float and dropout_p == 0.0 and scale is None:
-            out = _fast_flash_mix(q, k, v, laplacian_heads, is_causal)
-            if out is not None:
-                return out
         return _mixed_attention(q, k, v, laplacian_heads, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                 dropout_p=dropout_p, enable_gqa=enable_gqa)
     h, hkv = _check_shapes(q, k, v, enable_gqa)
@@ -301,61 +279,11 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
             f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
     a, b = mix.a.to(q.dtype), mix.b.to(q.dtype)  # no-ops (no graph node) when the dtypes agree
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b))
-    if grad and _cpu_flash_takes(q, k, v, attn_mask, is_causal, scale, dropout_p, tq, tk, h, hkv):
-        fused = kernels.flash_mix_op()  # the C++ node when built for this environment (lapheads/kernels.py)
-        if fused is not None:
-            return fused(q, k, v, a, b, bool(is_causal), None if scale is None else float(scale))
-        return _FlashMix.apply(q, k, v, a, b, is_causal, scale)
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     v_self = _v_self(v, tq, h, hkv)
     if grad:
         return _MixHeads.apply(out, v_self, a, b)
     return _mix_heads(out, v_self, a, b)
-
-
-def _fast_flash_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: HeadMix,
-                    is_causal: bool) -> Optional[torch.Tensor]:
-    """The compiled node for the common training call, with as little Python as possible, or None.
-
-    Taken only when every check of :func:`_mixed_attention` would pass and it would call the same
-    node (no mask, no dropout, default scale: the caller checked those; here: 4-d CPU tensors of one
-    shape, ``a``/``b`` of shape ``(H,)`` in q's dtype, a gradient wanted, SDPA's flash kernel chosen,
-    the kernel built). In a training step this call follows large kernels that leave the CPU's caches
-    cold for the interpreter, where each line of argument checking costs microseconds: the general
-    path's checks measured ~0.1-0.2 ms per call there (benchmarks/attention.py). Anything else
-    returns None and takes the general path, which checks everything and raises the clear errors.
-    """
-    a, b = mix
-    shape = q.shape
-    if torch.jit.is_tracing() or not (
-            q.is_cpu and len(shape) == 4 and shape == k.shape and shape == v.shape
-            and (is_causal is False or is_causal is True)
-            and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.dtype == q.dtype and b.dtype == q.dtype and a.shape == shape[1:2] and b.shape == shape[1:2]
-            and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad or a.requires_grad or b.requires_grad)):
-        return None
-    op = kernels.flash_mix_op()
-    if (op is None or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
-            or torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None) != _FLASH):
-        return None
-    return op(q, k, v, a, b, is_causal, None)
-
-
-def _cpu_flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-                     is_causal: bool, scale: Optional[float], dropout_p: float, tq: int, tk: int, h: int,
-                     hkv: int) -> bool:
-    """True when SDPA itself would run its CPU flash kernel on exactly these arguments and
-    :class:`_FlashMix` can stand in for SDPA + :class:`_MixHeads`: 4-d CPU tensors, no mask (a
-    mask needs the dead-row rule of :func:`_fused_pv`), no dropout (the kernel's backward would
-    have to replay its random numbers), no GQA, ``Tq == Tk`` (causality aligned as SDPA aligns
-    it), not under autocast (autocast casts SDPA's inputs, never the kernel called directly), and
-    not while ``torch.compile`` or ``torch.jit.trace`` traces (their graphs keep SDPA + ``_MixHeads``,
-    plain ATen ops that load and export anywhere)."""
-    if (q.device.type != "cpu" or q.dim() != 4 or attn_mask is not None or dropout_p != 0.0 or h != hkv
-            or tq != tk or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or torch.jit.is_tracing()):
-        return False
-    return torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) == _FLASH
 
 
 def _mix_heads(out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -404,7 +332,7 @@ class _MixHeads(torch.autograd.Function):
 def _mix_backward(dy: torch.Tensor, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   need_out: bool, need_a: bool, need_b: bool) -> tuple[Optional[torch.Tensor], ...]:
     """``(b dy, sum(dy * v_self), sum(dy * out))`` for ``y = b out + a v_self``, the sums over every
-    dim but the head dim; each only when asked for. Shared by :class:`_MixHeads` and :class:`_FlashMix`."""
+    dim but the head dim; each only when asked for."""
     h = a.shape[0]
     d_out = d_a = d_b = None
     if torch.is_grad_enabled():  # create_graph=True: out-of-place ops, so they can be differentiated again
@@ -427,46 +355,6 @@ def _mix_backward(dy: torch.Tensor, out: torch.Tensor, v_self: torch.Tensor, a: 
         bh = b.view(h, 1, 1)
         d_out = torch.mul(dy, bh) if scratch is None else torch.mul(dy, bh, out=scratch)
     return d_out, d_a, d_b
-
-
-_FLASH = int(SDPBackend.FLASH_ATTENTION.value)
-# The overloads themselves: calling the op packet resolves the overload in Python on every call (~10 us).
-_FLASH_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-class _FlashMix(torch.autograd.Function):
-    """SDPA's CPU flash kernel and the mixing ``y = b_h P V + a_h V`` as ONE autograd node.
-
-    The same kernels as SDPA + :class:`_MixHeads` (the flash forward and backward that SDPA itself
-    dispatches to, then the same multiply-add and reductions), with the same results, but:
-    the gradient of ``v`` is the kernel's gradient plus ``a dy`` added in place (autograd would
-    add the two branches into a new buffer), and ``b dy`` is written in the layout of the kernel's
-    output, which its backward reads without a copy. Taken only where :func:`_cpu_flash_takes`
-    says SDPA would run this kernel; every other case goes through SDPA + :class:`_MixHeads`.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                is_causal: bool, scale: Optional[float]) -> torch.Tensor:
-        out, lse = _FLASH_FWD(q, k, v, 0.0, is_causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, a, b)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return _mix_heads(out, v, a, b)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        q, k, v, out, lse, a, b = ctx.saved_tensors
-        need_q, need_k, need_v, need_a, need_b = ctx.needs_input_grad[:5]
-        need_out = need_q or need_k or need_v
-        d_out, d_a, d_b = _mix_backward(dy, out, v, a, b, need_out, need_a, need_b)
-        dq = dk = dv = None
-        if need_out:
-            dq, dk, dv = _FLASH_BWD(d_out, q, k, v, out, lse, 0.0, ctx.is_causal, scale=ctx.scale)
-            if need_v:  # a dy into the spent d_out buffer, then added in place: the bits autograd's sum gives
-                ah = a.view(a.shape[0], 1, 1)
-                dv = dv + dy * ah if torch.is_grad_enabled() else dv.add_(torch.mul(dy, ah, out=d_out))
-        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, d_a, d_b, None, None)
 
 
 def laplacian_attention_reference(
