@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from html.parser import HTMLParser
+
 import pytest
 
 from lapheads.cli import main as cli
@@ -35,6 +37,57 @@ def _summary_numbers(path: Path) -> dict:
     s = json.loads(path.read_text())
     return {rec: {lb: {k: v for k, v in g.items() if k != "runs"} for lb, g in groups.items()}
             for rec, groups in s.items()}
+
+
+def _md_tables(md: str) -> list[list[list[str]]]:
+    """The Markdown tables of a report: rows of cell texts (header first, the ``|---|`` line dropped),
+    split at unescaped ``|`` and unescaped."""
+    tables: list[list[list[str]]] = []
+    previous = ""
+    for line in md.splitlines():
+        if line.startswith("|"):
+            if not previous.startswith("|"):
+                tables.append([])
+            if not re.fullmatch(r"\|(---\|)+", line):
+                cells = re.split(r"(?<!\\)\|", line.strip()[1:-1])
+                tables[-1].append([c.strip().replace("\\|", "|") for c in cells])
+        previous = line
+    return tables
+
+
+class _HtmlReport(HTMLParser):
+    """The tables (rows of cell texts, header first), images and text of a rendered report.html."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.tables: list[list[list[str]]] = []
+        self.images: list[dict[str, str]] = []
+        self.text: list[str] = []
+        self._cell: list[str] | None = None
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag == "img":
+            self.images.append(dict(attrs))
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.tables[-1][-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?")
 
 
 @pytest.mark.slow
@@ -120,8 +173,11 @@ def test_report_groups_runs_and_references_existing_files(analyzed_report):
         assert (out / ref).is_file(), ref
     html = (out / "report.html").read_text()
     assert "src='figures/" not in html and html.count("data:image/png;base64,") >= 4
-    assert "The paper's claims" in md and "within-sequence" in md
     summary = json.loads((out / "summary.json").read_text())
+    headings = [h for h in md.splitlines() if h.startswith("#")]
+    assert [len(h.split(" ", 1)[0]) for h in headings] == [1, 2, 2, 2], md  # title, recipe, claims, runs
+    assert headings[1] == "## classify" and headings[3] == "## Runs"
+    assert "anova.frac_within_sequence" in summary["classify"]["all"]["comparisons"]
     assert set(summary["classify"]) == {"k=0", "k=1", "all"}
     # validation curves (three eval points per run) and their plateau flags
     assert (out / "figures" / "classify_val_curves.png").is_file()
@@ -142,11 +198,7 @@ def test_report_verdicts_carry_welch_statistics(analyzed_report):
     dirs, out = analyzed_report
     md = (out / "report.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
-    paras = [l for l in md.splitlines() if l.startswith("**classify: ")]
-    assert any("neural collapse of image/sequence means" in p for p in paras)
-    assert any("neural collapse at the classifier input" in p for p in paras)
-    for p in paras:
-        assert "95% CI" in p and "Welch t = " in p and "p = " in p and "n = 2 vs 2 seeds" in p, p
+    paras = {line.split(".** ", 1)[0][2:]: line for line in md.splitlines() if line.startswith("**classify: ")}
     runs = [collect_run(d) for d in dirs]
     base = [r for r in runs if r["label"] == "k=0"]
     for label in ("k=1", "all"):
@@ -167,8 +219,13 @@ def test_report_verdicts_carry_welch_statistics(analyzed_report):
             else:
                 good = c["diff"] < 0 if c["want_lower"] else c["diff"] > 0
                 assert c["verdict"] == ("observed" if good else "opposite")
-            if key == "top1":
-                assert f"{label} vs k=0: difference" in md
+            # the claim's paragraph carries the same numbers: difference, CI, t, df, p, seeds
+            para = paras[c["claim"]]
+            for number in (f"{c['diff']:+.3g}", f"{c['ci_low']:+.3g}", f"{c['ci_high']:+.3g}", f"{c['t']:.2f}",
+                           f"{c['df']:.1f}", f"{c['p']:.3g}"):
+                assert number in para, (number, para)
+    assert len(paras) == len({c["claim"] for lb in ("k=1", "all")
+                              for c in summary["classify"][lb]["comparisons"].values()})
 
 
 def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, tiny_runs):
@@ -182,12 +239,13 @@ def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, t
     assert cli(["report", *map(str, dirs), "--out", str(out), "--plateau-tol", "10"]) == 0
     md = (out / "report.md").read_text()
     assert "n=10000" in md and "e+04" not in md
-    assert "single run, no test" in md and ": observed" not in md and ": opposite" not in md
-    c = json.loads((out / "summary.json").read_text())["classify"]["all"]["comparisons"]["top1"]
-    assert c["verdict"] == "single run" and c["p"] is None
-    assert "| k0_s0 | classify | k=0 | 0 | 3 | yes (" in md  # every run plateaus at a 1000% tolerance
-    assert "| kall_s0 | classify | all | 0 | 3 | yes (stopped by train.until_plateau at step 3) |" in md
-    assert "Convergence:" not in md
+    comps = json.loads((out / "summary.json").read_text())["classify"]["all"]["comparisons"]
+    assert comps and all(c["verdict"] == "single run" and c["p"] is None and c["t"] is None for c in comps.values())
+    assert all(c["convergence"] == "" for c in comps.values())  # every compared run plateaued
+    rows = {r[0]: r for r in _md_tables(md)[-1][1:]}  # the runs table, by run name
+    assert rows["k0_s0"][:6] == ["k0_s0", "classify", "k=0", "0", "3", rows["k0_s0"][5]]
+    assert rows["k0_s0"][5].startswith("yes")  # every run plateaus at a 1000% tolerance
+    assert rows["kall_s0"][5].startswith("yes") and re.findall(r"\d+", rows["kall_s0"][5]) == ["3"]  # stopped at 3
     assert cli(["report", *map(str, dirs), "--out", str(tmp_path / "bad"), "--plateau-window", "0"]) == 2
 
 
@@ -267,3 +325,60 @@ def test_report_reads_the_metric_keys_each_recipe_logs():
     y = torch.arange(30) % 3
     logged = knn_classify(f, y, f[:6], y[:6], ks=KnnConfig().ks)
     assert {k for k, _, _ in METRICS["dino"]} <= set(logged)
+
+
+def test_markdown_and_html_show_the_same_model(analyzed_report, tmp_path):
+    """One model, two renderings: the same figures (files on disk, embedded byte for byte in the
+    HTML) and the same tables, so every number of the model's tables is in both outputs."""
+    import base64
+    from lapheads.report import _fmt, make_report, render_html, render_markdown
+
+    dirs, _ = analyzed_report
+    out = tmp_path / "rep"
+    report = make_report(dirs, out)
+    md, page = render_markdown(report), render_html(report, out)
+    parsed = _HtmlReport(page)
+
+    figures = {f.path for f in report.figures()}
+    assert len(figures) >= 4 and all((out / f).is_file() for f in figures)
+    assert {m.group(1) for m in re.finditer(r"!\[(?:[^\]\\]|\\.)*\]\(([^)]+)\)", md)} == figures
+    assert len(parsed.images) == len(report.figures())
+    assert {im["data-file"] for im in parsed.images} == figures
+    for im in parsed.images:  # self-contained: each figure's own bytes, not a link
+        head, data = im["src"].split(",", 1)
+        assert head == "data:image/png;base64" and base64.b64decode(data) == (out / im["data-file"]).read_bytes()
+
+    model = [[t.header] + [[c.text for c in row] for row in t.rows] for t in report.tables()]
+    assert len(model) == 2 and all(len(t) > 1 for t in model)  # the settings table and the runs table
+    assert _md_tables(md) == model and parsed.tables == model
+    numbers = [n for t in model for row in t for c in row for n in _NUMBER.findall(c)]
+    assert len(numbers) > 50
+    md_text, html_text = md, "".join(parsed.text)
+    for n in numbers:
+        assert n in md_text and n in html_text, n
+    settings = report.tables()[0]
+    for row in settings.rows:  # the cells keep the numbers they show
+        assert row[1].raw == 2 and row[2].raw[1] == 2
+        for c in row[3:]:
+            assert c.raw[2] == 2 and c.text == _fmt(*c.raw)
+    for v in (v for s in report.sections for v in s.verdicts):  # every claim with its statistics, in both
+        assert f"**{v.claim}.** {v.text}" in md and v.text in html_text
+        for c in v.comparisons:
+            assert f"{c.p:.3g}" in v.text and f"{c.diff:+.3g}" in v.text
+
+
+def test_templates_escape_what_would_break_each_format(tmp_path):
+    from lapheads.report import Cell, Figure, Report, Section, Table, render_html, render_markdown
+
+    hostile = "<script>x</script> a|b & 'c'"
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "f.png").write_bytes(b"\x89PNG")
+    report = Report(hostile, [hostile], [Section(hostile, tables=[Table(["h|1", "h2"], [[Cell(hostile), Cell("1")]])],
+                                                 figures=[Figure("figures/f.png", hostile, "alt [x]")])], {})
+    md = render_markdown(report)
+    assert _md_tables(md) == [[["h|1", "h2"], [hostile, "1"]]]
+    assert "![alt \\[x\\]](figures/f.png)" in md
+    page = render_html(report, tmp_path)
+    assert "<script>x" not in page and page.count("&lt;script&gt;x&lt;/script&gt;") == 6  # title x2, p, h2, td, caption
+    parsed = _HtmlReport(page)
+    assert parsed.tables == [[["h|1", "h2"], [hostile, "1"]]] and parsed.images[0]["alt"] == "alt [x]"

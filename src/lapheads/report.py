@@ -1,7 +1,8 @@
 """``lapheads report RUN_DIR [RUN_DIR ...]``: compare runs, grouped by their Laplacian heads.
 
 Writes ``report.md`` (figures beside it in ``figures/``) and a self-contained ``report.html``
-(the same figures embedded as data URIs). For every recipe present:
+(the same figures embedded as data URIs), both rendered from one model (see "Design" below). For
+every recipe present:
 
 * a table with one row per Laplacian-head setting: runs, how many plateaued, the recipe's metrics
   and the geometry of the last block (NC1 also at the classifier input) as mean +- std over seeds;
@@ -21,16 +22,26 @@ Writes ``report.md`` (figures beside it in ``figures/``) and a self-contained ``
 ``summary.json`` holds, per recipe and setting, the mean / std / n of every number, the per-run
 plateau flags and, for each setting other than k=0, the comparisons with k=0 (the same numbers as
 the paragraphs). Integers are printed as integers (``n=10000``).
+
+Design: the report is built once, as a data model (:class:`Report`: sections holding tables of
+formatted cells that keep their raw numbers, claim verdicts with their statistics, figures by path
+relative to the report), by :func:`make_report`, which also draws the figures. Two Jinja2
+templates shipped in the package (``lapheads/templates/report.md.j2`` and ``report.html.j2``)
+render that one model (:func:`render_markdown`, :func:`render_html`), so both files always show
+the same sections, numbers and figures; all wording and every number is decided in Python, the
+templates only lay it out. The HTML template autoescapes; the Markdown one escapes ``|`` in table
+cells. The HTML embeds each figure as a data URI (the page is one file that can be mailed), and
+names its file in ``data-file``.
 """
 
 from __future__ import annotations
 
 import base64
-import html
 import json
 import math
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -508,53 +519,185 @@ def grid_claims(runs: Sequence[dict], flags: dict[str, Plateau]) -> list[dict[st
     return out
 
 
-# ----------------------------------------------------------------------------------- rendering
-def _plateaued(runs: list[dict], flags: dict[str, Plateau]) -> str:
+# ----------------------------------------------------------------------------------- report model
+@dataclass
+class Cell:
+    """One table cell: the text both formats show, and the number(s) it was formatted from.
+
+    ``raw`` is None for a label, a number (a count, a seed, a step, a grid-axis value, a run's
+    relative change behind its plateau flag), ``(mean, std, n)`` for a mean ± std over seeds,
+    ``(plateaued, runs)`` for the plateau count of a setting, ``{key: value}`` for a run's final
+    metrics.
+    """
+
+    text: str
+    raw: Any = None
+
+
+@dataclass
+class Table:
+    """A header and rows of already formatted cells (every row as long as the header)."""
+
+    header: list[str]
+    rows: list[list[Cell]]
+
+
+@dataclass
+class Figure:
+    """A figure file of the report: ``path`` relative to the report directory (POSIX separators)."""
+
+    path: str
+    caption: str
+    alt: str
+
+
+@dataclass
+class Verdict:
+    """One claim of the paper tested on the runs (:func:`claims`).
+
+    ``measured`` says which number the claim is tested on, ``comparisons`` hold the statistics of
+    every setting against k=0 (difference, CI, Welch t and p, seeds, verdict), ``text`` is the
+    paragraph both formats show.
+    """
+
+    claim: str
+    key: str
+    measured: str
+    comparisons: list[Comparison]
+    convergence: str
+    text: str
+
+
+@dataclass
+class Section:
+    """A headed part of the report, drawn in this order: paragraphs, tables, notes, figures, items
+    (a bullet list), verdicts."""
+
+    title: str
+    level: int = 2
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    items: list[str] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """Everything the report shows, built once by :func:`make_report` and rendered by
+    :func:`render_markdown` / :func:`render_html`; ``summary`` is the content of ``summary.json``."""
+
+    title: str
+    paragraphs: list[str]
+    sections: list[Section]
+    summary: dict[str, Any]
+
+    def tables(self) -> list[Table]:
+        return [t for s in self.sections for t in s.tables]
+
+    def figures(self) -> list[Figure]:
+        return [f for s in self.sections for f in s.figures]
+
+
+def _plateaued(runs: list[dict], flags: dict[str, Plateau]) -> Cell:
     st = [flags[r["dir"]].status for r in runs]
     text = f"{st.count('yes')}/{len(st)}"
-    return text + (f" ({st.count('unknown')} unknown)" if "unknown" in st else "")
+    return Cell(text + (f" ({st.count('unknown')} unknown)" if "unknown" in st else ""), (st.count("yes"), len(st)))
 
 
-def _table_rows(recipe: str, groups: dict, flags: dict[str, Plateau]) -> tuple[list[str], list[list[str]]]:
+def _stat_cell(stat: tuple[float, float, int]) -> Cell:
+    return Cell(_fmt(*stat), stat)
+
+
+def _setting_table(recipe: str, groups: dict, flags: dict[str, Plateau]) -> Table:
+    """One row per Laplacian-head setting: runs, plateaued, then the metric and geometry columns with data."""
     metrics = [(k, n) for k, n, _ in METRICS.get(recipe, []) if any(g[k][2] for g in groups.values())]
     geo = [(k, n) for k, *_, n in GEOMETRY if any(g[k][2] for g in groups.values())]
     header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in metrics] + [n for _, n in geo]
+    rows = [[Cell(label), Cell(str(len(g["runs"])), len(g["runs"])), _plateaued(g["runs"], flags)]
+            + [_stat_cell(g[k]) for k, _ in metrics] + [_stat_cell(g[k]) for k, _ in geo]
+            for label, g in groups.items()]
+    return Table(header, rows)
+
+
+def _runs_table(runs: list[dict], flags: dict[str, Plateau]) -> Table:
+    header = ["run", "recipe", "Laplacian heads", "seed", "steps", "plateau", "final metrics"]
     rows = []
-    for label, g in groups.items():
-        rows.append([label, str(len(g["runs"])), _plateaued(g["runs"], flags)]
-                    + [_fmt(*g[k]) for k, _ in metrics] + [_fmt(*g[k]) for k, _ in geo])
-    return header, rows
+    for r in runs:
+        final = {k: v for k, v in r["final"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        steps = _steps(r)
+        flag = flags[r["dir"]]
+        rows.append([Cell(r["name"]), Cell(r["recipe"]), Cell(r["label"]), Cell(str(r["seed"]), r["seed"]),
+                     Cell(steps, int(steps) if steps.isdigit() else None), Cell(flag.describe(), flag.rel_change),
+                     Cell(", ".join(f"{k}={_num(v)}" for k, v in final.items()), final)])
+    return Table(header, rows)
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+def _figure(path: Path, out: Path, caption: str) -> Figure:
+    return Figure(path.relative_to(out).as_posix(), caption, caption)
 
 
-def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    h = "".join(f"<th>{html.escape(c)}</th>" for c in header)
-    b = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>"
+def _recipe_section(recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, plateau_window: float,
+                    plateau_tol: float) -> Section:
+    """The section of one recipe: its table, the note on the columns, its figures (drawn here) and,
+    for learned head mixing, the suggested fixed selections."""
+    figs = out / "figures"
+    sec = Section(recipe, tables=[_setting_table(recipe, groups, flags)], notes=[
+        "Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
+        "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
+        f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
+        f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points)."])
+    makers = [("curves", _fig_curves, "training loss per step"),
+              ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
+              ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
+              ("layers", _fig_layers, "token geometry per layer"),
+              ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
+    for name, fn, caption in makers:
+        p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
+        if p is not None:
+            sec.figures.append(_figure(p, out, f"{recipe}: {caption}"))
+    if get_recipe(recipe).kind == "vit":  # vision runs; a language model has no patch tokens
+        p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
+        if p is not None:
+            sec.figures.append(_figure(p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)"))
+    mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")  # learnable head mixing (issue 13)
+    if mixing is not None:
+        sec.figures.append(_figure(mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head"))
+        sec.items += mixing[1]
+    return sec
 
 
-_CSS = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:14px}td,th{border:1px solid #ccc;padding:4px 8px}"
-        "th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee;margin:.5em 0}"
-        ".claim{margin:.6em 0}.claim b{display:block}")
-# Lets a headless browser (and the test suite) check that every figure decoded.
-_IMG_CHECK = ("<script>window.addEventListener('load',function(){var im=document.images,ok=0;"
-              "for(var i=0;i<im.length;i++){if(im[i].complete&&im[i].naturalWidth>0)ok++;}"
-              "document.body.setAttribute('data-images-total',im.length);"
-              "document.body.setAttribute('data-images-loaded',ok);});</script>")
+def _verdict(c: dict[str, Any]) -> Verdict:
+    return Verdict(c["claim"], c["key"], c["how"], c["comparisons"], c["convergence"], c["text"])
 
 
-def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "lapheads report",
-                 intro: str = "", plateau_window: float = 0.2, plateau_tol: float = 0.01) -> dict[str, Path]:
-    """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``.
+_CLAIMS_HOW = ("Each setting against k=0: the difference of the means, its 95% confidence interval and "
+               "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
+               "with the seeds per setting a t-test would need to detect a difference of the observed "
+               "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested.")
+_GRID_CLAIMS_HOW = ("The verdicts above pool every grid point of a setting, so the differences between grid "
+                    "points (width, training length, data size) enter the spread. The same comparisons inside "
+                    "each grid point, between runs that differ only in k and seed:")
 
-    ``plateau_window`` / ``plateau_tol``: a run has plateaued when its validation metric changed by
-    less than ``plateau_tol`` (relative) over the last ``plateau_window`` fraction of training.
+
+def make_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "lapheads report",
+                intro: str = "", plateau_window: float = 0.2, plateau_tol: float = 0.01) -> Report:
+    """Collect the runs, compute every statistic, draw the figures into ``out_dir/figures`` and
+    return the :class:`Report` (nothing else is written).
+
+    Args:
+        run_dirs: run directories (finished or not: unfinished ones are named and left out of the
+            final metrics).
+        out_dir: the report directory; figure paths in the model are relative to it.
+        title: the report's heading.
+        intro: paragraphs (separated by blank lines) under the heading.
+        plateau_window: fraction of training at the end over which a run's plateau flag measures
+            the change of its validation metric.
+        plateau_tol: largest relative change over that window that counts as a plateau.
+
+    Returns:
+        The report model, ``summary`` included.
     """
     if not run_dirs:
         raise ConfigError("no run directories given to the report")
@@ -568,97 +711,88 @@ def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str
     figs.mkdir(parents=True, exist_ok=True)
     summary = summarise(runs)
     flags = {r["dir"]: run_plateau(r, plateau_window, plateau_tol) for r in runs}
-    md: list[str] = [f"# {title}", "", f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} runs."]
-    hb: list[str] = [f"<h1>{html.escape(title)}</h1>",
-                     f"<p>Generated {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} runs.</p>"]
-    if intro:
-        md += ["", intro]
-        hb.append(f"<p>{html.escape(intro)}</p>")
+    paragraphs = [f"Generated {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} runs."]
+    paragraphs += [p.strip() for p in re.split(r"\n\s*\n", intro) if p.strip()]
     unfinished = [r["name"] for r in runs if not r["finished"]]
     if unfinished:
-        note = f"Unfinished runs (left out of the final metrics): {', '.join(unfinished)}."
-        md += ["", note]
-        hb.append(f"<p>{html.escape(note)}</p>")
+        paragraphs.append(f"Unfinished runs (left out of the final metrics): {', '.join(unfinished)}.")
+    sections: list[Section] = []
+    grid = {recipe: (table, made) for recipe, table, made in grid_sections(runs, figs)}  # scaling, k-ablation
     for recipe, groups in summary.items():
-        _recipe_section(recipe, groups, flags, out, md, hb, plateau_window, plateau_tol)
-    grid_tables, grid_figs = grid_report(runs, figs)  # runs that differ in config values: scaling, k-ablation
-    for gtitle, header, rows in grid_tables:
-        md += ["", f"### {gtitle}", "", _md_table(header, rows), ""]
-        hb += [f"<h3>{html.escape(gtitle)}</h3>", _html_table(header, rows)]
-    for p, caption in grid_figs:
-        _add_fig(md, hb, p, out, caption)
+        sections.append(_recipe_section(recipe, groups, flags, out, plateau_window, plateau_tol))
+        table, grid_figs = grid.get(recipe, (None, []))
+        if table is not None:  # the grid table and figures under their own heading
+            sections.append(Section(table[0], level=3, tables=[table[1]]))
+        sections[-1].figures += [_figure(p, out, caption) for p, caption in grid_figs]
     cl = claims(summary, flags)
-    _claims_section(md, hb, "##", "The paper's claims, checked on these runs", cl, (
-        "Each setting against k=0: the difference of the means, its 95% confidence interval and "
-        "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
-        "with the seeds per setting a t-test would need to detect a difference of the observed "
-        "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested."))
+    if cl:
+        sections.append(Section("The paper's claims, checked on these runs", paragraphs=[_CLAIMS_HOW],
+                                verdicts=[_verdict(c) for c in cl]))
     gcl = grid_claims(runs, flags)
-    _claims_section(md, hb, "###", "Within each grid point", gcl, (
-        "The verdicts above pool every grid point of a setting, so the differences between grid points "
-        "(width, training length, data size) enter the spread. The same comparisons inside each grid "
-        "point, between runs that differ only in k and seed:"))
-    md += ["", "## Runs", ""]
-    run_header = ["run", "recipe", "Laplacian heads", "seed", "steps", "plateau", "final metrics"]
-    run_rows = [[r["name"], r["recipe"], r["label"], str(r["seed"]), _steps(r), flags[r["dir"]].describe(),
-                 ", ".join(f"{k}={_num(v)}" for k, v in r["final"].items()
-                           if isinstance(v, (int, float)) and not isinstance(v, bool))]
-                for r in runs]
-    md.append(_md_table(run_header, run_rows))
-    hb += ["<h2>Runs</h2>", _html_table(run_header, run_rows)]
-    (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{_CSS}</style></head><body>{''.join(hb)}{_IMG_CHECK}</body></html>")
-    (out / "report.html").write_text(page, encoding="utf-8")
-    (out / "summary.json").write_text(json.dumps(
-        _summary_json(summary, flags, cl, gcl), indent=1, default=str, allow_nan=False))
+    if gcl:
+        sections.append(Section("Within each grid point", level=3, paragraphs=[_GRID_CLAIMS_HOW],
+                                verdicts=[_verdict(c) for c in gcl]))
+    sections.append(Section("Runs", tables=[_runs_table(runs, flags)]))
+    return Report(title, paragraphs, sections, _summary_json(summary, flags, cl, gcl))
+
+
+# ----------------------------------------------------------------------------------- rendering
+def _md_escape(text: Any, chars: str = "|") -> str:
+    """Text for inside a Markdown construct: ``chars`` backslash-escaped, line breaks made spaces."""
+    text = " ".join(str(text).splitlines())
+    return "".join("\\" + ch if ch in chars else ch for ch in text)
+
+
+def _environment():
+    """The templates of ``lapheads/templates``; autoescaping for ``*.html.j2`` only."""
+    import jinja2  # lazy: only rendering needs it
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("lapheads", "templates"),
+                             autoescape=jinja2.select_autoescape(enabled_extensions=("html.j2",),
+                                                                 default_for_string=False, default=False),
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["md_cell"] = _md_escape  # a table cell: "|" would end it
+    env.filters["md_alt"] = lambda s: _md_escape(s, "[]")  # image alt text: "]" would end it
+    return env
+
+
+def render_markdown(report: Report) -> str:
+    """``report.md``: figures linked by their paths (relative to the report directory)."""
+    return _environment().get_template("report.md.j2").render(report=report)
+
+
+def render_html(report: Report, out_dir: str | Path) -> str:
+    """``report.html``, self-contained: every figure (read from ``out_dir``) embedded as a data URI.
+
+    Each ``<img>`` also names its file in ``data-file``; a script in the page sets
+    ``data-images-total`` / ``data-images-loaded`` on ``<body>`` once the page has loaded, so a
+    headless browser can check that every figure decoded.
+    """
+    out = Path(out_dir)
+
+    def data_uri(rel: str) -> str:
+        return "data:image/png;base64," + base64.b64encode((out / rel).read_bytes()).decode()
+
+    return _environment().get_template("report.html.j2").render(report=report, data_uri=data_uri)
+
+
+def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "lapheads report",
+                 intro: str = "", plateau_window: float = 0.2, plateau_tol: float = 0.01) -> dict[str, Path]:
+    """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``.
+
+    Args: as :func:`make_report`.
+
+    Returns:
+        ``{"md": path, "html": path, "summary": path}``.
+    """
+    report = make_report(run_dirs, out_dir, title, intro, plateau_window, plateau_tol)
+    out = Path(out_dir)
+    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
+    (out / "report.html").write_text(render_html(report, out), encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(report.summary, indent=1, default=str, allow_nan=False))
     return {"md": out / "report.md", "html": out / "report.html", "summary": out / "summary.json"}
 
-
-def _recipe_section(recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, md: list[str], hb: list[str],
-                    plateau_window: float, plateau_tol: float) -> None:
-    """The report's section of one recipe: its table, the note on the columns and its figures."""
-    figs = out / "figures"
-    header, rows = _table_rows(recipe, groups, flags)
-    md += ["", f"## {recipe}", "", _md_table(header, rows), ""]
-    hb += [f"<h2>{html.escape(recipe)}</h2>", _html_table(header, rows)]
-    note = ("Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
-            "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
-            f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
-            f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points).")
-    md.append(note)
-    hb.append(f"<p>{html.escape(note)}</p>")
-    makers = [("curves", _fig_curves, "training loss per step"),
-              ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
-              ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
-              ("layers", _fig_layers, "token geometry per layer"),
-              ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
-    for name, fn, caption in makers:
-        p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
-        if p is not None:
-            _add_fig(md, hb, p, out, f"{recipe}: {caption}")
-    if get_recipe(recipe).kind == "vit":  # vision runs; a language model has no patch tokens
-        p = _fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
-        if p is not None:
-            _add_fig(md, hb, p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)")
-    mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")  # learnable head mixing (issue 13)
-    if mixing is not None:
-        _add_fig(md, hb, mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head")
-        md += ["", *mixing[1], ""]
-        hb.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in mixing[1]) + "</ul>")
-
-
-
-def _claims_section(md: list[str], hb: list[str], level: str, title: str, claims_: list[dict], how: str) -> None:
-    """A heading, the paragraph saying how the claims are tested, then one paragraph per claim (none: nothing)."""
-    if not claims_:
-        return
-    tag = f"h{len(level)}"
-    md += ["", f"{level} {title}", "", how, ""]
-    hb += [f"<{tag}>{html.escape(title)}</{tag}>", f"<p>{html.escape(how)}</p>"]
-    for c in claims_:
-        md += [f"**{c['claim']}.** {c['text']}", ""]
-        hb.append(f"<div class='claim'><b>{html.escape(c['claim'])}</b>{html.escape(c['text'])}</div>")
 
 def _steps(run: dict) -> str:
     steps = [r["step"] for r in run["train"] + run["val"] if isinstance(r.get("step"), int)]
@@ -699,14 +833,6 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
                             **comp.to_dict()}
             out[rec][lb] = d
     return out
-
-
-def _add_fig(md: list[str], hb: list[str], path: Path, out: Path, caption: str) -> None:
-    rel = path.relative_to(out).as_posix()
-    md.append(f"![{caption}]({rel})")
-    data = base64.b64encode(path.read_bytes()).decode()
-    hb.append(f"<figure><img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>"
-              f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
 # ----------------------------------------------------------------------------------- learnable mixing
@@ -800,8 +926,8 @@ def _panel_value(r: dict, section: str, k: str) -> Optional[float]:
     return _geo_value(geo, _last_block(geo) if geo else None, section, k)
 
 
-def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
-                                                          list[tuple[Path, str]]]:
+def grid_sections(runs: Sequence[dict], figs: Path) -> list[tuple[str, Optional[tuple[str, Table]],
+                                                               list[tuple[Path, str]]]]:
     """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
 
     ``runs`` are :func:`lapheads.report.collect_run` records. For every recipe whose runs differ in
@@ -809,11 +935,13 @@ def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[
     main metric and each of :data:`GRID_MEASURES` (last block) against the axis values, mean ± std
     over seeds, one line per k (and per value of the other axes); with at least two k settings a
     further figure is the k-ablation: the same panels against k = 0..H (``all`` = H when
-    ``model.num_heads`` is set). Returns tables ``(title, header, rows)``, one row per (grid point,
-    k), and ``(figure, caption)`` pairs.
+    ``model.num_heads`` is set).
+
+    Returns:
+        Per recipe with grid figures or a table: ``(recipe, (title, table) or None, [(figure,
+        caption)])``; the table (only when there are grid axes) has one row per (grid point, k).
     """
-    tables: list[tuple[str, list[str], list[list[str]]]] = []
-    made: list[tuple[Path, str]] = []
+    out: list[tuple[str, Optional[tuple[str, Table]], list[tuple[Path, str]]]] = []
     by_recipe: dict[str, list[dict]] = {}
     for r in runs:
         by_recipe.setdefault(r["recipe"], []).append(r)
@@ -828,9 +956,10 @@ def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[
         key, metric_name, _ = METRICS[recipe][0]
         flats = [flatten_config(c) for c in configs]
         panels = [("metric", key, metric_name)] + GRID_MEASURES
+        table = None
         if axes:
-            tables.append((f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
-                           [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES],
+            table = (f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
+                     Table([*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES],
                            _grid_rows(rs, flats, axes, panels)))
         nh = {f.get("model.num_heads") for f in flats}
         heads_total = next(iter(nh)) if len(nh) == 1 and isinstance(next(iter(nh)), int) else None
@@ -838,6 +967,7 @@ def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[
         xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a: flats[i].get(a))) for a in axes]
         if len(labels) >= 2:
             xaxes.append(("Laplacian heads k", lambda i: _k_position(rs[i]["label"], heads_total)))
+        made: list[tuple[Path, str]] = []
         for name, xof in xaxes:
             fig = _grid_figure(rs, flats, axes, panels, name, xof, figs / f"{recipe}_grid_"
                                f"{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png")
@@ -845,10 +975,25 @@ def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[
                 what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
                 made.append((fig, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
                                   "mean ± std over seeds"))
-    return tables, made
+        if table is not None or made:
+            out.append((recipe, table, made))
+    return out
 
 
-def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list) -> list[list[str]]:
+def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
+                                                          list[tuple[Path, str]]]:
+    """:func:`grid_sections` flattened over recipes, tables as text.
+
+    Returns:
+        Tables ``(title, header, rows of cell texts)`` and ``(figure, caption)`` pairs.
+    """
+    parts = grid_sections(runs, figs)
+    tables = [(title, t.header, [[c.text for c in row] for row in t.rows])
+              for _, table, _ in parts if table is not None for title, t in [table]]
+    return tables, [f for _, _, made in parts for f in made]
+
+
+def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list) -> list[list[Cell]]:
     """One table row per (grid point, k): the axis values, k, runs, then mean ± std of each panel."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(rs):
@@ -861,14 +1006,14 @@ def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list)
         return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
                 k if k is not None else float("inf"), label)
 
-    rows: list[list[str]] = []
+    rows: list[list[Cell]] = []
     for (_point, label), idx in sorted(groups.items(), key=order):
         cells = [flats[idx[0]].get(a) for a in axes]
         stats = [_mean_std([_panel_value(rs[i], s, k) for i in idx]) for s, k, _ in panels]
-        rows.append([*(str(c) for c in cells), label, str(len(idx))] +
-                    [f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-") for m, sd, n in stats])
+        rows.append([*(Cell(str(c), c) for c in cells), Cell(label), Cell(str(len(idx)), len(idx))] +
+                    [Cell(f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-"), (m, sd, n))
+                     for m, sd, n in stats])
     return rows
-
 
 def _grid_figure(rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any,
                  path: Path) -> Optional[Path]:
