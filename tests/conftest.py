@@ -7,6 +7,9 @@ on two cores, which slows tiny models 10-50x; so every worker, and every subproc
 The LM data cache (tokenizer and shards built on the fly) goes to a directory made for this
 session, so the suite neither reads nor fills the user's ``~/.cache/lapheads``; workers share it
 (builds are atomic renames), so the embedded corpus is tokenized once per session, not per test.
+The suite's fault injection is registered here as an engine callback for every process
+(``LAPHEADS_CALLBACKS``, :mod:`lapheads.testing`): a test then asks for a fault with one
+environment variable, which the runs and ranks it starts inherit.
 """
 
 import gc
@@ -22,6 +25,7 @@ from hypothesis import settings
 _THREADS = os.environ.get("LAPHEADS_TEST_THREADS", "1")
 os.environ["LAPHEADS_TEST_THREADS"] = _THREADS
 os.environ["OMP_NUM_THREADS"] = _THREADS
+os.environ["LAPHEADS_CALLBACKS"] = "lapheads.testing:faults_from_env"
 
 # Property tests (hypothesis) draw the same examples on every run, so CI is never red because one
 # run happened upon a new example; `pytest --hypothesis-profile explore` searches with fresh random

@@ -133,8 +133,7 @@ def test_sigterm_then_killed_rank_then_resume_equals_uninterrupted(tmp_path):
     log.seek(0)
     text = log.read()
     print(f"\nrank 1 SIGKILLed: torchrun exited with {rc} after {elapsed:.1f} s")
-    assert rc != 0, text[-3000:]
-    assert elapsed < 90
+    assert rc != 0, text[-3000:]  # and it ended: proc.wait(timeout=90) above raises on a hang
     # the failure names the dead rank and its signal (torchrun's summary), not a hang
     assert "rank" in text and ("SIGKILL" in text or "-9" in text), text[-3000:]
     assert not (run / "final").exists()

@@ -199,7 +199,7 @@ def test_load_checkpoint_restores_laplacian_heads_in_a_fresh_process(tmp_path):
     script = f"""
 import sys, torch
 assert "lapheads.transformers" not in sys.modules
-from lapheads.commands.analyze import load_checkpoint
+from lapheads.engine.pretrained import load_checkpoint
 model, kind, _ = load_checkpoint({str(tmp_path)!r})
 with torch.no_grad():
     got = model(torch.arange(3, 11)[None]).logits

@@ -75,6 +75,6 @@ def test_real_overflow_is_caught_with_a_clear_message(tmp_path, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     # step 0's update makes the weights ~1e30 (finite); step 1's forward pass overflows
-    assert "error: non-finite value at step 1: the loss is NaN/Inf; the run stopped" in lines[0], lines[0]
+    assert "error:" in lines[0] and "step 1" in lines[0] and "loss" in lines[0], lines[0]
     assert "step_00000001" in lines[0]
     assert check_checkpoint_dir(out / "checkpoints") == 1  # the checkpoint it names is finite and loads

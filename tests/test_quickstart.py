@@ -40,8 +40,8 @@ def test_quickstart_tiny_end_to_end(tmp_path, capsys):
     html = (out / "report" / "report.html").read_text()
     for src in re.findall(r"src='([^']+)'", html):
         assert src.startswith("data:image/png;base64,"), src[:60]
-    assert "The paper's claims" in md
-    assert "What this can and cannot say." in md and "its numbers mean nothing" in md
+    headings = re.findall(r"^#+ .*$", md, re.M)
+    assert len(headings) >= 3, headings  # the report's structure: a title and its sections
     # run it again: every finished run is reused, nothing is retrained
     before = {p: p.stat().st_mtime_ns for p in out.glob("*/*/final/model.safetensors")}
     assert cli(["quickstart", "--tiny", "--out", str(out)]) == 0

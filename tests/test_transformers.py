@@ -318,6 +318,36 @@ def test_config_json_names_the_laplacian_implementation(laplacian_checkpoint, tm
     assert "attn_implementation" not in plain.config.to_dict()
 
 
+def test_marking_changes_one_config_not_transformers_classes(laplacian_checkpoint, tmp_path):
+    """No global patch: enable() marks its own config instance; a config of the same transformers
+    class built beside it saves no implementation key even with laplacian_heads set, and the class's
+    own to_dict is transformers' (so nothing else in the process changes)."""
+    import copy
+    import json
+    import pickle
+
+    from transformers import PreTrainedConfig
+
+    path, model, _ = laplacian_checkpoint
+    base = type(model.config).__mro__[1]
+    assert base.to_dict is PreTrainedConfig.to_dict or "lapheads" not in base.to_dict.__module__
+    other = base(**{k: v for k, v in model.config.to_dict().items() if k != "attn_implementation"})
+    assert type(other) is base and other.laplacian_heads == [1, 4]
+    assert "attn_implementation" not in other.to_dict()  # unmarked: plain transformers behaviour
+    assert lt.mark_config(other) is other and other.to_dict()["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
+    assert type(other).__name__ == base.__name__ and isinstance(other, base)
+    for twin in (copy.deepcopy(other), pickle.loads(pickle.dumps(other))):
+        assert twin.to_dict()["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
+        assert twin.laplacian_heads == [1, 4]
+    # transformers' auto classes still recognise a marked config
+    from transformers import AutoModelForCausalLM as Auto
+    built = Auto.from_config(other)
+    assert built.config.to_dict()["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
+    built.save_pretrained(tmp_path / "built")
+    assert json.loads((tmp_path / "built" / "config.json").read_text())["attn_implementation"] == \
+        lt.SAVED_ATTN_IMPLEMENTATION
+
+
 def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpoint, tmp_path):
     from transformers import pipeline
 

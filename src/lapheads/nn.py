@@ -54,7 +54,7 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attenti
 __all__ = ["MultiheadAttention"]
 
 
-def _keep_torch_off_its_fast_path(module: torch.nn.Module, args: tuple) -> None:
+def _keep_torch_off_its_fast_path(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
     """No-op forward pre-hook. Its presence makes ``TransformerEncoderLayer`` skip torch's fused path.
 
     ``torch.nn.TransformerEncoderLayer.forward`` refuses its fused inference kernel when "forward
@@ -177,13 +177,14 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         """Input projections of batch-first (N, L, E) inputs, as torch computes them."""
         e = self.embed_dim
         b = self.in_proj_bias
-        bq, bk, bv = (None, None, None) if b is None else b.split(e)
+        bq, bk, bv = (None, None, None) if b is None else b.split(e)  # type: ignore[no-untyped-call]
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight
             if query is key and key is value:
                 # One GEMM for self-attention, as torch does (same rounding as torch's path).
-                return F.linear(query, w, b).chunk(3, dim=-1)
-            wq, wk, wv = w.split(e)
+                q, k, v = F.linear(query, w, b).chunk(3, dim=-1)
+                return q, k, v
+            wq, wk, wv = w.split(e)  # type: ignore[no-untyped-call]
             if key is value:
                 kv = F.linear(key, w[e:], None if b is None else b[e:]).chunk(2, dim=-1)
                 return F.linear(query, wq, bq), kv[0], kv[1]
@@ -192,7 +193,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 F.linear(value, self.v_proj_weight, bv))
 
     # ------------------------------------------------------------------ forward
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         query: Tensor,
         key: Tensor,
@@ -255,7 +256,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             raise ConfigError(
                 f"{given}: key and value must have the same batch and sequence sizes, and the same batch "
                 f"size as query (batch_first={self.batch_first})")
-        lap: Any = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
+        lap: Any = (HeadMix(cast(Tensor, self.lap_mix_a), cast(Tensor, self.lap_mix_b)) if self.laplacian_learnable
+                    else self.laplacian_selection)
         if (self.laplacian_learnable or self.laplacian_selection.any) and tq > s:
             raise ConfigError(
                 f"Laplacian heads need every query to have its own position among the keys, but the "

@@ -103,7 +103,7 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
             f"pass attn_mask.to(q.dtype) or a boolean mask")
     target = (*q.shape[:-1], tk)
     try:
-        ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)
+        ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)  # type: ignore[no-untyped-call]
     except RuntimeError:
         ok = False
     if not ok:
@@ -282,7 +282,8 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     v_self = _v_self(v, tq, h, hkv)
     if grad:
-        return _MixHeads.apply(out, v_self, a, b)
+        mixed: torch.Tensor = _MixHeads.apply(out, v_self, a, b)
+        return mixed
     return _mix_heads(out, v_self, a, b)
 
 

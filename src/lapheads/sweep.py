@@ -244,7 +244,8 @@ def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: S
                     run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
                     run.existing = RunDir(run.path).read_config()
                     allowed = FINISHED_MUTABLE if run.state == "done" else RESUME_MUTABLE
-                    run.changes = config_changes(run.existing, run.resolved, allowed, {"recipe": recipe, **defaults})
+                    run.changes = config_changes(run.existing, run.resolved, allowed, {"recipe": recipe, **defaults},
+                                                 same=get_recipe(recipe).same_setting)
                 plan.append(run)
     return plan
 

@@ -1,15 +1,20 @@
-"""Fault injection for the test suite: the one testing hook in the product, off unless asked for.
+"""Fault injection for test suites, as engine callbacks (:mod:`lapheads.engine.callbacks`).
 
-The engine asks this module, once per optimizer step, whether to break the step. Nothing here is
-part of any config (a config describes a model and its training, not a test), so runs, their
-``config.yaml`` and ``--resume`` never see it. A test sets an environment variable (inherited by
-the subprocesses and torchrun ranks it starts) and clears it to resume:
+The engine has no test code in its step loop; a test suite registers these callbacks instead. A
+process-local test can :func:`~lapheads.engine.callbacks.register` :class:`NanLossAt` or
+:class:`CrashAfter` directly. Runs in other processes (torchrun ranks, sweep workers, the CLI in a
+subprocess) get them through the environment, which every child inherits: with
+``LAPHEADS_CALLBACKS=lapheads.testing:faults_from_env`` (this project's ``tests/conftest.py`` sets
+it for the whole suite), :func:`faults_from_env` reads
 
 =================================  ===================================================================
 ``LAPHEADS_TEST_NAN_AT_STEP=N``    the loss of optimizer step N becomes NaN (the non-finite guard)
 ``LAPHEADS_TEST_CRASH_AFTER=N``    ``RuntimeError("simulated crash ...")`` right after step N's update
                                    (and the task's ``after_optimizer_step``), before any checkpoint
 =================================  ===================================================================
+
+once, when a trainer is built; a test clears the variable to resume. Nothing here is part of a
+config, so runs, their ``config.yaml`` and ``--resume`` never see it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,50 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
+
+from .engine.callbacks import Callback
 from .errors import ConfigError
 
 NAN_AT_STEP = "LAPHEADS_TEST_NAN_AT_STEP"
 CRASH_AFTER = "LAPHEADS_TEST_CRASH_AFTER"
+
+__all__ = ["NanLossAt", "CrashAfter", "faults_from_env", "NAN_AT_STEP", "CRASH_AFTER"]
+
+
+class NanLossAt(Callback):
+    """The loss of optimizer step ``step`` becomes NaN (every micro-batch of it)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if step == self.step else loss
+
+
+class CrashAfter(Callback):
+    """``RuntimeError`` right after optimizer step ``step``'s update, before any checkpoint of it."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, step: int) -> None:
+        if step == self.step:
+            raise RuntimeError(f"simulated crash after step {step} ({CRASH_AFTER})")
+
+
+class _Both(Callback):
+    def __init__(self, parts: list[Callback]):
+        self.parts = parts
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        for p in self.parts:
+            loss = p.on_loss(step, loss)
+        return loss
+
+    def on_step_end(self, step: int) -> None:
+        for p in self.parts:
+            p.on_step_end(step)
 
 
 def _step(name: str) -> Optional[int]:
@@ -33,15 +78,12 @@ def _step(name: str) -> Optional[int]:
         raise ConfigError(f"{name}={raw!r} must be an optimizer step (an int)") from None
 
 
-class Faults:
-    """The faults asked for when a run starts (read once: a step loop never re-reads the environment)."""
-
-    def __init__(self) -> None:
-        self.nan_at, self.crash_after = _step(NAN_AT_STEP), _step(CRASH_AFTER)
-
-    def nan_loss(self, step: int) -> bool:
-        return step == self.nan_at
-
-    def after_update(self, step: int) -> None:
-        if step == self.crash_after:
-            raise RuntimeError(f"simulated crash after step {step} ({CRASH_AFTER})")
+def faults_from_env() -> Optional[Callback]:
+    """The faults the environment asks for (see the module docstring), or None when it asks for none."""
+    nan_at, crash_after = _step(NAN_AT_STEP), _step(CRASH_AFTER)
+    parts: list[Callback] = []
+    if nan_at is not None:
+        parts.append(NanLossAt(nan_at))
+    if crash_after is not None:
+        parts.append(CrashAfter(crash_after))
+    return None if not parts else parts[0] if len(parts) == 1 else _Both(parts)

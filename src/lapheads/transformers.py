@@ -25,10 +25,14 @@ gets Laplacian heads. Design choices:
 * A checkpoint with Laplacian heads never loads as a standard model. transformers 5 reads an
   ``"attn_implementation"`` key of ``config.json`` (``PreTrainedConfig.__init__`` pops it into
   ``config._attn_implementation``) but never writes one (``_attn_implementation_internal`` is in
-  its list of unserialised keys). Importing this module therefore wraps
-  ``PreTrainedConfig.to_dict`` once, so that a config with Laplacian heads serialises
-  ``"attn_implementation": SAVED_ATTN_IMPLEMENTATION`` (or the eager twin) and nothing else
-  changes for other configs. The saved name is the registered name plus the fix,
+  its list of unserialised keys). So every config this module touches (:func:`enable`,
+  :func:`from_pretrained`, a model's first forward with the Laplacian implementation) is marked
+  (:func:`mark_config`): that one instance gets a ``to_dict`` which serialises
+  ``"attn_implementation": SAVED_ATTN_IMPLEMENTATION`` (or the eager twin) while it has Laplacian
+  heads. No transformers class is patched; other configs in the process are untouched. The one
+  path this cannot see: a checkpoint loaded by plain ``from_pretrained`` and saved again before
+  any forward and without any call of this module; load it with :func:`from_pretrained` (or call
+  :func:`mark_config`) to re-save it. The saved name is the registered name plus the fix,
   ``"laplacian_sdpa (import lapheads.transformers first)"``: with this module imported it is a
   registered alias of :data:`ATTN_IMPLEMENTATION`, so plain ``AutoModelForCausalLM.from_pretrained``,
   ``pipeline(...)`` and lm-eval's ``HFLM`` get the Laplacian heads; without it transformers'
@@ -72,7 +76,6 @@ gets Laplacian heads. Design choices:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging as _logging
 import os
@@ -103,6 +106,7 @@ __all__ = [
     "SAVED_EAGER_ATTN_IMPLEMENTATION",
     "check_implementation",
     "is_laplacian_implementation",
+    "mark_config",
     "laplacian_sdpa_attention_forward",
     "laplacian_eager_attention_forward",
     "enable",
@@ -195,6 +199,7 @@ def _module_selection(module: Any, n_heads: int) -> LayerHeads:
     if getattr(module, "_laplacian_selection_key", None) == key:
         return module.laplacian_selection
     selections = layer_selections(config, n_heads)
+    mark_config(config)  # a model loaded the plain way saves the key again too
     if not 0 <= layer < len(selections):
         raise ConfigError(f"{type(module).__name__}.layer_idx={layer} is outside 0..{len(selections) - 1}")
     # Plain attributes (not buffers): never saved in state_dict, rebuilt when the spec changes.
@@ -427,25 +432,51 @@ def _saved_implementation(config: Any) -> Optional[str]:
     return _SAVED_NAME.get(getattr(config, "_attn_implementation", None), SAVED_ATTN_IMPLEMENTATION)
 
 
-def _wrap_to_dict() -> None:
-    """Make ``PreTrainedConfig.to_dict`` (hence ``save_pretrained`` / ``to_json_string``) write the key."""
-    original = PreTrainedConfig.to_dict
-    if getattr(original, "_lapheads_wrapped", False):  # a module reload must not wrap twice
-        return
-
-    @functools.wraps(original)
-    def to_dict(self: PreTrainedConfig) -> dict[str, Any]:
-        out = original(self)
-        name = _saved_implementation(self)
-        if name is not None:
-            out["attn_implementation"] = name
-        return out
-
-    to_dict._lapheads_wrapped = True  # type: ignore[attr-defined]
-    PreTrainedConfig.to_dict = to_dict  # type: ignore[method-assign]
+def _to_dict_with_implementation(self: PreTrainedConfig) -> dict[str, Any]:
+    out = super(_serialising_classes[type(self)], self).to_dict()
+    name = _saved_implementation(self)
+    if name is not None:
+        out["attn_implementation"] = name
+    return out
 
 
-_wrap_to_dict()
+def _rebuild_config(base: type, state: dict) -> PreTrainedConfig:
+    """Unpickle a marked config: the transformers class, then the mark again."""
+    config = base.__new__(base)
+    config.__dict__.update(state)
+    mark_config(config)
+    return config
+
+
+def _reduce_marked(self: PreTrainedConfig) -> tuple:
+    return _rebuild_config, (type(self).__mro__[1], dict(self.__dict__))
+
+
+_serialising_classes: dict[type, type] = {}  # marked subclass -> itself, transformers class -> its marked subclass
+
+
+def mark_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    """Make THIS config write ``attn_implementation`` to ``config.json`` (see the module docstring).
+
+    The instance's class becomes a subclass of its transformers class (same name and module, so
+    transformers' auto classes, ``isinstance`` and pickling see the class they expect) whose
+    ``to_dict`` adds the key whenever the config has Laplacian heads. No transformers class is
+    changed, so no other config in the process is affected. Called by :func:`enable`,
+    :func:`from_pretrained` and at a model's first forward with the Laplacian implementation.
+    Idempotent; returns ``config``.
+    """
+    cls = type(config)
+    if cls in _serialising_classes and _serialising_classes[cls] is cls:
+        return config
+    marked = _serialising_classes.get(cls)
+    if marked is None:
+        marked = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                            "to_dict": _to_dict_with_implementation,
+                                            "__reduce__": _reduce_marked})
+        _serialising_classes[cls] = marked
+        _serialising_classes[marked] = marked
+    config.__class__ = marked
+    return config
 
 
 def check_implementation(config: Any, attn_implementation: Optional[str]) -> None:
@@ -521,6 +552,7 @@ def enable(model_or_config: Union[PreTrainedModel, PreTrainedConfig], laplacian_
         model_or_config.set_attn_implementation(impl)
     else:
         config._attn_implementation = impl
+    mark_config(config)
     return model_or_config
 
 
@@ -618,7 +650,9 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     elif _config_spec(config) is not None:
         kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else ATTN_IMPLEMENTATION
     if not _learnable(config):
-        return model_class.from_pretrained(path, **kwargs)
+        model = model_class.from_pretrained(path, **kwargs)
+        mark_config(model.config)
+        return model
 
     # transformers warns that lap_mix_* are unexpected keys (its freshly built model lacks them);
     # _load_mixing restores them right after, so that warning would be wrong here.
@@ -629,4 +663,5 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     finally:
         hf_logging.set_verbosity(level)
     _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    mark_config(model.config)
     return model

@@ -12,43 +12,33 @@ Examples::
 Writes ``OUT/geometry.json`` (``{"runs": {label: analyze_model result}, "figures": [...]}``)
 and the PNG figures of :mod:`lapheads.geometry.plots` (several checkpoints share each figure).
 
-Design choices: a directory with ``config.json`` is a transformers checkpoint
-(``AutoModelForCausalLM`` when its architecture is a causal LM, else ``AutoModel``, loaded through
-``lapheads.transformers.from_pretrained`` so Laplacian heads in its config are restored; the
-tokenizer is read from the same directory); anything else must be a timm model name (``timm.create_model``
-with ``pretrained=False`` plus ``--model-args``; ``--weights`` loads a ``.safetensors`` /
-``.pt`` state dict strictly). Nothing is downloaded. Data loaders here are small and
-self-contained (digits, ImageFolder, pydoc, .txt) so the command does not depend on the training
-recipes. ``--run DIR`` reads a run of this project through its recipe (``lapheads.recipes.load_run``;
+Design choices: ``--checkpoint`` is read by :func:`lapheads.engine.pretrained.load_checkpoint` (a
+transformers directory, or a timm model name with ``--model-args`` and ``--weights``; nothing is
+downloaded) and fed by :func:`lapheads.geometry.batches.build_batches` (digits, ImageFolder, pydoc,
+.txt), so the command does not depend on the training recipes. ``--run DIR`` reads a run of this project through its recipe (``lapheads.recipes.load_run``;
 without ``--data``, :func:`lapheads.runs.analyze_run`).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import timm
 import torch
-import transformers
-from safetensors.torch import load_file
-from torchvision import datasets
-from torchvision.transforms import v2
 
-from .. import transformers as lap_tf
-from ..data.images import load_digits_arrays
 from ..engine.config import load_yaml
+from ..engine.pretrained import load_checkpoint
 from ..engine.run import lock_dir, lock_enclosing_run
 from ..errors import CheckpointError, ConfigError, DataError
+from ..geometry.batches import build_batches
 from ..geometry.capture import analyze_model, resolve_layers, save_geometry_json
 from ..geometry.plots import plot_all
 from ..outputs import check_out_dir
 from ..recipes import load_run
 from ..runs import analyze_run
 
-__all__ = ["main", "load_checkpoint", "build_batches"]
+__all__ = ["main"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,155 +53,6 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
         k, v = it.split("=", 1)
         out[k] = load_yaml(v, f"--model-args {it!r}")
     return out
-
-
-def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Optional[dict[str, Any]] = None
-                    ) -> tuple[torch.nn.Module, str, Any]:
-    """Load ``spec`` -> (model, kind "vit" | "hf", tokenizer or None).
-
-    Args:
-        spec: a transformers checkpoint directory or a timm model name.
-        weights: timm only: a ``.safetensors`` / ``.pt`` / ``.pth`` state dict.
-        model_args: timm only: keyword arguments of ``timm.create_model``.
-    """
-    p = Path(spec)
-    if p.exists():
-        if not (p.is_dir() and (p / "config.json").is_file()):
-            raise CheckpointError(f"{spec}: not a transformers checkpoint directory (no config.json); "
-                                  "give a directory saved with save_pretrained or a timm model name")
-        if weights:
-            raise ConfigError("--weights is for timm models; a transformers directory holds its weights")
-        cfg = transformers.AutoConfig.from_pretrained(p)
-        causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (cfg.architectures or []))
-        cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-        try:  # lapheads' loader: a config with laplacian_heads gets the Laplacian attention implementation
-            model = lap_tf.from_pretrained(str(p), model_class=cls)
-        except Exception as e:  # noqa: BLE001 - report any loader failure as a checkpoint error
-            raise CheckpointError(f"{spec}: cannot load the model: {e}") from e
-        tok = None
-        if any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            try:
-                tok = transformers.AutoTokenizer.from_pretrained(p)
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{spec}: cannot load the tokenizer: {e}") from e
-        return model, "hf", tok
-    if not timm.is_model(spec):
-        close = timm.list_models(f"*{spec.split('.')[0][:12]}*")[:8]
-        raise CheckpointError(f"{spec!r} is neither an existing directory nor a timm model name"
-                              + (f"; similar timm names: {', '.join(close)}" if close else ""))
-    try:
-        model = timm.create_model(spec, pretrained=False, **(model_args or {}))
-    except TypeError as e:
-        raise ConfigError(f"--model-args not accepted by timm model {spec}: {e}") from e
-    if weights:
-        wp = Path(weights)
-        if not wp.is_file():
-            raise CheckpointError(f"--weights {weights}: no such file")
-        try:
-            if wp.suffix == ".safetensors":
-                sd = load_file(str(wp))
-            else:
-                sd = torch.load(wp, map_location="cpu", weights_only=True)
-                sd = sd.get("model", sd) if isinstance(sd, dict) else sd
-            model.load_state_dict(sd)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"--weights {weights}: does not fit {spec} "
-                                  f"(check --model-args): {str(e)[:400]}") from e
-    return model, "vit", None
-
-
-# ---------------------------------------------------------------------------------------------
-# data
-
-
-class _Batches:
-    """Re-iterable batches (so NC4 can take its second pass) built lazily from a factory."""
-
-    def __init__(self, factory: Any, n: int) -> None:
-        self.factory, self.n = factory, n
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.factory())
-
-    def __len__(self) -> int:
-        return self.n
-
-
-def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_size: Optional[int]) -> _Batches:
-    if image_size is None:
-        sz = getattr(getattr(model, "patch_embed", None), "img_size", None)
-        image_size = int(sz[0] if isinstance(sz, (tuple, list)) else (sz or 224))
-    cfg = getattr(model, "pretrained_cfg", {}) or {}
-    mean = torch.tensor(cfg.get("mean", (0.5, 0.5, 0.5)))[:, None, None]
-    std = torch.tensor(cfg.get("std", (0.5, 0.5, 0.5)))[:, None, None]
-    if data == "digits":
-        raw, target = load_digits_arrays()
-        imgs = torch.tensor(raw, dtype=torch.float32)[:, None] / 16.0
-        labels = torch.tensor(target, dtype=torch.int64)
-
-        def gen() -> Iterator[Any]:
-            for i in range(0, len(labels), batch_size):
-                x = torch.nn.functional.interpolate(imgs[i:i + batch_size], size=(image_size, image_size),
-                                                    mode="bilinear", align_corners=False)
-                yield (x.expand(-1, 3, -1, -1) - mean) / std, labels[i:i + batch_size]
-        return _Batches(gen, math.ceil(len(labels) / batch_size))
-    p = Path(data)
-    if not p.is_dir():
-        raise DataError(f"--data {data}: expected 'digits' or an ImageFolder directory (class subfolders)")
-    tf = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                     v2.Normalize(mean.flatten().tolist(), std.flatten().tolist())])
-    try:
-        ds = datasets.ImageFolder(str(p), transform=tf)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise DataError(f"--data {data}: not a usable ImageFolder: {e}") from e
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, num_workers=0)
-    return _Batches(lambda: loader, len(loader))
-
-
-def _text_batches(model: torch.nn.Module, tok: Any, data: str, batch_size: int, seq_len: int,
-                  max_batches: Optional[int]) -> _Batches:
-    if tok is None:
-        raise CheckpointError("text data needs a tokenizer saved in the checkpoint directory "
-                              "(tokenizer.json / tokenizer_config.json)")
-    if data == "pydoc":
-        from pydoc_data.topics import topics  # a 0.8 MB module: only for --data pydoc
-        text = "\n\n".join(topics[k] for k in sorted(topics))
-    else:
-        p = Path(data)
-        if not p.is_file():
-            raise DataError(f"--data {data}: expected 'pydoc' or a text file")
-        text = p.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise DataError(f"--data {data}: the corpus is empty")
-    if max_batches:  # tokenise only what will be used (about 12 characters per token is ample)
-        text = text[:max_batches * batch_size * seq_len * 12]
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
-    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-    if vocab and ids.numel() and int(ids.max()) >= vocab:
-        raise DataError(f"the tokenizer produced id {int(ids.max())} but the model's vocabulary has {vocab} entries")
-    n_rows = ids.numel() // seq_len
-    if n_rows == 0:
-        raise DataError(f"--data {data}: {ids.numel()} tokens, fewer than one sequence of --seq-len {seq_len}")
-    rows = ids[:n_rows * seq_len].view(n_rows, seq_len)
-
-    def gen() -> Iterator[Any]:
-        for i in range(0, n_rows, batch_size):
-            r = rows[i:i + batch_size]
-            yield {"input_ids": r, "attention_mask": torch.ones_like(r)}
-    return _Batches(gen, math.ceil(n_rows / batch_size))
-
-
-def build_batches(model: torch.nn.Module, kind: str, tok: Any, data: str, batch_size: int = 32,
-                  seq_len: int = 128, image_size: Optional[int] = None,
-                  max_batches: Optional[int] = None) -> _Batches:
-    """Batches of ``data`` suited to ``model`` (images for "vit", token rows for "hf")."""
-    if kind == "vit":
-        if data == "pydoc" or data.endswith(".txt"):
-            raise ConfigError(f"--data {data} is text but the checkpoint is a vision model")
-        return _vision_batches(model, data, batch_size, image_size)
-    if data == "digits":
-        raise ConfigError("--data digits is images but the checkpoint is a language model")
-    return _text_batches(model, tok, data, batch_size, seq_len, max_batches)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import dist as D
 from .checkpoint import latest_checkpoint
-from .run import RunDir
+from .run import RunDir, SameValue
 from .threads import configure_threads
 from .trainer import RunInterrupted, Task, Trainer, seed_everything
 
@@ -42,8 +42,11 @@ def _agree(info: D.DistInfo, outcome: Any) -> Any:
 
 
 def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task], out: str, *,
-           resume: bool = False, overwrite: bool = False) -> dict:
-    """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``."""
+           resume: bool = False, overwrite: bool = False, same: Optional[SameValue] = None) -> dict:
+    """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``.
+
+    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`).
+    """
     info = D.init_distributed(cfg.train.device)
     threads, why = configure_threads(cfg.train.threads)  # before any tensor work (engine/threads.py)
     if info.is_main and cfg.train.progress:
@@ -55,7 +58,7 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
         if info.is_main:
             try:
                 run.lock()
-                outcome = run.check(cfg, recipe, resume=resume, overwrite=overwrite)
+                outcome = run.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
             except Exception as e:  # handed to the other ranks, which raise it too
                 outcome = e
         resume = _agree(info, outcome)
@@ -68,7 +71,7 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
             trainer.restore()
         started = True
         if info.is_main:
-            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True)
+            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True, same=same)
         D.barrier()
         return trainer.fit(resume=resume)
     except RunInterrupted:

@@ -49,13 +49,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import yaml
 
 from ..errors import CheckpointError, ConfigError
-from ..heads import LaplacianHeads
 from ..outputs import check_out_dir
 from .checkpoint import atomic_write_text
 from .config import load_yaml, to_dict
@@ -109,30 +108,27 @@ def flatten_config(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): d}
 
 
+SameValue = Callable[[str, Any, Any], bool]
+"""``same(key, old, new)``: whether two values of a dotted config key are the same setting."""
+
+
+def _equal(key: str, old: Any, new: Any) -> bool:
+    return old == new
+
+
 def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE,
-                   defaults: Optional[dict] = None) -> list[str]:
+                   defaults: Optional[dict] = None, same: SameValue = _equal) -> list[str]:
     """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out.
 
     With ``defaults`` (the recipe's default config), a key the old config lacks because it was
     added to the recipe later (e.g. ``model.in_chans``) is no change while the new config leaves
-    it at its default.
+    it at its default. ``same`` is the recipe's equality rule (two spellings of one setting are no
+    change); plain ``==`` by default.
     """
     a, b = flatten_config(old), flatten_config(new)
     d = flatten_config(defaults) if defaults is not None else {}
-    return sorted(k for k in set(a) | set(b) if not _same_value(k, a.get(k), b.get(k)) and k not in allowed
+    return sorted(k for k in set(a) | set(b) if not same(k, a.get(k), b.get(k)) and k not in allowed
                   and not (k not in a and k in d and b.get(k) == d[k]))
-
-
-def _same_value(key: str, x: Any, y: Any) -> bool:
-    """Equal values; for a ``laplacian_heads`` key, equal settings (``None``, ``"none"`` and ``0`` are one)."""
-    if x == y:
-        return True
-    if key.rsplit(".", 1)[-1] != "laplacian_heads":
-        return False
-    try:
-        return LaplacianHeads(x).label() == LaplacianHeads(y).label()
-    except ConfigError:
-        return False
 
 
 def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:
@@ -324,12 +320,14 @@ class RunDir:
     def _only_leftovers(self) -> bool:
         return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
 
-    def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool) -> bool:
+    def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool,
+              same: Optional[SameValue] = None) -> bool:
         """Check that the run can start here; returns whether it resumes an existing run.
 
         Raises before anything is touched when the directory would be overwritten or the config
         of a resumed run changed. ``--resume`` of a directory that holds no complete run (only
-        the leftovers of a start killed before ``config.yaml`` was written) starts afresh.
+        the leftovers of a start killed before ``config.yaml`` was written) starts afresh. ``same``
+        is the recipe's rule for equal values (:func:`config_changes`).
         """
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
@@ -343,7 +341,8 @@ class RunDir:
             new = {"recipe": recipe, **to_dict(cfg)}
             # plus the keys a config derives from the world size (lm: train.grad_accum from data.total_batch_tokens)
             allowed = RESUME_MUTABLE | (cfg.resume_mutable() if hasattr(cfg, "resume_mutable") else set())
-            changed = config_changes(old, new, allowed, defaults={"recipe": recipe, **to_dict(type(cfg)())})
+            changed = config_changes(old, new, allowed, defaults={"recipe": recipe, **to_dict(type(cfg)())},
+                                     same=same or _equal)
             if changed:
                 raise ConfigError(
                     f"--resume: the config differs from {self.config_path} at "
@@ -361,14 +360,14 @@ class RunDir:
         return False
 
     def prepare(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, is_main: bool = True,
-                write: bool = True) -> bool:
+                write: bool = True, same: Optional[SameValue] = None) -> bool:
         """Check (see :meth:`check`), then create the directory and write ``config.yaml`` +
         ``meta.json``; returns whether the run resumes.
 
         With ``write=False`` it only checks (nothing is touched), so a caller can validate data
         before the first file is written. The caller holds :meth:`lock` when it writes.
         """
-        resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite)
+        resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
         if not is_main or not write:
             return resume
         if not resume and self.path.is_dir():  # --overwrite, or leftovers of a killed start

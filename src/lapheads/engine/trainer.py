@@ -67,11 +67,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, LapheadsError, NonFiniteError
-from ..heads import mixing_table
 from ..stats import evals_without_improvement
-from ..testing import Faults
 from . import dist as D
 from . import fsdp as F
+from .callbacks import active_callbacks
 from .checkpoint import (begin_checkpoint, commit_checkpoint, latest_checkpoint, load_tensors, load_weights,
                          safe_torch_load, save_tensors, write_checkpoint, write_files)
 from .config import bounded
@@ -192,6 +191,11 @@ class Task:
         raise TypeError(f"{type(self).__name__} must override Task.loss()")
 
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
+        return {}
+
+    def extra_metrics(self, model: nn.Module) -> dict[str, Any]:
+        """Logged with every evaluation besides :meth:`evaluate`'s metrics (JSON-serialisable
+        values, e.g. a recipe's per-layer table of learned parameters)."""
         return {}
 
     def on_step_start(self, step: int, total: int) -> None:
@@ -329,7 +333,7 @@ class Trainer:
 
     def __init__(self, task: Task, cfg: TrainConfig, run: RunDir, info: Optional[D.DistInfo] = None):
         self.task, self.cfg, self.run = task, cfg, run
-        self.faults = Faults()
+        self.callbacks = active_callbacks()  # read once: a step loop never re-reads the environment
         self.info = info or D.DistInfo()
         self.device = self.info.device
         self.total = cfg.max_steps or task.total_steps()
@@ -658,8 +662,8 @@ class Trainer:
                 with ctx:
                     with autocast:
                         loss, metrics = self.task.loss(self.ddp_model, batch, step)
-                    if self.faults.nan_loss(step):  # tests only (lapheads.testing)
-                        loss = loss * float("nan")
+                    for cb in self.callbacks:
+                        loss = cb.on_loss(step, loss)
                     if not torch.isfinite(loss.detach()):
                         loss_finite = False
                     (loss / cfg.grad_accum).backward()
@@ -692,7 +696,8 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update(self.model)
             self.task.after_optimizer_step(step, self.total)
-            self.faults.after_update(step)  # tests only (lapheads.testing)
+            for cb in self.callbacks:
+                cb.on_step_end(step)
             self.step += 1
             bar.update(1)
             if self.step % max(1, cfg.log_every) == 0 or self.step == self.total:
@@ -757,9 +762,8 @@ class Trainer:
         with torch.no_grad():
             res = self.task.evaluate(self.model, self.ema.module if self.ema else None, self.step)
         self.model.train()
-        mix = mixing_table(self.model)
-        if mix and res is not None:  # learnable head mixing: (a, b) per layer and head (report plots it)
-            res = {**res, "lap_mix": mix}
+        if res is not None:
+            res = {**res, **self.task.extra_metrics(self.model)}
         if res:
             self._log({"step": self.step, "split": "val", **res})
         return res

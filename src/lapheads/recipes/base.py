@@ -10,7 +10,10 @@ through ``if recipe == ...`` chains:
 ``config_type``     its config dataclass (parsed and validated by :func:`lapheads.engine.config.load_config`;
                     an optional ``resume_mutable()`` method names keys a ``--resume`` may change)
 ``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
-``build_task``      the engine :class:`~lapheads.engine.Task` for a config
+``build_task``      the engine :class:`~lapheads.engine.Task` for a config (a :class:`HeadsTask`: its
+                    evaluations also log the learned head mixing, ``lap_mix``)
+``same_setting``    the run-equality rule of ``--resume`` and sweeps (two spellings of one head
+                    setting are the same run)
 ``train``           run it into a directory (default: one engine launch)
 ``load_run``        a finished run's model, tokenizer / eval transform, heads: a :class:`LoadedRun`
 ``heads``           the run's Laplacian-head setting, read from the run directory (one rule)
@@ -34,7 +37,8 @@ from ..engine import DistInfo, Task
 from ..engine.config import from_dict
 from ..engine.launch import launch
 from ..engine.run import RunDir
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LapheadsError
+from ..heads import LaplacianHeads, mixing_table
 
 
 @dataclass
@@ -76,6 +80,16 @@ def vision_batches(dataset: Any, transform: Any, batch_size: int, max_items: int
     return batches
 
 
+class HeadsTask(Task):
+    """The engine :class:`~lapheads.engine.Task` of a recipe whose models carry Laplacian heads: with
+    learnable mixing, every evaluation also logs ``lap_mix`` (per layer: ``a``, ``b`` and the
+    Laplacian-ness of each head, :func:`lapheads.heads.mixing_table`), which the report plots."""
+
+    def extra_metrics(self, model: nn.Module) -> dict[str, Any]:
+        mix = mixing_table(model)
+        return {"lap_mix": mix} if mix else {}
+
+
 class Recipe(ABC):
     """Base class of every recipe (see the module docstring for the contract)."""
 
@@ -93,7 +107,19 @@ class Recipe(ABC):
     def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
         """Train ``cfg`` into run directory ``out``; returns the final metrics."""
         return launch(self.name, cfg, lambda c, info: self.build_task(c, info, run_dir=out), str(out),
-                      resume=resume, overwrite=overwrite)
+                      resume=resume, overwrite=overwrite, same=self.same_setting)
+
+    def same_setting(self, key: str, old: Any, new: Any) -> bool:
+        """The run-equality rule (``--resume``, sweeps): equal values, and for a ``laplacian_heads``
+        key equal head settings (``None``, ``"none"`` and ``0`` are one)."""
+        if old == new:
+            return True
+        if key.rsplit(".", 1)[-1] != "laplacian_heads":
+            return False
+        try:
+            return LaplacianHeads(old).label() == LaplacianHeads(new).label()
+        except LapheadsError:
+            return False
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         """What ``lapheads train <name>`` prints when :meth:`train` returns ``result``."""

@@ -47,7 +47,7 @@ from ..vision.backbones import frozen
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
 # here also so that `from lapheads.recipes.classify import check_channels` keeps working
 from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
-from .base import LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Recipe
 
 
 @dataclass
@@ -203,7 +203,7 @@ def evaluate_classifier(model: nn.Module, dataset, transform, num_classes: int, 
             "per_class_acc": [float(h) / float(c) if c else None for h, c in zip(per_class_hits, per_class_n)]}
 
 
-class ClassifyTask(Task):
+class ClassifyTask(HeadsTask):
     name = "classify"
 
     def __init__(self, cfg: ClassifyConfig, info: DistInfo):

@@ -82,7 +82,7 @@ from ..vision.backbones import create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
 from ..vision.transforms import (IMAGENET_MEAN, IMAGENET_STD, EvalTransform, MultiCropAugment, check_channels,
                                  in_chans_of)
-from .base import LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Recipe
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def _load_images(spec: str, split: str, what: str) -> Any:
     return ds
 
 
-class DinoTask(Task):
+class DinoTask(HeadsTask):
     """DINO as a :class:`lapheads.engine.Task` (see the module docstring)."""
 
     name = "dino"

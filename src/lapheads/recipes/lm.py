@@ -69,7 +69,7 @@ from ..errors import CheckpointError, ConfigError, DataError
 from ..lm.model import (LMModelConfig, LMOptimConfig, budget_steps, build_model, build_optimizers, count_params,
                         muon_momentum)
 from ..lm.tokenizer import load_tokenizer, stop_token_ids, tokenizer_hash, train_tokenizer
-from .base import LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Recipe
 
 __all__ = ["LMDataConfig", "SampleConfig", "LMConfig", "LMTask", "build_task", "load_model", "token_bytes",
            "prepare_data", "bits_per_byte", "LMRecipe", "RECIPE"]
@@ -294,7 +294,7 @@ def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------- the task
-class LMTask(Task):
+class LMTask(HeadsTask):
     """Pretraining as an engine :class:`Task` (see the module docstring)."""
 
     name = "lm"

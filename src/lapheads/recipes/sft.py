@@ -56,7 +56,7 @@ from ..engine.run import RunDir
 from ..errors import ConfigError, DataError
 from ..lm.model import LMOptimConfig, build_optimizers, count_params
 from ..lm.tokenizer import render_chat, tokenizer_hash
-from .base import LoadedRun
+from .base import HeadsTask, LoadedRun
 from .lm import RECIPE as LM_RECIPE
 from .lm import LMDataConfig, LMRecipe, export_hf, load_model
 
@@ -250,7 +250,7 @@ def pack_rows(convs: Sequence[tuple[list[int], list[int]]], row_tokens: int) -> 
 
 
 # --------------------------------------------------------------------------- the task
-class SFTTask(Task):
+class SFTTask(HeadsTask):
     """SFT as an engine :class:`Task` (see the module docstring)."""
 
     name = "sft"
