@@ -1,100 +1,146 @@
-"""Chat evaluation: multiple-choice scoring, GSM8K extraction, pass@k, HumanEval end to end, and a
-tiny random transformers model through evaluate_tasks."""
+"""Chat evaluation through lm-evaluation-harness (lapheads.lm.tasks): prompts, multiple-choice accuracy
+against the model's own letter log-likelihoods, GSM8K answers against greedy replies and known
+replies, HumanEval pass@k through the sandbox, and the checks made before any model work."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
-from lapheads.data.tasks import TaskItem, load_task
+from lapheads.data.tasks import LETTERS, load_task
 from lapheads.errors import ConfigError, DataError
-from lapheads.lm.chat_eval import (answer_token_ids, evaluate_humaneval, evaluate_multiple_choice,
-                                   evaluate_tasks, extract_answer, extract_code, make_generator,
-                                   pass_at_k, render_multiple_choice)
+from lapheads.lm.tasks import (CHAT_TASKS, TASKS_DIR, chat_prompt, choice_doc_to_text, extract_answer, extract_code,
+                               pass_at_k, render_multiple_choice)
+from lapheads.lm.tokenizer import render_chat
+from lapheads.sandbox import sandbox_status
 
-LETTER_COUNT = 4
+from _lm_helpers import chat_task_files, offline, scripted_lm
 
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")
 
-class CharTokenizer:
-    """Bytes as tokens, no special tokens (so the plain-text prompt format is used)."""
-
-    pad_token_id = 0
-    eos_token_id = 3
-
-    def encode(self, text, add_special_tokens=False):
-        return ([1] if add_special_tokens else []) + [min(b, 250) + 5 for b in text.encode()]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i - 5 for i in ids if i >= 5).decode("utf-8", "replace")
+pytestmark = pytest.mark.xdist_group("chat_eval")  # one random model and one set of task files per module
 
 
-class HashLM(nn.Module):
-    """Logits with a known answer: at position t it favours letter (sum of real tokens <= t) % 4.
+def _chat_tokenizer():
+    """A small byte-level BPE with this project's special tokens (what render_chat needs)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
-    Padded positions favour a *different* letter, so reading the wrong position (or letting the
-    pads into the sum) changes the prediction.
-    """
-
-    def __init__(self, letter_ids, vocab=256):
-        super().__init__()
-        self.register_buffer("letters", torch.tensor(letter_ids))
-        self.vocab = vocab
-        self.calls = 0
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        self.calls += 1
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        choice = (input_ids * mask).cumsum(1) % LETTER_COUNT
-        choice = torch.where(mask.bool(), choice, (choice + 1) % LETTER_COUNT)
-        logits = torch.zeros(*input_ids.shape, self.vocab)
-        logits.scatter_(2, self.letters[choice].unsqueeze(-1), 5.0)
-        return SimpleNamespace(logits=logits)
+    specials = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>", "<|pad|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["Multiple Choice question: which answer is right?",
+                                 "def add(a, b):\n    return a + b\n", "#### 42"], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|bos|>",
+                                   eos_token="<|assistant_end|>", pad_token="<|pad|>",
+                                   additional_special_tokens=specials[1:4] + specials[5:9])
 
 
-def _mc_items(n=11):
-    items = []
-    for i in range(n):
-        k = 3 if i % 5 == 4 else 4
-        items.append(TaskItem("mmlu", "choice", str(i), f"Question number {i}{'?' * (i % 3)}",
-                              choices=[f"option {j} of {i}" for j in range(k)], answer_index=i % k))
-    return items
+@pytest.fixture(scope="module")
+def llama():
+    """A random tiny Llama whose answers differ from item to item (large initial weights), with a
+    lapheads run's generation config: a reply ends at <|assistant_end|> or <|bos|>."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tok = _chat_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      initializer_range=0.5)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.bos_token_id]
+    return model, tok
 
 
-def test_multiple_choice_matches_expected_and_is_padding_invariant():
-    tok = CharTokenizer()
-    render = lambda msgs: [1] + tok.encode(msgs[0]["content"])  # noqa: E731
-    shared, letter_ids = answer_token_ids(tok, "ABCD", " ")
-    assert shared == tok.encode(" ") and letter_ids == [tok.encode(c)[0] for c in "ABCD"]
-    items = _mc_items()
-    expected_correct = 0
-    for it in items:
-        fav = sum(render([{"role": "user", "content": render_multiple_choice(it)}]) + shared) % 4
-        pred = fav if fav < len(it.choices) else 0  # letters past the choices are excluded
-        expected_correct += int(pred == it.answer_index)
-    model = HashLM(letter_ids)
-    runs = [evaluate_multiple_choice(model, tok, items, render, " ", batch_size=bs, padding_side=side,
-                                     progress=False)
-            for side in ("left", "right") for bs in (1, 4, 11)]
-    assert all(r["predictions"] == runs[0]["predictions"] for r in runs)
-    assert all(r["correct"] == expected_correct and r["total"] == len(items) for r in runs)
-    assert runs[0]["accuracy"] == pytest.approx(expected_correct / len(items))
-    assert 0 < expected_correct < len(items)  # the check can tell right from wrong
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return chat_task_files(tmp_path_factory.mktemp("chat_tasks"), humaneval=6)
 
 
-def test_answer_letters_must_be_distinct_tokens():
-    class Collapsing(CharTokenizer):
-        def encode(self, text, add_special_tokens=False):
-            return [7] * len(text)
-    with pytest.raises(ConfigError, match="distinct tokens"):
-        answer_token_ids(Collapsing(), "AB", "")
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    offline(monkeypatch, tmp_path / "hf_datasets")
 
 
+def _user_message(name, item):
+    return render_multiple_choice(item) if item.kind == "choice" else item.question
+
+
+# ------------------------------------------------------------------------------------ prompts
+def test_prompts_are_render_chat_with_one_bos(llama, files):
+    """What lm-eval's HFLM feeds the model is exactly render_chat(..., add_generation_prompt=True)."""
+    from lapheads.lm.evaluate import make_lm_eval_model
+
+    model, tok = llama
+    lm = make_lm_eval_model(model, tok)
+    for name, path in files.items():
+        for item in load_task(name, path):
+            want = render_chat(tok, [{"role": "user", "content": _user_message(name, item)}],
+                               add_generation_prompt=True)[0]
+            assert lm.tok_encode(chat_prompt(_user_message(name, item))) == want, (name, item.id)
+            if item.kind == "choice":
+                lines = render_multiple_choice(item).splitlines()
+                assert [f"- {c}={L}" for c, L in zip(item.choices, LETTERS)] == [x for x in lines if x.startswith("- ")]
+    row = json.loads(open(files["arc_challenge"]).readline())  # the original AI2 layout: labels 1-3 become A-C
+    item = load_task("arc_challenge", files["arc_challenge"])[0]
+    assert choice_doc_to_text(row) == chat_prompt(render_multiple_choice(item))
+    assert item.meta["labels"] == ["1", "2", "3"] and item.letters == ["A", "B", "C"]
+
+
+def test_the_task_directory_indexes_the_five_chat_tasks():
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    assert tm.all_subtasks == sorted(CHAT_TASKS.values()) and tm.all_tags == ["lapheads_chat"]
+
+
+# --------------------------------------------------------------------------- multiple choice
+def test_multiple_choice_accuracy_is_the_argmax_of_the_letters_log_likelihoods(llama, files, no_hub):
+    """Reference computed here: one forward pass per prompt, the next-token log-probabilities of the
+    letters of its choices, argmax; lm-eval's acc and the report's predictions must agree with it."""
+    from lapheads.lm.evaluate import run_chat_tasks
+
+    model, tok = llama
+    names = ("arc_easy", "arc_challenge", "mmlu")
+    res = run_chat_tasks(model, tok, {n: files[n] for n in names}, batch_size=3, bootstrap_iters=0)
+    letter_ids = [tok.encode(L, add_special_tokens=False) for L in LETTERS[:4]]
+    assert all(len(i) == 1 for i in letter_ids)
+    all_preds = []
+    for name in names:
+        items = load_task(name, files[name])
+        preds = []
+        for item in items:
+            ids = render_chat(tok, [{"role": "user", "content": render_multiple_choice(item)}],
+                              add_generation_prompt=True)[0]
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            scores = [float(lp[letter_ids[j][0]]) for j in range(len(item.choices))]
+            preds.append(max(range(len(scores)), key=scores.__getitem__))
+        r = res["chat"][name]
+        assert r["predictions"] == [LETTERS[p] for p in preds], name
+        want = sum(p == it.answer_index for p, it in zip(preds, items)) / len(items)
+        assert r["accuracy"] == pytest.approx(want) and r["total"] == len(items)
+        assert res["lm_eval"]["results"][CHAT_TASKS[name]]["acc,none"] == pytest.approx(want)
+        assert r["baseline"] == pytest.approx(sum(1 / len(it.choices) for it in items) / len(items))
+        all_preds += preds
+    assert len(set(all_preds)) > 1  # the reference can tell one answer from another
+    centered = [(res["chat"][n]["accuracy"] - res["chat"][n]["baseline"]) / (1 - res["chat"][n]["baseline"])
+                for n in names]
+    assert res["chat"]["chatcore"] == pytest.approx(sum(centered) / len(centered))
+
+
+# --------------------------------------------------------------------------------------- GSM8K
 @pytest.mark.parametrize("text,expected", [
     ("so the total is 42.\n#### 42", "42"),
     ("#### 1,234", "1234"),
@@ -110,6 +156,41 @@ def test_gsm8k_answer_extraction(text, expected):
     assert extract_answer(text) == expected
 
 
+def test_gsm8k_exact_match_of_known_replies(files, no_hub):
+    from lapheads.lm.evaluate import evaluate_chat_lm
+
+    items = load_task("gsm8k", files["gsm8k"])
+    assert [it.target for it in items] == ["5", "15", "14", "9"]
+    replies = ["2 + 3 = 5\n#### 5", "He has 15 apples.", "#### 13", "I do not know."]
+    lm = scripted_lm({chat_prompt(it.question): [r] for it, r in zip(items, replies)})
+    r = evaluate_chat_lm(lm, {"gsm8k": files["gsm8k"]}, bootstrap_iters=0)["chat"]["gsm8k"]
+    assert r["answers"] == ["5", "15", "13", None] and r["correct"] == 2 and r["accuracy"] == pytest.approx(0.5)
+    assert sorted(lm.asked) == sorted(chat_prompt(it.question) for it in items)
+
+
+def test_gsm8k_answers_are_the_final_numbers_of_greedy_replies(llama, files, no_hub):
+    """Reference computed here: greedy tokens by full recompute, cut at the first stop token."""
+    from lapheads.lm.evaluate import run_chat_tasks
+
+    model, tok = llama
+    n_new, stops = 12, set(model.generation_config.eos_token_id)
+    r = run_chat_tasks(model, tok, {"gsm8k": files["gsm8k"]}, batch_size=3, max_new_tokens=n_new,
+                       bootstrap_iters=0)["chat"]["gsm8k"]
+    want = []
+    for item in load_task("gsm8k", files["gsm8k"]):
+        seq = render_chat(tok, [{"role": "user", "content": item.question}], add_generation_prompt=True)[0]
+        new = []
+        with torch.no_grad():
+            for _ in range(n_new):
+                t = int(model(torch.tensor([seq + new])).logits[0, -1].argmax())
+                if t in stops:
+                    break
+                new.append(t)
+        want.append(extract_answer(tok.decode(new, skip_special_tokens=True)))
+    assert r["answers"] == want and any(a is not None for a in want)
+
+
+# ----------------------------------------------------------------------------------- HumanEval
 def _brute_pass_at_k(n, c, k):
     samples = [True] * c + [False] * (n - c)
     subsets = list(itertools.combinations(range(n), k))
@@ -131,111 +212,58 @@ def test_extract_code():
     assert extract_code("    return 1\n") == "    return 1\n"
 
 
-def test_humaneval_end_to_end_with_fake_generator():
-    items = load_task("humaneval", max_items=6)
-    index = {it.question: i for i, it in enumerate(items)}
-    render = lambda msgs: [index[msgs[0]["content"]]]  # noqa: E731
-    n = 3
-    good_counts = [3, 0, 2, 1, 3, 0]  # correct samples per problem
+def test_humaneval_pass_at_k_of_passing_and_failing_completions_run_in_the_sandbox(files, no_hub, monkeypatch):
+    """10 samples per problem, right (the canonical body; problem 4 as a whole function in a fenced
+    block, chat style) or wrong (``return None``), run by the lm-eval task through lapheads.sandbox."""
+    from lapheads.lm.evaluate import evaluate_chat_lm
 
-    def fake_generate(prompts, num_samples):
-        assert num_samples == n
-        out = []
-        for (i,) in prompts:
-            it = items[i]
-            right = it.solution
-            if i == 4:  # chat style: the whole function in a fenced block
-                right = f"Sure!\n```python\n{it.question}{it.solution}```\nHope it helps."
-            out.append([right if s < good_counts[i] else "    return None\n" for s in range(n)])
-        return out
-
-    res = evaluate_humaneval(items, fake_generate, render, num_samples=n, ks=(1, 2, 5),
-                             timeout=5, workers=2, progress=False)
-    assert res["per_problem"] == {it.id: c for it, c in zip(items, good_counts)}
-    assert res["pass@1"] == pytest.approx(sum(good_counts) / (n * len(items)))
-    assert res["pass@2"] == pytest.approx(sum(_brute_pass_at_k(n, c, 2) for c in good_counts) / len(items))
-    assert "pass@5" not in res and res["total"] == 6 and res["passed_samples"] == sum(good_counts)
-    assert res["statuses"] == {"passed": sum(good_counts), "failed": n * 6 - sum(good_counts)}
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
+    items = load_task("humaneval", files["humaneval"])
+    n, good = 10, [10, 0, 7, 1, 10, 3]
+    replies = {}
+    for i, it in enumerate(items):
+        right = it.solution if i != 4 else f"Sure!\n```python\n{it.question}{it.solution}```\nHope it helps."
+        replies[chat_prompt(it.question)] = [right if s < good[i] else "    return None\n" for s in range(n)]
+    unsafe = not sandbox_status().available  # the canonical solutions are trusted code
+    r = evaluate_chat_lm(scripted_lm(replies), {"humaneval": files["humaneval"]}, num_samples=n, temperature=0.7,
+                         allow_unsafe_code=unsafe, bootstrap_iters=0)["chat"]["humaneval"]
+    assert r["per_problem"] == {it.id: c for it, c in zip(items, good)}
+    assert r["statuses"] == {"passed": sum(good), "failed": n * len(items) - sum(good)}
+    assert r["pass@1"] == pytest.approx(sum(good) / (n * len(items))) == r["accuracy"]
+    assert r["pass@10"] == pytest.approx(sum(_brute_pass_at_k(n, c, 10) for c in good) / len(items))
+    assert "pass@100" not in r and r["num_samples"] == n and r["passed_samples"] == sum(good)
+    assert "HF_ALLOW_CODE_EVAL" not in os.environ
 
 
-# ---------------------------------------------------------------------- tiny transformers model
-def _chat_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-                "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>", "<|pad|>"]
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["Multiple Choice question: which answer is right?",
-                                 "def add(a, b):\n    return a + b\n", "#### 42"], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|bos|>",
-                                   eos_token="<|assistant_end|>", pad_token="<|pad|>",
-                                   additional_special_tokens=specials[1:4] + specials[5:9])
-
-
-def _write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def test_tiny_llama_through_evaluate_tasks(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = _chat_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    model = LlamaForCausalLM(cfg)
-    arc = _write_jsonl(tmp_path / "arc.jsonl", [
-        {"id": f"a{i}", "question": f"Question {i}?", "answerKey": "ABC"[i],
-         "choices": {"text": ["red", "green", "blue"], "label": ["A", "B", "C"]}} for i in range(3)])
-    mmlu = _write_jsonl(tmp_path / "mmlu.jsonl", [
-        {"question": f"Q{i}", "subject": "x", "choices": ["1", "2", "3", "4"], "answer": i} for i in range(4)])
-    gsm = _write_jsonl(tmp_path / "gsm.jsonl", [
-        {"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(3)])
-    res = evaluate_tasks(model, tok, {"arc_easy": arc, "mmlu": mmlu, "gsm8k": gsm, "humaneval": None},
-                         max_items=3, batch_size=2, max_new_tokens=6, sandbox_timeout=5,
-                         progress=False)
-    assert set(res) == {"arc_easy", "mmlu", "gsm8k", "humaneval", "chatcore"}
-    for name in ("arc_easy", "mmlu", "gsm8k"):
-        r = res[name]
-        assert r["total"] == 3 and 0 <= r["correct"] <= 3
-        assert 0.0 <= r["accuracy"] <= 1.0 and r["accuracy"] == pytest.approx(r["correct"] / 3)
-    assert len(res["arc_easy"]["predictions"]) == 3 and set(res["arc_easy"]["predictions"]) <= set("ABC")
-    assert res["mmlu"]["baseline"] == pytest.approx(0.25)
-    assert len(res["gsm8k"]["answers"]) == 3
-    he = res["humaneval"]
-    assert he["total"] == 3 and he["num_samples"] == 1 and 0.0 <= he["pass@1"] <= 1.0
-    assert sum(he["statuses"].values()) == 3
-    assert math.isfinite(res["chatcore"])
-
-    # Multiple-choice predictions do not depend on padding side or batch size for a real model.
-    items = load_task("mmlu", mmlu)
-    a = evaluate_multiple_choice(model, tok, items, batch_size=4, padding_side="left", progress=False)
-    b = evaluate_multiple_choice(model, tok, items, batch_size=1, padding_side="right", progress=False)
-    assert a["predictions"] == b["predictions"]
-
-    # Greedy generation: transformers' generate and the plain recompute loop agree.
-    prompts = [tok.encode("hello", add_special_tokens=False), tok.encode("def", add_special_tokens=False)]
-    hf = make_generator(model, tok, max_new_tokens=5)(prompts, 1)
-    plain = make_generator(lambda input_ids, attention_mask=None, position_ids=None:
-                           model(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids),
-                           tok, max_new_tokens=5, device=torch.device("cpu"))(prompts, 1)
-    assert hf == plain
-
-
+# ------------------------------------------------------------------- checks before the model
 def test_bad_task_file_fails_before_the_model_runs(tmp_path):
-    model = HashLM([10, 11, 12, 13])
+    from lapheads.lm.evaluate import run_chat_tasks
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "choices": ["a", "b"]}\n')
+    never = SimpleNamespace()  # any use of the model or the tokenizer would raise AttributeError
     with pytest.raises(DataError, match=r"bad\.jsonl:1: missing field 'answer'"):
-        evaluate_tasks(model, CharTokenizer(), {"mmlu": str(bad)}, progress=False)
-    assert model.calls == 0
+        run_chat_tasks(never, never, {"mmlu": str(bad)})
     with pytest.raises(ConfigError, match="temperature"):
-        make_generator(model, CharTokenizer(), temperature=0.0)([[1]], 2)
+        run_chat_tasks(never, never, {"mmlu": str(bad)}, num_samples=2)
+
+
+def test_check_chat_tasks_sources(files):
+    from lapheads.data.tasks import builtin_humaneval_path
+    from lapheads.lm.evaluate import check_chat_tasks
+
+    assert check_chat_tasks({"ARC-Easy": files["arc_easy"]}) == {"ARC-Easy": files["arc_easy"]}
+    with pytest.raises(ConfigError, match="mmlu"):
+        check_chat_tasks({"mmlu": None})  # no file, and the Hub is off
+    assert check_chat_tasks({"mmlu": None}, allow_network=True) == {"mmlu": "hub"}
+    if builtin_humaneval_path() is not None and sandbox_status().available:
+        assert check_chat_tasks({"humaneval": None}) == {"humaneval": builtin_humaneval_path()}
+    with pytest.raises(ConfigError, match="arc_easy"):
+        check_chat_tasks({"arc_easy": files["arc_easy"], "ARC-Easy": files["arc_easy"]})
+
+
+def test_chat_tasks_need_the_chat_special_tokens(files):
+    from lapheads.lm.evaluate import run_chat_tasks
+
+    with pytest.raises(ConfigError, match="user_start"):
+        run_chat_tasks(SimpleNamespace(), SimpleNamespace(get_vocab=lambda: {"<|bos|>": 0}), {"mmlu": files["mmlu"]})

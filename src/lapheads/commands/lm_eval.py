@@ -21,6 +21,13 @@ Design choices:
   Nothing else of lm-eval is patched: task selection, few-shot, batching, generation, output
   files, caching, W&B logging and the unsafe-code confirmation of code tasks
   (``--confirm_run_unsafe_code`` for humaneval / mbpp) behave exactly as in ``lm-eval``.
+* lapheads' chat tasks (:mod:`lapheads.lm.tasks`: ``lapheads_chat_arc_easy``, ``..._arc_challenge``,
+  ``..._mmlu``, ``..._gsm8k``, ``..._humaneval``, tag ``lapheads_chat``) are always indexed: their
+  directory is put before ``--include_path`` (lm-eval's ``TaskManager`` takes a list of
+  directories, later ones overriding a task name). They read the Hub data sets their YAML names.
+  ``lapheads_chat_humaneval`` runs every program in :mod:`lapheads.sandbox` and refuses where
+  bubblewrap cannot run (lm-eval's ``--confirm_run_unsafe_code`` does not lift that; ``lapheads
+  eval lm --confirm-run-unsafe-code`` does).
 * The network is not forced off (``lapheads eval lm`` does that; here lm-eval's own conventions
   hold): set ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` to evaluate local task YAML files
   (``--include_path DIR``) without reaching the hub.
@@ -37,6 +44,7 @@ from typing import Optional, Sequence
 
 from .. import transformers  # noqa: F401  (registers the Laplacian attention implementation)
 from ..errors import ConfigError
+from ..lm.tasks import TASKS_DIR
 
 __all__ = ["main"]
 
@@ -79,5 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = cli.parse_args()
     finally:
         sys.argv = saved
+    if hasattr(args, "include_path"):  # run / ls / validate: index lapheads' chat tasks too
+        args.include_path = [str(TASKS_DIR)] + ([args.include_path] if args.include_path else [])
     cli.execute(args)
     return 0

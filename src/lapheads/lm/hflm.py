@@ -25,6 +25,9 @@ Design choices:
 * The change: while a rolling request is encoded, a leading ``prefix_token_id`` is dropped from
   the document's ids, so lm-eval's own prefix is the only BOS. Only a token equal to the prefix is
   dropped, so a tokenizer that adds no BOS is scored exactly as ``HFLM`` scores it.
+* ``max_gen_toks`` is an argument (``HFLM`` 0.4.13 fixes its default at 256 and ignores the keyword
+  for a model passed as an object): the number of new tokens of a ``generate_until`` request whose
+  task does not set its own, as ``lapheads eval lm --max-new-tokens`` sets it.
 * This module imports lm-eval at import time; it is imported only where lm-eval is needed
   (``pip install 'lapheads[eval]'``, which also brings ``accelerate`` for ``HFLM``).
 """
@@ -49,12 +52,18 @@ class LapheadsHFLM(HFLM):
     """``HFLM`` whose rolling log-likelihoods score a document after exactly one BOS.
 
     Takes every argument of lm-eval's ``HFLM`` (``pretrained`` a path or a loaded model,
-    ``tokenizer``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``device``, ``dtype`` ...).
+    ``tokenizer``, ``batch_size``, ``max_length``, ``device``, ``dtype`` ...), and
+    ``max_gen_toks``: new tokens of a ``generate_until`` request whose task sets none (default 256).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_gen_toks: int = 256, **kwargs: Any) -> None:
         self._encoding_rolling_document = False
+        self._default_max_gen_toks = int(max_gen_toks)
         super().__init__(*args, **kwargs)
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._default_max_gen_toks
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         # HFLM encodes each document with tok_encode(document) and puts prefix_token_id before it;

@@ -1,4 +1,7 @@
-"""Run untrusted (model-written) Python code under bubblewrap, away from the host.
+"""Run untrusted (model-written) Python code under bubblewrap, away from the host: the machinery.
+
+:mod:`lapheads.sandbox` re-exports the public names; this module holds the whole launch, so that
+namespaces, limits, seccomp and the program's life are audited in one place.
 
 Design choices:
 
@@ -104,8 +107,6 @@ __all__ = [
     "SandboxUnavailableError",
     "run_code",
     "run_many",
-    "check_program",
-    "build_humaneval_program",
     "sandbox_status",
     "require_sandbox",
     "UID_RANGE",
@@ -897,32 +898,3 @@ def run_many(codes: Sequence[str], workers: int = 2, progress: bool = False,
         if progress:
             it = tqdm(it, total=len(codes), desc="sandbox", leave=False, disable=None)  # only on a terminal
         return list(it)
-
-
-def build_humaneval_program(problem_prompt: str, completion: str, test: str,
-                            entry_point: str) -> str:
-    """The program HumanEval runs: prompt + completion + test + ``check(entry_point)``.
-
-    Args:
-        problem_prompt: the problem's prompt (imports, signature and docstring).
-        completion: the function body continuing the prompt.
-        test: the problem's test code defining ``check(candidate)``.
-        entry_point: the name of the function under test.
-    """
-    return f"{problem_prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"
-
-
-def check_program(problem_prompt: str, completion: str, test: str, entry_point: str,
-                  timeout: float = 5.0, **kwargs: Any) -> ExecResult:
-    """Build the HumanEval program for one completion and run it in the sandbox.
-
-    Args:
-        problem_prompt: the problem's prompt.
-        completion: the model's continuation of the prompt.
-        test: the problem's ``check`` function source.
-        entry_point: the function under test.
-        timeout: wall-clock seconds.
-        **kwargs: passed to :func:`run_code`.
-    """
-    return run_code(build_humaneval_program(problem_prompt, completion, test, entry_point),
-                    timeout=timeout, **kwargs)

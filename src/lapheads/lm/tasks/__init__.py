@@ -1,0 +1,339 @@
+"""ARC, MMLU, GSM8K and HumanEval in the chat format, as lm-evaluation-harness tasks.
+
+The task YAML files of this directory (:data:`TASKS_DIR`, lm-eval's ``TaskManager(include_path=
+TASKS_DIR)``) define ``lapheads_chat_arc_easy``, ``lapheads_chat_arc_challenge``,
+``lapheads_chat_mmlu``, ``lapheads_chat_gsm8k`` and ``lapheads_chat_humaneval`` (tag
+``lapheads_chat``); their prompts, answer extraction, sandboxed execution and pass@k are the
+functions below, which the YAML names with ``!function lapheads.lm.tasks.<name>``.
+``lapheads eval lm --tasks`` runs them on local JSONL files (:mod:`lapheads.lm.evaluate`);
+``lapheads lm-eval --tasks lapheads_chat_mmlu`` runs them on the Hub data sets the YAML names.
+
+Design choices:
+
+* **Why not lm-eval's own ``arc_easy`` / ``mmlu`` / ``gsm8k`` / ``humaneval``.** They measure other
+  things: ARC scores the log-likelihood of each answer *text*, MMLU shows ``A. choice`` lines and
+  scores `` A``, GSM8K is few-shot ``Question: ... Answer:`` with lm-eval's regexes, and HumanEval
+  runs programs with Hugging Face ``evaluate``'s ``code_eval``, unsandboxed (it asks for
+  ``HF_ALLOW_CODE_EVAL=1``, which nothing here sets). These tasks are nanochat's chat evaluation:
+  the same prompts, extraction and scoring that ``lapheads eval lm`` had before it ran on lm-eval.
+* **The chat format is in the prompt text.** ``doc_to_text`` returns
+  ``<|bos|><|user_start|>{user message}<|user_end|><|assistant_start|>``; the tokenizer reads the
+  special-token strings as the special tokens, so lm-eval's ``HFLM`` sees exactly the ids of
+  :func:`lapheads.lm.tokenizer.render_chat` with a generation prompt (one BOS: ``HFLM`` adds none
+  before a text that starts with it). A tokenizer without these special tokens cannot run them.
+* **Categorical multiple choice** (ARC-Easy, ARC-Challenge, MMLU): the question and its choices are
+  one user message in nanochat's layout (``- choice=A`` lines, then "Respond only with the letter of
+  the correct answer."); the choices lm-eval scores are the letters ``A``, ``B``, ... directly after
+  ``<|assistant_start|>`` (``target_delimiter: ""``), and lm-eval's ``acc`` is the argmax of their
+  log-likelihoods. A letter is one token, so that is the argmax of the next-token logits over the
+  letters. Both ARC layouts and MMLU's (answer index or letter) are read by
+  :mod:`lapheads.data.tasks`, so choices are lettered by position whatever their labels.
+* **GSM8K** is generated (greedy unless the caller asks for sampling) up to ``<|assistant_end|>``;
+  the ``final_number`` filter takes the number after the last ``####``, else the last number, with
+  commas and ``$`` removed (:func:`extract_answer`), and lm-eval's ``exact_match`` compares it with
+  the reference's normalised final answer.
+* **HumanEval** is generated likewise (``repeats`` = samples per problem); the ``sandbox`` filter
+  takes the first fenced code block of each completion if there is one, runs a completion that
+  defines the entry point after the prompt's imports (chat style, as nanochat) and any other after
+  the prompt (continuation style), always in :mod:`lapheads.sandbox` (bubblewrap), all programs of
+  the task together on a few workers; the score is the unbiased pass@k of Chen et al. (2021)
+  (:func:`pass_at_k`) for every k in 1, 10, 100 up to the number of samples. The execution options
+  (:func:`sandbox_options`) default to refusing to run anything where bubblewrap cannot run; the
+  refusal comes when the task's documents are read, before the model generates.
+* **Data.** The YAML names the Hub data sets (``allenai/ai2_arc``, ``cais/mmlu``, ``openai/gsm8k``,
+  ``openai/openai_humaneval``); :func:`chat_task_config` points a task at a local JSONL in the
+  same public layout instead (``dataset_path: json``).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from ...data.tasks import _PARSERS, LETTERS, TaskItem, canonical_name, normalize_number
+from ...sandbox import build_humaneval_program, require_sandbox, run_many
+
+__all__ = [
+    "TASKS_DIR",
+    "CHAT_TASKS",
+    "PASS_KS",
+    "SandboxOptions",
+    "sandbox_options",
+    "current_sandbox_options",
+    "chat_prompt",
+    "render_multiple_choice",
+    "extract_answer",
+    "extract_code",
+    "humaneval_program",
+    "pass_at_k",
+    "chat_task_config",
+]
+
+#: The directory of the task YAML files (lm-eval's ``include_path``).
+TASKS_DIR = Path(__file__).resolve().parent
+
+#: ``lapheads eval lm --tasks`` name -> lm-eval task name.
+CHAT_TASKS: dict[str, str] = {
+    "arc_easy": "lapheads_chat_arc_easy",
+    "arc_challenge": "lapheads_chat_arc_challenge",
+    "mmlu": "lapheads_chat_mmlu",
+    "gsm8k": "lapheads_chat_gsm8k",
+    "humaneval": "lapheads_chat_humaneval",
+}
+
+#: The k of every pass@k the HumanEval task can report (those above the number of samples are left out).
+PASS_KS = (1, 10, 100)
+
+
+# ------------------------------------------------------------------------------------ prompts
+def chat_prompt(user: str) -> str:
+    """The text of a one-message chat with the assistant's turn opened (nanochat's format)."""
+    return f"<|bos|><|user_start|>{user}<|user_end|><|assistant_start|>"
+
+
+def _item(name: str, doc: dict) -> TaskItem:
+    """An lm-eval document as a :class:`TaskItem` (the public layouts of :mod:`lapheads.data.tasks`)."""
+    key = canonical_name(name)
+    return _PARSERS[key](key, "document", 0, dict(doc))
+
+
+def _choice_item(doc: dict) -> TaskItem:
+    # ARC rows have answerKey, MMLU rows an answer: one set of functions serves the three tasks
+    return _item("arc_easy" if "answerKey" in doc else "mmlu", doc)
+
+
+def render_multiple_choice(item: TaskItem) -> str:
+    """nanochat's multiple-choice user message: the letter follows its choice, with no space."""
+    assert item.choices is not None
+    lines = [f"Multiple Choice question: {item.question}"]
+    lines += [f"- {choice}={letter}" for letter, choice in zip(item.letters, item.choices)]
+    return "\n".join(lines) + "\n\nRespond only with the letter of the correct answer."
+
+
+def choice_doc_to_text(doc: dict) -> str:
+    """ARC / MMLU prompt (``doc_to_text``)."""
+    return chat_prompt(render_multiple_choice(_choice_item(doc)))
+
+
+def choice_doc_to_choice(doc: dict) -> list[str]:
+    """The letters scored, one per choice (``doc_to_choice``)."""
+    return list(LETTERS[:len(_choice_item(doc).choices or [])])
+
+
+def choice_doc_to_target(doc: dict) -> int:
+    """Index of the correct choice (``doc_to_target``)."""
+    index = _choice_item(doc).answer_index
+    assert index is not None
+    return index
+
+
+# --------------------------------------------------------------------------------------- GSM8K
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The final numeric answer of a GSM8K-style completion, normalised, or None.
+
+    The first number after the last ``####`` when there is one, else the last number in the
+    text. Commas and ``$`` are removed and ``12.0`` becomes ``12`` (:func:`normalize_number`).
+
+    Args:
+        text: the model's completion.
+    """
+    if "####" in text:
+        nums = _NUMBER.findall(text.rsplit("####", 1)[1])
+        if nums:
+            return normalize_number(nums[0])
+    nums = _NUMBER.findall(text)
+    return normalize_number(nums[-1]) if nums else None
+
+
+def gsm8k_doc_to_text(doc: dict) -> str:
+    """GSM8K prompt: the question as the user message (``doc_to_text``)."""
+    return chat_prompt(_item("gsm8k", doc).question)
+
+
+def gsm8k_doc_to_target(doc: dict) -> str:
+    """The reference's normalised final answer (``doc_to_target``)."""
+    target = _item("gsm8k", doc).target
+    assert target is not None
+    return target
+
+
+def gsm8k_final_numbers(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+    """The ``final_number`` filter: each completion's :func:`extract_answer` (``""`` when it has none)."""
+    return [[extract_answer(text) or "" for text in texts] for texts in resps]
+
+
+# ----------------------------------------------------------------------------------- HumanEval
+@dataclass(frozen=True)
+class SandboxOptions:
+    """How the HumanEval task runs programs (see :func:`lapheads.sandbox.run_code`).
+
+    Attributes:
+        timeout: wall-clock seconds per program.
+        workers: programs run at once.
+        allow_unsafe: run without bubblewrap where it cannot run (``--confirm-run-unsafe-code``);
+            otherwise such a run is refused.
+    """
+
+    timeout: float = 5.0
+    workers: int = 2
+    allow_unsafe: bool = False
+
+
+_options = SandboxOptions()
+
+
+def current_sandbox_options() -> SandboxOptions:
+    """The options the HumanEval task uses now."""
+    return _options
+
+
+@contextmanager
+def sandbox_options(**changes: Any) -> Iterator[SandboxOptions]:
+    """Run the HumanEval task with other :class:`SandboxOptions` inside the ``with`` block.
+
+    lm-eval calls the task's functions with documents and responses only, so the options are this
+    module's state; the block restores the previous ones.
+    """
+    global _options
+    saved = _options
+    _options = replace(saved, **changes)
+    try:
+        yield _options
+    finally:
+        _options = saved
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(completion: str) -> str:
+    """The first fenced code block of a completion, or the completion itself."""
+    m = _FENCE.search(completion)
+    return m.group(1) if m else completion
+
+
+def _prompt_imports(prompt: str) -> str:
+    lines = []
+    for line in prompt.splitlines():
+        s = line.strip()
+        if s.startswith(("import ", "from ")):
+            lines.append(s)
+        elif s and not s.startswith("#"):
+            break
+    return "\n".join(lines)
+
+
+def humaneval_program(item: TaskItem, completion: str) -> tuple[str, str]:
+    """``(prefix, body)`` to run for a completion.
+
+    A completion that defines ``def <entry_point>(`` is a whole function (chat style): it runs
+    after the prompt's imports. Otherwise it continues the prompt (base style).
+    """
+    code = extract_code(completion)
+    assert item.entry_point is not None
+    if re.search(rf"^\s*def\s+{re.escape(item.entry_point)}\s*\(", code, re.MULTILINE):
+        return _prompt_imports(item.question) + "\n\n", code
+    return item.question, code
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k estimator (Chen et al., 2021): ``1 - C(n-c, k) / C(n, k)``.
+
+    Computed as a running product for numerical stability.
+
+    Args:
+        n: samples per problem.
+        c: correct samples.
+        k: the k of pass@k (``k <= n``).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def humaneval_docs(dataset: Any) -> Any:
+    """``process_docs``: the documents unchanged, after checking that their programs may run.
+
+    lm-eval reads the documents when it builds the task, before the model generates, so a
+    sandbox that cannot run is refused before any completion is made.
+
+    Raises:
+        SandboxUnavailableError: bubblewrap cannot run here and unsafe execution was not allowed.
+    """
+    require_sandbox(_options.allow_unsafe)
+    return dataset
+
+
+def humaneval_doc_to_text(doc: dict) -> str:
+    """HumanEval prompt: the problem's prompt as the user message (``doc_to_text``)."""
+    return chat_prompt(_item("humaneval", doc).question)
+
+
+def humaneval_doc_to_target(doc: dict) -> str:
+    """What a completion is checked with: the tests and ``check(entry_point)`` (``doc_to_target``)."""
+    item = _item("humaneval", doc)
+    return f"{item.test}\n\ncheck({item.entry_point})"
+
+
+def humaneval_run_in_sandbox(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
+    """The ``sandbox`` filter: each completion's program run in :mod:`lapheads.sandbox`.
+
+    Every program of the task runs here, ``workers`` at a time; each completion becomes the
+    status of its run (``passed``, ``failed``, ``timeout``, ``output_limit`` or ``error``).
+    """
+    opts = _options
+    programs, owners = [], []
+    for i, (texts, doc) in enumerate(zip(resps, docs)):
+        item = _item("humaneval", doc)
+        for text in texts:
+            prefix, body = humaneval_program(item, text)
+            programs.append(build_humaneval_program(prefix, body, item.test or "", item.entry_point or ""))
+            owners.append(i)
+    results = run_many(programs, workers=opts.workers, timeout=opts.timeout, allow_unsafe=opts.allow_unsafe)
+    statuses: list[list[str]] = [[] for _ in resps]
+    for i, r in zip(owners, results):
+        statuses[i].append(r.status)
+    return statuses
+
+
+def humaneval_pass_at_k(doc: dict, results: Sequence[list[str]]) -> dict[str, float]:
+    """``process_results``: pass@k of one problem from the statuses of its samples."""
+    statuses = results[0]
+    n, c = len(statuses), sum(s == "passed" for s in statuses)
+    return {f"pass@{k}": pass_at_k(n, c, k) for k in PASS_KS if k <= n}
+
+
+# ------------------------------------------------------------------------------------- configs
+def chat_task_config(name: str, path: Optional[str] = None, repeats: Optional[int] = None) -> dict[str, Any]:
+    """The lm-eval config of chat task ``name`` (``arc_easy`` ... ``humaneval``), optionally on local data.
+
+    The task's own YAML; with ``path``, its data set is that local JSONL (``.jsonl`` or
+    ``.jsonl.gz``, in the public layouts :mod:`lapheads.data.tasks` reads) as the test split instead
+    of the Hub data set. ``repeats`` sets the samples per problem. The dictionary is what lm-eval's
+    ``simple_evaluate(tasks=[...])`` takes.
+
+    Raises:
+        DataError: ``name`` is not a chat task.
+    """
+    from lm_eval.tasks._yaml_loader import load_yaml  # lazy: optional dependency (the eval extra)
+
+    task = CHAT_TASKS[canonical_name(name)]
+    cfg = load_yaml(TASKS_DIR / f"{task}.yaml", resolve_func=True, recursive=True)
+    cfg.pop("tag", None)  # an inline config is not indexed: a tag would mean nothing
+    if path is not None:
+        cfg.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {"test": str(path)}},
+                   test_split="test")
+    if repeats is not None:
+        cfg["repeats"] = repeats
+    return cfg

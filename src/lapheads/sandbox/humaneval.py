@@ -1,0 +1,49 @@
+"""HumanEval-style programs (prompt + completion + tests) run in the sandbox.
+
+Design choices:
+
+* A HumanEval problem passes when ``prompt + completion``, then the problem's ``test`` source
+  (which defines ``check(candidate)``), then ``check(entry_point)`` runs to its end in
+  :func:`lapheads.sandbox.run_code`: the sandbox decides "reached the end" (an exit before the
+  end is a failure), nothing here does.
+* These two functions only build the program text and hand it over; how a completion is split
+  into prompt and body (chat style or continuation) is the evaluator's business
+  (:func:`lapheads.lm.tasks.humaneval_program`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core import ExecResult, run_code
+
+__all__ = ["build_humaneval_program", "check_program"]
+
+
+def build_humaneval_program(problem_prompt: str, completion: str, test: str,
+                            entry_point: str) -> str:
+    """The program HumanEval runs: prompt + completion + test + ``check(entry_point)``.
+
+    Args:
+        problem_prompt: the problem's prompt (imports, signature and docstring).
+        completion: the function body continuing the prompt.
+        test: the problem's test code defining ``check(candidate)``.
+        entry_point: the name of the function under test.
+    """
+    return f"{problem_prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"
+
+
+def check_program(problem_prompt: str, completion: str, test: str, entry_point: str,
+                  timeout: float = 5.0, **kwargs: Any) -> ExecResult:
+    """Build the HumanEval program for one completion and run it in the sandbox.
+
+    Args:
+        problem_prompt: the problem's prompt.
+        completion: the model's continuation of the prompt.
+        test: the problem's ``check`` function source.
+        entry_point: the function under test.
+        timeout: wall-clock seconds.
+        **kwargs: passed to :func:`run_code`.
+    """
+    return run_code(build_humaneval_program(problem_prompt, completion, test, entry_point),
+                    timeout=timeout, **kwargs)
