@@ -1,21 +1,21 @@
 """Config parsing that never silently misreads, and the output-path checks every command shares.
 
 Unit tests of :mod:`lapheads.engine.config` (repeated YAML keys, NaN/inf, 64-bit ints, declared
-ranges) and :mod:`lapheads.outputs`; the command-line cases (one line, exit 2, nothing left
+ranges of the pydantic config models) and :mod:`lapheads.outputs`; the command-line cases (one line, exit 2, nothing left
 behind) are in ``test_bad_inputs.py``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import pytest
+from pydantic import Field
 
-from lapheads.engine.config import (INT64_MAX, bounded, from_dict, load_config, load_yaml, parse_overrides,
-                                    read_yaml)
+from lapheads.engine.config import (INT64_MAX, Beta, ConfigModel, Float, FloatOrInf, Int, from_dict, load_config,
+                                    load_yaml, parse_overrides, read_yaml)
 from lapheads.errors import CheckpointError, ConfigError
 from lapheads.outputs import check_out_dir, check_out_file, read_json, removed_on_failure
 
@@ -78,21 +78,19 @@ def test_no_yaml_read_in_the_package_bypasses_the_strict_loader():
 
 
 # ----------------------------------------------------------------------------- numbers
-@dataclass
-class Inner:
-    rate: float = bounded(0.5, ge=0.0, le=1.0)
-    smoothing: float = bounded(0.1, ge=0.0, lt=1.0)
-    betas: tuple[float, float] = bounded((0.9, 0.99), ge=0.0, lt=1.0)
-    width: Optional[int] = bounded(None, ge=1)
-    temperature: float = bounded(1.0, gt=0.0, allow_inf=True)  # an opt-in to +-inf (no real field has one)
+class Inner(ConfigModel):
+    rate: Float = Field(0.5, ge=0.0, le=1.0)
+    smoothing: Float = Field(0.1, ge=0.0, lt=1.0)
+    betas: tuple[Beta, Beta] = Field((0.9, 0.99), strict=False)
+    width: Optional[Int] = Field(None, ge=1)
+    temperature: FloatOrInf = Field(1.0, gt=0.0)  # an opt-in to +-inf (no real field has one)
 
 
-@dataclass
-class Outer:
-    seed: int = 0
-    clip: float = 0.0
-    scale: Optional[float] = None
-    inner: Inner = field(default_factory=Inner)
+class Outer(ConfigModel):
+    seed: Int = 0
+    clip: Float = 0.0
+    scale: Optional[Float] = None
+    inner: Inner = Inner()
 
 
 @pytest.mark.parametrize("raw", ["nan", ".nan", ".inf", "-.inf", "inf", "-inf", "1e400"])

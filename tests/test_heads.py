@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from lapheads import ConfigError, LaplacianHeads, LayerHeads, head_mask
 from lapheads.engine.config import from_dict, load_config
-from lapheads.heads import DEFAULT_LAPLACIAN_HEADS, heads_field
+from lapheads.heads import DEFAULT_LAPLACIAN_HEADS
+from lapheads.heads_config import heads_field
 
 
 def _masks(spec, n_layers, n_heads):

@@ -6,7 +6,8 @@ imported only when run, so
 at a function ``main(argv: list[str]) -> int | None`` that parses its own arguments.
 
 Errors caused by user input (:class:`lapheads.errors.LapheadsError`, and argparse's own errors
-such as a missing required flag) are printed as one line and exit with status 2; a run stopped by
+such as a missing required flag) are printed as one line and exit with status 2, and so is a
+command whose optional extra is not installed (the line names the extra, :mod:`lapheads.extras`); a run stopped by
 the non-finite guard (:class:`lapheads.errors.NonFiniteError`) is one line with status 1;
 Ctrl-C and SIGTERM end a command with one line (for runs: the checkpoint and the command that
 resumes it) and status 130 / 143;
@@ -51,6 +52,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("pca-maps",): ("lapheads.commands.pca_maps:main", "PCA maps of patch tokens as RGB images"),
     ("sweep",): ("lapheads.commands.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
     ("report",): ("lapheads.commands.report:main", "Markdown + HTML report comparing runs"),
+    ("config", "show"): ("lapheads.commands.config:show_main", "print a recipe's config as YAML (defaults or resolved)"),
+    ("config", "schema"): ("lapheads.commands.config:schema_main", "print the JSON schema of a recipe's config"),
 }
 
 
@@ -131,6 +134,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if debug:
             raise
         msg = " ".join(str(e).split())
+        print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional extra is not installed (lapheads.extras)
+        from .extras import missing_extra_message
+
+        msg = missing_extra_message(e)
+        if msg is None or debug:
+            raise
         print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
         return 2
     except NonFiniteError as e:

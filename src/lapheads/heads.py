@@ -35,15 +35,16 @@ integration resolves once and stores the result on the attention module as
 raises :class:`lapheads.errors.ConfigError` (a ``ValueError``) that says what was given and what
 is allowed.
 
-Recipes declare the field with :func:`heads_field` (one default, :data:`DEFAULT_LAPLACIAN_HEADS`),
-so a bad value is refused when the config is parsed, with the key in the message.
+Recipe configs declare the field as ``laplacian_heads: HeadsSetting = heads_field()``
+(:mod:`lapheads.heads_config`: one type and one default, :data:`DEFAULT_LAPLACIAN_HEADS`), so a bad
+value is refused when the config is parsed, with the key in the message. That binding to pydantic
+lives apart from this module, which needs nothing but torch.
 :meth:`LaplacianHeads.sort_key` orders settings for tables: none < 1 < 2 < ... < all <
 per-layer lists < learnable mixing.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from typing import Any, NamedTuple, Sequence, Union
@@ -453,23 +454,6 @@ class LaplacianHeads:
 
     def __repr__(self) -> str:
         return f"LaplacianHeads({self.spec!r})"
-
-
-def heads_field(default: Any = DEFAULT_LAPLACIAN_HEADS) -> Any:
-    """The ``laplacian_heads`` field of a recipe config: one default, checked when the config is parsed.
-
-    :func:`lapheads.engine.config.from_dict` calls the field's ``parse`` metadata
-    (:meth:`LaplacianHeads.parse_config_value`) with the full key, so ``--set
-    model.laplacian_heads=alll`` fails before anything is built, with one line naming
-    ``model.laplacian_heads``. Annotate the field ``Any`` (the value takes several YAML forms)::
-
-        laplacian_heads: Any = heads_field()
-    """
-    LaplacianHeads(default)  # a bad default is a programming error: fail when the class is defined
-    meta = {"parse": LaplacianHeads.parse_config_value}
-    if isinstance(default, (list, tuple)):  # a mutable default needs a factory (one copy per config)
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(list(default)), metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
 
 
 def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:

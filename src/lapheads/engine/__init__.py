@@ -1,6 +1,6 @@
 """The shared training engine: one loop (Trainer) for every recipe.
 
-- ``config``: dataclass configs from YAML + ``--set`` overrides, type-checked.
+- ``config``: pydantic configs from YAML + ``--set`` overrides, type- and range-checked.
 - ``run``: the run-directory layout shared by every ``lapheads train ...`` command.
 - ``checkpoint``: atomic, code-free checkpoints (safetensors + weights-only state).
 - ``dist``: torchrun process groups (gloo on CPU, nccl on GPU).

@@ -1,45 +1,74 @@
-"""Typed configs: dataclasses filled from YAML files and ``--set key=value`` overrides.
+"""Typed configs: pydantic models filled from YAML files and ``--set key=value`` overrides.
 
 Design choices:
 
-* A recipe's config is a tree of dataclasses. YAML gives the values, ``--set a.b=1`` overrides
-  them (the value is parsed as YAML, so ``--set train.max_steps=100``, ``--set model.laplacian_heads=all``
-  and ``--set optim.betas=[0.9,0.95]`` all work).
-* Every value is checked against the field's type annotation when the config is built, and an
-  unknown key is an error that lists the allowed keys, so typos fail before any work starts.
+* A recipe's config is a tree of pydantic models (subclasses of :class:`ConfigModel`). Every field
+  has a type, a default, a one-line description (``Field(description=...)``) and, for numbers, its
+  allowed range (``Field(ge=..., lt=...)``); the JSON schema of a recipe
+  (``lapheads config schema RECIPE``, :func:`config_schema`) and the tables of the docs
+  (:func:`config_table`) are generated from them. YAML gives the values, ``--set a.b=1`` overrides
+  them (the value is parsed as YAML, so ``--set train.max_steps=100``,
+  ``--set model.laplacian_heads=all`` and ``--set optim.betas=[0.9,0.95]`` all work).
+* Validation is pydantic's, in strict mode (``ConfigModel.model_config``): ``"1"`` is no bool,
+  ``true`` no number, ``2.5`` no int. Three types are as lenient as YAML needs, and no more:
+  :data:`Float` also takes numeric text (YAML 1.1 reads ``1e-3``, without a dot, as a string),
+  :data:`Int` takes integral floats (``1.0e+3``) and :data:`Str` takes numbers (a directory called
+  ``2024``). Tuple fields are declared ``Field(strict=False)`` so that they take YAML lists; their
+  items stay strict. Fields are ``Int`` / ``Float`` / ``Str`` / ``bool`` (exact), never bare
+  ``int`` / ``float`` / ``str``. ``laplacian_heads`` is :data:`lapheads.heads_config.HeadsSetting`, whose
+  validator is the one parser of the head-setting grammar.
 * Nothing is silently misread. A YAML mapping that repeats a key is refused (plain YAML keeps
   the last one, so ``laplacian_heads: 0`` ... ``laplacian_heads: all`` would quietly train all
-  heads); the error names the key and both lines. This holds for every YAML the project reads
-  (:func:`load_yaml`). A float field refuses NaN and +-inf (``--set train.clip_grad=nan`` would
-  otherwise turn clipping off), an int field refuses values beyond 64 bits, and a field declared
-  with :func:`bounded` refuses values outside its range, all when the config is parsed. No field
-  uses infinity as a setting (``0`` is the "off" value, e.g. ``train.clip_grad``), so none opts out
-  of the finiteness check; :func:`bounded` has ``allow_inf`` for one that someday would. A field
-  whose metadata has ``"parse"`` (a callable ``(value, key) -> value``) is checked by it too, e.g.
-  ``laplacian_heads`` declared with :func:`lapheads.heads.heads_field`.
-  Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
-* The resolved config is written next to every run (``config.yaml``); loading it again gives the
-  same dataclass, which is how runs are rebuilt for evaluation and resume.
+  heads); the error names the key by its full path and both lines. This holds for every YAML the
+  project reads (:func:`load_yaml`). A float refuses NaN and +-inf (``--set train.clip_grad=nan``
+  would otherwise turn clipping off; ``0`` is every field's "off" value, and
+  :data:`FloatOrInf` is there for a field that someday takes infinity, never NaN), an int refuses
+  values beyond 64 bits, an unknown key is an error that lists the allowed keys, all when the config
+  is parsed. Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
+* One error, one line: pydantic's ``ValidationError`` becomes a :class:`~lapheads.errors.ConfigError`
+  (:func:`config_error`, its first error) that names the key by its full dotted path (``optim.betas[1]``,
+  ``model.laplacian_heads``), the value and what is allowed, prefixed with the file it came from
+  where there is one. Building a section in Python (``TrainConfig(ema_decay=1.5)``) raises a
+  ConfigError too, naming the key within the section (``ema_decay=1.5 must be in [0, 1)``).
+* Two kinds of rules. A model's own rules (types, ranges, cross-field rules declared with :func:`rule`,
+  a ``model_validator``) always hold, also for the defaults and for configs built in Python. *Run rules* (:func:`run_rule`) are
+  what a config must meet to be trained or read back as a run, where the defaults leave a value
+  open (``init_from``) or the rule reads the filesystem or the world size; they run when a config
+  is loaded (:func:`load_config`, :func:`from_dict`, :meth:`ConfigModel.validate`), so that
+  ``SFTConfig()`` still gives the defaults and ``lapheads config show`` can print them.
+* The resolved config is written next to every run (``config.yaml``, :func:`to_dict`: the fields in
+  declaration order, tuples as lists, so the keys and layout are those of the dataclass configs
+  before); loading it again gives the same config, which is how runs are rebuilt for evaluation
+  and resume.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import math
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+from typing import Annotated, Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 import yaml
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      ValidationInfo, create_model, model_validator)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LapheadsError
 
 T = TypeVar("T")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules (see the module docstring)
+_REFUSED = "lapheads_refused"  # pydantic error type of a value of the right type that no field accepts
 
 
 # --------------------------------------------------------------------------- YAML
@@ -126,236 +155,384 @@ def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
         loader.dispose()
 
 
-# --------------------------------------------------------------------------- value ranges
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """The allowed range of a numeric field (or of every item of a numeric list/tuple field)."""
-
-    ge: Optional[float] = None
-    gt: Optional[float] = None
-    le: Optional[float] = None
-    lt: Optional[float] = None
-    allow_inf: bool = False
-
-    def describe(self) -> str:
-        lo = (f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None)
-        hi = (f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else None)
-        if lo and hi:
-            return f"in {lo}, {hi}"
-        if lo:
-            return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
-        if hi:
-            return f"<= {self.le:g}" if self.le is not None else f"< {self.lt:g}"
-        return "any number"
-
-    def check(self, value: Any, where: str) -> None:
-        if value is None or isinstance(value, bool):
-            return
-        if isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                self.check(v, f"{where}[{i}]")
-            return
-        if not isinstance(value, (int, float)):
-            return
-        if not self.contains(value):
-            raise ConfigError(f"{where}={value!r} must be {self.describe()}")
-
-    def contains(self, value: float) -> bool:
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-
-
-def bounded(default: Any = dataclasses.MISSING, *, ge: Optional[float] = None, gt: Optional[float] = None,
-            le: Optional[float] = None, lt: Optional[float] = None, allow_inf: bool = False,
-            default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field whose value (or every item of a tuple/list) must lie in a range.
-
-    The range is checked by :func:`from_dict`, i.e. when a YAML file, ``--set`` overrides or a
-    saved ``config.yaml`` are parsed. ``allow_inf`` lets a float field take +-inf (NaN never).
-
-    Example::
-
-        label_smoothing: float = bounded(0.1, ge=0.0, lt=1.0)
-    """
-    meta = {"bounds": Bounds(ge=ge, gt=gt, le=le, lt=lt, allow_inf=allow_inf)}
-    if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-class _RefusedValue(ConfigError):
-    """A value of the right type that no field accepts (NaN, infinity, an int beyond 64 bits)."""
-
-
-def number_arg(kind: type = float, *, ge: Optional[float] = None, gt: Optional[float] = None,
-               le: Optional[float] = None, lt: Optional[float] = None) -> Callable[[str], Any]:
-    """An argparse ``type=`` for a numeric flag, with the same rules as a config field.
-
-    It refuses NaN and infinity (floats), values beyond 64 bits (ints) and values outside the
-    range, while the command line is parsed, i.e. before any model is loaded::
-
-        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)
-    """
-    bounds = Bounds(ge=ge, gt=gt, le=le, lt=lt)
-
-    def parse(text: str) -> Any:
-        try:
-            value = int(text) if kind is int else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is not int and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (NaN and infinity are refused)")
-        if kind is int and not INT64_MIN <= value <= INT64_MAX:
-            raise argparse.ArgumentTypeError(f"{text if len(text) <= 30 else _show_int(value)} does not fit in 64 bits")
-        if not bounds.contains(value):
-            raise argparse.ArgumentTypeError(f"{value!r} must be {bounds.describe()}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _number(value: float, where: str, allow_inf: bool) -> float:
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise _RefusedValue(f"{where}={value!r} must be a finite number (NaN and infinity are refused)")
-    return value
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " | ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
+# --------------------------------------------------------------------------- field types
 def _show_int(value: int) -> str:
     """An int for a message: in full, or its size when it is huge (``str`` refuses > 4300 digits)."""
     return str(value) if value.bit_length() <= 80 else f"<an integer of {value.bit_length()} bits>"
 
 
-def _coerce(value: Any, tp: Any, where: str, allow_inf: bool = False) -> Any:
-    """Check ``value`` against annotation ``tp`` (after ``typing.get_type_hints``).
+def _refuse(shown: str, detail: str) -> PydanticCustomError:
+    """The error of a value of the right type that no field accepts; reads ``KEY=<shown> <detail>``."""
+    return PydanticCustomError(_REFUSED, "{shown} {detail}", {"shown": shown, "detail": detail})
 
-    Floats must be finite (``allow_inf`` admits +-inf), ints must fit in 64 bits.
-    """
-    # One dispatch over every annotation a config field can have (Optional, Literal, tuple, list, dict,
-    # dataclass, scalars): split up, the order of the cases (which decides ambiguous values) would be lost.
-    origin = typing.get_origin(tp)
-    if tp is Any or tp is object:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where, allow_inf)
-            except _RefusedValue:
-                raise  # the right type but a refused value: say so rather than "does not fit"
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}={value!r} does not fit type {_type_name(tp)}")
-    if origin is typing.Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{where}={value!r} is not allowed; expected one of {list(allowed)}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, prefix=where + ".")
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}={value!r} must be a list")
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{where}={value!r} must have {len(args)} items")
-            return tuple(_coerce(v, a, f"{where}[{i}]", allow_inf) for i, (v, a) in enumerate(zip(value, args)))
-        item_t = args[0] if args else Any
-        out = [_coerce(v, item_t, f"{where}[{i}]", allow_inf) for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}={value!r} must be a mapping")
-        kt, vt = (typing.get_args(tp) or (Any, Any))
-        return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not INT64_MIN <= value <= INT64_MAX:
-                raise _RefusedValue(f"{where}={_show_int(value)} does not fit in 64 bits "
-                                  f"(must be between {INT64_MIN} and {INT64_MAX})")
-            return value
-        raise ConfigError(f"{where}={value!r} must be an integer")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return _number(float(value), where, allow_inf)
-            except OverflowError:  # an int beyond the float range
-                raise _RefusedValue(f"{where}={_show_int(value)} is too large for a float") from None
+
+_NOT_FINITE = "must be a finite number (NaN and infinity are refused)"
+
+
+def _float_input(allow_inf: bool) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
         if isinstance(value, str):
             try:
-                number = float(value)  # YAML reads "1e-3" as a string
+                value = float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
             except ValueError:
-                pass
-            else:
-                return _number(number, where, allow_inf)
-        raise ConfigError(f"{where}={value!r} must be a number")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{where}={value!r} must be a string")
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}={value!r} must be of type {tp.__name__}")
+                return value  # the strict float refuses it: "must be a number"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            try:
+                value = float(value)
+            except OverflowError:
+                raise _refuse(_show_int(value), "is too large for a float") from None
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
+            raise _refuse(repr(value), _NOT_FINITE)
+        return value
+    return parse
+
+
+def _int_input(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value  # 1.0e+3 is 1000
+
+
+def _int64(value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise _refuse(_show_int(value), f"does not fit in 64 bits (must be between {INT64_MIN} and {INT64_MAX})")
     return value
 
 
-def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping, checking keys and types."""
+def _str_input(value: Any) -> Any:
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+#: A finite float; also takes numeric text (YAML reads ``1e-3`` as a string) and ints.
+Float = Annotated[float, BeforeValidator(_float_input(allow_inf=False))]
+#: A float that may be +-inf (never NaN), for a field whose setting is infinity.
+FloatOrInf = Annotated[float, AllowInfNan(True), BeforeValidator(_float_input(allow_inf=True))]
+#: A 64-bit int; also takes an integral float (``1.0e+3``).
+Int = Annotated[int, BeforeValidator(_int_input), AfterValidator(_int64)]
+#: A string; also takes a number (``2024`` as a directory name), as ``str(number)``.
+Str = Annotated[str, BeforeValidator(_str_input)]
+#: A decay factor in [0, 1): an item of Adam's ``betas`` (``tuple[Beta, Beta]``).
+Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
+
+
+# --------------------------------------------------------------------------- models and rules
+class ConfigModel(BaseModel):
+    """Base class of every config section: strict types, no unknown keys, no NaN, ConfigError on failure.
+
+    Sections are plain mutable models (a recipe may derive a value in a run rule, e.g.
+    ``train.grad_accum`` of ``lm``); assignments are not validated, as dataclass fields were not.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise config_error(e, type(self)) from None
+
+    # the model's own validator, not this __init__, validates nested sections (which keeps the
+    # validation context of the run rules); pydantic's RootModel marks its __init__ the same way
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def validate(self: T) -> T:  # type: ignore[override]
+        """This config checked as :func:`load_config` checks one (run rules included); returns the checked copy.
+
+        Raises:
+            ConfigError: one line, as for a YAML file (e.g. ``init_from is empty: ...``).
+        """
+        return from_dict(type(self), self.model_dump())
+
+
+def run_rule(check: Callable[[Any], None]) -> Any:
+    """Declare a run rule of a config model (see the module docstring): ``check(self)`` raises a
+    ConfigError (or another :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive
+    fields in place. It runs after the model's own validation, only when the config is loaded."""
+
+    def validator(self: Any, info: ValidationInfo) -> Any:
+        if info.context and info.context.get(_RUN_RULES):
+            check(self)
+        return self
+
+    validator.__name__ = validator.__qualname__ = check.__name__
+    validator.__doc__ = check.__doc__
+    return model_validator(mode="after")(validator)
+
+
+def rule(check: Callable[[Any], None]) -> Any:
+    """Declare a cross-field rule of a config model: ``check(self)`` raises a ConfigError naming the
+    keys by their full paths, or returns None. It always runs (after the fields are validated)."""
+
+    def validator(self: Any) -> Any:
+        check(self)
+        return self
+
+    validator.__name__ = validator.__qualname__ = check.__name__
+    validator.__doc__ = check.__doc__
+    return model_validator(mode="after")(validator)
+
+
+# --------------------------------------------------------------------------- errors
+def _unwrap(tp: Any) -> tuple[Any, list]:
+    """``tp`` without ``Annotated`` and ``Optional``, and the metadata found on the way."""
+    meta: list = []
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            meta += list(tp.__metadata__)
+            tp = tp.__origin__
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp, meta
+            tp = args[0]
+        else:
+            return tp, meta
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _child(tp: Any, part: Any) -> tuple[Any, list]:
+    """The annotation and metadata of ``part`` (a field name or an item index) of a value of type ``tp``."""
+    base, _ = _unwrap(tp)
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if isinstance(part, str):
+        if _is_model(base) and part in base.model_fields:
+            f = base.model_fields[part]
+            return f.annotation, list(f.metadata)
+        if dataclasses.is_dataclass(base):
+            try:
+                return typing.get_type_hints(base, include_extras=True).get(part, Any), []
+            except Exception:  # an annotation that does not resolve here: no details for the message
+                return Any, []
+        if origin is dict and args:
+            return args[1], []
+    elif isinstance(part, int):
+        if origin is tuple and args:
+            if args[-1] is Ellipsis:
+                return args[0], []
+            return (args[part], []) if part < len(args) else (Any, [])
+        if origin is list and args:
+            return args[0], []
+    return Any, []
+
+
+def _field_names(tp: Any) -> list[str]:
+    base, _ = _unwrap(tp)
+    if _is_model(base):
+        return sorted(base.model_fields)
+    if dataclasses.is_dataclass(base):
+        return sorted(f.name for f in dataclasses.fields(base))
+    return []
+
+
+def _constraints(meta: Iterable[Any]) -> dict[str, Any]:
+    """``ge`` / ``gt`` / ``le`` / ``lt`` / ``min_length`` / ``max_length`` found in field metadata."""
+    out: dict[str, Any] = {}
+    for m in meta:
+        if isinstance(m, FieldInfo):
+            out.update(_constraints(m.metadata))
+            continue
+        for name in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+            v = getattr(m, name, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[name] = v
+    return out
+
+
+def describe_range(ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
+                   lt: Optional[float] = None) -> str:
+    """``"in [0, 1)"``, ``">= 1"``, ``"> 0"``, ... (``"any number"`` without bounds)."""
+    lo = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
+    hi = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    if lo:
+        return f">= {ge:g}" if ge is not None else f"> {gt:g}"
+    if hi:
+        return f"<= {le:g}" if le is not None else f"< {lt:g}"
+    return "any number"
+
+
+def _in_range(value: float, ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
+              lt: Optional[float] = None) -> bool:
+    return ((ge is None or value >= ge) and (gt is None or value > gt)
+            and (le is None or value <= le) and (lt is None or value < lt))
+
+
+def _show(value: Any, base: Any = None) -> str:
+    """A value for a message, as the field reads it (``5`` given to a float field is ``5.0``)."""
+    if base is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return repr(float(value))
+        except (ValueError, OverflowError):
+            pass
+    if base is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _show_int(value)
+    return repr(value)
+
+
+def _dotted(keys: str, loc: Iterable[Any]) -> str:
+    out = keys
+    for part in loc:
+        out = f"{out}[{part}]" if isinstance(part, int) else (f"{out}{part}" if out.endswith(".") or not out
+                                                               else f"{out}.{part}")
+    return out.rstrip(".")
+
+
+_NAME_TAIL = re.compile(r"(?=[=.\[ ]|$)")
+
+
+def config_error(error: ValidationError, root: Any, prefix: str = "") -> LapheadsError:
+    """One line for the first error of a pydantic ``ValidationError`` of config type ``root``.
+
+    The line names the key by its full dotted path (list items as ``[i]``), the value and what is
+    allowed: ``optim.betas[1]=1.0 must be in [0, 1)``, ``unknown config key optim.lr_schedule;
+    allowed keys under optim: [...]``, ``train.schedule='exp' is not allowed; expected one of [...]``.
+    An error a validator raised (a :class:`~lapheads.errors.LapheadsError`) keeps its class and
+    text; a text that starts with the bare field name gets the full path instead.
+
+    Args:
+        error: what pydantic raised.
+        root: the type that was validated (a model, or a dataclass for :func:`from_dict`).
+        prefix: ``"SOURCE: "`` and/or the dotted path of ``root`` in a larger config
+            (``"runs/a/config.yaml: "``, ``"final/model.json: model."``).
+    """
+    e = error.errors(include_url=False)[0]
+    loc = tuple(e["loc"])
+    if not _is_model(root) and loc[:1] == ("value",):  # the wrapper of a dataclass (from_dict)
+        loc = loc[1:]
+    source, sep, keys = prefix.rpartition(": ")
+    if not sep:
+        source, keys = "", prefix
+    steps = [(root, [])]
+    for part in loc:
+        steps.append(_child(steps[-1][0], part))
+    tp, meta = steps[-1]
+    base, inner_meta = _unwrap(tp)
+    meta = meta + inner_meta
+    where = _dotted(keys, loc) or "config"
+    kind, value, ctx = e["type"], e.get("input"), e.get("ctx") or {}
+    shown = _show(value, base)
+
+    def fixed_tuple_length(t: Any) -> Optional[int]:
+        b, _ = _unwrap(t)
+        args = typing.get_args(b)
+        return len(args) if typing.get_origin(b) is tuple and args and args[-1] is not Ellipsis else None
+
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        parent = _dotted(keys, loc[:-1])
+        body = (f"unknown config key {where}; allowed keys under {parent or 'the top level'}: "
+                f"{_field_names(steps[-2][0])}")
+    elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
+        n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None
+        body = (f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items" if n is not None
+                else f"{where} is required (it has no default)")
+    elif kind in ("too_long", "too_short"):
+        n = fixed_tuple_length(tp)
+        if n is not None:
+            body = f"{where}={value!r} must have {n} items"
+        elif kind == "too_short":
+            body = f"{where}={value!r} must have at least {ctx.get('min_length')} item(s)"
+        else:
+            body = f"{where}={value!r} must have at most {ctx.get('max_length')} item(s)"
+    elif kind.startswith("bool"):
+        body = f"{where}={shown} must be true or false"
+    elif kind.startswith("int"):
+        body = f"{where}={shown} must be an integer"
+    elif kind.startswith("float"):
+        body = f"{where}={shown} must be a number"
+    elif kind == "finite_number":
+        body = f"{where}={shown} {_NOT_FINITE}"
+    elif kind == "string_type":
+        body = f"{where}={shown} must be a string"
+    elif kind == "literal_error":
+        allowed = list(typing.get_args(base)) if typing.get_origin(base) is typing.Literal else ctx.get("expected")
+        body = f"{where}={shown} is not allowed; expected one of {allowed}"
+    elif kind in ("model_type", "model_attributes_type", "dataclass_type", "dataclass_exact_type"):
+        name = getattr(base, "__name__", None) or ctx.get("class_name", "the section's")
+        body = f"{where} must be a mapping of {name} fields, got {value!r}"
+    elif kind in ("dict_type", "mapping_type"):
+        body = f"{where}={shown} must be a mapping"
+    elif kind in ("list_type", "tuple_type", "iterable_type"):
+        body = f"{where}={shown} must be a list"
+    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or \
+            {k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx}
+        body = f"{where}={shown} must be {describe_range(**bounds)}"
+    elif kind == _REFUSED:
+        body = f"{where}={ctx['shown']} {ctx['detail']}"
+    elif kind in ("value_error", "assertion_error"):
+        raised = ctx.get("error")
+        text = str(raised) if raised is not None else e["msg"]
+        name = loc[-1] if loc and isinstance(loc[-1], str) else None
+        if name and text.startswith(name) and _NAME_TAIL.match(text, len(name)):
+            text = where + text[len(name):]  # a field's own validator names the field; give its full path
+        line = f"{source}: {text}" if source else text
+        return type(raised)(line) if isinstance(raised, LapheadsError) else ConfigError(line)
+    else:
+        body = f"{where}={shown}: {e['msg']}"
+    return ConfigError(f"{source}: {body}" if source else body)
+
+
+# --------------------------------------------------------------------------- building configs
+@functools.lru_cache(maxsize=None)
+def _dataclass_wrapper(cls: type) -> type[BaseModel]:
+    # lax (strict pydantic refuses a mapping for a plain dataclass); unknown keys are refused
+    return create_model(f"{cls.__name__}Input", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
+                        value=(cls, ...))
+
+
+def _parse_hooks(obj: Any, keys: str) -> None:
+    """Plain-dataclass configs: a field whose metadata has ``"parse"`` (``(value, key) -> value``, e.g.
+    :func:`lapheads.heads_config.heads_field`) is checked by it, with its full key."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        parse = f.metadata.get("parse")
+        if parse is not None:
+            setattr(obj, f.name, parse(value, keys + f.name))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _parse_hooks(value, f"{keys}{f.name}.")
+
+
+def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "", *, run_rules: bool = True) -> T:
+    """Build config ``cls`` from a mapping: ``cls.model_validate`` with one-line errors.
+
+    Args:
+        cls: a :class:`ConfigModel` (or a plain dataclass, e.g. a test's config, validated by
+            pydantic too).
+        data: the values; missing keys take their defaults.
+        prefix: ``"SOURCE: "`` and/or the key path of ``data`` in a larger config, for messages
+            (``"runs/a/config.yaml: "``, ``"final/model.json: model."``).
+        run_rules: also check the run rules (:func:`run_rule`).
+
+    Raises:
+        ConfigError: one line naming the key's full path, the value and what is allowed.
+    """
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]}; allowed keys under "
-            f"{prefix.rstrip('.') or 'the top level'}: {sorted(fields)}")
-    kwargs = {}
-    for k, v in data.items():
-        bounds: Optional[Bounds] = fields[k].metadata.get("bounds")
-        kwargs[k] = _coerce(v, hints[k], prefix + k, allow_inf=bool(bounds and bounds.allow_inf))
-        if bounds is not None:
-            bounds.check(kwargs[k], prefix + k)
-        parse = fields[k].metadata.get("parse")  # a field's own check, e.g. lapheads.heads.heads_field
-        if parse is not None:
-            kwargs[k] = parse(kwargs[k], prefix + k)
+        raise ConfigError(f"{prefix.rstrip('.: ') or 'config'} must be a mapping, got {data!r}")
+    context = {_RUN_RULES: run_rules}
     try:
-        obj = cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from None
-    check = getattr(obj, "validate", None)
-    if callable(check):
-        check()
+        if _is_model(cls):
+            return cls.model_validate(data, context=context)  # type: ignore[attr-defined]
+        obj = _dataclass_wrapper(cls).model_validate({"value": data}, context=context).value
+    except ValidationError as e:
+        raise config_error(e, cls, prefix) from None
+    _parse_hooks(obj, prefix.rpartition(": ")[2])
     return obj
 
 
 def to_dict(obj: Any) -> Any:
-    """A plain (YAML-safe) copy of a dataclass tree."""
-    if dataclasses.is_dataclass(obj):
+    """A plain (YAML-safe) copy of a config: ``model_dump(mode="json")`` (tuples as lists, paths as text).
+
+    Plain dataclasses (a test's config, which may hold config models) are copied field by field.
+    """
+    if isinstance(obj, BaseModel):
+        return obj.model_dump(mode="json")
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
@@ -388,6 +565,7 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 
 
 def deep_merge(base: dict, over: Mapping) -> dict:
+    """``over`` on top of ``base``, mapping by mapping (other values replace)."""
     out = dict(base)
     for k, v in over.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
@@ -398,6 +576,12 @@ def deep_merge(base: dict, over: Mapping) -> dict:
 
 
 def read_yaml(path: str | Path) -> dict:
+    """The mapping of a YAML config file (:func:`load_yaml`); an empty file is ``{}``.
+
+    Raises:
+        ConfigError: the path is missing, a directory or unreadable, the text is not UTF-8 or not
+            valid YAML, a key repeats, or the top level is not a mapping.
+    """
     p = Path(path)
     if not p.is_file():
         if p.is_dir():
@@ -421,11 +605,15 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
-                base: Mapping[str, Any] | None = None, recipe: str | None = None) -> T:
+                base: Mapping[str, Any] | None = None, recipe: str | None = None, *, run_rules: bool = True) -> T:
     """Defaults of ``cls`` <- ``base`` <- YAML at ``path`` <- ``--set`` overrides.
 
     A YAML file may name its recipe at the top level (``recipe: classify``); with ``recipe``
-    given, a file written for another recipe is refused.
+    given, a file written for another recipe is refused. ``run_rules=False`` leaves out the run
+    rules (``lapheads config show``: a config that is not run yet may leave ``init_from`` open).
+
+    Raises:
+        ConfigError: one line (see :func:`read_yaml`, :func:`parse_overrides`, :func:`from_dict`).
     """
     data: dict = dict(base or {})
     if path is not None:
@@ -435,8 +623,134 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterabl
             raise ConfigError(f"config file {path} is a {named!r} recipe, not {recipe!r}")
         data = deep_merge(data, raw)
     data = deep_merge(data, parse_overrides(overrides))
-    return from_dict(cls, data)
+    return from_dict(cls, data, run_rules=run_rules)
 
 
 def save_config(obj: Any, path: str | Path) -> None:
+    """Write config ``obj`` as YAML (:func:`to_dict`, keys in declaration order)."""
     Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- schema and docs
+def config_schema(cls: type[BaseModel], recipe: Optional[str] = None) -> dict[str, Any]:
+    """The JSON schema of config model ``cls`` (``model_json_schema``), for editors that complete YAML.
+
+    With ``recipe``, the schema also allows the ``recipe: NAME`` line that recipe files and a
+    run's ``config.yaml`` start with.
+    """
+    schema = cls.model_json_schema()
+    if recipe is not None:
+        schema["properties"] = {"recipe": {"const": recipe, "description": "the recipe this file is for"},
+                                **schema.get("properties", {})}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def _type_name(tp: Any) -> str:
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+    base, meta = _unwrap(tp)
+    for m in meta:  # a type that names itself in its JSON schema (lapheads.heads_config.HeadsSetting)
+        schema = getattr(m, "json_schema", None)
+        if isinstance(schema, dict) and schema.get("title"):
+            return schema["title"]
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if base is Any:
+        name = "any"
+    elif origin is typing.Literal:
+        name = " | ".join(json.dumps(a) for a in args)
+    elif origin is tuple:
+        name = (f"list of {_type_name(args[0])}" if args and args[-1] is Ellipsis
+                else "[" + ", ".join(_type_name(a) for a in args) + "]")
+    elif origin is list:
+        name = f"list of {_type_name(args[0]) if args else 'any'}"
+    elif origin is dict or base is dict:
+        name = "mapping"
+    else:
+        name = getattr(base, "__name__", str(base))
+    return f"{name} | null" if optional else name
+
+
+def _allowed(tp: Any, meta: list) -> str:
+    base, inner = _unwrap(tp)
+    c = _constraints(meta + inner)
+    parts = []
+    bounds = {k: v for k, v in c.items() if k in ("ge", "gt", "le", "lt")}
+    if bounds:
+        parts.append(describe_range(**bounds))
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if origin in (tuple, list) and args:
+        items = {k: v for k, v in _constraints(_unwrap(args[0])[1]).items() if k in ("ge", "gt", "le", "lt")}
+        if items and all(_constraints(_unwrap(a)[1]) == _constraints(_unwrap(args[0])[1])
+                         for a in args if a is not Ellipsis):
+            parts.append(f"items {describe_range(**items)}")
+    if "min_length" in c:
+        parts.append(f"at least {c['min_length']} item(s)")
+    return ", ".join(parts)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _section(tp: Any) -> Optional[type[BaseModel]]:
+    base, _ = _unwrap(tp)
+    return base if _is_model(base) and base is tp else None
+
+
+def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> None:
+    for name, f in cls.model_fields.items():
+        key = prefix + name
+        value = getattr(current, name) if current is not None else (
+            f.get_default(call_default_factory=True) if not f.is_required() else dataclasses.MISSING)
+        section = _section(f.annotation)
+        desc = _cell(f.description or "")
+        if section is not None:
+            rows.append(f"| `{key}` | section | | | {desc} |")
+            _rows(section, value if isinstance(value, section) else None, key + ".", rows)
+            continue
+        default = "required" if value is dataclasses.MISSING else f"`{_cell(json.dumps(to_dict(value)))}`"
+        rows.append(f"| `{key}` | {_cell(_type_name(f.annotation))} | {default} | "
+                    f"{_cell(_allowed(f.annotation, f.metadata))} | {desc} |")
+        base, _ = _unwrap(f.annotation)
+        if typing.get_origin(base) is list and typing.get_args(base) and _is_model(typing.get_args(base)[0]):
+            _rows(typing.get_args(base)[0], None, key + "[].", rows)
+
+
+def config_table(model_cls: type[BaseModel]) -> str:
+    """A Markdown table of a config model: key path, type, default, allowed range, description.
+
+    Sections are recursed into (a row for the section, then its keys as ``train.seed``); the fields
+    of a list of sections appear as ``data.sources[].path``. Defaults are those of ``model_cls()``,
+    so a recipe's own defaults of a shared section show (``classify``: ``train.clip_grad`` 1.0).
+    """
+    rows = ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
+    _rows(model_cls, model_cls(), "", rows)
+    return "\n".join(rows) + "\n"
+
+
+# --------------------------------------------------------------------------- command-line flags
+def number_arg(kind: type = float, *, ge: Optional[float] = None, gt: Optional[float] = None,
+               le: Optional[float] = None, lt: Optional[float] = None) -> Callable[[str], Any]:
+    """An argparse ``type=`` for a numeric flag, with the same rules as a config field.
+
+    It refuses NaN and infinity (floats), values beyond 64 bits (ints) and values outside the
+    range, while the command line is parsed, i.e. before any model is loaded::
+
+        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)
+    """
+    bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt}
+
+    def parse(text: str) -> Any:
+        try:
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is not int and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (NaN and infinity are refused)")
+        if kind is int and not INT64_MIN <= value <= INT64_MAX:
+            raise argparse.ArgumentTypeError(f"{text if len(text) <= 30 else _show_int(value)} does not fit in 64 bits")
+        if not _in_range(value, **bounds):
+            raise argparse.ArgumentTypeError(f"{value!r} must be {describe_range(**bounds)}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse

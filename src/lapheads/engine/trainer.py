@@ -55,13 +55,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
@@ -73,66 +73,70 @@ from . import fsdp as F
 from .callbacks import active_callbacks
 from .checkpoint import (begin_checkpoint, commit_checkpoint, latest_checkpoint, load_tensors, load_weights,
                          safe_torch_load, save_tensors, write_checkpoint, write_files)
-from .config import bounded
+from .config import ConfigModel, Float, Int, Str, rule
 from .fsdp import enable_activation_checkpointing, full_state_dict, is_sharded_checkpoint, materialize, plain_norm
 from .run import RunDir
 
 
-@dataclass
-class UntilPlateau:
+class UntilPlateau(ConfigModel):
     """``train.until_plateau``: stop training once the validation metric stops improving."""
 
-    patience: int = bounded(0, ge=0)  # evals in a row without improvement before stopping; 0 = off
-    min_rel_delta: float = bounded(0.0, ge=0.0)  # an improvement must exceed this fraction of |best|
-    metric: str = ""  # a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_k20_top1)
-    mode: Literal["", "min", "max"] = ""  # max: higher is better (accuracy); min: lower (loss, bits per byte)
+    patience: Int = Field(0, ge=0, description="evals in a row without improvement before stopping; 0 = off")
+    min_rel_delta: Float = Field(0.0, ge=0.0, description="an improvement must exceed this fraction of |best|")
+    metric: Str = Field("", description="a key of the recipe's evaluation (classify: top1, lm: val_bpb, "
+                                        "sft: val_loss, dino: knn_k20_top1)")
+    mode: Literal["", "min", "max"] = Field("", description="max: higher is better (accuracy); min: lower "
+                                                            "(loss, bits per byte)")
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(ConfigModel):
     """Options of the shared engine (the ``train:`` section of every recipe)."""
 
-    seed: int = 0
-    max_steps: int = 0  # optimizer steps; 0 = the recipe decides (e.g. from epochs)
-    grad_accum: int = 1  # micro-batches per optimizer step
-    clip_grad: float = 0.0  # max global grad norm; 0 = no clipping (the norm is still logged)
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = bounded(0, ge=0)
-    warmup_ratio: float = 0.0  # used when warmup_steps is 0
-    warmdown_ratio: float = 0.2  # "wsd": fraction of steps of linear decay at the end (nanochat)
-    min_lr_ratio: float = bounded(0.0, ge=0.0, le=1.0)  # final lr as a fraction of the base lr
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast on GPUs that have it
-    ema_decay: float = 0.0  # 0 = no EMA of weights
-    ckpt_every: int = bounded(0, ge=0)  # optimizer steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = bounded(2, ge=0)  # 0 = keep all
-    eval_every: int = bounded(0, ge=0)  # 0 = only at the end
-    log_every: int = bounded(10, ge=0)
-    nan_policy: Literal["stop", "skip"] = "stop"
-    max_skipped_steps: int = bounded(20, ge=0)  # with nan_policy=skip, stop after this many skipped steps
-    device: str = "auto"
-    num_workers: int = bounded(0, ge=0)
-    threads: int = bounded(0, ge=0)  # CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy (engine/threads.py)
-    progress: bool = True  # tqdm bars; shown only when stderr is a terminal
-    find_unused_parameters: bool = False
-    until_plateau: UntilPlateau = field(default_factory=UntilPlateau)  # early stopping (module docstring)
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 per-block sharding + sharded (DCP) checkpoints
-    activation_checkpointing: bool = False  # recompute each block's activations in backward (transformers models)
+    seed: Int = Field(0, description="seed of initialisation, data order and augmentation")
+    max_steps: Int = Field(0, ge=0, description="optimizer steps; 0 = the recipe decides (e.g. from epochs)")
+    grad_accum: Int = Field(1, ge=1, description="micro-batches per optimizer step")
+    clip_grad: Float = Field(0.0, ge=0.0, description="max global grad norm; 0 = no clipping (the norm is still "
+                                                      "logged)")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="learning-rate "
+                                                                     "schedule after the warmup")
+    warmup_steps: Int = Field(0, ge=0, description="linear warmup steps; 0 = warmup_ratio decides")
+    warmup_ratio: Float = Field(0.0, ge=0.0, lt=1.0, description="warmup as a fraction of the steps (when "
+                                                                 "warmup_steps is 0)")
+    warmdown_ratio: Float = Field(0.2, ge=0.0, le=1.0, description='"wsd": fraction of steps of linear decay at '
+                                                                   'the end (nanochat)')
+    min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final lr as a fraction of the base lr")
+    precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto = bf16 autocast on GPUs that "
+                                                                           "have it")
+    ema_decay: Float = Field(0.0, ge=0.0, lt=1.0, description="decay of the EMA of weights; 0 = no EMA")
+    ckpt_every: Int = Field(0, ge=0, description="optimizer steps between checkpoints; 0 = only at the end")
+    keep_checkpoints: Int = Field(2, ge=0, description="checkpoints kept; 0 = keep all")
+    eval_every: Int = Field(0, ge=0, description="optimizer steps between evaluations; 0 = only at the end")
+    log_every: Int = Field(10, ge=0, description="optimizer steps between logged metrics")
+    nan_policy: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient: stop the run, "
+                                                                    "or skip the step")
+    max_skipped_steps: Int = Field(20, ge=0, description="with nan_policy=skip, stop after this many skipped "
+                                                         "steps")
+    device: Str = Field("auto", description="auto, cpu, cuda, cuda:N, ...")
+    num_workers: Int = Field(0, ge=0, description="data-loader worker processes")
+    threads: Int = Field(0, ge=0, description="CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy "
+                                              "(engine/threads.py)")
+    progress: bool = Field(True, description="tqdm bars; shown only when stderr is a terminal")
+    find_unused_parameters: bool = Field(False, description="DDP's find_unused_parameters")
+    until_plateau: UntilPlateau = Field(UntilPlateau(), description="early stopping (module docstring)")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="fsdp: FSDP2 per-block sharding + sharded (DCP) "
+                                                                "checkpoints")
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward "
+                                                              "(transformers models)")
 
-    def validate(self) -> None:
-        if self.grad_accum < 1:
-            raise ConfigError(f"train.grad_accum={self.grad_accum} must be >= 1")
-        if self.max_steps < 0:
-            raise ConfigError(f"train.max_steps={self.max_steps} must be >= 0")
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise ConfigError(f"train.ema_decay={self.ema_decay} must be in [0, 1)")
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.warmdown_ratio <= 1.0:
-            raise ConfigError("train.warmup_ratio must be in [0, 1) and train.warmdown_ratio in [0, 1]")
-        if self.clip_grad < 0:
-            raise ConfigError(f"train.clip_grad={self.clip_grad} must be >= 0")
+    @rule
+    def _until_plateau(self) -> None:
         up = self.until_plateau
         if up.patience and (not up.metric or not up.mode or not self.eval_every):
             raise ConfigError("train.until_plateau.patience > 0 needs train.until_plateau.metric (e.g. top1, val_bpb), "
                               "train.until_plateau.mode (max or min) and train.eval_every > 0")
+
+    @rule
+    def _fsdp_without_ema(self) -> None:
         if self.parallel == "fsdp" and self.ema_decay > 0:
             raise ConfigError("train.ema_decay > 0 is not supported with train.parallel=fsdp (the EMA copy would "
                               "be unsharded); set train.ema_decay=0 or use train.parallel=ddp")

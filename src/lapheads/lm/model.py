@@ -48,18 +48,19 @@ Design choices:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from pydantic import Field
 from torch import nn
 from transformers import NanoChatConfig, NanoChatForCausalLM
 
 from .. import transformers as lap_tf
-from ..engine.config import bounded
+from ..engine.config import Beta, ConfigModel, Float, Int
 from ..engine.fsdp import muon_class  # ShardedMuon on FSDP2 shards: orthogonalises whole matrices
 from ..errors import ConfigError
-from ..heads import heads_field, is_mix_param, learnable_spec
+from ..heads import is_mix_param, learnable_spec
+from ..heads_config import HeadsSetting, heads_field
 
 __all__ = [
     "LMModelConfig",
@@ -77,37 +78,39 @@ __all__ = [
 ]
 
 
-@dataclass
-class LMModelConfig:
+class LMModelConfig(ConfigModel):
     """Shape of a NanoChat model (the ``model:`` section of ``recipes/lm/*.yaml``)."""
 
-    depth: int = bounded(20, ge=1)  # number of transformer blocks (nanochat's single knob)
-    width: Optional[int] = None  # default 64 * depth
-    n_heads: Optional[int] = None  # default max(1, ceil(width / 128))
-    n_kv_heads: Optional[int] = None  # default n_heads (nanochat uses no GQA)
-    head_dim: Optional[int] = None  # default width // n_heads
-    mlp_ratio: int = bounded(4, ge=1)
-    rope_theta: float = bounded(10000.0, gt=0.0)
-    softcap: float = bounded(15.0, ge=0.0)  # 0 = no logit soft-cap
-    laplacian_heads: Any = heads_field()  # int k (trailing k heads per layer), "all", "none", per-layer list
-    vocab_size: int = bounded(0, ge=0)  # 0 = the tokenizer's vocabulary size; otherwise it must match it
+    depth: Int = Field(20, ge=1, description="number of transformer blocks (nanochat's single knob)")
+    width: Optional[Int] = Field(None, ge=1, description="model width; default 64 * depth")
+    n_heads: Optional[Int] = Field(None, ge=1, description="attention heads; default max(1, ceil(width / 128))")
+    n_kv_heads: Optional[Int] = Field(None, ge=1, description="key/value heads; default n_heads (nanochat uses no "
+                                                              "GQA)")
+    head_dim: Optional[Int] = Field(None, ge=2, description="width of a head (even: RoPE rotates pairs); default "
+                                                            "width // n_heads")
+    mlp_ratio: Int = Field(4, ge=1, description="MLP width as a multiple of the model width")
+    rope_theta: Float = Field(10000.0, gt=0.0, description="RoPE base")
+    softcap: Float = Field(15.0, ge=0.0, description="tanh soft-cap of the logits; 0 = none")
+    laplacian_heads: HeadsSetting = heads_field()
+    vocab_size: Int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size; otherwise it must match it")
 
 
-@dataclass
-class LMOptimConfig:
+class LMOptimConfig(ConfigModel):
     """nanochat's optimizer settings (the ``optim:`` section)."""
 
-    matrix_lr: float = bounded(0.02, ge=0.0)  # Muon, hidden matrices of the blocks
-    embedding_lr: float = bounded(0.2, ge=0.0)  # AdamW, token embedding (times (width/768)^-0.5)
-    unembedding_lr: float = bounded(0.004, ge=0.0)  # AdamW, lm_head (times (width/768)^-0.5)
-    weight_decay: float = bounded(0.0, ge=0.0)  # AdamW and Muon (never on the learnable mixing)
-    mix_lr: float = bounded(0.02, ge=0.0)  # AdamW, learnable head mixing a, b (laplacian_heads: learn...), no decay
-    adam_betas: tuple[float, float] = bounded((0.8, 0.95), ge=0.0, lt=1.0)
-    adam_eps: float = bounded(1e-10, gt=0.0)
-    muon_momentum: float = bounded(0.95, ge=0.0, lt=1.0)
-    muon_momentum_start: float = bounded(0.85, ge=0.0, lt=1.0)  # nanochat warms Muon's momentum up ...
-    muon_momentum_warmup: int = bounded(300, ge=0)  # ... over this many optimizer steps; 0 = constant
-    lr_scale_width: int = bounded(768, ge=1)  # AdamW lrs were tuned at this width
+    matrix_lr: Float = Field(0.02, ge=0.0, description="Muon, hidden matrices of the blocks")
+    embedding_lr: Float = Field(0.2, ge=0.0, description="AdamW, token embedding (times (width/768)^-0.5)")
+    unembedding_lr: Float = Field(0.004, ge=0.0, description="AdamW, lm_head (times (width/768)^-0.5)")
+    weight_decay: Float = Field(0.0, ge=0.0, description="AdamW and Muon (never on the learnable mixing)")
+    mix_lr: Float = Field(0.02, ge=0.0, description="AdamW, learnable head mixing a, b (laplacian_heads: learn...), "
+                                                    "no decay")
+    adam_betas: tuple[Beta, Beta] = Field((0.8, 0.95), strict=False, description="AdamW betas")
+    adam_eps: Float = Field(1e-10, gt=0.0, description="AdamW epsilon")
+    muon_momentum: Float = Field(0.95, ge=0.0, lt=1.0, description="Muon momentum after its warmup")
+    muon_momentum_start: Float = Field(0.85, ge=0.0, lt=1.0, description="nanochat warms Muon's momentum up from "
+                                                                         "this ...")
+    muon_momentum_warmup: Int = Field(300, ge=0, description="... over this many optimizer steps; 0 = constant")
+    lr_scale_width: Int = Field(768, ge=1, description="AdamW lrs were tuned at this width")
 
 
 def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:

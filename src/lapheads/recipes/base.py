@@ -7,7 +7,9 @@ through ``if recipe == ...`` chains:
 
 ==================  ===========================================================================
 ``name``            the recipe's name (``lapheads train <name>``, ``recipe:`` in config.yaml)
-``config_type``     its config dataclass (parsed and validated by :func:`lapheads.engine.config.load_config`;
+``config_type``     its config, a pydantic model (:class:`lapheads.engine.config.ConfigModel`: types, ranges,
+                    defaults, descriptions; parsed and validated by
+                    :func:`lapheads.engine.config.load_config`, its JSON schema by ``lapheads config schema``;
                     an optional ``resume_mutable()`` method names keys a ``--resume`` may change)
 ``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
 ``build_task``      the engine :class:`~lapheads.engine.Task` for a config (a :class:`HeadsTask`: its

@@ -22,12 +22,12 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import Lamb
@@ -37,11 +37,11 @@ from .. import timm as lap_timm
 from ..data.images import build_image_dataset, subset
 from ..engine import Task, TrainConfig
 from ..engine.checkpoint import load_tensors, load_weights
-from ..engine.config import bounded, from_dict, to_dict
+from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
-from ..heads import heads_field
+from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
 from ..vision.backbones import frozen
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
@@ -50,83 +50,89 @@ from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, c
 from .base import HeadsTask, LoadedRun, Recipe
 
 
-@dataclass
-class ModelConfig:
-    name: str = "vit_tiny_patch16_224"  # any timm ViT (or a registered *_lap<k> name)
-    laplacian_heads: Any = heads_field()  # int k (trailing k heads per layer), "all", "none", per-layer list
-    img_size: int = bounded(224, ge=1)
-    in_chans: int = 3  # 3 (RGB) or 1 (greyscale model; then data.mean/std hold one value each)
-    patch_size: Optional[int] = bounded(None, ge=1)
-    embed_dim: Optional[int] = bounded(None, ge=1)
-    depth: Optional[int] = bounded(None, ge=1)
-    num_heads: Optional[int] = bounded(None, ge=1)
-    drop_path: float = bounded(0.0, ge=0.0, lt=1.0)
-    layer_scale_init: Optional[float] = bounded(None, gt=0.0)  # LayerScale init (timm init_values); DeiT-3 uses 1e-6
-    qk_norm: bool = False
-    extra: dict = field(default_factory=dict)  # any other timm keyword argument
+#: the normalisation of one channel: a positive standard deviation
+_Std = Annotated[Float, Field(gt=0.0)]
 
 
-@dataclass
-class DataConfig:
-    train: str = "digits"  # digits | cifar archive/folder | ImageFolder root | idx folder
-    val: Optional[str] = None  # default: the validation split of `train`
-    batch_size: int = 64  # per process, per micro-step
-    eval_batch_size: int = 256
-    epochs: int = 10
-    three_augment: bool = True
-    color_jitter: float = bounded(0.3, ge=0.0)
-    scale_min: float = 0.08  # random-resized-crop scale range (scale_min, 1)
-    hflip: float = bounded(0.5, ge=0.0, le=1.0)  # probability of a horizontal flip
-    mean: tuple[float, ...] = IMAGENET_MEAN  # one value per model.in_chans channel
-    std: tuple[float, ...] = bounded(IMAGENET_STD, gt=0.0)
-    max_eval_items: int = 0  # 0 = all
-    fraction: float = bounded(1.0, gt=0.0, le=1.0)  # stratified share of the TRAINING images used
-    max_items: int = bounded(0, ge=0)  # cap on training images after `fraction` (0 = no cap)
-    subset_seed: int = 0  # seed of that subset (one seed: smaller subsets nest in larger ones)
+class ModelConfig(ConfigModel):
+    """The ViT (the ``model:`` section): a timm model name plus keyword overrides."""
 
-    def validate(self) -> None:
-        for key in ("batch_size", "eval_batch_size", "epochs"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"data.{key}={getattr(self, key)} must be >= 1")
-        if not 0.0 < self.scale_min <= 1.0:
-            raise ConfigError(f"data.scale_min={self.scale_min} must be in (0, 1]")
-        if self.max_eval_items < 0:
-            raise ConfigError(f"data.max_eval_items={self.max_eval_items} must be >= 0 (0 = all)")
+    name: Str = Field("vit_tiny_patch16_224", description="any timm ViT (or a registered *_lap<k> name)")
+    laplacian_heads: HeadsSetting = heads_field()
+    img_size: Int = Field(224, ge=1, description="input resolution in pixels")
+    in_chans: Int = Field(3, description="3 (RGB) or 1 (greyscale model; then data.mean/std hold one value each)")
+    patch_size: Optional[Int] = Field(None, ge=1, description="patch size; null = the timm model's")
+    embed_dim: Optional[Int] = Field(None, ge=1, description="width; null = the timm model's")
+    depth: Optional[Int] = Field(None, ge=1, description="number of blocks; null = the timm model's")
+    num_heads: Optional[Int] = Field(None, ge=1, description="attention heads per block; null = the timm model's")
+    drop_path: Float = Field(0.0, ge=0.0, lt=1.0, description="stochastic-depth rate")
+    layer_scale_init: Optional[Float] = Field(None, gt=0.0, description="LayerScale init (timm init_values); "
+                                                                        "DeiT-3 uses 1e-6; null = none")
+    qk_norm: bool = Field(False, description="normalise queries and keys (timm qk_norm)")
+    extra: dict[Str, Any] = Field({}, description="any other timm keyword argument")
 
 
-@dataclass
-class AugConfig:
-    mixup: float = bounded(0.8, ge=0.0)  # mixup alpha; 0 = off
-    cutmix: float = bounded(1.0, ge=0.0)  # cutmix alpha; 0 = off
-    mix_prob: float = bounded(1.0, ge=0.0, le=1.0)
-    switch_prob: float = bounded(0.5, ge=0.0, le=1.0)
-    label_smoothing: float = bounded(0.1, ge=0.0, lt=1.0)
-    loss: Literal["bce", "ce"] = "bce"  # DeiT-3 uses BCE on the (mixed) soft targets
+class DataConfig(ConfigModel):
+    """Images, batches and augmentation (the ``data:`` section)."""
+
+    train: Str = Field("digits", description="digits | cifar archive/folder | ImageFolder root | idx folder")
+    val: Optional[Str] = Field(None, description="validation data; null = the validation split of `train`")
+    batch_size: Int = Field(64, ge=1, description="images per process and micro-step")
+    eval_batch_size: Int = Field(256, ge=1, description="images per evaluation batch")
+    epochs: Int = Field(10, ge=1, description="passes over the training images (sets the steps when "
+                                              "train.max_steps is 0)")
+    three_augment: bool = Field(True, description="DeiT-3's 3-Augment (grayscale / solarize / blur)")
+    color_jitter: Float = Field(0.3, ge=0.0, description="color-jitter strength; 0 = off")
+    scale_min: Float = Field(0.08, gt=0.0, le=1.0, description="random-resized-crop scale range (scale_min, 1)")
+    hflip: Float = Field(0.5, ge=0.0, le=1.0, description="probability of a horizontal flip")
+    mean: tuple[Float, ...] = Field(IMAGENET_MEAN, strict=False, description="normalisation mean, one value per "
+                                                                             "model.in_chans channel")
+    std: tuple[_Std, ...] = Field(IMAGENET_STD, strict=False, description="normalisation std, one value per "
+                                                                          "model.in_chans channel")
+    max_eval_items: Int = Field(0, ge=0, description="validation images per evaluation; 0 = all")
+    fraction: Float = Field(1.0, gt=0.0, le=1.0, description="stratified share of the TRAINING images used")
+    max_items: Int = Field(0, ge=0, description="cap on training images after `fraction` (0 = no cap)")
+    subset_seed: Int = Field(0, description="seed of that subset (one seed: smaller subsets nest in larger ones)")
 
 
-@dataclass
-class OptimConfig:
-    name: Literal["adamw", "lamb", "sgd"] = "adamw"  # sgd: plain SGD with momentum `momentum`
-    lr: float = 1e-3  # per `lr_batch` images
-    lr_batch: int = bounded(1024, ge=0)  # linear scaling reference; 0 = use `lr` as is
-    weight_decay: float = bounded(0.05, ge=0.0)
-    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0.0, lt=1.0)
-    momentum: float = bounded(0.9, ge=0.0, lt=1.0)  # sgd only
-    # learnable head mixing (laplacian_heads: learn...): its lr = the (batch-scaled) lr x this; the
-    # mixing is a few scalars per layer that AdamW moves by at most ~lr per step, so at a small-model
-    # lr they barely leave their start (studies/learnable/README.md)
-    mix_lr_scale: float = bounded(1.0, ge=0.0)
+class AugConfig(ConfigModel):
+    """Mixup / cutmix and the loss (the ``aug:`` section)."""
+
+    mixup: Float = Field(0.8, ge=0.0, description="mixup alpha; 0 = off")
+    cutmix: Float = Field(1.0, ge=0.0, description="cutmix alpha; 0 = off")
+    mix_prob: Float = Field(1.0, ge=0.0, le=1.0, description="probability of mixing a batch")
+    switch_prob: Float = Field(0.5, ge=0.0, le=1.0, description="probability of cutmix instead of mixup when "
+                                                                "both are on")
+    label_smoothing: Float = Field(0.1, ge=0.0, lt=1.0, description="label smoothing")
+    loss: Literal["bce", "ce"] = Field("bce", description="DeiT-3 uses BCE on the (mixed) soft targets")
 
 
-@dataclass
-class ClassifyConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    aug: AugConfig = field(default_factory=AugConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(warmup_ratio=0.05, clip_grad=1.0))
+class OptimConfig(ConfigModel):
+    """The optimizer (the ``optim:`` section)."""
 
-    def validate(self) -> None:
+    name: Literal["adamw", "lamb", "sgd"] = Field("adamw", description="sgd: plain SGD with momentum `momentum`")
+    lr: Float = Field(1e-3, description="learning rate per `lr_batch` images")
+    lr_batch: Int = Field(1024, ge=0, description="linear scaling reference; 0 = use `lr` as is")
+    weight_decay: Float = Field(0.05, ge=0.0, description="decoupled weight decay (not on biases, norms, tokens)")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="AdamW / Lamb betas")
+    momentum: Float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
+    # the mixing is a few scalars per layer that AdamW moves by at most ~lr per step, so at a
+    # small-model lr they barely leave their start (studies/learnable/README.md)
+    mix_lr_scale: Float = Field(1.0, ge=0.0, description="learnable head mixing (laplacian_heads: learn...): its "
+                                                         "lr = the (batch-scaled) lr x this")
+
+
+class ClassifyConfig(ConfigModel):
+    """The ``classify`` recipe."""
+
+    model: ModelConfig = Field(ModelConfig(), description="the ViT")
+    data: DataConfig = Field(DataConfig(), description="images, batches and augmentation")
+    aug: AugConfig = Field(AugConfig(), description="mixup / cutmix and the loss")
+    optim: OptimConfig = Field(OptimConfig(), description="the optimizer")
+    train: TrainConfig = Field(TrainConfig(warmup_ratio=0.05, clip_grad=1.0), description="the shared engine")
+
+    @rule
+    def _channels(self) -> None:
         check_channels(self.model, self.data.mean, self.data.std)
 
 

@@ -61,22 +61,23 @@ Design choices (DINO's own choices unless said otherwise):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Annotated, Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from ..data.images import build_image_dataset, subset
 from ..engine import DistInfo, Task, TrainConfig
 from ..engine.checkpoint import load_weights, save_tensors
-from ..engine.config import bounded
+from ..engine.config import Beta, ConfigModel, Float, Int, Str, rule
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..errors import CheckpointError, ConfigError, DataError
-from ..heads import LaplacianHeads, heads_field
+from ..heads import LaplacianHeads
+from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
 from ..vision.backbones import create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
@@ -87,120 +88,127 @@ from .base import HeadsTask, LoadedRun, Recipe
 
 # ---------------------------------------------------------------------------------------------
 # config
-@dataclass
-class DinoModelConfig:
+#: a crop scale: a share of the image area in (0, 1]
+_Scale = Annotated[Float, Field(gt=0.0, le=1.0)]
+_Std = Annotated[Float, Field(gt=0.0)]
+_Jitter = Annotated[Float, Field(ge=0.0)]
+
+
+class DinoModelConfig(ConfigModel):
     """The backbone: any timm ViT name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...)."""
 
-    name: str = "vit_small_patch16_224"
-    laplacian_heads: Any = heads_field()  # int k (trailing k heads of every layer), "all", "none", per-layer list
-    drop_path_rate: float = 0.1  # student only; the teacher has none
-    in_chans: int = 3  # 3 (RGB) or 1 (greyscale model; then crops.mean/std hold one value each)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ...
+    name: Str = Field("vit_small_patch16_224", description="any timm ViT name")
+    laplacian_heads: HeadsSetting = heads_field()
+    drop_path_rate: Float = Field(0.1, ge=0.0, lt=1.0, description="stochastic depth of the student only; the "
+                                                                   "teacher has none")
+    in_chans: Int = Field(3, description="3 (RGB) or 1 (greyscale model; then crops.mean/std hold one value each)")
+    kwargs: dict[Str, Any] = Field({}, description="timm kwargs: img_size, patch_size, embed_dim, depth, "
+                                                   "num_heads, ...")
 
 
-@dataclass
-class DinoHeadConfig:
-    out_dim: int = 65536  # K, the number of prototypes; 65536 for ViT-S in DINO
-    hidden_dim: int = 2048
-    bottleneck_dim: int = 256
-    nlayers: int = 3
-    use_bn: bool = False
-    norm_last_layer: bool = True  # fix the weight-norm g to 1 (more stable; False can help ViT-S)
+class DinoHeadConfig(ConfigModel):
+    """The projection head (the ``head:`` section)."""
+
+    out_dim: Int = Field(65536, ge=2, description="K, the number of prototypes; 65536 for ViT-S in DINO")
+    hidden_dim: Int = Field(2048, ge=1, description="width of the MLP")
+    bottleneck_dim: Int = Field(256, ge=1, description="width before the last layer")
+    nlayers: Int = Field(3, ge=1, description="MLP layers (1 = a single linear layer to the bottleneck)")
+    use_bn: bool = Field(False, description="BatchNorm after each hidden linear layer")
+    norm_last_layer: bool = Field(True, description="fix the weight-norm g to 1 (more stable; False can help ViT-S)")
 
 
-@dataclass
-class CropsConfig:
-    global_size: int = 224
-    local_size: int = 96
-    local_crops: int = 10  # number of small crops; 0 = only the 2 global crops
-    global_scale: tuple[float, float] = (0.4, 1.0)
-    local_scale: tuple[float, float] = (0.05, 0.4)
-    hflip: float = bounded(0.5, ge=0.0, le=1.0)  # probability of a horizontal flip
-    color_jitter: float = bounded(0.8, ge=0.0, le=1.0)  # probability of color jitter
-    jitter: tuple[float, float, float, float] = bounded((0.4, 0.4, 0.2, 0.1), ge=0.0)  # brightness, contrast, saturation, hue
-    grayscale: float = bounded(0.2, ge=0.0, le=1.0)
-    blur: bool = True  # DINO's blur probabilities: global 1.0 / 0.1, local 0.5
-    solarize: float = bounded(0.2, ge=0.0, le=1.0)  # probability, second global crop only
-    mean: tuple[float, ...] = IMAGENET_MEAN  # one value per model.in_chans channel
-    std: tuple[float, ...] = bounded(IMAGENET_STD, gt=0.0)
+class CropsConfig(ConfigModel):
+    """Multi-crop augmentation (the ``crops:`` section)."""
 
+    global_size: Int = Field(224, ge=1, description="side of the 2 global crops in pixels")
+    local_size: Int = Field(96, ge=1, description="side of the local crops in pixels")
+    local_crops: Int = Field(10, ge=0, description="number of small crops; 0 = only the 2 global crops")
+    global_scale: tuple[_Scale, _Scale] = Field((0.4, 1.0), strict=False, description="area range of a global crop "
+                                                                                      "(lo <= hi)")
+    local_scale: tuple[_Scale, _Scale] = Field((0.05, 0.4), strict=False, description="area range of a local crop "
+                                                                                      "(lo <= hi)")
+    hflip: Float = Field(0.5, ge=0.0, le=1.0, description="probability of a horizontal flip")
+    color_jitter: Float = Field(0.8, ge=0.0, le=1.0, description="probability of color jitter")
+    jitter: tuple[_Jitter, _Jitter, _Jitter, _Jitter] = Field((0.4, 0.4, 0.2, 0.1), strict=False,
+                                                              description="brightness, contrast, saturation, hue")
+    grayscale: Float = Field(0.2, ge=0.0, le=1.0, description="probability of a grayscale crop")
+    blur: bool = Field(True, description="DINO's blur probabilities: global 1.0 / 0.1, local 0.5")
+    solarize: Float = Field(0.2, ge=0.0, le=1.0, description="probability, second global crop only")
+    mean: tuple[Float, ...] = Field(IMAGENET_MEAN, strict=False, description="normalisation mean, one value per "
+                                                                             "model.in_chans channel")
+    std: tuple[_Std, ...] = Field(IMAGENET_STD, strict=False, description="normalisation std, one value per "
+                                                                          "model.in_chans channel")
 
-@dataclass
-class DinoDataConfig:
-    train: str = "digits"  # build_image_dataset spec: digits, a CIFAR archive, an ImageFolder path, idx files
-    train_split: str = "train"
-    val: str = ""  # k-NN evaluation data ("" = same as train)
-    val_split: str = "val"
-    batch_size: int = 64  # per process (DINO's batch_size_per_gpu)
-    fraction: float = bounded(1.0, gt=0.0, le=1.0)  # stratified share of the TRAINING images used
-    max_items: int = bounded(0, ge=0)  # cap on training images after `fraction` (0 = no cap)
-    subset_seed: int = 0  # seed of that subset (one seed: smaller subsets nest in larger ones)
-
-
-@dataclass
-class DinoOptimConfig:
-    lr: float = 0.0005  # per 256 images (linear scaling with the global batch)
-    weight_decay: float = bounded(0.04, ge=0.0)
-    weight_decay_end: float = bounded(0.4, ge=0.0)
-    betas: tuple[float, float] = bounded((0.9, 0.999), ge=0.0, lt=1.0)
-
-
-@dataclass
-class DinoLossConfig:
-    student_temp: float = 0.1
-    teacher_temp: float = 0.04  # final teacher temperature
-    warmup_teacher_temp: float = 0.04
-    warmup_teacher_temp_epochs: int = 0
-    center_momentum: float = 0.9
-    momentum_teacher: float = 0.996  # base EMA momentum, cosine schedule to 1
-    freeze_last_layer: int = 1  # epochs during which the head's last layer is not updated
-
-
-@dataclass
-class KnnConfig:
-    ks: list[int] = field(default_factory=lambda: [10, 20])
-    temperature: float = 0.07
-    max_train: int = 0  # cap on the size of the k-NN bank (0 = the whole train split)
-    batch_size: int = 256
-
-
-@dataclass
-class DinoConfig:
-    model: DinoModelConfig = field(default_factory=DinoModelConfig)
-    head: DinoHeadConfig = field(default_factory=DinoHeadConfig)
-    crops: CropsConfig = field(default_factory=CropsConfig)
-    data: DinoDataConfig = field(default_factory=DinoDataConfig)
-    optim: DinoOptimConfig = field(default_factory=DinoOptimConfig)
-    loss: DinoLossConfig = field(default_factory=DinoLossConfig)
-    knn: KnnConfig = field(default_factory=KnnConfig)
-    epochs: int = 100
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-    def validate(self) -> None:
-        check_channels(self.model, self.crops.mean, self.crops.std, where="crops", kwargs_field="kwargs")
-        if self.epochs < 1:
-            raise ConfigError(f"epochs={self.epochs} must be >= 1")
-        if self.head.out_dim < 2 or self.head.nlayers < 1:
-            raise ConfigError(f"head.out_dim={self.head.out_dim} must be >= 2 and head.nlayers >= 1")
-        if self.crops.local_crops < 0:
-            raise ConfigError(f"crops.local_crops={self.crops.local_crops} must be >= 0")
+    @rule
+    def _scales(self) -> None:
         for name in ("global_scale", "local_scale"):
-            lo, hi = getattr(self.crops, name)
-            if not 0 < lo <= hi <= 1:
+            lo, hi = getattr(self, name)
+            if not lo <= hi:
                 raise ConfigError(f"crops.{name}={[lo, hi]} must satisfy 0 < lo <= hi <= 1")
-        if self.crops.global_size < 1 or self.crops.local_size < 1:
-            raise ConfigError("crops.global_size and crops.local_size must be >= 1")
-        lc = self.loss
-        if lc.student_temp <= 0 or lc.teacher_temp <= 0 or lc.warmup_teacher_temp <= 0:
-            raise ConfigError("loss.student_temp, loss.teacher_temp and loss.warmup_teacher_temp must be > 0")
-        if not 0 <= lc.center_momentum < 1 or not 0 <= lc.momentum_teacher <= 1:
-            raise ConfigError("loss.center_momentum must be in [0, 1) and loss.momentum_teacher in [0, 1]")
-        if lc.warmup_teacher_temp_epochs < 0 or lc.freeze_last_layer < 0:
-            raise ConfigError("loss.warmup_teacher_temp_epochs and loss.freeze_last_layer must be >= 0")
-        if self.data.batch_size < 1:
-            raise ConfigError(f"data.batch_size={self.data.batch_size} must be >= 1")
-        if not self.knn.ks or min(self.knn.ks) < 1 or self.knn.temperature <= 0:
-            raise ConfigError(f"knn.ks={self.knn.ks} must be a non-empty list of k >= 1 and knn.temperature > 0")
+
+
+class DinoDataConfig(ConfigModel):
+    """Images and batches (the ``data:`` section)."""
+
+    train: Str = Field("digits", description="build_image_dataset spec: digits, a CIFAR archive, an ImageFolder "
+                                             "path, idx files")
+    train_split: Str = Field("train", description="split of `train` that is trained on")
+    val: Str = Field("", description='k-NN evaluation data ("" = same as train)')
+    val_split: Str = Field("val", description="split of `val` the k-NN accuracy is measured on")
+    batch_size: Int = Field(64, ge=1, description="images per process (DINO's batch_size_per_gpu)")
+    fraction: Float = Field(1.0, gt=0.0, le=1.0, description="stratified share of the TRAINING images used")
+    max_items: Int = Field(0, ge=0, description="cap on training images after `fraction` (0 = no cap)")
+    subset_seed: Int = Field(0, description="seed of that subset (one seed: smaller subsets nest in larger ones)")
+
+
+class DinoOptimConfig(ConfigModel):
+    """AdamW with a cosine weight-decay schedule (the ``optim:`` section)."""
+
+    lr: Float = Field(0.0005, description="learning rate per 256 images (linear scaling with the global batch)")
+    weight_decay: Float = Field(0.04, ge=0.0, description="weight decay at the start")
+    weight_decay_end: Float = Field(0.4, ge=0.0, description="weight decay at the end (cosine schedule)")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="AdamW betas")
+
+
+class DinoLossConfig(ConfigModel):
+    """Temperatures, centering and the teacher's EMA (the ``loss:`` section)."""
+
+    student_temp: Float = Field(0.1, gt=0.0, description="student softmax temperature")
+    teacher_temp: Float = Field(0.04, gt=0.0, description="final teacher temperature")
+    warmup_teacher_temp: Float = Field(0.04, gt=0.0, description="teacher temperature at the start")
+    warmup_teacher_temp_epochs: Int = Field(0, ge=0, description="epochs of the linear teacher-temperature warmup")
+    center_momentum: Float = Field(0.9, ge=0.0, lt=1.0, description="EMA momentum of the teacher's center")
+    momentum_teacher: Float = Field(0.996, ge=0.0, le=1.0, description="base EMA momentum, cosine schedule to 1")
+    freeze_last_layer: Int = Field(1, ge=0, description="epochs during which the head's last layer is not updated")
+
+
+class KnnConfig(ConfigModel):
+    """The k-NN evaluation (the ``knn:`` section)."""
+
+    ks: list[Annotated[Int, Field(ge=1)]] = Field([10, 20], min_length=1, description="the k of the reported "
+                                                                                      "accuracies")
+    temperature: Float = Field(0.07, gt=0.0, description="temperature of the weighted vote")
+    max_train: Int = Field(0, ge=0, description="cap on the size of the k-NN bank (0 = the whole train split)")
+    batch_size: Int = Field(256, ge=1, description="images per feature-extraction batch")
+
+
+class DinoConfig(ConfigModel):
+    """The ``dino`` recipe."""
+
+    model: DinoModelConfig = Field(DinoModelConfig(), description="the backbone")
+    head: DinoHeadConfig = Field(DinoHeadConfig(), description="the projection head")
+    crops: CropsConfig = Field(CropsConfig(), description="multi-crop augmentation")
+    data: DinoDataConfig = Field(DinoDataConfig(), description="images and batches")
+    optim: DinoOptimConfig = Field(DinoOptimConfig(), description="the optimizer")
+    loss: DinoLossConfig = Field(DinoLossConfig(), description="temperatures, centering, teacher EMA")
+    knn: KnnConfig = Field(KnnConfig(), description="the k-NN evaluation")
+    epochs: Int = Field(100, ge=1, description="passes over the training images (sets the steps when "
+                                               "train.max_steps is 0)")
+    train: TrainConfig = Field(TrainConfig(), description="the shared engine")
+
+    @rule
+    def _channels(self) -> None:
+        check_channels(self.model, self.crops.mean, self.crops.std, where="crops", kwargs_field="kwargs")
 
 
 def backbone_kwargs(m: DinoModelConfig) -> dict[str, Any]:

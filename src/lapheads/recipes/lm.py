@@ -48,12 +48,12 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from .. import transformers as lap_tf
@@ -61,7 +61,7 @@ from ..data import text as T
 from ..data.text import TokenShards
 from ..engine import Task, TrainConfig
 from ..engine import dist as D
-from ..engine.config import bounded, to_dict
+from ..engine.config import ConfigModel, Float, Int, Str, run_rule, to_dict
 from ..engine.data import _mix
 from ..engine.dist import DistInfo
 from ..engine.fsdp import lockstep, transformer_blocks
@@ -78,49 +78,58 @@ DEFAULT_PROMPTS = ["The capital of France is", "The meaning of the word", "def f
                    "In Python, a list"]
 
 
-@dataclass
-class LMDataConfig:
+class LMDataConfig(ConfigModel):
     """Where the tokens come from and how they are batched (the ``data:`` section)."""
 
-    shards: Optional[str] = None  # directory from `lapheads data tokenize` (then tokenizer must be a DIR)
-    corpus: Any = "embedded"  # used without shards: "embedded", a file path, or a list of paths
-    text_field: str = "text"  # JSONL key / parquet column
-    tokenizer: str = "train"  # DIR of `lapheads tokenizer train`, or "train" (on the corpus)
-    vocab_size: int = bounded(2048, ge=1)  # with tokenizer: train
-    tokenizer_max_chars: int = bounded(0, ge=0)  # with tokenizer: train, read at most this many characters (0 = all)
-    val_fraction: float = bounded(0.05, gt=0.0, lt=1.0)  # documents (or tokens) held out, when the shards are built here
-    val_by: str = "documents"  # "documents" or "tokens" (the last val_fraction of every document: one file works)
-    split_documents: Any = None  # cut each corpus document: "blank_lines", "chapters" or N characters per piece
-    fraction: float = bounded(1.0, gt=0.0, le=1.0)  # share of the training documents used (validation stays whole)
-    max_items: int = bounded(0, ge=0)  # cap on training documents after `fraction` (0 = no cap)
-    cache_dir: Optional[str] = None  # on-the-fly tokenizer/shards; default ~/.cache/lapheads/lm
-    seq_len: int = bounded(2048, ge=1)
-    batch_size: int = bounded(32, ge=1)  # sequences per process and micro-step
-    total_batch_tokens: int = bounded(0, ge=0)  # tokens per optimizer step over all ranks; 0 = batch_size*seq_len*world*grad_accum
-    tokens_per_param: float = bounded(20.0, gt=0.0)  # run length when train.max_steps is 0 (nanochat / Chinchilla: 20)
-    eval_tokens: int = bounded(2**20, ge=1)  # validation tokens per evaluation (fewer if the split is smaller)
-    eval_batch_size: int = bounded(0, ge=0)  # 0 = batch_size
+    shards: Optional[Str] = Field(None, description="directory from `lapheads data tokenize` (then tokenizer must "
+                                                    "be a DIR)")
+    corpus: Any = Field("embedded", description='used without shards: "embedded", a file path, or a list of paths')
+    text_field: Str = Field("text", description="JSONL key / parquet column")
+    tokenizer: Str = Field("train", description='DIR of `lapheads tokenizer train`, or "train" (on the corpus)')
+    vocab_size: Int = Field(2048, ge=1, description="with tokenizer: train, its vocabulary size")
+    tokenizer_max_chars: Int = Field(0, ge=0, description="with tokenizer: train, read at most this many characters "
+                                                          "(0 = all)")
+    val_fraction: Float = Field(0.05, gt=0.0, lt=1.0, description="documents (or tokens) held out, when the shards "
+                                                                  "are built here")
+    val_by: Literal["documents", "tokens"] = Field("documents", description="hold out whole documents, or the last "
+                                                   "val_fraction of every document's tokens (one file works)")
+    split_documents: Any = Field(None, description='cut each corpus document: "blank_lines", "chapters" or N '
+                                                   'characters per piece')
+    fraction: Float = Field(1.0, gt=0.0, le=1.0, description="share of the training documents used (validation "
+                                                             "stays whole)")
+    max_items: Int = Field(0, ge=0, description="cap on training documents after `fraction` (0 = no cap)")
+    cache_dir: Optional[Str] = Field(None, description="on-the-fly tokenizer/shards; default ~/.cache/lapheads/lm")
+    seq_len: Int = Field(2048, ge=1, description="tokens per training sequence")
+    batch_size: Int = Field(32, ge=1, description="sequences per process and micro-step")
+    total_batch_tokens: Int = Field(0, ge=0, description="tokens per optimizer step over all ranks; 0 = "
+                                                         "batch_size*seq_len*world*grad_accum")
+    tokens_per_param: Float = Field(20.0, gt=0.0, description="run length when train.max_steps is 0 (nanochat / "
+                                                              "Chinchilla: 20)")
+    eval_tokens: Int = Field(2**20, ge=1, description="validation tokens per evaluation (fewer if the split is "
+                                                      "smaller)")
+    eval_batch_size: Int = Field(0, ge=0, description="sequences per evaluation batch; 0 = batch_size")
 
 
-@dataclass
-class SampleConfig:
+class SampleConfig(ConfigModel):
     """Greedy continuations logged at every evaluation (``samples.jsonl``)."""
 
-    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_PROMPTS))
-    max_new_tokens: int = bounded(32, ge=0)
+    prompts: list[Str] = Field(list(DEFAULT_PROMPTS), description="the prompts continued")
+    max_new_tokens: Int = Field(32, ge=0, description="tokens per continuation; 0 = no samples")
 
 
-@dataclass
-class LMConfig:
-    model: LMModelConfig = field(default_factory=LMModelConfig)
-    optim: LMOptimConfig = field(default_factory=LMOptimConfig)
-    data: LMDataConfig = field(default_factory=LMDataConfig)
-    samples: SampleConfig = field(default_factory=SampleConfig)
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+class LMConfig(ConfigModel):
+    """The ``lm`` recipe."""
+
+    model: LMModelConfig = Field(LMModelConfig(), description="the NanoChat model")
+    optim: LMOptimConfig = Field(LMOptimConfig(), description="Muon + AdamW (nanochat)")
+    data: LMDataConfig = Field(LMDataConfig(), description="tokens and batches")
+    samples: SampleConfig = Field(SampleConfig(), description="greedy samples at every evaluation")
+    train: TrainConfig = Field(TrainConfig(
         schedule="wsd", warmup_ratio=0.0, warmdown_ratio=0.2, min_lr_ratio=0.0, clip_grad=1.0, eval_every=250,
-        log_every=10))
+        log_every=10), description="the shared engine")
 
-    def validate(self) -> None:
+    @run_rule
+    def _grad_accum(self) -> None:
         resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
 
     def resume_mutable(self) -> set[str]:
@@ -137,11 +146,6 @@ def resolve_grad_accum(d: LMDataConfig, t: TrainConfig, world_size: int) -> None
         ConfigError: the total is not a multiple of one micro-step over all ranks, or it
             contradicts an explicit ``train.grad_accum``.
     """
-    for name in ("seq_len", "batch_size"):
-        if getattr(d, name) < 1:
-            raise ConfigError(f"data.{name}={getattr(d, name)} must be >= 1")
-    if d.total_batch_tokens < 0:
-        raise ConfigError(f"data.total_batch_tokens={d.total_batch_tokens} must be >= 0")
     if not d.total_batch_tokens:
         return
     micro = d.batch_size * d.seq_len * world_size
@@ -224,7 +228,7 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
     info = info or DistInfo()
     if d.shards is not None:
         built_here = [k for k in ("val_by", "split_documents", "fraction", "max_items")
-                      if getattr(d, k) != getattr(LMDataConfig, k)]
+                      if getattr(d, k) != LMDataConfig.model_fields[k].default]
         if built_here:
             raise ConfigError(f"data.{built_here[0]} applies when the shards are built from data.corpus, not to "
                               f"data.shards={d.shards}; give the split options to `lapheads data tokenize`")
@@ -249,7 +253,7 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
     # settings added later enter the key only when set, so existing caches keep their names
     key.update({k: v for k, v in (("val_by", d.val_by), ("split_documents", d.split_documents),
                                   ("fraction", d.fraction), ("max_items", d.max_items))
-                if v != getattr(LMDataConfig, k)})
+                if v != LMDataConfig.model_fields[k].default})
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else _default_cache()
     target = root / digest

@@ -44,21 +44,22 @@ import copy
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Annotated, Any, Callable, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import AfterValidator, Field, ValidationInfo, WithJsonSchema
 from torch import nn
 
 from .. import transformers as lap_tf
 from ..engine import TrainConfig
-from ..engine.config import bounded
+from ..engine.config import Beta, ConfigModel, Float, Int, Str, rule, run_rule
 from ..engine.dist import DistInfo
 from ..engine.run import RunDir
 from ..errors import ConfigError, DataError
 from ..heads import LaplacianHeads, is_count
+from ..heads_config import HEADS_JSON_SCHEMA
 from ..lm.model import count_params
 from ..lm.tokenizer import tokenizer_hash
 from ..outputs import read_json
@@ -73,45 +74,67 @@ __all__ = ["LoraSettings", "RetrofitOptim", "RetrofitConfig", "RetrofitTask", "s
 KEEP = "keep"
 
 
-@dataclass
-class LoraSettings:
+class LoraSettings(ConfigModel):
     """PEFT ``LoraConfig`` settings (``method: lora``)."""
 
-    r: int = bounded(8, ge=1)
-    alpha: float = bounded(16.0, gt=0.0)
-    dropout: float = bounded(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    r: Int = Field(8, ge=1, description="rank of the adapters")
+    alpha: Float = Field(16.0, gt=0.0, description="LoRA alpha (the update is scaled by alpha / r)")
+    dropout: Float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    target_modules: list[Str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="last names of the modules that get adapters")
 
 
-@dataclass
-class RetrofitOptim:
+class RetrofitOptim(ConfigModel):
     """AdamW over the trained parameters (all of them, or the LoRA adapters)."""
 
-    lr: float = bounded(3e-4, ge=0.0)
-    weight_decay: float = bounded(0.0, ge=0.0)
-    betas: tuple[float, float] = bounded((0.9, 0.95), ge=0.0, lt=1.0)
+    lr: Float = Field(3e-4, ge=0.0, description="learning rate")
+    weight_decay: Float = Field(0.0, ge=0.0, description="weight decay of the matrices")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), strict=False, description="AdamW betas")
 
 
-def _data_default() -> LMDataConfig:
-    return LMDataConfig(seq_len=512, batch_size=8, eval_tokens=2**16)
+def retrofit_heads(value: Any, info: ValidationInfo) -> Any:
+    """Field check of a retrofit's ``laplacian_heads``: ``keep`` or a head setting (its shape is checked
+    against the model when it loads)."""
+    if value != KEEP:
+        LaplacianHeads(value, name=info.field_name or "laplacian_heads")  # a malformed spec fails here
+    return value
 
 
-@dataclass
-class RetrofitConfig:
-    init_from: str = ""  # a `lapheads train lm`/`sft` run or a save_pretrained directory
-    laplacian_heads: Any = 2  # int k, per-layer list, per-layer index lists, or "keep" (no conversion)
-    select: Literal["trailing", "score"] = "trailing"  # how an int k picks heads (see the module docstring)
-    score_batches: int = bounded(2, ge=1)  # validation batches of the switch-cost score
-    method: Literal["full", "lora"] = "full"
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    optim: RetrofitOptim = field(default_factory=RetrofitOptim)
-    baseline: bool = True  # also fine-tune the unconverted model for the same steps (OUT/baseline)
-    data: LMDataConfig = field(default_factory=_data_default)
-    samples: SampleConfig = field(default_factory=lambda: SampleConfig(max_new_tokens=0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10))
+#: a retrofit's ``laplacian_heads``: a head setting, or ``keep`` (convert nothing, the baseline)
+RetrofitHeads = Annotated[Any, AfterValidator(retrofit_heads), WithJsonSchema({
+    "title": "head setting or keep",
+    "anyOf": [{"const": KEEP, "description": "convert nothing (the baseline)"}, *HEADS_JSON_SCHEMA["anyOf"]]})]
 
-    def validate(self) -> None:
+RETROFIT_HEADS_HELP = "int k, per-layer list, per-layer index lists, or \"keep\" (no conversion)"
+SELECT_HELP = "how an int k picks heads: the trailing k, or the k of least switch cost (see the module docstring)"
+
+
+class RetrofitConfig(ConfigModel):
+    """The ``retrofit`` recipe."""
+
+    init_from: Str = Field("", description="a `lapheads train lm`/`sft` run or a save_pretrained directory")
+    laplacian_heads: RetrofitHeads = Field(2, description=RETROFIT_HEADS_HELP)
+    select: Literal["trailing", "score"] = Field("trailing", description=SELECT_HELP)
+    score_batches: Int = Field(2, ge=1, description="validation batches of the switch-cost score")
+    method: Literal["full", "lora"] = Field("full", description="train every weight, or LoRA adapters only")
+    lora: LoraSettings = Field(LoraSettings(), description="PEFT LoRA settings (method: lora)")
+    optim: RetrofitOptim = Field(RetrofitOptim(), description="AdamW")
+    baseline: bool = Field(True, description="also fine-tune the unconverted model for the same steps (OUT/baseline)")
+    data: LMDataConfig = Field(LMDataConfig(seq_len=512, batch_size=8, eval_tokens=2**16),
+                               description="tokens and batches (the tokenizer is init_from's)")
+    samples: SampleConfig = Field(SampleConfig(max_new_tokens=0), description="greedy samples at every evaluation")
+    train: TrainConfig = Field(TrainConfig(
+        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
+        description="the shared engine (train.max_steps is the N of the comparison)")
+
+    @rule
+    def _select(self) -> None:
+        if self.select == "score" and not is_count(self.laplacian_heads):
+            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
+                              f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
+
+    @run_rule
+    def _run(self) -> None:
         if not self.init_from:
             raise ConfigError("init_from is empty: set it to a pretrained run or save_pretrained directory "
                               "(e.g. --set init_from=runs/lm_tiny)")
@@ -124,11 +147,6 @@ class RetrofitConfig:
         if self.train.max_steps < 1:
             raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
                               "comparison")
-        if self.select == "score" and not is_count(self.laplacian_heads):
-            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
-                              f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
-        if self.laplacian_heads != KEEP:
-            LaplacianHeads(self.laplacian_heads)  # a malformed spec fails here; its shape is checked on load
         # derived here, as for `train lm`, so that --resume compares the resolved value
         resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
 
@@ -376,8 +394,7 @@ class RetrofitRuns:
         ``out/baseline``; returns the comparison (:func:`summarize`)."""
         runs = [(cfg, str(out))]
         if cfg.baseline:
-            base = copy.deepcopy(cfg)
-            base.laplacian_heads, base.select, base.baseline = KEEP, "trailing", False
+            base = cfg.model_copy(deep=True, update={"laplacian_heads": KEEP, "select": "trailing", "baseline": False})
             runs.append((base, str(Path(out) / "baseline")))
         for i, (c, o) in enumerate(runs):
             # a baseline that never started (the retrofit run was stopped) starts afresh on --resume

@@ -48,19 +48,19 @@ Design choices:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import timm
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from .. import timm as lap_timm
 from ..engine import TrainConfig
 from ..engine.checkpoint import save_tensors
-from ..engine.config import bounded, from_dict, to_dict
+from ..engine.config import ConfigModel, Int, Str, from_dict, rule, run_rule, to_dict
 from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
 from ..heads import LaplacianHeads, is_count, learnable_spec
@@ -70,7 +70,8 @@ from .base import vision_batches
 from .classify import (AugConfig, ClassifyRecipe, ClassifyTask, DataConfig, ModelConfig, OptimConfig, check_channels,
                        evaluate_classifier, timm_kwargs)
 from .classify import load_model as load_classifier
-from .retrofit import KEEP, LoraSettings, RetrofitRuns, select_heads, switch_cost_table, with_lora
+from .retrofit import (KEEP, RETROFIT_HEADS_HELP, SELECT_HELP, LoraSettings, RetrofitHeads, RetrofitRuns,
+                       select_heads, switch_cost_table, with_lora)
 
 __all__ = ["RetrofitViTConfig", "RetrofitViTTask", "run_model_config", "checkpoint_classes", "pretrained_model",
            "switch_costs", "load_model", "RetrofitViTRecipe", "RECIPE"]
@@ -79,23 +80,38 @@ __all__ = ["RetrofitViTConfig", "RetrofitViTTask", "run_model_config", "checkpoi
 _RECORD = ("top1", "top5", "mean_class_acc", "loss")
 
 
-@dataclass
-class RetrofitViTConfig:
-    init_from: str = ""  # a finished `lapheads train classify` run, or a timm checkpoint file
-    laplacian_heads: Any = 2  # int k, per-layer list, per-layer index lists, or "keep" (no conversion)
-    select: Literal["trailing", "score"] = "trailing"  # how an int k picks heads (see the module docstring)
-    score_batches: int = bounded(2, ge=1)  # validation batches of the switch-cost score
-    method: Literal["full", "lora"] = "full"
-    lora: LoraSettings = field(default_factory=lambda: LoraSettings(target_modules=["qkv", "proj"]))
-    baseline: bool = True  # also fine-tune the unconverted model for the same steps (OUT/baseline)
-    model: ModelConfig = field(default_factory=ModelConfig)  # a checkpoint file's architecture; a run's own
-    data: DataConfig = field(default_factory=DataConfig)
-    aug: AugConfig = field(default_factory=AugConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, lr_batch=0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10))
+class RetrofitViTConfig(ConfigModel):
+    """The ``retrofit_vit`` recipe."""
 
-    def validate(self) -> None:
+    init_from: Str = Field("", description="a finished `lapheads train classify` run, or a timm checkpoint file")
+    laplacian_heads: RetrofitHeads = Field(2, description=RETROFIT_HEADS_HELP)
+    select: Literal["trailing", "score"] = Field("trailing", description=SELECT_HELP)
+    score_batches: Int = Field(2, ge=1, description="validation batches of the switch-cost score")
+    method: Literal["full", "lora"] = Field("full", description="train every weight, or LoRA adapters only")
+    lora: LoraSettings = Field(LoraSettings(target_modules=["qkv", "proj"]),
+                               description="PEFT LoRA settings (method: lora)")
+    baseline: bool = Field(True, description="also fine-tune the unconverted model for the same steps (OUT/baseline)")
+    model: ModelConfig = Field(ModelConfig(), description="a checkpoint file's architecture; a run's own comes from "
+                                                          "the run (leave unset)")
+    data: DataConfig = Field(DataConfig(), description="images, batches and augmentation")
+    aug: AugConfig = Field(AugConfig(), description="mixup / cutmix and the loss")
+    optim: OptimConfig = Field(OptimConfig(lr=1e-4, lr_batch=0), description="the optimizer")
+    train: TrainConfig = Field(TrainConfig(
+        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
+        description="the shared engine (train.max_steps is the N of the comparison)")
+
+    @rule
+    def _heads(self) -> None:
+        spec = self.laplacian_heads
+        if self.select == "score" and not is_count(spec):
+            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
+                              f"{spec!r}; give explicit heads with select: trailing")
+        if spec != KEEP and self.method == "lora" and learnable_spec(spec) is not None:
+            raise ConfigError(f"laplacian_heads={spec!r} (learnable mixing) with method: lora would freeze the "
+                              "mixing parameters; use method: full")
+
+    @run_rule
+    def _run(self) -> None:
         if not self.init_from:
             raise ConfigError("init_from is empty: set it to a finished classify run or a timm checkpoint file "
                               "(e.g. --set init_from=runs/digits_k0)")
@@ -108,20 +124,10 @@ class RetrofitViTConfig:
             self.model = own
         elif not src.is_file():
             raise ConfigError(f"init_from={self.init_from} is neither a run directory nor a checkpoint file")
-        check_channels(self.model, self.data.mean, self.data.std)
+        check_channels(self.model, self.data.mean, self.data.std)  # the model of the run, if it is one
         if self.train.max_steps < 1:
             raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
                               "comparison")
-        spec = self.laplacian_heads
-        count = is_count(spec)
-        if self.select == "score" and not count:
-            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
-                              f"{spec!r}; give explicit heads with select: trailing")
-        if spec != KEEP:
-            LaplacianHeads(spec)  # a malformed spec fails here; its shape is checked against the model
-            if self.method == "lora" and learnable_spec(spec) is not None:
-                raise ConfigError(f"laplacian_heads={spec!r} (learnable mixing) with method: lora would freeze the "
-                                  "mixing parameters; use method: full")
 
 
 def run_model_config(run_dir: str | Path) -> ModelConfig:

@@ -37,18 +37,18 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from ..data.jsonl import iter_jsonl
 from ..data.text import is_validation_document
 from ..engine import Task, TrainConfig
-from ..engine.config import bounded
+from ..engine.config import ConfigModel, Float, Int, Str, run_rule
 from ..engine.data import _mix
 from ..engine.dist import DistInfo
 from ..engine.fsdp import lockstep, transformer_blocks
@@ -66,53 +66,46 @@ __all__ = ["SFTSource", "SFTDataConfig", "SFTConfig", "SFTTask", "read_chat_json
 EMBEDDED = "embedded"
 
 
-@dataclass
-class SFTSource:
-    path: str  # chat JSONL, or "embedded" (generated pydoc_data.topics Q/A)
-    weight: float = 1.0  # relative over-sampling per conversation
+class SFTSource(ConfigModel):
+    """One chat data source (an item of ``data.sources``)."""
+
+    path: Str = Field(description='chat JSONL, or "embedded" (generated pydoc_data.topics Q/A)')
+    weight: Float = Field(1.0, gt=0.0, description="relative over-sampling per conversation")
 
 
-@dataclass
-class SFTDataConfig:
-    sources: list[SFTSource] = field(default_factory=lambda: [SFTSource(EMBEDDED)])
-    val: list[str] = field(default_factory=list)  # validation JSONL files; empty = val_fraction of each source
-    val_fraction: float = 0.1
-    seq_len: int = 1024  # tokens per row (longer conversations are truncated)
-    batch_size: int = 8  # rows per process and micro-step
-    packing: bool = False  # several conversations per row (block-diagonal attention)
-    epochs: float = bounded(1.0, gt=0.0)  # run length when train.max_steps is 0
-    max_eval_items: int = bounded(0, ge=0)  # 0 = the whole validation set
+class SFTDataConfig(ConfigModel):
+    """Conversations and batches (the ``data:`` section)."""
+
+    sources: list[SFTSource] = Field([SFTSource(path=EMBEDDED)], min_length=1,
+                                     description="chat JSONL sources with mixture weights (at least one; 'embedded' "
+                                                 "is a generated set)")
+    val: list[Str] = Field([], description="validation JSONL files; empty = val_fraction of each source")
+    val_fraction: Float = Field(0.1, ge=0.0, lt=1.0, description="share of each source held out when `val` is "
+                                                                 "empty")
+    seq_len: Int = Field(1024, ge=2, description="tokens per row (longer conversations are truncated)")
+    batch_size: Int = Field(8, ge=1, description="rows per process and micro-step")
+    packing: bool = Field(False, description="several conversations per row (block-diagonal attention)")
+    epochs: Float = Field(1.0, gt=0.0, description="run length when train.max_steps is 0")
+    max_eval_items: Int = Field(0, ge=0, description="validation conversations per evaluation; 0 = all")
 
 
-def _default_optim() -> LMOptimConfig:
-    return LMOptimConfig(muon_momentum_warmup=0)
+class SFTConfig(ConfigModel):
+    """The ``sft`` recipe."""
 
+    init_from: Str = Field("", description="run directory of `lapheads train lm` (or a save_pretrained directory)")
+    data: SFTDataConfig = Field(SFTDataConfig(), description="conversations and batches")
+    optim: LMOptimConfig = Field(LMOptimConfig(muon_momentum_warmup=0), description="Muon + AdamW (nanochat), at "
+                                                                                    "lr_scale times these lrs")
+    lr_scale: Float = Field(0.02, gt=0.0, description="nanochat's init_lr_frac: SFT lr = lr_scale * pretraining lr")
+    train: TrainConfig = Field(TrainConfig(
+        schedule="linear", warmup_ratio=0.0, min_lr_ratio=0.0, clip_grad=1.0, eval_every=0, log_every=10),
+        description="the shared engine")
 
-@dataclass
-class SFTConfig:
-    init_from: str = ""  # run directory of `lapheads train lm` (or a save_pretrained directory)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    optim: LMOptimConfig = field(default_factory=_default_optim)
-    lr_scale: float = 0.02  # nanochat's init_lr_frac: SFT lr = lr_scale * pretraining lr
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        schedule="linear", warmup_ratio=0.0, min_lr_ratio=0.0, clip_grad=1.0, eval_every=0, log_every=10))
-
-    def validate(self) -> None:
+    @run_rule
+    def _init_from(self) -> None:
         if not self.init_from:
             raise ConfigError("init_from is empty: set it to a finished `lapheads train lm` run directory "
                               "(e.g. --set init_from=runs/lm_tiny)")
-        if not self.data.sources:
-            raise ConfigError("data.sources is empty: give at least one chat JSONL file (or 'embedded')")
-        for i, s in enumerate(self.data.sources):
-            if not s.weight > 0:
-                raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0")
-        if not 0 <= self.data.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction={self.data.val_fraction} must be in [0, 1)")
-        if self.data.seq_len < 2 or self.data.batch_size < 1:
-            raise ConfigError(f"data.seq_len={self.data.seq_len} must be >= 2 and data.batch_size="
-                              f"{self.data.batch_size} >= 1")
-        if not self.lr_scale > 0:
-            raise ConfigError(f"lr_scale={self.lr_scale} must be > 0")
 
 
 # --------------------------------------------------------------------------- data
