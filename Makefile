@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
-	$(PIP) install -q -c constraints.txt -e ".[eval,test]"
+	$(PIP) install -q -c constraints.txt -e ".[all,test]"
 	touch $(STAMP)
 
 # Headless Chromium renders the HTML report in one test; installed when missing (Debian).

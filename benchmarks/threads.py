@@ -5,7 +5,7 @@ thread count (``train.threads: 0``, see ``src/lapheads/engine/threads.py``) keep
 step time from collapsing, where torch's default (one thread per core) does not?
 
 Method: each measurement runs in a fresh subprocess (so thread pools start clean) that builds the
-digits recipe's model (``recipes/classify/digits.yaml``: ViT, 4 layers x 64, 4 heads, all
+digits recipe's model (the shipped ``classify/digits`` config: ViT, 4 layers x 64, 4 heads, all
 Laplacian) and times full training steps (forward, backward, AdamW) on a batch of 64 images,
 median over the steps after warm-up. Policies:
 
@@ -88,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke test of the script)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 60, quick 15)")
-    ap.add_argument("--config", default=str(ROOT / "recipes" / "classify" / "digits.yaml"))
+    ap.add_argument("--config", default=str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"))
     args = ap.parse_args()
     steps = args.steps or (15 if args.quick else 60)
     policies = ["torch default", "auto"]

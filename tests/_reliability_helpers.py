@@ -24,7 +24,7 @@ import torch
 from lapheads.engine.checkpoint import latest_checkpoint, list_checkpoints, load_tensors, safe_torch_load
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 
 TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
         "--set", "model.img_size=16", "--set", "model.patch_size=4", "--set", "train.progress=false",

@@ -22,7 +22,7 @@ from _lm_helpers import tiny_lm_run
 pytestmark = pytest.mark.xdist_group("analyze_runs")  # the module's runs are trained once, on one worker
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 TINY_CLASSIFY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
                  "--set", "train.progress=false", "--set", "data.batch_size=32", "--set", "data.max_eval_items=64",
                  "--set", "train.max_steps=2", "--set", "model.laplacian_heads=1"]

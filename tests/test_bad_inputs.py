@@ -108,7 +108,7 @@ def c_yaml_not_mapping(s, tmp):
 
 
 def c_config_of_other_recipe(s, tmp):
-    return Case(["train", "classify", "--config", str(ROOT / "recipes/lm/tiny.yaml"), "--out", str(_out(tmp))],
+    return Case(["train", "classify", "--config", str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"), "--out", str(_out(tmp))],
                 _out(tmp), ("tiny.yaml", "'lm'", "'classify'"))
 
 
@@ -507,7 +507,7 @@ def t_tokenize_missing_input(s, tmp):
 
 
 def t_lm_missing_corpus(s, tmp):
-    return Case(["train", "lm", "--config", str(ROOT / "recipes/lm/tiny.yaml"), "--out", str(_out(tmp)),
+    return Case(["train", "lm", "--config", str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"), "--out", str(_out(tmp)),
                  "--set", f"data.corpus={tmp / 'corpus_gone.txt'}", "--set", f"data.tokenizer={s['tok']}"],
                 _out(tmp), ("corpus_gone.txt",))
 
@@ -515,7 +515,7 @@ def t_lm_missing_corpus(s, tmp):
 def t_lm_tokenizer_dir_missing_files(s, tmp):
     (tmp / "tok_empty").mkdir()
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["train", "lm", "--config", str(ROOT / "recipes/lm/tiny.yaml"), "--out", str(_out(tmp)),
+    return Case(["train", "lm", "--config", str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"), "--out", str(_out(tmp)),
                  "--set", f"data.corpus={f}", "--set", f"data.tokenizer={tmp / 'tok_empty'}"],
                 _out(tmp), ("tok_empty", "tokenizer.json"))
 
@@ -523,21 +523,21 @@ def t_lm_tokenizer_dir_missing_files(s, tmp):
 def t_sft_messages_not_a_list(s, tmp):
     f = _write(tmp / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
                + json.dumps({"messages": "hello"}) + "\n")
-    return Case(["train", "sft", "--config", str(ROOT / "recipes/sft/tiny.yaml"), "--out", str(_out(tmp)),
+    return Case(["train", "sft", "--config", str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"), "--out", str(_out(tmp)),
                  "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
                 _out(tmp), ("chat.jsonl:2", "messages"))
 
 
 def t_sft_unknown_role(s, tmp):
     f = _write(tmp / "chat.jsonl", json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
-    return Case(["train", "sft", "--config", str(ROOT / "recipes/sft/tiny.yaml"), "--out", str(_out(tmp)),
+    return Case(["train", "sft", "--config", str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"), "--out", str(_out(tmp)),
                  "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
                 _out(tmp), ("chat.jsonl:1", "unknown role 'robot'"))
 
 
 def t_sft_chat_not_json(s, tmp):
     f = _write(tmp / "chat.jsonl", "{\"messages\": [\n")
-    return Case(["train", "sft", "--config", str(ROOT / "recipes/sft/tiny.yaml"), "--out", str(_out(tmp)),
+    return Case(["train", "sft", "--config", str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"), "--out", str(_out(tmp)),
                  "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
                 _out(tmp), ("chat.jsonl", "1"))
 

@@ -17,7 +17,7 @@ from _data_writers import write_cifar_archive
 from lapheads.engine.checkpoint import atomic_write_text, load_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 
 TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
         "--set", "model.img_size=16", "--set", "model.patch_size=4", "--set", "train.progress=false",

@@ -19,7 +19,7 @@ from lapheads.errors import ConfigError
 from lapheads.recipes import RECIPES, get_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 #: a section every recipe has, and one of its own
 SECTIONS = {"classify": "aug", "lm": "samples", "sft": "data", "dino": "crops", "retrofit": "lora",
             "retrofit_vit": "lora"}

@@ -272,7 +272,7 @@ def test_every_recipe_refuses_a_bad_head_selection_when_the_config_is_parsed(rec
     """One shared, typed config field (heads_field): a bad value is one line naming the key, before any work."""
     from lapheads.cli import main as cli
 
-    root = Path(__file__).resolve().parents[1] / "recipes"
+    root = Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs"
     out = tmp_path / "run"
     rc = cli(["train", recipe, "--config", str(root / config), "--out", str(out), "--set", "model.laplacian_heads=alll"])
     err = capsys.readouterr().err.strip().splitlines()

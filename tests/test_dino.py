@@ -215,7 +215,7 @@ def test_probe_and_pca_clis_on_a_run(trained_run, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # greyscale models and training subsets (issue 15, item 4): the same options as classify
-DINO_DIGITS = str(Path(__file__).resolve().parents[1] / "recipes" / "dino" / "digits.yaml")
+DINO_DIGITS = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "dino" / "digits.yaml")
 
 
 def test_greyscale_run_trains_reloads_and_analyzes(tmp_path):

@@ -384,7 +384,7 @@ def test_classify_run_logs_the_mixing_and_restores_it(tmp_path):
 
     from lapheads.cli import main as cli
     from lapheads.recipes.classify import load_model
-    digits = str(Path(__file__).resolve().parents[1] / "recipes" / "classify" / "digits.yaml")
+    digits = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
     out = tmp_path / "run"
     assert cli(["train", "classify", "--config", digits, "--out", str(out), "--set", "model.laplacian_heads=learn:1",
                 "--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",

@@ -209,7 +209,7 @@ def test_train_lm_cli_with_prebuilt_shards(cache, tmp_path, capsys):
     assert cli(["data", "tokenize", "--embedded", "--tokenizer", str(tok_dir), "--out", str(shard_dir),
                 "--no-progress"]) == 0
     out = tmp_path / "run"
-    rc = cli(["train", "lm", "--config", "recipes/lm/tiny.yaml", "--out", str(out), "--set", f"data.shards={shard_dir}",
+    rc = cli(["train", "lm", "--config", "src/lapheads/recipes/configs/lm/tiny.yaml", "--out", str(out), "--set", f"data.shards={shard_dir}",
               "--set", f"data.tokenizer={tok_dir}", "--set", "model.depth=2", "--set", "model.width=64",
               "--set", "data.seq_len=32", "--set", "data.batch_size=4", "--set", "data.total_batch_tokens=0",
               "--set", "train.max_steps=2", "--set", "train.progress=false", "--set", "samples.max_new_tokens=2",
@@ -218,6 +218,6 @@ def test_train_lm_cli_with_prebuilt_shards(cache, tmp_path, capsys):
     assert "val_bpb" in capsys.readouterr().out
     assert (out / "final" / "hf" / "tokenizer.json").is_file()
     # a vocabulary mismatch between tokenizer and model is one clear line, exit status 2
-    rc = cli(["train", "lm", "--config", "recipes/lm/tiny.yaml", "--out", str(tmp_path / "bad"),
+    rc = cli(["train", "lm", "--config", "src/lapheads/recipes/configs/lm/tiny.yaml", "--out", str(tmp_path / "bad"),
               "--set", f"data.shards={shard_dir}", "--set", f"data.tokenizer={tok_dir}", "--set", "model.vocab_size=2048"])
     assert rc == 2 and "vocab" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from lapheads.cli import main as cli
 pytestmark = pytest.mark.xdist_group("report")
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
         "--set", "train.progress=false", "--set", "data.batch_size=32", "--set", "data.max_eval_items=64",
         "--set", "train.ckpt_every=1", "--set", "train.log_every=1", "--set", "train.eval_every=1"]

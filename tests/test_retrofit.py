@@ -19,7 +19,7 @@ from _lm_helpers import tiny_lm_run
 pytestmark = pytest.mark.xdist_group("test_retrofit")  # module-scoped runs, on one worker
 
 STEPS = 3
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "retrofit" / "tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "retrofit" / "tiny.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.xdist_group("test_retrofit_vit")  # module-scoped runs,
 
 STEPS = 3
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "retrofit" / "vit_tiny.yaml"
+RECIPE = ROOT / "src" / "lapheads" / "recipes" / "configs" / "retrofit" / "vit_tiny.yaml"
 # the architecture of the base run, as model.* of a checkpoint file (the run gives it by itself)
 ARCH = ["model.img_size=16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4",
         "model.qk_norm=true", "model.extra.mlp_ratio=2"]
@@ -37,7 +37,7 @@ def base(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("retro_vit_base") / "digits_k0"
     sets = ["model.laplacian_heads=0", "model.embed_dim=32", "model.depth=2", "model.num_heads=4",
             "data.batch_size=32", "train.max_steps=20", "train.progress=false"]
-    assert cli(["train", "classify", "--config", str(ROOT / "recipes" / "classify" / "digits.yaml"),
+    assert cli(["train", "classify", "--config", str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"),
                 "--out", str(out), *[a for s in sets for a in ("--set", s)]]) == 0
     return out
 

@@ -14,7 +14,7 @@ from lapheads.sweep import (axis_names, design_points, parse_grid, parse_point, 
                             run_name, split_top)
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "recipes" / "classify" / "digits.yaml")
+DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 TINY = ["--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "train.progress=false",
         "--set", "data.batch_size=32", "--set", "data.max_eval_items=32", "--set", "train.max_steps=1"]
 

@@ -68,7 +68,7 @@ def test_configure_threads_applies_the_choice(monkeypatch):
 def test_train_threads_is_a_config_field_and_is_validated(tmp_path, capsys):
     from lapheads.cli import main as cli
     from pathlib import Path
-    digits = str(Path(__file__).resolve().parents[1] / "recipes" / "classify" / "digits.yaml")
+    digits = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
     assert cli(["train", "classify", "--config", digits, "--out", str(tmp_path / "r"), "--set", "train.threads=-1",
                 "--set", "train.max_steps=1"]) == 2
     assert "train.threads" in capsys.readouterr().err
@@ -79,7 +79,7 @@ def test_training_applies_train_threads(tmp_path, capsys):
     """The engine applies train.threads before training (the run's config wins over the environment)."""
     from lapheads.cli import main as cli
     from pathlib import Path
-    digits = str(Path(__file__).resolve().parents[1] / "recipes" / "classify" / "digits.yaml")
+    digits = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
     before = torch.get_num_threads()
     try:
         assert cli(["train", "classify", "--config", digits, "--out", str(tmp_path / "r"), "--set", "train.threads=2",

@@ -10,7 +10,7 @@ from .errors import CheckpointError, ConfigError, DataError, LapheadsError
 from .heads import HeadMix, LaplacianHeads, LayerHeads, head_mask, mixing_table, suggest_selection
 from .ops import laplacian_attention, laplacian_attention_reference
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "LaplacianHeads",

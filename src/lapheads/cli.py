@@ -31,6 +31,7 @@ from .errors import ConfigError, LapheadsError, NonFiniteError
 # (words...) -> ("module:function", one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("quickstart",): ("lapheads.commands.quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
+    ("recipes",): ("lapheads.commands.recipes:main", "the shipped recipe configs (--config NAME), one line each"),
     ("train", "classify"): ("lapheads.commands.train:classify", "DeiT-3 supervised classification"),
     ("train", "lm"): ("lapheads.commands.train:lm", "NanoChat-style language-model pretraining"),
     ("train", "sft"): ("lapheads.commands.train:sft", "supervised fine-tuning on chat JSONL"),

@@ -4,12 +4,12 @@ An honest small experiment, not a demo: every setting has 3 seeds, every run is 
 its validation metric stops moving, and the report gives each difference from k=0 with its 95%
 confidence interval, Welch's t and p, plus a plateau flag per run.
 
-1. Vision: the digits recipe (``recipes/classify/digits.yaml``: a 4-layer, 4-head, 64-wide ViT on
+1. Vision: the digits recipe (the shipped ``classify/digits`` config: a 4-layer, 4-head, 64-wide ViT on
    scikit-learn's embedded 8x8 digits) for k = 0 and k = all Laplacian heads per layer, 3 seeds
    each, 20 epochs (cosine schedule), evaluated every 2 epochs. The scaling study
    (``studies/scaling``) found this length at or near a plateau for this width. Fewer, longer
    runs: k = half is left to ``lapheads sweep`` (the time budget is 10 minutes with set-up).
-2. Language: the tiny NanoChat-style recipe (``recipes/lm/tiny.yaml``) on Python's embedded
+2. Language: the tiny NanoChat-style recipe (the shipped ``lm/tiny`` config) on Python's embedded
    ``pydoc_data.topics`` corpus, shrunk to 2 layers x 64 wide so it converges in the time budget,
    for k = 0 and k = all, 3 seeds each, with a constant learning rate until validation bits per
    byte did not improve for 3 evaluations in a row (``train.until_plateau``; 0.46 M characters
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ConfigError
 
 # Run lengths: the full quickstart takes ~6 minutes on 2 idle CPU cores (README); --tiny under a minute.
 # Every run evaluates along the way (train.eval_every) so the report has validation curves and
@@ -69,12 +68,7 @@ SCOPE = (
 
 
 def recipes_dir() -> Path:
-    """The ``recipes/`` folder of the source checkout this package runs from."""
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "recipes"
-        if (cand / "classify" / "digits.yaml").is_file():
-            return cand
-    raise ConfigError(
-        "the quickstart needs the recipes/ folder of a lapheads source checkout (install with "
-        "`pip install -e .` from the repository, or run `make quickstart`)")
+    """The folder of the shipped recipe configs (``<group>/<name>.yaml``, :mod:`lapheads.recipes.shipped`)."""
+    from .recipes.shipped import CONFIG_DIR
+
+    return CONFIG_DIR

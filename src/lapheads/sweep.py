@@ -2,7 +2,7 @@
 
 ::
 
-    lapheads sweep --config recipes/classify/digits.yaml --laplacian-heads 0,2,all --seeds 0,1,2 \\
+    lapheads sweep --config classify/digits --laplacian-heads 0,2,all --seeds 0,1,2 \\
         --out runs/digits_sweep [--set data.epochs=5] [--analyze] \\
         [--grid model.embed_dim=32,64 --grid data.fraction=0.25,1] [--point model.depth=2,train.max_steps=50]
 

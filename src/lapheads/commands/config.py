@@ -9,54 +9,26 @@
 * ``schema`` prints the JSON schema of the recipe's config model
   (:func:`lapheads.engine.config.config_schema`): types, ranges, defaults and a description per
   key, for editors that complete and check YAML (e.g. ``# yaml-language-server: $schema=...``).
-* ``--config NAME`` (no ``/``, no ``.yaml``) is a recipe file of the source checkout's ``recipes/``
-  folder that names this recipe (``recipe: NAME``), or names none and lies in ``recipes/RECIPE/``
-  (``lapheads config show classify --config digits``).
+* ``--config NAME`` is a shipped config of the recipe (:mod:`lapheads.recipes.shipped`;
+  ``lapheads config show classify --config digits``), as for ``lapheads train``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Optional, Sequence
 
 import yaml
 
-from ..engine.config import config_schema, load_config, read_yaml, to_dict
+from ..engine.config import config_schema, load_config, to_dict
 from ..errors import ConfigError
 from ..recipes import RECIPES, get_recipe
+from ..recipes.shipped import resolve_config
 
 
 def _recipe_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", choices=sorted(RECIPES), help="the recipe whose config is printed")
-
-
-def resolve_config_file(recipe: str, name_or_path: str) -> Path:
-    """The YAML file ``--config`` names: a path, or the name of a recipe file of ``recipe`` in the
-    checkout's ``recipes/`` folder (``digits`` -> ``recipes/classify/digits.yaml``; module docstring).
-
-    Raises:
-        ConfigError: a name that no recipe file of ``recipe`` has (the message lists those there are).
-    """
-    path = Path(name_or_path)
-    if path.exists() or "/" in name_or_path or path.suffix in (".yaml", ".yml"):
-        return path  # load_config says what is wrong with a path
-    from ..quickstart import recipes_dir  # the checkout's recipes/ (a ConfigError outside one)
-
-    def of_recipe(f: Path) -> bool:  # names the recipe, or names none and lies in recipes/RECIPE/
-        try:
-            named = read_yaml(f).get("recipe")
-        except ConfigError:
-            return False
-        return named == recipe or (named is None and f.parent.name == recipe)
-
-    files = sorted(f for f in recipes_dir().glob("*/*.yaml") if of_recipe(f))
-    hits = [f for f in files if f.stem == name_or_path]
-    if not hits:
-        raise ConfigError(f"--config {name_or_path!r} is neither a file nor a recipe file of {recipe!r}; its recipe "
-                          f"files are {[f.stem for f in files]} (or give a path)")
-    return hits[0]
 
 
 def show_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -66,12 +38,12 @@ def show_main(argv: Optional[Sequence[str]] = None) -> int:
                                             "and --set resolve to.")
     _recipe_arg(p)
     p.add_argument("--config", default=None, metavar="NAME_OR_PATH",
-                   help="a YAML recipe file, or the name of one in recipes/ (e.g. digits)")
+                   help="a YAML recipe file, or the name of a shipped one (e.g. digits; `lapheads recipes`)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
     args = p.parse_args(list(argv or []))
     recipe = get_recipe(args.recipe)
-    path = resolve_config_file(recipe.name, args.config) if args.config else None
+    path = resolve_config(recipe.name, args.config)
     if path is None and not args.overrides:
         cfg = recipe.config_type()
     else:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..engine.config import read_yaml
+from ..recipes.shipped import resolve_any
 from ..engine.run import lock_dir
 from ..errors import ConfigError
 from ..report import build_report
@@ -47,6 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     heads, seeds = parse_heads_list(args.laplacian_heads), parse_seeds(args.seeds)
     design = design_points(parse_grid(args.grid, args.overrides),
                            [parse_point(x, args.overrides) for x in args.point])
+    args.config = resolve_any(args.config, args.recipe)  # a path, or a shipped config's name
     recipe = read_yaml(args.config).get("recipe") or args.recipe
     if not recipe:
         raise ConfigError(f"{args.config} has no top-level `recipe:`; pass --recipe classify|lm|sft|dino")

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from ..engine.config import load_config
 from ..engine.run import add_train_args
 from ..recipes import get_recipe
+from ..recipes.shipped import resolve_config
 
 
 def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
@@ -23,7 +24,7 @@ def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
                                 allow_abbrev=False)
     add_train_args(p, recipe.default_config)
     args = p.parse_args(list(argv or []))
-    cfg = load_config(recipe.config_type, args.config, args.overrides, recipe=recipe.name)
+    cfg = load_config(recipe.config_type, resolve_config(recipe.name, args.config), args.overrides, recipe=recipe.name)
     result = recipe.train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report per job, not one per process
         for line in recipe.result_lines(result, args.out):

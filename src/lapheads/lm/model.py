@@ -79,7 +79,7 @@ __all__ = [
 
 
 class LMModelConfig(ConfigModel):
-    """Shape of a NanoChat model (the ``model:`` section of ``recipes/lm/*.yaml``)."""
+    """Shape of a NanoChat model (the ``model:`` section of the shipped ``lm/*`` configs)."""
 
     depth: Int = Field(20, ge=1, description="number of transformer blocks (nanochat's single knob)")
     width: Optional[Int] = Field(None, ge=1, description="model width; default 64 * depth")

@@ -1,6 +1,6 @@
 """DeiT-3 supervised classification with k Laplacian heads (PAPER.md, experiment 1).
 
-``lapheads train classify --config recipes/classify/digits.yaml --out runs/digits``
+``lapheads train classify --config digits --out runs/digits``
 
 Design choices:
 

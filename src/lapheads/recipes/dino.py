@@ -1,6 +1,6 @@
 """DINO self-supervised pretraining of a timm ViT with Laplacian heads (PAPER.md, experiment 3).
 
-``lapheads train dino --config recipes/dino/digits.yaml --out RUN`` runs DINO (Caron et al. 2021)
+``lapheads train dino --config digits --out RUN`` runs DINO (Caron et al. 2021)
 on the shared engine (:mod:`lapheads.engine`): this module only describes WHAT is trained as a
 :class:`DinoTask`; the loop, checkpoints, exact resume, bf16, DDP and logging are the engine's.
 
@@ -532,8 +532,8 @@ class DinoRecipe(Recipe):
     config_type = DinoConfig
     kind = "vit"
     description = ("DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
-                   "Try: --config recipes/dino/digits.yaml (CPU, minutes); "
-                   "recipes/dino/vits16_imagenet_lap5.yaml is the paper's ViT-S/16 recipe.")
+                   "Try: --config digits (CPU, minutes); "
+                   "the shipped dino/vits16_imagenet_lap5 config is the paper's ViT-S/16 recipe.")
 
     def build_task(self, cfg: DinoConfig, info: DistInfo, run_dir: Any = None) -> DinoTask:
         return build_task(cfg, info)

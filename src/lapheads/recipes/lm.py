@@ -1,6 +1,6 @@
 """NanoChat-style language-model pretraining with k Laplacian heads (PAPER.md, experiment 2).
 
-``lapheads train lm --config recipes/lm/tiny.yaml --out runs/lm_tiny --set model.laplacian_heads=2``
+``lapheads train lm --config tiny --out runs/lm_tiny --set model.laplacian_heads=2``
 
 Design choices:
 

@@ -1,6 +1,6 @@
 """Retrofitting: switch k heads of a pretrained causal LM to Laplacian heads and train briefly.
 
-``lapheads train retrofit --config recipes/retrofit/tiny.yaml --out runs/retro --set init_from=runs/lm_tiny``
+``lapheads train retrofit --config tiny --out runs/retro --set init_from=runs/lm_tiny``
 
 Design choices:
 

@@ -1,6 +1,6 @@
 """Retrofitting a timm ViT: switch k heads of a pretrained image classifier to Laplacian heads and train briefly.
 
-``lapheads train retrofit_vit --config recipes/retrofit/vit_tiny.yaml --out runs/retro_vit --set init_from=runs/digits``
+``lapheads train retrofit_vit --config vit_tiny --out runs/retro_vit --set init_from=runs/digits``
 
 Design choices:
 

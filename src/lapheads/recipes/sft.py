@@ -1,6 +1,6 @@
 """Supervised fine-tuning (SFT) of a pretrained NanoChat LM on chat JSONL (PAPER.md, experiment 2).
 
-``lapheads train sft --config recipes/sft/tiny.yaml --out runs/sft --set init_from=runs/lm_tiny``
+``lapheads train sft --config tiny --out runs/sft --set init_from=runs/lm_tiny``
 
 Design choices:
 

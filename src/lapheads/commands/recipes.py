@@ -1,0 +1,25 @@
+"""``lapheads recipes``: the recipe configs that ship with the package, one line each."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from ..recipes.shipped import shipped_configs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="lapheads recipes", allow_abbrev=False,
+                                description="List the shipped recipe configs: use one with "
+                                            "`lapheads train RECIPE --config NAME`.")
+    p.add_argument("--paths", action="store_true", help="also print each config's file")
+    args = p.parse_args(list(argv or []))
+    configs = shipped_configs()
+    width = max(len(c.name) for c in configs)
+    rwidth = max(len(c.recipe) for c in configs)
+    for c in configs:
+        print(f"{c.name:<{width}}  {c.recipe:<{rwidth}}  {c.description}")
+        if args.paths:
+            print(f"{'':<{width}}  {'':<{rwidth}}  {c.path}")
+    print(f"\nuse one with: lapheads train RECIPE --config NAME (e.g. lapheads train classify --config digits)")
+    return 0

@@ -1,0 +1,100 @@
+"""The recipe configs that ship inside the package (``lapheads recipes``, ``--config NAME``).
+
+Each YAML file under ``lapheads/recipes/configs/<group>/<name>.yaml`` is one recipe config: its
+top-level ``recipe:`` key names the recipe it is for (the group folder when there is none), and
+its first comment line is its one-line description. ``--config`` takes an existing path (as
+always) or the name of a shipped config of the command's recipe: ``digits`` or ``classify/digits``
+for ``lapheads train classify``. A path wins over a name, so a local ``digits`` file is never
+shadowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+
+__all__ = ["CONFIG_DIR", "ShippedConfig", "shipped_configs", "resolve_config", "resolve_any"]
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass(frozen=True)
+class ShippedConfig:
+    """One shipped recipe config.
+
+    Attributes:
+        name: ``group/stem`` (``classify/digits``), what ``lapheads recipes`` lists.
+        recipe: the recipe it configures (``classify``, ``retrofit_vit``, ...).
+        path: the YAML file.
+        description: its first comment line.
+    """
+
+    name: str
+    recipe: str
+    path: Path
+    description: str
+
+
+def _describe(path: Path) -> tuple[Optional[str], str]:
+    """(the ``recipe:`` key or None, the first comment line) read from the text, without a YAML parser."""
+    recipe, first = None, ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not first and line.startswith("#"):
+            first = line.lstrip("#").strip()
+        if line.startswith("recipe:"):
+            recipe = line.split(":", 1)[1].split("#", 1)[0].strip().strip("'\"") or None
+    return recipe, first
+
+
+def shipped_configs() -> list[ShippedConfig]:
+    """Every shipped config, sorted by name."""
+    out = []
+    for path in sorted(CONFIG_DIR.glob("*/*.yaml")):
+        recipe, first = _describe(path)
+        out.append(ShippedConfig(f"{path.parent.name}/{path.stem}", recipe or path.parent.name, path, first))
+    return out
+
+
+def resolve_any(spec: str, recipe: Optional[str] = None) -> str:
+    """``spec`` as given when it is an existing path, else the shipped config it names, of ``recipe``
+    when given, else of any recipe (``digits`` is then ambiguous: ``classify/digits``).
+
+    Raises:
+        ConfigError: no shipped config has that name, or several do (the message lists them).
+    """
+    if recipe is not None:
+        return resolve_config(recipe, spec) or spec
+    if Path(spec).exists() or spec.endswith((".yaml", ".yml")):
+        return spec
+    found = [c for c in shipped_configs() if spec in (c.name, c.path.stem)]
+    if len(found) == 1:
+        return str(found[0].path)
+    if found:
+        raise ConfigError(f"--config {spec!r} names several shipped configs: {', '.join(c.name for c in found)}; "
+                          "give one of those names (or --recipe)")
+    raise ConfigError(f"--config {spec!r} is neither a file nor a shipped config (`lapheads recipes` lists them)")
+
+
+def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
+    """``spec`` as given when it is None or an existing path, else the shipped config of ``recipe``
+    it names (``digits`` / ``classify/digits``).
+
+    Raises:
+        ConfigError: ``spec`` is neither a file nor a shipped config of ``recipe`` (the message
+            lists that recipe's shipped configs).
+    """
+    if spec is None or Path(spec).exists() or spec.endswith((".yaml", ".yml")):
+        return spec  # a path (a missing one is reported by the YAML reader, naming the file)
+    mine = [c for c in shipped_configs() if c.recipe == recipe]
+    found = [c for c in mine if spec in (c.name, c.path.stem)]
+    if len(found) == 1:
+        return str(found[0].path)
+    names = ", ".join(c.path.stem for c in mine) or "none"
+    if len(found) > 1:
+        raise ConfigError(f"--config {spec!r} names several shipped configs of {recipe}: "
+                          f"{', '.join(c.name for c in found)}; give one of those names")
+    raise ConfigError(f"--config {spec!r} is neither a file nor a shipped config of {recipe} "
+                      f"(shipped: {names}; `lapheads recipes` lists them all)")
