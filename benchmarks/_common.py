@@ -37,11 +37,26 @@ import sys
 import time
 from typing import Callable, Sequence
 
-__all__ = ["time_interleaved", "medians", "paired_ratio", "maxrss_bytes", "PeakMemory", "run_child", "machine_line", "markdown_table"]
+__all__ = [
+    "time_interleaved",
+    "medians",
+    "paired_ratio",
+    "maxrss_bytes",
+    "PeakMemory",
+    "run_child",
+    "machine_line",
+    "markdown_table",
+]
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 2, repeats: int = 7,
-                     min_time: float = 0.0, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+def time_interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    min_time: float = 0.0,
+    cpu: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
     """Wall time (seconds) of each callable in every round, measured interleaved.
 
     Args:
@@ -132,8 +147,7 @@ class PeakMemory:
 def run_child(script: str, args: Sequence[str], timeout: float = 600.0) -> dict:
     """Run ``python script *args`` in a fresh process; it must print one JSON object last."""
     env = dict(os.environ)
-    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -143,8 +157,10 @@ def machine_line() -> str:
     """One line describing where the numbers were measured."""
     import torch
 
-    return (f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} intra-op threads, Python {platform.python_version()}")
+    return (
+        f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads, Python {platform.python_version()}"
+    )
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

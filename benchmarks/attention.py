@@ -37,14 +37,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _common import (
+    PeakMemory,
+    machine_line,
+    markdown_table,
+    medians,
+    paired_ratio,
+    run_child,  # noqa: E402
+    time_interleaved,
+)
 
-from _common import (PeakMemory, machine_line, markdown_table, medians, paired_ratio, run_child,  # noqa: E402
-                     time_interleaved)
 from lapheads import HeadMix, laplacian_attention  # noqa: E402
 
 VARIANTS = ("sdpa", "laplacian", "naive", "learnable")
-LABEL = {"sdpa": "(a) SDPA", "laplacian": "(b) laplacian_attention, all heads", "naive": "(c) naive (I - P) @ V",
-         "learnable": "(d) learnable a I + b P"}
+LABEL = {
+    "sdpa": "(a) SDPA",
+    "laplacian": "(b) laplacian_attention, all heads",
+    "naive": "(c) naive (I - P) @ V",
+    "learnable": "(d) learnable a I + b P",
+}
 LEARNABLE_FROM_T = 1024  # the d/a target holds from this length on
 
 
@@ -117,12 +128,21 @@ def memory_child(name: str, t: int, heads: int, dim: int, threads: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds (a smoke run, ~30 s)")
-    ap.add_argument("--sizes", type=int, nargs="+", default=None,
-                    help="sequence lengths (default 256 1024 4096; --quick: 256 512 2048)")
+    ap.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sequence lengths (default 256 1024 4096; --quick: 256 512 2048)",
+    )
     ap.add_argument("--heads", type=int, default=4, help="heads H (default 4, keeps the run under ~3 min on 2 cores)")
     ap.add_argument("--dim", type=int, default=64, help="head dim D")
-    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)),
-                    help="torch intra-op threads (default: $OMP_NUM_THREADS, else min(2, CPUs))")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)),
+        help="torch intra-op threads (default: $OMP_NUM_THREADS, else min(2, CPUs))",
+    )
     ap.add_argument("--mem-child", nargs=2, metavar=("VARIANT", "T"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mem_child:
@@ -152,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         ratio_cb[t] = paired_ratio(raw, "naive", "laplacian")
         ratio_da[t] = paired_ratio(raw, "learnable", "sdpa")
         cpu_ba[t], cpu_da[t] = paired_ratio(cpu, "laplacian", "sdpa"), paired_ratio(cpu, "learnable", "sdpa")
-        rows_t.append([t] + [f"{med[n] * 1e3:.1f}" for n in VARIANTS]
-                      + [f"{ratio_ba[t]:.3f}", f"{ratio_cb[t]:.2f}", f"{ratio_da[t]:.3f}",
-                         f"{cpu_ba[t]:.3f}", f"{cpu_da[t]:.3f}"])
+        rows_t.append(
+            [t]
+            + [f"{med[n] * 1e3:.1f}" for n in VARIANTS]
+            + [f"{ratio_ba[t]:.3f}", f"{ratio_cb[t]:.2f}", f"{ratio_da[t]:.3f}", f"{cpu_ba[t]:.3f}", f"{cpu_da[t]:.3f}"]
+        )
         del q, k, v, grad, steps
         gc.collect()
 
@@ -163,8 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     for t in sizes:
         for n in VARIANTS:
             log(f"[attention] peak memory {n} T={t}")
-            out = run_child(os.path.abspath(__file__), ["--mem-child", n, str(t), "--heads", str(args.heads),
-                                                         "--dim", str(args.dim), "--threads", str(args.threads)])
+            out = run_child(
+                os.path.abspath(__file__),
+                [
+                    "--mem-child",
+                    n,
+                    str(t),
+                    "--heads",
+                    str(args.heads),
+                    "--dim",
+                    str(args.dim),
+                    "--threads",
+                    str(args.threads),
+                ],
+            )
             mem[n][t] = int(out["peak_growth_bytes"])
     t1, t2 = sizes[-2], sizes[-1]
     lin = t2 / t1
@@ -179,28 +213,43 @@ def main(argv: list[str] | None = None) -> int:
     ok_ba_cpu = all(r <= 1.05 for r in cpu_ba.values())
     ok_da_cpu = all(cpu_da[t] <= 1.05 for t in long_t)
     # linear vs quadratic: closer (in log scale) to the linear factor or to its square
-    ok_mem_b = growth["laplacian"] < lin ** 1.5
-    ok_mem_c = growth["naive"] >= lin ** 1.5
+    ok_mem_b = growth["laplacian"] < lin**1.5
+    ok_mem_c = growth["naive"] >= lin**1.5
     mark = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     print(f"## Attention: Laplacian heads vs SDPA vs naive (I - P) V{' (quick)' if args.quick else ''}\n")
     print(f"B=1, H={args.heads}, D={args.dim}, float32, non-causal, forward + backward; {machine_line()}.\n")
     print("(d) ran SDPA, then the mixing as one autograd node (ops._MixHeads).\n")
-    print("Time (ms, median of interleaved rounds; ratios are medians of per-round ratios, in wall time and,"
-          " last two columns, in process CPU time):\n")
+    print(
+        "Time (ms, median of interleaved rounds; ratios are medians of per-round ratios, in wall time and,"
+        " last two columns, in process CPU time):\n"
+    )
     ratios = ["b/a", "c/b", "d/a", "b/a CPU", "d/a CPU"]
     print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS] + ratios, rows_t))
     print("\nPeak memory growth over one forward + backward step (MiB, fresh process each):\n")
-    print(markdown_table(["T"] + [LABEL[n] for n in VARIANTS], [[t] + [mib(mem[n][t]) for n in VARIANTS] for t in sizes]))
-    print(f"\nMemory growth T={t1} -> T={t2} (linear would be {lin:g}x, quadratic {lin ** 2:g}x): "
-          + ", ".join(f"{LABEL[n]} {growth[n]:.1f}x" for n in VARIANTS) + "\n")
+    print(
+        markdown_table(["T"] + [LABEL[n] for n in VARIANTS], [[t] + [mib(mem[n][t]) for n in VARIANTS] for t in sizes])
+    )
+    print(
+        f"\nMemory growth T={t1} -> T={t2} (linear would be {lin:g}x, quadratic {lin**2:g}x): "
+        + ", ".join(f"{LABEL[n]} {growth[n]:.1f}x" for n in VARIANTS)
+        + "\n"
+    )
     print("Targets:\n")
     print(f"- {mark(ok_ba)} b/a <= 1.05 at every T: " + ", ".join(f"T={t}: {r:.3f}" for t, r in ratio_ba.items()))
-    print(f"- {mark(ok_ba_cpu)} b/a <= 1.05 at every T, CPU time: " + ", ".join(f"T={t}: {r:.3f}" for t, r in cpu_ba.items()))
+    print(
+        f"- {mark(ok_ba_cpu)} b/a <= 1.05 at every T, CPU time: "
+        + ", ".join(f"T={t}: {r:.3f}" for t, r in cpu_ba.items())
+    )
     short = ", ".join(f"T={t}: {ratio_da[t]:.3f} (CPU time {cpu_da[t]:.3f})" for t in sizes if t < LEARNABLE_FROM_T)
-    print(f"- {mark(ok_da and bool(long_t))} d/a <= 1.05 at every T >= {LEARNABLE_FROM_T} (learnable mixing vs SDPA): "
-          + ", ".join(f"T={t}: {ratio_da[t]:.3f}" for t in long_t) + (f"; measured below: {short}" if short else ""))
-    print(f"- {mark(ok_da_cpu and bool(long_t))} d/a <= 1.05 at every T >= {LEARNABLE_FROM_T}, CPU time: "
-          + ", ".join(f"T={t}: {cpu_da[t]:.3f}" for t in long_t))
+    print(
+        f"- {mark(ok_da and bool(long_t))} d/a <= 1.05 at every T >= {LEARNABLE_FROM_T} (learnable mixing vs SDPA): "
+        + ", ".join(f"T={t}: {ratio_da[t]:.3f}" for t in long_t)
+        + (f"; measured below: {short}" if short else "")
+    )
+    print(
+        f"- {mark(ok_da_cpu and bool(long_t))} d/a <= 1.05 at every T >= {LEARNABLE_FROM_T}, CPU time: "
+        + ", ".join(f"T={t}: {cpu_da[t]:.3f}" for t in long_t)
+    )
     print(f"- {mark(ok_cb)} c at least 2x slower than b at T={t2}: c/b = {ratio_cb[t2]:.2f}")
     print(f"- {mark(ok_mem_b)} b's memory grows linearly: {growth['laplacian']:.1f}x for {lin:g}x longer sequences")
     print(f"- {mark(ok_mem_c)} c's memory grows quadratically: {growth['naive']:.1f}x for {lin:g}x longer sequences")

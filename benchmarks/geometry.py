@@ -96,18 +96,26 @@ def main() -> None:
     peak = _peak_mib()
     ratio = t_full / t_bare
     print("## Geometry: streaming accumulators\n")
-    print(f"{N:,} tokens x {D} dims, {C:,} next-token classes (Zipf), {N // args.seq_len:,} sequences of "
-          f"{args.seq_len}, chunks of {chunk:,}, {torch.get_num_threads()} torch threads.\n")
+    print(
+        f"{N:,} tokens x {D} dims, {C:,} next-token classes (Zipf), {N // args.seq_len:,} sequences of "
+        f"{args.seq_len}, chunks of {chunk:,}, {torch.get_num_threads()} torch threads.\n"
+    )
     print("| measure | value |\n|---|---|")
     print(f"| full accumulation (ANOVA + class sums + X^T X + cosine) | {t_full:.1f} s, {N / t_full:,.0f} tokens/s |")
     print(f"| bare covariance update (float64 X^T X, same chunks) | {t_bare:.1f} s, {N / t_bare:,.0f} tokens/s |")
     print(f"| ratio full / bare (target <= 2) | {ratio:.2f} {'OK' if ratio <= 2 else 'MISSED'} |")
-    print(f"| finalisation (NC1, tiled CDNV over {int(nc['n_classes']):,} classes = {nc['n_pairs']:,.0f} pairs, NC2, spectrum) | {t_fin:.1f} s |")
-    print(f"| per-sequence spectra (eigvalsh, T={args.seq_len}), sampled on {args.spectra_seqs} sequences | {sp_tok_s:,.0f} tokens/s |")
+    print(
+        f"| finalisation (NC1, tiled CDNV over {int(nc['n_classes']):,} classes = {nc['n_pairs']:,.0f} pairs, NC2, spectrum) | {t_fin:.1f} s |"
+    )
+    print(
+        f"| per-sequence spectra (eigvalsh, T={args.seq_len}), sampled on {args.spectra_seqs} sequences | {sp_tok_s:,.0f} tokens/s |"
+    )
     print(f"| RSS before / after accumulation | {rss0:,.0f} / {rss_acc:,.0f} MiB |")
     print(f"| peak RSS (target <= 2048 MiB) | {peak:,.0f} MiB {'OK' if peak <= 2048 else 'MISSED'} |")
-    print(f"\nSanity: NC1 {nc['nc1']:.4g}, CDNV {nc['cdnv']:.4g}, within-sequence fraction "
-          f"{res['anova']['frac_within_sequence']:.4f}, cosine {res['cosine']['cosine_mean']:.4f}.")
+    print(
+        f"\nSanity: NC1 {nc['nc1']:.4g}, CDNV {nc['cdnv']:.4g}, within-sequence fraction "
+        f"{res['anova']['frac_within_sequence']:.4f}, cosine {res['cosine']['cosine_mean']:.4f}."
+    )
 
 
 if __name__ == "__main__":

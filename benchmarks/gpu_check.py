@@ -49,13 +49,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from _common import machine_line, markdown_table, medians, paired_ratio, time_interleaved  # noqa: E402
 
 # dense bf16 tensor-core peak (FLOP/s) by a substring of torch.cuda.get_device_name()
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
-             "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
-             "RTX 4090": 165e12, "RTX 3090": 71e12}
+BF16_PEAK = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+}
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 
 
@@ -107,19 +119,26 @@ def timed(fns: dict[str, Callable[[], None]], device: torch.device, repeats: int
         def g() -> None:
             f()
             sync(device)
+
         return g
+
     return time_interleaved({k: wrap(f) for k, f in fns.items()}, warmup=2, repeats=repeats)
 
 
 # --------------------------------------------------------------------------- 1. attention
-def attention_rows(device: torch.device, dtype: torch.dtype, sizes: list[int], heads: int, dim: int,
-                   repeats: int, budget: Budget) -> list[list[Any]]:
+def attention_rows(
+    device: torch.device, dtype: torch.dtype, sizes: list[int], heads: int, dim: int, repeats: int, budget: Budget
+) -> list[list[Any]]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from lapheads import laplacian_attention
 
-    enum = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    enum = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     rows: list[list[Any]] = []
     backends = BACKENDS if device.type == "cuda" else ("math",)
     for backend in backends:
@@ -130,19 +149,24 @@ def attention_rows(device: torch.device, dtype: torch.dtype, sizes: list[int], h
                 continue
             log(f"attention {case}")
             g = torch.Generator(device=device).manual_seed(0)
-            q, k, v = (torch.randn(1, heads, t, dim, generator=g, device=device, dtype=dtype).requires_grad_()
-                       for _ in range(3))
+            q, k, v = [
+                torch.randn(1, heads, t, dim, generator=g, device=device, dtype=dtype).requires_grad_()
+                for _ in range(3)
+            ]
             grad = torch.randn(1, heads, t, dim, generator=g, device=device, dtype=dtype)
 
-            def step(fn: Callable[..., torch.Tensor]) -> Callable[[], None]:
+            def step(fn: Callable[..., torch.Tensor], q=q, k=k, v=v, grad=grad, backend=backend) -> Callable[[], None]:
                 def run() -> None:
                     q.grad = k.grad = v.grad = None
                     with sdpa_kernel([enum[backend]]):
                         fn(q, k, v).backward(grad)
+
                 return run
 
-            fns = {"sdpa": step(F.scaled_dot_product_attention),
-                   "laplacian": step(lambda a, b, c: laplacian_attention(a, b, c, laplacian_heads="all"))}
+            fns = {
+                "sdpa": step(F.scaled_dot_product_attention),
+                "laplacian": step(lambda a, b, c: laplacian_attention(a, b, c, laplacian_heads="all")),
+            }
             try:
                 fns["sdpa"]()
             except RuntimeError as e:  # "No available kernel" for this backend / dtype / shape
@@ -151,18 +175,27 @@ def attention_rows(device: torch.device, dtype: torch.dtype, sizes: list[int], h
             times = timed(fns, device, repeats)
             med = medians(times)
             mem = {n: peak_memory(f, device) for n, f in fns.items()}
-            mem_ratio = (f"x{mem['laplacian'] / mem['sdpa']:.3f}" if mem["sdpa"] else "n/a (cpu)")
-            rows.append(["attention", case, f"sdpa {med['sdpa'] * 1e3:.3f} ms, laplacian {med['laplacian'] * 1e3:.3f} ms",
-                         f"time x{paired_ratio(times, 'laplacian', 'sdpa'):.3f}, memory {mem_ratio}",
-                         f"{str(dtype).replace('torch.', '')}, B=1, {heads}x{dim}"])
+            mem_ratio = f"x{mem['laplacian'] / mem['sdpa']:.3f}" if mem["sdpa"] else "n/a (cpu)"
+            rows.append(
+                [
+                    "attention",
+                    case,
+                    f"sdpa {med['sdpa'] * 1e3:.3f} ms, laplacian {med['laplacian'] * 1e3:.3f} ms",
+                    f"time x{paired_ratio(times, 'laplacian', 'sdpa'):.3f}, memory {mem_ratio}",
+                    f"{str(dtype).replace('torch.', '')}, B=1, {heads}x{dim}",
+                ]
+            )
             del q, k, v, grad
     return rows
 
 
 # --------------------------------------------------------------------------- 2. training steps
-def vit_step(k: int, device: torch.device, batch: int, img: int, bf16: bool) -> tuple[torch.nn.Module, Callable[[], Any], float]:
+def vit_step(
+    k: int, device: torch.device, batch: int, img: int, bf16: bool
+) -> tuple[torch.nn.Module, Callable[[], Any], float]:
     """DeiT-3 ViT-S with k Laplacian heads per layer: (model, step, FLOPs per step)."""
     import lapheads.timm as lap_timm
+
     torch.manual_seed(0)
     model = lap_timm.create_model("deit3_small_patch16_224", laplacian_heads=k, img_size=img).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
@@ -183,14 +216,18 @@ def vit_step(k: int, device: torch.device, batch: int, img: int, bf16: bool) -> 
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return run
 
     return model, step, flops
 
 
-def lm_step(k: int, device: torch.device, shape: dict[str, int], bf16: bool) -> tuple[torch.nn.Module, Callable[[], Any], float]:
+def lm_step(
+    k: int, device: torch.device, shape: dict[str, int], bf16: bool
+) -> tuple[torch.nn.Module, Callable[[], Any], float]:
     """NanoChat with k Laplacian heads per layer (nanochat's optimizers): (model, step, FLOPs per step)."""
     from lapheads.lm.model import LMModelConfig, LMOptimConfig, build_model, build_optimizers, flops_per_token
+
     torch.manual_seed(0)
     cfg = LMModelConfig(depth=shape["depth"], width=shape["width"], n_heads=shape["heads"], laplacian_heads=k)
     model = build_model(cfg, shape["vocab"], shape["seq"], device=device)
@@ -214,6 +251,7 @@ def lm_step(k: int, device: torch.device, shape: dict[str, int], bf16: bool) -> 
             for o in opts:
                 o.step()
                 o.zero_grad(set_to_none=True)
+
         return run
 
     return model, step, flops
@@ -230,9 +268,16 @@ def training_rows(device: torch.device, args: argparse.Namespace, budget: Budget
     else:
         vit = dict(batch=64, img=224)
         lm = dict(depth=12, width=768, heads=6, vocab=65536, seq=2048, batch=8)
-    models = [("vit-s", 6, lambda k: vit_step(k, device, vit["batch"], vit["img"], bf16), vit["batch"], "images/s"),
-              ("nanochat-d12" if not args.tiny else "nanochat-tiny", lm["heads"],
-               lambda k: lm_step(k, device, lm, bf16), lm["batch"] * lm["seq"], "tokens/s")]
+    models = [
+        ("vit-s", 6, lambda k: vit_step(k, device, vit["batch"], vit["img"], bf16), vit["batch"], "images/s"),
+        (
+            "nanochat-d12" if not args.tiny else "nanochat-tiny",
+            lm["heads"],
+            lambda k: lm_step(k, device, lm, bf16),
+            lm["batch"] * lm["seq"],
+            "tokens/s",
+        ),
+    ]
     for name, heads, build, items, unit in models:
         for k in (0, heads // 2, heads):
             for compiled in compiles:
@@ -276,11 +321,31 @@ def resume_rows(device: torch.device, steps: int, budget: Budget) -> list[list[A
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="lapheads-gpu-check-") as tmp:
         stack.callback(torch.use_deterministic_algorithms, False)
         root = Path(tmp)
-        cfg = lambda: load_config(R.LMConfig, None, [  # noqa: E731
-            f"data.cache_dir={root / 'cache'}", "data.vocab_size=300", "data.seq_len=32", "data.batch_size=4",
-            "data.eval_tokens=256", "model.depth=2", "model.width=64", "model.n_heads=4", "model.laplacian_heads=2",
-            "samples.max_new_tokens=0", f"train.max_steps={steps}", f"train.ckpt_every={half}",
-            "train.keep_checkpoints=0", "train.eval_every=0", "train.progress=false", f"train.device={device}"])
+
+        def cfg() -> Any:
+            return load_config(
+                R.LMConfig,
+                None,
+                [
+                    f"data.cache_dir={root / 'cache'}",
+                    "data.vocab_size=300",
+                    "data.seq_len=32",
+                    "data.batch_size=4",
+                    "data.eval_tokens=256",
+                    "model.depth=2",
+                    "model.width=64",
+                    "model.n_heads=4",
+                    "model.laplacian_heads=2",
+                    "samples.max_new_tokens=0",
+                    f"train.max_steps={steps}",
+                    f"train.ckpt_every={half}",
+                    "train.keep_checkpoints=0",
+                    "train.eval_every=0",
+                    "train.progress=false",
+                    f"train.device={device}",
+                ],
+            )
+
         build = lambda c, i: R.build_task(c, i)  # noqa: E731
         t0 = time.perf_counter()
         launch("lm", cfg(), build, str(root / "full"))
@@ -297,8 +362,15 @@ def resume_rows(device: torch.device, steps: int, budget: Budget) -> list[list[A
         diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
         secs = time.perf_counter() - t0
     verdict = "exact" if diff == 0.0 else "DIFFERS"
-    return [["exact resume", f"{steps} steps vs {half} + resume {steps - half}", f"{verdict}: largest weight difference {diff:.3g}",
-             "", f"{secs:.0f} s"]]
+    return [
+        [
+            "exact resume",
+            f"{steps} steps vs {half} + resume {steps - half}",
+            f"{verdict}: largest weight difference {diff:.3g}",
+            "",
+            f"{secs:.0f} s",
+        ]
+    ]
 
 
 # --------------------------------------------------------------------------- main
@@ -307,8 +379,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (implied on the CPU)")
     ap.add_argument("--quick", action="store_true", help="same as --tiny (benchmarks/run_all.py --quick)")
-    ap.add_argument("--compile", choices=("off", "on", "both"), default=None,
-                    help="torch.compile variants (default: both on CUDA, off on the CPU)")
+    ap.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default=None,
+        help="torch.compile variants (default: both on CUDA, off on the CPU)",
+    )
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--repeats", type=int, default=5, help="measured rounds per variant")
     ap.add_argument("--resume-steps", type=int, default=50)

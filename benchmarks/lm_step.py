@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from _common import machine_line, markdown_table, medians, paired_ratio, time_interleaved  # noqa: E402
+
 from lapheads.lm.model import LMModelConfig, LMOptimConfig, build_model, build_optimizers, flops_per_token  # noqa: E402
 
 
@@ -116,16 +116,24 @@ def main() -> None:
     ok_ratio = max(r3, r6) <= 1.03
     ok_mfu = min(r3, r6) <= 1.0
     print("## LM training step: NanoChat width 768, 6 layers, k Laplacian heads (benchmarks/lm_step.py)\n")
-    print(f"{machine_line()}; batch {args.batch} x seq {args.seq} tokens, vocab {args.vocab}, float32, "
-          f"forward + backward{' + Muon/AdamW update' if args.with_optimizer else ''}; {repeats} interleaved rounds, medians.\n")
+    print(
+        f"{machine_line()}; batch {args.batch} x seq {args.seq} tokens, vocab {args.vocab}, float32, "
+        f"forward + backward{' + Muon/AdamW update' if args.with_optimizer else ''}; {repeats} interleaved rounds, medians.\n"
+    )
     print(markdown_table(("model", "ms/step", "tokens/s", "time ratio to k=0", "MFU"), rows))
-    print(f"\nMFU = {fpt / 1e6:.1f} MFLOP/token x tokens/s / peak; peak = best {args.peak_n}^3 float32 matmul "
-          f"in this run = {peak / 1e9:.1f} GFLOP/s.\n")
+    print(
+        f"\nMFU = {fpt / 1e6:.1f} MFLOP/token x tokens/s / peak; peak = best {args.peak_n}^3 float32 matmul "
+        f"in this run = {peak / 1e9:.1f} GFLOP/s.\n"
+    )
     print(f"- target time ratio <= 1.03: k=3 {r3:.3f}, k=6 {r6:.3f} -> {'met' if ok_ratio else 'NOT met'}")
-    print(f"- target learnable mixing (k=learn) time ratio <= 1.02: {r_learn:.3f} -> "
-          f"{'met' if r_learn <= 1.02 else 'NOT met'}")
-    print(f"- target MFU of k>0 >= MFU of k=0: {'met' if ok_mfu else 'NOT met'} "
-          f"(k>0 does the same FLOPs plus one subtraction per head output, so MFU falls by the time ratio)")
+    print(
+        f"- target learnable mixing (k=learn) time ratio <= 1.02: {r_learn:.3f} -> "
+        f"{'met' if r_learn <= 1.02 else 'NOT met'}"
+    )
+    print(
+        f"- target MFU of k>0 >= MFU of k=0: {'met' if ok_mfu else 'NOT met'} "
+        f"(k>0 does the same FLOPs plus one subtraction per head output, so MFU falls by the time ratio)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ def discover(only: list[str] | None = None) -> list[Path]:
         wanted = {n if n.endswith(".py") else n + ".py" for n in only}
         unknown = wanted - {p.name for p in scripts}
         if unknown:
-            raise SystemExit(f"run_all.py: unknown benchmark(s) {sorted(unknown)}; available: "
-                             f"{[p.name for p in scripts]}")
+            raise SystemExit(
+                f"run_all.py: unknown benchmark(s) {sorted(unknown)}; available: {[p.name for p in scripts]}"
+            )
         scripts = [p for p in scripts if p.name in wanted]
     return scripts
 
@@ -48,8 +49,14 @@ def run_one(script: Path, quick: bool, timeout: float) -> tuple[str, bool, float
     secs = time.time() - start
     out = proc.stdout.strip()
     if proc.returncode != 0:
-        return (f"## {script.stem}\n\nFAILED with exit status {proc.returncode}; its output:\n\n```\n"
-                f"{out[-3000:]}\n```\n"), False, secs
+        return (
+            (
+                f"## {script.stem}\n\nFAILED with exit status {proc.returncode}; its output:\n\n```\n"
+                f"{out[-3000:]}\n```\n"
+            ),
+            False,
+            secs,
+        )
     if not out.startswith("#"):
         out = f"## {script.stem}\n\n{out}"
     return out + "\n", True, secs
@@ -60,9 +67,11 @@ def machine() -> str:
 
     import torch
 
-    return (f"{platform.node() or 'unknown host'}: {platform.machine()} {platform.system()} {platform.release()}, "
-            f"{os.cpu_count()} CPUs, {platform.processor() or 'unknown CPU'}, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{platform.node() or 'unknown host'}: {platform.machine()} {platform.system()} {platform.release()}, "
+        f"{os.cpu_count()} CPUs, {platform.processor() or 'unknown CPU'}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         ok_all &= ok
         sections.append(section + f"\n_{script.name}: {secs:.0f} s_\n")
         print(section, flush=True)
-    header = (f"# lapheads benchmarks\n\nDate: {dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}  \n"
-              f"Machine: {machine()}  \nCommand: `python benchmarks/run_all.py{' --quick' if args.quick else ''}`"
-              f"{' (quick mode: smaller sizes, not the reference numbers)' if args.quick else ''}\n")
+    header = (
+        f"# lapheads benchmarks\n\nDate: {dt.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}  \n"
+        f"Machine: {machine()}  \nCommand: `python benchmarks/run_all.py{' --quick' if args.quick else ''}`"
+        f"{' (quick mode: smaller sizes, not the reference numbers)' if args.quick else ''}\n"
+    )
     args.out.write_text(header + "\n" + "\n".join(sections))
     print(f"[run_all] wrote {args.out}", file=sys.stderr)
     return 0 if ok_all else 1

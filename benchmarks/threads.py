@@ -79,8 +79,14 @@ def _env() -> dict:
 
 
 def measure(policy: str, steps: int, config: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, policy, str(steps), "once", config], env=_env(),
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, policy, str(steps), "once", config],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -88,7 +94,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke test of the script)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 60, quick 15)")
-    ap.add_argument("--config", default=str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"))
+    ap.add_argument(
+        "--config", default=str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+    )
     args = ap.parse_args()
     steps = args.steps or (15 if args.quick else 60)
     policies = ["torch default", "auto"]
@@ -96,8 +104,13 @@ def main() -> None:
     for p in policies:
         print(f"[threads] idle, {p} ...", file=sys.stderr, flush=True)
         res[p]["idle"] = measure("default" if p == "torch default" else "auto", steps, args.config)
-    comp = subprocess.Popen([sys.executable, "-c", CHILD, "default", "0", "forever", args.config], env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    comp = subprocess.Popen(
+        [sys.executable, "-c", CHILD, "default", "0", "forever", args.config],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     try:
         time.sleep(5.0)  # the competitor imports torch and reaches its training loop
         for p in policies:
@@ -109,14 +122,16 @@ def main() -> None:
     rows = []
     for p in policies:
         i, l = res[p]["idle"], res[p]["loaded"]
-        rows.append([p, f"{i['threads']} / {l['threads']}", f"{i['ms']:.1f}", f"{l['ms']:.1f}",
-                     f"{l['ms'] / i['ms']:.2f}"])
+        rows.append(
+            [p, f"{i['threads']} / {l['threads']}", f"{i['ms']:.1f}", f"{l['ms']:.1f}", f"{l['ms'] / i['ms']:.2f}"]
+        )
     print("## threads\n")
     print(f"{machine_line()}\n")
-    print(f"Digits-recipe training step (batch 64), median of {steps} steps after warm-up, each in a fresh "
-          f"process; 'loaded' = beside one competing training process with torch's default threads.\n")
-    print(markdown_table(["policy", "threads idle / loaded", "idle ms/step", "loaded ms/step", "loaded / idle"],
-                         rows))
+    print(
+        f"Digits-recipe training step (batch 64), median of {steps} steps after warm-up, each in a fresh "
+        f"process; 'loaded' = beside one competing training process with torch's default threads.\n"
+    )
+    print(markdown_table(["policy", "threads idle / loaded", "idle ms/step", "loaded ms/step", "loaded / idle"], rows))
     d, a = res["torch default"]["loaded"]["ms"], res["auto"]["loaded"]["ms"]
     print(f"\nUnder load, auto / torch default = {a / d:.2f} (lower is better).")
 

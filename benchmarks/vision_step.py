@@ -54,13 +54,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _common import machine_line, markdown_table, medians, paired_ratio, time_interleaved  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from _common import machine_line, markdown_table, medians, paired_ratio, time_interleaved  # noqa: E402
 import lapheads.timm as lap_timm  # noqa: E402
 from lapheads import mixing_table  # noqa: E402
-from lapheads.vision.transforms import build_transforms  # noqa: E402
 from lapheads.engine.data import epoch_batches  # noqa: E402
+from lapheads.vision.transforms import build_transforms  # noqa: E402
 
 MODEL = "deit3_small_patch16_224"
 KS = (0, 3, 6, "learn")  # "learn": learnable mixing a_h I + b_h P in every head (SDPA, then ops._MixHeads)
@@ -112,16 +112,22 @@ def _collate(items):
     return torch.stack(xs), torch.as_tensor(ys, dtype=torch.long)
 
 
-def make_pipeline_epoch(images, img_size: int, batch: int, num_workers: int,
-                        steady: list[float]) -> Callable[[], None]:
+def make_pipeline_epoch(images, img_size: int, batch: int, num_workers: int, steady: list[float]) -> Callable[[], None]:
     """One fresh epoch of the recipe's training pipeline; appends its steady-state s/image to ``steady``."""
     tf = build_transforms(img_size, train=True, three_augment=True)
     epoch = [0]
 
     def run() -> None:
         arrivals = []
-        stream = epoch_batches(images, batch, seed=epoch[0], num_workers=num_workers, collate_fn=_collate,
-                               transform=lambda it: (tf(it[0]), it[1]), epochs=1)
+        stream = epoch_batches(
+            images,
+            batch,
+            seed=epoch[0],
+            num_workers=num_workers,
+            collate_fn=_collate,
+            transform=lambda it: (tf(it[0]), it[1]),
+            epochs=1,
+        )
         for xb, _ in stream:
             if xb.shape != (batch, 3, img_size, img_size):
                 raise RuntimeError(f"pipeline produced a batch of shape {tuple(xb.shape)}")
@@ -134,8 +140,9 @@ def make_pipeline_epoch(images, img_size: int, batch: int, num_workers: int,
     return run
 
 
-def interleaved_rounds(fns: dict[str, Callable[[], None]], steps: list[str], pipes: list[str], repeats: int,
-                       log: Callable[[str], None]) -> dict[str, list[float]]:
+def interleaved_rounds(
+    fns: dict[str, Callable[[], None]], steps: list[str], pipes: list[str], repeats: int, log: Callable[[str], None]
+) -> dict[str, list[float]]:
     """One warm-up call each, then ``repeats`` rounds: the training steps, rotated, then the pipelines.
 
     Why not one rotation over all five: a plain rotation keeps cyclic neighbours fixed, so one
@@ -146,7 +153,7 @@ def interleaved_rounds(fns: dict[str, Callable[[], None]], steps: list[str], pip
     times: dict[str, list[float]] = {n: [] for n in steps + pipes}
     for r in range(-1, repeats):  # round -1 is the warm-up
         for group in (steps, pipes):
-            order = group[r % len(group):] + group[:r % len(group)]
+            order = group[r % len(group) :] + group[: r % len(group)]
             got = time_interleaved({n: fns[n] for n in order}, warmup=0, repeats=1)
             if r >= 0:
                 for n in order:
@@ -159,19 +166,26 @@ def interleaved_rounds(fns: dict[str, Callable[[], None]], steps: list[str], pip
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and a smaller epoch (a smoke run)")
-    ap.add_argument("--threads", type=int,
-                    default=int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)),
-                    help="torch intra-op threads (default: $OMP_NUM_THREADS, else min(2, CPUs))")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)),
+        help="torch intra-op threads (default: $OMP_NUM_THREADS, else min(2, CPUs))",
+    )
     ap.add_argument("--batch", type=int, default=8, help="images per step (default 8)")
     ap.add_argument("--img-size", type=int, default=160, help="image side in pixels (default 160; see the docstring)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved measured rounds (--quick: 3)")
     ap.add_argument("--pipe-images", type=int, default=96, help="images per pipeline epoch (--quick: 48)")
-    ap.add_argument("--no-control", action="store_true",
-                    help="skip the A/A control (a second identical k=0 model that measures the noise floor)")
+    ap.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the A/A control (a second identical k=0 model that measures the noise floor)",
+    )
     args = ap.parse_args(argv)
     if args.batch < 1 or args.img_size < 16 or args.img_size % 16:
-        ap.error(f"--batch must be >= 1 and --img-size a multiple of 16 (patch size); "
-                 f"got {args.batch}, {args.img_size}")
+        ap.error(
+            f"--batch must be >= 1 and --img-size a multiple of 16 (patch size); got {args.batch}, {args.img_size}"
+        )
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else args.repeats
     pipe_images = 48 if args.quick else args.pipe_images
@@ -206,9 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {n: paired_ratio(times, n, "k=0") for n in steps[1:]}
     # the spread of the per-round ratios shows how much the shared machine's load moved them
     spread = {n: [a / b for a, b in zip(times[n], times["k=0"])] for n in steps[1:]}
-    rows = [(n, f"{med[n] * 1e3:.0f}", f"{args.batch / med[n]:.2f}",
-             f"{ratios[n]:.3f}" if n in ratios else "1 (baseline)",
-             f"{min(spread[n]):.2f} .. {max(spread[n]):.2f}" if n in spread else "") for n in steps]
+    rows = [
+        (
+            n,
+            f"{med[n] * 1e3:.0f}",
+            f"{args.batch / med[n]:.2f}",
+            f"{ratios[n]:.3f}" if n in ratios else "1 (baseline)",
+            f"{min(spread[n]):.2f} .. {max(spread[n]):.2f}" if n in spread else "",
+        )
+        for n in steps
+    ]
 
     # --- pipeline, per round paired with the k=0 step of the same round
     prow, pipe_ratio = [], {}
@@ -217,44 +238,73 @@ def main(argv: list[str] | None = None) -> int:
         s_img = steady[name]
         ips_steady = 1.0 / statistics.median(s_img)
         ips_epoch = pipe_images / med[name]
-        pipe_ratio[w] = statistics.median(
-            (1.0 / s) / (args.batch / t) for s, t in zip(s_img, times["k=0"]))
+        pipe_ratio[w] = statistics.median((1.0 / s) / (args.batch / t) for s, t in zip(s_img, times["k=0"]))
         # num_workers=0: the data time per step is added in series to the step time
-        share = statistics.median(
-            (s * args.batch) / (s * args.batch + t) for s, t in zip(s_img, times["k=0"]))
-        prow.append((w, f"{ips_steady:.1f}", f"{ips_epoch:.1f}", f"{pipe_ratio[w]:.1f}",
-                     f"{100 * share:.1f}%" if w == 0 else "none (runs concurrently)"))
+        share = statistics.median((s * args.batch) / (s * args.batch + t) for s, t in zip(s_img, times["k=0"]))
+        prow.append(
+            (
+                w,
+                f"{ips_steady:.1f}",
+                f"{ips_epoch:.1f}",
+                f"{pipe_ratio[w]:.1f}",
+                f"{100 * share:.1f}%" if w == 0 else "none (runs concurrently)",
+            )
+        )
         log(f"[vision_step] pipeline {name}: {ips_steady:.1f} img/s steady, ratio to training {pipe_ratio[w]:.1f}")
 
     lap = {k: ratios[f"k={k}"] for k in KS if k and k != "learn"}
     worst = max(lap.values())
     learn = ratios["k=learn"]
     print(f"## Vision training step: DeiT-3 ViT-S ({MODEL}), k Laplacian heads of 6 (benchmarks/vision_step.py)\n")
-    print(f"{machine_line()}; batch {args.batch} x 3 x {args.img_size} x {args.img_size} "
-          f"({(args.img_size // 16) ** 2 + 1} tokens), float32, train mode, forward + backward + AdamW step; "
-          f"1 warm-up + {repeats} interleaved rounds (every round: the training steps in rotated order, then "
-          f"the two pipeline epochs), medians; ratios are medians of per-round ratios. Load average "
-          f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end; measuring took {wall:.0f} s.\n")
+    print(
+        f"{machine_line()}; batch {args.batch} x 3 x {args.img_size} x {args.img_size} "
+        f"({(args.img_size // 16) ** 2 + 1} tokens), float32, train mode, forward + backward + AdamW step; "
+        f"1 warm-up + {repeats} interleaved rounds (every round: the training steps in rotated order, then "
+        f"the two pipeline epochs), medians; ratios are medians of per-round ratios. Load average "
+        f"{load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end; measuring took {wall:.0f} s.\n"
+    )
     print(markdown_table(("model", "ms/step", "images/s", "time ratio to k=0", "per-round ratio range"), rows))
-    print(f"\nData pipeline: the classification recipe's training transform (3-Augment, {args.img_size} px) on "
-          f"{pipe_images} generated {args.img_size} px RGB PIL images per epoch, through "
-          f"`lapheads.engine.data.epoch_batches` (batch {args.batch}); steady-state images/s excludes worker "
-          f"start-up, whole-epoch images/s includes it. Ratio = pipeline images/s / training images/s (k=0), "
-          f"per round.\n")
-    print(markdown_table(("num_workers", "images/s (steady)", "images/s (whole epoch)",
-                          "pipeline / training (k=0)", "data share of wall time"), prow))
+    print(
+        f"\nData pipeline: the classification recipe's training transform (3-Augment, {args.img_size} px) on "
+        f"{pipe_images} generated {args.img_size} px RGB PIL images per epoch, through "
+        f"`lapheads.engine.data.epoch_batches` (batch {args.batch}); steady-state images/s excludes worker "
+        f"start-up, whole-epoch images/s includes it. Ratio = pipeline images/s / training images/s (k=0), "
+        f"per round.\n"
+    )
+    print(
+        markdown_table(
+            (
+                "num_workers",
+                "images/s (steady)",
+                "images/s (whole epoch)",
+                "pipeline / training (k=0)",
+                "data share of wall time",
+            ),
+            prow,
+        )
+    )
     print()
-    print(f"- target time ratio <= 1.03: " + ", ".join(f"k={k} {r:.3f}" for k, r in lap.items())
-          + f" -> {'met' if worst <= 1.03 else 'NOT met'}"
-          + ("" if args.no_control else
-             f"; noise check: the A/A control (an identical k=0 model) reads {ratios[AA]:.3f}, a "
-             f"{abs(ratios[AA] - 1):.1%} deviation from 1 caused by load alone (single rounds swing "
-             f"far more, see the ranges)"))
-    print(f"- target learnable mixing (k=learn) time ratio <= 1.02: {learn:.3f} -> {'met' if learn <= 1.02 else 'NOT met'}")
-    print(f"- target pipeline not the bottleneck (pipeline images/s >= training images/s): "
-          + ", ".join(f"num_workers={w}: {pipe_ratio[w]:.1f}x" for w in WORKERS)
-          + f" -> {'met' if min(pipe_ratio.values()) >= 1 else 'NOT met'}"
-          + " (no JPEG decode here; on a CPU-only box the worker shares the cores with the step)")
+    print(
+        "- target time ratio <= 1.03: "
+        + ", ".join(f"k={k} {r:.3f}" for k, r in lap.items())
+        + f" -> {'met' if worst <= 1.03 else 'NOT met'}"
+        + (
+            ""
+            if args.no_control
+            else f"; noise check: the A/A control (an identical k=0 model) reads {ratios[AA]:.3f}, a "
+            f"{abs(ratios[AA] - 1):.1%} deviation from 1 caused by load alone (single rounds swing "
+            f"far more, see the ranges)"
+        )
+    )
+    print(
+        f"- target learnable mixing (k=learn) time ratio <= 1.02: {learn:.3f} -> {'met' if learn <= 1.02 else 'NOT met'}"
+    )
+    print(
+        "- target pipeline not the bottleneck (pipeline images/s >= training images/s): "
+        + ", ".join(f"num_workers={w}: {pipe_ratio[w]:.1f}x" for w in WORKERS)
+        + f" -> {'met' if min(pipe_ratio.values()) >= 1 else 'NOT met'}"
+        + " (no JPEG decode here; on a CPU-only box the worker shares the cores with the step)"
+    )
     return 0
 
 

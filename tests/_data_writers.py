@@ -70,24 +70,38 @@ def write_cifar_archive(
     if kind == "cifar10":
         parts = np.array_split(np.arange(len(images)), 5)
         for i, idx in enumerate(parts, 1):
-            files[f"data_batch_{i}"] = {b"batch_label": f"training batch {i} of 5".encode(),
-                                        b"labels": [labels[j] for j in idx], b"data": rows(images[idx]),
-                                        b"filenames": [f"img_{j}.png".encode() for j in idx]}
-        files["test_batch"] = {b"batch_label": b"testing batch 1 of 1", b"labels": list(test_labels),
-                               b"data": rows(test_images),
-                               b"filenames": [f"test_{j}.png".encode() for j in range(len(test_images))]}
-        files["batches.meta"] = {b"num_cases_per_batch": int(max(len(p) for p in parts)),
-                                 b"label_names": [c.encode() for c in classes], b"num_vis": 3072}
+            files[f"data_batch_{i}"] = {
+                b"batch_label": f"training batch {i} of 5".encode(),
+                b"labels": [labels[j] for j in idx],
+                b"data": rows(images[idx]),
+                b"filenames": [f"img_{j}.png".encode() for j in idx],
+            }
+        files["test_batch"] = {
+            b"batch_label": b"testing batch 1 of 1",
+            b"labels": list(test_labels),
+            b"data": rows(test_images),
+            b"filenames": [f"test_{j}.png".encode() for j in range(len(test_images))],
+        }
+        files["batches.meta"] = {
+            b"num_cases_per_batch": int(max(len(p) for p in parts)),
+            b"label_names": [c.encode() for c in classes],
+            b"num_vis": 3072,
+        }
     else:
         coarse = [x // 5 for x in labels] if coarse_labels is None else [int(x) for x in coarse_labels]
-        tcoarse = ([x // 5 for x in test_labels] if test_coarse_labels is None
-                   else [int(x) for x in test_coarse_labels])
+        tcoarse = [x // 5 for x in test_labels] if test_coarse_labels is None else [int(x) for x in test_coarse_labels]
         for name, x, fine, co in (("train", images, labels, coarse), ("test", test_images, test_labels, tcoarse)):
-            files[name] = {b"filenames": [f"{name}_{j}.png".encode() for j in range(len(x))],
-                           b"batch_label": f"{name}ing batch 1 of 1".encode(), b"fine_labels": list(fine),
-                           b"coarse_labels": list(co), b"data": rows(x)}
-        files["meta"] = {b"fine_label_names": [c.encode() for c in classes],
-                         b"coarse_label_names": [f"super{i}".encode() for i in range(20)]}
+            files[name] = {
+                b"filenames": [f"{name}_{j}.png".encode() for j in range(len(x))],
+                b"batch_label": f"{name}ing batch 1 of 1".encode(),
+                b"fine_labels": list(fine),
+                b"coarse_labels": list(co),
+                b"data": rows(x),
+            }
+        files["meta"] = {
+            b"fine_label_names": [c.encode() for c in classes],
+            b"coarse_label_names": [f"super{i}".encode() for i in range(20)],
+        }
     blobs = {name: pickle.dumps(d, protocol=2) for name, d in files.items()}
     path = Path(path)
     if path.name.endswith((".tar.gz", ".tgz")):
@@ -110,8 +124,7 @@ def write_idx(path: PathLike, array: np.ndarray) -> Path:
     array = np.asarray(array)
     if array.dtype not in _IDX_CODES:
         raise ConfigError(f"write_idx supports uint8 and int8 arrays, got {array.dtype}")
-    head = bytes([0, 0, _IDX_CODES[array.dtype], array.ndim]) + b"".join(
-        int(d).to_bytes(4, "big") for d in array.shape)
+    head = bytes([0, 0, _IDX_CODES[array.dtype], array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
     data = head + np.ascontiguousarray(array).tobytes()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

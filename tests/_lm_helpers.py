@@ -14,11 +14,24 @@ from lapheads.recipes import lm as R
 
 def tiny_lm_run(root: Path, laplacian_heads: str, steps: int) -> Path:
     """Train a 2-layer, 64-wide NanoChat model for ``steps`` steps on the embedded corpus."""
-    cfg = load_config(R.LMConfig, None, [
-        f"data.cache_dir={root / 'cache'}", "data.vocab_size=400", "data.seq_len=64", "data.batch_size=4",
-        "data.eval_tokens=512", "model.depth=2", "model.width=64", "model.n_heads=4",
-        f"model.laplacian_heads={laplacian_heads}", "samples.max_new_tokens=0", f"train.max_steps={steps}",
-        "train.progress=false"])
+    cfg = load_config(
+        R.LMConfig,
+        None,
+        [
+            f"data.cache_dir={root / 'cache'}",
+            "data.vocab_size=400",
+            "data.seq_len=64",
+            "data.batch_size=4",
+            "data.eval_tokens=512",
+            "model.depth=2",
+            "model.width=64",
+            "model.n_heads=4",
+            f"model.laplacian_heads={laplacian_heads}",
+            "samples.max_new_tokens=0",
+            f"train.max_steps={steps}",
+            "train.progress=false",
+        ],
+    )
     launch("lm", cfg, lambda c, i: R.build_task(c, i), str(root / "lm"))
     return root / "lm"
 
@@ -27,8 +40,17 @@ def tiny_sft_run(root: Path, pretrained: Path, steps: int) -> Path:
     """SFT a :func:`tiny_lm_run` for ``steps`` steps on the embedded chat set (``pydoc_data`` Q/A)."""
     from lapheads.recipes import sft as S
 
-    cfg = load_config(S.SFTConfig, None, [f"init_from={pretrained}", "data.seq_len=96", "data.batch_size=4",
-                                          f"train.max_steps={steps}", "train.progress=false"])
+    cfg = load_config(
+        S.SFTConfig,
+        None,
+        [
+            f"init_from={pretrained}",
+            "data.seq_len=96",
+            "data.batch_size=4",
+            f"train.max_steps={steps}",
+            "train.progress=false",
+        ],
+    )
     launch("sft", cfg, S.build_task, str(root / "sft"))
     return root / "sft"
 
@@ -47,21 +69,55 @@ def chat_task_files(root: Path, humaneval: int = 4) -> dict[str, str]:
         return str(path)
 
     texts = ["stone", "water", "air"]
-    arc = write("arc_easy", [{"id": f"q{i}", "question": f"Which one is {w}?", "answerKey": "ABCD"[i % 4],
-                              "choices": {"text": texts[:i % 4] + [w] + texts[i % 4:], "label": list("ABCD")}}
-                             for i, w in enumerate(words)])
-    arc_c = write("arc_challenge", [  # the original AI2 layout, labels 1-3
-        {"id": f"c{i}", "answerKey": str(1 + i % 3),
-         "question": {"stem": f"What does a {w} need?", "choices": [{"label": str(j + 1), "text": t} for j, t in
-                                                                     enumerate(["light", "heat", "time"])]}}
-        for i, w in enumerate(words[:5])])
+    arc = write(
+        "arc_easy",
+        [
+            {
+                "id": f"q{i}",
+                "question": f"Which one is {w}?",
+                "answerKey": "ABCD"[i % 4],
+                "choices": {"text": texts[: i % 4] + [w] + texts[i % 4 :], "label": list("ABCD")},
+            }
+            for i, w in enumerate(words)
+        ],
+    )
+    arc_c = write(
+        "arc_challenge",
+        [  # the original AI2 layout, labels 1-3
+            {
+                "id": f"c{i}",
+                "answerKey": str(1 + i % 3),
+                "question": {
+                    "stem": f"What does a {w} need?",
+                    "choices": [{"label": str(j + 1), "text": t} for j, t in enumerate(["light", "heat", "time"])],
+                },
+            }
+            for i, w in enumerate(words[:5])
+        ],
+    )
     sums = [(1, 1), (2, 3), (4, 4), (5, 2), (3, 6), (7, 1), (2, 2)]
-    mmlu = write("mmlu", [{"question": f"{a} + {b} = ?", "subject": "arithmetic",  # 3 or 4 choices
-                           "choices": [str(a + b + d) for d in range(3 + bool(i % 3))], "answer": i % (3 + bool(i % 3))}
-                          for i, (a, b) in enumerate(sums)])
-    gsm = write("gsm8k", [{"question": f"Tom has {a} apples and buys {b} more. How many now?",
-                           "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-                          for a, b in [(2, 3), (10, 5), (7, 7), (1, 8)]])
+    mmlu = write(
+        "mmlu",
+        [
+            {
+                "question": f"{a} + {b} = ?",
+                "subject": "arithmetic",  # 3 or 4 choices
+                "choices": [str(a + b + d) for d in range(3 + bool(i % 3))],
+                "answer": i % (3 + bool(i % 3)),
+            }
+            for i, (a, b) in enumerate(sums)
+        ],
+    )
+    gsm = write(
+        "gsm8k",
+        [
+            {
+                "question": f"Tom has {a} apples and buys {b} more. How many now?",
+                "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+            }
+            for a, b in [(2, 3), (10, 5), (7, 7), (1, 8)]
+        ],
+    )
     with gzip.open(builtin_humaneval_path(), "rt", encoding="utf-8") as f:
         he = write("humaneval", [json.loads(line) for line in f][:humaneval])
     return {"arc_easy": arc, "arc_challenge": arc_c, "mmlu": mmlu, "gsm8k": gsm, "humaneval": he}
@@ -90,9 +146,11 @@ def offline(monkeypatch, datasets_cache: Path) -> None:
 def local_mc_task(tmp_path: Path, task: str) -> Path:
     """A folder with one lm-eval multiple-choice task YAML (named ``task``) over 3 local JSONL items,
     for ``--include_path`` / ``--lm-eval-include``; nothing is downloaded."""
-    items = [{"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
-             {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
-             {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0}]
+    items = [
+        {"question": "The keyword that defines a function is", "choices": ["def", "class", "import"], "label": 0},
+        {"question": "A list literal uses", "choices": ["square brackets", "colons", "dollars"], "label": 0},
+        {"question": "None is", "choices": ["a singleton", "a module", "a file"], "label": 0},
+    ]
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(i) + "\n" for i in items))
     d = tmp_path / "tasks"
@@ -101,7 +159,8 @@ def local_mc_task(tmp_path: Path, task: str) -> Path:
         f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{{{question}}}}'\n"
         "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
-        "    aggregation: mean\n    higher_is_better: true\n")
+        "    aggregation: mean\n    higher_is_better: true\n"
+    )
     return d
 
 
@@ -109,6 +168,7 @@ def greedy_by_recompute(model, ids, n_new: int):
     """``ids`` extended by ``n_new`` greedy tokens, each from a full forward pass without a cache:
     the reference that ``model.generate(..., do_sample=False)`` with a KV cache must equal."""
     import torch
+
     seq = ids
     with torch.no_grad():
         for _ in range(n_new):

@@ -26,9 +26,26 @@ from lapheads.engine.checkpoint import latest_checkpoint, list_checkpoints, load
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 
-TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
-        "--set", "model.img_size=16", "--set", "model.patch_size=4", "--set", "train.progress=false",
-        "--set", "data.batch_size=16", "--set", "train.log_every=1", "--set", "data.max_eval_items=32"]
+TINY = [
+    "--set",
+    "model.embed_dim=32",
+    "--set",
+    "model.depth=2",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "model.img_size=16",
+    "--set",
+    "model.patch_size=4",
+    "--set",
+    "train.progress=false",
+    "--set",
+    "data.batch_size=16",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "data.max_eval_items=32",
+]
 
 
 def classify_argv(out: Path, *extra: str) -> list[str]:
@@ -38,17 +55,20 @@ def classify_argv(out: Path, *extra: str) -> list[str]:
 
 # torch's launcher as the `torchrun` console script runs it (its module's main), then the exit without
 # the shutdown garbage collections that lapheads' own console takes (lapheads.cli): ~1.5 s per launch.
-_TORCHRUN = ("import runpy\n"
-             "try:\n"
-             "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
-             "finally:\n"
-             "    from lapheads.cli import _spare_the_exit_collections\n"
-             "    _spare_the_exit_collections()\n")
+_TORCHRUN = (
+    "import runpy\n"
+    "try:\n"
+    "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
+    "finally:\n"
+    "    from lapheads.cli import _spare_the_exit_collections\n"
+    "    _spare_the_exit_collections()\n"
+)
 
 
 def free_port() -> int:
     """A free local TCP port (``--master_port=0`` made the workers dial 127.0.0.1:0 in this torch version)."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -79,9 +99,16 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str], fsync_delay: float = 0.0):
         import subprocess
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve", str(fsync_delay)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                     cwd=str(ROOT), bufsize=1)
+
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "serve", str(fsync_delay)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+            bufsize=1,
+        )
         self._done: dict[int, int] = {}
         assert self._line() == "ready"
 
@@ -125,6 +152,7 @@ def _serve(fsync_delay: float) -> None:
     import traceback
 
     import lapheads.engine.checkpoint as C
+
     if fsync_delay > 0:
         _f, _d = C._fsync_file, C._fsync_dir
 
@@ -138,19 +166,22 @@ def _serve(fsync_delay: float) -> None:
 
         C._fsync_file, C._fsync_dir = _slow_file, _slow_dir
     torch.set_num_threads(1)
-    from lapheads.cli import main
-    import lapheads.recipes.classify  # noqa: F401  (the imports every child would pay for)
-    import lapheads.engine.launch  # noqa: F401
-    import lapheads.timm  # noqa: F401
     import timm  # noqa: F401
     import timm.data  # noqa: F401
     import timm.loss  # noqa: F401
-    import lapheads.data.images  # noqa: F401
-    import lapheads.vision.transforms  # noqa: F401
-    from torch.utils import tensorboard  # noqa: F401
     import tqdm.auto  # noqa: F401
+    from torch.utils import tensorboard  # noqa: F401
+
+    import lapheads.data.images  # noqa: F401
+    import lapheads.engine.launch  # noqa: F401
+    import lapheads.recipes.classify  # noqa: F401  (the imports every child would pay for)
+    import lapheads.timm  # noqa: F401
+    import lapheads.vision.transforms  # noqa: F401
+    from lapheads.cli import main
+
     print("ready", flush=True)
     import select
+
     children: set[int] = set()
     stdin, stdin_open = sys.stdin.buffer.raw, True
     while stdin_open or children:
@@ -178,6 +209,7 @@ def _serve(fsync_delay: float) -> None:
             # ignored and Python keeps it ignored, as the engine does (by design); restore the
             # terminal's disposition so the signal tests test the engine, not the runner.
             import signal
+
             signal.signal(signal.SIGINT, signal.default_int_handler)
             try:
                 for target, name in ((1, "log"), (2, "err")):

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _lm_helpers import tiny_lm_run
 
 from lapheads.cli import main as cli
 from lapheads.engine.config import load_config
@@ -17,27 +18,54 @@ from lapheads.engine.launch import launch
 from lapheads.engine.trainer import TrainConfig
 from lapheads.runs import LM_MIN_COUNT
 
-from _lm_helpers import tiny_lm_run
-
 pytestmark = pytest.mark.xdist_group("analyze_runs")  # the module's runs are trained once, on one worker
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
-TINY_CLASSIFY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
-                 "--set", "train.progress=false", "--set", "data.batch_size=32", "--set", "data.max_eval_items=64",
-                 "--set", "train.max_steps=2", "--set", "model.laplacian_heads=1"]
+TINY_CLASSIFY = [
+    "--set",
+    "model.embed_dim=32",
+    "--set",
+    "model.depth=2",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "train.progress=false",
+    "--set",
+    "data.batch_size=32",
+    "--set",
+    "data.max_eval_items=64",
+    "--set",
+    "train.max_steps=2",
+    "--set",
+    "model.laplacian_heads=1",
+]
 
 
 def _dino_run(out: Path) -> Path:
-    from lapheads.recipes.dino import (CropsConfig, DinoConfig, DinoDataConfig, DinoHeadConfig, DinoModelConfig,
-                                       KnnConfig, build_task)
+    from lapheads.recipes.dino import (
+        CropsConfig,
+        DinoConfig,
+        DinoDataConfig,
+        DinoHeadConfig,
+        DinoModelConfig,
+        KnnConfig,
+        build_task,
+    )
+
     cfg = DinoConfig(
-        model=DinoModelConfig(name="vit_small_patch16_224", laplacian_heads=2,
-                              kwargs=dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=6)),
+        model=DinoModelConfig(
+            name="vit_small_patch16_224",
+            laplacian_heads=2,
+            kwargs=dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=6),
+        ),
         head=DinoHeadConfig(out_dim=32, hidden_dim=32, bottleneck_dim=16),
         crops=CropsConfig(global_size=16, local_size=8, local_crops=2, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
-        data=DinoDataConfig(batch_size=32), knn=KnnConfig(max_train=100), epochs=1,
-        train=TrainConfig(max_steps=2, progress=False, log_every=1))
+        data=DinoDataConfig(batch_size=32),
+        knn=KnnConfig(max_train=100),
+        epochs=1,
+        train=TrainConfig(max_steps=2, progress=False, log_every=1),
+    )
     launch("dino", cfg, build_task, str(out))
     return out
 
@@ -50,8 +78,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {"classify": root / "classify"}
     assert cli(["train", "classify", "--config", DIGITS, "--out", str(out["classify"]), *TINY_CLASSIFY]) == 0
     out["lm"] = tiny_lm_run(root / "lm_root", "2", 3)
-    cfg = load_config(S.SFTConfig, None, [f"init_from={out['lm']}", "data.seq_len=96", "data.batch_size=4",
-                                          "train.max_steps=2", "train.progress=false"])
+    cfg = load_config(
+        S.SFTConfig,
+        None,
+        [f"init_from={out['lm']}", "data.seq_len=96", "data.batch_size=4", "train.max_steps=2", "train.progress=false"],
+    )
     launch("sft", cfg, S.build_task, str(root / "sft"))
     out["sft"] = root / "sft"
     out["dino"] = _dino_run(root / "dino")
@@ -65,8 +96,28 @@ RECIPES = ["classify", "lm", "sft", "dino"]
 def test_analyze_run_of_every_recipe_honours_every_setting(runs, recipe, tmp_path, capsys):
     run = runs[recipe]
     out = tmp_path / "geo"
-    assert cli(["analyze", "--run", str(run), "--max-items", "16", "--batch-size", "8", "--min-count", "2",
-                "--threshold", "0.9", "--no-spectra", "--no-nc4", "--out", str(out)]) == 0
+    assert (
+        cli(
+            [
+                "analyze",
+                "--run",
+                str(run),
+                "--max-items",
+                "16",
+                "--batch-size",
+                "8",
+                "--min-count",
+                "2",
+                "--threshold",
+                "0.9",
+                "--no-spectra",
+                "--no-nc4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     for path in (out / "geometry.json", run / "geometry" / "geometry.json"):
         res = json.loads(path.read_text())
         res = res["runs"][run.name] if "runs" in res else res
@@ -80,8 +131,24 @@ def test_analyze_run_of_every_recipe_honours_every_setting(runs, recipe, tmp_pat
 
 
 def test_language_runs_default_to_a_min_count_for_next_token_classes(runs, tmp_path):
-    assert cli(["analyze", "--run", str(runs["sft"]), "--max-items", "8", "--batch-size", "8", "--seq-len", "32",
-                "--out", str(tmp_path)]) == 0
+    assert (
+        cli(
+            [
+                "analyze",
+                "--run",
+                str(runs["sft"]),
+                "--max-items",
+                "8",
+                "--batch-size",
+                "8",
+                "--seq-len",
+                "32",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     meta = json.loads((tmp_path / "geometry.json").read_text())["runs"]["sft"]["meta"]
     assert meta["min_count"] == LM_MIN_COUNT and meta["seq_len"] == 32
     layers = json.loads((tmp_path / "geometry.json").read_text())["runs"]["sft"]["layers"]
@@ -90,21 +157,36 @@ def test_language_runs_default_to_a_min_count_for_next_token_classes(runs, tmp_p
 
 @pytest.mark.parametrize("recipe,data", [("sft", "pydoc"), ("dino", "digits")])
 def test_analyze_run_on_other_data(runs, recipe, data, tmp_path):
-    args = ["analyze", "--run", str(runs[recipe]), "--data", data, "--batch-size", "4", "--max-batches", "1",
-            "--no-figures", "--out", str(tmp_path)]
+    args = [
+        "analyze",
+        "--run",
+        str(runs[recipe]),
+        "--data",
+        data,
+        "--batch-size",
+        "4",
+        "--max-batches",
+        "1",
+        "--no-figures",
+        "--out",
+        str(tmp_path),
+    ]
     assert cli(args + (["--seq-len", "32"] if data == "pydoc" else [])) == 0
     res = json.loads((tmp_path / "geometry.json").read_text())["runs"][recipe]
     assert res["meta"]["n_batches"] == 1
 
 
-@pytest.mark.parametrize("recipe,extra,message", [
-    ("dino", ["--seq-len", "32"], "--seq-len is for language runs"),
-    ("lm", ["--include-prefix"], "--include-prefix is for vision runs"),
-    ("classify", ["--image-size", "32"], "--image-size is for --checkpoint"),
-    ("classify", ["--model-args", "depth=2"], "--model-args is for --checkpoint"),
-    ("lm", ["--data", "pydoc", "--max-items", "8"], "--max-items is for --run without --data"),
-    ("lm", ["--min-count", "0"], "--min-count must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "recipe,extra,message",
+    [
+        ("dino", ["--seq-len", "32"], "--seq-len is for language runs"),
+        ("lm", ["--include-prefix"], "--include-prefix is for vision runs"),
+        ("classify", ["--image-size", "32"], "--image-size is for --checkpoint"),
+        ("classify", ["--model-args", "depth=2"], "--model-args is for --checkpoint"),
+        ("lm", ["--data", "pydoc", "--max-items", "8"], "--max-items is for --run without --data"),
+        ("lm", ["--min-count", "0"], "--min-count must be >= 1"),
+    ],
+)
 def test_analyze_run_refuses_settings_it_cannot_use(runs, recipe, extra, message, tmp_path, capsys):
     assert cli(["analyze", "--run", str(runs[recipe]), *extra, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
@@ -142,6 +224,7 @@ def test_pca_maps_of_every_recipe(runs, recipe, tmp_path, capsys):
 
 def test_every_recipe_module_loads_its_run(runs):
     from lapheads.recipes import load_run
+
     for recipe, run in runs.items():
         got = load_run(run)
         assert got.recipe == recipe and got.kind == ("hf" if recipe in ("lm", "sft") else "vit")

@@ -29,8 +29,8 @@ from typing import Callable
 
 import numpy as np
 import pytest
-
 from _reliability_helpers import DIGITS, ROOT, TINY, classify_argv, snapshot, subprocess_env
+
 from lapheads.cli import main as cli
 from lapheads.errors import LapheadsError
 
@@ -48,14 +48,30 @@ class Case:
 def shared(tmp_path_factory):
     base = tmp_path_factory.mktemp("shared")
     run = base / "run"
-    assert cli(classify_argv(run, "--set", "train.max_steps=2", "--set", "train.ckpt_every=1",
-                             "--set", "train.keep_checkpoints=3")) == 0
+    assert (
+        cli(
+            classify_argv(
+                run, "--set", "train.max_steps=2", "--set", "train.ckpt_every=1", "--set", "train.keep_checkpoints=3"
+            )
+        )
+        == 0
+    )
     from _data_writers import write_cifar_archive
+
     rng = np.random.default_rng(0)
     imgs = rng.integers(0, 255, size=(20, 32, 32, 3), dtype=np.uint8)
-    cifar = Path(write_cifar_archive(base / "cifar-10-python.tar.gz", imgs, np.arange(20) % 10, kind="cifar10",
-                                     test_images=imgs[:10], test_labels=np.arange(10)))
+    cifar = Path(
+        write_cifar_archive(
+            base / "cifar-10-python.tar.gz",
+            imgs,
+            np.arange(20) % 10,
+            kind="cifar10",
+            test_images=imgs[:10],
+            test_labels=np.arange(10),
+        )
+    )
     from lapheads.lm.tokenizer import train_tokenizer
+
     tok = base / "tok"
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
     train_tokenizer([" ".join(words[i:] + words[:i]) * 5 for i in range(len(words))], 300, str(tok))
@@ -97,19 +113,33 @@ def c_bad_yaml(s, tmp):
 
 
 def c_missing_config(s, tmp):
-    return Case(["train", "classify", "--config", str(tmp / "nope.yaml"), "--out", str(_out(tmp))], _out(tmp),
-                ("nope.yaml", "does not exist"))
+    return Case(
+        ["train", "classify", "--config", str(tmp / "nope.yaml"), "--out", str(_out(tmp))],
+        _out(tmp),
+        ("nope.yaml", "does not exist"),
+    )
 
 
 def c_yaml_not_mapping(s, tmp):
     cfg = _write(tmp / "list.yaml", "- a\n- b\n")
-    return Case(["train", "classify", "--config", str(cfg), "--out", str(_out(tmp))], _out(tmp),
-                ("list.yaml", "mapping"))
+    return Case(
+        ["train", "classify", "--config", str(cfg), "--out", str(_out(tmp))], _out(tmp), ("list.yaml", "mapping")
+    )
 
 
 def c_config_of_other_recipe(s, tmp):
-    return Case(["train", "classify", "--config", str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"), "--out", str(_out(tmp))],
-                _out(tmp), ("tiny.yaml", "'lm'", "'classify'"))
+    return Case(
+        [
+            "train",
+            "classify",
+            "--config",
+            str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"),
+            "--out",
+            str(_out(tmp)),
+        ],
+        _out(tmp),
+        ("tiny.yaml", "'lm'", "'classify'"),
+    )
 
 
 def c_unknown_key(s, tmp):
@@ -123,8 +153,9 @@ def c_unknown_section(s, tmp):
 def c_unknown_key_in_yaml(s, tmp):
     text = Path(DIGITS).read_text().replace("  epochs: 20", "  epochs: 20\n  epohcs: 3")
     cfg = _write(tmp / "typo.yaml", text)
-    return Case(["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY], _out(tmp),
-                ("data.epohcs",))
+    return Case(
+        ["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY], _out(tmp), ("data.epohcs",)
+    )
 
 
 def c_wrong_type_int(s, tmp):
@@ -152,18 +183,25 @@ def c_negative_max_steps(s, tmp):
 
 
 def c_negative_batch_size(s, tmp):
-    return Case(_train(tmp, "--set", "data.batch_size=-4", "--set", "train.max_steps=2"), _out(tmp),
-                ("data.batch_size=-4", ">= 1"))
+    return Case(
+        _train(tmp, "--set", "data.batch_size=-4", "--set", "train.max_steps=2"),
+        _out(tmp),
+        ("data.batch_size=-4", ">= 1"),
+    )
 
 
 def c_negative_lr(s, tmp):
-    return Case(_train(tmp, "--set", "optim.lr=-1", "--set", "train.max_steps=2"), _out(tmp),
-                ("optim", "learning rate", "-1"))
+    return Case(
+        _train(tmp, "--set", "optim.lr=-1", "--set", "train.max_steps=2"), _out(tmp), ("optim", "learning rate", "-1")
+    )
 
 
 def c_lr_beyond_float32(s, tmp):
-    return Case(_train(tmp, "--set", "optim.lr=1e39", "--set", "optim.lr_batch=0", "--set", "train.max_steps=2"),
-                _out(tmp), ("learning rate 1e+39", "finite"))
+    return Case(
+        _train(tmp, "--set", "optim.lr=1e39", "--set", "optim.lr_batch=0", "--set", "train.max_steps=2"),
+        _out(tmp),
+        ("learning rate 1e+39", "finite"),
+    )
 
 
 def c_ema_decay_out_of_range(s, tmp):
@@ -191,26 +229,37 @@ def c_duplicate_key_in_yaml(s, tmp):
     # last, so this file would silently train with every head Laplacian
     text = Path(DIGITS).read_text().replace("model:\n", "model:\n  laplacian_heads: 0\n", 1)
     cfg = _write(tmp / "dup.yaml", text)
-    return Case(["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT], tmp,
-                ("dup.yaml", "'model.laplacian_heads' is given twice", "lines 5 and 12"))
+    return Case(
+        ["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT],
+        tmp,
+        ("dup.yaml", "'model.laplacian_heads' is given twice", "lines 5 and 12"),
+    )
 
 
 def c_duplicate_section_in_yaml(s, tmp):
     text = Path(DIGITS).read_text()
     second = len(text.splitlines()) + 2
     cfg = _write(tmp / "dup2.yaml", text + "\nmodel:\n  depth: 3\n")
-    return Case(["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT], tmp,
-                ("dup2.yaml", "'model' is given twice", f"lines 4 and {second}"))
+    return Case(
+        ["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT],
+        tmp,
+        ("dup2.yaml", "'model' is given twice", f"lines 4 and {second}"),
+    )
 
 
 def c_duplicate_key_in_set(s, tmp):
-    return Case(_train(tmp, "--set", "model={depth: 2, depth: 3}", *SHORT), tmp, ("--set", "model.depth", "given twice"))
+    return Case(
+        _train(tmp, "--set", "model={depth: 2, depth: 3}", *SHORT), tmp, ("--set", "model.depth", "given twice")
+    )
 
 
 def c_config_is_a_directory(s, tmp):
     (tmp / "cfgdir.yaml").mkdir()
-    return Case(["train", "classify", "--config", str(tmp / "cfgdir.yaml"), "--out", str(_out(tmp))], tmp,
-                ("cfgdir.yaml", "is a directory"))
+    return Case(
+        ["train", "classify", "--config", str(tmp / "cfgdir.yaml"), "--out", str(_out(tmp))],
+        tmp,
+        ("cfgdir.yaml", "is a directory"),
+    )
 
 
 def c_clip_grad_nan(s, tmp):
@@ -255,15 +304,30 @@ def a_unknown_flag(s, tmp):
 
 
 def a_flag_wrong_type(s, tmp):
-    return Case(["tokenizer", "train", "--embedded", "--vocab-size", "many", "--out", str(_out(tmp))], _out(tmp),
-                ("--vocab-size", "many"))
+    return Case(
+        ["tokenizer", "train", "--embedded", "--vocab-size", "many", "--out", str(_out(tmp))],
+        _out(tmp),
+        ("--vocab-size", "many"),
+    )
 
 
 def a_resume_and_overwrite(s, tmp):
     run = _copy_run(s, tmp)
-    return Case(classify_argv(run, "--set", "train.max_steps=2", "--set", "train.ckpt_every=1",
-                              "--set", "train.keep_checkpoints=3", "--resume", "--overwrite"), run,
-                ("--resume", "--overwrite"))
+    return Case(
+        classify_argv(
+            run,
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.ckpt_every=1",
+            "--set",
+            "train.keep_checkpoints=3",
+            "--resume",
+            "--overwrite",
+        ),
+        run,
+        ("--resume", "--overwrite"),
+    )
 
 
 def a_resume_missing_run(s, tmp):
@@ -307,74 +371,134 @@ def o_report_out_under_file(s, tmp):
 
 def o_tokenize_out_is_file(s, tmp):
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_afile(tmp))],
-                tmp, ("--out", "afile", "existing file"))
+    return Case(
+        ["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_afile(tmp))],
+        tmp,
+        ("--out", "afile", "existing file"),
+    )
 
 
 def o_tokenizer_train_out_under_file(s, tmp):
-    return Case(["tokenizer", "train", "--embedded", "--vocab-size", "300", "--out", str(_afile(tmp) / "tok")], tmp,
-                ("--out", "afile/tok", "afile is a file"))
+    return Case(
+        ["tokenizer", "train", "--embedded", "--vocab-size", "300", "--out", str(_afile(tmp) / "tok")],
+        tmp,
+        ("--out", "afile/tok", "afile is a file"),
+    )
 
 
 def o_eval_classify_out_is_dir(s, tmp):
     run = _copy_run(s, tmp)
     (tmp / "res").mkdir()
-    return Case(["eval", "classify", "--checkpoint", str(run), "--out", str(tmp / "res")], tmp,
-                ("--out", "res", "is a directory"))
+    return Case(
+        ["eval", "classify", "--checkpoint", str(run), "--out", str(tmp / "res")],
+        tmp,
+        ("--out", "res", "is a directory"),
+    )
 
 
 def o_eval_lm_out_is_dir_before_loading(s, tmp):
     # checked before the model: the run named here does not even exist
     (tmp / "res").mkdir()
-    arc = _write(tmp / "arc.jsonl", json.dumps({"id": "q", "question": "Which?", "answerKey": "A",
-                                                "choices": {"text": ["a", "b"], "label": ["A", "B"]}}) + "\n")
-    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", f"arc_easy={arc}", "--out", str(tmp / "res")],
-                tmp, ("--out", "res", "is a directory"))
+    arc = _write(
+        tmp / "arc.jsonl",
+        json.dumps(
+            {"id": "q", "question": "Which?", "answerKey": "A", "choices": {"text": ["a", "b"], "label": ["A", "B"]}}
+        )
+        + "\n",
+    )
+    return Case(
+        ["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", f"arc_easy={arc}", "--out", str(tmp / "res")],
+        tmp,
+        ("--out", "res", "is a directory"),
+    )
 
 
 def o_eval_lm_include_missing_before_loading(s, tmp):
-    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--lm-eval", "some_task",
-                 "--lm-eval-include", str(tmp / "no_tasks")], tmp, ("--lm-eval-include", "no_tasks", "does not exist"))
+    return Case(
+        [
+            "eval",
+            "lm",
+            "--run",
+            str(tmp / "no_run"),
+            "--lm-eval",
+            "some_task",
+            "--lm-eval-include",
+            str(tmp / "no_tasks"),
+        ],
+        tmp,
+        ("--lm-eval-include", "no_tasks", "does not exist"),
+    )
 
 
 def o_eval_lm_task_file_is_dir(s, tmp):
     (tmp / "arc_dir").mkdir()
-    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", f"arc_easy={tmp / 'arc_dir'}"], tmp,
-                ("arc_dir", "is a directory"))
+    return Case(
+        ["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", f"arc_easy={tmp / 'arc_dir'}"],
+        tmp,
+        ("arc_dir", "is a directory"),
+    )
 
 
 def a_sample_temperature_nan(s, tmp):
     # flags are checked while the command line is parsed: the run named here does not even exist
-    return Case(["sample", "--run", str(tmp / "no_run"), "--prompt", "x", "--temperature", "nan"], tmp,
-                ("--temperature", "'nan'", "finite"))
+    return Case(
+        ["sample", "--run", str(tmp / "no_run"), "--prompt", "x", "--temperature", "nan"],
+        tmp,
+        ("--temperature", "'nan'", "finite"),
+    )
 
 
 def a_eval_lm_seed_beyond_64_bits(s, tmp):
-    return Case(["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", "humaneval", "--seed", str(2**64)], tmp,
-                ("--seed", "18446744073709551616", "64 bits"))
+    return Case(
+        ["eval", "lm", "--run", str(tmp / "no_run"), "--tasks", "humaneval", "--seed", str(2**64)],
+        tmp,
+        ("--seed", "18446744073709551616", "64 bits"),
+    )
 
 
 def a_tokenize_val_fraction_out_of_range(s, tmp):
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_out(tmp)),
-                 "--val-fraction", "1.5"], tmp, ("--val-fraction", "1.5", "[0, 1)"))
+    return Case(
+        [
+            "data",
+            "tokenize",
+            "--input",
+            str(f),
+            "--tokenizer",
+            str(s["tok"]),
+            "--out",
+            str(_out(tmp)),
+            "--val-fraction",
+            "1.5",
+        ],
+        tmp,
+        ("--val-fraction", "1.5", "[0, 1)"),
+    )
 
 
 def o_analyze_out_is_file(s, tmp):
-    return Case(["analyze", "--run", str(s["run"]), "--out", str(_afile(tmp))], tmp, ("--out", "afile", "existing file"))
+    return Case(
+        ["analyze", "--run", str(s["run"]), "--out", str(_afile(tmp))], tmp, ("--out", "afile", "existing file")
+    )
 
 
 def o_pca_maps_out_is_dir(s, tmp):
     (tmp / "maps.png").mkdir()
-    return Case(["pca-maps", "--model", "vit_tiny_patch16_224", "--images", "digits", "--out", str(tmp / "maps.png")],
-                tmp, ("--out", "maps.png", "is a directory"))
+    return Case(
+        ["pca-maps", "--model", "vit_tiny_patch16_224", "--images", "digits", "--out", str(tmp / "maps.png")],
+        tmp,
+        ("--out", "maps.png", "is a directory"),
+    )
 
 
 # ----------------------------------------------------------------------------- failures clean up
 def f_tokenize_empty_corpus_leaves_no_folder(s, tmp):
     f = _write(tmp / "blank.jsonl", '{"text": ""}\n{"text": ""}\n')
-    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_out(tmp)),
-                 "--no-progress"], _out(tmp), ("blank.jsonl", "empty"))
+    return Case(
+        ["data", "tokenize", "--input", str(f), "--tokenizer", str(s["tok"]), "--out", str(_out(tmp)), "--no-progress"],
+        _out(tmp),
+        ("blank.jsonl", "empty"),
+    )
 
 
 def f_report_corrupt_model_json_leaves_no_figures(s, tmp):
@@ -404,6 +528,7 @@ def d_corrupt_cifar(s, tmp):
 
 def d_idx_wrong_magic(s, tmp):
     from _data_writers import write_idx
+
     root = tmp / "mnist"
     root.mkdir()
     imgs = np.zeros((8, 8, 8), dtype=np.uint8)
@@ -424,6 +549,7 @@ def d_empty_imagefolder(s, tmp):
 
 def _folder(tmp: Path) -> Path:
     from PIL import Image
+
     root = tmp / "folder"
     for split in ("train", "val"):
         for c in ("cat", "dog"):
@@ -447,9 +573,16 @@ def d_val_classes_differ(s, tmp):
 
 def d_labels_out_of_range(s, tmp):
     from _data_writers import write_cifar_archive
+
     imgs = np.zeros((8, 32, 32, 3), dtype=np.uint8)
-    bad = write_cifar_archive(tmp / "badlabels.tar.gz", imgs, np.array([0, 1, 2, 3, 4, 5, 6, 12]), kind="cifar10",
-                              test_images=imgs[:2], test_labels=np.array([0, 1]))
+    bad = write_cifar_archive(
+        tmp / "badlabels.tar.gz",
+        imgs,
+        np.array([0, 1, 2, 3, 4, 5, 6, 12]),
+        kind="cifar10",
+        test_images=imgs[:2],
+        test_labels=np.array([0, 1]),
+    )
     return Case(_train(tmp, "--set", f"data.train={bad}"), _out(tmp), ("12", "out of range"))
 
 
@@ -460,36 +593,52 @@ def d_missing_path(s, tmp):
 # ----------------------------------------------------------------------------- text and tokenizers
 def t_empty_corpus(s, tmp):
     f = _write(tmp / "empty.txt", "")
-    return Case(["tokenizer", "train", "--input", str(f), "--vocab-size", "300", "--out", str(_out(tmp))],
-                _out(tmp), ("empty.txt", "empty"))
+    return Case(
+        ["tokenizer", "train", "--input", str(f), "--vocab-size", "300", "--out", str(_out(tmp))],
+        _out(tmp),
+        ("empty.txt", "empty"),
+    )
 
 
 def t_parquet_without_text_column(s, tmp):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     f = tmp / "no_text.parquet"
     pq.write_table(pa.table({"body": ["hello world", "more text"]}), f)
-    return Case(["tokenizer", "train", "--input", str(f), "--vocab-size", "300", "--out", str(_out(tmp))],
-                _out(tmp), ("no_text.parquet", "text"))
+    return Case(
+        ["tokenizer", "train", "--input", str(f), "--vocab-size", "300", "--out", str(_out(tmp))],
+        _out(tmp),
+        ("no_text.parquet", "text"),
+    )
 
 
 def t_jsonl_not_json(s, tmp):
-    f = _write(tmp / "bad.jsonl", "this is not json\n{\"text\": \"ok\"}\n")
-    return Case(["tokenizer", "train", "--input", str(f), "--vocab-size", "300", "--out", str(_out(tmp))],
-                _out(tmp), ("bad.jsonl", "1"))
+    f = _write(tmp / "bad.jsonl", 'this is not json\n{"text": "ok"}\n')
+    return Case(
+        ["tokenizer", "train", "--input", str(f), "--vocab-size", "300", "--out", str(_out(tmp))],
+        _out(tmp),
+        ("bad.jsonl", "1"),
+    )
 
 
 def t_vocab_too_small(s, tmp):
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["tokenizer", "train", "--input", str(f), "--vocab-size", "10", "--out", str(_out(tmp))],
-                _out(tmp), ("vocab", "10"))
+    return Case(
+        ["tokenizer", "train", "--input", str(f), "--vocab-size", "10", "--out", str(_out(tmp))],
+        _out(tmp),
+        ("vocab", "10"),
+    )
 
 
 def t_tokenizer_dir_missing_files(s, tmp):
     (tmp / "tok_empty").mkdir()
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(tmp / "tok_empty"),
-                 "--out", str(_out(tmp))], _out(tmp), ("tok_empty", "tokenizer.json"))
+    return Case(
+        ["data", "tokenize", "--input", str(f), "--tokenizer", str(tmp / "tok_empty"), "--out", str(_out(tmp))],
+        _out(tmp),
+        ("tok_empty", "tokenizer.json"),
+    )
 
 
 def t_tokenizer_json_corrupt(s, tmp):
@@ -497,49 +646,122 @@ def t_tokenizer_json_corrupt(s, tmp):
     shutil.copytree(s["tok"], tok)
     (tok / "tokenizer.json").write_text("{ not json")
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["data", "tokenize", "--input", str(f), "--tokenizer", str(tok), "--out", str(_out(tmp))],
-                _out(tmp), ("tokenizer.json",))
+    return Case(
+        ["data", "tokenize", "--input", str(f), "--tokenizer", str(tok), "--out", str(_out(tmp))],
+        _out(tmp),
+        ("tokenizer.json",),
+    )
 
 
 def t_tokenize_missing_input(s, tmp):
-    return Case(["data", "tokenize", "--input", str(tmp / "gone.txt"), "--tokenizer", str(s["tok"]),
-                 "--out", str(_out(tmp))], _out(tmp), ("gone.txt", "no such file"))
+    return Case(
+        ["data", "tokenize", "--input", str(tmp / "gone.txt"), "--tokenizer", str(s["tok"]), "--out", str(_out(tmp))],
+        _out(tmp),
+        ("gone.txt", "no such file"),
+    )
 
 
 def t_lm_missing_corpus(s, tmp):
-    return Case(["train", "lm", "--config", str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"), "--out", str(_out(tmp)),
-                 "--set", f"data.corpus={tmp / 'corpus_gone.txt'}", "--set", f"data.tokenizer={s['tok']}"],
-                _out(tmp), ("corpus_gone.txt",))
+    return Case(
+        [
+            "train",
+            "lm",
+            "--config",
+            str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"),
+            "--out",
+            str(_out(tmp)),
+            "--set",
+            f"data.corpus={tmp / 'corpus_gone.txt'}",
+            "--set",
+            f"data.tokenizer={s['tok']}",
+        ],
+        _out(tmp),
+        ("corpus_gone.txt",),
+    )
 
 
 def t_lm_tokenizer_dir_missing_files(s, tmp):
     (tmp / "tok_empty").mkdir()
     f = _write(tmp / "a.txt", "some text " * 50)
-    return Case(["train", "lm", "--config", str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"), "--out", str(_out(tmp)),
-                 "--set", f"data.corpus={f}", "--set", f"data.tokenizer={tmp / 'tok_empty'}"],
-                _out(tmp), ("tok_empty", "tokenizer.json"))
+    return Case(
+        [
+            "train",
+            "lm",
+            "--config",
+            str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"),
+            "--out",
+            str(_out(tmp)),
+            "--set",
+            f"data.corpus={f}",
+            "--set",
+            f"data.tokenizer={tmp / 'tok_empty'}",
+        ],
+        _out(tmp),
+        ("tok_empty", "tokenizer.json"),
+    )
 
 
 def t_sft_messages_not_a_list(s, tmp):
-    f = _write(tmp / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-               + json.dumps({"messages": "hello"}) + "\n")
-    return Case(["train", "sft", "--config", str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"), "--out", str(_out(tmp)),
-                 "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
-                _out(tmp), ("chat.jsonl:2", "messages"))
+    f = _write(
+        tmp / "chat.jsonl",
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"messages": "hello"}) + "\n",
+    )
+    return Case(
+        [
+            "train",
+            "sft",
+            "--config",
+            str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"),
+            "--out",
+            str(_out(tmp)),
+            "--set",
+            f"init_from={tmp / 'lm_run'}",
+            "--set",
+            f"data.sources=[{{path: {f}, weight: 1.0}}]",
+        ],
+        _out(tmp),
+        ("chat.jsonl:2", "messages"),
+    )
 
 
 def t_sft_unknown_role(s, tmp):
     f = _write(tmp / "chat.jsonl", json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
-    return Case(["train", "sft", "--config", str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"), "--out", str(_out(tmp)),
-                 "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
-                _out(tmp), ("chat.jsonl:1", "unknown role 'robot'"))
+    return Case(
+        [
+            "train",
+            "sft",
+            "--config",
+            str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"),
+            "--out",
+            str(_out(tmp)),
+            "--set",
+            f"init_from={tmp / 'lm_run'}",
+            "--set",
+            f"data.sources=[{{path: {f}, weight: 1.0}}]",
+        ],
+        _out(tmp),
+        ("chat.jsonl:1", "unknown role 'robot'"),
+    )
 
 
 def t_sft_chat_not_json(s, tmp):
-    f = _write(tmp / "chat.jsonl", "{\"messages\": [\n")
-    return Case(["train", "sft", "--config", str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"), "--out", str(_out(tmp)),
-                 "--set", f"init_from={tmp / 'lm_run'}", "--set", f"data.sources=[{{path: {f}, weight: 1.0}}]"],
-                _out(tmp), ("chat.jsonl", "1"))
+    f = _write(tmp / "chat.jsonl", '{"messages": [\n')
+    return Case(
+        [
+            "train",
+            "sft",
+            "--config",
+            str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"),
+            "--out",
+            str(_out(tmp)),
+            "--set",
+            f"init_from={tmp / 'lm_run'}",
+            "--set",
+            f"data.sources=[{{path: {f}, weight: 1.0}}]",
+        ],
+        _out(tmp),
+        ("chat.jsonl", "1"),
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -552,8 +774,16 @@ class _Evil:
 
 
 def _resume(run: Path) -> list[str]:
-    return classify_argv(run, "--set", "train.max_steps=2", "--set", "train.ckpt_every=1",
-                         "--set", "train.keep_checkpoints=3", "--resume")
+    return classify_argv(
+        run,
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.ckpt_every=1",
+        "--set",
+        "train.keep_checkpoints=3",
+        "--resume",
+    )
 
 
 def k_pickle_payload(s, tmp):
@@ -564,8 +794,8 @@ def k_pickle_payload(s, tmp):
 
     def no_code_ran():
         assert not MARKER.exists(), "the pickle payload was executed"
-    return Case(_resume(run), run, ("state.pt", "weights_only", "Unsupported", "could run code"),
-                after=no_code_ran)
+
+    return Case(_resume(run), run, ("state.pt", "weights_only", "Unsupported", "could run code"), after=no_code_ran)
 
 
 def k_truncated_safetensors(s, tmp):
@@ -607,8 +837,11 @@ def k_eval_other_architecture(s, tmp):
     spec = json.loads(spec_path.read_text())
     spec["model"]["embed_dim"] = 48
     spec_path.write_text(json.dumps(spec))
-    return Case(["eval", "classify", "--checkpoint", str(run)], run,
-                ("final/model.safetensors", "shape mismatches", "(32,) vs model (48,)"))
+    return Case(
+        ["eval", "classify", "--checkpoint", str(run)],
+        run,
+        ("final/model.safetensors", "shape mismatches", "(32,) vs model (48,)"),
+    )
 
 
 def k_eval_truncated_final(s, tmp):
@@ -620,8 +853,9 @@ def k_eval_truncated_final(s, tmp):
 
 def k_eval_not_a_run(s, tmp):
     (tmp / "not_a_run").mkdir()
-    return Case(["eval", "classify", "--checkpoint", str(tmp / "not_a_run")], tmp / "not_a_run",
-                ("not_a_run", "config.yaml"))
+    return Case(
+        ["eval", "classify", "--checkpoint", str(tmp / "not_a_run")], tmp / "not_a_run", ("not_a_run", "config.yaml")
+    )
 
 
 def k_knn_corrupt_model_json(s, tmp):
@@ -636,41 +870,109 @@ def k_eval_corrupt_model_json(s, tmp):
     return Case(["eval", "classify", "--checkpoint", str(run)], run, ("final/model.json", "not valid JSON"))
 
 
-CASES = {f.__name__: f for f in [
-    c_bad_yaml, c_missing_config, c_yaml_not_mapping, c_config_of_other_recipe, c_unknown_key, c_unknown_section,
-    c_unknown_key_in_yaml, c_wrong_type_int, c_wrong_type_bool, c_wrong_type_section, c_bad_enum_schedule,
-    c_bad_enum_optimizer, c_negative_max_steps, c_negative_batch_size, c_negative_lr, c_lr_beyond_float32,
-    c_ema_decay_out_of_range,
-    c_zero_length_run, c_set_without_equals, c_tuple_wrong_length, c_too_many_laplacian_heads,
-    c_duplicate_key_in_yaml, c_duplicate_section_in_yaml, c_duplicate_key_in_set, c_config_is_a_directory,
-    c_clip_grad_nan, c_lr_inf, c_seed_beyond_64_bits, c_label_smoothing_out_of_range, c_beta_out_of_range,
-    c_model_extra_unknown_kwarg,
-    a_unknown_command, a_group_without_subcommand, a_missing_required_flag, a_unknown_flag, a_flag_wrong_type,
-    a_resume_and_overwrite, a_resume_missing_run, a_existing_run_without_resume,
-    o_train_out_is_file, o_train_out_under_file, o_train_out_unwritable, o_report_out_is_file,
-    o_report_out_under_file, o_tokenize_out_is_file, o_tokenizer_train_out_under_file, o_eval_classify_out_is_dir,
-    o_eval_lm_out_is_dir_before_loading, o_eval_lm_include_missing_before_loading, o_eval_lm_task_file_is_dir,
-    o_analyze_out_is_file, o_pca_maps_out_is_dir,
-    a_sample_temperature_nan, a_eval_lm_seed_beyond_64_bits, a_tokenize_val_fraction_out_of_range,
-    f_tokenize_empty_corpus_leaves_no_folder, f_report_corrupt_model_json_leaves_no_figures,
-    f_report_into_existing_dir_adds_nothing,
-    d_truncated_cifar, d_corrupt_cifar, d_idx_wrong_magic, d_empty_imagefolder, d_undecodable_image,
-    d_val_classes_differ, d_labels_out_of_range, d_missing_path,
-    t_empty_corpus, t_parquet_without_text_column, t_jsonl_not_json, t_vocab_too_small,
-    t_tokenizer_dir_missing_files, t_tokenizer_json_corrupt, t_tokenize_missing_input, t_lm_missing_corpus,
-    t_lm_tokenizer_dir_missing_files, t_sft_messages_not_a_list, t_sft_unknown_role, t_sft_chat_not_json,
-    k_pickle_payload, k_truncated_safetensors, k_truncated_state, k_latest_points_nowhere,
-    k_resume_other_architecture, k_checkpoint_of_other_architecture, k_eval_other_architecture,
-    k_eval_truncated_final, k_eval_not_a_run, k_eval_corrupt_model_json, k_knn_corrupt_model_json,
-]}
+CASES = {
+    f.__name__: f
+    for f in [
+        c_bad_yaml,
+        c_missing_config,
+        c_yaml_not_mapping,
+        c_config_of_other_recipe,
+        c_unknown_key,
+        c_unknown_section,
+        c_unknown_key_in_yaml,
+        c_wrong_type_int,
+        c_wrong_type_bool,
+        c_wrong_type_section,
+        c_bad_enum_schedule,
+        c_bad_enum_optimizer,
+        c_negative_max_steps,
+        c_negative_batch_size,
+        c_negative_lr,
+        c_lr_beyond_float32,
+        c_ema_decay_out_of_range,
+        c_zero_length_run,
+        c_set_without_equals,
+        c_tuple_wrong_length,
+        c_too_many_laplacian_heads,
+        c_duplicate_key_in_yaml,
+        c_duplicate_section_in_yaml,
+        c_duplicate_key_in_set,
+        c_config_is_a_directory,
+        c_clip_grad_nan,
+        c_lr_inf,
+        c_seed_beyond_64_bits,
+        c_label_smoothing_out_of_range,
+        c_beta_out_of_range,
+        c_model_extra_unknown_kwarg,
+        a_unknown_command,
+        a_group_without_subcommand,
+        a_missing_required_flag,
+        a_unknown_flag,
+        a_flag_wrong_type,
+        a_resume_and_overwrite,
+        a_resume_missing_run,
+        a_existing_run_without_resume,
+        o_train_out_is_file,
+        o_train_out_under_file,
+        o_train_out_unwritable,
+        o_report_out_is_file,
+        o_report_out_under_file,
+        o_tokenize_out_is_file,
+        o_tokenizer_train_out_under_file,
+        o_eval_classify_out_is_dir,
+        o_eval_lm_out_is_dir_before_loading,
+        o_eval_lm_include_missing_before_loading,
+        o_eval_lm_task_file_is_dir,
+        o_analyze_out_is_file,
+        o_pca_maps_out_is_dir,
+        a_sample_temperature_nan,
+        a_eval_lm_seed_beyond_64_bits,
+        a_tokenize_val_fraction_out_of_range,
+        f_tokenize_empty_corpus_leaves_no_folder,
+        f_report_corrupt_model_json_leaves_no_figures,
+        f_report_into_existing_dir_adds_nothing,
+        d_truncated_cifar,
+        d_corrupt_cifar,
+        d_idx_wrong_magic,
+        d_empty_imagefolder,
+        d_undecodable_image,
+        d_val_classes_differ,
+        d_labels_out_of_range,
+        d_missing_path,
+        t_empty_corpus,
+        t_parquet_without_text_column,
+        t_jsonl_not_json,
+        t_vocab_too_small,
+        t_tokenizer_dir_missing_files,
+        t_tokenizer_json_corrupt,
+        t_tokenize_missing_input,
+        t_lm_missing_corpus,
+        t_lm_tokenizer_dir_missing_files,
+        t_sft_messages_not_a_list,
+        t_sft_unknown_role,
+        t_sft_chat_not_json,
+        k_pickle_payload,
+        k_truncated_safetensors,
+        k_truncated_state,
+        k_latest_points_nowhere,
+        k_resume_other_architecture,
+        k_checkpoint_of_other_architecture,
+        k_eval_other_architecture,
+        k_eval_truncated_final,
+        k_eval_not_a_run,
+        k_eval_corrupt_model_json,
+        k_knn_corrupt_model_json,
+    ]
+}
 
 
 # Known product gaps (recipes this file does not own): strict, so a fix makes them fail loudly.
 KNOWN: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN[n], strict=True))
-                                  if n in KNOWN else n for n in CASES])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN[n], strict=True)) if n in KNOWN else n for n in CASES]
+)
 def test_bad_input_is_one_clear_line_and_leaves_nothing(name, shared, tmp_path, capsys):
     case = CASES[name](shared, tmp_path)
     before = snapshot(case.keep)
@@ -687,8 +989,9 @@ def test_bad_input_is_one_clear_line_and_leaves_nothing(name, shared, tmp_path, 
     case.after()
 
 
-@pytest.mark.parametrize("name", ["c_wrong_type_int", "d_corrupt_cifar", "k_truncated_safetensors",
-                                  "a_missing_required_flag"])
+@pytest.mark.parametrize(
+    "name", ["c_wrong_type_int", "d_corrupt_cifar", "k_truncated_safetensors", "a_missing_required_flag"]
+)
 def test_debug_shows_the_traceback(name, shared, tmp_path):
     case = CASES[name](shared, tmp_path)
     with pytest.raises(LapheadsError):
@@ -702,8 +1005,13 @@ def test_console_exit_code_and_stderr(shared, tmp_path):
     traceback; checked in this process, a second console would only add ~5 s of imports)."""
     case = k_pickle_payload(shared, tmp_path)
     before = snapshot(case.keep)
-    r = subprocess.run([sys.executable, "-m", "lapheads.cli", *case.argv], env=subprocess_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "lapheads.cli", *case.argv],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lapheads train classify: error: "), r.stderr
@@ -719,16 +1027,30 @@ def test_console_exit_code_and_stderr(shared, tmp_path):
 
 @pytest.mark.slow  # lm-eval indexes its ~10k built-in task files (10-60 s on 2 cores)
 def test_eval_lm_checks_lm_eval_task_names_before_loading_the_model(tmp_path, capsys, monkeypatch):
-    import lapheads.recipes.lm as lm_recipe
     from _lm_helpers import offline
+
+    import lapheads.recipes.lm as lm_recipe
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the lm-eval task names were checked")
+
     monkeypatch.setattr(lm_recipe, "load_model", no_load)
     offline(monkeypatch, tmp_path / "hf_datasets")
     (tmp_path / "tasks").mkdir()
-    rc = cli(["eval", "lm", "--run", str(tmp_path / "run"), "--lm-eval", "no_such_task_xyz",
-              "--lm-eval-include", str(tmp_path / "tasks"), "--out", str(tmp_path / "eval.json")])
+    rc = cli(
+        [
+            "eval",
+            "lm",
+            "--run",
+            str(tmp_path / "run"),
+            "--lm-eval",
+            "no_such_task_xyz",
+            "--lm-eval-include",
+            str(tmp_path / "tasks"),
+            "--out",
+            str(tmp_path / "eval.json"),
+        ]
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "no_such_task_xyz" in lines[0] and "not found" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]

@@ -80,7 +80,9 @@ def test_fault_callbacks_from_the_environment(tmp_path, monkeypatch):
     assert isinstance(NanLossAt(3).on_loss(2, torch.ones(())), torch.Tensor)
 
 
-@pytest.mark.parametrize("spec", ["nocolon", "lapheads.nope:x", "lapheads.testing:missing", "lapheads.testing:NAN_AT_STEP"])
+@pytest.mark.parametrize(
+    "spec", ["nocolon", "lapheads.nope:x", "lapheads.testing:missing", "lapheads.testing:NAN_AT_STEP"]
+)
 def test_a_bad_callback_name_is_one_config_error(monkeypatch, spec):
     monkeypatch.setenv(ENV, spec)
     with pytest.raises(ConfigError, match=ENV) as e:

@@ -11,15 +11,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _lm_helpers import chat_task_files, offline, scripted_lm
 
 from lapheads.data.tasks import LETTERS, load_task
 from lapheads.errors import ConfigError, DataError
-from lapheads.lm.tasks import (CHAT_TASKS, TASKS_DIR, chat_prompt, choice_doc_to_text, extract_answer, extract_code,
-                               pass_at_k, render_multiple_choice)
+from lapheads.lm.tasks import (
+    CHAT_TASKS,
+    TASKS_DIR,
+    chat_prompt,
+    choice_doc_to_text,
+    extract_answer,
+    extract_code,
+    pass_at_k,
+    render_multiple_choice,
+)
 from lapheads.lm.tokenizer import render_chat
 from lapheads.sandbox import sandbox_status
-
-from _lm_helpers import chat_task_files, offline, scripted_lm
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -32,18 +39,34 @@ def _chat_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-                "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>", "<|pad|>"]
+    specials = [
+        "<|bos|>",
+        "<|user_start|>",
+        "<|user_end|>",
+        "<|assistant_start|>",
+        "<|assistant_end|>",
+        "<|python_start|>",
+        "<|python_end|>",
+        "<|output_start|>",
+        "<|output_end|>",
+        "<|pad|>",
+    ]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator(["Multiple Choice question: which answer is right?",
-                                 "def add(a, b):\n    return a + b\n", "#### 42"], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|bos|>",
-                                   eos_token="<|assistant_end|>", pad_token="<|pad|>",
-                                   additional_special_tokens=specials[1:4] + specials[5:9])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(
+        ["Multiple Choice question: which answer is right?", "def add(a, b):\n    return a + b\n", "#### 42"], trainer
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|bos|>",
+        eos_token="<|assistant_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=specials[1:4] + specials[5:9],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +77,19 @@ def llama():
 
     torch.manual_seed(0)
     tok = _chat_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      initializer_range=0.5)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        initializer_range=0.5,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.bos_token_id]
     return model, tok
@@ -86,8 +118,9 @@ def test_prompts_are_render_chat_with_one_bos(llama, files):
     lm = make_lm_eval_model(model, tok)
     for name, path in files.items():
         for item in load_task(name, path):
-            want = render_chat(tok, [{"role": "user", "content": _user_message(name, item)}],
-                               add_generation_prompt=True)[0]
+            want = render_chat(
+                tok, [{"role": "user", "content": _user_message(name, item)}], add_generation_prompt=True
+            )[0]
             assert lm.tok_encode(chat_prompt(_user_message(name, item))) == want, (name, item.id)
             if item.kind == "choice":
                 lines = render_multiple_choice(item).splitlines()
@@ -121,8 +154,9 @@ def test_multiple_choice_accuracy_is_the_argmax_of_the_letters_log_likelihoods(l
         items = load_task(name, files[name])
         preds = []
         for item in items:
-            ids = render_chat(tok, [{"role": "user", "content": render_multiple_choice(item)}],
-                              add_generation_prompt=True)[0]
+            ids = render_chat(
+                tok, [{"role": "user", "content": render_multiple_choice(item)}], add_generation_prompt=True
+            )[0]
             with torch.no_grad():
                 lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
             scores = [float(lp[letter_ids[j][0]]) for j in range(len(item.choices))]
@@ -135,23 +169,27 @@ def test_multiple_choice_accuracy_is_the_argmax_of_the_letters_log_likelihoods(l
         assert r["baseline"] == pytest.approx(sum(1 / len(it.choices) for it in items) / len(items))
         all_preds += preds
     assert len(set(all_preds)) > 1  # the reference can tell one answer from another
-    centered = [(res["chat"][n]["accuracy"] - res["chat"][n]["baseline"]) / (1 - res["chat"][n]["baseline"])
-                for n in names]
+    centered = [
+        (res["chat"][n]["accuracy"] - res["chat"][n]["baseline"]) / (1 - res["chat"][n]["baseline"]) for n in names
+    ]
     assert res["chat"]["chatcore"] == pytest.approx(sum(centered) / len(centered))
 
 
 # --------------------------------------------------------------------------------------- GSM8K
-@pytest.mark.parametrize("text,expected", [
-    ("so the total is 42.\n#### 42", "42"),
-    ("#### 1,234", "1234"),
-    ("She pays $5.50 then $3.", "3"),
-    ("The answer is 18 apples and 7 pears, 25 in total", "25"),
-    ("#### -7 degrees", "-7"),
-    ("first #### 3 then #### 4", "4"),
-    ("Answer: 12.00", "12"),
-    ("no number here", None),
-    ("#### none\nbut the result is 9", "9"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so the total is 42.\n#### 42", "42"),
+        ("#### 1,234", "1234"),
+        ("She pays $5.50 then $3.", "3"),
+        ("The answer is 18 apples and 7 pears, 25 in total", "25"),
+        ("#### -7 degrees", "-7"),
+        ("first #### 3 then #### 4", "4"),
+        ("Answer: 12.00", "12"),
+        ("no number here", None),
+        ("#### none\nbut the result is 9", "9"),
+    ],
+)
 def test_gsm8k_answer_extraction(text, expected):
     assert extract_answer(text) == expected
 
@@ -174,8 +212,9 @@ def test_gsm8k_answers_are_the_final_numbers_of_greedy_replies(llama, files, no_
 
     model, tok = llama
     n_new, stops = 12, set(model.generation_config.eos_token_id)
-    r = run_chat_tasks(model, tok, {"gsm8k": files["gsm8k"]}, batch_size=3, max_new_tokens=n_new,
-                       bootstrap_iters=0)["chat"]["gsm8k"]
+    r = run_chat_tasks(model, tok, {"gsm8k": files["gsm8k"]}, batch_size=3, max_new_tokens=n_new, bootstrap_iters=0)[
+        "chat"
+    ]["gsm8k"]
     want = []
     for item in load_task("gsm8k", files["gsm8k"]):
         seq = render_chat(tok, [{"role": "user", "content": item.question}], add_generation_prompt=True)[0]
@@ -225,8 +264,14 @@ def test_humaneval_pass_at_k_of_passing_and_failing_completions_run_in_the_sandb
         right = it.solution if i != 4 else f"Sure!\n```python\n{it.question}{it.solution}```\nHope it helps."
         replies[chat_prompt(it.question)] = [right if s < good[i] else "    return None\n" for s in range(n)]
     unsafe = not sandbox_status().available  # the canonical solutions are trusted code
-    r = evaluate_chat_lm(scripted_lm(replies), {"humaneval": files["humaneval"]}, num_samples=n, temperature=0.7,
-                         allow_unsafe_code=unsafe, bootstrap_iters=0)["chat"]["humaneval"]
+    r = evaluate_chat_lm(
+        scripted_lm(replies),
+        {"humaneval": files["humaneval"]},
+        num_samples=n,
+        temperature=0.7,
+        allow_unsafe_code=unsafe,
+        bootstrap_iters=0,
+    )["chat"]["humaneval"]
     assert r["per_problem"] == {it.id: c for it, c in zip(items, good)}
     assert r["statuses"] == {"passed": sum(good), "failed": n * len(items) - sum(good)}
     assert r["pass@1"] == pytest.approx(sum(good) / (n * len(items))) == r["accuracy"]

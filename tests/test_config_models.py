@@ -21,8 +21,14 @@ from lapheads.recipes import RECIPES, get_recipe
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
 #: a section every recipe has, and one of its own
-SECTIONS = {"classify": "aug", "lm": "samples", "sft": "data", "dino": "crops", "retrofit": "lora",
-            "retrofit_vit": "lora"}
+SECTIONS = {
+    "classify": "aug",
+    "lm": "samples",
+    "sft": "data",
+    "dino": "crops",
+    "retrofit": "lora",
+    "retrofit_vit": "lora",
+}
 
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -44,8 +50,9 @@ def test_config_show_prints_defaults_that_load_back(recipe, capsys, tmp_path):
     f.write_text(out)
     # run_rules=False: sft / retrofit leave init_from open in their defaults
     assert load_config(cls, f, recipe=recipe, run_rules=False) == cls()
-    assert to_dict(load_config(cls, f, recipe=recipe, run_rules=False)) == {k: v for k, v in data.items()
-                                                                          if k != "recipe"}
+    assert to_dict(load_config(cls, f, recipe=recipe, run_rules=False)) == {
+        k: v for k, v in data.items() if k != "recipe"
+    }
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -63,25 +70,32 @@ def test_config_schema_is_json_with_the_sections_and_descriptions(recipe, capsys
 
 
 def test_config_show_resolves_a_named_recipe_file_and_overrides(capsys):
-    rc, out, err = _run(["config", "show", "classify", "--config", "digits", "--set", "model.depth=3",
-                         "--set", "train.seed=7"], capsys)
+    rc, out, err = _run(
+        ["config", "show", "classify", "--config", "digits", "--set", "model.depth=3", "--set", "train.seed=7"], capsys
+    )
     assert rc == 0, err
     data = yaml.safe_load(out)
     assert data["model"]["depth"] == 3 and data["train"]["seed"] == 7
     assert data["model"]["embed_dim"] == yaml.safe_load(Path(DIGITS).read_text())["model"]["embed_dim"]
-    rc, path_out, _ = _run(["config", "show", "classify", "--config", DIGITS, "--set", "model.depth=3",
-                            "--set", "train.seed=7"], capsys)
+    rc, path_out, _ = _run(
+        ["config", "show", "classify", "--config", DIGITS, "--set", "model.depth=3", "--set", "train.seed=7"], capsys
+    )
     assert rc == 0 and path_out == out
 
 
-@pytest.mark.parametrize("argv, needles", [
-    (["config", "show", "classify", "--set", "optim.betas=[0.9, .nan]"], ("optim.betas[1]=nan", "finite")),
-    (["config", "show", "classify", "--set", "aug.mix_prob=1.5"], ("aug.mix_prob=1.5", "[0, 1]")),
-    (["config", "show", "lm", "--set", "train.until_plateau.patiense=2"],
-     ("train.until_plateau.patiense", "patience")),
-    (["config", "show", "dino", "--config", "no_such_recipe_file"], ("no_such_recipe_file", "digits")),
-    (["config", "show", "sft", "--set", "data.packing=2"], ("data.packing=2",)),
-])
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["config", "show", "classify", "--set", "optim.betas=[0.9, .nan]"], ("optim.betas[1]=nan", "finite")),
+        (["config", "show", "classify", "--set", "aug.mix_prob=1.5"], ("aug.mix_prob=1.5", "[0, 1]")),
+        (
+            ["config", "show", "lm", "--set", "train.until_plateau.patiense=2"],
+            ("train.until_plateau.patiense", "patience"),
+        ),
+        (["config", "show", "dino", "--config", "no_such_recipe_file"], ("no_such_recipe_file", "digits")),
+        (["config", "show", "sft", "--set", "data.packing=2"], ("data.packing=2",)),
+    ],
+)
 def test_config_show_refuses_bad_values_in_one_line(argv, needles, capsys):
     rc, out, err = _run(argv, capsys)
     lines = err.strip().splitlines()
@@ -105,6 +119,7 @@ def test_config_table_lists_every_key_with_type_default_range_and_description():
     assert rows["optim.betas"][1:3] == ["`[0.9, 0.999]`", "items in [0, 1)"]
     assert rows["train.clip_grad"][1] == "`1.0`"  # the recipe's own default of the shared section
     assert rows["model.patch_size"][0] == "int \\| null"
+
     # every field of every section has a row, and a description
     def keys(c: type[ConfigModel], prefix: str = "") -> set[str]:
         out = set()
@@ -112,6 +127,7 @@ def test_config_table_lists_every_key_with_type_default_range_and_description():
             sub = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, ConfigModel) else None
             out |= keys(sub, f"{prefix}{name}.") if sub else {prefix + name}
         return out
+
     assert keys(cls) == flat and all(rows[k][3] for k in flat)
 
 
@@ -121,20 +137,23 @@ def test_config_table_shows_the_fields_of_a_list_of_sections():
 
 
 # ----------------------------------------------------------------------------- pydantic-side bad inputs
-@pytest.mark.parametrize("data, needles", [
-    ({"optim": {"betas": [0.9, float("nan")]}}, ("optim.betas[1]=nan", "finite")),
-    ({"train": {"until_plateau": {"min_rel_delta": float("inf")}}}, ("train.until_plateau.min_rel_delta=inf",)),
-    ({"data": {"hflip": -0.5}}, ("data.hflip=-0.5", "[0, 1]")),
-    ({"data": {"std": [0.5, 0.5, 0]}}, ("data.std[2]=0.0", "> 0")),
-    ({"train": {"until_plateau": {"paitence": 1}}}, ("train.until_plateau.paitence", "min_rel_delta")),
-    ({"model": {"qk_norm": 1}}, ("model.qk_norm=1",)),
-    ({"model": {"img_size": "16"}}, ("model.img_size='16'",)),
-    ({"train": {"seed": True}}, ("train.seed=True",)),
-    ({"aug": {"mixup": False}}, ("aug.mixup=False",)),
-    ({"optim": {"betas": 0.9}}, ("optim.betas=0.9",)),
-    ({"model": {"laplacian_heads": "sometimes"}}, ("model.laplacian_heads='sometimes'",)),
-    ({"data": []}, ("data", "DataConfig")),
-])
+@pytest.mark.parametrize(
+    "data, needles",
+    [
+        ({"optim": {"betas": [0.9, float("nan")]}}, ("optim.betas[1]=nan", "finite")),
+        ({"train": {"until_plateau": {"min_rel_delta": float("inf")}}}, ("train.until_plateau.min_rel_delta=inf",)),
+        ({"data": {"hflip": -0.5}}, ("data.hflip=-0.5", "[0, 1]")),
+        ({"data": {"std": [0.5, 0.5, 0]}}, ("data.std[2]=0.0", "> 0")),
+        ({"train": {"until_plateau": {"paitence": 1}}}, ("train.until_plateau.paitence", "min_rel_delta")),
+        ({"model": {"qk_norm": 1}}, ("model.qk_norm=1",)),
+        ({"model": {"img_size": "16"}}, ("model.img_size='16'",)),
+        ({"train": {"seed": True}}, ("train.seed=True",)),
+        ({"aug": {"mixup": False}}, ("aug.mixup=False",)),
+        ({"optim": {"betas": 0.9}}, ("optim.betas=0.9",)),
+        ({"model": {"laplacian_heads": "sometimes"}}, ("model.laplacian_heads='sometimes'",)),
+        ({"data": []}, ("data", "DataConfig")),
+    ],
+)
 def test_bad_values_name_the_full_key_path_and_the_value(data, needles):
     cls = get_recipe("classify").config_type
     with pytest.raises(ConfigError) as e:
@@ -163,6 +182,7 @@ def test_the_file_prefix_and_duplicate_yaml_keys(tmp_path):
 def test_direct_construction_raises_config_error_and_validate_runs_the_run_rules():
     from lapheads.engine import TrainConfig
     from lapheads.recipes.sft import SFTConfig
+
     with pytest.raises(ConfigError, match=r"^warmup_ratio=1\.0 must be in \[0, 1\)$"):
         TrainConfig(warmup_ratio=1)
     assert SFTConfig().init_from == ""  # the defaults leave init_from open ...

@@ -14,8 +14,19 @@ from typing import Optional
 import pytest
 from pydantic import Field
 
-from lapheads.engine.config import (INT64_MAX, Beta, ConfigModel, Float, FloatOrInf, Int, from_dict, load_config,
-                                    load_yaml, parse_overrides, read_yaml)
+from lapheads.engine.config import (
+    INT64_MAX,
+    Beta,
+    ConfigModel,
+    Float,
+    FloatOrInf,
+    Int,
+    from_dict,
+    load_config,
+    load_yaml,
+    parse_overrides,
+    read_yaml,
+)
 from lapheads.errors import CheckpointError, ConfigError
 from lapheads.outputs import check_out_dir, check_out_file, read_json, removed_on_failure
 
@@ -23,8 +34,11 @@ from lapheads.outputs import check_out_dir, check_out_file, read_json, removed_o
 # ----------------------------------------------------------------------------- repeated keys
 def test_repeated_key_names_key_path_and_both_lines():
     text = "recipe: classify\nmodel:\n  laplacian_heads: 0\n  depth: 2\n  laplacian_heads: all\n"
-    with pytest.raises(ConfigError, match=r"cfg\.yaml: key 'model\.laplacian_heads' is given twice "
-                                          r"\(lines 3 and 5\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"cfg\.yaml: key 'model\.laplacian_heads' is given twice "
+        r"\(lines 3 and 5\)",
+    ):
         load_yaml(text, "cfg.yaml")
 
 
@@ -35,8 +49,7 @@ def test_repeated_key_inside_a_list_and_on_one_line():
 
 def test_the_same_key_in_different_mappings_and_merge_keys_are_fine():
     text = "base: &b {lr: 1, wd: 2}\nsmall:\n  <<: *b\n  lr: 3\nbig:\n  <<: *b\n  lr: 4\n"
-    assert load_yaml(text, "x") == {"base": {"lr": 1, "wd": 2}, "small": {"lr": 3, "wd": 2},
-                                    "big": {"lr": 4, "wd": 2}}
+    assert load_yaml(text, "x") == {"base": {"lr": 1, "wd": 2}, "small": {"lr": 3, "wd": 2}, "big": {"lr": 4, "wd": 2}}
 
 
 def test_keys_equal_after_construction_count_as_repeated():
@@ -65,6 +78,7 @@ def test_set_value_with_a_repeated_key_names_the_full_path():
 
 def test_a_run_config_yaml_with_a_repeated_key_is_refused(tmp_path):
     from lapheads.engine.run import RunDir
+
     (tmp_path / "config.yaml").write_text("recipe: classify\nmodel:\n  depth: 2\n  depth: 3\n")
     with pytest.raises(ConfigError, match=r"config\.yaml: key 'model\.depth' is given twice"):
         RunDir(tmp_path).read_config()
@@ -72,8 +86,11 @@ def test_a_run_config_yaml_with_a_repeated_key_is_refused(tmp_path):
 
 def test_no_yaml_read_in_the_package_bypasses_the_strict_loader():
     src = Path(__file__).resolve().parents[1] / "src" / "lapheads"
-    offenders = [str(p.relative_to(src)) for p in src.rglob("*.py")
-                 if any(s in p.read_text(encoding="utf-8") for s in ("safe_load(", "yaml.load(", "full_load("))]
+    offenders = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if any(s in p.read_text(encoding="utf-8") for s in ("safe_load(", "yaml.load(", "full_load("))
+    ]
     assert offenders == [], f"use lapheads.engine.config.load_yaml instead in {offenders}"
 
 
@@ -117,22 +134,34 @@ def test_an_int_too_large_for_a_float_field_is_refused():
         from_dict(Outer, {"clip": 10**400})
 
 
-@pytest.mark.parametrize("key,raw,message", [
-    ("inner.rate", "1.5", r"inner\.rate=1\.5 must be in \[0, 1\]"),
-    ("inner.rate", "-0.1", r"inner\.rate=-0\.1 must be in \[0, 1\]"),
-    ("inner.smoothing", "1", r"inner\.smoothing=1\.0 must be in \[0, 1\)"),
-    ("inner.betas", "[0.9, 1.0]", r"inner\.betas\[1\]=1\.0 must be in \[0, 1\)"),
-    ("inner.width", "0", r"inner\.width=0 must be >= 1"),
-    ("inner.temperature", "0", r"inner\.temperature=0\.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "key,raw,message",
+    [
+        ("inner.rate", "1.5", r"inner\.rate=1\.5 must be in \[0, 1\]"),
+        ("inner.rate", "-0.1", r"inner\.rate=-0\.1 must be in \[0, 1\]"),
+        ("inner.smoothing", "1", r"inner\.smoothing=1\.0 must be in \[0, 1\)"),
+        ("inner.betas", "[0.9, 1.0]", r"inner\.betas\[1\]=1\.0 must be in \[0, 1\)"),
+        ("inner.width", "0", r"inner\.width=0 must be >= 1"),
+        ("inner.temperature", "0", r"inner\.temperature=0\.0 must be > 0"),
+    ],
+)
 def test_declared_ranges_are_checked_at_parse_time(key, raw, message):
     with pytest.raises(ConfigError, match=message):
         load_config(Outer, overrides=[f"{key}={raw}"])
 
 
 def test_values_inside_the_ranges_and_opt_in_infinity_pass():
-    cfg = load_config(Outer, overrides=["inner.rate=1", "inner.smoothing=0", "inner.width=null",
-                                        "inner.temperature=.inf", "clip=0", "scale=2.5"])
+    cfg = load_config(
+        Outer,
+        overrides=[
+            "inner.rate=1",
+            "inner.smoothing=0",
+            "inner.width=null",
+            "inner.temperature=.inf",
+            "clip=0",
+            "scale=2.5",
+        ],
+    )
     assert cfg.inner.rate == 1.0 and cfg.inner.width is None and cfg.inner.temperature == float("inf")
     with pytest.raises(ConfigError, match="finite"):
         load_config(Outer, overrides=["inner.temperature=.nan"])  # NaN never
@@ -140,46 +169,59 @@ def test_values_inside_the_ranges_and_opt_in_infinity_pass():
 
 def test_recipe_fields_from_the_issue_are_refused():
     from lapheads.recipes.classify import ClassifyConfig
-    for override, message in [("train.clip_grad=nan", "train.clip_grad=nan must be a finite number"),
-                              ("aug.label_smoothing=5", r"aug\.label_smoothing=5\.0 must be in \[0, 1\)"),
-                              (f"train.seed={2**64}", r"train\.seed=18446744073709551616 does not fit in 64 bits"),
-                              ("aug.mix_prob=2", r"aug\.mix_prob=2\.0 must be in \[0, 1\]"),
-                              ("optim.betas=[0.9, 1]", r"optim\.betas\[1\]=1\.0 must be in \[0, 1\)")]:
+
+    for override, message in [
+        ("train.clip_grad=nan", "train.clip_grad=nan must be a finite number"),
+        ("aug.label_smoothing=5", r"aug\.label_smoothing=5\.0 must be in \[0, 1\)"),
+        (f"train.seed={2**64}", r"train\.seed=18446744073709551616 does not fit in 64 bits"),
+        ("aug.mix_prob=2", r"aug\.mix_prob=2\.0 must be in \[0, 1\]"),
+        ("optim.betas=[0.9, 1]", r"optim\.betas\[1\]=1\.0 must be in \[0, 1\)"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(ClassifyConfig, overrides=[override])
 
 
 def test_language_model_fields_are_refused_at_parse_time():
     from lapheads.recipes.lm import LMConfig
-    for override, message in [("optim.matrix_lr=-1", r"optim\.matrix_lr=-1\.0 must be >= 0"),
-                              ("optim.adam_betas=[0.8, 1.5]", r"optim\.adam_betas\[1\]=1\.5 must be in \[0, 1\)"),
-                              ("optim.adam_eps=0", r"optim\.adam_eps=0\.0 must be > 0"),
-                              ("model.depth=0", r"model\.depth=0 must be >= 1"),
-                              ("model.softcap=-3", r"model\.softcap=-3\.0 must be >= 0")]:
+
+    for override, message in [
+        ("optim.matrix_lr=-1", r"optim\.matrix_lr=-1\.0 must be >= 0"),
+        ("optim.adam_betas=[0.8, 1.5]", r"optim\.adam_betas\[1\]=1\.5 must be in \[0, 1\)"),
+        ("optim.adam_eps=0", r"optim\.adam_eps=0\.0 must be > 0"),
+        ("model.depth=0", r"model\.depth=0 must be >= 1"),
+        ("model.softcap=-3", r"model\.softcap=-3\.0 must be >= 0"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(LMConfig, overrides=[override])
 
 
 def test_model_extra_that_timm_refuses_is_a_config_error():
     from lapheads.recipes.classify import ModelConfig, build_model
+
     m = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, extra={"foo": {"bar": 1}})
-    with pytest.raises(ConfigError, match=r"timm cannot build 'vit_tiny_patch16_224'.*'foo'.*model\.extra holds \['foo'\]"):
+    with pytest.raises(
+        ConfigError, match=r"timm cannot build 'vit_tiny_patch16_224'.*'foo'.*model\.extra holds \['foo'\]"
+    ):
         build_model(m, 10)
 
 
 def test_number_arg_applies_the_config_rules_to_flags():
     import argparse
+
     from lapheads.engine.config import number_arg
+
     p = argparse.ArgumentParser(exit_on_error=False)
     p.add_argument("--temperature", type=number_arg(float, ge=0.0))
     p.add_argument("--seed", type=number_arg(int))
     assert vars(p.parse_args(["--temperature", "0.7", "--seed", "-3"])) == {"temperature": 0.7, "seed": -3}
-    for argv, message in [(["--temperature", "nan"], "'nan' is not a finite number"),
-                          (["--temperature=-inf"], "'-inf' is not a finite number"),
-                          (["--temperature=-0.5"], "-0.5 must be >= 0"),
-                          (["--temperature", "warm"], "'warm' is not a number"),
-                          (["--seed", str(2**63)], "9223372036854775808 does not fit in 64 bits"),
-                          (["--seed", "1.5"], "'1.5' is not an integer")]:
+    for argv, message in [
+        (["--temperature", "nan"], "'nan' is not a finite number"),
+        (["--temperature=-inf"], "'-inf' is not a finite number"),
+        (["--temperature=-0.5"], "-0.5 must be >= 0"),
+        (["--temperature", "warm"], "'warm' is not a number"),
+        (["--seed", str(2**63)], "9223372036854775808 does not fit in 64 bits"),
+        (["--seed", "1.5"], "'1.5' is not an integer"),
+    ]:
         with pytest.raises(argparse.ArgumentError, match=message):
             p.parse_args(argv)
 
@@ -266,15 +308,18 @@ def test_read_json(tmp_path):
         read_json(tmp_path / "nope.json")
 
 
-@pytest.mark.parametrize("recipe,config", [("classify", "classify/digits.yaml"), ("dino", "dino/digits.yaml"),
-                                           ("lm", "lm/tiny.yaml")])
+@pytest.mark.parametrize(
+    "recipe,config", [("classify", "classify/digits.yaml"), ("dino", "dino/digits.yaml"), ("lm", "lm/tiny.yaml")]
+)
 def test_every_recipe_refuses_a_bad_head_selection_when_the_config_is_parsed(recipe, config, tmp_path, capsys):
     """One shared, typed config field (heads_field): a bad value is one line naming the key, before any work."""
     from lapheads.cli import main as cli
 
     root = Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs"
     out = tmp_path / "run"
-    rc = cli(["train", recipe, "--config", str(root / config), "--out", str(out), "--set", "model.laplacian_heads=alll"])
+    rc = cli(
+        ["train", recipe, "--config", str(root / config), "--out", str(out), "--set", "model.laplacian_heads=alll"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.laplacian_heads='alll'" in err[0], err
     assert not out.exists()

@@ -65,9 +65,16 @@ class TinyTask(Task):
 def _cfg(**train) -> TinyConfig:
     # min_rel_delta=10: no eval counts as an improvement, so the stop step is known: evals at
     # 2 (the first sets the best), 4 and 6 (two without improvement) -> stop at step 6 of 40
-    base = dict(max_steps=40, eval_every=2, ckpt_every=2, keep_checkpoints=0, log_every=1, progress=False,
-                schedule="constant",
-                until_plateau=UntilPlateau(patience=2, min_rel_delta=10.0, metric="val_mse", mode="min"))
+    base = dict(
+        max_steps=40,
+        eval_every=2,
+        ckpt_every=2,
+        keep_checkpoints=0,
+        log_every=1,
+        progress=False,
+        schedule="constant",
+        until_plateau=UntilPlateau(patience=2, min_rel_delta=10.0, metric="val_mse", mode="min"),
+    )
     base.update(train)
     return TinyConfig(train=TrainConfig(**base))
 
@@ -133,8 +140,11 @@ def test_until_plateau_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="until_plateau.metric"):
         load_config(TinyConfig, None, ["train.until_plateau.patience=3", "train.eval_every=5"])
     with pytest.raises(ConfigError, match="eval_every"):
-        load_config(TinyConfig, None, ["train.until_plateau.patience=3", "train.until_plateau.metric=top1",
-                                       "train.until_plateau.mode=max"])
+        load_config(
+            TinyConfig,
+            None,
+            ["train.until_plateau.patience=3", "train.until_plateau.metric=top1", "train.until_plateau.mode=max"],
+        )
     with pytest.raises(ConfigError, match="until_plateau.mode"):
         load_config(TinyConfig, None, ["train.until_plateau.mode=up"])
     with pytest.raises(ConfigError, match="until_plateau.patience"):

@@ -14,31 +14,65 @@ from torch import nn
 from lapheads.engine import RunDir
 from lapheads.engine.checkpoint import latest_checkpoint, load_tensors, save_tensors
 from lapheads.engine.launch import launch
-from lapheads.errors import ConfigError, DataError
-from lapheads.testing import CRASH_AFTER
-from lapheads.recipes.dino import (CropsConfig, DINOHead, DinoConfig, DinoDataConfig, DinoHeadConfig,
-                                   DinoLossConfig, DinoModelConfig, DinoTask, KnnConfig, MultiCropNet, build_task,
-                                   collapse_metrics, cosine, dino_loss, teacher_temperature)
 from lapheads.engine.trainer import TrainConfig
+from lapheads.errors import ConfigError, DataError
+from lapheads.recipes.dino import (
+    CropsConfig,
+    DinoConfig,
+    DinoDataConfig,
+    DINOHead,
+    DinoHeadConfig,
+    DinoLossConfig,
+    DinoModelConfig,
+    DinoTask,
+    KnnConfig,
+    MultiCropNet,
+    build_task,
+    collapse_metrics,
+    cosine,
+    dino_loss,
+    teacher_temperature,
+)
+from lapheads.testing import CRASH_AFTER
 
 pytestmark = pytest.mark.xdist_group("dino")  # the module-scoped tiny run is trained once, on one worker
 
 
 def tiny_cfg(k=0, batch_size=256, **train) -> DinoConfig:
-    base = dict(max_steps=7, ckpt_every=3, log_every=1, progress=False, clip_grad=3.0, warmup_steps=2,
-                min_lr_ratio=0.1)
+    base = dict(max_steps=7, ckpt_every=3, log_every=1, progress=False, clip_grad=3.0, warmup_steps=2, min_lr_ratio=0.1)
     base.update(train)
     return DinoConfig(
-        model=DinoModelConfig(name="vit_small_patch16_224", laplacian_heads=k, drop_path_rate=0.1,
-                              kwargs=dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=6)),
+        model=DinoModelConfig(
+            name="vit_small_patch16_224",
+            laplacian_heads=k,
+            drop_path_rate=0.1,
+            kwargs=dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=6),
+        ),
         head=DinoHeadConfig(out_dim=64, hidden_dim=64, bottleneck_dim=32, use_bn=True),
-        crops=CropsConfig(global_size=16, local_size=8, local_crops=2, global_scale=(0.5, 1.0),
-                          local_scale=(0.2, 0.5), hflip=0.0, grayscale=0.0, jitter=(0.4, 0.4, 0.0, 0.0),
-                          mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
+        crops=CropsConfig(
+            global_size=16,
+            local_size=8,
+            local_crops=2,
+            global_scale=(0.5, 1.0),
+            local_scale=(0.2, 0.5),
+            hflip=0.0,
+            grayscale=0.0,
+            jitter=(0.4, 0.4, 0.0, 0.0),
+            mean=(0.5, 0.5, 0.5),
+            std=(0.5, 0.5, 0.5),
+        ),
         data=DinoDataConfig(batch_size=batch_size),
-        loss=DinoLossConfig(teacher_temp=0.07, warmup_teacher_temp=0.04, warmup_teacher_temp_epochs=2,
-                            momentum_teacher=0.99, freeze_last_layer=1),
-        knn=KnnConfig(max_train=300), epochs=2, train=TrainConfig(**base))
+        loss=DinoLossConfig(
+            teacher_temp=0.07,
+            warmup_teacher_temp=0.04,
+            warmup_teacher_temp_epochs=2,
+            momentum_teacher=0.99,
+            freeze_last_layer=1,
+        ),
+        knn=KnnConfig(max_train=300),
+        epochs=2,
+        train=TrainConfig(**base),
+    )
 
 
 def _run(out, cfg, resume=False):
@@ -120,6 +154,7 @@ def test_bad_config_fails_before_training(tmp_path):
 @pytest.mark.slow
 def test_exact_resume_after_crash(tmp_path, monkeypatch):
     """Student, teacher, center and schedules continue bit-for-bit after a crash + --resume."""
+
     def cfg_():  # 320 training images in batches of 64: 5 steps per epoch, so step 6 starts epoch 1
         cfg = tiny_cfg(k=5, batch_size=64)
         cfg.data.max_items = 320
@@ -203,19 +238,54 @@ def test_probe_and_pca_clis_on_a_run(trained_run, tmp_path):
     assert main(["eval", "knn", "--run", str(out), "--data", "digits", "--json", str(tmp_path / "k.json")]) == 0
     k = json.loads((tmp_path / "k.json").read_text())
     assert k["knn_k10_top1"] > 0.25 and k["laplacian_heads"] == 5
-    assert main(["eval", "linear", "--run", str(out), "--data", "digits", "--n-last-blocks", "2", "--avgpool",
-                 "--epochs", "20", "--json", str(tmp_path / "l.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "linear",
+                "--run",
+                str(out),
+                "--data",
+                "digits",
+                "--n-last-blocks",
+                "2",
+                "--avgpool",
+                "--epochs",
+                "20",
+                "--json",
+                str(tmp_path / "l.json"),
+            ]
+        )
+        == 0
+    )
     lin = json.loads((tmp_path / "l.json").read_text())
     assert lin["linear_top1"] > 0.25 and lin["feature_dim"] == 3 * 48
     png = tmp_path / "maps.png"
-    assert main(["pca-maps", "--run", str(out), "--images", "digits", "--max-images", "6", "--out", str(png),
-                 "--mask-background"]) == 0
+    assert (
+        main(
+            [
+                "pca-maps",
+                "--run",
+                str(out),
+                "--images",
+                "digits",
+                "--max-images",
+                "6",
+                "--out",
+                str(png),
+                "--mask-background",
+            ]
+        )
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------------------------
 # greyscale models and training subsets (issue 15, item 4): the same options as classify
-DINO_DIGITS = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "dino" / "digits.yaml")
+DINO_DIGITS = str(
+    Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "dino" / "digits.yaml"
+)
 
 
 def test_greyscale_run_trains_reloads_and_analyzes(tmp_path):
@@ -248,8 +318,10 @@ def test_greyscale_run_trains_reloads_and_analyzes(tmp_path):
     assert loaded.model(x[None]).shape == (1, 48)
     bb, meta = load_backbone(run=out)
     assert bb.patch_embed.proj.in_channels == 1 and meta["mean"] == [0.5]
-    assert main(["eval", "knn", "--run", str(out), "--data", "digits", "--k", "5",
-                 "--json", str(tmp_path / "k.json")]) == 0
+    assert (
+        main(["eval", "knn", "--run", str(out), "--data", "digits", "--k", "5", "--json", str(tmp_path / "k.json")])
+        == 0
+    )
     assert json.loads((tmp_path / "k.json").read_text())["knn_k5_top1"] > 0.1
     png = tmp_path / "maps.png"
     assert main(["pca-maps", "--run", str(out), "--images", "digits", "--max-images", "4", "--out", str(png)]) == 0
@@ -261,6 +333,7 @@ def test_greyscale_run_trains_reloads_and_analyzes(tmp_path):
 def test_fraction_and_max_items_train_on_a_stratified_subset():
     """data.fraction / data.max_items: a stratified, seeded, nested subset of the training images;
     the k-NN bank (and the val split) stays whole."""
+
     def task_with(**data):
         cfg = tiny_cfg(batch_size=16)
         for key, value in data.items():
@@ -298,8 +371,10 @@ def test_bad_channel_settings_are_one_config_error_at_parse_time(tmp_path, capsy
         (["model.in_chans=1", "crops.mean=[0.5]"], ("crops.std has 3 value(s)",)),
         (["crops.mean=[0.5]", "crops.std=[0.5]"], ("crops.mean has 1 value(s)", "model.in_chans=3")),
         (["model.in_chans=2"], ("model.in_chans=2", "1 (greyscale) or 3 (RGB)")),
-        (["model.in_chans=1", "crops.mean=[0.5]", "crops.std=[0.5]", "model.kwargs.in_chans=3"],
-         ("model.kwargs.in_chans=3 contradicts model.in_chans=1",)),
+        (
+            ["model.in_chans=1", "crops.mean=[0.5]", "crops.std=[0.5]", "model.kwargs.in_chans=3"],
+            ("model.kwargs.in_chans=3 contradicts model.in_chans=1",),
+        ),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(DinoConfig, DINO_DIGITS, overrides)

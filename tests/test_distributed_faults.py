@@ -31,8 +31,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from _reliability_helpers import check_checkpoint_dir, classify_argv, same_weights, subprocess_env, torchrun, train_steps
+from _reliability_helpers import (
+    check_checkpoint_dir,
+    classify_argv,
+    same_weights,
+    subprocess_env,
+    torchrun,
+    train_steps,
+)
 
 STEPS = 30
 CKPT_EVERY = 12
@@ -40,9 +46,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:
-    return torchrun("--nproc_per_node=2", "-m", "lapheads.cli",
-                    *classify_argv(out, "--set", f"train.max_steps={STEPS}", "--set", f"train.ckpt_every={CKPT_EVERY}",
-                                   "--set", "data.batch_size=8", *extra))
+    return torchrun(
+        "--nproc_per_node=2",
+        "-m",
+        "lapheads.cli",
+        *classify_argv(
+            out,
+            "--set",
+            f"train.max_steps={STEPS}",
+            "--set",
+            f"train.ckpt_every={CKPT_EVERY}",
+            "--set",
+            "data.batch_size=8",
+            *extra,
+        ),
+    )
 
 
 def _children(pid: int) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import pickle
@@ -15,19 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from _reliability_helpers import same_weights, snapshot, subprocess_env
 from torch import nn
 
 from lapheads.engine import RunDir, Task, TrainConfig, load_config, lr_factor
-from lapheads.engine.checkpoint import (latest_checkpoint, load_tensors, safe_torch_load,
-                                        load_weights, write_checkpoint)
+from lapheads.engine.checkpoint import latest_checkpoint, load_tensors, load_weights, safe_torch_load, write_checkpoint
 from lapheads.engine.data import epoch_batches
 from lapheads.engine.launch import launch
 from lapheads.engine.run import RunDirBusy
 from lapheads.engine.trainer import RunInterrupted
 from lapheads.errors import CheckpointError, ConfigError, NonFiniteError
 from lapheads.testing import NAN_AT_STEP
-
-from _reliability_helpers import same_weights, snapshot, subprocess_env
 
 
 @dataclass
@@ -72,6 +69,7 @@ class ToyTask(Task):
         def aug(item):
             x, y = item
             return x + 0.01 * torch.randn_like(x), y
+
         return epoch_batches(self.data, 8, self.cfg.train.seed, start, transform=aug)
 
     def loss(self, model, batch, step):
@@ -93,8 +91,16 @@ class ToyTask(Task):
 
 
 def _cfg(**train):
-    base = dict(max_steps=20, ckpt_every=5, log_every=1, progress=False, ema_decay=0.9, grad_accum=2,
-                clip_grad=1.0, warmup_steps=3)
+    base = dict(
+        max_steps=20,
+        ckpt_every=5,
+        log_every=1,
+        progress=False,
+        ema_decay=0.9,
+        grad_accum=2,
+        clip_grad=1.0,
+        warmup_steps=3,
+    )
     base.update(train)
     return ToyConfig(train=TrainConfig(**base))
 
@@ -202,6 +208,7 @@ def test_nan_guard_skip_policy(tmp_path, monkeypatch):
 class _Evil:
     def __reduce__(self):
         import os
+
         return (os.system, ("touch /tmp/lapheads_pwned_marker",))
 
 
@@ -240,6 +247,7 @@ def test_epoch_batches_resume_mid_epoch():
 
 def test_nonfinite_weights_are_never_checkpointed(tmp_path):
     """Finite gradients but an update that overflows the weights: the checkpoint is refused."""
+
     class Overflow(ToyTask):
         def after_optimizer_step(self, step, total):
             if step == 6:
@@ -249,8 +257,9 @@ def test_nonfinite_weights_are_never_checkpointed(tmp_path):
     out = tmp_path / "ovf"
     with pytest.raises(NonFiniteError, match=r"step 7: weight 0\.weight"):
         launch("toy", _cfg(ckpt_every=7), lambda c, info: Overflow(c, info), str(out))
-    assert latest_checkpoint(out / "checkpoints") is None or \
-        latest_checkpoint(out / "checkpoints").name != "step_00000007"
+    assert (
+        latest_checkpoint(out / "checkpoints") is None or latest_checkpoint(out / "checkpoints").name != "step_00000007"
+    )
 
 
 # ----------------------------------------------------------------------------- run-directory integrity
@@ -308,6 +317,7 @@ class Sampling(ToyTask):
 
 def test_resume_trims_every_step_log_and_tensorboard_shows_one_curve(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "run"
     cfg = _cfg()
     cfg.crash_at = 11  # the crash comes after steps 11-12 were logged; the newest checkpoint is step 10
@@ -355,16 +365,24 @@ def test_resume_of_a_run_made_before_a_config_key_existed(tmp_path):
 
 def _hold_lock(path: Path) -> subprocess.Popen:
     """Another process holding the writer lock of ``path`` until its stdin closes."""
-    code = ("import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
-            "print('held', flush=True); sys.stdin.read()")
-    p = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True, env=subprocess_env())
+    code = (
+        "import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     assert p.stdout.readline().strip() == "held"
     return p
 
 
 def test_one_writer_at_a_time_and_a_dead_holder_frees_the_directory(tmp_path, capsys):
     from lapheads.cli import main as cli
+
     out = tmp_path / "run"
     _run(out, _cfg(max_steps=2, ckpt_every=0))
     holder = _hold_lock(out)
@@ -418,17 +436,21 @@ def test_a_start_killed_before_its_config_was_complete_is_not_a_run(tmp_path):
 
 def test_resume_command_and_interrupt_line(monkeypatch, tmp_path):
     from lapheads.engine.launch import describe_interrupt, resume_command
+
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     args = ["--config", "a b.yaml", "--out", "r", "--overwrite", "--set", "x=1"]
     assert resume_command(["train", "lm"], args) == "lapheads train lm --config 'a b.yaml' --out r --set x=1 --resume"
     assert resume_command(["train", "lm"], args, started=False) == "lapheads train lm " + " ".join(
-        ["--config", "'a b.yaml'", "--out", "r", "--overwrite", "--set", "x=1"])
+        ["--config", "'a b.yaml'", "--out", "r", "--overwrite", "--set", "x=1"]
+    )
     assert resume_command(["sweep"], ["--out", "s", "--restart-changed"]) == "lapheads sweep --out s"
     line, rc = describe_interrupt(["sweep"], ["--out", "s"], KeyboardInterrupt())
     assert (line, rc) == ("lapheads sweep: interrupted by SIGINT; resume with: lapheads sweep --out s", 130)
     assert describe_interrupt(["eval", "lm"], ["--run", "r"], KeyboardInterrupt()) == (
-        "lapheads eval lm: interrupted by SIGINT", 130)
+        "lapheads eval lm: interrupted by SIGINT",
+        130,
+    )
     e = RunInterrupted(signal.SIGTERM, tmp_path, None, None, started=False)
     line, rc = describe_interrupt(["train", "lm"], args, e)
     assert rc == 143 and "before training started, nothing was written" in line and "rerun with:" in line

@@ -53,8 +53,15 @@ class _LogitsOnly(torch.nn.Module):
 
 def _nanochat(heads) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = NanoChatConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, initializer_range=0.2)
+    cfg = NanoChatConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        initializer_range=0.2,
+    )
     model = NanoChatForCausalLM(cfg).eval()
     if heads:
         ltr.enable(model, heads)
@@ -109,8 +116,9 @@ def _export_and_run(model: torch.nn.Module, args: tuple, exporter: str, tmp_path
 
 # The dynamo ONNX exporter is torch.export plus a translation (seconds each): run it on one model of
 # each family; torch.export covers the other variants.
-PAIRS = [(c, e) for c in CASES for e in EXPORTERS
-         if not (e == "onnx-dynamo" and c in ("vit-per-layer", "torch-encoder"))]
+PAIRS = [
+    (c, e) for c in CASES for e in EXPORTERS if not (e == "onnx-dynamo" and c in ("vit-per-layer", "torch-encoder"))
+]
 
 
 @pytest.mark.parametrize("case,exporter", PAIRS)
@@ -155,8 +163,9 @@ LEARN_CASES = {
     "nanochat": (lambda: _nanochat("learn:2"), _lm_inputs),
     "torch-encoder": (lambda: _encoder("learn:2"), CASES["torch-encoder"][1]),
 }
-LEARN_PAIRS = [(c, e) for c in LEARN_CASES for e in EXPORTERS
-               if not (e == "onnx-dynamo" and c in ("vit-eager", "torch-encoder"))]
+LEARN_PAIRS = [
+    (c, e) for c in LEARN_CASES for e in EXPORTERS if not (e == "onnx-dynamo" and c in ("vit-eager", "torch-encoder"))
+]
 
 
 def _set_learned(model: torch.nn.Module) -> None:

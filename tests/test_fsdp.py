@@ -28,7 +28,6 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-
 from _reliability_helpers import torchrun
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs (test_fsdp_recipes.py shares `cache`), on one worker
@@ -39,16 +38,36 @@ GLOBAL_BATCH = 4
 
 
 def _overrides(cache: Path, parallel: str, steps: int = STEPS) -> list[str]:
-    return [f"data.cache_dir={cache}", "data.vocab_size=400", "data.seq_len=32", f"data.batch_size={GLOBAL_BATCH}",
-            "data.eval_tokens=256", "model.depth=2", "model.width=64", "model.n_heads=4", "model.laplacian_heads=2",
-            "samples.max_new_tokens=2", "samples.prompts=[\"The\"]", f"train.max_steps={steps}",
-            "train.schedule=constant", "train.warmup_ratio=0", "train.eval_every=0", "train.log_every=1",
-            f"train.ckpt_every={CKPT_EVERY}", "train.keep_checkpoints=0", "train.clip_grad=1.0",
-            "train.progress=false", f"train.parallel={parallel}", "optim.muon_momentum_warmup=4",
-            # small steps: Muon's Newton-Schulz runs in bf16, where a float-rounding difference of
-            # the gradients can flip the last bit of an update element (lr x 2^-8 for 1-process vs
-            # 2-process gradients); AdamW's eps 1e-10 similarly amplifies near-zero gradients
-            "optim.matrix_lr=0.0001", "optim.embedding_lr=0.001", "optim.unembedding_lr=0.001"]
+    return [
+        f"data.cache_dir={cache}",
+        "data.vocab_size=400",
+        "data.seq_len=32",
+        f"data.batch_size={GLOBAL_BATCH}",
+        "data.eval_tokens=256",
+        "model.depth=2",
+        "model.width=64",
+        "model.n_heads=4",
+        "model.laplacian_heads=2",
+        "samples.max_new_tokens=2",
+        'samples.prompts=["The"]',
+        f"train.max_steps={steps}",
+        "train.schedule=constant",
+        "train.warmup_ratio=0",
+        "train.eval_every=0",
+        "train.log_every=1",
+        f"train.ckpt_every={CKPT_EVERY}",
+        "train.keep_checkpoints=0",
+        "train.clip_grad=1.0",
+        "train.progress=false",
+        f"train.parallel={parallel}",
+        "optim.muon_momentum_warmup=4",
+        # small steps: Muon's Newton-Schulz runs in bf16, where a float-rounding difference of
+        # the gradients can flip the last bit of an update element (lr x 2^-8 for 1-process vs
+        # 2-process gradients); AdamW's eps 1e-10 similarly amplifies near-zero gradients
+        "optim.matrix_lr=0.0001",
+        "optim.embedding_lr=0.001",
+        "optim.unembedding_lr=0.001",
+    ]
 
 
 def _build(cfg: Any, info: Any) -> Any:
@@ -78,7 +97,7 @@ def _build(cfg: Any, info: Any) -> Any:
             while True:
                 g = torch.Generator().manual_seed(_mix(self.cfg.train.seed, micro))
                 x, y = self.train_shards.sample_batch(d.batch_size, d.seq_len, generator=g)
-                yield x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+                yield x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
                 micro += 1
 
     return GlobalBatchLM(cfg, info, run_dir=cfg._out)
@@ -96,6 +115,7 @@ def _config(out: Path, cache: Path, parallel: str, steps: int = STEPS) -> Any:
 def run(out: Path, cache: Path, parallel: str, resume: bool = False, steps: int = STEPS) -> dict:
     """Train (or resume) the tiny run in this process, under torchrun or alone."""
     from lapheads.engine.launch import launch
+
     return launch("lm", _config(out, cache, parallel, steps), _build, str(out), resume=resume)
 
 
@@ -110,13 +130,14 @@ def _env() -> dict[str, str]:
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
     from lapheads.engine.checkpoint import load_tensors
+
     return load_tensors(path)
 
 
 def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
     assert sorted(a) == sorted(b)
     for k in a:
-        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0, atol=atol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # Session scope and fixed paths under this worker's base temp: the xdist group "fsdp" interleaves
@@ -127,6 +148,7 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
 def cache(tmp_path_factory) -> Path:
     """Tokenizer and token shards built once per worker for every run of the module."""
     from lapheads.recipes import lm as R
+
     root = tmp_path_factory.getbasetemp() / "fsdp_cache"
     root.mkdir(exist_ok=True)
     R.prepare_data(_config(root / "unused", root, "ddp").data)  # reuses shards already there
@@ -159,12 +181,20 @@ def test_two_process_fsdp_equals_one_process(fsdp_run, cache, tmp_path):
     _assert_close(_weights(one / "final" / "model.safetensors"), full["model"], atol=1e-5)
     # same losses and global gradient norms (FSDP's reduce-scatter and the sharded clipping)
     from lapheads.engine.run import RunDir
-    logged = [[(r["loss"], r["grad_norm"]) for r in RunDir(d).metrics() if r.get("split") != "val" and
-               r["step"] <= CKPT_EVERY] for d in (one, fsdp_run)]
+
+    logged = [
+        [
+            (r["loss"], r["grad_norm"])
+            for r in RunDir(d).metrics()
+            if r.get("split") != "val" and r["step"] <= CKPT_EVERY
+        ]
+        for d in (one, fsdp_run)
+    ]
     assert len(logged[0]) == CKPT_EVERY
     torch.testing.assert_close(torch.tensor(logged[0]), torch.tensor(logged[1]), rtol=1e-5, atol=0)
     # the Muon momentum of every block matrix, gathered from the shards, equals the plain one
     from lapheads.engine.checkpoint import safe_torch_load
+
     plain = safe_torch_load(one / "checkpoints" / f"step_{CKPT_EVERY:08d}" / "state.pt")["optimizers"][1]
     bufs = [s["momentum_buffer"] for _, s in sorted(plain["state"].items())]
     sharded = [v["momentum_buffer"] for k, v in full["optim"]["state"].items() if "momentum_buffer" in v]
@@ -180,8 +210,11 @@ def test_two_process_fsdp_equals_one_process(fsdp_run, cache, tmp_path):
     assert len(list(ckd.glob("step_*"))) == STEPS // CKPT_EVERY
     model, tok = R.load_model(fsdp_run)
     assert model.config.laplacian_heads == 2
-    _assert_close({k: v for k, v in model.state_dict().items() if k in _weights(fsdp_run / "final" / "model.safetensors")},
-                  _weights(fsdp_run / "final" / "model.safetensors"), atol=0)
+    _assert_close(
+        {k: v for k, v in model.state_dict().items() if k in _weights(fsdp_run / "final" / "model.safetensors")},
+        _weights(fsdp_run / "final" / "model.safetensors"),
+        atol=0,
+    )
     samples = [json.loads(line) for line in (fsdp_run / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [STEPS]  # written once, by rank 0
     meta = json.loads((fsdp_run / "meta.json").read_text())
@@ -220,15 +253,17 @@ def test_sharded_checkpoint_resumes_on_one_process(fsdp_run, cache, tmp_path):
     muon = trainer.optims[1]
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     for p, st in muon.state.items():
-        torch.testing.assert_close(st["momentum_buffer"], full["optim"]["state"][names[id(p)]]["momentum_buffer"],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            st["momentum_buffer"], full["optim"]["state"][names[id(p)]]["momentum_buffer"], rtol=0, atol=0
+        )
     # continuing with one process reaches the end near the uninterrupted 2-process run
     res = run(run_dir, cache, "fsdp", resume=True)
     assert res["val_bpb"] > 0
     steps = [r["step"] for r in RunDir(run_dir).metrics() if "loss" in r and r.get("split") != "val"]
     assert steps == list(range(1, STEPS + 1))
-    _assert_close(_weights(run_dir / "final" / "model.safetensors"),
-                  _weights(fsdp_run / "final" / "model.safetensors"), atol=2e-3)
+    _assert_close(
+        _weights(run_dir / "final" / "model.safetensors"), _weights(fsdp_run / "final" / "model.safetensors"), atol=2e-3
+    )
     assert json.loads((run_dir / "meta.json").read_text())["starts"][-1]["world_size"] == 1
 
 
@@ -239,8 +274,9 @@ def test_killed_rank_then_resume_equals_uninterrupted(fsdp_run, cache, tmp_path)
     from test_distributed_faults import _worker_of_rank
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_torchrun(out, cache), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        _torchrun(out, cache), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     killed = False
     try:
         deadline = time.monotonic() + 240
@@ -264,8 +300,9 @@ def test_killed_rank_then_resume_equals_uninterrupted(fsdp_run, cache, tmp_path)
     assert int(ck.split("_")[1]) < STEPS
     r = subprocess.run(_torchrun(out, cache, "--resume"), env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    _assert_close(_weights(out / "final" / "model.safetensors"), _weights(fsdp_run / "final" / "model.safetensors"),
-                  atol=0)
+    _assert_close(
+        _weights(out / "final" / "model.safetensors"), _weights(fsdp_run / "final" / "model.safetensors"), atol=0
+    )
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
@@ -286,8 +323,11 @@ def muon_check(out: Path) -> None:
     g = torch.Generator().manual_seed(0)
     w0, grad = torch.randn(48, 32, generator=g), torch.randn(48, 32, generator=g)
     results = {}
-    for name, cls, sharded in (("plain", torch.optim.Muon, False), ("sharded_muon", ShardedMuon, True),
-                               ("torch_muon_on_dtensor", torch.optim.Muon, True)):
+    for name, cls, sharded in (
+        ("plain", torch.optim.Muon, False),
+        ("sharded_muon", ShardedMuon, True),
+        ("torch_muon_on_dtensor", torch.optim.Muon, True),
+    ):
         p = torch.nn.Parameter(distribute_tensor(w0.clone(), mesh, [Shard(0)]) if sharded else w0.clone())
         opt = cls([p], lr=0.02, adjust_lr_fn="original")
         for _ in range(2):
@@ -320,9 +360,11 @@ def test_fsdp_refused_where_unsupported(tmp_path):
 
 if __name__ == "__main__":  # the torchrun worker: OUT CACHE [--resume]
     import torch.distributed as dist
+
     dist.init_process_group("gloo")  # launch() takes this group over (and ends it)
     if "--resume" not in sys.argv:
         muon_check(Path(sys.argv[1]).parent / "muon_check.json")
     run(Path(sys.argv[1]), Path(sys.argv[2]), "fsdp", resume="--resume" in sys.argv[3:])
     from lapheads.cli import _spare_the_exit_collections
+
     _spare_the_exit_collections()  # as the console does: exit without the shutdown collections

@@ -39,10 +39,14 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch
 import yaml
-
 from _reliability_helpers import torchrun
-from test_fsdp import _assert_close, _env, _rewound_copy, _weights
-from test_fsdp import cache  # noqa: F401  (the session-scoped tokenizer + shards fixture, shared)
+from test_fsdp import (
+    _assert_close,
+    _env,
+    _rewound_copy,
+    _weights,
+    cache,  # noqa: F401  (the session-scoped tokenizer + shards fixture, shared)
+)
 
 pytestmark = pytest.mark.xdist_group("fsdp")  # module-scoped runs, on one worker
 
@@ -63,8 +67,12 @@ class _Interleaved:
         world, rank = self.info.world_size, self.info.rank
         one = copy.copy(self)  # the recipe's stream as rank 0 of one process draws it
         one.info = dataclasses.replace(self.info, rank=0, world_size=1)
-        return itertools.islice(super(_Interleaved, one).batches(start_micro_step * world + rank),  # type: ignore[misc]
-                                0, None, world)
+        return itertools.islice(
+            super(_Interleaved, one).batches(start_micro_step * world + rank),  # type: ignore[misc]
+            0,
+            None,
+            world,
+        )
 
 
 def _sft_recipe() -> Any:
@@ -114,26 +122,55 @@ def _sft_config(pretrained: Path, world: int) -> Any:
     from lapheads.engine.config import load_config
     from lapheads.recipes import sft as S
 
-    return load_config(S.SFTConfig, None, [
-        f"init_from={pretrained}", f"data.seq_len={SFT_SEQ}", f"data.batch_size={PER_RANK}", "data.max_eval_items=4",
-        f"train.grad_accum={2 // world}", f"train.max_steps={STEPS}", "train.eval_every=0", "train.log_every=1",
-        "train.progress=false", f"train.parallel={'fsdp' if world > 1 else 'ddp'}"])
+    return load_config(
+        S.SFTConfig,
+        None,
+        [
+            f"init_from={pretrained}",
+            f"data.seq_len={SFT_SEQ}",
+            f"data.batch_size={PER_RANK}",
+            "data.max_eval_items=4",
+            f"train.grad_accum={2 // world}",
+            f"train.max_steps={STEPS}",
+            "train.eval_every=0",
+            "train.log_every=1",
+            "train.progress=false",
+            f"train.parallel={'fsdp' if world > 1 else 'ddp'}",
+        ],
+    )
 
 
 def _retrofit_config(pretrained: Path, cache_dir: Path, parallel: str, *extra: str) -> Any:
     from lapheads.engine.config import load_config
     from lapheads.recipes import retrofit as RF
 
-    return load_config(RF.RetrofitConfig, None, [
-        f"init_from={pretrained}", f"data.cache_dir={cache_dir}", "laplacian_heads=1", "baseline=false",
-        f"data.seq_len={RETRO_SEQ}", f"data.batch_size={PER_RANK}", f"data.total_batch_tokens={TOTAL_TOKENS}",
-        "data.eval_tokens=128", f"train.max_steps={STEPS}", "train.warmup_ratio=0", "train.log_every=1",
-        f"train.ckpt_every={CKPT_EVERY}", "train.keep_checkpoints=0", "train.progress=false",
-        f"train.parallel={parallel}", *extra])
+    return load_config(
+        RF.RetrofitConfig,
+        None,
+        [
+            f"init_from={pretrained}",
+            f"data.cache_dir={cache_dir}",
+            "laplacian_heads=1",
+            "baseline=false",
+            f"data.seq_len={RETRO_SEQ}",
+            f"data.batch_size={PER_RANK}",
+            f"data.total_batch_tokens={TOTAL_TOKENS}",
+            "data.eval_tokens=128",
+            f"train.max_steps={STEPS}",
+            "train.warmup_ratio=0",
+            "train.log_every=1",
+            f"train.ckpt_every={CKPT_EVERY}",
+            "train.keep_checkpoints=0",
+            "train.progress=false",
+            f"train.parallel={parallel}",
+            *extra,
+        ],
+    )
 
 
 def _losses(run: Path) -> list[tuple[float, float]]:
     from lapheads.engine.run import RunDir
+
     return [(r["loss"], r["grad_norm"]) for r in RunDir(run).metrics() if "loss" in r and r.get("split") != "val"]
 
 
@@ -157,9 +194,20 @@ def pretrained(cache, tmp_path_factory) -> Path:  # noqa: F811  (cache: the fixt
     from lapheads.engine.dist import DistInfo
     from lapheads.recipes import lm as R
 
-    cfg = load_config(R.LMConfig, None, [f"data.cache_dir={cache}", "data.vocab_size=400", f"data.seq_len={SFT_SEQ}",
-                                         "model.depth=2", "model.width=32", "model.n_heads=2",
-                                         "model.laplacian_heads=0", "train.progress=false"])
+    cfg = load_config(
+        R.LMConfig,
+        None,
+        [
+            f"data.cache_dir={cache}",
+            "data.vocab_size=400",
+            f"data.seq_len={SFT_SEQ}",
+            "model.depth=2",
+            "model.width=32",
+            "model.n_heads=2",
+            "model.laplacian_heads=0",
+            "train.progress=false",
+        ],
+    )
     task = R.LMTask(cfg, DistInfo())
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -249,8 +297,11 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process, retro_one, p
     _retrofit_recipe().train(cfg, run, resume=True)
     steps = [r["step"] for r in RunDir(run).metrics() if "loss" in r and r.get("split") != "val"]
     assert steps == list(range(1, STEPS + 1))
-    _assert_close(_weights(run / "final" / "model.safetensors"),
-                  _weights(two_process / "retro" / "final" / "model.safetensors"), atol=1e-5)
+    _assert_close(
+        _weights(run / "final" / "model.safetensors"),
+        _weights(two_process / "retro" / "final" / "model.safetensors"),
+        atol=1e-5,
+    )
     torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(retro_one)), rtol=1e-5, atol=0)
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["grad_accum"] == 2
     assert [s["world_size"] for s in json.loads((run / "meta.json").read_text())["starts"]] == [2, 1]
@@ -271,4 +322,5 @@ if __name__ == "__main__":  # the torchrun worker: OUT CACHE PRETRAINED
     if int(os.environ["RANK"]) == 0:
         (out / "layer_calls.json").write_text(json.dumps(calls))
     from lapheads.cli import _spare_the_exit_collections
+
     _spare_the_exit_collections()  # as the console does: exit without the shutdown collections

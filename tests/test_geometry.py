@@ -10,9 +10,19 @@ import pytest
 import torch
 
 from lapheads.errors import ConfigError, DataError
-from lapheads.geometry import (AnovaAccumulator, ClassAccumulator, CosineAccumulator, GeometryAccumulator,
-                               SpectraAccumulator, anova, cdnv, neural_collapse, pca_rgb, spectral_k99,
-                               within_sequence_cosine)
+from lapheads.geometry import (
+    AnovaAccumulator,
+    ClassAccumulator,
+    CosineAccumulator,
+    GeometryAccumulator,
+    SpectraAccumulator,
+    anova,
+    cdnv,
+    neural_collapse,
+    pca_rgb,
+    spectral_k99,
+    within_sequence_cosine,
+)
 from lapheads.geometry.capture import ADAPTERS, ModelAdapter, analyze_model
 
 
@@ -34,8 +44,7 @@ def np_anova(x, s, c):
     mg = x.mean(0)
     tot = ((x - mg) ** 2).sum()
     within = sum(((x[s == k] - x[s == k].mean(0)) ** 2).sum() for k in np.unique(s))
-    bswc = sum((s == k).sum() * ((x[s == k].mean(0) - x[c == c[s == k][0]].mean(0)) ** 2).sum()
-               for k in np.unique(s))
+    bswc = sum((s == k).sum() * ((x[s == k].mean(0) - x[c == c[s == k][0]].mean(0)) ** 2).sum() for k in np.unique(s))
     bc = sum((c == k).sum() * ((x[c == k].mean(0) - mg) ** 2).sum() for k in np.unique(c))
     return tot, within, bswc, bc
 
@@ -58,9 +67,15 @@ def np_nc(x, y, W=None, b=None):
     G = U @ U.T
     E = (np.eye(C) - np.ones((C, C)) / C) * C / (C - 1)
     etf = np.linalg.norm(G / np.linalg.norm(G) - E / np.linalg.norm(E))
-    out = dict(nc1=nc1, cdnv=cd, nc2_equinorm=nrm.std() / nrm.mean(), nc2_equiangular_std=cos.std(),
-               nc2_equiangular_mean=cos.mean(), nc2_equiangular_shift=np.abs(cos + 1 / (C - 1)).mean(),
-               nc2_etf_distance=etf)
+    out = dict(
+        nc1=nc1,
+        cdnv=cd,
+        nc2_equinorm=nrm.std() / nrm.mean(),
+        nc2_equiangular_std=cos.std(),
+        nc2_equiangular_mean=cos.mean(),
+        nc2_equiangular_shift=np.abs(cos + 1 / (C - 1)).mean(),
+        nc2_etf_distance=etf,
+    )
     if W is not None:
         Wk = W[cls]
         out["nc3_self_duality"] = np.linalg.norm(Wk / np.linalg.norm(Wk) - M / np.linalg.norm(M))
@@ -301,7 +316,7 @@ def test_class_table_grows_and_unlabelled_tokens():
     y[::10] = -1
     acc = ClassAccumulator(4, num_classes=2)
     for i in range(0, 200, 37):
-        acc.update(torch.tensor(x[i:i + 37]), torch.tensor(y[i:i + 37]))
+        acc.update(torch.tensor(x[i : i + 37]), torch.tensor(y[i : i + 37]))
     m = y >= 0
     _assert_same(acc.compute(), neural_collapse(x[m], y[m]))
     cov = np.cov(x.T, bias=True)
@@ -311,9 +326,11 @@ def test_class_table_grows_and_unlabelled_tokens():
 def test_parts_merge_individually():
     x, s, c = _data(seed=9, n_seq=10, d=4)
     half = np.searchsorted(s, 5)
-    for make, feed in [(lambda: AnovaAccumulator(4), lambda a, sl: a.update(x[sl], s[sl], c[sl])),
-                       (lambda: SpectraAccumulator(4), lambda a, sl: a.update(x[sl], s[sl])),
-                       (lambda: CosineAccumulator(), lambda a, sl: a.update(x[sl], s[sl]))]:
+    for make, feed in [
+        (lambda: AnovaAccumulator(4), lambda a, sl: a.update(x[sl], s[sl], c[sl])),
+        (lambda: SpectraAccumulator(4), lambda a, sl: a.update(x[sl], s[sl])),
+        (lambda: CosineAccumulator(), lambda a, sl: a.update(x[sl], s[sl])),
+    ]:
         whole, p, q = make(), make(), make()
         feed(whole, slice(None))
         feed(p, slice(0, half))
@@ -365,6 +382,7 @@ def test_pca_rgb_shape_and_range():
 
 def _all_reduce_worker(rank: int, world: int, init: str, out: str, batches) -> None:
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -381,6 +399,7 @@ def _all_reduce_worker(rank: int, world: int, init: str, out: str, batches) -> N
 def test_all_reduce_over_two_processes_equals_one_accumulator(tmp_path):
     """Two gloo ranks with different shifts (and cosine centres) all-reduce to the one-shot state."""
     import torch.multiprocessing as mp
+
     x, s, c = _data(seed=12, n_seq=20, d=5, n_cls=4, offset=50.0)
     batches = list(_batches(x, s, c, [2] * 10))
     one = GeometryAccumulator(5)

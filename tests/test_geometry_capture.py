@@ -19,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny_vit(num_classes=10):
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
-                             num_classes=num_classes)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=num_classes
+    )
 
 
 def _images(n_batches=2, b=6):
@@ -37,8 +38,9 @@ def test_vit_capture_matches_in_memory_measures():
     xs, sids, cids, cls = [], [], [], []
     for i, (x, y) in enumerate(batches):
         with torch.no_grad():
-            patch, prefix = model.forward_intermediates(x, indices=[1], intermediates_only=True, output_fmt="NLC",
-                                                        return_prefix_tokens=True)[0]
+            patch, prefix = model.forward_intermediates(
+                x, indices=[1], intermediates_only=True, output_fmt="NLC", return_prefix_tokens=True
+            )[0]
         B, T, D = patch.shape
         xs.append(patch.reshape(B * T, D))
         sids.append((torch.arange(B) + 100 * i).repeat_interleave(T))
@@ -68,12 +70,21 @@ def test_vit_include_prefix_and_bad_layer():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_hf_capture_next_token_classes_and_padding(arch):
     if arch == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=23, n_embd=16, n_layer=2, n_head=2, n_positions=32,
-                                      bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            vocab_size=23, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(vocab_size=23, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=2, num_key_value_heads=1, bos_token_id=0, eos_token_id=0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=23,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 23, (3, 9))
     mask = torch.ones_like(ids)
@@ -88,7 +99,7 @@ def test_hf_capture_next_token_classes_and_padding(arch):
     xs, ys = [], []
     for b in range(3):
         n = int(mask[b].sum())
-        xs.append(hs[b, :n - 1])
+        xs.append(hs[b, : n - 1])
         ys.append(ids[b, 1:n])
     ref = neural_collapse(torch.cat(xs), torch.cat(ys), classifier=model.get_output_embeddings())
     for k in ("nc1", "cdnv", "nc2_etf_distance", "nc3_self_duality", "nc4_agreement", "n_classes"):
@@ -126,18 +137,23 @@ def test_plots_and_json(tmp_path):
 
 
 def _save_tiny_lm(path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([topics[k] for k in sorted(topics)[:4]],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [topics[k] for k in sorted(topics)[:4]],
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
     fast.save_pretrained(path)
-    cfg = transformers.GPT2Config(vocab_size=300, n_embd=16, n_layer=2, n_head=2, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=300, n_embd=16, n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
 
 
@@ -146,26 +162,68 @@ def test_cli_end_to_end_text_and_vision(tmp_path, capsys):
     ck = tmp_path / "lm"
     _save_tiny_lm(ck)
     out = tmp_path / "geo_text"
-    rc = cli_main(["analyze", "--checkpoint", str(ck), "--label", "a", "--checkpoint", str(ck), "--label", "b",
-                   "--data", "pydoc", "--seq-len", "32", "--batch-size", "4", "--max-batches", "2",
-                   "--min-count", "2", "--out", str(out)])
+    rc = cli_main(
+        [
+            "analyze",
+            "--checkpoint",
+            str(ck),
+            "--label",
+            "a",
+            "--checkpoint",
+            str(ck),
+            "--label",
+            "b",
+            "--data",
+            "pydoc",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--max-batches",
+            "2",
+            "--min-count",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     g = json.loads((out / "geometry.json").read_text())
     assert set(g["runs"]) == {"a", "b"} and len(g["figures"]) == 5
     assert g["runs"]["a"]["layers"]["hidden.2"]["anova"]["n_tokens"] == 2 * 4 * 32
     assert all((out / f).is_file() for f in g["figures"])
     assert g["runs"]["a"]["layers"]["hidden.1"]["anova"]["total"] == pytest.approx(  # same model twice
-        g["runs"]["b"]["layers"]["hidden.1"]["anova"]["total"])
+        g["runs"]["b"]["layers"]["hidden.1"]["anova"]["total"]
+    )
     # a timm model with weights saved to a file
     from safetensors.torch import save_file
 
     m = _tiny_vit()
     save_file(m.state_dict(), str(tmp_path / "vit.safetensors"))
     out2 = tmp_path / "geo_vit"
-    args = ["analyze", "--checkpoint", "vit_tiny_patch16_224", "--weights", str(tmp_path / "vit.safetensors"),
-            "--model-args", "img_size=32", "patch_size=8", "depth=2", "num_classes=10",
-            "--data", "digits", "--batch-size", "16", "--max-batches", "2", "--layers", "1,pre_logits",
-            "--no-figures", "--out", str(out2)]
+    args = [
+        "analyze",
+        "--checkpoint",
+        "vit_tiny_patch16_224",
+        "--weights",
+        str(tmp_path / "vit.safetensors"),
+        "--model-args",
+        "img_size=32",
+        "patch_size=8",
+        "depth=2",
+        "num_classes=10",
+        "--data",
+        "digits",
+        "--batch-size",
+        "16",
+        "--max-batches",
+        "2",
+        "--layers",
+        "1,pre_logits",
+        "--no-figures",
+        "--out",
+        str(out2),
+    ]
     assert cli_main(args) == 0
     g2 = json.loads((out2 / "geometry.json").read_text())
     r = g2["runs"]["vit_tiny_patch16_224"]["layers"]
@@ -188,8 +246,14 @@ def test_load_checkpoint_restores_laplacian_heads_in_a_fresh_process(tmp_path):
     import lapheads.transformers as lt
 
     torch.manual_seed(0)
-    cfg = transformers.NanoChatConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4)
+    cfg = transformers.NanoChatConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     model = transformers.NanoChatForCausalLM(cfg).eval()
     lt.enable(model, 2)
     model.save_pretrained(tmp_path)
@@ -225,12 +289,25 @@ def test_embedding_layer_cdnv_at_min_count_10_is_computed_and_explained():
     """At the embedding layer a token's vector is a function of its id: next-token classes that always
     follow the same token have identical means. CDNV is then computed over the other pairs, with a note."""
     torch.manual_seed(0)
-    cfg = transformers.NanoChatConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = transformers.NanoChatConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = transformers.NanoChatForCausalLM(cfg).eval()
     ids = torch.tensor([5, 6, 5, 7] * 16).repeat(2, 1)  # classes 6 and 7 always follow token 5
-    res = analyze_model(model, [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], kind="hf",
-                        layers=[0, 1], num_classes=16, min_count=10, nc4=False)
+    res = analyze_model(
+        model,
+        [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}],
+        kind="hf",
+        layers=[0, 1],
+        num_classes=16,
+        min_count=10,
+        nc4=False,
+    )
     nc = res["layers"]["hidden.0"]["nc_tokens"]
     assert nc["n_classes"] == 3 and nc["n_pairs_coincident"] == 1
     assert math.isfinite(nc["cdnv"]) and nc["cdnv"] > 0

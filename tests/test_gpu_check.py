@@ -16,13 +16,18 @@ def gpu_check(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     sys.modules.pop("gpu_check", None)
     import gpu_check
+
     return gpu_check
 
 
 def test_gpu_check_tiny_on_cpu(gpu_check, tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert gpu_check.main(["--device", "cpu", "--compile", "off", "--repeats", "1", "--resume-steps", "10",
-                           "--json", str(out)]) == 0
+    assert (
+        gpu_check.main(
+            ["--device", "cpu", "--compile", "off", "--repeats", "1", "--resume-steps", "10", "--json", str(out)]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     data = json.loads(out.read_text())
     rows = data["rows"]
@@ -33,8 +38,9 @@ def test_gpu_check_tiny_on_cpu(gpu_check, tmp_path, capsys):
     assert [r[1] for r in att] == ["math, T=32", "math, T=64", "math, T=128"]
     assert all("time x" in r[3] for r in att)
     train = [r for r in rows if r[0] in ("vit-s", "nanochat-tiny")]
-    assert [r[1] for r in train] == [f"k={k}/6, compile off" for k in (0, 3, 6)] + \
-        [f"k={k}/4, compile off" for k in (0, 2, 4)]
+    assert [r[1] for r in train] == [f"k={k}/6, compile off" for k in (0, 3, 6)] + [
+        f"k={k}/4, compile off" for k in (0, 2, 4)
+    ]
     for r in train:
         rate = float(r[2].split()[0].replace(",", ""))
         assert rate > 0 and r[2].endswith(("images/s", "tokens/s"))

@@ -53,8 +53,7 @@ def test_per_layer_counts():
 
 
 def test_per_layer_indices():
-    assert _masks([[0], [], [1, 3]], 3, 4) == [
-        [True, False, False, False], [False] * 4, [False, True, False, True]]
+    assert _masks([[0], [], [1, 3]], 3, 4) == [[True, False, False, False], [False] * 4, [False, True, False, True]]
     assert LaplacianHeads([[], []]).is_none()
 
 
@@ -196,8 +195,17 @@ def test_errors_are_plain_value_errors_for_callers():
 
 # LayerHeads: one layer's resolved selection, the form the operator branches on
 def test_layer_heads_of_agrees_with_head_mask():
-    for spec in [0, 2, "all", "none", [0, 2], (True, False, True, False), LaplacianHeads(1),
-                 torch.tensor([True, False, False, True]), LayerHeads((True, False, False, False))]:
+    for spec in [
+        0,
+        2,
+        "all",
+        "none",
+        [0, 2],
+        (True, False, True, False),
+        LaplacianHeads(1),
+        torch.tensor([True, False, False, True]),
+        LayerHeads((True, False, False, False)),
+    ]:
         sel = LayerHeads.of(spec, 4)
         assert isinstance(sel.flags, tuple) and all(type(f) is bool for f in sel.flags)
         assert list(sel.flags) == head_mask(spec, 4).tolist()
@@ -262,14 +270,33 @@ def test_resolve_returns_layer_heads_for_every_kind():
 
 # ----------------------------------------------------------------------------- sort key
 def test_sort_key_orders_settings():
-    want = ["k=0", "k=1", "k=2", "k=10", "all", "per-layer:0,2", "per-layer:1,2", "learn:standard", "learn:1",
-            "learn:3", "learn:laplacian"]
+    want = [
+        "k=0",
+        "k=1",
+        "k=2",
+        "k=10",
+        "all",
+        "per-layer:0,2",
+        "per-layer:1,2",
+        "learn:standard",
+        "learn:1",
+        "learn:3",
+        "learn:laplacian",
+    ]
     shuffled = [want[i] for i in (7, 3, 10, 0, 5, 8, 2, 9, 4, 1, 6)]
     assert sorted(shuffled, key=LaplacianHeads.sort_key) == want
     # the same order from specs, LaplacianHeads and the labels report.py writes ("none" = "k=0")
     specs = ["learn", 2, [[0], [1]], "none", "all", 1, [1, 0], LaplacianHeads.learn("laplacian")]
     assert [LaplacianHeads(s).label() for s in sorted(specs, key=LaplacianHeads.sort_key)] == [
-        "none", "k=1", "k=2", "all", "per-layer:1,0", "per-layer:1,1", "learn:standard", "learn:laplacian"]
+        "none",
+        "k=1",
+        "k=2",
+        "all",
+        "per-layer:1,0",
+        "per-layer:1,1",
+        "learn:standard",
+        "learn:laplacian",
+    ]
     assert LaplacianHeads.sort_key("none") == LaplacianHeads.sort_key("k=0") == LaplacianHeads.sort_key(0)
     assert LaplacianHeads.sort_key("k=all") == LaplacianHeads.sort_key("all")
     assert LaplacianHeads.sort_key("k=learn") == LaplacianHeads.sort_key(LaplacianHeads.learn())
@@ -293,10 +320,18 @@ def test_sort_key_puts_unknown_labels_last_by_text():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(st.integers(0, 12), st.sampled_from(["all", "none", "learn", "learn:laplacian", "learn:2"]),
-                          st.lists(st.integers(0, 3), min_size=1, max_size=3),
-                          st.lists(st.lists(st.integers(0, 3), max_size=2, unique=True), min_size=1, max_size=3),
-                          st.text(max_size=4)), max_size=8))
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(0, 12),
+            st.sampled_from(["all", "none", "learn", "learn:laplacian", "learn:2"]),
+            st.lists(st.integers(0, 3), min_size=1, max_size=3),
+            st.lists(st.lists(st.integers(0, 3), max_size=2, unique=True), min_size=1, max_size=3),
+            st.text(max_size=4),
+        ),
+        max_size=8,
+    )
+)
 def test_sort_key_is_total_and_deterministic(specs):
     keys = [LaplacianHeads.sort_key(s) for s in specs]  # never raises, also on odd text
     assert sorted(keys) == sorted(reversed(keys))  # any two keys compare (no TypeError)
@@ -323,9 +358,17 @@ def test_heads_field_default_and_accepted_values():
     assert cfg.model.laplacian_heads == [1, 2]
 
 
-@pytest.mark.parametrize("value, needle", [("alll", "'alll' is not understood"), (-1, "-1 is negative"),
-                                           ([1, -2], "[1]=-2 is negative"), (2.5, "type float"),
-                                           (True, "type bool"), ("learn:x", "learnable initialisation")])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ("alll", "'alll' is not understood"),
+        (-1, "-1 is negative"),
+        ([1, -2], "[1]=-2 is negative"),
+        (2.5, "type float"),
+        (True, "type bool"),
+        ("learn:x", "learnable initialisation"),
+    ],
+)
 def test_heads_field_refuses_bad_values_at_parse_time(value, needle):
     msg = _raises(lambda: from_dict(_Cfg, {"model": {"laplacian_heads": value}}), needle)
     assert msg.startswith("model.laplacian_heads") and "\n" not in msg
@@ -340,6 +383,7 @@ def test_heads_field_defaults():
     @dataclasses.dataclass
     class Cfg:
         heads: Any = heads_field([1, 2])
+
     a, b = Cfg(), Cfg()
     assert a.heads == [1, 2] and a.heads is not b.heads  # a list default is copied per config
     _raises(lambda: heads_field("alll"), "'alll'")  # a bad default fails where it is declared

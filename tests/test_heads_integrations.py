@@ -39,15 +39,18 @@ def test_operator_takes_a_layer_heads_as_is_and_equals_the_reference():
         ref, _ = laplacian_attention_reference(q, k, v, laplacian_heads=sel.mask(), is_causal=True)
         torch.testing.assert_close(laplacian_attention(q, k, v, laplacian_heads=sel, is_causal=True), ref, **TOL)
         # the reference takes the selection itself too
-        torch.testing.assert_close(laplacian_attention_reference(q, k, v, laplacian_heads=sel, is_causal=True)[0],
-                                   ref, **TOL)
+        torch.testing.assert_close(
+            laplacian_attention_reference(q, k, v, laplacian_heads=sel, is_causal=True)[0], ref, **TOL
+        )
 
 
 # --------------------------------------------------------------------------- the three integrations
 def _nn_layers() -> list[MultiheadAttention]:
     torch.manual_seed(0)
-    return [MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, laplacian_heads=sel).eval()
-            for sel in _expected()]
+    return [
+        MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, laplacian_heads=sel).eval()
+        for sel in _expected()
+    ]
 
 
 def _timm_layers() -> list[ltimm.LaplacianAttention]:
@@ -59,8 +62,14 @@ def _timm_layers() -> list[ltimm.LaplacianAttention]:
 
 def _llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=E, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=H, num_key_value_heads=2)  # grouped-query attention
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=E,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=2,
+    )  # grouped-query attention
     return ltf.enable(LlamaForCausalLM(cfg).double().eval(), SPEC)
 
 
@@ -103,13 +112,21 @@ _CHECKED: list[int] = []
 
 def _checking_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """lapheads' fused attention function, checked against the reference on the module's selection."""
-    out, _ = ltf.laplacian_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                                  dropout=dropout, **kwargs)
+    out, _ = ltf.laplacian_sdpa_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
     sel = module.laplacian_selection  # what the function just resolved and used
     assert type(sel) is LayerHeads and sel == _expected()[module.layer_idx]
-    ref, _ = laplacian_attention_reference(query, key, value, laplacian_heads=sel.mask(query.device),
-                                           attn_mask=attention_mask, is_causal=attention_mask is None,
-                                           scale=scaling, enable_gqa=True)
+    ref, _ = laplacian_attention_reference(
+        query,
+        key,
+        value,
+        laplacian_heads=sel.mask(query.device),
+        attn_mask=attention_mask,
+        is_causal=attention_mask is None,
+        scale=scaling,
+        enable_gqa=True,
+    )
     torch.testing.assert_close(out, ref.transpose(1, 2), **TOL)
     _CHECKED.append(module.layer_idx)
     return out, None

@@ -11,13 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _data_writers import write_cifar_archive, write_idx
 from PIL import Image
 
-from lapheads.data.images import (CIFARDataset, DigitsDataset, IdxDataset, ImageFolderDataset, load_digits_arrays,
-                                  build_image_dataset, read_idx)
-from _data_writers import write_cifar_archive, write_idx
-from lapheads.vision.transforms import build_transforms
+from lapheads.data.images import (
+    CIFARDataset,
+    DigitsDataset,
+    IdxDataset,
+    ImageFolderDataset,
+    build_image_dataset,
+    load_digits_arrays,
+    read_idx,
+)
 from lapheads.errors import ConfigError, DataError
+from lapheads.vision.transforms import build_transforms
 
 
 def rand_images(n: int, shape=(32, 32, 3), seed: int = 0) -> np.ndarray:
@@ -39,8 +46,13 @@ def cifar10(tmp_path_factory):
 def test_cifar10_round_trip_archive_and_folder(cifar10):
     c = cifar10
     assert c["folder"].name == "cifar-10-batches-py"
-    for spec in [str(c["archive"]), f"cifar10:{c['archive']}", str(c["folder"]), str(c["folder"].parent),
-                 {"kind": "cifar", "path": c["folder"]}]:
+    for spec in [
+        str(c["archive"]),
+        f"cifar10:{c['archive']}",
+        str(c["folder"]),
+        str(c["folder"].parent),
+        {"kind": "cifar", "path": c["folder"]},
+    ]:
         tr = build_image_dataset(spec, "train")
         va = build_image_dataset(spec, "val")
         assert isinstance(tr, CIFARDataset) and tr.kind == "cifar10"
@@ -60,8 +72,9 @@ def test_cifar_archive_is_the_official_layout(cifar10):
     with tarfile.open(cifar10["archive"]) as tar:
         names = sorted(tar.getnames())
         batch = pickle.loads(tar.extractfile("cifar-10-batches-py/data_batch_1").read(), encoding="bytes")
-    assert names == sorted(["cifar-10-batches-py/" + n for n in
-                            [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]])
+    assert names == sorted(
+        ["cifar-10-batches-py/" + n for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]]
+    )
     assert batch[b"data"].dtype == np.uint8 and batch[b"data"].shape == (5, 3072)
     # channel-major rows: first 1024 values are the red plane of image 0
     np.testing.assert_array_equal(batch[b"data"][0, :1024], cifar10["x"][0, :, :, 0].reshape(-1))
@@ -115,6 +128,7 @@ def test_cifar_folder_bad_members(cifar10, tmp_path):
 class _Evil:
     def __reduce__(self):
         import os
+
         return (os.system, ("echo pwned",))
 
 
@@ -130,7 +144,9 @@ def test_cifar_labels_out_of_range(tmp_path, bad):
     y = np.zeros(10, dtype=np.int64)
     y[7] = bad
     archive = write_cifar_archive(tmp_path / "c.tar.gz", rand_images(10), y)
-    with pytest.raises(DataError, match=rf"c\.tar\.gz:data_batch_4: label {bad} at index 1 is out of range; expected 0..9"):
+    with pytest.raises(
+        DataError, match=rf"c\.tar\.gz:data_batch_4: label {bad} at index 1 is out of range; expected 0..9"
+    ):
         build_image_dataset(str(archive))
 
 
@@ -237,8 +253,10 @@ def test_idx_round_trip(tmp_path, gz):
 
 def _mnist(tmp_path, n=5, labels=None):
     write_idx(tmp_path / "train-images-idx3-ubyte", rand_images(n, (4, 4)))
-    write_idx(tmp_path / "train-labels-idx1-ubyte",
-              np.zeros(n, dtype=np.uint8) if labels is None else np.asarray(labels, dtype=np.uint8))
+    write_idx(
+        tmp_path / "train-labels-idx1-ubyte",
+        np.zeros(n, dtype=np.uint8) if labels is None else np.asarray(labels, dtype=np.uint8),
+    )
 
 
 def test_idx_bad_files(tmp_path):
@@ -252,7 +270,9 @@ def test_idx_bad_files(tmp_path):
     with pytest.raises(DataError, match=r"train-images-idx3-ubyte: wrong magic number 0x12340803"):
         IdxDataset(tmp_path)
     p.write_bytes(raw[:-3])
-    with pytest.raises(DataError, match=r"train-images-idx3-ubyte: size 93 bytes does not match its header \(dims \[5, 4, 4\] need 96"):
+    with pytest.raises(
+        DataError, match=r"train-images-idx3-ubyte: size 93 bytes does not match its header \(dims \[5, 4, 4\] need 96"
+    ):
         IdxDataset(tmp_path)
     _mnist(tmp_path, labels=[0, 1, 2, 3])
     with pytest.raises(DataError, match=r"train-labels-idx1-ubyte: 4 labels but .* has 5 images"):
@@ -307,15 +327,18 @@ def test_digits_split_is_stratified_deterministic_and_scaled():
 
 
 def test_digits_are_read_without_importing_sklearn():
-    code = ("import sys; from lapheads.data.images import build_image_dataset; "
-            "ds = build_image_dataset('digits', 'train'); assert len(ds) > 1000; "
-            "assert 'sklearn' not in sys.modules, 'sklearn was imported'")
+    code = (
+        "import sys; from lapheads.data.images import build_image_dataset; "
+        "ds = build_image_dataset('digits', 'train'); assert len(ds) > 1000; "
+        "assert 'sklearn' not in sys.modules, 'sklearn was imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_digits_without_sklearn_names_the_fix(monkeypatch):
     import importlib.util
+
     load_digits_arrays.cache_clear()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sklearn" else real(name, *a))
@@ -378,6 +401,7 @@ def test_train_transform_is_random_but_seeded(cifar10):
 
 def test_three_augment_picks_each_option_uniformly_from_torchs_rng():
     from torchvision.transforms import v2
+
     choice = v2.RandomChoice([lambda _: 0, lambda _: 1, lambda _: 2])  # what build_transforms uses
     torch.manual_seed(0)
     picks = [choice(None) for _ in range(3000)]
@@ -406,6 +430,7 @@ def test_dataset_with_transform_batches_through_a_dataloader(cifar10):
 # ------------------------------------------------------------------ subsets (data.fraction / data.max_items)
 def test_subset_is_stratified_exact_seeded_and_nested():
     from lapheads.data.images import SubsetImageDataset, subset, subset_indices
+
     y = np.repeat(np.arange(4), [40, 20, 20, 10])  # uneven classes, N = 90
     for frac in (0.1, 0.25, 0.5, 0.9):
         keep = subset_indices(y, frac, seed=3)

@@ -8,24 +8,33 @@ import math
 
 import pytest
 import torch
+from _lm_helpers import greedy_by_recompute
 from timm.models.vision_transformer import VisionTransformer
 from transformers import LlamaConfig, LlamaForCausalLM, NanoChatConfig, NanoChatForCausalLM
 
 import lapheads.timm as ltimm
 import lapheads.transformers as ltr
-from lapheads import (ConfigError, HeadMix, LaplacianHeads, laplacian_attention, laplacian_attention_reference,
-                      mixing_table, suggest_selection)
+from lapheads import (
+    ConfigError,
+    HeadMix,
+    LaplacianHeads,
+    laplacian_attention,
+    laplacian_attention_reference,
+    mixing_table,
+    suggest_selection,
+)
 from lapheads.heads import laplacianness, nearer_laplacian
 from lapheads.nn import MultiheadAttention
-
-from _lm_helpers import greedy_by_recompute
 
 
 def _qkv(h=4, hkv=None, tq=6, tk=6, d=8, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     hkv = hkv or h
-    return (torch.randn(2, h, tq, d, generator=g, dtype=dtype), torch.randn(2, hkv, tk, d, generator=g, dtype=dtype),
-            torch.randn(2, hkv, tk, d, generator=g, dtype=dtype))
+    return (
+        torch.randn(2, h, tq, d, generator=g, dtype=dtype),
+        torch.randn(2, hkv, tk, d, generator=g, dtype=dtype),
+        torch.randn(2, hkv, tk, d, generator=g, dtype=dtype),
+    )
 
 
 def _mix(h=4, seed=1, dtype=torch.float64):
@@ -34,12 +43,15 @@ def _mix(h=4, seed=1, dtype=torch.float64):
 
 
 # ----------------------------------------------------------------------------- the spec
-@pytest.mark.parametrize("spec, canonical, flags", [
-    ("learn", "learn:standard", (False, False, False, False)),
-    ("Learn:Laplacian", "learn:laplacian", (True, True, True, True)),
-    ("learn:3", "learn:3", (False, True, True, True)),
-    (LaplacianHeads.learn(2), "learn:2", (False, False, True, True)),
-])
+@pytest.mark.parametrize(
+    "spec, canonical, flags",
+    [
+        ("learn", "learn:standard", (False, False, False, False)),
+        ("Learn:Laplacian", "learn:laplacian", (True, True, True, True)),
+        ("learn:3", "learn:3", (False, True, True, True)),
+        (LaplacianHeads.learn(2), "learn:2", (False, False, True, True)),
+    ],
+)
 def test_learn_spec_parses_and_initialises(spec, canonical, flags):
     s = LaplacianHeads(spec)
     assert s.learnable and s.spec == canonical and s.to_config() == canonical and s.label() == canonical
@@ -161,8 +173,12 @@ def test_timm_learnable_matches_fixed_at_init_and_fused_equals_eager():
     fixed = ltimm.convert(_vit(), 2)
     model = ltimm.convert(_vit(), "learn:2")
     names = [n for n, _ in model.named_parameters() if "lap_mix" in n]
-    assert names == ["blocks.0.attn.lap_mix_a", "blocks.0.attn.lap_mix_b", "blocks.1.attn.lap_mix_a",
-                     "blocks.1.attn.lap_mix_b"]
+    assert names == [
+        "blocks.0.attn.lap_mix_a",
+        "blocks.0.attn.lap_mix_b",
+        "blocks.1.attn.lap_mix_a",
+        "blocks.1.attn.lap_mix_b",
+    ]
     assert not any("lap_mix" in n for n, _ in fixed.named_parameters())
     with torch.no_grad():
         torch.testing.assert_close(model(x), fixed(x), atol=1e-6, rtol=0)
@@ -184,11 +200,20 @@ def test_timm_learnable_matches_fixed_at_init_and_fused_equals_eager():
 
 def test_timm_with_heads_and_create_model_accept_learn():
     cls = ltimm.LaplacianAttention.with_heads("learn:laplacian")
-    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5,
-                              attn_layer=cls)
+    model = VisionTransformer(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5, attn_layer=cls
+    )
     assert model.blocks[1].attn.lap_mix_a.tolist() == [1, 1, 1, 1]
-    m2 = ltimm.create_model("vit_tiny_patch16_224", laplacian_heads="learn", img_size=16, patch_size=4,
-                            embed_dim=32, depth=2, num_heads=4, num_classes=3)
+    m2 = ltimm.create_model(
+        "vit_tiny_patch16_224",
+        laplacian_heads="learn",
+        img_size=16,
+        patch_size=4,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        num_classes=3,
+    )
     assert m2.laplacian_heads == LaplacianHeads("learn:standard")
     assert [r["layer"] for r in mixing_table(m2)] == ["blocks.0.attn", "blocks.1.attn"]
 
@@ -196,8 +221,14 @@ def test_timm_with_heads_and_create_model_accept_learn():
 # ----------------------------------------------------------------------------- lapheads.transformers
 def _nanochat(heads, seed=0):
     torch.manual_seed(seed)
-    cfg = NanoChatConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4)
+    cfg = NanoChatConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     model = NanoChatForCausalLM(cfg).double().eval()
     ltr.enable(model, heads)
     model.generation_config.eos_token_id = None
@@ -218,7 +249,9 @@ def test_transformers_learnable_equals_fixed_at_init_and_kv_cache_equals_full():
     learn = _nanochat("learn:2")
     assert learn.config.laplacian_heads == "learn:2"
     assert [n for n, _ in learn.named_parameters() if "lap_mix" in n][:2] == [
-        "model.layers.0.self_attn.lap_mix_a", "model.layers.0.self_attn.lap_mix_b"]
+        "model.layers.0.self_attn.lap_mix_a",
+        "model.layers.0.self_attn.lap_mix_b",
+    ]
     with torch.no_grad():
         torch.testing.assert_close(learn(ids).logits, fixed(ids).logits, atol=1e-12, rtol=0)
     _perturb(learn)
@@ -242,8 +275,16 @@ def test_transformers_learnable_equals_fixed_at_init_and_kv_cache_equals_full():
 
 def test_transformers_gqa_learnable_runs():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     ltr.enable(model, "learn:laplacian")
     assert ltr.mixing_modules(model)[0].lap_mix_a.shape == (4,)
     fixed = LlamaForCausalLM(model.config.__class__(**{**model.config.to_dict(), "laplacian_heads": "all"})).eval()
@@ -266,6 +307,7 @@ def test_transformers_save_and_from_pretrained_restore_the_learned_values(tmp_pa
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-12, rtol=0)
     # a plain load builds modules without the parameters: refused at the first forward, naming the fix
     from transformers import AutoModelForCausalLM
+
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     with pytest.raises(ConfigError, match="lapheads.transformers.from_pretrained"):
         plain(ids)
@@ -288,9 +330,11 @@ def test_from_pretrained_of_a_hub_id_restores_the_learned_values(tmp_path, monke
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs" / "main").write_text("a" * 40)
     import huggingface_hub.constants
+
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up
-    loaded = ltr.from_pretrained("someone/tiny-learn", cache_dir=str(tmp_path / "hub"), local_files_only=True,
-                                 dtype=torch.float64).eval()
+    loaded = ltr.from_pretrained(
+        "someone/tiny-learn", cache_dir=str(tmp_path / "hub"), local_files_only=True, dtype=torch.float64
+    ).eval()
     assert mixing_table(loaded) == mixing_table(model)
     ids = torch.randint(3, 97, (1, 6))
     with torch.no_grad():
@@ -306,6 +350,7 @@ def test_enable_with_a_fixed_spec_removes_the_parameters():
 # ----------------------------------------------------------------------------- optimizers
 def test_lm_optimizers_put_the_mixing_in_adamw_without_weight_decay():
     from lapheads.lm.model import LMModelConfig, LMOptimConfig, build_model, build_optimizers, param_groups
+
     model = build_model(LMModelConfig(depth=2, width=32, n_heads=4, laplacian_heads="learn:1"), 64, 16)
     groups = param_groups(model)
     assert [n for n, _ in groups["mix"]] == [f"model.layers.{i}.self_attn.lap_mix_{c}" for i in (0, 1) for c in "ab"]
@@ -320,6 +365,7 @@ def test_lm_optimizers_put_the_mixing_in_adamw_without_weight_decay():
 def test_classify_optimizer_excludes_the_mixing_from_weight_decay():
     from lapheads.engine.dist import DistInfo
     from lapheads.recipes.classify import ClassifyConfig, ClassifyTask
+
     cfg = ClassifyConfig()
     cfg.model.name, cfg.model.img_size, cfg.model.patch_size = "vit_tiny_patch16_224", 8, 4
     cfg.model.embed_dim, cfg.model.depth, cfg.model.num_heads, cfg.model.laplacian_heads = 16, 1, 2, "learn"
@@ -331,12 +377,12 @@ def test_classify_optimizer_excludes_the_mixing_from_weight_decay():
     assert len(mix) == 2 and not decayed & {id(p) for p in mix}
 
 
-
 @pytest.mark.parametrize("scale", [1.0, 10.0])
 def test_classify_mix_lr_scale_sets_the_mixing_learning_rate(scale):
-    from lapheads.engine.dist import DistInfo
     from lapheads.engine.config import from_dict
+    from lapheads.engine.dist import DistInfo
     from lapheads.recipes.classify import ClassifyConfig, ClassifyTask
+
     cfg = ClassifyConfig()
     cfg.model.name, cfg.model.img_size, cfg.model.patch_size = "vit_tiny_patch16_224", 8, 4
     cfg.model.embed_dim, cfg.model.depth, cfg.model.num_heads, cfg.model.laplacian_heads = 16, 2, 2, "learn"
@@ -362,8 +408,14 @@ def test_mixing_table_and_suggested_selection():
     assert laplacianness(2, -2) == pytest.approx(1) and laplacianness(-1, 1) == pytest.approx(1)
     assert laplacianness(0.5, -1.4) == pytest.approx(0.4369, abs=1e-3)  # a sign-flipped P - 0.36 I: nearer P
     assert abs(laplacianness(1, 0)) == pytest.approx(2) and math.isnan(laplacianness(0, 0))
-    assert [nearer_laplacian(x) for x in (0.4, 0.6, -1.4, -1.6, -2.0, math.nan)] == [False, True, False, True, True,
-                                                                                        False]
+    assert [nearer_laplacian(x) for x in (0.4, 0.6, -1.4, -1.6, -2.0, math.nan)] == [
+        False,
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
     model = ltimm.convert(_vit(), "learn")
     with torch.no_grad():
         model.blocks[0].attn.lap_mix_a.copy_(torch.tensor([0.0, 1.0, 0.9, 0.2]))
@@ -384,12 +436,42 @@ def test_classify_run_logs_the_mixing_and_restores_it(tmp_path):
 
     from lapheads.cli import main as cli
     from lapheads.recipes.classify import load_model
-    digits = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+
+    digits = str(
+        Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"
+    )
     out = tmp_path / "run"
-    assert cli(["train", "classify", "--config", digits, "--out", str(out), "--set", "model.laplacian_heads=learn:1",
-                "--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
-                "--set", "train.max_steps=4", "--set", "train.progress=false", "--set", "data.batch_size=16",
-                "--set", "data.max_eval_items=32", "--set", "optim.lr=0.05"]) == 0
+    assert (
+        cli(
+            [
+                "train",
+                "classify",
+                "--config",
+                digits,
+                "--out",
+                str(out),
+                "--set",
+                "model.laplacian_heads=learn:1",
+                "--set",
+                "model.embed_dim=32",
+                "--set",
+                "model.depth=2",
+                "--set",
+                "model.num_heads=2",
+                "--set",
+                "train.max_steps=4",
+                "--set",
+                "train.progress=false",
+                "--set",
+                "data.batch_size=16",
+                "--set",
+                "data.max_eval_items=32",
+                "--set",
+                "optim.lr=0.05",
+            ]
+        )
+        == 0
+    )
     val = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in val if r.get("split") == "val"]
     logged = val[-1]["lap_mix"]
@@ -400,6 +482,7 @@ def test_classify_run_logs_the_mixing_and_restores_it(tmp_path):
     model = load_model(out)
     assert mixing_table(model) == logged
     from lapheads.report import build_report
+
     paths = build_report([out], tmp_path / "report")
     md = paths["md"].read_text()
     assert "classify_mixing.png" in md and (tmp_path / "report" / "figures" / "classify_mixing.png").is_file()
@@ -410,16 +493,25 @@ def test_report_suggestion_averages_seeds(tmp_path):
     from lapheads.report import learned_mixing
 
     def run(seed, a):  # the stored "laplacianness" is stale on purpose: the report recomputes it from a, b
-        return {"seed": seed, "final": {"lap_mix": [{"layer": "blocks.0.attn", "a": a, "b": [1.0, 1.0],
-                                                     "laplacianness": [9.0 for _ in a]}]}}
+        return {
+            "seed": seed,
+            "final": {
+                "lap_mix": [{"layer": "blocks.0.attn", "a": a, "b": [1.0, 1.0], "laplacianness": [9.0 for _ in a]}]
+            },
+        }
+
     # head 1: Laplacian-ness -atan(-0.5)/45 = 0.590 and -atan(-0.3)/45 = 0.371 -> mean 0.480, not above 0.5
-    groups = {"learn:standard": {"runs": [run(0, [0.0, -0.5]), run(1, [0.0, -0.3])]},
-              "k=0": {"runs": [{"seed": 0, "final": {"top1": 0.9}}]}}
+    groups = {
+        "learn:standard": {"runs": [run(0, [0.0, -0.5]), run(1, [0.0, -0.3])]},
+        "k=0": {"runs": [{"seed": 0, "final": {"top1": 0.9}}]},
+    }
     path, lines = learned_mixing(groups, tmp_path / "mix.png")
     assert path.is_file()
-    assert lines == ["learn:standard: suggested fixed selection from 2 run(s): laplacian_heads=[[]] (Laplacian heads "
-                     "per layer [0]; a head is Laplacian when its mean Laplacian-ness -atan(a/b)/45deg puts it "
-                     "nearer I - P than P)"]
+    assert lines == [
+        "learn:standard: suggested fixed selection from 2 run(s): laplacian_heads=[[]] (Laplacian heads "
+        "per layer [0]; a head is Laplacian when its mean Laplacian-ness -atan(a/b)/45deg puts it "
+        "nearer I - P than P)"
+    ]
     groups["learn:standard"]["runs"][1] = run(1, [0.0, -0.45])  # 0.534 -> mean 0.562
     assert "laplacian_heads=[[1]]" in learned_mixing(groups, tmp_path / "mix.png")[1][0]
     assert learned_mixing({"k=0": groups["k=0"]}, tmp_path / "none.png") is None

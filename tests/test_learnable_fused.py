@@ -50,8 +50,17 @@ def _case(name: str, dtype=torch.float64):
     return q, k, v, kw
 
 
-CASES = ["self", "causal", "kv-cache", "gqa", "gqa-kv-cache", "bool-mask", "additive-mask", "two-batch-dims",
-         "unbatched-1x1"]
+CASES = [
+    "self",
+    "causal",
+    "kv-cache",
+    "gqa",
+    "gqa-kv-cache",
+    "bool-mask",
+    "additive-mask",
+    "two-batch-dims",
+    "unbatched-1x1",
+]
 
 
 def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
@@ -121,7 +130,7 @@ def test_bit_identical_to_the_generic_graph(case, dtype):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=h != hkv)
         if m is not None:
             out = out.masked_fill(~m.any(-1, keepdim=True), 0.0)
-        vs = v[..., v.shape[-2] - tq:, :]
+        vs = v[..., v.shape[-2] - tq :, :]
         vs = vs if h == hkv else vs.repeat_interleave(h // hkv, dim=-3)
         return torch.addcmul(out * b.view(h, 1, 1), vs, a.view(h, 1, 1))
 
@@ -141,8 +150,9 @@ def test_only_the_requested_gradients(trainable):
     grads = []
     for fn in (laplacian_attention, laplacian_attention_reference):
         qkv = [t.detach().clone().requires_grad_(trainable != "qkv-frozen") for t in (q, k, v)]
-        ab = [t.detach().clone().requires_grad_(n in trainable or trainable == "qkv-frozen") for n, t in
-              zip("ab", (a, b))]
+        ab = [
+            t.detach().clone().requires_grad_(n in trainable or trainable == "qkv-frozen") for n, t in zip("ab", (a, b))
+        ]
         out = fn(*qkv, laplacian_heads=HeadMix(*ab), **kw)
         out = out[0] if isinstance(out, tuple) else out
         out.square().sum().backward()
@@ -229,8 +239,10 @@ def test_double_backward_fails_as_sdpa_does():
     way with or without the mixing, never with a silently wrong second derivative."""
     q, k, v, _ = _case("self", torch.float32)
     errors = []
-    for fn in (lambda *t: F.scaled_dot_product_attention(*t[:3]),
-               lambda *t: laplacian_attention(*t[:3], laplacian_heads=HeadMix(t[3], t[4]))):
+    for fn in (
+        lambda *t: F.scaled_dot_product_attention(*t[:3]),
+        lambda *t: laplacian_attention(*t[:3], laplacian_heads=HeadMix(t[3], t[4])),
+    ):
         ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
         (gq,) = torch.autograd.grad(fn(*ins).square().sum(), ins[0], create_graph=True)
         with pytest.raises(RuntimeError) as err:

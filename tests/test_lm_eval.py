@@ -6,14 +6,12 @@ import json
 
 import pytest
 import torch
+from _lm_helpers import local_mc_task, offline, tiny_lm_run
 
 from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
 from lapheads.lm.evaluate import make_lm_eval_model, parse_tasks
 from lapheads.recipes import lm as R
-
-from _lm_helpers import local_mc_task, offline, tiny_lm_run
-
 
 pytestmark = pytest.mark.xdist_group("lm_eval")  # one tiny LM run shared by the module, on one worker
 
@@ -29,8 +27,27 @@ def test_sample_cli(run, capsys):
     assert greedy.startswith("The list")
     assert cli(["sample", "--run", str(run), "--prompt", "The list", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out == greedy  # greedy is deterministic
-    assert cli(["sample", "--run", str(run), "--prompt", "A", "--max-new-tokens", "4", "--temperature", "0.9",
-                "--top-k", "20", "--num-samples", "2", "--chat"]) == 0
+    assert (
+        cli(
+            [
+                "sample",
+                "--run",
+                str(run),
+                "--prompt",
+                "A",
+                "--max-new-tokens",
+                "4",
+                "--temperature",
+                "0.9",
+                "--top-k",
+                "20",
+                "--num-samples",
+                "2",
+                "--chat",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.count("--- sample") == 2
     assert cli(["sample", "--run", str(run), "--prompt", "A", "--temperature", "-1"]) == 2
 
@@ -40,8 +57,14 @@ def test_kv_cached_sampling_matches_full_recompute(run):
     ids = tok("The list type")["input_ids"]
     x = torch.tensor([ids])
     with torch.no_grad():
-        gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
-                             eos_token_id=None, pad_token_id=tok.pad_token_id)[0].tolist()
+        gen = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tok.pad_token_id,
+        )[0].tolist()
         seq = list(ids)
         for _ in range(6):
             seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
@@ -74,8 +97,7 @@ def test_eval_lm_model_is_lm_evals_hflm_and_scores_after_one_bos(run):
 def test_eval_lm_cli_lm_eval_local_task_offline(run, tmp_path, monkeypatch):
     offline(monkeypatch, tmp_path / "hf_datasets")
     tasks = local_mc_task(tmp_path, "lapheads_tiny_mc")
-    assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "lapheads_tiny_mc",
-                "--lm-eval-include", str(tasks)]) == 0
+    assert cli(["eval", "lm", "--run", str(run), "--lm-eval", "lapheads_tiny_mc", "--lm-eval-include", str(tasks)]) == 0
     res = json.loads((run / "eval.json").read_text())
     r = res["lm_eval"]["results"]["lapheads_tiny_mc"]
     assert 0.0 <= r["acc,none"] <= 1.0 and res["lm_eval"]["n-samples"]["lapheads_tiny_mc"]["effective"] == 3
@@ -162,16 +184,42 @@ def test_chat_tasks_are_lm_eval_tasks_without_the_built_in_index(monkeypatch):
 def test_eval_lm_cli_chat_tasks(run, tmp_path, monkeypatch):
     offline(monkeypatch, tmp_path / "hf_datasets")  # what `eval lm` sets for itself, undone after the test
     arc = tmp_path / "arc.jsonl"
-    arc.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Which is {w}?",
-                                       "choices": {"text": [w, "stone", "water", "air"], "label": list("ABCD")},
-                                       "answerKey": "A"}) + "\n" for i, w in enumerate(["fire", "wood", "sand"])))
+    arc.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"q{i}",
+                    "question": f"Which is {w}?",
+                    "choices": {"text": [w, "stone", "water", "air"], "label": list("ABCD")},
+                    "answerKey": "A",
+                }
+            )
+            + "\n"
+            for i, w in enumerate(["fire", "wood", "sand"])
+        )
+    )
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n")
     out = tmp_path / "eval.json"
     # 80 new tokens: more than the model's 64 positions, which lm-eval would refuse unless the chat
     # tasks' prompts and replies are left untruncated
-    assert cli(["eval", "lm", "--run", str(run), "--tasks", f"arc_easy={arc},gsm8k={gsm}", "--max-new-tokens", "80",
-                "--out", str(out)]) == 0
+    assert (
+        cli(
+            [
+                "eval",
+                "lm",
+                "--run",
+                str(run),
+                "--tasks",
+                f"arc_easy={arc},gsm8k={gsm}",
+                "--max-new-tokens",
+                "80",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["chat"]["arc_easy"]["total"] == 3 and res["chat"]["gsm8k"]["total"] == 1
     assert set(res["chat"]["arc_easy"]["predictions"]) <= set("ABCD") and len(res["chat"]["gsm8k"]["answers"]) == 1
@@ -237,14 +285,27 @@ def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypat
     before the model is loaded; once the holder is gone the evaluation writes its result."""
     import subprocess
     import sys
+
     offline(monkeypatch, tmp_path / "hf_datasets")
     arc = tmp_path / "arc.jsonl"
-    arc.write_text(json.dumps({"id": "q0", "question": "Which is fire?", "answerKey": "A",
-                               "choices": {"text": ["fire", "stone"], "label": ["A", "B"]}}) + "\n")
-    code = ("import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
-            "print('held', flush=True); sys.stdin.read()")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    arc.write_text(
+        json.dumps(
+            {
+                "id": "q0",
+                "question": "Which is fire?",
+                "answerKey": "A",
+                "choices": {"text": ["fire", "stone"], "label": ["A", "B"]},
+            }
+        )
+        + "\n"
+    )
+    code = (
+        "import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     result = run / "eval.json"  # other tests of this module may have written one already
     before = result.read_bytes() if result.exists() else None
     try:

@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
+from _lm_helpers import greedy_by_recompute, local_mc_task, offline, tiny_lm_run
 
 from lapheads.cli import main as cli
 from lapheads.recipes import lm as R
-
-from _lm_helpers import greedy_by_recompute, local_mc_task, offline, tiny_lm_run
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -62,8 +61,9 @@ def test_hflm_scores_after_exactly_one_bos_in_every_request_type(run):
     # loglikelihood (also an empty context, where lm-eval puts its prefix token before the continuation)
     pairs = [("The list", " type"), ("A", " dict is a mapping"), ("", "Hello world")]
     reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
-    for (ctx, cont), (a, _), (b, _) in zip(pairs, hf.loglikelihood(reqs, disable_tqdm=True),
-                                           lap.loglikelihood(reqs, disable_tqdm=True)):
+    for (ctx, cont), (a, _), (b, _) in zip(
+        pairs, hf.loglikelihood(reqs, disable_tqdm=True), lap.loglikelihood(reqs, disable_tqdm=True)
+    ):
         body = tok.encode(ctx + cont, add_special_tokens=False)
         n_ctx = len(tok.encode(ctx, add_special_tokens=False))
         want = _rolling_ll(model, body, bos, L) - _rolling_ll(model, body[:n_ctx], bos, L)
@@ -85,14 +85,16 @@ def test_hflm_scores_after_exactly_one_bos_in_every_request_type(run):
     real = lap._model_generate
     lap._model_generate = lambda context, **kw: (seen.extend(context.tolist()), real(context=context, **kw))[1]
     ctxs = ["The list", "A dict is a mapping from"]
-    out = lap.generate_until([Instance("generate_until", {}, (c, {"until": ["\n\n"], "max_gen_toks": 6}), i)
-                              for i, c in enumerate(ctxs)], disable_tqdm=True)
+    out = lap.generate_until(
+        [Instance("generate_until", {}, (c, {"until": ["\n\n"], "max_gen_toks": 6}), i) for i, c in enumerate(ctxs)],
+        disable_tqdm=True,
+    )
     for c, text in zip(ctxs, out):
         ids = [bos] + tok.encode(c, add_special_tokens=False)
-        assert any(row[len(row) - len(ids):] == ids and bos not in row[:len(row) - len(ids)] for row in seen)
-        new = greedy_by_recompute(model, torch.tensor([ids]), 6)[0, len(ids):].tolist()
+        assert any(row[len(row) - len(ids) :] == ids and bos not in row[: len(row) - len(ids)] for row in seen)
+        new = greedy_by_recompute(model, torch.tensor([ids]), 6)[0, len(ids) :].tolist()
         stop = [j for j, t in enumerate(new) if t in (bos, tok.eos_token_id)]  # generation_config's stop ids
-        assert text == tok.decode(new[:stop[0] if stop else None], skip_special_tokens=True).split("\n\n")[0]
+        assert text == tok.decode(new[: stop[0] if stop else None], skip_special_tokens=True).split("\n\n")[0]
 
 
 def test_lapheads_lm_eval_indexes_the_chat_tasks_before_include_path(tmp_path, monkeypatch):
@@ -120,9 +122,28 @@ def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path,
     offline(monkeypatch, tmp_path / "hf_datasets")  # `lapheads lm-eval` leaves that to the user, as lm-eval does
     tasks = local_mc_task(tmp_path, "lapheads_cli_tiny_mc")
     out = tmp_path / "out"
-    assert cli(["lm-eval", "--model", "lapheads", "--model_args", f"pretrained={run / 'final' / 'hf'},dtype=float32",
-                "--tasks", "lapheads_cli_tiny_mc", "--include_path", str(tasks), "--device", "cpu",
-                "--batch_size", "2", "--output_path", str(out)]) == 0
+    assert (
+        cli(
+            [
+                "lm-eval",
+                "--model",
+                "lapheads",
+                "--model_args",
+                f"pretrained={run / 'final' / 'hf'},dtype=float32",
+                "--tasks",
+                "lapheads_cli_tiny_mc",
+                "--include_path",
+                str(tasks),
+                "--device",
+                "cpu",
+                "--batch_size",
+                "2",
+                "--output_path",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "lapheads_cli_tiny_mc" in capsys.readouterr().out  # lm-eval's own results table
     files = list(out.rglob("results_*.json"))
     assert len(files) == 1
@@ -131,6 +152,7 @@ def test_lapheads_lm_eval_runs_lm_evals_cli_on_a_laplacian_export(run, tmp_path,
     assert res["n-samples"]["lapheads_cli_tiny_mc"]["effective"] == 3
     # the numbers are those of the Laplacian model: same accuracy as `lapheads eval lm` gives
     from lapheads.lm.evaluate import run_lm_eval
+
     model, tok = R.load_model(run)
     mine = run_lm_eval(model, tok, ["lapheads_cli_tiny_mc"], include_path=str(tasks))
     assert mine["results"]["lapheads_cli_tiny_mc"]["acc,none"] == res["results"]["lapheads_cli_tiny_mc"]["acc,none"]
@@ -171,5 +193,6 @@ def test_eval_lm_rolling_loglikelihood_has_one_bos(run):
     ids = tok.encode(text, add_special_tokens=False)
     assert 64 < len(ids) <= 128
     (got,) = make_lm_eval_model(model, tok).loglikelihood_rolling(
-        [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+        [Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True
+    )
     assert got == pytest.approx(_rolling_ll(model, ids, tok.bos_token_id, 64), rel=1e-6, abs=1e-5)

@@ -13,8 +13,17 @@ from lapheads.engine.checkpoint import latest_checkpoint, load_tensors
 from lapheads.engine.config import load_config
 from lapheads.engine.launch import launch
 from lapheads.errors import CheckpointError, ConfigError, DataError
-from lapheads.lm.model import (LMModelConfig, LMOptimConfig, budget_steps, build_model, build_optimizers,
-                               count_params, muon_momentum, param_groups, resolve_shape)
+from lapheads.lm.model import (
+    LMModelConfig,
+    LMOptimConfig,
+    budget_steps,
+    build_model,
+    build_optimizers,
+    count_params,
+    muon_momentum,
+    param_groups,
+    resolve_shape,
+)
 from lapheads.recipes import lm as R
 
 
@@ -25,11 +34,25 @@ def cache(tmp_path_factory):
 
 
 def _cfg(cache, *overrides):
-    base = [f"data.cache_dir={cache}", "data.vocab_size=512", "data.seq_len=64", "data.batch_size=8",
-            "data.eval_tokens=4096", "model.depth=2", "model.width=64", "model.n_heads=4",
-            "model.laplacian_heads=2", "samples.max_new_tokens=4", "samples.prompts=[The list]",
-            "train.max_steps=8", "train.progress=false", "train.log_every=1", "train.eval_every=4",
-            "train.warmup_steps=2", "optim.muon_momentum_warmup=4"]
+    base = [
+        f"data.cache_dir={cache}",
+        "data.vocab_size=512",
+        "data.seq_len=64",
+        "data.batch_size=8",
+        "data.eval_tokens=4096",
+        "model.depth=2",
+        "model.width=64",
+        "model.n_heads=4",
+        "model.laplacian_heads=2",
+        "samples.max_new_tokens=4",
+        "samples.prompts=[The list]",
+        "train.max_steps=8",
+        "train.progress=false",
+        "train.log_every=1",
+        "train.eval_every=4",
+        "train.warmup_steps=2",
+        "optim.muon_momentum_warmup=4",
+    ]
     return load_config(R.LMConfig, None, base + list(overrides))
 
 
@@ -40,8 +63,12 @@ def test_d20_shape_and_budget_match_nanochat():
     with torch.device("meta"):
         m = build_model(LMModelConfig(depth=20, laplacian_heads=5), 65536, 2048, init=False)
     c = m.config
-    assert (c.hidden_act, c.final_logit_softcapping, c.tie_word_embeddings, c.rope_parameters["rope_theta"]) == \
-        ("relu2", 15.0, False, 10000.0)
+    assert (c.hidden_act, c.final_logit_softcapping, c.tie_word_embeddings, c.rope_parameters["rope_theta"]) == (
+        "relu2",
+        15.0,
+        False,
+        10000.0,
+    )
     n = count_params(m)
     assert n == 20 * 12 * 1280**2 + 2 * 65536 * 1280  # 560,988,160: the paper's "561M"
     assert budget_steps(n, 20, 524288) == 21400  # nanochat's d20 run length
@@ -106,8 +133,11 @@ def test_grad_accum_from_total_batch_tokens():
     with pytest.raises(ConfigError, match="multiple"):
         load_config(R.LMConfig, None, ["data.seq_len=64", "data.batch_size=8", "data.total_batch_tokens=1000"])
     with pytest.raises(ConfigError, match="contradicts"):
-        load_config(R.LMConfig, None, ["data.seq_len=64", "data.batch_size=8", "data.total_batch_tokens=2048",
-                                       "train.grad_accum=3"])
+        load_config(
+            R.LMConfig,
+            None,
+            ["data.seq_len=64", "data.batch_size=8", "data.total_batch_tokens=2048", "train.grad_accum=3"],
+        )
 
 
 # ----------------------------------------------------------------------------- recipe
@@ -164,11 +194,20 @@ def test_lm_exact_resume_after_crash(cache, tmp_path):
 
     crashed = tmp_path / "crashed"
     with pytest.raises(_Crash):
-        launch("lm", _cfg(cache, "train.ckpt_every=3", "data.total_batch_tokens=1024"),
-               lambda c, i: CrashTask(c, i), str(crashed))
+        launch(
+            "lm",
+            _cfg(cache, "train.ckpt_every=3", "data.total_batch_tokens=1024"),
+            lambda c, i: CrashTask(c, i),
+            str(crashed),
+        )
     assert latest_checkpoint(crashed / "checkpoints").name == "step_00000003"
-    launch("lm", _cfg(cache, "train.ckpt_every=3", "data.total_batch_tokens=1024"),
-           lambda c, i: R.build_task(c, i), str(crashed), resume=True)
+    launch(
+        "lm",
+        _cfg(cache, "train.ckpt_every=3", "data.total_batch_tokens=1024"),
+        lambda c, i: R.build_task(c, i),
+        str(crashed),
+        resume=True,
+    )
     a = load_tensors(ref / "final" / "model.safetensors")
     b = load_tensors(crashed / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -206,18 +245,61 @@ def test_train_lm_cli_with_prebuilt_shards(cache, tmp_path, capsys):
 
     tok_dir, shard_dir = tmp_path / "tok", tmp_path / "shards"
     assert cli(["tokenizer", "train", "--embedded", "--vocab-size", "400", "--out", str(tok_dir)]) == 0
-    assert cli(["data", "tokenize", "--embedded", "--tokenizer", str(tok_dir), "--out", str(shard_dir),
-                "--no-progress"]) == 0
+    assert (
+        cli(["data", "tokenize", "--embedded", "--tokenizer", str(tok_dir), "--out", str(shard_dir), "--no-progress"])
+        == 0
+    )
     out = tmp_path / "run"
-    rc = cli(["train", "lm", "--config", "src/lapheads/recipes/configs/lm/tiny.yaml", "--out", str(out), "--set", f"data.shards={shard_dir}",
-              "--set", f"data.tokenizer={tok_dir}", "--set", "model.depth=2", "--set", "model.width=64",
-              "--set", "data.seq_len=32", "--set", "data.batch_size=4", "--set", "data.total_batch_tokens=0",
-              "--set", "train.max_steps=2", "--set", "train.progress=false", "--set", "samples.max_new_tokens=2",
-              "--set", "data.eval_tokens=256"])
+    rc = cli(
+        [
+            "train",
+            "lm",
+            "--config",
+            "src/lapheads/recipes/configs/lm/tiny.yaml",
+            "--out",
+            str(out),
+            "--set",
+            f"data.shards={shard_dir}",
+            "--set",
+            f"data.tokenizer={tok_dir}",
+            "--set",
+            "model.depth=2",
+            "--set",
+            "model.width=64",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "data.batch_size=4",
+            "--set",
+            "data.total_batch_tokens=0",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.progress=false",
+            "--set",
+            "samples.max_new_tokens=2",
+            "--set",
+            "data.eval_tokens=256",
+        ]
+    )
     assert rc == 0
     assert "val_bpb" in capsys.readouterr().out
     assert (out / "final" / "hf" / "tokenizer.json").is_file()
     # a vocabulary mismatch between tokenizer and model is one clear line, exit status 2
-    rc = cli(["train", "lm", "--config", "src/lapheads/recipes/configs/lm/tiny.yaml", "--out", str(tmp_path / "bad"),
-              "--set", f"data.shards={shard_dir}", "--set", f"data.tokenizer={tok_dir}", "--set", "model.vocab_size=2048"])
+    rc = cli(
+        [
+            "train",
+            "lm",
+            "--config",
+            "src/lapheads/recipes/configs/lm/tiny.yaml",
+            "--out",
+            str(tmp_path / "bad"),
+            "--set",
+            f"data.shards={shard_dir}",
+            "--set",
+            f"data.tokenizer={tok_dir}",
+            "--set",
+            "model.vocab_size=2048",
+        ]
+    )
     assert rc == 2 and "vocab" in capsys.readouterr().err

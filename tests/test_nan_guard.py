@@ -16,8 +16,8 @@ import json
 
 import pytest
 import torch
-
 from _reliability_helpers import check_checkpoint_dir, classify_argv, train_steps
+
 from lapheads.cli import main as cli
 from lapheads.engine.checkpoint import latest_checkpoint, load_tensors
 from lapheads.errors import NonFiniteError
@@ -47,15 +47,13 @@ def test_injected_nan_stops_with_one_line_and_keeps_last_checkpoint(tmp_path, ca
     assert rc == 1 and "step 5" in err
     # with --debug the exception (and its traceback) comes through
     with pytest.raises(NonFiniteError, match="step 5"):
-        cli(classify_argv(out, "--set", "train.ckpt_every=2", "--set", "train.max_steps=8",
-                          "--resume", "--debug"))
+        cli(classify_argv(out, "--set", "train.ckpt_every=2", "--set", "train.max_steps=8", "--resume", "--debug"))
 
 
 def test_skip_policy_finishes_and_logs_the_skip(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(NAN_AT_STEP, "2")
     out = tmp_path / "skip"
-    rc, err = _run(out, capsys, "--set", "train.max_steps=6",
-                   "--set", "train.nan_policy=skip")
+    rc, err = _run(out, capsys, "--set", "train.max_steps=6", "--set", "train.nan_policy=skip")
     assert rc == 0, err
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     skips = [r for r in recs if r.get("skipped_nonfinite")]
@@ -68,9 +66,26 @@ def test_skip_policy_finishes_and_logs_the_skip(tmp_path, capsys, monkeypatch):
 
 def test_real_overflow_is_caught_with_a_clear_message(tmp_path, capsys):
     out = tmp_path / "blowup"
-    rc, err = _run(out, capsys, "--set", "train.max_steps=6", "--set", "optim.name=sgd", "--set", "optim.lr=1e30",
-                   "--set", "optim.lr_batch=0", "--set", "train.clip_grad=0", "--set", "train.warmup_ratio=0",
-                   "--set", "train.schedule=constant", "--set", "train.ckpt_every=1")
+    rc, err = _run(
+        out,
+        capsys,
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "optim.name=sgd",
+        "--set",
+        "optim.lr=1e30",
+        "--set",
+        "optim.lr_batch=0",
+        "--set",
+        "train.clip_grad=0",
+        "--set",
+        "train.warmup_ratio=0",
+        "--set",
+        "train.schedule=constant",
+        "--set",
+        "train.ckpt_every=1",
+    )
     assert rc == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err

@@ -39,6 +39,7 @@ def _inputs(n, tq, s, kdim, vdim, batch_first, batched, self_attn, dtype=torch.f
         if not batched:
             return torch.randn(t, d, dtype=dtype)
         return torch.randn(n, t, d, dtype=dtype) if batch_first else torch.randn(t, n, d, dtype=dtype)
+
     if self_attn:
         x = mk(tq, E)
         return x, x, x
@@ -51,7 +52,9 @@ def _masks(n, tq, s, kind_attn, kind_kpm, batched, dtype=torch.float64):
         shape = (tq, s) if kind_attn.endswith("2d") else ((n if batched else 1) * H, tq, s)
         blocked = torch.rand(shape) < 0.3
         blocked[..., 0] = False  # no fully masked row (torch and SDPA would give NaN)
-        am = blocked if kind_attn.startswith("bool") else torch.randn(shape, dtype=dtype).masked_fill(blocked, -math.inf)
+        am = (
+            blocked if kind_attn.startswith("bool") else torch.randn(shape, dtype=dtype).masked_fill(blocked, -math.inf)
+        )
     if kind_kpm != "none":
         shape = (n, s) if batched else (s,)
         pad = torch.rand(shape) < 0.3
@@ -67,22 +70,33 @@ def _close(a, b, tol=1e-10):
 # ----------------------------------------------------------------------------- matches torch
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    batch_first=st.booleans(), batched=st.booleans(), self_attn=st.booleans(),
-    kvdim=st.sampled_from([(None, None), (5, 7), (E, 3)]), add_bias_kv=st.booleans(), add_zero_attn=st.booleans(),
-    bias=st.booleans(), attn=st.sampled_from(["none", "bool2d", "bool3d", "float2d", "float3d"]),
-    kpm=st.sampled_from(["none", "bool", "float"]), need_weights=st.booleans(), average=st.booleans(),
-    n=st.integers(1, 3), tq=st.integers(1, 6), s=st.integers(1, 6),
+    batch_first=st.booleans(),
+    batched=st.booleans(),
+    self_attn=st.booleans(),
+    kvdim=st.sampled_from([(None, None), (5, 7), (E, 3)]),
+    add_bias_kv=st.booleans(),
+    add_zero_attn=st.booleans(),
+    bias=st.booleans(),
+    attn=st.sampled_from(["none", "bool2d", "bool3d", "float2d", "float3d"]),
+    kpm=st.sampled_from(["none", "bool", "float"]),
+    need_weights=st.booleans(),
+    average=st.booleans(),
+    n=st.integers(1, 3),
+    tq=st.integers(1, 6),
+    s=st.integers(1, 6),
 )
-def test_matches_torch(batch_first, batched, self_attn, kvdim, add_bias_kv, add_zero_attn, bias, attn, kpm,
-                       need_weights, average, n, tq, s):
+def test_matches_torch(
+    batch_first, batched, self_attn, kvdim, add_bias_kv, add_zero_attn, bias, attn, kpm, need_weights, average, n, tq, s
+):
     kdim, vdim = kvdim
     if self_attn:
         kdim = vdim = None
         s = tq
     if add_bias_kv and not bias:
         bias = True  # irrelevant combination; keep the draw useful
-    ref, ours = _pair(batch_first=batch_first, kdim=kdim, vdim=vdim, add_bias_kv=add_bias_kv,
-                      add_zero_attn=add_zero_attn, bias=bias)
+    ref, ours = _pair(
+        batch_first=batch_first, kdim=kdim, vdim=vdim, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, bias=bias
+    )
     q, k, v = _inputs(n, tq, s, kdim or E, vdim or E, batch_first, batched, self_attn)
     am, km = _masks(n, tq, s, attn, kpm, batched)
     kw = dict(key_padding_mask=km, attn_mask=am, need_weights=need_weights, average_attn_weights=average)
@@ -129,8 +143,11 @@ def test_matches_torch_fast_path_in_inference():
 
 def test_gradients_match_torch():
     ref, ours = _pair(add_bias_kv=True, kdim=5, vdim=7)
-    q, k, v = torch.randn(4, 2, E, dtype=torch.float64), torch.randn(6, 2, 5, dtype=torch.float64), \
-        torch.randn(6, 2, 7, dtype=torch.float64)
+    q, k, v = (
+        torch.randn(4, 2, E, dtype=torch.float64),
+        torch.randn(6, 2, 5, dtype=torch.float64),
+        torch.randn(6, 2, 7, dtype=torch.float64),
+    )
     ref(q, k, v, need_weights=False)[0].square().sum().backward()
     ours(q, k, v, need_weights=False)[0].square().sum().backward()
     g_ref = dict(ref.named_parameters())
@@ -210,8 +227,9 @@ def _manual(mod, q, k, v, heads, attn_mask=None, kpm=None):
 
 
 @pytest.mark.parametrize("heads", [[False, True, False, True], [True] * 4, [True, False, False, False]])
-@pytest.mark.parametrize("extras", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True),
-                                    dict(add_bias_kv=True, add_zero_attn=True)])
+@pytest.mark.parametrize(
+    "extras", [dict(), dict(add_bias_kv=True), dict(add_zero_attn=True), dict(add_bias_kv=True, add_zero_attn=True)]
+)
 def test_laplacian_heads_self_attention_vs_manual(heads, extras):
     _, m = _pair(laplacian_heads=heads, batch_first=True, **extras)
     x = torch.randn(2, 6, E, dtype=torch.float64)
@@ -231,8 +249,8 @@ def test_laplacian_heads_self_attention_vs_manual(heads, extras):
     if not extras:
         hd = E // H
         qh = F.linear(x, m.in_proj_weight[:E], m.in_proj_bias[:E]).view(2, 6, H, hd).transpose(1, 2)
-        kh = F.linear(x, m.in_proj_weight[E:2 * E], m.in_proj_bias[E:2 * E]).view(2, 6, H, hd).transpose(1, 2)
-        vh = F.linear(x, m.in_proj_weight[2 * E:], m.in_proj_bias[2 * E:]).view(2, 6, H, hd).transpose(1, 2)
+        kh = F.linear(x, m.in_proj_weight[E : 2 * E], m.in_proj_bias[E : 2 * E]).view(2, 6, H, hd).transpose(1, 2)
+        vh = F.linear(x, m.in_proj_weight[2 * E :], m.in_proj_bias[2 * E :]).view(2, 6, H, hd).transpose(1, 2)
         keep = ~(blocked[None, None] | pad[:, None, None, :])
         _, op_ref = laplacian_attention_reference(qh, kh, vh, laplacian_heads=heads, attn_mask=keep)
         _close(w, op_ref)
@@ -240,8 +258,11 @@ def test_laplacian_heads_self_attention_vs_manual(heads, extras):
 
 def test_laplacian_cross_attention_uses_last_tq_values():
     _, m = _pair(laplacian_heads=[False, True, True, True], kdim=5, vdim=7)
-    q, k, v = torch.randn(3, 2, E, dtype=torch.float64), torch.randn(8, 2, 5, dtype=torch.float64), \
-        torch.randn(8, 2, 7, dtype=torch.float64)
+    q, k, v = (
+        torch.randn(3, 2, E, dtype=torch.float64),
+        torch.randn(8, 2, 5, dtype=torch.float64),
+        torch.randn(8, 2, 7, dtype=torch.float64),
+    )
     want, op = _manual(m, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), [False, True, True, True])
     got, w = m(q, k, v, average_attn_weights=False)
     _close(got, want.transpose(0, 1))
@@ -271,7 +292,7 @@ def test_dropout_never_drops_the_identity():
     _, m = _pair(laplacian_heads="all", dropout=1.0, batch_first=True)
     m.train()
     x = torch.randn(2, 5, E, dtype=torch.float64)
-    v = F.linear(x, m.in_proj_weight[2 * E:], m.in_proj_bias[2 * E:])
+    v = F.linear(x, m.in_proj_weight[2 * E :], m.in_proj_bias[2 * E :])
     for nw in (False, True):
         out, _ = m(x, x, x, need_weights=nw)
         _close(out, m.out_proj(v))  # P dropped entirely, V itself kept
@@ -284,8 +305,12 @@ def test_compile_fullgraph():
     _, m = _pair(dtype=torch.float32, laplacian_heads=[True, False, True, False], batch_first=True)
     x = torch.randn(2, 6, E)
     cm = torch.compile(m, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(cm(x, x, x, need_weights=False, is_causal=True)[0],
-                               m(x, x, x, need_weights=False, is_causal=True)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        cm(x, x, x, need_weights=False, is_causal=True)[0],
+        m(x, x, x, need_weights=False, is_causal=True)[0],
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 # ----------------------------------------------------------------------------- errors
@@ -338,8 +363,9 @@ def test_autocast_bf16_masks_follow_projected_dtype():
 def _encoder_layer(heads, norm_first=False, seed=0):
     """A torch TransformerEncoderLayer (eval-able, dropout 0) whose self_attn is ours, random biases."""
     torch.manual_seed(seed)
-    layer = torch.nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True,
-                                             norm_first=norm_first)
+    layer = torch.nn.TransformerEncoderLayer(
+        E, H, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=norm_first
+    )
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if "bias" in name:
@@ -480,6 +506,7 @@ def test_decoder_layer_keeps_laplacian_heads():
 def test_fast_path_hook_survives_copy_and_pickle():
     import copy
     import pickle
+
     m = MultiheadAttention(E, H, batch_first=True, laplacian_heads=1)
     for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         assert list(clone._forward_pre_hooks.values()) == list(m._forward_pre_hooks.values())
@@ -493,7 +520,7 @@ def test_fully_masked_query_is_p_zero_on_both_paths():
     x = torch.randn(2, 5, E, dtype=torch.float64)
     pad = torch.zeros(2, 5, dtype=torch.bool)
     pad[1] = True
-    v = F.linear(x, m.in_proj_weight[2 * E:], m.in_proj_bias[2 * E:]).view(2, 5, H, E // H)
+    v = F.linear(x, m.in_proj_weight[2 * E :], m.in_proj_bias[2 * E :]).view(2, 5, H, E // H)
     heads = torch.tensor([False, True, False, True]).view(1, 1, H, 1)
     want = m.out_proj(torch.where(heads, v, torch.zeros_like(v)).reshape(2, 5, E))[1]
     fused, _ = m(x, x, x, key_padding_mask=pad, need_weights=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,8 +24,9 @@ def _qkv(b, h, tq, tk, d, hkv=None, dtype=torch.float64, dv=None, requires_grad=
 
 def _both(q, k, v, **kw):
     out = laplacian_attention(q, k, v, **kw)
-    ref, op = laplacian_attention_reference(q.double(), k.double(), v.double(),
-                                            **{**kw, "attn_mask": _dbl(kw.get("attn_mask"))})
+    ref, op = laplacian_attention_reference(
+        q.double(), k.double(), v.double(), **{**kw, "attn_mask": _dbl(kw.get("attn_mask"))}
+    )
     return out, ref, op
 
 
@@ -37,8 +37,13 @@ def _dbl(m):
 # ----------------------------------------------------------------------------- fused == reference
 @settings(max_examples=40, deadline=None)
 @given(
-    b=st.integers(1, 2), h=st.integers(1, 4), tq=st.integers(1, 9), extra=st.integers(0, 5),
-    d=st.sampled_from([1, 4, 8]), causal=st.booleans(), dtype=st.sampled_from([torch.float64, torch.float32]),
+    b=st.integers(1, 2),
+    h=st.integers(1, 4),
+    tq=st.integers(1, 9),
+    extra=st.integers(0, 5),
+    d=st.sampled_from([1, 4, 8]),
+    causal=st.booleans(),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
     data=st.data(),
 )
 def test_fused_matches_reference_random_shapes(b, h, tq, extra, d, causal, dtype, data):
@@ -69,9 +74,15 @@ def test_laplacian_head_is_v_minus_sdpa_and_standard_head_is_sdpa():
     torch.testing.assert_close(out[:, ~heads], sd[:, ~heads], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("spec,expected", [
-    (2, [False, False, True, True]), ("all", [True] * 4), ("none", [False] * 4), ([0, 2], [True, False, True, False]),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        (2, [False, False, True, True]),
+        ("all", [True] * 4),
+        ("none", [False] * 4),
+        ([0, 2], [True, False, True, False]),
+    ],
+)
 def test_head_specs_select_the_right_heads(spec, expected):
     q, k, v = _qkv(1, 4, 5, 5, 4)
     out = laplacian_attention(q, k, v, laplacian_heads=spec)
@@ -157,10 +168,11 @@ def test_kv_cache_chunk_equals_full_causal_pass(chunk):
     q, k, v = _qkv(2, 4, t, t, 8, hkv=2)
     heads = [False, True, True, True]
     full = laplacian_attention(q, k, v, laplacian_heads=heads, is_causal=True, enable_gqa=True)
-    part = laplacian_attention(q[:, :, t - chunk:], k, v, laplacian_heads=heads, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(part, full[:, :, t - chunk:])
-    ref, _ = laplacian_attention_reference(q[:, :, t - chunk:], k, v, laplacian_heads=heads, is_causal=True,
-                                           enable_gqa=True)
+    part = laplacian_attention(q[:, :, t - chunk :], k, v, laplacian_heads=heads, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(part, full[:, :, t - chunk :])
+    ref, _ = laplacian_attention_reference(
+        q[:, :, t - chunk :], k, v, laplacian_heads=heads, is_causal=True, enable_gqa=True
+    )
     torch.testing.assert_close(part, ref)
 
 
@@ -365,11 +377,14 @@ def test_fp16_large_logits_reference_is_finite_and_matches_fused():
 def test_scale_dropout_and_mask_dtype_are_validated(fn):
     q, k, v = _qkv(1, 4, 4, 4, 8, dtype=torch.float32)
     for bad in (float("nan"), float("inf"), -1.0, "0.5", True):
-        _err(lambda: fn(q, k, v, laplacian_heads=1, scale=bad), f"scale={bad!r}")
+        _err(lambda bad=bad: fn(q, k, v, laplacian_heads=1, scale=bad), f"scale={bad!r}")
     for bad in (-0.1, 1.5, float("nan"), None):
-        _err(lambda: fn(q, k, v, laplacian_heads=1, dropout_p=bad), f"dropout_p={bad!r}", "[0, 1]")
-    _err(lambda: fn(q, k, v, laplacian_heads=1, attn_mask=torch.zeros(4, 4, dtype=torch.float64)),
-         "torch.float64", "torch.float32")
+        _err(lambda bad=bad: fn(q, k, v, laplacian_heads=1, dropout_p=bad), f"dropout_p={bad!r}", "[0, 1]")
+    _err(
+        lambda: fn(q, k, v, laplacian_heads=1, attn_mask=torch.zeros(4, 4, dtype=torch.float64)),
+        "torch.float64",
+        "torch.float32",
+    )
     # what stays accepted: scale 0 (uniform attention), ints, dropout 0 and 1
     fn(q, k, v, laplacian_heads=1, scale=0, dropout_p=1)
     fn(q, k, v, laplacian_heads=1, scale=0.25, dropout_p=0.0, attn_mask=torch.zeros(4, 4))
@@ -387,7 +402,7 @@ def test_transformers_eager_function_casts_its_float_mask_under_autocast():
     q, k, v = _qkv(1, 2, 4, 4, 8, dtype=torch.bfloat16)
     keep = causal_lower_right_mask(4, 4)[None, None]
     mask32 = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
-    out, op = lt.laplacian_eager_attention_forward(module, q, k, v, mask32, scaling=8 ** -0.5)
+    out, op = lt.laplacian_eager_attention_forward(module, q, k, v, mask32, scaling=8**-0.5)
     assert out.dtype == torch.bfloat16
     ref, _ = laplacian_attention_reference(q, k, v, laplacian_heads=[False, True], is_causal=True)
     torch.testing.assert_close(out.transpose(1, 2), ref, atol=3e-2, rtol=3e-2)

@@ -11,8 +11,14 @@ import torch
 from lapheads.data.segmentation import build_segmentation_dataset, make_synthetic_segmentation
 from lapheads.errors import CheckpointError, ConfigError
 from lapheads.runs import load_backbone
-from lapheads.vision.probes import (_fast_confusion, confusion_matrix, knn_classify, linear_probe, miou_from_confusion,
-                                    segmentation_probe)
+from lapheads.vision.probes import (
+    _fast_confusion,
+    confusion_matrix,
+    knn_classify,
+    linear_probe,
+    miou_from_confusion,
+    segmentation_probe,
+)
 
 
 def test_knn_weighted_vote_by_hand():
@@ -29,9 +35,11 @@ def test_knn_weighted_vote_by_hand():
 def test_knn_and_linear_on_separable_features():
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(5, 16, generator=g) * 3
+
     def sample(n):
         y = torch.randint(0, 5, (n,), generator=g)
         return centers[y] + torch.randn(n, 16, generator=g), y
+
     xtr, ytr = sample(300)
     xte, yte = sample(100)
     res = knn_classify(xtr, ytr, xte, yte, ks=[10, 20])
@@ -75,10 +83,10 @@ def test_segmentation_probe_beats_trivial(tmp_path):
     root = make_synthetic_segmentation(tmp_path / "syn", n_train=32, n_val=12, size=32, seed=0)
     tr, va = build_segmentation_dataset(root, "train"), build_segmentation_dataset(root, "val")
     torch.manual_seed(0)
-    bb, meta = load_backbone(model="vit_small_patch16_224", img_size=32, patch_size=4, embed_dim=48,
-                             depth=2, num_heads=6, laplacian_heads=3)  # frozen random init
-    res = segmentation_probe(bb, tr, va, tr.num_classes, 32, (0.5,) * 3, (0.5,) * 3, epochs=25, lr=3e-3,
-                             batch_size=16)
+    bb, meta = load_backbone(
+        model="vit_small_patch16_224", img_size=32, patch_size=4, embed_dim=48, depth=2, num_heads=6, laplacian_heads=3
+    )  # frozen random init
+    res = segmentation_probe(bb, tr, va, tr.num_classes, 32, (0.5,) * 3, (0.5,) * 3, epochs=25, lr=3e-3, batch_size=16)
     assert res["miou"] == pytest.approx(res["miou_bruteforce"], abs=1e-6)
     assert res["trivial_miou"] < 0.25
     assert res["miou"] > 0.5 and res["miou"] > 2.5 * res["trivial_miou"], res
@@ -94,9 +102,16 @@ def _fake_run(tmp_path, k=5):
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)
     save_tensors(final / "teacher_backbone.safetensors", bb.state_dict())
-    spec = {"recipe": "dino", "timm_name": "vit_small_patch16_224", "laplacian_heads": k,
-            "timm_kwargs": {"num_classes": 0, "dynamic_img_size": True, **kw},
-            "backbone_file": "teacher_backbone.safetensors", "img_size": 16, "mean": [0.5] * 3, "std": [0.5] * 3}
+    spec = {
+        "recipe": "dino",
+        "timm_name": "vit_small_patch16_224",
+        "laplacian_heads": k,
+        "timm_kwargs": {"num_classes": 0, "dynamic_img_size": True, **kw},
+        "backbone_file": "teacher_backbone.safetensors",
+        "img_size": 16,
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+    }
     (final / "model.json").write_text(json.dumps(spec))
     return tmp_path / "run", bb
 
@@ -112,8 +127,25 @@ def test_segment_cli_on_a_run_and_backbone_errors(tmp_path):
     assert torch.equal(loaded(x), bb.eval()(x))
     root = make_synthetic_segmentation(tmp_path / "syn", n_train=8, n_val=4, size=16, seed=0)
     out = tmp_path / "seg.json"
-    assert main(["eval", "segment", "--run", str(run), "--data", str(root), "--epochs", "2",
-                 "--json", str(out), "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "segment",
+                "--run",
+                str(run),
+                "--data",
+                str(root),
+                "--epochs",
+                "2",
+                "--json",
+                str(out),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["miou"] == pytest.approx(res["miou_bruteforce"], abs=1e-6) and res["num_classes"] == 4
     # bad input: a clear one-line error, exit status 2

@@ -17,12 +17,26 @@ def test_quickstart_tiny_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert str(out / "report" / "report.html") in printed
     runs = sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("*/*/config.yaml"))
-    assert runs == ["lm/lap0_seed0", "lm/lap0_seed1", "lm/lapall_seed0", "lm/lapall_seed1", "vision/lap0_seed0",
-                    "vision/lap0_seed1", "vision/lapall_seed0",
-                    "vision/lapall_seed1"]
+    assert runs == [
+        "lm/lap0_seed0",
+        "lm/lap0_seed1",
+        "lm/lapall_seed0",
+        "lm/lapall_seed1",
+        "vision/lap0_seed0",
+        "vision/lap0_seed1",
+        "vision/lapall_seed0",
+        "vision/lapall_seed1",
+    ]
     for run in out.glob("*/lap*_seed*"):
-        for f in ("config.yaml", "meta.json", "metrics.jsonl", "final/model.safetensors", "final/model.json",
-                  "final/metrics.json", "geometry/geometry.json"):
+        for f in (
+            "config.yaml",
+            "meta.json",
+            "metrics.jsonl",
+            "final/model.safetensors",
+            "final/model.json",
+            "final/metrics.json",
+            "geometry/geometry.json",
+        ):
             assert (run / f).is_file(), (run, f)
     md = (out / "report" / "report.md").read_text()
     for section in ("## classify", "## lm"):

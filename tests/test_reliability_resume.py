@@ -25,17 +25,30 @@ import time
 from pathlib import Path
 
 import pytest
-
-from _reliability_helpers import (ForkServer, check_checkpoint_dir, classify_argv, same_weights,
-                                  subprocess_env, train_steps)
+from _reliability_helpers import (
+    ForkServer,
+    check_checkpoint_dir,
+    classify_argv,
+    same_weights,
+    subprocess_env,
+    train_steps,
+)
 
 STEPS, CKPT_EVERY = 60, 3
 MIN_KILLS, MIN_IN_WRITE = 10, 3
 
 
 def _argv(out: Path, resume: bool) -> list[str]:
-    return classify_argv(out, "--set", f"train.max_steps={STEPS}", "--set", f"train.ckpt_every={CKPT_EVERY}",
-                         "--set", "train.keep_checkpoints=2", *(["--resume"] if resume else []))
+    return classify_argv(
+        out,
+        "--set",
+        f"train.max_steps={STEPS}",
+        "--set",
+        f"train.ckpt_every={CKPT_EVERY}",
+        "--set",
+        "train.keep_checkpoints=2",
+        *(["--resume"] if resume else []),
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -114,8 +127,10 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
     finally:
         server.close()
 
-    print(f"\nSIGKILL resume: {kills} kills survived ({in_write} inside a checkpoint write, "
-          f"{before_first} before the first checkpoint)")
+    print(
+        f"\nSIGKILL resume: {kills} kills survived ({in_write} inside a checkpoint write, "
+        f"{before_first} before the first checkpoint)"
+    )
     assert kills >= MIN_KILLS, f"only {kills} kills landed before the run finished"
     assert in_write >= MIN_IN_WRITE, f"only {in_write} kills landed inside a checkpoint write"
     assert before_first == 1

@@ -10,9 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 
@@ -23,20 +22,50 @@ pytestmark = pytest.mark.xdist_group("report")
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
-TINY = ["--set", "model.embed_dim=32", "--set", "model.depth=2", "--set", "model.num_heads=2",
-        "--set", "train.progress=false", "--set", "data.batch_size=32", "--set", "data.max_eval_items=64",
-        "--set", "train.ckpt_every=1", "--set", "train.log_every=1", "--set", "train.eval_every=1"]
+TINY = [
+    "--set",
+    "model.embed_dim=32",
+    "--set",
+    "model.depth=2",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "train.progress=false",
+    "--set",
+    "data.batch_size=32",
+    "--set",
+    "data.max_eval_items=64",
+    "--set",
+    "train.ckpt_every=1",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.eval_every=1",
+]
 
 
 def _sweep_argv(out: Path, steps: int) -> list[str]:  # (the report's --analyze: tests below)
-    return ["sweep", "--config", DIGITS, "--laplacian-heads", "0,all", "--seeds", "0", "--out", str(out),
-            "--set", f"train.max_steps={steps}", *TINY]
+    return [
+        "sweep",
+        "--config",
+        DIGITS,
+        "--laplacian-heads",
+        "0,all",
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--set",
+        f"train.max_steps={steps}",
+        *TINY,
+    ]
 
 
 def _summary_numbers(path: Path) -> dict:
     s = json.loads(path.read_text())
-    return {rec: {lb: {k: v for k, v in g.items() if k != "runs"} for lb, g in groups.items()}
-            for rec, groups in s.items()}
+    return {
+        rec: {lb: {k: v for k, v in g.items() if k != "runs"} for lb, g in groups.items()} for rec, groups in s.items()
+    }
 
 
 def _md_tables(md: str) -> list[list[list[str]]]:
@@ -99,10 +128,18 @@ def test_interrupted_sweep_skips_finished_runs_and_aggregates_the_same(tmp_path)
 
     out = tmp_path / "interrupted"
     import torch
+
     # the same intra-op thread count as this process: float reductions then match bit for bit
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), LAPHEADS_TEST_THREADS=str(torch.get_num_threads()))
-    proc = subprocess.Popen([sys.executable, "-m", "lapheads.cli", *_sweep_argv(out, steps)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()), LAPHEADS_TEST_THREADS=str(torch.get_num_threads())
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lapheads.cli", *_sweep_argv(out, steps)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     second = out / "lapall_seed0"
     deadline = time.time() + 300
     # kill once the first run is finished and the second has written a checkpoint but not finished
@@ -136,8 +173,26 @@ def tiny_runs(tmp_path_factory) -> list[Path]:
     for k in ("0", "1", "all"):
         for seed in (0, 1):
             d = root / f"k{k}_s{seed}"
-            assert cli(["train", "classify", "--config", DIGITS, "--out", str(d), "--set", f"model.laplacian_heads={k}",
-                        "--set", f"train.seed={seed}", "--set", "train.max_steps=3", *TINY]) == 0
+            assert (
+                cli(
+                    [
+                        "train",
+                        "classify",
+                        "--config",
+                        DIGITS,
+                        "--out",
+                        str(d),
+                        "--set",
+                        f"model.laplacian_heads={k}",
+                        "--set",
+                        f"train.seed={seed}",
+                        "--set",
+                        "train.max_steps=3",
+                        *TINY,
+                    ]
+                )
+                == 0
+            )
             dirs.append(d)
     return dirs
 
@@ -181,7 +236,7 @@ def test_report_groups_runs_and_references_existing_files(analyzed_report):
     assert set(summary["classify"]) == {"k=0", "k=1", "all"}
     # validation curves (three eval points per run) and their plateau flags
     assert (out / "figures" / "classify_val_curves.png").is_file()
-    runs_table = md[md.index("## Runs"):]
+    runs_table = md[md.index("## Runs") :]
     for d in dirs:
         flag = summary["classify"][{"0": "k=0", "1": "k=1", "all": "all"}[d.name[1:-3]]]["plateau"][d.name]
         assert flag["eval_points"] == 3 and flag["status"] in ("yes", "no")
@@ -192,6 +247,7 @@ def test_report_verdicts_carry_welch_statistics(analyzed_report):
     """Every claim paragraph and summary.json give the difference, its 95% CI, Welch's t and p and
     the seeds; a verdict is observed/opposite only at p < 0.05; NC1 is among the claims."""
     from scipy import stats as st
+
     from lapheads.report import collect_run, run_value
     from lapheads.stats import seeds_needed
 
@@ -221,11 +277,18 @@ def test_report_verdicts_carry_welch_statistics(analyzed_report):
                 assert c["verdict"] == ("observed" if good else "opposite")
             # the claim's paragraph carries the same numbers: difference, CI, t, df, p, seeds
             para = paras[c["claim"]]
-            for number in (f"{c['diff']:+.3g}", f"{c['ci_low']:+.3g}", f"{c['ci_high']:+.3g}", f"{c['t']:.2f}",
-                           f"{c['df']:.1f}", f"{c['p']:.3g}"):
+            for number in (
+                f"{c['diff']:+.3g}",
+                f"{c['ci_low']:+.3g}",
+                f"{c['ci_high']:+.3g}",
+                f"{c['t']:.2f}",
+                f"{c['df']:.1f}",
+                f"{c['p']:.3g}",
+            ):
                 assert number in para, (number, para)
-    assert len(paras) == len({c["claim"] for lb in ("k=1", "all")
-                              for c in summary["classify"][lb]["comparisons"].values()})
+    assert len(paras) == len(
+        {c["claim"] for lb in ("k=1", "all") for c in summary["classify"][lb]["comparisons"].values()}
+    )
 
 
 def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, tiny_runs):
@@ -251,6 +314,7 @@ def test_report_single_seed_is_not_tested_and_integers_print_in_full(tmp_path, t
 
 def test_number_formatting():
     from lapheads.report import _fmt, _num
+
     assert _num(10000) == "10000" and _num(10000.0) == "10000" and _num(123456.7) == "123457"
     assert _num(0.123456) == "0.1235" and _num(True) == "True"
     assert _fmt(12000.0, 1500.0, 3) == "12000 ± 1500"
@@ -258,6 +322,7 @@ def test_number_formatting():
 
 def test_pca_images_come_from_several_classes_and_in_colour(tmp_path):
     from PIL import Image
+
     from lapheads.data.images import load_images, spread_over_classes
 
     assert spread_over_classes([0, 0, 0, 1, 1, 2], 4) == [0, 3, 5, 1]
@@ -271,6 +336,7 @@ def test_pca_images_come_from_several_classes_and_in_colour(tmp_path):
     assert sorted(im.getpixel((0, 0)) for im in imgs) == sorted(colours.values())
     digits = load_images("digits", max_images=10)  # a data spec: one image of each of the 10 digits
     from lapheads.data.images import build_image_dataset
+
     ds = build_image_dataset("digits", "val")
     idx = spread_over_classes(list(ds.targets), 10)
     assert sorted(int(ds.targets[i]) for i in idx) == list(range(10)) and len(digits) == 10
@@ -287,10 +353,26 @@ def _chromium() -> str | None:
 @pytest.mark.skipif(_chromium() is None, reason="headless Chromium not installed (make test installs it)")
 def test_html_report_renders_with_every_image_loaded(tmp_path, analyzed_report):
     out = analyzed_report[1]
-    r = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                        f"--user-data-dir={tmp_path / 'chrome'}", "--virtual-time-budget=10000", "--dump-dom",
-                        (out / "report.html").resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            _chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'chrome'}",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            (out / "report.html").resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     m = re.search(r'data-images-total="(\d+)" data-images-loaded="(\d+)"', r.stdout)
     assert m, r.stdout[:500] + r.stderr[-500:]
     total, loaded = int(m.group(1)), int(m.group(2))
@@ -317,9 +399,10 @@ def test_analyze_cli_on_runs_of_this_project(tmp_path, tiny_runs):
 def test_report_reads_the_metric_keys_each_recipe_logs():
     """The report's dino metrics are the keys DINO's evaluation writes (knn_k{k}_top1)."""
     import torch
+
     from lapheads.recipes.dino import KnnConfig
-    from lapheads.vision.probes import knn_classify
     from lapheads.report import METRICS
+    from lapheads.vision.probes import knn_classify
 
     f = torch.randn(30, 4)
     y = torch.arange(30) % 3
@@ -331,6 +414,7 @@ def test_markdown_and_html_show_the_same_model(analyzed_report, tmp_path):
     """One model, two renderings: the same figures (files on disk, embedded byte for byte in the
     HTML) and the same tables, so every number of the model's tables is in both outputs."""
     import base64
+
     from lapheads.report import _fmt, make_report, render_html, render_markdown
 
     dirs, _ = analyzed_report
@@ -373,8 +457,18 @@ def test_templates_escape_what_would_break_each_format(tmp_path):
     hostile = "<script>x</script> a|b & 'c'"
     (tmp_path / "figures").mkdir()
     (tmp_path / "figures" / "f.png").write_bytes(b"\x89PNG")
-    report = Report(hostile, [hostile], [Section(hostile, tables=[Table(["h|1", "h2"], [[Cell(hostile), Cell("1")]])],
-                                                 figures=[Figure("figures/f.png", hostile, "alt [x]")])], {})
+    report = Report(
+        hostile,
+        [hostile],
+        [
+            Section(
+                hostile,
+                tables=[Table(["h|1", "h2"], [[Cell(hostile), Cell("1")]])],
+                figures=[Figure("figures/f.png", hostile, "alt [x]")],
+            )
+        ],
+        {},
+    )
     md = render_markdown(report)
     assert _md_tables(md) == [[["h|1", "h2"], [hostile, "1"]]]
     assert "![alt \\[x\\]](figures/f.png)" in md

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _lm_helpers import tiny_lm_run
 
 from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
 from lapheads.recipes import retrofit as RF
 from lapheads.recipes.lm import load_model
-
-from _lm_helpers import tiny_lm_run
 
 pytestmark = pytest.mark.xdist_group("test_retrofit")  # module-scoped runs, on one worker
 
@@ -29,10 +28,18 @@ def base(tmp_path_factory) -> Path:
 
 def _argv(base: Path, out: Path, *sets: str) -> list[str]:
     cache = base.parent / "cache"
-    sets = (f"init_from={base}", f"data.cache_dir={cache}", "data.seq_len=64", "data.batch_size=4",
-            "data.eval_tokens=512", f"train.max_steps={STEPS}", "train.progress=false", "train.log_every=1", *sets)
-    return ["train", "retrofit", "--config", str(RECIPE), "--out", str(out),
-            *[a for s in sets for a in ("--set", s)]]
+    sets = (
+        f"init_from={base}",
+        f"data.cache_dir={cache}",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "data.eval_tokens=512",
+        f"train.max_steps={STEPS}",
+        "train.progress=false",
+        "train.log_every=1",
+        *sets,
+    )
+    return ["train", "retrofit", "--config", str(RECIPE), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +93,12 @@ def test_conversion_changes_the_model_and_the_export_reloads_laplacian(base, ful
     spec = json.loads((full / "final" / "model.json").read_text())
     assert model.config.laplacian_heads == spec["laplacian_heads"]
     assert model.config._attn_implementation == lap_tf.ATTN_IMPLEMENTATION
-    assert json.loads((full / "final" / "hf" / "config.json").read_text())["attn_implementation"] == \
-        lap_tf.SAVED_ATTN_IMPLEMENTATION
+    assert (
+        json.loads((full / "final" / "hf" / "config.json").read_text())["attn_implementation"]
+        == lap_tf.SAVED_ATTN_IMPLEMENTATION
+    )
     from lapheads.recipes import load_run
+
     got = load_run(full)  # what `lapheads analyze --run` / `report` read
     assert got.recipe == "retrofit" and got.kind == "hf"
     assert got.model.config.laplacian_heads == spec["laplacian_heads"]
@@ -105,6 +115,7 @@ def test_lora_merged_export_reloads_with_identical_logits(lora):
     # the trained adapter (from the final checkpoint) on the original weights, merged in memory
     orig, _ = load_model(json.loads((lora / "final" / "model.json").read_text())["init_from"])
     from lapheads import transformers as lap_tf
+
     lap_tf.enable(orig, 2)
     peft_model = PeftModel.from_pretrained(orig, str(lora / "final" / "adapter")).eval()
     state = load_tensors(lora / "final" / "model.safetensors")
@@ -115,8 +126,9 @@ def test_lora_merged_export_reloads_with_identical_logits(lora):
         reloaded = model(x).logits
     assert torch.equal(merged, reloaded)  # save + reload of the merged model is exact
     assert torch.allclose(unmerged, reloaded, atol=1e-5)  # merging only rounds
-    assert not torch.equal(state[next(k for k in state if "lora_B" in k)],
-                           torch.zeros_like(state[next(k for k in state if "lora_B" in k)]))  # trained
+    assert not torch.equal(
+        state[next(k for k in state if "lora_B" in k)], torch.zeros_like(state[next(k for k in state if "lora_B" in k)])
+    )  # trained
 
 
 def test_bad_settings_fail_before_training(base, tmp_path, capsys):

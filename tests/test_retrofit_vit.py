@@ -28,25 +28,64 @@ STEPS = 3
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "src" / "lapheads" / "recipes" / "configs" / "retrofit" / "vit_tiny.yaml"
 # the architecture of the base run, as model.* of a checkpoint file (the run gives it by itself)
-ARCH = ["model.img_size=16", "model.patch_size=4", "model.embed_dim=32", "model.depth=2", "model.num_heads=4",
-        "model.qk_norm=true", "model.extra.mlp_ratio=2"]
+ARCH = [
+    "model.img_size=16",
+    "model.patch_size=4",
+    "model.embed_dim=32",
+    "model.depth=2",
+    "model.num_heads=4",
+    "model.qk_norm=true",
+    "model.extra.mlp_ratio=2",
+]
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("retro_vit_base") / "digits_k0"
-    sets = ["model.laplacian_heads=0", "model.embed_dim=32", "model.depth=2", "model.num_heads=4",
-            "data.batch_size=32", "train.max_steps=20", "train.progress=false"]
-    assert cli(["train", "classify", "--config", str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"),
-                "--out", str(out), *[a for s in sets for a in ("--set", s)]]) == 0
+    sets = [
+        "model.laplacian_heads=0",
+        "model.embed_dim=32",
+        "model.depth=2",
+        "model.num_heads=4",
+        "data.batch_size=32",
+        "train.max_steps=20",
+        "train.progress=false",
+    ]
+    assert (
+        cli(
+            [
+                "train",
+                "classify",
+                "--config",
+                str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"),
+                "--out",
+                str(out),
+                *[a for s in sets for a in ("--set", s)],
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def _argv(init_from: Path, out: Path, *sets: str) -> list[str]:
-    sets = (f"init_from={init_from}", "data.batch_size=32", f"train.max_steps={STEPS}", "train.progress=false",
-            "train.log_every=1", *sets)
-    return ["train", "retrofit_vit", "--config", str(RECIPE), "--out", str(out),
-            *[a for s in sets for a in ("--set", s)]]
+    sets = (
+        f"init_from={init_from}",
+        "data.batch_size=32",
+        f"train.max_steps={STEPS}",
+        "train.progress=false",
+        "train.log_every=1",
+        *sets,
+    )
+    return [
+        "train",
+        "retrofit_vit",
+        "--config",
+        str(RECIPE),
+        "--out",
+        str(out),
+        *[a for s in sets for a in ("--set", s)],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +161,26 @@ def test_final_reloads_laplacian_through_the_classify_loader(full, capsys):
     plain = lap_timm.convert(C.load_model(full), 0)
     with torch.no_grad():
         assert not torch.allclose(got.model(x), plain(x), atol=1e-4)
-    assert cli(["analyze", "--run", str(full), "--max-items", "32", "--no-figures", "--no-spectra",
-                "--out", str(full.parent / "geo")]) == 0
-    assert json.loads((full / "geometry" / "geometry.json").read_text())["meta"]["laplacian_heads"] == \
-        spec["laplacian_heads"]
+    assert (
+        cli(
+            [
+                "analyze",
+                "--run",
+                str(full),
+                "--max-items",
+                "32",
+                "--no-figures",
+                "--no-spectra",
+                "--out",
+                str(full.parent / "geo"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        json.loads((full / "geometry" / "geometry.json").read_text())["meta"]["laplacian_heads"]
+        == spec["laplacian_heads"]
+    )
 
 
 def test_lora_from_a_checkpoint_file_merges_exactly(base, lora):
@@ -143,8 +198,9 @@ def test_lora_from_a_checkpoint_file_merges_exactly(base, lora):
     assert not any("lora" in k for k in load_tensors(lora / "final" / "model.safetensors"))  # plain timm keys
 
     x = _batch(lora)
-    peft_model = PeftModel.from_pretrained(lap_timm.convert(C.load_model(base), 2),
-                                           str(lora / "final" / "adapter")).eval()
+    peft_model = PeftModel.from_pretrained(
+        lap_timm.convert(C.load_model(base), 2), str(lora / "final" / "adapter")
+    ).eval()
     reloaded = load_run(lora).model
     with torch.no_grad():
         unmerged = peft_model(x)
@@ -156,10 +212,12 @@ def test_lora_from_a_checkpoint_file_merges_exactly(base, lora):
 
 
 def test_checkpoint_head_is_kept_only_for_the_same_classes(tmp_path):
-    src = lap_timm.create_model("vit_tiny_patch16_224", num_classes=7, img_size=16, patch_size=4, embed_dim=32,
-                                depth=2, num_heads=4)
+    src = lap_timm.create_model(
+        "vit_tiny_patch16_224", num_classes=7, img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4
+    )
     path = tmp_path / "seven.safetensors"
     from safetensors.torch import save_file
+
     save_file(src.state_dict(), str(path))
     assert RV.checkpoint_classes(path) == 7
     cfg = load_config(RV.RetrofitViTConfig, RECIPE, [f"init_from={path}", *ARCH[:5]])
@@ -172,8 +230,9 @@ def test_checkpoint_head_is_kept_only_for_the_same_classes(tmp_path):
     with pytest.raises(CheckpointError, match="torn.pth: not a readable timm checkpoint"):
         RV.checkpoint_classes(torn)
     with pytest.raises(CheckpointError, match="does not fit"):
-        RV.pretrained_model(load_config(RV.RetrofitViTConfig, RECIPE, [f"init_from={path}", *ARCH[:5],
-                                                                          "model.embed_dim=64"]), 7)
+        RV.pretrained_model(
+            load_config(RV.RetrofitViTConfig, RECIPE, [f"init_from={path}", *ARCH[:5], "model.embed_dim=64"]), 7
+        )
 
 
 def test_bad_settings_fail_before_training(base, full, tmp_path, capsys):

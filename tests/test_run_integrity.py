@@ -27,9 +27,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from _reliability_helpers import (DIGITS, TINY, ForkServer, check_checkpoint_dir, classify_argv, snapshot,
-                                  subprocess_env, train_steps)
+from _reliability_helpers import (
+    DIGITS,
+    TINY,
+    ForkServer,
+    check_checkpoint_dir,
+    classify_argv,
+    snapshot,
+    subprocess_env,
+    train_steps,
+)
 
 STEPS = 150
 
@@ -53,13 +60,14 @@ def _wait_for_first_step(server: ForkServer, pid: int, run: Path, err: Path) -> 
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            raise AssertionError(f"the run ended before its first step: {err.read_text()[-2000:]}")
+            raise AssertionError(f"the run ended before its first step: {err.read_text()[-2000:]}") from None
         time.sleep(0.005)
     raise AssertionError("no training step within 180 s")
 
 
 def _tb_steps(tb: Path, tag: str = "train/loss") -> list[int]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tb))
     acc.Reload()
     return [e.step for e in acc.Scalars(tag)]
@@ -89,7 +97,7 @@ def _interrupt_and_resume(server: ForkServer, tmp_path: Path, sig: signal.Signal
     assert len(err) == 1, err
     head = f"lapheads train classify: interrupted by {sig.name} after step "
     assert err[0].startswith(head), err[0]
-    step = int(err[0][len(head):].split()[0])
+    step = int(err[0][len(head) :].split()[0])
     assert 1 <= step < STEPS
     ck = run / "checkpoints" / f"step_{step:08d}"
     assert f"checkpoint {ck} is complete" in err[0], err[0]
@@ -115,9 +123,25 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_and_a_resume_command(server, t
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _sweep(server: ForkServer, tmp_path: Path, name: str, out: Path, *extra: str, heads: str = "0") -> tuple[int, str, list[str]]:
-    argv = ["sweep", "--config", DIGITS, "--laplacian-heads", heads, "--seeds", "0", "--out", str(out),
-            "--no-report", *TINY, "--set", "train.max_steps=2", *extra]
+def _sweep(
+    server: ForkServer, tmp_path: Path, name: str, out: Path, *extra: str, heads: str = "0"
+) -> tuple[int, str, list[str]]:
+    argv = [
+        "sweep",
+        "--config",
+        DIGITS,
+        "--laplacian-heads",
+        heads,
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--no-report",
+        *TINY,
+        "--set",
+        "train.max_steps=2",
+        *extra,
+    ]
     pid = server.start(argv, tmp_path / f"{name}.out", tmp_path / f"{name}.err")
     rc = server.wait(pid)
     return rc, (tmp_path / f"{name}.out").read_text(), _lines(tmp_path / f"{name}.err")
@@ -154,8 +178,7 @@ def test_sweep_never_mixes_settings(server, tmp_path):
     wedged = out / "lap2_seed0"
     wedged.mkdir()
     (wedged / f".config.yaml.tmp-{os.getpid()}").write_text("recipe: classify\nmod")
-    rc, log, err = _sweep(server, tmp_path, "restart", out, "--set", "optim.lr=0.5", "--restart-changed",
-                          heads="0,2")
+    rc, log, err = _sweep(server, tmp_path, "restart", out, "--set", "optim.lr=0.5", "--restart-changed", heads="0,2")
     assert rc == 0, err
     assert re.search(r"lap0_seed0: .*optim\.lr", log), log  # the run that was restarted, and the key that changed
     assert _lr(run) == 0.5 and _lr(wedged) == 0.5 and (wedged / "final" / "model.json").is_file()
@@ -184,13 +207,22 @@ def test_eval_classify_into_a_run_takes_its_writer_lock(tmp_path, capsys):
     """eval classify writes RUN/final/eval.json: refused in one line while another process holds the
     run, written once it is free."""
     import subprocess
+
     from lapheads.cli import main as cli
+
     run = tmp_path / "run"
     assert cli(classify_argv(run, "--set", "train.max_steps=2")) == 0
-    code = ("import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
-            "print('held', flush=True); sys.stdin.read()")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=subprocess_env())
+    code = (
+        "import sys; from lapheads.engine.run import RunLock; RunLock.acquire(sys.argv[1]); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()

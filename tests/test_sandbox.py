@@ -30,15 +30,22 @@ from typing import Iterable, Optional
 
 import pytest
 
-from lapheads.sandbox import (ExecResult, SandboxStatus, SandboxUnavailableError, build_humaneval_program,
-                              check_program, run_code, run_many, sandbox_status)
+from lapheads.sandbox import (
+    ExecResult,
+    SandboxStatus,
+    SandboxUnavailableError,
+    build_humaneval_program,
+    check_program,
+    run_code,
+    run_many,
+    sandbox_status,
+)
 from lapheads.sandbox import core as sandbox  # the private helpers and module state the tests reach into
 
 IS_ROOT = os.getuid() == 0
 TIMEOUT = 1.5
 STATUS = sandbox_status()
-needs_bwrap = pytest.mark.skipif(not STATUS.available,
-                                 reason=f"bubblewrap cannot run here: {STATUS.reason}")
+needs_bwrap = pytest.mark.skipif(not STATUS.available, reason=f"bubblewrap cannot run here: {STATUS.reason}")
 
 
 # --------------------------------------------------------------------------------- host state
@@ -248,7 +255,7 @@ def test_total_disk_use_is_capped():
     """
     res = _run(code, disk_mb=16, max_file_mb=4, timeout=10)
     assert res.status == "failed" and "No space left" in res.reason, res
-    for target in ("/", "/dev", "/sandbox"):   # the rest of the tree is read-only
+    for target in ("/", "/dev", "/sandbox"):  # the rest of the tree is read-only
         res = _run(f"open({target + '/x'!r}, 'wb').write(b'0' * (1 << 20))\n")
         assert "Read-only file system" in res.reason, res
 
@@ -264,7 +271,7 @@ def test_host_files_are_invisible(tmp_path):
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         found = []
-        for path in ({str(tmp_path / 'secret.txt')!r}, '/etc/passwd', '/etc/hostname',
+        for path in ({str(tmp_path / "secret.txt")!r}, '/etc/passwd', '/etc/hostname',
                      {os.path.abspath(__file__)!r}, '/proc/1/root/etc/passwd'):
             try:
                 found.append(open(path).read())
@@ -303,7 +310,7 @@ def test_tampering_inside_the_interpreter_changes_nothing(tmp_path):
         builtins.__import__ = None
         libc = ctypes.CDLL(None, use_errno=True)
         hits = []
-        fd = libc.open({str(tmp_path / 'secret.txt').encode()!r}, 0)
+        fd = libc.open({str(tmp_path / "secret.txt").encode()!r}, 0)
         hits += ['host file'] if fd >= 0 else []
         hits += ['signal host'] if libc.kill({os.getpid()}, 0) == 0 else []
         hits += ['write /'] if libc.open(b'/pwned', 0o101, 0o644) >= 0 else []   # O_WRONLY|O_CREAT
@@ -562,18 +569,20 @@ def test_sysv_shared_memory_and_message_queues_are_contained():
 def test_sandbox_dies_with_its_parent(tmp_path):
     """SIGKILL the Python process that started a run: every process of the run goes with it."""
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         from lapheads.sandbox import run_code
         print("started", flush=True)
         run_code("import os, time\\nfor _ in range(4):\\n    os.fork()\\ntime.sleep(60)", timeout=60,
                  max_processes=32)
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout.readline().strip() == "started"
         uids: set[int] = set()
-        for _ in range(200):   # wait until the run's processes exist
+        for _ in range(200):  # wait until the run's processes exist
             uids = _descendant_sandbox_uids(parent.pid)
             if not IS_ROOT or (uids and len(_sandbox_pids(uids)) >= 4):
                 break
@@ -650,8 +659,12 @@ def test_bundled_bwrap_copy_runs_for_other_uids(tmp_path, monkeypatch):
     copy = sandbox._copy_for_other_uids(hidden)
     assert sandbox._world_readable(copy) and copy.startswith(tempfile.gettempdir())
     uid = sandbox.UID_RANGE[0] + os.getpid() % 1000
-    out = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", copy,
-                          "--version"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", copy, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and out.stdout.startswith("bubblewrap"), out
     shutil.rmtree(os.path.dirname(os.path.dirname(os.path.dirname(copy))))
     if STATUS.available:  # and the probe takes that route by itself
@@ -737,23 +750,36 @@ def test_humaneval_refuses_before_generating(no_bwrap, tmp_path, monkeypatch):
     simple_evaluate (as ``lapheads lm-eval --tasks lapheads_chat_humaneval`` runs it)."""
     pytest.importorskip("lm_eval")
     import lm_eval
+    from _lm_helpers import offline, scripted_lm
     from lm_eval.tasks import TaskManager
 
-    from _lm_helpers import offline, scripted_lm
     from lapheads.lm.evaluate import evaluate_chat_lm
     from lapheads.lm.tasks import TASKS_DIR, chat_prompt, chat_task_config
 
     offline(monkeypatch, tmp_path / "hf_datasets")
     prompt = "def f():\n"
     path = tmp_path / "he.jsonl"
-    path.write_text(json.dumps({"task_id": "t0", "prompt": prompt, "canonical_solution": "    return 1\n",
-                                "test": "def check(c):\n    assert c() == 1\n", "entry_point": "f"}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "task_id": "t0",
+                "prompt": prompt,
+                "canonical_solution": "    return 1\n",
+                "test": "def check(c):\n    assert c() == 1\n",
+                "entry_point": "f",
+            }
+        )
+        + "\n"
+    )
     lm = scripted_lm({chat_prompt(prompt): ["    return 1\n"]})
     with pytest.raises(SandboxUnavailableError):
         evaluate_chat_lm(lm, {"humaneval": str(path)})
     with pytest.raises(SandboxUnavailableError):
-        lm_eval.simple_evaluate(model=lm, tasks=[chat_task_config("humaneval", str(path))],
-                                task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+        lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[chat_task_config("humaneval", str(path))],
+            task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
+        )
     assert lm.asked == [], "completions were generated although they could not be run"
     res = evaluate_chat_lm(lm, {"humaneval": str(path)}, allow_unsafe_code=True, bootstrap_iters=0)
     assert res["chat"]["humaneval"]["pass@1"] == 1.0 and lm.asked == [chat_prompt(prompt)]
@@ -799,21 +825,20 @@ def _perturbed(problem: dict) -> str:
 def test_humaneval_canonical_solutions_pass():
     problems = _humaneval_problems()
     assert len(problems) == 164
-    progs = [build_humaneval_program(p["prompt"], p["canonical_solution"], p["test"],
-                                     p["entry_point"]) for p in problems]
+    progs = [
+        build_humaneval_program(p["prompt"], p["canonical_solution"], p["test"], p["entry_point"]) for p in problems
+    ]
     results = run_many(progs, workers=2, timeout=10)
     failed = [(p["task_id"], r.reason) for p, r in zip(problems, results) if not r.passed]
     assert failed == []
 
 
 def _altered_passing(problems: list[dict]) -> list[str]:
-    wrong = ([build_humaneval_program(p["prompt"], "    return None\n", p["test"], p["entry_point"])
-              for p in problems]
-             + [build_humaneval_program(p["prompt"], _perturbed(p), p["test"], p["entry_point"])
-                for p in problems])
+    wrong = [
+        build_humaneval_program(p["prompt"], "    return None\n", p["test"], p["entry_point"]) for p in problems
+    ] + [build_humaneval_program(p["prompt"], _perturbed(p), p["test"], p["entry_point"]) for p in problems]
     results = run_many(wrong, workers=2, timeout=10)
-    ids = ([p["task_id"] + " (return None)" for p in problems]
-           + [p["task_id"] + " (perturbed)" for p in problems])
+    ids = [p["task_id"] + " (return None)" for p in problems] + [p["task_id"] + " (perturbed)" for p in problems]
     return [i for i, r in zip(ids, results) if r.passed]
 
 

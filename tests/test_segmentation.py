@@ -7,8 +7,12 @@ import pytest
 import torch
 from PIL import Image
 
-from lapheads.data.segmentation import (ade20k, build_segmentation_dataset, image_mask_folder,
-                                        make_synthetic_segmentation)
+from lapheads.data.segmentation import (
+    ade20k,
+    build_segmentation_dataset,
+    image_mask_folder,
+    make_synthetic_segmentation,
+)
 from lapheads.errors import DataError
 
 
@@ -43,8 +47,14 @@ def test_ade20k_layout_reduces_zero_label(tmp_path):
     assert ds.num_classes == 150
     _, mask = ds[0]
     assert mask.tolist() == [[255, 0], [149, 6]]
-    _pair(base, base / "images" / "training", base / "annotations" / "training", "ADE_x_0002",
-          np.array([[0, 151], [3, 3]]), ext=".jpg")
+    _pair(
+        base,
+        base / "images" / "training",
+        base / "annotations" / "training",
+        "ADE_x_0002",
+        np.array([[0, 151], [3, 3]]),
+        ext=".jpg",
+    )
     with pytest.raises(DataError, match=r"ADE_x_0002\.png: mask label 151 is outside the class range 0\.\.150"):
         ade20k(base, "train")
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from _lm_helpers import tiny_lm_run
 
 from lapheads.engine import RunDir
 from lapheads.engine.config import load_config
@@ -13,8 +14,6 @@ from lapheads.engine.launch import launch
 from lapheads.errors import ConfigError, DataError
 from lapheads.lm.tokenizer import render_chat
 from lapheads.recipes import lm as R
-
-from _lm_helpers import tiny_lm_run
 from lapheads.recipes import sft as S
 
 
@@ -25,24 +24,43 @@ def pretrained(tmp_path_factory):
 
 
 def _sft_cfg(run, *over):
-    return load_config(S.SFTConfig, None, [f"init_from={run}", "data.seq_len=96", "data.batch_size=4",
-                                           "train.max_steps=6", "train.progress=false", "train.log_every=1",
-                                           "train.eval_every=3"] + list(over))
+    return load_config(
+        S.SFTConfig,
+        None,
+        [
+            f"init_from={run}",
+            "data.seq_len=96",
+            "data.batch_size=4",
+            "train.max_steps=6",
+            "train.progress=false",
+            "train.log_every=1",
+            "train.eval_every=3",
+        ]
+        + list(over),
+    )
 
 
 def test_topics_qa_and_loss_mask(pretrained):
     convs = S.topics_qa()
     assert len(convs) >= 70 and all(len(c["messages"]) == 2 for c in convs)
     _, tok = R.load_model(pretrained)
-    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok"}]
+    msgs = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "ok"},
+    ]
     ids, mask = render_chat(tok, msgs)
     b = S.collate_padded([(ids, mask), (ids[:7], mask[:7])], tok.pad_token_id)
     y = b["labels"][0]
     trained = [t for t in y.tolist() if t != -100]
     # exactly the assistant content and <|assistant_end|> of each assistant turn
-    want = (tok.encode("hello", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|assistant_end|>")]
-            + tok.encode("ok", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|assistant_end|>")])
+    want = (
+        tok.encode("hello", add_special_tokens=False)
+        + [tok.convert_tokens_to_ids("<|assistant_end|>")]
+        + tok.encode("ok", add_special_tokens=False)
+        + [tok.convert_tokens_to_ids("<|assistant_end|>")]
+    )
     assert trained == want
     assert torch.equal(b["input_ids"][0], torch.tensor(ids[:-1]))
     assert b["attention_mask"][1].tolist() == [1] * 6 + [0] * (len(ids) - 7)
@@ -63,8 +81,12 @@ def test_packing_restarts_positions():
 
 def test_bad_chat_jsonl_names_file_and_line(pretrained, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
-                   + "\n" + json.dumps({"messages": [{"role": "robot", "content": "beep"}]}) + "\n")
+    bad.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "robot", "content": "beep"}]})
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"bad.jsonl:2:.*unknown role 'robot'"):
         S.build_task(_sft_cfg(pretrained, f"data.sources=[{{path: {bad}}}]"), _info())
     empty = tmp_path / "empty.jsonl"
@@ -81,17 +103,28 @@ def test_bad_chat_jsonl_names_file_and_line(pretrained, tmp_path):
 
 def _info():
     from lapheads.engine.dist import DistInfo
+
     return DistInfo()
 
 
 def test_mixture_weights(pretrained, tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for p, word in ((a, "alpha"), (b, "beta")):
-        p.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{word} {i}"},
-                                                      {"role": "assistant", "content": word}]}) + "\n"
-                             for i in range(10)))
-    cfg = _sft_cfg(pretrained, f"data.sources=[{{path: {a}, weight: 3.0}}, {{path: {b}, weight: 1.0}}]",
-                   "data.val_fraction=0.0", f"data.val=[{a}]")
+        p.write_text(
+            "".join(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": f"{word} {i}"}, {"role": "assistant", "content": word}]}
+                )
+                + "\n"
+                for i in range(10)
+            )
+        )
+    cfg = _sft_cfg(
+        pretrained,
+        f"data.sources=[{{path: {a}, weight: 3.0}}, {{path: {b}, weight: 1.0}}]",
+        "data.val_fraction=0.0",
+        f"data.val=[{a}]",
+    )
     task = S.build_task(cfg, _info())
     assert task.source_probs.tolist() == pytest.approx([0.75, 0.25])
     alpha = task.tokenizer.encode("alpha", add_special_tokens=False)[0]
@@ -123,6 +156,7 @@ def test_sft_runs_from_pretrained(pretrained, tmp_path, packing):
 @pytest.mark.parametrize("k", [0, 2])
 def test_packed_rows_do_not_attend_across_conversations(k):
     from lapheads.lm.model import LMModelConfig, build_model
+
     torch.manual_seed(0)
     m = build_model(LMModelConfig(depth=2, width=64, n_heads=4, laplacian_heads=k), 50, 32).eval()
     with torch.no_grad():

@@ -21,7 +21,7 @@ def test_welch_matches_scipy_and_a_hand_computed_interval():
     assert w["p"] == pytest.approx(ref.pvalue, rel=1e-12)
     # by hand: Welch-Satterthwaite df and the t quantile
     va, vb = np.var(a, ddof=1) / len(a), np.var(b, ddof=1) / len(b)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     diff = np.mean(b) - np.mean(a)
     half = stats.t.ppf(0.975, df) * math.sqrt(va + vb)
     assert w["df"] == pytest.approx(df, rel=1e-12)

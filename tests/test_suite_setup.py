@@ -17,4 +17,5 @@ def test_xdist_groups_are_honoured(request):
         pytest.skip("runs under pytest-xdist with --dist loadgroup (make test)")
     assert request.node.nodeid.endswith("@suite_setup"), (
         f"pytest-xdist ignored xdist_group under pytest {pytest.__version__} (node id {request.node.nodeid!r}); "
-        f"install the versions pinned in constraints.txt (make setup)")
+        f"install the versions pinned in constraints.txt (make setup)"
+    )

@@ -10,13 +10,24 @@ import yaml
 from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
 from lapheads.report import curve_series, grid_axes, grid_report, summarise
-from lapheads.sweep import (axis_names, design_points, parse_grid, parse_point, plan_grid,
-                            run_name, split_top)
+from lapheads.sweep import axis_names, design_points, parse_grid, parse_point, plan_grid, run_name, split_top
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
-TINY = ["--set", "model.depth=1", "--set", "model.num_heads=2", "--set", "train.progress=false",
-        "--set", "data.batch_size=32", "--set", "data.max_eval_items=32", "--set", "train.max_steps=1"]
+TINY = [
+    "--set",
+    "model.depth=1",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "train.progress=false",
+    "--set",
+    "data.batch_size=32",
+    "--set",
+    "data.max_eval_items=32",
+    "--set",
+    "train.max_steps=1",
+]
 
 
 def test_design_parsing_and_names():
@@ -28,17 +39,25 @@ def test_design_parsing_and_names():
     assert len(design) == 5 and design[-1] == uneven  # 2 x 2 cross product + 1 new point (the other is in it)
     assert design_points(points=[uneven]) == [uneven] and design_points() == [{}]
     short = axis_names(["data.fraction", "model.embed_dim", "train.max_steps"])
-    assert run_name("0", 1, {"model.embed_dim": "64", "data.fraction": "0.25"}, short) == \
-        "fraction=0.25__embed_dim=64__lap0_seed1"  # sorted by key: independent of the order given
+    assert (
+        run_name("0", 1, {"model.embed_dim": "64", "data.fraction": "0.25"}, short)
+        == "fraction=0.25__embed_dim=64__lap0_seed1"
+    )  # sorted by key: independent of the order given
     assert run_name("all", 0) == "lapall_seed0"  # no grid: the names sweeps always had
-    assert axis_names(["data.batch_size", "train.batch_size"]) == {"data.batch_size": "data.batch_size",
-                                                                   "train.batch_size": "train.batch_size"}
+    assert axis_names(["data.batch_size", "train.batch_size"]) == {
+        "data.batch_size": "data.batch_size",
+        "train.batch_size": "train.batch_size",
+    }
     odd = run_name("0", 0, {"data.train": "idx:/data/mnist"}, {"data.train": "train"})
     assert odd.startswith("train=idx-data-mnist-") and "/" not in odd
     assert odd != run_name("0", 0, {"data.train": "idx:/data/mnist2"}, {"data.train": "train"})
-    for bad, msg in ((["model.laplacian_heads=0,1"], "--laplacian-heads"), (["train.seed=1,2"], "--seeds"),
-                     (["model.embed_dim"], "KEY=V1,V2"), (["model.embed_dim=64,"], "empty value"),
-                     (["a.b=1", "a.b=2"], "given twice")):
+    for bad, msg in (
+        (["model.laplacian_heads=0,1"], "--laplacian-heads"),
+        (["train.seed=1,2"], "--seeds"),
+        (["model.embed_dim"], "KEY=V1,V2"),
+        (["model.embed_dim=64,"], "empty value"),
+        (["a.b=1", "a.b=2"], "given twice"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             parse_grid(bad)
     with pytest.raises(ConfigError, match="also set with --set"):
@@ -56,19 +75,37 @@ def test_bad_grid_point_is_refused_before_anything_runs(tmp_path):
 
 def test_grid_sweep_trains_skips_and_reports(tmp_path, capsys):
     out = tmp_path / "grid"
-    argv = ["sweep", "--config", DIGITS, "--laplacian-heads", "0,1", "--seeds", "0", "--out", str(out),
-            "--grid", "model.embed_dim=16,32", "--point", "model.embed_dim=16,data.fraction=0.5", *TINY]
+    argv = [
+        "sweep",
+        "--config",
+        DIGITS,
+        "--laplacian-heads",
+        "0,1",
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--grid",
+        "model.embed_dim=16,32",
+        "--point",
+        "model.embed_dim=16,data.fraction=0.5",
+        *TINY,
+    ]
     assert cli(argv) == 0
     names = sorted(p.name for p in out.iterdir() if (p / "config.yaml").is_file())
-    assert names == sorted(f"{pt}__lap{k}_seed0" for k in (0, 1)
-                           for pt in ("embed_dim=16", "embed_dim=32", "fraction=0.5__embed_dim=16"))
+    assert names == sorted(
+        f"{pt}__lap{k}_seed0" for k in (0, 1) for pt in ("embed_dim=16", "embed_dim=32", "fraction=0.5__embed_dim=16")
+    )
     cfg = yaml.safe_load((out / "fraction=0.5__embed_dim=16__lap1_seed0" / "config.yaml").read_text())
     assert cfg["model"]["embed_dim"] == 16 and cfg["data"]["fraction"] == 0.5 and cfg["model"]["laplacian_heads"] == 1
     md = (out / "report" / "report.md").read_text()
     assert "| data.fraction | model.embed_dim | Laplacian heads | runs |" in md
     figs = {p.name for p in (out / "report" / "figures").glob("classify_grid_*.png")}
-    assert figs == {"classify_grid_data.fraction.png", "classify_grid_model.embed_dim.png",
-                    "classify_grid_Laplacian_heads_k.png"}
+    assert figs == {
+        "classify_grid_data.fraction.png",
+        "classify_grid_model.embed_dim.png",
+        "classify_grid_Laplacian_heads_k.png",
+    }
     capsys.readouterr()
     assert cli(argv + ["--no-report"]) == 0  # the same command again: every run is finished
     assert capsys.readouterr().out.count("finished, skipped") == 6
@@ -77,14 +114,34 @@ def test_grid_sweep_trains_skips_and_reports(tmp_path, capsys):
 def _fake_run(root: Path, name: str, k: int, seed: int, width: int, top1: float, within: float) -> dict:
     d = root / name
     (d / "final").mkdir(parents=True)
-    cfg = {"recipe": "classify", "model": {"laplacian_heads": k, "embed_dim": width, "num_heads": 4},
-           "train": {"seed": seed, "log_every": seed + 1}}
+    cfg = {
+        "recipe": "classify",
+        "model": {"laplacian_heads": k, "embed_dim": width, "num_heads": 4},
+        "train": {"seed": seed, "log_every": seed + 1},
+    }
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    geo = {"layers": {"blocks.0": {"anova": {"frac_within_sequence": within, "frac_between_class": 0.1},
-                                   "spectra": {"k_mean": 3.0}, "nc_tokens": {"cdnv": 0.5},
-                                   "cosine": {"cosine_mean": 0.2}}}}
-    return {"dir": str(d), "name": name, "recipe": "classify", "label": "all" if k == 4 else f"k={k}",
-            "seed": seed, "final": {"top1": top1}, "finished": True, "train": [], "val": [], "geometry": geo}
+    geo = {
+        "layers": {
+            "blocks.0": {
+                "anova": {"frac_within_sequence": within, "frac_between_class": 0.1},
+                "spectra": {"k_mean": 3.0},
+                "nc_tokens": {"cdnv": 0.5},
+                "cosine": {"cosine_mean": 0.2},
+            }
+        }
+    }
+    return {
+        "dir": str(d),
+        "name": name,
+        "recipe": "classify",
+        "label": "all" if k == 4 else f"k={k}",
+        "seed": seed,
+        "final": {"top1": top1},
+        "finished": True,
+        "train": [],
+        "val": [],
+        "geometry": geo,
+    }
 
 
 def test_curves_are_drawn_per_grid_point_not_pooled(tmp_path):
@@ -96,8 +153,12 @@ def test_curves_are_drawn_per_grid_point_not_pooled(tmp_path):
         r["train"] = [{"step": t, "loss": 10.0 / width + t} for t in (1, 2, 3)]
     groups = summarise(runs)["classify"]
     series = curve_series(groups, lambda run: {x["step"]: x["loss"] for x in run["train"]})
-    assert [label for label, _ in series] == ["k=0 (embed_dim=16)", "k=0 (embed_dim=64)",
-                                              "all (embed_dim=16)", "all (embed_dim=64)"]
+    assert [label for label, _ in series] == [
+        "k=0 (embed_dim=16)",
+        "k=0 (embed_dim=64)",
+        "all (embed_dim=16)",
+        "all (embed_dim=64)",
+    ]
     for label, curves in series:
         width = int(label.split("embed_dim=")[1].rstrip(")"))
         assert len(curves) == 2 and all(c == {t: 10.0 / width + t for t in (1, 2, 3)} for c in curves)
@@ -106,14 +167,18 @@ def test_curves_are_drawn_per_grid_point_not_pooled(tmp_path):
 
 
 def test_grid_report_axes_lines_and_k_ablation(tmp_path):
-    runs = [_fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5 + 0.001 * w + 0.01 * k + 0.01 * s, 0.3 - 0.05 * k)
-            for w in (16, 64, 256) for k in (0, 2, 4) for s in (0, 1)]
+    runs = [
+        _fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5 + 0.001 * w + 0.01 * k + 0.01 * s, 0.3 - 0.05 * k)
+        for w in (16, 64, 256)
+        for k in (0, 2, 4)
+        for s in (0, 1)
+    ]
     configs = [yaml.safe_load(Path(r["dir"], "config.yaml").read_text()) for r in runs]
     assert grid_axes(configs) == ["model.embed_dim"]  # not k, seed, or the logging cadence
     figs = tmp_path / "figs"
     figs.mkdir()
     tables, made = grid_report(runs, figs)
-    (title, header, rows), = tables
+    ((title, header, rows),) = tables
     assert header[:3] == ["model.embed_dim", "Laplacian heads", "runs"] and "k99" in header
     md = ["| " + " | ".join(r) + " |" for r in rows]
     assert [p.name for p, _ in made] == ["classify_grid_model.embed_dim.png", "classify_grid_Laplacian_heads_k.png"]
@@ -134,9 +199,12 @@ def test_grid_claims_compare_k_within_each_grid_point(tmp_path):
     from lapheads.report import claims, grid_claims, summarise
     from lapheads.stats import plateau
 
-    runs = [_fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5 + 0.001 * w + 0.01 * k + 0.002 * s,
-                      0.3 - 0.05 * k)
-            for w in (16, 64, 256) for k in (0, 2) for s in (0, 1, 2)]
+    runs = [
+        _fake_run(tmp_path, f"w{w}_k{k}_s{s}", k, s, w, 0.5 + 0.001 * w + 0.01 * k + 0.002 * s, 0.3 - 0.05 * k)
+        for w in (16, 64, 256)
+        for k in (0, 2)
+        for s in (0, 1, 2)
+    ]
     flags = {r["dir"]: plateau([], []) for r in runs}  # no validation curves: plateau unknown
 
     def top1(cs: list) -> list:
@@ -152,9 +220,32 @@ def test_grid_claims_compare_k_within_each_grid_point(tmp_path):
 
 
 def _sweep_argv(out: Path, *extra: str) -> list[str]:
-    return ["sweep", "--config", DIGITS, "--laplacian-heads", "0,all", "--seeds", "0", "--out", str(out),
-            "--no-report", *TINY[:-2], "--set", "train.max_steps=60", "--set", "train.ckpt_every=5", "--set", "train.log_every=1",
-            "--set", "model.embed_dim=32", "--set", "model.img_size=16", "--set", "model.patch_size=4", *extra]
+    return [
+        "sweep",
+        "--config",
+        DIGITS,
+        "--laplacian-heads",
+        "0,all",
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--no-report",
+        *TINY[:-2],
+        "--set",
+        "train.max_steps=60",
+        "--set",
+        "train.ckpt_every=5",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "model.embed_dim=32",
+        "--set",
+        "model.img_size=16",
+        "--set",
+        "model.patch_size=4",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -167,9 +258,9 @@ def test_parallel_sweep_stops_on_sigterm_resumes_and_equals_one_at_a_time(tmp_pa
     import time
 
     import torch
+    from _reliability_helpers import subprocess_env, train_steps
 
     from lapheads.engine.checkpoint import load_tensors
-    from _reliability_helpers import subprocess_env, train_steps
 
     par = tmp_path / "par"
     argv = [sys.executable, "-m", "lapheads.cli", *_sweep_argv(par, "--jobs", "2")]
@@ -200,7 +291,10 @@ def test_parallel_sweep_stops_on_sigterm_resumes_and_equals_one_at_a_time(tmp_pa
     assert not (one / "logs").exists()
     for r in runs:
         assert train_steps(r) == list(range(1, 61))
-        a, b = load_tensors(r / "final" / "model.safetensors"), load_tensors(one / r.name / "final" / "model.safetensors")
+        a, b = (
+            load_tensors(r / "final" / "model.safetensors"),
+            load_tensors(one / r.name / "final" / "model.safetensors"),
+        )
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5)
 
@@ -215,4 +309,5 @@ def test_parallel_sweep_failure_names_the_run_and_its_log(tmp_path, monkeypatch,
     monkeypatch.delenv("LAPHEADS_TEST_NAN_AT_STEP")
     with pytest.raises(ConfigError, match="--jobs 0: expected a positive number"):
         from lapheads.sweep import run_grid
+
         run_grid("classify", DIGITS, ["0"], [0], tmp_path / "z", jobs=0)

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from lapheads.data.tasks import (TaskItem, builtin_humaneval_path, load_task, normalize_number,
-                                 task_kind)
+from lapheads.data.tasks import TaskItem, builtin_humaneval_path, load_task, normalize_number, task_kind
 from lapheads.errors import DataError
 
 
@@ -21,13 +20,23 @@ def _write(path, rows, raw_lines=()):
     return str(path)
 
 
-ARC_HF = {"id": "Mercury_1", "question": "Which is a metal?",
-          "choices": {"text": ["wood", "iron", "glass", "paper"], "label": ["A", "B", "C", "D"]},
-          "answerKey": "B"}
-ARC_NUM = {"id": "NYSED_2", "question": "Pick three.",
-           "choices": {"text": ["one", "two", "three"], "label": ["1", "2", "3"]}, "answerKey": "3"}
-ARC_ORIG = {"id": "orig_3", "question": {"stem": "Sky colour?", "choices": [
-    {"label": "A", "text": "green"}, {"label": "B", "text": "blue"}]}, "answerKey": "B"}
+ARC_HF = {
+    "id": "Mercury_1",
+    "question": "Which is a metal?",
+    "choices": {"text": ["wood", "iron", "glass", "paper"], "label": ["A", "B", "C", "D"]},
+    "answerKey": "B",
+}
+ARC_NUM = {
+    "id": "NYSED_2",
+    "question": "Pick three.",
+    "choices": {"text": ["one", "two", "three"], "label": ["1", "2", "3"]},
+    "answerKey": "3",
+}
+ARC_ORIG = {
+    "id": "orig_3",
+    "question": {"stem": "Sky colour?", "choices": [{"label": "A", "text": "green"}, {"label": "B", "text": "blue"}]},
+    "answerKey": "B",
+}
 
 
 def test_arc_both_layouts(tmp_path):
@@ -41,17 +50,25 @@ def test_arc_both_layouts(tmp_path):
 
 
 def test_mmlu_int_and_letter_answers(tmp_path):
-    rows = [{"question": "2+2?", "subject": "math", "choices": ["3", "4", "5", "6"], "answer": 1},
-            {"question": "Capital of France?", "subject": "geo",
-             "choices": ["Rome", "Oslo", "Paris", "Bern"], "answer": "C"}]
+    rows = [
+        {"question": "2+2?", "subject": "math", "choices": ["3", "4", "5", "6"], "answer": 1},
+        {
+            "question": "Capital of France?",
+            "subject": "geo",
+            "choices": ["Rome", "Oslo", "Paris", "Bern"],
+            "answer": "C",
+        },
+    ]
     items = load_task("mmlu", _write(tmp_path / "m.jsonl", rows))
     assert [i.answer_index for i in items] == [1, 2]
     assert items[0].meta["subject"] == "math"
 
 
 def test_gsm8k_target(tmp_path):
-    rows = [{"question": "q1", "answer": "5 + 7 = <<5+7=12>>12\n#### 12"},
-            {"question": "q2", "answer": "lots\n#### 1,234"}]
+    rows = [
+        {"question": "q1", "answer": "5 + 7 = <<5+7=12>>12\n#### 12"},
+        {"question": "q2", "answer": "lots\n#### 1,234"},
+    ]
     items = load_task("gsm8k", _write(tmp_path / "g.jsonl", rows))
     assert [i.target for i in items] == ["12", "1234"] and items[0].kind == "math"
 
@@ -65,15 +82,35 @@ def test_humaneval_builtin_and_gz(tmp_path):
     assert items[0].entry_point == "has_close_elements" and "def check" in items[0].test
     gz = tmp_path / "he.jsonl.gz"
     with gzip.open(gz, "wt", encoding="utf-8") as f:
-        f.write(json.dumps({"task_id": "x/0", "prompt": "def f():\n", "canonical_solution":
-                            "    return 1\n", "test": "def check(c):\n    assert c() == 1\n",
-                            "entry_point": "f"}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "task_id": "x/0",
+                    "prompt": "def f():\n",
+                    "canonical_solution": "    return 1\n",
+                    "test": "def check(c):\n    assert c() == 1\n",
+                    "entry_point": "f",
+                }
+            )
+            + "\n"
+        )
     assert load_task("humaneval", str(gz), max_items=5)[0].solution == "    return 1\n"
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("1,234", "1234"), ("$5.50", "5.5"), ("-3", "-3"), ("12.00", "12"), ("0.50", "0.5"),
-    ("50%", "50"), ("abc", None), ("1.2.3", None), ("", None)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("1,234", "1234"),
+        ("$5.50", "5.5"),
+        ("-3", "-3"),
+        ("12.00", "12"),
+        ("0.50", "0.5"),
+        ("50%", "50"),
+        ("abc", None),
+        ("1.2.3", None),
+        ("", None),
+    ],
+)
 def test_normalize_number(text, expected):
     assert normalize_number(text) == expected
 
@@ -117,6 +154,8 @@ def test_other_bad_inputs(tmp_path):
     with pytest.raises(DataError, match="expected a JSON object"):
         load_task("mmlu", _write(tmp_path / "l.jsonl", [[1, 2]]))
     with pytest.raises(DataError, match="missing field 'entry_point'"):
-        load_task("humaneval", _write(tmp_path / "h.jsonl", [{"task_id": "t", "prompt": "p",
-                                                               "canonical_solution": "", "test": "t"}]))
+        load_task(
+            "humaneval",
+            _write(tmp_path / "h.jsonl", [{"task_id": "t", "prompt": "p", "canonical_solution": "", "test": "t"}]),
+        )
     assert isinstance(TaskItem("t", "choice", "0", "q"), TaskItem)

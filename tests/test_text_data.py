@@ -14,8 +14,17 @@ import torch
 import lapheads.data.text as text_data
 from lapheads import ConfigError, DataError
 from lapheads.cli import main as cli_main
-from lapheads.data.text import (TokenShards, check_inputs, embedded_documents, is_validation_document,
-                                iter_documents, read_index, read_jsonl, read_parquet, tokenize_to_shards)
+from lapheads.data.text import (
+    TokenShards,
+    check_inputs,
+    embedded_documents,
+    is_validation_document,
+    iter_documents,
+    read_index,
+    read_jsonl,
+    read_parquet,
+    tokenize_to_shards,
+)
 from lapheads.lm.tokenizer import tokenizer_hash, train_tokenizer
 
 DOCS = list(embedded_documents())
@@ -31,6 +40,7 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tok_dir):
     from lapheads.lm.tokenizer import load_tokenizer
+
     return load_tokenizer(tok_dir)
 
 
@@ -39,12 +49,13 @@ CORPUS = DOCS[:24]  # ~120k characters: enough for several small shards
 
 def _split_docs(stream: np.ndarray, bos: int) -> list[np.ndarray]:
     starts = np.flatnonzero(stream == bos)
-    return [stream[a + 1:b] for a, b in zip(starts, list(starts[1:]) + [len(stream)])]
+    return [stream[a + 1 : b] for a, b in zip(starts, list(starts[1:]) + [len(stream)])]
 
 
 # --------------------------------------------------------------------------- readers
 def test_embedded_corpus():
     from pydoc_data.topics import topics
+
     assert len(DOCS) == len(topics) > 50
     assert DOCS == [topics[k] for k in sorted(topics)]
 
@@ -74,8 +85,11 @@ def test_reader_errors(tmp_path):
     with pytest.raises(DataError, match=r"nofield\.jsonl:1: no key 'text'; keys found: \['content'\]"):
         check_inputs([nofield])
     pq.write_table(pa.table({"content": ["a"], "url": ["u"]}), tmp_path / "cols.parquet")
-    with pytest.raises(DataError, match=r"cols\.parquet: parquet file has no column 'text'; columns found: "
-                                        r"\['content', 'url'\]"):
+    with pytest.raises(
+        DataError,
+        match=r"cols\.parquet: parquet file has no column 'text'; columns found: "
+        r"\['content', 'url'\]",
+    ):
         check_inputs([tmp_path / "cols.parquet"])
     (tmp_path / "trunc.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(DataError, match=r"trunc\.parquet: not a readable parquet file"):
@@ -147,8 +161,10 @@ def test_uint32_and_vocab_that_does_not_fit(tok, tmp_path):
 
     with pytest.raises(DataError, match="70000 tokens, which do not fit uint16"):
         tokenize_to_shards(CORPUS[:3], Huge(tok), tmp_path / "x", dtype="uint16", progress=False)
-    assert tokenize_to_shards(CORPUS[:3], Huge(tok), tmp_path / "auto", val_fraction=0.0,
-                              progress=False)["dtype"] == "uint32"
+    assert (
+        tokenize_to_shards(CORPUS[:3], Huge(tok), tmp_path / "auto", val_fraction=0.0, progress=False)["dtype"]
+        == "uint32"
+    )
 
 
 def test_bad_corpus(tok, tmp_path):
@@ -217,7 +233,8 @@ def test_resume_after_kill_matches_clean_run(tok, tmp_path, monkeypatch):
         tokenize_to_shards(CORPUS, tok, out2, **kw)
     monkeypatch.setattr(text_data, "_write_index", real)
     assert len(list(out2.glob("*.bin"))) > len(read_index(out2)["splits"]["train"]["shards"]) + len(
-        read_index(out2)["splits"]["val"]["shards"])
+        read_index(out2)["splits"]["val"]["shards"]
+    )
     tokenize_to_shards(CORPUS, tok, out2, resume=True, **kw)
     assert _shard_bytes(out2) == _shard_bytes(tmp_path / "clean")
 
@@ -246,7 +263,7 @@ def test_sample_batch(shards):
     assert torch.equal(x[:, 1:], y[:, :-1])
     for row_x, row_y in zip(x.numpy(), y.numpy()):  # every window is a real slice of the stream
         starts = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(stream, 64) == row_x, axis=1))
-        assert any(np.array_equal(stream[s + 1:s + 65], row_y) for s in starts)
+        assert any(np.array_equal(stream[s + 1 : s + 65], row_y) for s in starts)
     x2, _ = sh.sample_batch(16, 64, torch.Generator().manual_seed(0))
     x3, _ = sh.sample_batch(16, 64, torch.Generator().manual_seed(1))
     assert torch.equal(x, x2) and not torch.equal(x, x3)
@@ -264,8 +281,8 @@ def test_sequential_iterator(shards):
     n_windows = (len(sh) - 1) // seq
     assert x.shape == (n_windows, seq)
     stream = torch.from_numpy(sh.tokens(0, len(sh)))
-    assert torch.equal(x.flatten(), stream[:n_windows * seq])
-    assert torch.equal(y.flatten(), stream[1:n_windows * seq + 1])  # every target exactly once
+    assert torch.equal(x.flatten(), stream[: n_windows * seq])
+    assert torch.equal(y.flatten(), stream[1 : n_windows * seq + 1])  # every target exactly once
     assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, sh.iter_batches(4, seq)))
     r0 = list(sh.iter_batches(4, seq, rank=0, world_size=2))
     r1 = list(sh.iter_batches(4, seq, rank=1, world_size=2))
@@ -282,6 +299,7 @@ def test_token_shards_errors(shards, tok, tmp_path):
     with pytest.raises(DataError, match="no index.json"):
         TokenShards(tmp_path, "train")
     import shutil
+
     copy = tmp_path / "copy"
     shutil.copytree(shards, copy)
     victim = copy / read_index(copy)["splits"]["train"]["shards"][1]["file"]
@@ -294,8 +312,20 @@ def test_token_shards_errors(shards, tok, tmp_path):
 
 def test_cli_tokenize(tok_dir, tmp_path, capsys):
     out = tmp_path / "emb"
-    args = ["data", "tokenize", "--embedded", "--tokenizer", str(tok_dir), "--out", str(out),
-            "--val-fraction", "0.1", "--shard-tokens", "50000", "--no-progress"]
+    args = [
+        "data",
+        "tokenize",
+        "--embedded",
+        "--tokenizer",
+        str(tok_dir),
+        "--out",
+        str(out),
+        "--val-fraction",
+        "0.1",
+        "--shard-tokens",
+        "50000",
+        "--no-progress",
+    ]
     assert cli_main(args) == 0
     printed = capsys.readouterr().out
     assert "train:" in printed and "bytes/token" in printed
@@ -305,25 +335,56 @@ def test_cli_tokenize(tok_dir, tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     assert cli_main(args + ["--resume"]) == 0
     pq.write_table(pa.table({"content": ["a"]}), tmp_path / "x.parquet")
-    assert cli_main(["data", "tokenize", "--input", str(tmp_path / "x.parquet"), "--tokenizer", str(tok_dir),
-                     "--out", str(tmp_path / "o")]) == 2
+    assert (
+        cli_main(
+            [
+                "data",
+                "tokenize",
+                "--input",
+                str(tmp_path / "x.parquet"),
+                "--tokenizer",
+                str(tok_dir),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "columns found: ['content']" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before any work
     jl = tmp_path / "c.jsonl"
     jl.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:5]))
-    assert cli_main(["data", "tokenize", "--input", str(jl), "--tokenizer", str(tok_dir), "--out",
-                     str(tmp_path / "j"), "--val-fraction", "0", "--no-progress"]) == 0
+    assert (
+        cli_main(
+            [
+                "data",
+                "tokenize",
+                "--input",
+                str(jl),
+                "--tokenizer",
+                str(tok_dir),
+                "--out",
+                str(tmp_path / "j"),
+                "--val-fraction",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert TokenShards(tmp_path / "j", "train").num_documents == 5
 
 
 # --------------------------------------------------------------------------- one large file, validation by tokens
 BOOK = "Title page.\n\n" + "".join(
-    f"CHAPTER {n}.\n\n" + "\n\n".join(" ".join(DOCS[j][i:i + 300].split()) for i in range(0, 1500, 300)) + "\n\n"
-    for j, n in enumerate(("I", "II", "III", "IV")))
+    f"CHAPTER {n}.\n\n" + "\n\n".join(" ".join(DOCS[j][i : i + 300].split()) for i in range(0, 1500, 300)) + "\n\n"
+    for j, n in enumerate(("I", "II", "III", "IV"))
+)
 
 
 def test_split_text_modes():
     from lapheads.data.text import split_documents, split_text
+
     chapters = split_text(BOOK, "chapters")
     assert len(chapters) == 5 and chapters[0] == "Title page.\n\n" and chapters[2].startswith("CHAPTER II.")
     assert "".join(chapters) == BOOK  # nothing lost
@@ -343,16 +404,18 @@ def test_split_text_modes():
 def test_validation_by_tokens_on_a_single_document(tok, tmp_path):
     with pytest.raises(DataError, match="leaves no training document"):
         tokenize_to_shards([BOOK], tok, tmp_path / "docs", val_fraction=0.1, progress=False)
-    index = tokenize_to_shards([BOOK, DOCS[5]], tok, tmp_path / "tok", val_fraction=0.1, val_by="tokens",
-                               shard_tokens=300, progress=False)
+    index = tokenize_to_shards(
+        [BOOK, DOCS[5]], tok, tmp_path / "tok", val_fraction=0.1, val_by="tokens", shard_tokens=300, progress=False
+    )
     train, val = TokenShards(tmp_path / "tok", "train"), TokenShards(tmp_path / "tok", "val")
     t_docs = [tok.decode(d.tolist()) for d in _split_docs(train.tokens(0, len(train)), tok.bos_token_id)]
     v_docs = [tok.decode(d.tolist()) for d in _split_docs(val.tokens(0, len(val)), tok.bos_token_id)]
     assert [a + b for a, b in zip(t_docs, v_docs)] == [BOOK, DOCS[5]]  # head for training, tail for validation
     n = [len(tok.encode(d, add_special_tokens=False)) for d in (BOOK, DOCS[5])]
     assert val.num_tokens - 2 == sum(round(0.1 * k) for k in n)
-    assert index["splits"]["train"]["bytes"] + index["splits"]["val"]["bytes"] == \
-        len(BOOK.encode()) + len(DOCS[5].encode())
+    assert index["splits"]["train"]["bytes"] + index["splits"]["val"]["bytes"] == len(BOOK.encode()) + len(
+        DOCS[5].encode()
+    )
     assert index["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in v_docs)
     # resume after a kill gives the same shards (each half of a document is committed separately)
     out = tmp_path / "killed"
@@ -369,8 +432,7 @@ def test_validation_by_tokens_on_a_single_document(tok, tmp_path):
 def test_train_fraction_keeps_an_even_share_of_training_documents(tok, tmp_path):
     full = tokenize_to_shards(CORPUS, tok, tmp_path / "full", val_fraction=0.1, progress=False)
     half = tokenize_to_shards(CORPUS, tok, tmp_path / "half", val_fraction=0.1, train_fraction=0.5, progress=False)
-    capped = tokenize_to_shards(CORPUS, tok, tmp_path / "cap", val_fraction=0.1, max_train_documents=4,
-                                progress=False)
+    capped = tokenize_to_shards(CORPUS, tok, tmp_path / "cap", val_fraction=0.1, max_train_documents=4, progress=False)
     n_train = full["splits"]["train"]["documents"]
     assert half["splits"]["train"]["documents"] == -(-n_train // 2)
     assert capped["splits"]["train"]["documents"] == 4
@@ -384,8 +446,17 @@ def test_train_fraction_keeps_an_even_share_of_training_documents(tok, tmp_path)
 def test_cli_tokenize_one_large_text_file(tok_dir, tmp_path, capsys):
     book = tmp_path / "book.txt"
     book.write_text(BOOK, encoding="utf-8")
-    base = ["data", "tokenize", "--input", str(book), "--tokenizer", str(tok_dir), "--no-progress",
-            "--val-fraction", "0.2"]
+    base = [
+        "data",
+        "tokenize",
+        "--input",
+        str(book),
+        "--tokenizer",
+        str(tok_dir),
+        "--no-progress",
+        "--val-fraction",
+        "0.2",
+    ]
     assert cli_main(base + ["--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err
     assert "--split-documents" in err and "--val-by tokens" in err
@@ -400,6 +471,7 @@ def test_cli_tokenize_one_large_text_file(tok_dir, tmp_path, capsys):
 def test_lm_data_from_one_large_file(tok_dir, tmp_path):
     """`train lm` data: one .txt corpus needs split_documents or val_by tokens; the error names data.* keys."""
     from lapheads.recipes.lm import LMDataConfig, prepare_data
+
     book = tmp_path / "book.txt"
     book.write_text(BOOK, encoding="utf-8")
     base = dict(corpus=str(book), tokenizer=str(tok_dir), cache_dir=str(tmp_path / "cache"), val_fraction=0.2)

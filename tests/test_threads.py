@@ -66,25 +66,68 @@ def test_configure_threads_applies_the_choice(monkeypatch):
 
 
 def test_train_threads_is_a_config_field_and_is_validated(tmp_path, capsys):
-    from lapheads.cli import main as cli
     from pathlib import Path
-    digits = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
-    assert cli(["train", "classify", "--config", digits, "--out", str(tmp_path / "r"), "--set", "train.threads=-1",
-                "--set", "train.max_steps=1"]) == 2
+
+    from lapheads.cli import main as cli
+
+    digits = str(
+        Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"
+    )
+    assert (
+        cli(
+            [
+                "train",
+                "classify",
+                "--config",
+                digits,
+                "--out",
+                str(tmp_path / "r"),
+                "--set",
+                "train.threads=-1",
+                "--set",
+                "train.max_steps=1",
+            ]
+        )
+        == 2
+    )
     assert "train.threads" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 
 def test_training_applies_train_threads(tmp_path, capsys):
     """The engine applies train.threads before training (the run's config wins over the environment)."""
-    from lapheads.cli import main as cli
     from pathlib import Path
-    digits = str(Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+
+    from lapheads.cli import main as cli
+
+    digits = str(
+        Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"
+    )
     before = torch.get_num_threads()
     try:
-        assert cli(["train", "classify", "--config", digits, "--out", str(tmp_path / "r"), "--set", "train.threads=2",
-                    "--set", "train.max_steps=1", "--set", "model.depth=1", "--set", "model.embed_dim=16",
-                    "--set", "data.max_eval_items=16"]) == 0
+        assert (
+            cli(
+                [
+                    "train",
+                    "classify",
+                    "--config",
+                    digits,
+                    "--out",
+                    str(tmp_path / "r"),
+                    "--set",
+                    "train.threads=2",
+                    "--set",
+                    "train.max_steps=1",
+                    "--set",
+                    "model.depth=1",
+                    "--set",
+                    "model.embed_dim=16",
+                    "--set",
+                    "data.max_eval_items=16",
+                ]
+            )
+            == 0
+        )
         assert "CPU threads: 2 (train.threads)" in capsys.readouterr().out
         assert torch.get_num_threads() == 2
     finally:

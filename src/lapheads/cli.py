@@ -30,16 +30,23 @@ from .errors import ConfigError, LapheadsError, NonFiniteError
 
 # (words...) -> ("module:function", one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("quickstart",): ("lapheads.commands.quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
+    ("quickstart",): (
+        "lapheads.commands.quickstart:main",
+        "baseline vs Laplacian heads on embedded data, with a report",
+    ),
     ("recipes",): ("lapheads.commands.recipes:main", "the shipped recipe configs (--config NAME), one line each"),
     ("train", "classify"): ("lapheads.commands.train:classify", "DeiT-3 supervised classification"),
     ("train", "lm"): ("lapheads.commands.train:lm", "NanoChat-style language-model pretraining"),
     ("train", "sft"): ("lapheads.commands.train:sft", "supervised fine-tuning on chat JSONL"),
     ("train", "dino"): ("lapheads.commands.train:dino", "DINO self-supervised pretraining"),
-    ("train", "retrofit"): ("lapheads.commands.train:retrofit",
-                            "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)"),
-    ("train", "retrofit_vit"): ("lapheads.commands.train:retrofit_vit",
-                                "switch k heads of a pretrained timm ViT to Laplacian and fine-tune (full or LoRA)"),
+    ("train", "retrofit"): (
+        "lapheads.commands.train:retrofit",
+        "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)",
+    ),
+    ("train", "retrofit_vit"): (
+        "lapheads.commands.train:retrofit_vit",
+        "switch k heads of a pretrained timm ViT to Laplacian and fine-tune (full or LoRA)",
+    ),
     ("eval", "classify"): ("lapheads.commands.eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
     ("eval", "lm"): ("lapheads.commands.eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
     ("lm-eval",): ("lapheads.commands.lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
@@ -53,7 +60,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("pca-maps",): ("lapheads.commands.pca_maps:main", "PCA maps of patch tokens as RGB images"),
     ("sweep",): ("lapheads.commands.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
     ("report",): ("lapheads.commands.report:main", "Markdown + HTML report comparing runs"),
-    ("config", "show"): ("lapheads.commands.config:show_main", "print a recipe's config as YAML (defaults or resolved)"),
+    ("config", "show"): (
+        "lapheads.commands.config:show_main",
+        "print a recipe's config as YAML (defaults or resolved)",
+    ),
     ("config", "schema"): ("lapheads.commands.config:schema_main", "print the JSON schema of a recipe's config"),
 }
 
@@ -66,8 +76,10 @@ class _Terminated(KeyboardInterrupt):
 
 def _sigterm_as_interrupt() -> Optional[object]:
     """Raise :class:`_Terminated` on SIGTERM (when nobody else handles it); returns the old handler."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         return None
 
     def _raise(signum: int, frame: object) -> None:
@@ -78,8 +90,7 @@ def _sigterm_as_interrupt() -> Optional[object]:
 
 def _usage() -> str:
     width = max(len(" ".join(k)) for k in COMMANDS)
-    lines = ["usage: lapheads <command> [options]   (add --help after a command for its options)", "",
-             "commands:"]
+    lines = ["usage: lapheads <command> [options]   (add --help after a command for its options)", "", "commands:"]
     for words, (_, help_) in COMMANDS.items():
         lines.append(f"  {' '.join(words):<{width}}  {help_}")
     lines += ["", "global options:", "  --debug     show full tracebacks", "  --version   print the version"]
@@ -111,8 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             subs = ", ".join(k[1] for k in COMMANDS if k[0] == argv[0])
             print(f"lapheads: error: '{argv[0]}' needs one of: {subs}", file=sys.stderr)
         else:
-            print(f"lapheads: error: unknown command {argv[0]!r}; run 'lapheads --help' for the list",
-                  file=sys.stderr)
+            print(f"lapheads: error: unknown command {argv[0]!r}; run 'lapheads --help' for the list", file=sys.stderr)
         return 2
     target, _ = COMMANDS[key]
     mod_name, fn_name = target.split(":")
@@ -128,6 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fn = getattr(importlib.import_module(mod_name), fn_name)
         if key[0] != "train":  # training commands choose threads from their config (train.threads)
             from .engine.threads import configure_threads  # lazy: torch is imported only when a command runs
+
             configure_threads()
         rc = fn(rest)
         return int(rc or 0)
@@ -153,6 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line with the resume command
         from .engine.launch import describe_interrupt  # lazy, as above
+
         line, rc = describe_interrupt(key, rest, e)
         if line:
             print(line, file=sys.stderr)

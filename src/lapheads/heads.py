@@ -85,8 +85,10 @@ def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
         return init
     if _digits(init):
         return int(init)
-    raise ConfigError(f"{name}={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
-                      f"an int k >= 0 (trailing k heads start Laplacian), e.g. 'learn:laplacian' or 'learn:2'")
+    raise ConfigError(
+        f"{name}={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
+        f"an int k >= 0 (trailing k heads start Laplacian), e.g. 'learn:laplacian' or 'learn:2'"
+    )
 
 
 def _is_int(x: Any) -> bool:
@@ -129,14 +131,20 @@ class LayerHeads:
 
     flags: tuple[bool, ...]
     # Device masks already built, by device; not part of equality, hash or repr.
-    _masks: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _masks: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         flags = self.flags
-        if isinstance(flags, torch.Tensor) or not isinstance(flags, (tuple, list)) or not flags \
-                or any(type(f) is not bool for f in flags):
-            raise ConfigError(f"LayerHeads(flags={flags!r}): flags must be a non-empty tuple of bools, one per "
-                              "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms")
+        if (
+            isinstance(flags, torch.Tensor)
+            or not isinstance(flags, (tuple, list))
+            or not flags
+            or any(type(f) is not bool for f in flags)
+        ):
+            raise ConfigError(
+                f"LayerHeads(flags={flags!r}): flags must be a non-empty tuple of bools, one per "
+                "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms"
+            )
         object.__setattr__(self, "flags", tuple(flags))
 
     @classmethod
@@ -162,12 +170,14 @@ class LayerHeads:
                 spec.resolve(1, n_heads)  # raises the learnable-mixing error
             if spec.kind not in ("k", "all", "none"):
                 raise ConfigError(
-                    f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])")
+                    f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])"
+                )
             return spec.resolve(1, n_heads)[0]
         if isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
             if len(spec) != n_heads:
                 raise ConfigError(
-                    f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)")
+                    f"laplacian_heads mask {list(spec)!r} has {len(spec)} entries, expected {n_heads} (one per head)"
+                )
             return cls(tuple(spec))
         if isinstance(spec, (list, tuple)):
             return LaplacianHeads([list(spec)]).resolve(1, n_heads)[0]
@@ -226,7 +236,10 @@ class LaplacianHeads:
         name: how error messages name the value (``model.laplacian_heads`` for a config key).
     """
 
-    def __init__(self, spec: HeadSpec = "none", *, name: str = "laplacian_heads"):
+    spec: Any  # the normalised setting: an int k, "all" / "none", a per-layer list, or "learn:<init>"
+    kind: str  # "k", "all", "none", "per_layer_k", "per_layer_indices" or "learn"
+
+    def __init__(self, spec: Any = "none", *, name: str = "laplacian_heads"):  # spec: a HeadSpec
         if isinstance(spec, LaplacianHeads):
             spec = spec.spec
         if spec is None:
@@ -280,7 +293,7 @@ class LaplacianHeads:
     @classmethod
     def learn(cls, init: Union[str, int] = "standard") -> "LaplacianHeads":
         """Learnable mixing ``a_h I + b_h P``; ``init``: "standard", "laplacian" or k (trailing k start Laplacian)."""
-        if _is_int(init):
+        if isinstance(init, int) and not isinstance(init, bool):
             if init < 0:
                 raise ConfigError(f"LaplacianHeads.learn(init={init}): k must be >= 0")
             return cls(f"learn:{init}")
@@ -318,7 +331,8 @@ class LaplacianHeads:
             raise ConfigError(
                 f"laplacian_heads={self.spec!r} is learnable mixing, not a fixed set of heads; it needs a module "
                 "that holds the parameters (lapheads.nn.MultiheadAttention, lapheads.timm.convert, "
-                "lapheads.transformers.enable) or a HeadMix(a, b) for the operator")
+                "lapheads.transformers.enable) or a HeadMix(a, b) for the operator"
+            )
         if self.kind == "all":
             return [LayerHeads((True,) * n_heads)] * n_layers
         if self.kind == "none":
@@ -328,7 +342,8 @@ class LaplacianHeads:
         if len(self.spec) != n_layers:
             raise ConfigError(
                 f"laplacian_heads={self.spec!r} has {len(self.spec)} per-layer entries but the model has "
-                f"{n_layers} layers; give exactly one entry per layer")
+                f"{n_layers} layers; give exactly one entry per layer"
+            )
         if self.kind == "per_layer_k":
             return [self._trailing(k, n_heads, i) for i, k in enumerate(self.spec)]
         out = []
@@ -337,7 +352,8 @@ class LaplacianHeads:
                 if j >= n_heads:
                     raise ConfigError(
                         f"laplacian_heads[{i}] contains head index {j}, but layers have {n_heads} "
-                        f"heads (allowed 0..{n_heads - 1})")
+                        f"heads (allowed 0..{n_heads - 1})"
+                    )
             chosen = set(idx)
             out.append(LayerHeads(tuple(h in chosen for h in range(n_heads))))
         return out
@@ -346,8 +362,7 @@ class LaplacianHeads:
     def _trailing(k: int, n_heads: int, layer: int | None) -> LayerHeads:
         where = "" if layer is None else f"[{layer}]"
         if k > n_heads:
-            raise ConfigError(
-                f"laplacian_heads{where}={k} but layers have only {n_heads} heads (allowed 0..{n_heads})")
+            raise ConfigError(f"laplacian_heads{where}={k} but layers have only {n_heads} heads (allowed 0..{n_heads})")
         return LayerHeads((False,) * (n_heads - k) + (True,) * k)
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
@@ -363,7 +378,7 @@ class LaplacianHeads:
         if self.kind == "none":
             return True
         if self.kind == "k":
-            return self.spec == 0
+            return bool(self.spec == 0)
         if self.kind == "per_layer_k":
             return all(k == 0 for k in self.spec)
         if self.kind == "per_layer_indices":
@@ -377,7 +392,7 @@ class LaplacianHeads:
     def label(self) -> str:
         """A short label for tables and plots (``k=3``, ``all``, ``none``, ``per-layer``, ``learn:standard``)."""
         if self.kind == "learn":
-            return self.spec
+            return str(self.spec)
         if self.kind == "k":
             return f"k={self.spec}"
         if self.kind in ("all", "none"):
@@ -385,7 +400,7 @@ class LaplacianHeads:
         return "per-layer:" + ",".join(str(k if _is_int(k) else len(k)) for k in self.spec)
 
     # ------------------------------------------------------------------ ordering, config values
-    def _order(self) -> tuple:
+    def _order(self) -> tuple[Any, ...]:
         # (group, rank, detail, text): every key has this shape, and two keys only reach `detail`
         # when group and rank are equal, where the details have the same structure, so any two
         # keys compare without a TypeError.
@@ -406,7 +421,7 @@ class LaplacianHeads:
         return (3, 2, (), "")
 
     @classmethod
-    def sort_key(cls, value: Any) -> tuple:
+    def sort_key(cls, value: Any) -> tuple[Any, ...]:
         """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing.
 
         Args:
@@ -425,7 +440,7 @@ class LaplacianHeads:
             if text.startswith("k="):
                 spec = text[2:]
             elif text.startswith("per-layer:"):
-                parts = text[len("per-layer:"):].split(",")
+                parts = text[len("per-layer:") :].split(",")
                 spec = [int(p) for p in parts] if all(_digits(p.strip()) for p in parts) else value
         try:
             return cls(spec)._order()
@@ -461,7 +476,8 @@ def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
         raise ConfigError(f"a laplacian_heads tensor must be boolean, got dtype {spec.dtype}")
     if spec.shape != (n_heads,):
         raise ConfigError(
-            f"laplacian_heads mask has shape {tuple(spec.shape)}, expected ({n_heads},) (one entry per head)")
+            f"laplacian_heads mask has shape {tuple(spec.shape)}, expected ({n_heads},) (one entry per head)"
+        )
 
 
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
@@ -478,8 +494,9 @@ def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> to
 
 
 # ---------------------------------------------------------------------- learnable mixing
-def init_mix(flags: Union[LayerHeads, Sequence[bool]], dtype: torch.dtype = torch.float32,
-             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def init_mix(
+    flags: Union[LayerHeads, Sequence[bool]], dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Initial ``(a, b)`` of one layer: ``(1, -1)`` for a head flagged Laplacian, ``(0, 1)`` otherwise."""
     if isinstance(flags, LayerHeads):
         flags = flags.flags
@@ -570,8 +587,9 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
             a, b = a.full_tensor(), b.full_tensor()
         av = [float(x) for x in a.detach().float().cpu().tolist()]
         bv = [float(x) for x in b.detach().float().cpu().tolist()]
-        rows.append({"layer": name, "a": av, "b": bv,
-                     "laplacianness": [round(laplacianness(x, y), 6) for x, y in zip(av, bv)]})
+        rows.append(
+            {"layer": name, "a": av, "b": bv, "laplacianness": [round(laplacianness(x, y), 6) for x, y in zip(av, bv)]}
+        )
     return rows
 
 
@@ -595,8 +613,9 @@ def suggest_selection(tables: Sequence[Sequence[dict[str, Any]]]) -> list[list[i
     shape = [len(r["a"]) for r in tables[0]]
     for t in tables[1:]:
         if [len(r["a"]) for r in t] != shape:
-            raise ConfigError("the learned mixing tables have different shapes (layers x heads); "
-                              "suggest a selection per model shape")
+            raise ConfigError(
+                "the learned mixing tables have different shapes (layers x heads); suggest a selection per model shape"
+            )
     out = []
     for i, n in enumerate(shape):
         mean = [sum(laplacianness(t[i]["a"][h], t[i]["b"][h]) for t in tables) / len(tables) for h in range(n)]

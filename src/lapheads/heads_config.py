@@ -29,9 +29,16 @@ HEADS_JSON_SCHEMA: dict[str, Any] = {
     "anyOf": [
         {"type": "integer", "minimum": 0, "description": "k: the trailing k heads of every layer"},
         {"type": "string", "description": "'all', 'none', 'learn', 'learn:standard', 'learn:laplacian' or 'learn:<k>'"},
-        {"type": "array", "description": "per layer: a count k, or a list of head indices",
-         "items": {"anyOf": [{"type": "integer", "minimum": 0},
-                             {"type": "array", "items": {"type": "integer", "minimum": 0}}]}},
+        {
+            "type": "array",
+            "description": "per layer: a count k, or a list of head indices",
+            "items": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0},
+                    {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                ]
+            },
+        },
         {"type": "null", "description": "no Laplacian head (as 'none')"},
     ],
 }
@@ -42,8 +49,10 @@ HEADS_JSON_SCHEMA: dict[str, Any] = {
 #: (:func:`lapheads.engine.config.config_error`) gives it the full key, ``model.laplacian_heads``.
 HeadsSetting = Annotated[Any, AfterValidator(_config_value), WithJsonSchema(HEADS_JSON_SCHEMA)]
 
-_HEADS_DESCRIPTION = ("Laplacian heads: int k (the trailing k heads of every layer), 'all', 'none', a per-layer "
-                      "list of counts or of head-index lists, or 'learn[:standard|laplacian|<k>]' (learnable mixing)")
+_HEADS_DESCRIPTION = (
+    "Laplacian heads: int k (the trailing k heads of every layer), 'all', 'none', a per-layer "
+    "list of counts or of head-index lists, or 'learn[:standard|laplacian|<k>]' (learnable mixing)"
+)
 
 
 def heads_field(default: Any = DEFAULT_LAPLACIAN_HEADS, description: str = _HEADS_DESCRIPTION) -> Any:

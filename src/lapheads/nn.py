@@ -131,11 +131,22 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
         learn = learnable_spec(laplacian_heads)
-        selection = (learn.init_selection(1, num_heads)[0] if learn is not None
-                     else LayerHeads.of(laplacian_heads, num_heads))
-        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, add_bias_kv=add_bias_kv,
-                         add_zero_attn=add_zero_attn, kdim=kdim, vdim=vdim, batch_first=batch_first,
-                         device=device, dtype=dtype)
+        selection = (
+            learn.init_selection(1, num_heads)[0] if learn is not None else LayerHeads.of(laplacian_heads, num_heads)
+        )
+        super().__init__(
+            embed_dim,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            kdim=kdim,
+            vdim=vdim,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+        )
         self.laplacian_heads = laplacian_heads
         #: this layer's resolved selection (a plain attribute, not a buffer: state_dict keys stay
         #: exactly torch's); the operator takes it as is.
@@ -153,11 +164,20 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     def from_torch(cls, module: torch.nn.MultiheadAttention, laplacian_heads: Any = "none") -> "MultiheadAttention":
         """A copy of a torch ``MultiheadAttention`` (same options and weights) with Laplacian heads."""
         w = module.out_proj.weight
-        new = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
-                  bias=module.out_proj.bias is not None, add_bias_kv=module.bias_k is not None,
-                  add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
-                  batch_first=module.batch_first, device=w.device, dtype=w.dtype,
-                  laplacian_heads=laplacian_heads)
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.out_proj.bias is not None,
+            add_bias_kv=module.bias_k is not None,
+            add_zero_attn=module.add_zero_attn,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            batch_first=module.batch_first,
+            device=w.device,
+            dtype=w.dtype,
+            laplacian_heads=laplacian_heads,
+        )
         missing, unexpected = new.load_state_dict(module.state_dict(), strict=False)
         if unexpected or any(not k.startswith("lap_mix_") for k in missing):
             raise ConfigError(f"from_torch: state_dict mismatch (missing {missing}, unexpected {unexpected})")
@@ -166,11 +186,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
 
     def extra_repr(self) -> str:
         if self.laplacian_learnable:
-            return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-                    f"laplacian_heads={self.laplacian_heads!r} (learnable a I + b P)")
+            return (
+                f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+                f"laplacian_heads={self.laplacian_heads!r} (learnable a I + b P)"
+            )
         n = self.laplacian_selection.count
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-                f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
+            f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})"
+        )
 
     # ------------------------------------------------------------------ projections
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -189,8 +213,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 kv = F.linear(key, w[e:], None if b is None else b[e:]).chunk(2, dim=-1)
                 return F.linear(query, wq, bq), kv[0], kv[1]
             return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
-        return (F.linear(query, self.q_proj_weight, bq), F.linear(key, self.k_proj_weight, bk),
-                F.linear(value, self.v_proj_weight, bv))
+        return (
+            F.linear(query, self.q_proj_weight, bq),
+            F.linear(key, self.k_proj_weight, bk),
+            F.linear(value, self.v_proj_weight, bv),
+        )
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -225,14 +252,16 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         # One function on purpose: it mirrors torch.nn.MultiheadAttention.forward argument by argument (masks,
         # need_weights, batch_first, kdim/vdim), so the two can be read side by side.
         if query.is_nested or key.is_nested or value.is_nested:
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                        average_attn_weights, is_causal)
+            return self._forward_nested(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
         batched = query.dim() == 3
         given = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
             raise ConfigError(
                 f"query, key, value must all be 3-D (batched) or 2-D (unbatched); got shapes "
-                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
         same_kv, self_attn = key is value, (query is key and key is value)
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -250,18 +279,23 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         h, hd = self.num_heads, self.head_dim
         if (e, key.shape[-1], value.shape[-1]) != (self.embed_dim, self.kdim, self.vdim):
             raise ConfigError(
-                f"feature sizes of {given} do not match embed_dim={self.embed_dim}, kdim={self.kdim}, "
-                f"vdim={self.vdim}")
+                f"feature sizes of {given} do not match embed_dim={self.embed_dim}, kdim={self.kdim}, vdim={self.vdim}"
+            )
         if key.shape[:2] != value.shape[:2] or key.shape[0] != n:
             raise ConfigError(
                 f"{given}: key and value must have the same batch and sequence sizes, and the same batch "
-                f"size as query (batch_first={self.batch_first})")
-        lap: Any = (HeadMix(cast(Tensor, self.lap_mix_a), cast(Tensor, self.lap_mix_b)) if self.laplacian_learnable
-                    else self.laplacian_selection)
+                f"size as query (batch_first={self.batch_first})"
+            )
+        lap: Any = (
+            HeadMix(cast(Tensor, self.lap_mix_a), cast(Tensor, self.lap_mix_b))
+            if self.laplacian_learnable
+            else self.laplacian_selection
+        )
         if (self.laplacian_learnable or self.laplacian_selection.any) and tq > s:
             raise ConfigError(
                 f"Laplacian heads need every query to have its own position among the keys, but the "
-                f"query has {tq} positions and the key only {s}")
+                f"query has {tq} positions and the key only {s}"
+            )
 
         q, k, v = self._project(query, key, value)
         # The mask takes the dtype of the projected queries (bf16 under autocast), as SDPA requires.
@@ -286,8 +320,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         dropout_p = self.dropout if self.training else 0.0
         weights: Optional[Tensor] = None
         if need_weights:
-            out, op = laplacian_attention_reference(q, k, v, laplacian_heads=lap, attn_mask=mask,
-                                                    dropout_p=dropout_p)
+            out, op = laplacian_attention_reference(q, k, v, laplacian_heads=lap, attn_mask=mask, dropout_p=dropout_p)
             if extra:
                 op = torch.cat([op[..., extra:], op[..., :extra].flip(-1)], dim=-1)  # torch's column order
             weights = op.mean(dim=1) if average_attn_weights else op
@@ -304,28 +337,56 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             out = out.transpose(0, 1)
         return out, weights
 
-    def _forward_nested(self, x: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor],
-                        need_weights: bool, attn_mask: Optional[Tensor], average_attn_weights: bool,
-                        is_causal: bool) -> tuple[Tensor, Optional[Tensor]]:
+    def _forward_nested(
+        self,
+        x: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor],
+        need_weights: bool,
+        attn_mask: Optional[Tensor],
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Optional[Tensor]]:
         """Self-attention on a nested ``(N, j, E)`` tensor: pad, attend with a padding mask, re-nest."""
         if not (x is key and key is value):
             raise ConfigError("nested-tensor input is supported for self-attention only (query is key is value)")
         if not self.batch_first:
             raise ConfigError("nested-tensor input needs batch_first=True (a nested tensor is (N, j, E))")
         if key_padding_mask is not None or attn_mask is not None:
-            raise ConfigError("nested-tensor input takes no attn_mask or key_padding_mask: the nested "
-                              "tensor's own lengths are the padding (as in torch's fused path)")
+            raise ConfigError(
+                "nested-tensor input takes no attn_mask or key_padding_mask: the nested "
+                "tensor's own lengths are the padding (as in torch's fused path)"
+            )
         lengths = [t.shape[0] for t in x.unbind()]
         padded = x.to_padded_tensor(0.0)
-        pad = torch.arange(padded.shape[1], device=padded.device)[None, :] >= torch.tensor(
-            lengths, device=padded.device)[:, None]
-        out, weights = self.forward(padded, padded, padded, key_padding_mask=pad, need_weights=need_weights,
-                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
+        pad = (
+            torch.arange(padded.shape[1], device=padded.device)[None, :]
+            >= torch.tensor(lengths, device=padded.device)[:, None]
+        )
+        out, weights = self.forward(
+            padded,
+            padded,
+            padded,
+            key_padding_mask=pad,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
         nested = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), lengths)], layout=x.layout)
         return nested, weights  # weights (if any) stay padded: (N, [H,] L_max, L_max)
 
-    def _merged_mask(self, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool,
-                     n: int, tq: int, s: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+    def _merged_mask(
+        self,
+        key_padding_mask: Optional[Tensor],
+        attn_mask: Optional[Tensor],
+        is_causal: bool,
+        n: int,
+        tq: int,
+        s: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Optional[Tensor]:
         """One additive mask broadcastable to (N, H, Tq, S), or None (torch semantics, see docstring)."""
         h = self.num_heads
         am = _additive(attn_mask, "attn_mask", dtype)
@@ -337,8 +398,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             elif am.dim() == 3:
                 if tuple(am.shape) != (n * h, tq, s):
                     raise ConfigError(
-                        f"3-D attn_mask has shape {tuple(am.shape)}, expected (N * num_heads, L, S) = "
-                        f"{(n * h, tq, s)}")
+                        f"3-D attn_mask has shape {tuple(am.shape)}, expected (N * num_heads, L, S) = {(n * h, tq, s)}"
+                    )
                 am = am.view(n, h, tq, s)
             else:
                 raise ConfigError(f"attn_mask must be 2-D or 3-D, got shape {tuple(am.shape)}")
@@ -350,7 +411,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             if tuple(kpm.shape) != (n, s):
                 raise ConfigError(
                     f"key_padding_mask has shape {tuple(kpm.shape)}, expected (N, S) = {(n, s)} "
-                    f"((S,) = ({s},) for unbatched input)")
+                    f"((S,) = ({s},) for unbatched input)"
+                )
             kpm = kpm.view(n, 1, 1, s)
             am = kpm if am is None else am + kpm
         return am

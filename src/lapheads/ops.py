@@ -68,15 +68,21 @@ import torch.nn.functional as F
 from .errors import ConfigError
 from .heads import HeadMix, LayerHeads
 
-__all__ = ["laplacian_attention", "laplacian_attention_reference", "causal_lower_right_mask", "masked_softmax",
-           "subtract_selected"]
+__all__ = [
+    "laplacian_attention",
+    "laplacian_attention_reference",
+    "causal_lower_right_mask",
+    "masked_softmax",
+    "subtract_selected",
+]
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> tuple[int, int]:
     if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
         raise ConfigError(
             f"q, k, v must be (..., heads, seq, dim) tensors of the same rank; got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     h, hkv = int(q.shape[-3]), int(k.shape[-3])
     if v.shape[-3] != hkv:
         raise ConfigError(f"k has {hkv} heads but v has {v.shape[-3]}; they must match")
@@ -84,8 +90,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa:
         raise ConfigError(f"k has {k.shape[-2]} positions but v has {v.shape[-2]}; they must match")
     if h != hkv:
         if not enable_gqa:
-            raise ConfigError(
-                f"q has {h} heads but k/v have {hkv}; pass enable_gqa=True for grouped-query attention")
+            raise ConfigError(f"q has {h} heads but k/v have {hkv}; pass enable_gqa=True for grouped-query attention")
         if h % hkv:
             raise ConfigError(f"q heads ({h}) must be a multiple of k/v heads ({hkv}) for grouped-query attention")
     return h, hkv
@@ -100,7 +105,8 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
     if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         raise ConfigError(
             f"a float (additive) attn_mask must have the dtype of q: got mask {attn_mask.dtype}, q {q.dtype}; "
-            f"pass attn_mask.to(q.dtype) or a boolean mask")
+            f"pass attn_mask.to(q.dtype) or a boolean mask"
+        )
     target = (*q.shape[:-1], tk)
     try:
         ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)  # type: ignore[no-untyped-call]
@@ -108,13 +114,15 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
         ok = False
     if not ok:
         raise ConfigError(
-            f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to (..., H, Tq, Tk) = {target}")
+            f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to (..., H, Tq, Tk) = {target}"
+        )
 
 
 def _check_numbers(scale: Optional[float], dropout_p: float) -> None:
     """Refuse a ``scale`` or ``dropout_p`` that SDPA would take silently or reject with a misleading message."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(scale) or scale < 0):
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0
+    ):
         raise ConfigError(f"scale={scale!r} must be None (1/sqrt(head_dim)) or a finite number >= 0")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         raise ConfigError(f"dropout_p={dropout_p!r} must be a number in [0, 1]")
@@ -149,8 +157,9 @@ def causal_lower_right_mask(tq: int, tk: int, device: Any = None) -> torch.Tenso
     return j <= i + (tk - tq)
 
 
-def _merge_causal(attn_mask: Optional[torch.Tensor], is_causal: bool, tq: int, tk: int,
-                  dtype: torch.dtype, device: Any) -> tuple[Optional[torch.Tensor], bool]:
+def _merge_causal(
+    attn_mask: Optional[torch.Tensor], is_causal: bool, tq: int, tk: int, dtype: torch.dtype, device: Any
+) -> tuple[Optional[torch.Tensor], bool]:
     """Return (mask, is_causal) to hand to SDPA, turning lower-right causality into a mask."""
     if not is_causal:
         return attn_mask, False
@@ -162,25 +171,36 @@ def _merge_causal(attn_mask: Optional[torch.Tensor], is_causal: bool, tq: int, t
     if attn_mask.dtype == torch.bool:
         return attn_mask & causal, False
     neg = torch.zeros((), dtype=attn_mask.dtype, device=device).masked_fill(
-        torch.ones((), dtype=torch.bool, device=device), float("-inf"))
+        torch.ones((), dtype=torch.bool, device=device), float("-inf")
+    )
     return attn_mask + torch.where(causal, torch.zeros((), dtype=attn_mask.dtype, device=device), neg), False
 
 
 def _v_self(v: torch.Tensor, tq: int, h: int, hkv: int, heads: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Values at the query's own position, one per query head (or per selected query head)."""
-    vs = v[..., v.shape[-2] - tq:, :]
+    vs = v[..., v.shape[-2] - tq :, :]
     group = h // hkv
     if heads is None:
         return vs if group == 1 else vs.repeat_interleave(group, dim=-3)
     return vs.index_select(-3, heads // group)
 
 
-def _fused_pv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
-              is_causal: bool, scale: Optional[float], dropout_p: float, *, gqa: bool) -> torch.Tensor:
+def _fused_pv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    dropout_p: float,
+    *,
+    gqa: bool,
+) -> torch.Tensor:
     """``P V`` for every head by one SDPA call (lower-right causality, P = 0 on fully masked rows)."""
     m, causal = _merge_causal(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.dtype, q.device)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
+        q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
     if m is not None:
         # P = 0 on a fully masked row, whatever SDPA's kernel (or an exporter's decomposition) gives.
         out = out.masked_fill(_dead_rows(m), 0.0)
@@ -220,8 +240,17 @@ def laplacian_attention(
         ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
     """
     if isinstance(laplacian_heads, HeadMix):
-        return _mixed_attention(q, k, v, laplacian_heads, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                dropout_p=dropout_p, enable_gqa=enable_gqa)
+        return _mixed_attention(
+            q,
+            k,
+            v,
+            laplacian_heads,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            enable_gqa=enable_gqa,
+        )
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
@@ -231,7 +260,8 @@ def laplacian_attention(
     sel = LayerHeads.of(laplacian_heads, h)
     if sel.any and tq > tk:
         raise ConfigError(
-            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
+        )
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     if not sel.any:
         return out
@@ -262,12 +292,23 @@ def _check_mix(mix: HeadMix, h: int) -> None:
     for name, t in (("a", mix.a), ("b", mix.b)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != (h,):
             got = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ConfigError(f"HeadMix.{name} must be a floating tensor of shape ({h},) (one per query head); got {got}")
+            raise ConfigError(
+                f"HeadMix.{name} must be a floating tensor of shape ({h},) (one per query head); got {got}"
+            )
 
 
-def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: HeadMix, *,
-                     attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
-                     dropout_p: float, enable_gqa: bool) -> torch.Tensor:
+def _mixed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mix: HeadMix,
+    *,
+    attn_mask: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    dropout_p: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
     """``a_h v_self + b_h SDPA(q, k, v)`` per head: one SDPA, one multiply-add (see the module docstring)."""
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
@@ -276,7 +317,8 @@ def _mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mix: Hea
     _check_mix(mix, h)
     if tq > tk:
         raise ConfigError(
-            f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+            f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
+        )
     a, b = mix.a.to(q.dtype), mix.b.to(q.dtype)  # no-ops (no graph node) when the dtypes agree
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b))
     out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
@@ -316,8 +358,7 @@ class _MixHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor,
-                b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(out, v_self, a, b)
         return _mix_heads(out, v_self, a, b)
 
@@ -330,8 +371,16 @@ class _MixHeads(torch.autograd.Function):
         return d_out, d_vs, d_a, d_b
 
 
-def _mix_backward(dy: torch.Tensor, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                  need_out: bool, need_a: bool, need_b: bool) -> tuple[Optional[torch.Tensor], ...]:
+def _mix_backward(
+    dy: torch.Tensor,
+    out: torch.Tensor,
+    v_self: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    need_out: bool,
+    need_a: bool,
+    need_b: bool,
+) -> tuple[Optional[torch.Tensor], ...]:
     """``(b dy, sum(dy * v_self), sum(dy * out))`` for ``y = b out + a v_self``, the sums over every
     dim but the head dim; each only when asked for."""
     h = a.shape[0]
@@ -391,7 +440,8 @@ def laplacian_attention_reference(
         mask, identity = sel.mask(q.device), sel.any
     if identity and tq > tk:
         raise ConfigError(
-            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}")
+            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
+        )
     group = h // hkv
     if group > 1:
         k = k.repeat_interleave(group, dim=-3)

@@ -49,8 +49,7 @@ def _check_can_create_in(parent: Path, target: Path, flag: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".lapheads-write-test-", dir=parent))
     except OSError as e:
-        raise ConfigError(f"{flag} {target} cannot be created: {parent} is not writable "
-                          f"({e.strerror or e})") from None
+        raise ConfigError(f"{flag} {target} cannot be created: {parent} is not writable ({e.strerror or e})") from None
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
@@ -144,7 +143,9 @@ def read_json(path: str | os.PathLike, what: str = "") -> Any:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{p} is not JSON text{hint}: {e.reason} at byte {e.start}") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{p} is not valid JSON{hint}: {e.msg} at line {e.lineno}, column {e.colno}; "
-                              "the file is corrupt or was edited by hand") from None
+        raise CheckpointError(
+            f"{p} is not valid JSON{hint}: {e.msg} at line {e.lineno}, column {e.colno}; "
+            "the file is corrupt or was edited by hand"
+        ) from None
     except OSError as e:
         raise CheckpointError(f"{p} cannot be read{hint}: {e.strerror or e}") from None

@@ -61,8 +61,12 @@ from .vision.transforms import to_float_image
 
 # recipe -> [(metric key in final/metrics.json, label, higher is better)]
 METRICS = {
-    "classify": [("top1", "top-1 acc", True), ("top5", "top-5 acc", True),
-                 ("mean_class_acc", "mean class acc", True), ("loss", "val loss", False)],
+    "classify": [
+        ("top1", "top-1 acc", True),
+        ("top5", "top-5 acc", True),
+        ("mean_class_acc", "mean class acc", True),
+        ("loss", "val loss", False),
+    ],
     "lm": [("val_bpb", "val bits/byte", False), ("val_loss", "val loss", False)],
     "sft": [("val_loss", "val loss (assistant tokens)", False)],
     # the keys DINO's evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
@@ -72,13 +76,15 @@ METRICS["retrofit_vit"] = METRICS["classify"]  # a retrofitted ViT is evaluated 
 # geometry numbers summarised in the table: (summary key, layer, section, field, label). Layer
 # "last": the last transformer block; "classifier": the features the classifier reads (the run's
 # meta.classifier_layer, else pre_logits, else the last block).
-GEOMETRY = [("anova.frac_within_sequence", "last", "anova", "frac_within_sequence", "within-seq frac"),
-            ("anova.frac_between_class", "last", "anova", "frac_between_class", "between-class frac"),
-            ("spectra.k_mean", "last", "spectra", "k_mean", "k99"),
-            ("cosine.cosine_mean", "last", "cosine", "cosine_mean", "cosine"),
-            ("nc_sequence_means.nc1", "last", "nc_sequence_means", "nc1", "NC1 (seq means)"),
-            ("classifier_input.nc1", "classifier", "nc_tokens", "nc1", "NC1 (classifier input)"),
-            ("nc_tokens.cdnv", "last", "nc_tokens", "cdnv", "CDNV (tokens)")]
+GEOMETRY = [
+    ("anova.frac_within_sequence", "last", "anova", "frac_within_sequence", "within-seq frac"),
+    ("anova.frac_between_class", "last", "anova", "frac_between_class", "between-class frac"),
+    ("spectra.k_mean", "last", "spectra", "k_mean", "k99"),
+    ("cosine.cosine_mean", "last", "cosine", "cosine_mean", "cosine"),
+    ("nc_sequence_means.nc1", "last", "nc_sequence_means", "nc1", "NC1 (seq means)"),
+    ("classifier_input.nc1", "classifier", "nc_tokens", "nc1", "NC1 (classifier input)"),
+    ("nc_tokens.cdnv", "last", "nc_tokens", "cdnv", "CDNV (tokens)"),
+]
 _GEO = {key: (where, section, field) for key, where, section, field, _ in GEOMETRY}
 
 
@@ -93,7 +99,10 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
     final = run.final_dir / "metrics.json"
     records = run.metrics()
     return {
-        "dir": str(run.path), "name": run.path.name, "recipe": cfg["recipe"], "label": label,
+        "dir": str(run.path),
+        "name": run.path.name,
+        "recipe": cfg["recipe"],
+        "label": label,
         "seed": (cfg.get("train") or {}).get("seed", 0),
         "final": read_json(final, "the final metrics of a run") if final.is_file() else {},
         "finished": (run.final_dir / "model.json").is_file(),
@@ -164,7 +173,7 @@ def _num(x: Any, digits: int = 4) -> str:
     x = float(x)
     if not math.isfinite(x):
         return str(x)
-    if abs(x) < 1e15 and (x.is_integer() or abs(x) >= 10 ** digits):
+    if abs(x) < 1e15 and (x.is_integer() or abs(x) >= 10**digits):
         return f"{x:.0f}"
     return f"{x:.{digits}g}"
 
@@ -181,7 +190,7 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     for r in runs:
         out.setdefault(r["recipe"], {}).setdefault(r["label"], {"runs": []})["runs"].append(r)
     for recipe, groups in out.items():
-        for label, g in groups.items():
+        for g in groups.values():
             for key, _, _ in METRICS.get(recipe, []):
                 g[key] = _mean_std([run_value(r, key) for r in g["runs"]])
             for key, *_ in GEOMETRY:
@@ -193,8 +202,10 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
 # ----------------------------------------------------------------------------------- figures
 def _plt():
     import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
+
     return plt
 
 
@@ -258,8 +269,14 @@ def _draw_curves(groups: dict, values: Any, path: Path, ylabel: str, title: str,
 
 
 def _fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
-    return _draw_curves(groups, lambda run: {x["step"]: x["loss"] for x in run["train"]}, path, "training loss",
-                        f"{recipe}: training loss (mean ± std over seeds)", "-")
+    return _draw_curves(
+        groups,
+        lambda run: {x["step"]: x["loss"] for x in run["train"]},
+        path,
+        "training loss",
+        f"{recipe}: training loss (mean ± std over seeds)",
+        "-",
+    )
 
 
 def _fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -271,9 +288,14 @@ def _fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
     if m is None:
         return None
     key, name, _ = m
-    return _draw_curves(groups, lambda run: {r["step"]: float(r[key]) for r in run["val"]
-                                             if isinstance(r.get(key), (int, float))},
-                        path, name, f"{recipe}: validation {name} (mean ± std over seeds)", "-o")
+    return _draw_curves(
+        groups,
+        lambda run: {r["step"]: float(r[key]) for r in run["val"] if isinstance(r.get(key), (int, float))},
+        path,
+        name,
+        f"{recipe}: validation {name} (mean ± std over seeds)",
+        "-o",
+    )
 
 
 def _fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -303,16 +325,25 @@ def _fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
 
 
 def _fig_layers(groups: dict, path: Path, recipe: str) -> Optional[Path]:
-    panels = [("anova", "frac_within_sequence", "within-sequence fraction"),
-              ("anova", "frac_between_class", "between-class fraction"),
-              ("spectra", "k_mean", "k99 (per sequence)"),
-              ("cosine", "cosine_mean", "mean within-sequence cosine")]
+    panels = [
+        ("anova", "frac_within_sequence", "within-sequence fraction"),
+        ("anova", "frac_between_class", "between-class fraction"),
+        ("spectra", "k_mean", "k99 (per sequence)"),
+        ("cosine", "cosine_mean", "mean within-sequence cosine"),
+    ]
     any_geo = any(r["geometry"] for g in groups.values() for r in g["runs"])
     if not any_geo:
         return None
-    panels = [p for p in panels if any(
-        _geo_value(r["geometry"], _last_block(r["geometry"]), p[0], p[1]) is not None
-        for g in groups.values() for r in g["runs"] if r["geometry"])]
+    panels = [
+        p
+        for p in panels
+        if any(
+            _geo_value(r["geometry"], _last_block(r["geometry"]), p[0], p[1]) is not None
+            for g in groups.values()
+            for r in g["runs"]
+            if r["geometry"]
+        )
+    ]
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.2), squeeze=False)
     for ax, (section, key, title) in zip(axes[0], panels):
@@ -356,8 +387,16 @@ def _fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         n = max(1, int((m > 1e-9).sum()))  # beyond the rank (tokens per sequence) only round-off is left
         ax.semilogy(np.arange(1, n + 1), m[:n], "-o", ms=2, label=label)
         drawn = True
-    return _finish_lines(plt, fig, ax, drawn, path, "principal component", "fraction of variance",
-                         f"{recipe}: per-sequence spectrum, last block")
+    return _finish_lines(
+        plt,
+        fig,
+        ax,
+        drawn,
+        path,
+        "principal component",
+        "fraction of variance",
+        f"{recipe}: per-sequence spectrum, last block",
+    )
 
 
 def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path]:
@@ -378,8 +417,7 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
     idx = spread_over_classes(list(labels), 6) if labels is not None else list(range(min(6, len(ds))))
     imgs = torch.stack([tf(ds[i][0]) for i in idx])
     plt = _plt()
-    fig, axes = plt.subplots(len(reps) + 1, len(idx), figsize=(1.3 * len(idx), 1.35 * (len(reps) + 1)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(reps) + 1, len(idx), figsize=(1.3 * len(idx), 1.35 * (len(reps) + 1)), squeeze=False)
     for j, i in enumerate(idx):
         axes[0][j].imshow(to_float_image(ds[i][0]).permute(1, 2, 0).numpy())  # RGB inputs in colour
         axes[0][j].set_axis_off()
@@ -387,8 +425,9 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
     for row, (label, r) in enumerate(reps, start=1):
         model, _meta = rec.load_backbone(r["dir"])
         with torch.no_grad():
-            toks = model.forward_intermediates(imgs, indices=[len(model.blocks) - 1], intermediates_only=True,
-                                               output_fmt="NLC")[-1]
+            toks = model.forward_intermediates(
+                imgs, indices=[len(model.blocks) - 1], intermediates_only=True, output_fmt="NLC"
+            )[-1]
         patches = toks  # forward_intermediates drops the CLS/register tokens by default
         side = int(round(math.sqrt(patches.shape[1])))
         rgb = pca_rgb(patches, (side, side))
@@ -406,19 +445,43 @@ def _fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Pat
 # ----------------------------------------------------------------------------------- claims
 # (summary key, the claim predicts lower values with Laplacian heads, claim, how it is measured)
 CLAIMS = [
-    ("anova.frac_within_sequence", True, "Laplacian heads shrink the within-sequence variance",
-     "within-sequence fraction of the token variance, last block"),
-    ("anova.frac_between_class", False, "Laplacian heads grow the between-class variance",
-     "between-class fraction of the token variance, last block"),
-    ("spectra.k_mean", True, "Laplacian heads make spectra decay faster (lower k99)",
-     "components for 99% of a sequence's variance, last block"),
-    ("nc_tokens.cdnv", True, "Laplacian heads make classes more separable (lower CDNV)",
-     "CDNV of tokens by class (next token for a language model), last block"),
-    ("nc_sequence_means.nc1", True, "Laplacian heads strengthen neural collapse of image/sequence means (lower NC1)",
-     "NC1 = tr(Sigma_W pinv(Sigma_B)) / C of the image (sequence) means by class, last block"),
-    ("classifier_input.nc1", True, "Laplacian heads strengthen neural collapse at the classifier input (lower NC1)",
-     "NC1 of the features the classifier reads (pre-logits for a ViT; the last hidden state's tokens by "
-     "next token for a language model)"),
+    (
+        "anova.frac_within_sequence",
+        True,
+        "Laplacian heads shrink the within-sequence variance",
+        "within-sequence fraction of the token variance, last block",
+    ),
+    (
+        "anova.frac_between_class",
+        False,
+        "Laplacian heads grow the between-class variance",
+        "between-class fraction of the token variance, last block",
+    ),
+    (
+        "spectra.k_mean",
+        True,
+        "Laplacian heads make spectra decay faster (lower k99)",
+        "components for 99% of a sequence's variance, last block",
+    ),
+    (
+        "nc_tokens.cdnv",
+        True,
+        "Laplacian heads make classes more separable (lower CDNV)",
+        "CDNV of tokens by class (next token for a language model), last block",
+    ),
+    (
+        "nc_sequence_means.nc1",
+        True,
+        "Laplacian heads strengthen neural collapse of image/sequence means (lower NC1)",
+        "NC1 = tr(Sigma_W pinv(Sigma_B)) / C of the image (sequence) means by class, last block",
+    ),
+    (
+        "classifier_input.nc1",
+        True,
+        "Laplacian heads strengthen neural collapse at the classifier input (lower NC1)",
+        "NC1 of the features the classifier reads (pre-logits for a ViT; the last hidden state's tokens by "
+        "next token for a language model)",
+    ),
 ]
 
 
@@ -445,27 +508,40 @@ def _convergence_note(groups: dict, labels: Sequence[str], flags: dict[str, Plat
     unknown = [r["name"] for r in runs if flags[r["dir"]].status == "unknown"]
     parts = []
     if no:
-        parts.append(f"{len(no)} of {len(names)} runs compared had not plateaued ({', '.join(no)}): "
-                     "this compares unconverged runs")
+        parts.append(
+            f"{len(no)} of {len(names)} runs compared had not plateaued ({', '.join(no)}): "
+            "this compares unconverged runs"
+        )
     if unknown:
-        parts.append(f"convergence unknown for {len(unknown)} of {len(names)} runs (fewer than 3 validation "
-                     "points; set train.eval_every)")
+        parts.append(
+            f"convergence unknown for {len(unknown)} of {len(names)} runs (fewer than 3 validation "
+            "points; set train.eval_every)"
+        )
     return "; ".join(parts)
 
 
 def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[dict[str, Any]]:
     """One entry per (recipe, claim) with data: ``{"recipe", "key", "claim", "how", "want_lower",
     "comparisons": [Comparison], "convergence": str, "text": str}``."""
-    flags = flags if flags is not None else {r["dir"]: run_plateau(r) for gs in summary.values()
-                                             for g in gs.values() for r in g["runs"]}
+    flags = (
+        flags
+        if flags is not None
+        else {r["dir"]: run_plateau(r) for gs in summary.values() for g in gs.values() for r in g["runs"]}
+    )
     out = []
     for recipe, groups in summary.items():
         spec = list(CLAIMS)
         m = main_metric(recipe)
         if m is not None:
             key, name, higher = m
-            spec.append((key, not higher, "Laplacian heads raise the accuracy" if higher
-                         else f"Laplacian heads lower the {name}", name))
+            spec.append(
+                (
+                    key,
+                    not higher,
+                    "Laplacian heads raise the accuracy" if higher else f"Laplacian heads lower the {name}",
+                    name,
+                )
+            )
         for key, lower, what, how in spec:
             comps = comparisons(groups, key, lower)
             if not comps:
@@ -474,8 +550,18 @@ def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[di
             text = f"{how[0].upper() + how[1:]}. " + "; ".join(c.describe() for c in comps) + "."
             if conv:
                 text += f" Convergence: {conv}."
-            out.append({"recipe": recipe, "key": key, "claim": f"{recipe}: {what}", "how": how,
-                        "want_lower": lower, "comparisons": comps, "convergence": conv, "text": text})
+            out.append(
+                {
+                    "recipe": recipe,
+                    "key": key,
+                    "claim": f"{recipe}: {what}",
+                    "how": how,
+                    "want_lower": lower,
+                    "comparisons": comps,
+                    "convergence": conv,
+                    "text": text,
+                }
+            )
     return out
 
 
@@ -492,8 +578,7 @@ def grid_points(runs: Sequence[dict]) -> dict[str, list[dict]]:
         f = flatten_config(c)
         points.setdefault(tuple(f.get(a) for a in axes), []).append(r)
     order = sorted(points, key=lambda vs: tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vs))
-    return {", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(axes, values)): points[values]
-            for values in order}
+    return {", ".join(f"{a.rsplit('.', 1)[-1]}={v}" for a, v in zip(axes, values)): points[values] for values in order}
 
 
 def grid_claims(runs: Sequence[dict], flags: dict[str, Plateau]) -> list[dict[str, Any]]:
@@ -615,9 +700,12 @@ def _setting_table(recipe: str, groups: dict, flags: dict[str, Plateau]) -> Tabl
     metrics = [(k, n) for k, n, _ in METRICS.get(recipe, []) if any(g[k][2] for g in groups.values())]
     geo = [(k, n) for k, *_, n in GEOMETRY if any(g[k][2] for g in groups.values())]
     header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in metrics] + [n for _, n in geo]
-    rows = [[Cell(label), Cell(str(len(g["runs"])), len(g["runs"])), _plateaued(g["runs"], flags)]
-            + [_stat_cell(g[k]) for k, _ in metrics] + [_stat_cell(g[k]) for k, _ in geo]
-            for label, g in groups.items()]
+    rows = [
+        [Cell(label), Cell(str(len(g["runs"])), len(g["runs"])), _plateaued(g["runs"], flags)]
+        + [_stat_cell(g[k]) for k, _ in metrics]
+        + [_stat_cell(g[k]) for k, _ in geo]
+        for label, g in groups.items()
+    ]
     return Table(header, rows)
 
 
@@ -628,9 +716,17 @@ def _runs_table(runs: list[dict], flags: dict[str, Plateau]) -> Table:
         final = {k: v for k, v in r["final"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         steps = _steps(r)
         flag = flags[r["dir"]]
-        rows.append([Cell(r["name"]), Cell(r["recipe"]), Cell(r["label"]), Cell(str(r["seed"]), r["seed"]),
-                     Cell(steps, int(steps) if steps.isdigit() else None), Cell(flag.describe(), flag.rel_change),
-                     Cell(", ".join(f"{k}={_num(v)}" for k, v in final.items()), final)])
+        rows.append(
+            [
+                Cell(r["name"]),
+                Cell(r["recipe"]),
+                Cell(r["label"]),
+                Cell(str(r["seed"]), r["seed"]),
+                Cell(steps, int(steps) if steps.isdigit() else None),
+                Cell(flag.describe(), flag.rel_change),
+                Cell(", ".join(f"{k}={_num(v)}" for k, v in final.items()), final),
+            ]
+        )
     return Table(header, rows)
 
 
@@ -638,21 +734,29 @@ def _figure(path: Path, out: Path, caption: str) -> Figure:
     return Figure(path.relative_to(out).as_posix(), caption, caption)
 
 
-def _recipe_section(recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, plateau_window: float,
-                    plateau_tol: float) -> Section:
+def _recipe_section(
+    recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, plateau_window: float, plateau_tol: float
+) -> Section:
     """The section of one recipe: its table, the note on the columns, its figures (drawn here) and,
     for learned head mixing, the suggested fixed selections."""
     figs = out / "figures"
-    sec = Section(recipe, tables=[_setting_table(recipe, groups, flags)], notes=[
-        "Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
-        "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
-        f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
-        f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points)."])
-    makers = [("curves", _fig_curves, "training loss per step"),
-              ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
-              ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
-              ("layers", _fig_layers, "token geometry per layer"),
-              ("spectra", _fig_spectra, "per-sequence spectrum of the last block")]
+    sec = Section(
+        recipe,
+        tables=[_setting_table(recipe, groups, flags)],
+        notes=[
+            "Geometry columns: the last transformer block (NC1 also at the classifier input), measured "
+            "on held-out data (`lapheads analyze`); mean ± std over seeds. Plateaued: runs whose "
+            f"validation metric changed by less than {100 * plateau_tol:g}% over the last "
+            f"{100 * plateau_window:g}% of training (unknown: fewer than 3 eval points)."
+        ],
+    )
+    makers = [
+        ("curves", _fig_curves, "training loss per step"),
+        ("val_curves", _fig_val_curves, "validation metric per eval step (mean ± std over seeds)"),
+        ("metric", _fig_metric, "final metric per Laplacian-head setting (dots: seeds)"),
+        ("layers", _fig_layers, "token geometry per layer"),
+        ("spectra", _fig_spectra, "per-sequence spectrum of the last block"),
+    ]
     for name, fn, caption in makers:
         p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
         if p is not None:
@@ -672,17 +776,27 @@ def _verdict(c: dict[str, Any]) -> Verdict:
     return Verdict(c["claim"], c["key"], c["how"], c["comparisons"], c["convergence"], c["text"])
 
 
-_CLAIMS_HOW = ("Each setting against k=0: the difference of the means, its 95% confidence interval and "
-               "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
-               "with the seeds per setting a t-test would need to detect a difference of the observed "
-               "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested.")
-_GRID_CLAIMS_HOW = ("The verdicts above pool every grid point of a setting, so the differences between grid "
-                    "points (width, training length, data size) enter the spread. The same comparisons inside "
-                    "each grid point, between runs that differ only in k and seed:")
+_CLAIMS_HOW = (
+    "Each setting against k=0: the difference of the means, its 95% confidence interval and "
+    "Welch's t-test over seeds. Observed / opposite only at p < 0.05; otherwise not resolved, "
+    "with the seeds per setting a t-test would need to detect a difference of the observed "
+    "size (power 0.8, two-sided 0.05). One seed per setting: a single run, not tested."
+)
+_GRID_CLAIMS_HOW = (
+    "The verdicts above pool every grid point of a setting, so the differences between grid "
+    "points (width, training length, data size) enter the spread. The same comparisons inside "
+    "each grid point, between runs that differ only in k and seed:"
+)
 
 
-def make_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "lapheads report",
-                intro: str = "", plateau_window: float = 0.2, plateau_tol: float = 0.01) -> Report:
+def make_report(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    title: str = "lapheads report",
+    intro: str = "",
+    plateau_window: float = 0.2,
+    plateau_tol: float = 0.01,
+) -> Report:
     """Collect the runs, compute every statistic, draw the figures into ``out_dir/figures`` and
     return the :class:`Report` (nothing else is written).
 
@@ -726,12 +840,20 @@ def make_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str 
         sections[-1].figures += [_figure(p, out, caption) for p, caption in grid_figs]
     cl = claims(summary, flags)
     if cl:
-        sections.append(Section("The paper's claims, checked on these runs", paragraphs=[_CLAIMS_HOW],
-                                verdicts=[_verdict(c) for c in cl]))
+        sections.append(
+            Section(
+                "The paper's claims, checked on these runs",
+                paragraphs=[_CLAIMS_HOW],
+                verdicts=[_verdict(c) for c in cl],
+            )
+        )
     gcl = grid_claims(runs, flags)
     if gcl:
-        sections.append(Section("Within each grid point", level=3, paragraphs=[_GRID_CLAIMS_HOW],
-                                verdicts=[_verdict(c) for c in gcl]))
+        sections.append(
+            Section(
+                "Within each grid point", level=3, paragraphs=[_GRID_CLAIMS_HOW], verdicts=[_verdict(c) for c in gcl]
+            )
+        )
     sections.append(Section("Runs", tables=[_runs_table(runs, flags)]))
     return Report(title, paragraphs, sections, _summary_json(summary, flags, cl, gcl))
 
@@ -747,11 +869,14 @@ def _environment():
     """The templates of ``lapheads/templates``; autoescaping for ``*.html.j2`` only."""
     import jinja2  # lazy: only rendering needs it
 
-    env = jinja2.Environment(loader=jinja2.PackageLoader("lapheads", "templates"),
-                             autoescape=jinja2.select_autoescape(enabled_extensions=("html.j2",),
-                                                                 default_for_string=False, default=False),
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                             undefined=jinja2.StrictUndefined)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("lapheads", "templates"),
+        autoescape=jinja2.select_autoescape(enabled_extensions=("html.j2",), default_for_string=False, default=False),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
     env.filters["md_cell"] = _md_escape  # a table cell: "|" would end it
     env.filters["md_alt"] = lambda s: _md_escape(s, "[]")  # image alt text: "]" would end it
     return env
@@ -777,8 +902,14 @@ def render_html(report: Report, out_dir: str | Path) -> str:
     return _environment().get_template("report.html.j2").render(report=report, data_uri=data_uri)
 
 
-def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, title: str = "lapheads report",
-                 intro: str = "", plateau_window: float = 0.2, plateau_tol: float = 0.01) -> dict[str, Path]:
+def build_report(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    title: str = "lapheads report",
+    intro: str = "",
+    plateau_window: float = 0.2,
+    plateau_tol: float = 0.01,
+) -> dict[str, Path]:
     """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``.
 
     Args: as :func:`make_report`.
@@ -818,19 +949,36 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
         for lb, g in groups.items():
             d = {k: _json_safe(v) for k, v in g.items() if k != "runs"}
             d["runs"] = [r["name"] for r in g["runs"]]
-            d["plateau"] = {r["name"]: {"status": flags[r["dir"]].status,
-                                        "rel_change": _json_safe(flags[r["dir"]].rel_change),
-                                        "eval_points": flags[r["dir"]].points,
-                                        "window_start": flags[r["dir"]].window_start} for r in g["runs"]}
-            d["comparisons"] = {c["key"]: {"claim": c["claim"], "want_lower": c["want_lower"],
-                                           "convergence": c["convergence"], **comp.to_dict()}
-                                for c in cl if c["recipe"] == rec for comp in c["comparisons"] if comp.other == lb}
+            d["plateau"] = {
+                r["name"]: {
+                    "status": flags[r["dir"]].status,
+                    "rel_change": _json_safe(flags[r["dir"]].rel_change),
+                    "eval_points": flags[r["dir"]].points,
+                    "window_start": flags[r["dir"]].window_start,
+                }
+                for r in g["runs"]
+            }
+            d["comparisons"] = {
+                c["key"]: {
+                    "claim": c["claim"],
+                    "want_lower": c["want_lower"],
+                    "convergence": c["convergence"],
+                    **comp.to_dict(),
+                }
+                for c in cl
+                if c["recipe"] == rec
+                for comp in c["comparisons"]
+                if comp.other == lb
+            }
             for c in gcl:
                 for comp in c["comparisons"]:
                     if c["recipe"] == rec and comp.other == lb:
                         d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})[c["key"]] = {
-                            "claim": c["claim"], "want_lower": c["want_lower"], "convergence": c["convergence"],
-                            **comp.to_dict()}
+                            "claim": c["claim"],
+                            "want_lower": c["want_lower"],
+                            "convergence": c["convergence"],
+                            **comp.to_dict(),
+                        }
             out[rec][lb] = d
     return out
 
@@ -849,16 +997,21 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
     Returns:
         ``(figure path, lines of text)``, or None when no run learned its mixing.
     """
-    panels = [(label, r) for label, g in groups.items() for r in g["runs"]
-              if isinstance(r.get("final", {}).get("lap_mix"), list) and r["final"]["lap_mix"]]
+    panels = [
+        (label, r)
+        for label, g in groups.items()
+        for r in g["runs"]
+        if isinstance(r.get("final", {}).get("lap_mix"), list) and r["final"]["lap_mix"]
+    ]
     if not panels:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.0), squeeze=False)
     im = None
     for ax, (label, r) in zip(axes[0], panels):
-        grid = np.array([[laplacianness(a, b) for a, b in zip(row["a"], row["b"])] for row in r["final"]["lap_mix"]],
-                        dtype=float)
+        grid = np.array(
+            [[laplacianness(a, b) for a, b in zip(row["a"], row["b"])] for row in r["final"]["lap_mix"]], dtype=float
+        )
         im = ax.imshow(grid, cmap="coolwarm", vmin=-0.5, vmax=1.5, aspect="auto")  # centred on the 0.5 boundary
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
@@ -879,20 +1032,24 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
             lines.append(f"{label}: no suggestion ({e})")
             continue
         counts = [len(s) for s in sel]
-        lines.append(f"{label}: suggested fixed selection from {len(tables)} run(s): laplacian_heads={sel} "
-                     f"(Laplacian heads per layer {counts}; a head is Laplacian when its mean Laplacian-ness "
-                     "-atan(a/b)/45deg puts it nearer I - P than P)")
+        lines.append(
+            f"{label}: suggested fixed selection from {len(tables)} run(s): laplacian_heads={sel} "
+            f"(Laplacian heads per layer {counts}; a head is Laplacian when its mean Laplacian-ness "
+            "-atan(a/b)/45deg puts it nearer I - P than P)"
+        )
     return path, lines
 
 
 # ------------------------------------------------------------------------------ grid report
 # (the scaling picture of a sweep over config axes: lapheads.sweep --grid / --point)
 #: geometry measures plotted against each axis: (section, key, label), last transformer block
-GRID_MEASURES = [("anova", "frac_within_sequence", "within-sequence fraction"),
-                 ("anova", "frac_between_class", "between-class fraction"),
-                 ("spectra", "k_mean", "k99"),
-                 ("nc_tokens", "cdnv", "CDNV (tokens)"),
-                 ("cosine", "cosine_mean", "cosine")]
+GRID_MEASURES = [
+    ("anova", "frac_within_sequence", "within-sequence fraction"),
+    ("anova", "frac_between_class", "between-class fraction"),
+    ("spectra", "k_mean", "k99"),
+    ("nc_tokens", "cdnv", "CDNV (tokens)"),
+    ("cosine", "cosine_mean", "cosine"),
+]
 # keys that never define a grid axis: the k and seed axes, and what does not change the math
 _NOT_AXES = {"model.laplacian_heads", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
 
@@ -926,8 +1083,9 @@ def _panel_value(r: dict, section: str, k: str) -> Optional[float]:
     return _geo_value(geo, _last_block(geo) if geo else None, section, k)
 
 
-def grid_sections(runs: Sequence[dict], figs: Path) -> list[tuple[str, Optional[tuple[str, Table]],
-                                                               list[tuple[Path, str]]]]:
+def grid_sections(
+    runs: Sequence[dict], figs: Path
+) -> list[tuple[str, Optional[tuple[str, Table]], list[tuple[Path, str]]]]:
     """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
 
     ``runs`` are :func:`lapheads.report.collect_run` records. For every recipe whose runs differ in
@@ -958,38 +1116,59 @@ def grid_sections(runs: Sequence[dict], figs: Path) -> list[tuple[str, Optional[
         panels = [("metric", key, metric_name)] + GRID_MEASURES
         table = None
         if axes:
-            table = (f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
-                     Table([*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES],
-                           _grid_rows(rs, flats, axes, panels)))
+            table = (
+                f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
+                Table(
+                    [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES],
+                    _grid_rows(rs, flats, axes, panels),
+                ),
+            )
         nh = {f.get("model.num_heads") for f in flats}
         heads_total = next(iter(nh)) if len(nh) == 1 and isinstance(next(iter(nh)), int) else None
         # x axes: every grid axis, then k (the ablation)
-        xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a: flats[i].get(a))) for a in axes]
+        xaxes: list[tuple[str, Any]] = [(a, (lambda i, a=a, flats=flats: flats[i].get(a))) for a in axes]
         if len(labels) >= 2:
-            xaxes.append(("Laplacian heads k", lambda i: _k_position(rs[i]["label"], heads_total)))
+            xaxes.append(("Laplacian heads k", lambda i, rs=rs, n=heads_total: _k_position(rs[i]["label"], n)))
         made: list[tuple[Path, str]] = []
         for name, xof in xaxes:
-            fig = _grid_figure(rs, flats, axes, panels, name, xof, figs / f"{recipe}_grid_"
-                               f"{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png")
+            fig = _grid_figure(
+                rs,
+                flats,
+                axes,
+                panels,
+                name,
+                xof,
+                figs / f"{recipe}_grid_{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png",
+            )
             if fig is not None:
                 what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
-                made.append((fig, f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
-                                  "mean ± std over seeds"))
+                made.append(
+                    (
+                        fig,
+                        f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
+                        "mean ± std over seeds",
+                    )
+                )
         if table is not None or made:
             out.append((recipe, table, made))
     return out
 
 
-def grid_report(runs: Sequence[dict], figs: Path) -> tuple[list[tuple[str, list[str], list[list[str]]]],
-                                                          list[tuple[Path, str]]]:
+def grid_report(
+    runs: Sequence[dict], figs: Path
+) -> tuple[list[tuple[str, list[str], list[list[str]]]], list[tuple[Path, str]]]:
     """:func:`grid_sections` flattened over recipes, tables as text.
 
     Returns:
         Tables ``(title, header, rows of cell texts)`` and ``(figure, caption)`` pairs.
     """
     parts = grid_sections(runs, figs)
-    tables = [(title, t.header, [[c.text for c in row] for row in t.rows])
-              for _, table, _ in parts if table is not None for title, t in [table]]
+    tables = [
+        (title, t.header, [[c.text for c in row] for row in t.rows])
+        for _, table, _ in parts
+        if table is not None
+        for title, t in [table]
+    ]
     return tables, [f for _, _, made in parts for f in made]
 
 
@@ -1003,20 +1182,26 @@ def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list)
         (_, label), idx = kv
         vals = [flats[idx[0]].get(a) for a in axes]
         k = _k_position(label, 10**9)
-        return (tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
-                k if k is not None else float("inf"), label)
+        return (
+            tuple((0, v, "") if _numeric([v]) else (1, 0, str(v)) for v in vals),
+            k if k is not None else float("inf"),
+            label,
+        )
 
     rows: list[list[Cell]] = []
     for (_point, label), idx in sorted(groups.items(), key=order):
         cells = [flats[idx[0]].get(a) for a in axes]
         stats = [_mean_std([_panel_value(rs[i], s, k) for i in idx]) for s, k, _ in panels]
-        rows.append([*(Cell(str(c), c) for c in cells), Cell(label), Cell(str(len(idx)), len(idx))] +
-                    [Cell(f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-"), (m, sd, n))
-                     for m, sd, n in stats])
+        rows.append(
+            [*(Cell(str(c), c) for c in cells), Cell(label), Cell(str(len(idx)), len(idx))]
+            + [Cell(f"{m:.4g} ± {sd:.2g}" if n > 1 else (f"{m:.4g}" if n else "-"), (m, sd, n)) for m, sd, n in stats]
+        )
     return rows
 
-def _grid_figure(rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any,
-                 path: Path) -> Optional[Path]:
+
+def _grid_figure(
+    rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any, path: Path
+) -> Optional[Path]:
     """Every panel against the x axis ``name`` (values ``xof(run index)``), one line per k and other-axis
     values, mean ± std over seeds; None when the axis has fewer than two values or no panel has data."""
     lines: dict[str, dict[Any, list[int]]] = {}
@@ -1045,8 +1230,7 @@ def _grid_figure(rs: list[dict], flats: list[dict], axes: list[str], panels: lis
             if not keep:
                 continue
             px = [x if numeric else cats.index(x) for x, _, _ in keep]
-            ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o", capsize=3,
-                        label=line)
+            ax.errorbar(px, [m for _, m, _ in keep], yerr=[sd for _, _, sd in keep], marker="o", capsize=3, label=line)
         if numeric and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
             ax.set_xscale("log")
         if not numeric:

@@ -45,27 +45,53 @@ from .vision.backbones import timm_backbone
 LM_MIN_COUNT = 5
 
 
-def _check_settings(recipe: Recipe, run: Path, *, seq_len: Optional[int], include_prefix: bool,
-                    min_count: Optional[int], threshold: float, max_items: int, batch_size: int,
-                    max_batches: Optional[int]) -> None:
+def _check_settings(
+    recipe: Recipe,
+    run: Path,
+    *,
+    seq_len: Optional[int],
+    include_prefix: bool,
+    min_count: Optional[int],
+    threshold: float,
+    max_items: int,
+    batch_size: int,
+    max_batches: Optional[int],
+) -> None:
     if seq_len is not None and recipe.kind == "vit":
         raise ConfigError(f"--seq-len is for language runs; {run} is a `{recipe.name}` run (images)")
     if include_prefix and recipe.kind == "hf":
         raise ConfigError(f"--include-prefix is for vision runs (CLS/register tokens); {run} is a `{recipe.name}` run")
-    for name, v in (("max_items", max_items), ("batch_size", batch_size), ("seq_len", seq_len),
-                    ("min_count", min_count), ("max_batches", max_batches)):
+    for name, v in (
+        ("max_items", max_items),
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("min_count", min_count),
+        ("max_batches", max_batches),
+    ):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v} must be >= 1")
     if not 0 < threshold <= 1:
         raise ConfigError(f"threshold={threshold} must be in (0, 1]")
 
 
-def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 64,
-                layers: Optional[list] = None, out_dir: Optional[Path] = None, plots: bool = True,
-                progress: bool = False, min_count: Optional[int] = None, threshold: float = 0.99,
-                spectra: bool = True, include_prefix: bool = False, nc4: bool = True,
-                max_batches: Optional[int] = None, seq_len: Optional[int] = None,
-                device: Optional[str | torch.device] = None) -> dict[str, Any]:
+def analyze_run(
+    run_dir: str | Path,
+    *,
+    max_items: int = 512,
+    batch_size: int = 64,
+    layers: Optional[list] = None,
+    out_dir: Optional[Path] = None,
+    plots: bool = True,
+    progress: bool = False,
+    min_count: Optional[int] = None,
+    threshold: float = 0.99,
+    spectra: bool = True,
+    include_prefix: bool = False,
+    nc4: bool = True,
+    max_batches: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    device: Optional[str | torch.device] = None,
+) -> dict[str, Any]:
     """Measure the token geometry of a finished run and write ``geometry/geometry.json``.
 
     Args:
@@ -93,8 +119,17 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
     batch_size = max(1, min(batch_size, max_items)) if max_items and batch_size >= 1 else batch_size
     run = RunDir(run_dir)
     recipe = recipe_of_run(run.path)
-    _check_settings(recipe, run.path, seq_len=seq_len, include_prefix=include_prefix, min_count=min_count,
-                    threshold=threshold, max_items=max_items, batch_size=batch_size, max_batches=max_batches)
+    _check_settings(
+        recipe,
+        run.path,
+        seq_len=seq_len,
+        include_prefix=include_prefix,
+        min_count=min_count,
+        threshold=threshold,
+        max_items=max_items,
+        batch_size=batch_size,
+        max_batches=max_batches,
+    )
     if not (run.final_dir / "model.json").is_file():
         raise ConfigError(f"{run.path} is not finished (no final/model.json); train it to the end first")
     if min_count is None:
@@ -102,13 +137,34 @@ def analyze_run(run_dir: str | Path, *, max_items: int = 512, batch_size: int = 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     loaded = recipe.load_run(run.path, device=dev)
     batches = recipe.eval_batches(loaded, max_items=max_items, batch_size=batch_size, seq_len=seq_len)
-    res = analyze_model(loaded.model, batches, kind=loaded.kind, layers=layers, min_count=min_count,
-                        threshold=threshold, spectra=spectra, include_prefix=include_prefix, nc4=nc4,
-                        max_batches=max_batches, device=dev, progress=progress, **loaded.analyze_options)
+    res = analyze_model(
+        loaded.model,
+        batches,
+        kind=loaded.kind,
+        layers=layers,
+        min_count=min_count,
+        threshold=threshold,
+        spectra=spectra,
+        include_prefix=include_prefix,
+        nc4=nc4,
+        max_batches=max_batches,
+        device=dev,
+        progress=progress,
+        **loaded.analyze_options,
+    )
     if loaded.kind == "hf":
         res["meta"]["seq_len"] = int(batches[0]["input_ids"].shape[1])
-    res["meta"].update({"run": str(run.path), "recipe": recipe.name, "laplacian_heads": recipe.heads(run.path),
-                        "max_items": max_items, "batch_size": batch_size, "spectra": spectra, "nc4": nc4})
+    res["meta"].update(
+        {
+            "run": str(run.path),
+            "recipe": recipe.name,
+            "laplacian_heads": recipe.heads(run.path),
+            "max_items": max_items,
+            "batch_size": batch_size,
+            "spectra": spectra,
+            "nc4": nc4,
+        }
+    )
     out = Path(out_dir) if out_dir else run.path / "geometry"
     out.mkdir(parents=True, exist_ok=True)
     save_geometry_json(res, out / "geometry.json")
@@ -122,9 +178,15 @@ def load_geometry(run_dir: str | Path) -> Optional[dict[str, Any]]:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def load_backbone(run: Optional[str | Path] = None, model: Optional[str] = None, weights: Optional[str] = None,
-                  laplacian_heads: Any = None, img_size: Optional[int] = None,
-                  device: str | torch.device = "cpu", **timm_kwargs: Any) -> tuple[torch.nn.Module, dict]:
+def load_backbone(
+    run: Optional[str | Path] = None,
+    model: Optional[str] = None,
+    weights: Optional[str] = None,
+    laplacian_heads: Any = None,
+    img_size: Optional[int] = None,
+    device: str | torch.device = "cpu",
+    **timm_kwargs: Any,
+) -> tuple[torch.nn.Module, dict]:
     """A frozen vision backbone and its metadata, from a finished run (``run``: its recipe's
     ``load_backbone``; a language run is refused) or from a timm name (``model``, optionally
     ``weights``, ``laplacian_heads``, ``img_size`` and more timm kwargs).
@@ -136,8 +198,9 @@ def load_backbone(run: Optional[str | Path] = None, model: Optional[str] = None,
     if (run is None) == (model is None):
         raise ConfigError("give exactly one of --run DIR or --model NAME")
     if model is not None:
-        return timm_backbone(model, weights=weights, laplacian_heads=laplacian_heads, img_size=img_size,
-                             device=device, **timm_kwargs)
+        return timm_backbone(
+            model, weights=weights, laplacian_heads=laplacian_heads, img_size=img_size, device=device, **timm_kwargs
+        )
     path = Path(run)
     if not (path / "config.yaml").is_file():
         # an exported backbone directory (final/model.json in DINO's layout, with its weights) is read as

@@ -46,8 +46,17 @@ ALPHA = 0.05
 POWER = 0.8
 MAX_SEEDS = 10_000  # seeds_needed() gives up beyond this (reported as "more than ...")
 
-__all__ = ["ALPHA", "POWER", "Comparison", "compare", "welch", "seeds_needed", "Plateau", "plateau",
-           "evals_without_improvement"]
+__all__ = [
+    "ALPHA",
+    "POWER",
+    "Comparison",
+    "compare",
+    "welch",
+    "seeds_needed",
+    "Plateau",
+    "plateau",
+    "evals_without_improvement",
+]
 
 
 def _finite(xs: Sequence[Optional[float]]) -> np.ndarray:
@@ -71,15 +80,36 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
     se = float(math.sqrt(va + vb))
     if se == 0.0:
         if diff == 0.0:
-            return {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0, "t": 0.0, "df": float(a.size + b.size - 2),
-                    "p": 1.0, "se": 0.0}
-        return {"diff": diff, "ci_low": diff, "ci_high": diff, "t": math.copysign(math.inf, diff),
-                "df": float(a.size + b.size - 2), "p": 0.0, "se": 0.0}
-    df = float((va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)))
+            return {
+                "diff": 0.0,
+                "ci_low": 0.0,
+                "ci_high": 0.0,
+                "t": 0.0,
+                "df": float(a.size + b.size - 2),
+                "p": 1.0,
+                "se": 0.0,
+            }
+        return {
+            "diff": diff,
+            "ci_low": diff,
+            "ci_high": diff,
+            "t": math.copysign(math.inf, diff),
+            "df": float(a.size + b.size - 2),
+            "p": 0.0,
+            "se": 0.0,
+        }
+    df = float((va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)))
     res = stats.ttest_ind(b, a, equal_var=False)
     half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
-    return {"diff": diff, "ci_low": diff - half, "ci_high": diff + half, "t": float(res.statistic), "df": df,
-            "p": float(res.pvalue), "se": se}
+    return {
+        "diff": diff,
+        "ci_low": diff - half,
+        "ci_high": diff + half,
+        "t": float(res.statistic),
+        "df": df,
+        "p": float(res.pvalue),
+        "se": se,
+    }
 
 
 def _power(n: int, d: float, alpha: float) -> float:
@@ -143,8 +173,10 @@ class Comparison:
 
     def describe(self, digits: int = 3) -> str:
         """One sentence: the difference, its CI, the test, the seeds and the verdict."""
+
         def f(x: float) -> str:
             return f"{x:+.{digits}g}"
+
         n = f"n = {self.n_other} vs {self.n_baseline} seeds"
         head = f"{self.other} vs {self.baseline}: difference {f(self.diff)}"
         if self.verdict == "no data":
@@ -153,12 +185,16 @@ class Comparison:
             return f"{head} ({n}): single run, no test (a test needs >= 2 seeds per setting)"
         assert self.p is not None and self.t is not None and self.df is not None
         t = "inf" if math.isinf(self.t) else f"{self.t:.2f}"
-        text = (f"{head} [95% CI {f(self.ci_low)}, {f(self.ci_high)}], Welch t = {t} (df {self.df:.1f}), "
-                f"p = {self.p:.3g}, {n}: {self.verdict}")
+        text = (
+            f"{head} [95% CI {f(self.ci_low)}, {f(self.ci_high)}], Welch t = {t} (df {self.df:.1f}), "
+            f"p = {self.p:.3g}, {n}: {self.verdict}"
+        )
         if self.verdict == "not resolved":
             if self.seeds_needed is not None:
-                text += (f" (about {self.seeds_needed} seeds per setting would resolve a difference this size "
-                         f"with power {POWER:g} at p < {ALPHA:g})")
+                text += (
+                    f" (about {self.seeds_needed} seeds per setting would resolve a difference this size "
+                    f"with power {POWER:g} at p < {ALPHA:g})"
+                )
             elif self.diff == 0.0:
                 text += " (no difference)"
             else:
@@ -166,8 +202,14 @@ class Comparison:
         return text
 
 
-def compare(baseline_label: str, baseline: Sequence[Optional[float]], other_label: str,
-            other: Sequence[Optional[float]], want_lower: bool, alpha: float = ALPHA) -> Comparison:
+def compare(
+    baseline_label: str,
+    baseline: Sequence[Optional[float]],
+    other_label: str,
+    other: Sequence[Optional[float]],
+    want_lower: bool,
+    alpha: float = ALPHA,
+) -> Comparison:
     """Compare per-seed values of ``other`` with ``baseline``; ``want_lower``: the claim predicts a
     lower value for ``other``."""
     a, b = _finite(baseline), _finite(other)
@@ -183,7 +225,7 @@ def compare(baseline_label: str, baseline: Sequence[Optional[float]], other_labe
         return c
     w = welch(a, b)
     c.ci_low, c.ci_high, c.t, c.df, c.p = w["ci_low"], w["ci_high"], w["t"], w["df"], w["p"]
-    pooled = math.sqrt((s0 ** 2 + s1 ** 2) / 2)
+    pooled = math.sqrt((s0**2 + s1**2) / 2)
     c.effect_size = abs(c.diff) / pooled if pooled > 0 else (math.inf if c.diff else 0.0)
     if c.p < alpha:
         good = c.diff < 0 if want_lower else c.diff > 0
@@ -212,8 +254,13 @@ class Plateau:
         return f"{self.status} ({100 * self.rel_change:.2g}% change since step {self.window_start})"
 
 
-def plateau(steps: Sequence[int], values: Sequence[float], window: float = 0.2, tol: float = 0.01,
-            stopped_at: Optional[int] = None) -> Plateau:
+def plateau(
+    steps: Sequence[int],
+    values: Sequence[float],
+    window: float = 0.2,
+    tol: float = 0.01,
+    stopped_at: Optional[int] = None,
+) -> Plateau:
     """Plateau flag of one validation curve (see the module docstring).
 
     Args:

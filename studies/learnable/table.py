@@ -71,6 +71,7 @@ def nearer_laplacian(a: float, b: float) -> bool:
     def to_line(deg: float) -> float:
         d = abs(theta - deg) % 180.0
         return min(d, 180.0 - d)
+
     return to_line(-45.0) < to_line(0.0)
 
 
@@ -82,7 +83,8 @@ def _cell(c) -> str:
     if c.p is None:
         return f"{c.diff:+.4f} ({c.verdict})"
     return f"{c.diff:+.4f} [{c.ci_low:+.4f}, {c.ci_high:+.4f}], p={c.p:.2g}" + (
-        f" ({'better' if c.verdict == 'observed' else 'worse'})" if c.p < 0.05 else "")
+        f" ({'better' if c.verdict == 'observed' else 'worse'})" if c.p < 0.05 else ""
+    )
 
 
 def collect(sweep_dirs: list[str]) -> list[dict[str, Any]]:
@@ -106,8 +108,13 @@ def metric_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         groups[setting(r)].append(r)
     order = sorted(groups, key=lambda s: (FIXED.index(s) if s in FIXED else len(FIXED), s))
-    lines = [(f"| setting | runs | plateaued | {name} (mean ± std) | Δ vs k=0 [95% CI], Welch p "
-              f"| Δ vs all [95% CI], Welch p |"), "|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"| setting | runs | plateaued | {name} (mean ± std) | Δ vs k=0 [95% CI], Welch p "
+            f"| Δ vs all [95% CI], Welch p |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
     for s in order:
         rs = groups[s]
         vals = [v for v in (run_value(r, key) for r in rs) if v is not None]
@@ -118,8 +125,13 @@ def metric_table(runs: list[dict[str, Any]]) -> str:
             if base == s or base not in groups:
                 cells.append("—")
                 continue
-            c = compare(base, [run_value(r, key) for r in groups[base]], s, [run_value(r, key) for r in rs],
-                        want_lower=not higher)
+            c = compare(
+                base,
+                [run_value(r, key) for r in groups[base]],
+                s,
+                [run_value(r, key) for r in rs],
+                want_lower=not higher,
+            )
             cells.append(_cell(c))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -133,8 +145,10 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         groups[setting(r)].append(r)
     seeds = sorted({r["seed"] for r in runs})
-    lines = ["| setting | " + " | ".join(f"seed {s}: {name} (plateau)" for s in seeds) + " |",
-             "|---" * (1 + len(seeds)) + "|"]
+    lines = [
+        "| setting | " + " | ".join(f"seed {s}: {name} (plateau)" for s in seeds) + " |",
+        "|---" * (1 + len(seeds)) + "|",
+    ]
     for s in sorted(groups, key=lambda s: (FIXED.index(s) if s in FIXED else len(FIXED), s)):
         by_seed = {r["seed"]: r for r in groups[s]}
         cells = [s]
@@ -161,9 +175,13 @@ def mixing_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         if isinstance(r["final"].get("lap_mix"), list) and r["final"]["lap_mix"]:
             groups[setting(r)].append(r)
-    lines = [("| setting | layer | a per head | b per head | Laplacian-ness per head | a / b per head "
-              "| Laplacian-ness > 0.5 (heads, per seed) | nearer Laplacian by angle (heads, per seed) |"),
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| setting | layer | a per head | b per head | Laplacian-ness per head | a / b per head "
+            "| Laplacian-ness > 0.5 (heads, per seed) | nearer Laplacian by angle (heads, per seed) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in sorted(groups):
         rs = sorted(groups[s], key=lambda r: r["seed"])
         n_layers = len(rs[0]["final"]["lap_mix"])
@@ -175,8 +193,10 @@ def mixing_table(runs: list[dict[str, Any]]) -> str:
             ratio = [[x / y if y else float("inf") for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
             count = "/".join(str(sum(v > 0.5 for v in row)) for row in lap)
             by_angle = "/".join(str(sum(nearer_laplacian(x, y) for x, y in zip(ra, rb))) for ra, rb in zip(a, b))
-            lines.append(f"| {s} | {i} | {_fmt_heads(a)} | {_fmt_heads(b)} | {_fmt_heads(lap)} "
-                         f"| {_fmt_heads(ratio)} | {count} | {by_angle} |")
+            lines.append(
+                f"| {s} | {i} | {_fmt_heads(a)} | {_fmt_heads(b)} | {_fmt_heads(lap)} "
+                f"| {_fmt_heads(ratio)} | {count} | {by_angle} |"
+            )
     return "\n".join(lines)
 
 
@@ -187,8 +207,13 @@ def layer_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         if isinstance(r["final"].get("lap_mix"), list) and r["final"]["lap_mix"]:
             groups[setting(r)].append(r)
-    lines = [("| setting | layer | a | b | a / b | atan(a / b) (°) | Laplacian-ness | heads nearer Laplacian: "
-              "by Laplacian-ness > 0.5 | by angle |"), "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| setting | layer | a | b | a / b | atan(a / b) (°) | Laplacian-ness | heads nearer Laplacian: "
+            "by Laplacian-ness > 0.5 | by angle |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in sorted(groups):
         rs = groups[s]
         for i in range(len(rs[0]["final"]["lap_mix"])):
@@ -200,8 +225,10 @@ def layer_table(runs: list[dict[str, Any]]) -> str:
             angle = [line_angle(x, y) for x, y in zip(a, b)]
             cells = [s, str(i)] + ["{:+.2f} ± {:.2f}".format(*_mean_std(v)) for v in (a, b, ratio)]
             cells += ["{:+.0f} ± {:.0f}".format(*_mean_std(angle)), "{:+.2f} ± {:.2f}".format(*_mean_std(lap))]
-            cells += [f"{sum(v > 0.5 for v in lap)}/{len(lap)}",
-                      f"{sum(nearer_laplacian(x, y) for x, y in zip(a, b))}/{len(a)}"]
+            cells += [
+                f"{sum(v > 0.5 for v in lap)}/{len(lap)}",
+                f"{sum(nearer_laplacian(x, y) for x, y in zip(a, b))}/{len(a)}",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

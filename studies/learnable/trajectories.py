@@ -39,9 +39,11 @@ from table import collect, line_angle, setting
 # plane, and a / b = -tan(22.5 deg) = -0.414 lies 22.5 degrees from each.
 # The angle atan(a / b) in degrees is the same scale-free quantity, bounded: 0 standard, -45 Laplacian,
 # +-90 the identity alone (b = 0, where a / b jumps to +-infinity when b changes sign).
-MEASURES = {"laplacianness": ("Laplacian-ness (0 standard, 1 Laplacian)", (0.0, 1.0), 0.5),
-            "ratio": ("a / b (0 standard, -1 Laplacian)", (0.0, -1.0), -math.tan(math.pi / 8)),
-            "angle": ("atan(a / b), degrees\n(0 standard, -45 Laplacian)", (0.0, -45.0), -22.5)}
+MEASURES = {
+    "laplacianness": ("Laplacian-ness (0 standard, 1 Laplacian)", (0.0, 1.0), 0.5),
+    "ratio": ("a / b (0 standard, -1 Laplacian)", (0.0, -1.0), -math.tan(math.pi / 8)),
+    "angle": ("atan(a / b), degrees\n(0 standard, -45 Laplacian)", (0.0, -45.0), -22.5),
+}
 
 
 def _series(run_dir: str, measure: str) -> tuple[np.ndarray, np.ndarray]:
@@ -75,8 +77,9 @@ def main(out: str, measure: str, sweep_dirs: list[str]) -> None:
     series = {s: [_series(r["dir"], measure) for r in groups[s]] for s in names}
     n_layers = series[names[0]][0][1].shape[1]
     ylabel, refs, middle = MEASURES[measure]
-    fig, axes = plt.subplots(len(names), n_layers, figsize=(2.6 * n_layers, 2.1 * len(names)),
-                             sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(names), n_layers, figsize=(2.6 * n_layers, 2.1 * len(names)), sharex=True, sharey=True, squeeze=False
+    )
     for i, s in enumerate(names):
         n = min(len(st) for st, _ in series[s])  # the evaluations every seed has
         steps = series[s][0][0][:n]
@@ -87,9 +90,10 @@ def main(out: str, measure: str, sweep_dirs: list[str]) -> None:
                 ax.axhline(ref, color="0.7", lw=0.8, ls="--")
             ax.axhline(middle, color="0.7", lw=0.8, ls=":")
             for h in range(vals.shape[3]):
-                line, = ax.plot(steps, vals[:, :, j, h].mean(0), lw=1.2, label=f"head {h}")
-                ax.fill_between(steps, vals[:, :, j, h].min(0), vals[:, :, j, h].max(0), alpha=0.15,
-                                color=line.get_color())
+                (line,) = ax.plot(steps, vals[:, :, j, h].mean(0), lw=1.2, label=f"head {h}")
+                ax.fill_between(
+                    steps, vals[:, :, j, h].min(0), vals[:, :, j, h].max(0), alpha=0.15, color=line.get_color()
+                )
             if i == 0:
                 ax.set_title(f"layer {j}", fontsize=9)
             if j == 0:

@@ -21,11 +21,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on the machines this runs on
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend choice)
 import numpy as np  # noqa: E402
+from per_point import ORDER, _point  # noqa: E402  (the same grid-point rule as the tables)
 
 from lapheads.errors import ConfigError  # noqa: E402
 from lapheads.report import collect_run, main_metric  # noqa: E402
-
-from per_point import ORDER, _point  # noqa: E402  (the same grid-point rule as the tables)
 
 
 def main(sweep_dir: str, out: str) -> None:

@@ -23,10 +23,12 @@ from lapheads.report import collect_run, main_metric, run_plateau, run_value
 from lapheads.stats import compare
 
 # (summary key, short name, the paper predicts a lower value with Laplacian heads)
-GEOMETRY = [("anova.frac_within_sequence", "within-seq frac", True),
-            ("anova.frac_between_class", "between-class frac", False),
-            ("spectra.k_mean", "k99", True),
-            ("nc_tokens.cdnv", "CDNV", True)]
+GEOMETRY = [
+    ("anova.frac_within_sequence", "within-seq frac", True),
+    ("anova.frac_between_class", "between-class frac", False),
+    ("spectra.k_mean", "k99", True),
+    ("nc_tokens.cdnv", "CDNV", True),
+]
 ORDER = {"k=0": 0, "k=1": 1, "k=2": 2, "k=3": 3, "all": 9}
 
 
@@ -54,8 +56,11 @@ def main(sweep_dir: str) -> None:
     for r in runs:
         points[_point(r["name"])][r["label"]].append(r)
 
-    print(f"| grid point | k | plateaued | {name} (mean ± std) | Δ{name} vs k=0 [95% CI], Welch p | "
-          + " | ".join(f"Δ{g} vs k=0, p" for _, g, _ in GEOMETRY) + " |")
+    print(
+        f"| grid point | k | plateaued | {name} (mean ± std) | Δ{name} vs k=0 [95% CI], Welch p | "
+        + " | ".join(f"Δ{g} vs k=0, p" for _, g, _ in GEOMETRY)
+        + " |"
+    )
     print("|---" * (5 + len(GEOMETRY)) + "|")
     for point in sorted(points, key=lambda p: [(len(v), v) for v in p.split("__")]):
         groups = points[point]
@@ -70,14 +75,27 @@ def main(sweep_dir: str) -> None:
             if label == "k=0" or not base:
                 cells += ["—"] * (1 + len(GEOMETRY))
             else:
-                m = compare("k=0", [run_value(r, key) for r in base], label,
-                            [run_value(r, key) for r in rs], want_lower=not higher)
+                m = compare(
+                    "k=0",
+                    [run_value(r, key) for r in base],
+                    label,
+                    [run_value(r, key) for r in rs],
+                    want_lower=not higher,
+                )
                 cells.append(f"{_cell(m)} ({m.verdict})")
                 for gkey, _, lower in GEOMETRY:
-                    c = compare("k=0", [run_value(r, gkey) for r in base], label,
-                                [run_value(r, gkey) for r in rs], want_lower=lower)
-                    cells.append((f"{c.diff:+.3g}, p={c.p:.2g}" + (f" ({c.verdict})" if c.p < 0.05 else ""))
-                                 if c.p is not None else c.verdict)
+                    c = compare(
+                        "k=0",
+                        [run_value(r, gkey) for r in base],
+                        label,
+                        [run_value(r, gkey) for r in rs],
+                        want_lower=lower,
+                    )
+                    cells.append(
+                        (f"{c.diff:+.3g}, p={c.p:.2g}" + (f" ({c.verdict})" if c.p < 0.05 else ""))
+                        if c.p is not None
+                        else c.verdict
+                    )
             print("| " + " | ".join(cells) + " |")
 
 

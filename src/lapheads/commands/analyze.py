@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from ..engine.config import load_yaml
 from ..engine.pretrained import load_checkpoint
 from ..engine.run import lock_dir, lock_enclosing_run
-from ..errors import CheckpointError, ConfigError, DataError
+from ..errors import ConfigError
 from ..geometry.batches import build_batches
 from ..geometry.capture import analyze_model, resolve_layers, save_geometry_json
 from ..geometry.plots import plot_all
@@ -73,42 +73,83 @@ def _parse_layers(s: Optional[str]) -> Optional[list[Any]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lapheads analyze", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", action="append", default=[],
-                    help="transformers checkpoint directory or timm model name; repeat to compare runs")
-    ap.add_argument("--label", action="append", default=[],
-                    help="name of each --checkpoint in the figures (default: the checkpoint's name)")
-    ap.add_argument("--weights", action="append", default=[],
-                    help="state dict (.safetensors/.pt) for the timm --checkpoint of the same position")
-    ap.add_argument("--model-args", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="timm.create_model keyword arguments, e.g. img_size=32 patch_size=8 depth=2")
-    ap.add_argument("--run", action="append", default=[],
-                    help="a run directory trained by this project; without --data it is measured on its "
-                         "own held-out data and the result also goes to RUN/geometry/")
-    ap.add_argument("--data", default=None,
-                    help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file "
-                         "(required with --checkpoint)")
-    ap.add_argument("--max-items", type=int, default=None,
-                    help="--run without --data: images / token windows to measure on (default 512)")
-    ap.add_argument("--layers", default=None,
-                    help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices "
-                         "(0 = embeddings); default all")
+    ap = argparse.ArgumentParser(
+        prog="lapheads analyze",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="transformers checkpoint directory or timm model name; repeat to compare runs",
+    )
+    ap.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        help="name of each --checkpoint in the figures (default: the checkpoint's name)",
+    )
+    ap.add_argument(
+        "--weights",
+        action="append",
+        default=[],
+        help="state dict (.safetensors/.pt) for the timm --checkpoint of the same position",
+    )
+    ap.add_argument(
+        "--model-args",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="timm.create_model keyword arguments, e.g. img_size=32 patch_size=8 depth=2",
+    )
+    ap.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        help="a run directory trained by this project; without --data it is measured on its "
+        "own held-out data and the result also goes to RUN/geometry/",
+    )
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file (required with --checkpoint)",
+    )
+    ap.add_argument(
+        "--max-items",
+        type=int,
+        default=None,
+        help="--run without --data: images / token windows to measure on (default 512)",
+    )
+    ap.add_argument(
+        "--layers",
+        default=None,
+        help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices (0 = embeddings); default all",
+    )
     ap.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=None,
-                    help="text: tokens per sequence (default 128; --run without --data: the run's data.seq_len)")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="text: tokens per sequence (default 128; --run without --data: the run's data.seq_len)",
+    )
     ap.add_argument("--image-size", type=int, default=None, help="images: default the model's input size")
-    ap.add_argument("--min-count", type=int, default=None,
-                    help="minimum tokens per class for NC measures (use 5-20 for next-token classes; default 1, "
-                         "and 5 for lm/sft runs without --data)")
+    ap.add_argument(
+        "--min-count",
+        type=int,
+        default=None,
+        help="minimum tokens per class for NC measures (use 5-20 for next-token classes; default 1, "
+        "and 5 for lm/sft runs without --data)",
+    )
     ap.add_argument("--threshold", type=float, default=0.99, help="variance fraction for k (0.99 = k99)")
     ap.add_argument("--no-spectra", action="store_true", help="skip per-sequence eigen-decompositions (faster)")
     ap.add_argument("--include-prefix", action="store_true", help="vit: count CLS/register tokens as tokens")
     ap.add_argument("--no-nc4", action="store_true", help="skip the second pass for NC4")
     ap.add_argument("--no-figures", action="store_true", help="write geometry.json only")
-    ap.add_argument("--device", default=None, help="device for the model (default cuda if available; "
-                                                   "--run without --data: cpu)")
+    ap.add_argument(
+        "--device", default=None, help="device for the model (default cuda if available; --run without --data: cpu)"
+    )
     ap.add_argument("--out", required=True, help="output directory for geometry.json and figures")
     return ap
 
@@ -123,25 +164,41 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
     for r in args.run:
         if not (Path(r) / "config.yaml").is_file():
             raise ConfigError(f"--run {r} is not a run directory (no config.yaml)")
-    for flag, given in (("--weights", args.weights), ("--model-args", args.model_args),
-                        ("--image-size", args.image_size is not None)):
+    for flag, given in (
+        ("--weights", args.weights),
+        ("--model-args", args.model_args),
+        ("--image-size", args.image_size is not None),
+    ):
         if given:
-            raise ConfigError(f"{flag} is for --checkpoint (or --run with --data); a run without --data is "
-                              "measured as it was trained")
+            raise ConfigError(
+                f"{flag} is for --checkpoint (or --run with --data); a run without --data is measured as it was trained"
+            )
     labels = args.label or [Path(r).name for r in args.run]
     if len(set(labels)) != len(labels):
         raise ConfigError("two runs have the same label; give distinct --label values")
-    settings = dict(max_items=512 if args.max_items is None else args.max_items, batch_size=args.batch_size,
-                    layers=layers, min_count=args.min_count, threshold=args.threshold, spectra=not args.no_spectra,
-                    include_prefix=args.include_prefix, nc4=not args.no_nc4, max_batches=args.max_batches,
-                    seq_len=args.seq_len, device=args.device, plots=not args.no_figures)
+    settings = dict(
+        max_items=512 if args.max_items is None else args.max_items,
+        batch_size=args.batch_size,
+        layers=layers,
+        min_count=args.min_count,
+        threshold=args.threshold,
+        spectra=not args.no_spectra,
+        include_prefix=args.include_prefix,
+        nc4=not args.no_nc4,
+        max_batches=args.max_batches,
+        seq_len=args.seq_len,
+        device=args.device,
+        plots=not args.no_figures,
+    )
     runs = {}
     for lb, r in zip(labels, args.run):
         with lock_dir(r):
             runs[lb] = analyze_run(r, **settings)
         m = runs[lb]["meta"]
-        print(f"{lb}: {m['recipe']} run, {m['n_tokens']} tokens, min_count {m['min_count']}"
-              + "".join(f"\n  note: {n}" for n in m["notes"]))
+        print(
+            f"{lb}: {m['recipe']} run, {m['n_tokens']} tokens, min_count {m['min_count']}"
+            + "".join(f"\n  note: {n}" for n in m["notes"])
+        )
     return _write_results(runs, args)
 
 
@@ -164,11 +221,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not sources:
         raise ConfigError("give at least one --checkpoint (or --run)")
     if args.label and len(args.label) != len(sources):
-        raise ConfigError(f"{len(args.label)} --label for {len(sources)} checkpoints/runs: give one per checkpoint or none")
+        raise ConfigError(
+            f"{len(args.label)} --label for {len(sources)} checkpoints/runs: give one per checkpoint or none"
+        )
     if len(args.weights) > len(args.checkpoint):
         raise ConfigError("more --weights than --checkpoint")
-    for name, v in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len), ("--min-count", args.min_count),
-                    ("--max-items", args.max_items)):
+    for name, v in (
+        ("--batch-size", args.batch_size),
+        ("--seq-len", args.seq_len),
+        ("--min-count", args.min_count),
+        ("--max-items", args.max_items),
+    ):
         if v is not None and v < 1:
             raise ConfigError(f"{name} must be >= 1, got {v}")
     if args.max_batches is not None and args.max_batches < 1:
@@ -199,8 +262,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             model, kind, tok = _load_run(spec)
         label = labels[i] if labels else Path(spec).name or spec
-        batches = build_batches(model, kind, tok, args.data, args.batch_size, args.seq_len,
-                                args.image_size, args.max_batches)
+        batches = build_batches(
+            model, kind, tok, args.data, args.batch_size, args.seq_len, args.image_size, args.max_batches
+        )
         resolve_layers(model, kind, layers)
         loaded.append((label, model, kind, batches))
     if len({l for l, *_ in loaded}) != len(loaded):
@@ -208,14 +272,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs: dict[str, Any] = {}
     for label, model, kind, batches in loaded:
         model.to(device)
-        runs[label] = analyze_model(model, batches, kind, layers, min_count=args.min_count,
-                                    threshold=args.threshold, spectra=not args.no_spectra,
-                                    include_prefix=args.include_prefix, max_batches=args.max_batches,
-                                    nc4=not args.no_nc4, device=device, progress=False)
+        runs[label] = analyze_model(
+            model,
+            batches,
+            kind,
+            layers,
+            min_count=args.min_count,
+            threshold=args.threshold,
+            spectra=not args.no_spectra,
+            include_prefix=args.include_prefix,
+            max_batches=args.max_batches,
+            nc4=not args.no_nc4,
+            device=device,
+            progress=False,
+        )
         model.to("cpu")
         m = runs[label]["meta"]
-        print(f"{label}: {m['n_batches']} batches, {m['n_tokens']} tokens, {len(m['layers'])} layers "
-              f"in {m['seconds']:.1f}s" + "".join(f"\n  note: {n}" for n in m["notes"]))
+        print(
+            f"{label}: {m['n_batches']} batches, {m['n_tokens']} tokens, {len(m['layers'])} layers "
+            f"in {m['seconds']:.1f}s" + "".join(f"\n  note: {n}" for n in m["notes"])
+        )
     return _write_results(runs, args)
 
 

@@ -22,7 +22,6 @@ from typing import Optional, Sequence
 import yaml
 
 from ..engine.config import config_schema, load_config, to_dict
-from ..errors import ConfigError
 from ..recipes import RECIPES, get_recipe
 from ..recipes.shipped import resolve_config
 
@@ -33,14 +32,26 @@ def _recipe_arg(p: argparse.ArgumentParser) -> None:
 
 def show_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads config show RECIPE [--config NAME_OR_PATH] [--set KEY=VALUE ...]``."""
-    p = argparse.ArgumentParser(prog="lapheads config show", allow_abbrev=False,
-                                description="Print a recipe's config as YAML: the defaults, or what --config "
-                                            "and --set resolve to.")
+    p = argparse.ArgumentParser(
+        prog="lapheads config show",
+        allow_abbrev=False,
+        description="Print a recipe's config as YAML: the defaults, or what --config and --set resolve to.",
+    )
     _recipe_arg(p)
-    p.add_argument("--config", default=None, metavar="NAME_OR_PATH",
-                   help="a YAML recipe file, or the name of a shipped one (e.g. digits; `lapheads recipes`)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a YAML recipe file, or the name of a shipped one (e.g. digits; `lapheads recipes`)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.max_steps=100 (repeatable)",
+    )
     args = p.parse_args(list(argv or []))
     recipe = get_recipe(args.recipe)
     path = resolve_config(recipe.name, args.config)
@@ -54,8 +65,11 @@ def show_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def schema_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads config schema RECIPE``: the JSON schema of the recipe's config."""
-    p = argparse.ArgumentParser(prog="lapheads config schema", allow_abbrev=False,
-                                description="Print the JSON schema of a recipe's config (for editors).")
+    p = argparse.ArgumentParser(
+        prog="lapheads config schema",
+        allow_abbrev=False,
+        description="Print the JSON schema of a recipe's config (for editors).",
+    )
     _recipe_arg(p)
     args = p.parse_args(list(argv or []))
     recipe = get_recipe(args.recipe)

@@ -7,8 +7,16 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from ..data import text as text_data
-from ..data.text import (_SPLITS, INDEX_NAME, check_inputs, check_split_mode, embedded_documents, iter_documents,
-                         split_documents, tokenize_to_shards)
+from ..data.text import (
+    _SPLITS,
+    INDEX_NAME,
+    check_inputs,
+    check_split_mode,
+    embedded_documents,
+    iter_documents,
+    split_documents,
+    tokenize_to_shards,
+)
 from ..engine.config import number_arg
 from ..errors import ConfigError
 from ..lm.tokenizer import _MIN_VOCAB, load_tokenizer, tokenizer_hash, train_tokenizer
@@ -22,20 +30,36 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="lapheads tokenizer train",
         description="Train a byte-level BPE tokenizer (nanochat's special tokens + <|pad|>) and save it as a "
-                    "transformers tokenizer directory (AutoTokenizer.from_pretrained(DIR) loads it).")
+        "transformers tokenizer directory (AutoTokenizer.from_pretrained(DIR) loads it).",
+    )
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="FILE",
-                     help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one document per line) or "
-                          "parquet (.parquet, FineWeb-Edu layout) files")
-    src.add_argument("--embedded", action="store_true",
-                     help="train on the corpus that ships with Python (pydoc_data.topics, ~0.5M characters)")
-    ap.add_argument("--vocab-size", type=number_arg(int, ge=1), required=True,
-                    help=f"total vocabulary (>= {_MIN_VOCAB}); nanochat uses 65536, the embedded corpus supports "
-                         "~1000-4000 before merges become rare")
+    src.add_argument(
+        "--input",
+        nargs="+",
+        metavar="FILE",
+        help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one document per line) or "
+        "parquet (.parquet, FineWeb-Edu layout) files",
+    )
+    src.add_argument(
+        "--embedded",
+        action="store_true",
+        help="train on the corpus that ships with Python (pydoc_data.topics, ~0.5M characters)",
+    )
+    ap.add_argument(
+        "--vocab-size",
+        type=number_arg(int, ge=1),
+        required=True,
+        help=f"total vocabulary (>= {_MIN_VOCAB}); nanochat uses 65536, the embedded corpus supports "
+        "~1000-4000 before merges become rare",
+    )
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
-    ap.add_argument("--max-chars", type=number_arg(int, ge=1), default=None,
-                    help="stop reading after this many characters (nanochat trains on ~2B); default: all")
+    ap.add_argument(
+        "--max-chars",
+        type=number_arg(int, ge=1),
+        default=None,
+        help="stop reading after this many characters (nanochat trains on ~2B); default: all",
+    )
     args = ap.parse_args(list(argv) if argv is not None else None)
 
     check_out_dir(args.out)
@@ -68,28 +92,49 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="lapheads data tokenize",
         description="Tokenize a corpus into BOS-prefixed uint16/uint32 token shards with a validation split "
-                    "(by document) and an index.json holding the statistics bits-per-byte needs. "
-                    "Interrupted runs continue with --resume.")
+        "(by document) and an index.json holding the statistics bits-per-byte needs. "
+        "Interrupted runs continue with --resume.",
+    )
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", metavar="FILE",
-                     help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one per line) or parquet "
-                          "(.parquet with a text column, FineWeb-Edu's layout) files, in this order")
+    src.add_argument(
+        "--input",
+        nargs="+",
+        metavar="FILE",
+        help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one per line) or parquet "
+        "(.parquet with a text column, FineWeb-Edu's layout) files, in this order",
+    )
     src.add_argument("--embedded", action="store_true", help="the corpus that ships with Python (pydoc_data.topics)")
     ap.add_argument("--tokenizer", required=True, help="directory written by `lapheads tokenizer train`")
     ap.add_argument("--out", required=True, help="output directory for the shards and index.json")
-    ap.add_argument("--val-fraction", type=number_arg(float, ge=0.0, lt=1.0), default=0.05,
-                    help="fraction of documents held out for validation (default 0.05; the first document is "
-                         "always validation when > 0)")
-    ap.add_argument("--shard-tokens", type=number_arg(int, ge=1), default=2**24,
-                    help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less "
-                         "lost work")
+    ap.add_argument(
+        "--val-fraction",
+        type=number_arg(float, ge=0.0, lt=1.0),
+        default=0.05,
+        help="fraction of documents held out for validation (default 0.05; the first document is "
+        "always validation when > 0)",
+    )
+    ap.add_argument(
+        "--shard-tokens",
+        type=number_arg(int, ge=1),
+        default=2**24,
+        help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less lost work",
+    )
     ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
-    ap.add_argument("--split-documents", type=_split_arg, default=None, metavar="blank_lines|chapters|N",
-                    help="cut every input document (e.g. one large .txt file) into several: at blank lines, "
-                         "before chapter headings, or into pieces of about N characters")
-    ap.add_argument("--val-by", choices=["documents", "tokens"], default="documents",
-                    help="validation split by whole documents (default) or by the last --val-fraction of the "
-                         "tokens of every document (works for a single document)")
+    ap.add_argument(
+        "--split-documents",
+        type=_split_arg,
+        default=None,
+        metavar="blank_lines|chapters|N",
+        help="cut every input document (e.g. one large .txt file) into several: at blank lines, "
+        "before chapter headings, or into pieces of about N characters",
+    )
+    ap.add_argument(
+        "--val-by",
+        choices=["documents", "tokens"],
+        default="documents",
+        help="validation split by whole documents (default) or by the last --val-fraction of the "
+        "tokens of every document (works for a single document)",
+    )
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -98,6 +143,7 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     tok = load_tokenizer(args.tokenizer)
     if args.embedded:
         from pydoc_data.topics import topics  # lazy: a 0.8 MB module, only for the embedded corpus
+
         docs: Iterable[str] = embedded_documents()
         total: Optional[int] = len(topics)
         source = "pydoc_data.topics"
@@ -112,13 +158,24 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     # A failed fresh run leaves nothing (not even an empty folder); a resumed one keeps its shards,
     # which its index.json lists. Ctrl-C keeps everything: --resume continues it.
     with removed_on_failure(args.out, remove_new_entries=not args.resume):
-        index = tokenize_to_shards(docs, tok, args.out, shard_tokens=args.shard_tokens,
-                                   val_fraction=args.val_fraction, resume=args.resume, total_documents=total,
-                                   source=source, progress=not args.no_progress, val_by=args.val_by)
+        index = tokenize_to_shards(
+            docs,
+            tok,
+            args.out,
+            shard_tokens=args.shard_tokens,
+            val_fraction=args.val_fraction,
+            resume=args.resume,
+            total_documents=total,
+            source=source,
+            progress=not args.no_progress,
+            val_by=args.val_by,
+        )
     for s in _SPLITS:
         sp = index["splits"][s]
         bpt = sp["bytes_per_token"]
-        print(f"{s}: {sp['documents']} documents, {sp['tokens']} tokens in {len(sp['shards'])} shard(s), "
-              f"{'-' if bpt is None else f'{bpt:.3f}'} bytes/token")
+        print(
+            f"{s}: {sp['documents']} documents, {sp['tokens']} tokens in {len(sp['shards'])} shard(s), "
+            f"{'-' if bpt is None else f'{bpt:.3f}'} bytes/token"
+        )
     print(f"index: {Path(args.out) / INDEX_NAME} ({index['dtype']}, tokenizer {index['tokenizer_hash']})")
     return 0

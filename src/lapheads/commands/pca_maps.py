@@ -18,16 +18,23 @@ from .probes import add_backbone_args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads pca-maps", description=(
-        "RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
-        "the images). Compare a baseline run with a Laplacian-heads run on the same images."))
+    p = argparse.ArgumentParser(
+        prog="lapheads pca-maps",
+        description=(
+            "RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
+            "the images). Compare a baseline run with a Laplacian-heads run on the same images."
+        ),
+    )
     add_backbone_args(p)
     p.add_argument("--images", required=True, help="image folder, a single image, or a data spec such as digits")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
     p.add_argument("--max-images", type=int, default=16)
-    p.add_argument("--mask-background", action="store_true", help="black out patches whose first component "
-                                                                  "is on the background side of --threshold")
+    p.add_argument(
+        "--mask-background",
+        action="store_true",
+        help="black out patches whose first component is on the background side of --threshold",
+    )
     p.add_argument("--threshold", type=float, default=0.5, help="threshold on the first component in [0, 1]")
     p.add_argument("--foreground", choices=["auto", "high", "low"], default="auto")
     p.add_argument("--device", default="auto")
@@ -40,8 +47,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     pics = load_images(args.images, args.max_images)
     dev = pick_device(args.device)
-    bb, meta = load_backbone(run=args.run, model=args.model, weights=args.weights,
-                             laplacian_heads=args.laplacian_heads, img_size=args.img_size, device=dev)
+    bb, meta = load_backbone(
+        run=args.run,
+        model=args.model,
+        weights=args.weights,
+        laplacian_heads=args.laplacian_heads,
+        img_size=args.img_size,
+        device=dev,
+    )
     size = args.img_size or meta["img_size"]
     tf = EvalTransform(size, meta["mean"], meta["std"])
     x = torch.stack([tf(im) for im in pics]).to(dev)

@@ -36,15 +36,20 @@ def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
     p.add_argument("--data", required=True, help=data_help)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--json", default=None, help="where to write the JSON result (default RUN/eval_<probe>.json, "
-                                                "or eval_<probe>.json in the current folder with --model)")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="where to write the JSON result (default RUN/eval_<probe>.json, "
+        "or eval_<probe>.json in the current folder with --model)",
+    )
 
 
 def _setup(args: argparse.Namespace) -> tuple[nn.Module, dict, torch.device]:
     dev = pick_device(args.device)
     lh = args.laplacian_heads
-    bb, meta = load_backbone(run=args.run, model=args.model, weights=args.weights, laplacian_heads=lh,
-                             img_size=args.img_size, device=dev)
+    bb, meta = load_backbone(
+        run=args.run, model=args.model, weights=args.weights, laplacian_heads=lh, img_size=args.img_size, device=dev
+    )
     if args.img_size and args.run:
         meta["img_size"] = args.img_size
     return bb, meta, dev
@@ -66,9 +71,13 @@ def _image_splits(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def knn_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval knn", description=(
-        "Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
-        "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote."))
+    p = argparse.ArgumentParser(
+        prog="lapheads eval knn",
+        description=(
+            "Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
+            "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote."
+        ),
+    )
     _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
     p.add_argument("--train-split", default="train")
     p.add_argument("--val-split", default="val")
@@ -82,24 +91,33 @@ def knn_main(argv: Optional[Sequence[str]] = None) -> int:
     tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
     ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev)
     fte, yte = extract_features(bb, val, tf, args.batch_size, dev)
-    res = knn_classify(ftr, ytr, fte, yte, ks=args.k, temperature=args.temperature,
-                       num_classes=getattr(train, "num_classes", None))
+    res = knn_classify(
+        ftr, ytr, fte, yte, ks=args.k, temperature=args.temperature, num_classes=getattr(train, "num_classes", None)
+    )
     return _finish(args, "knn", meta, res)
 
 
 def linear_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval linear", description=(
-        "Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
-        "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
-        "avgpool). Features are extracted once; the linear layer trains in seconds."))
+    p = argparse.ArgumentParser(
+        prog="lapheads eval linear",
+        description=(
+            "Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
+            "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
+            "avgpool). Features are extracted once; the linear layer trains in seconds."
+        ),
+    )
     _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
     p.add_argument("--train-split", default="train")
     p.add_argument("--val-split", default="val")
     p.add_argument("--n-last-blocks", type=int, default=4)
     p.add_argument("--avgpool", action="store_true", help="also concatenate the average patch token")
     p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak lr (cosine); SGD wants ~0.001*batch/256 "
-                                                          "x 10-100 on unnormalised features")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="peak lr (cosine); SGD wants ~0.001*batch/256 x 10-100 on unnormalised features",
+    )
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -111,21 +129,39 @@ def linear_main(argv: Optional[Sequence[str]] = None) -> int:
     tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
     ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
     fte, yte = extract_features(bb, val, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
-    res = linear_probe(ftr, ytr, fte, yte, num_classes=getattr(train, "num_classes", None), epochs=args.epochs,
-                       lr=args.lr, optimizer=args.optimizer, weight_decay=args.weight_decay,
-                       batch_size=args.batch_size, seed=args.seed)
+    res = linear_probe(
+        ftr,
+        ytr,
+        fte,
+        yte,
+        num_classes=getattr(train, "num_classes", None),
+        epochs=args.epochs,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        weight_decay=args.weight_decay,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     res.update(n_last_blocks=args.n_last_blocks, avgpool=args.avgpool, feature_dim=int(ftr.shape[1]))
     return _finish(args, "linear", meta, res)
 
 
 def segment_main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads eval segment", description=(
-        "Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
-        "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
-        "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation."))
+    p = argparse.ArgumentParser(
+        prog="lapheads eval segment",
+        description=(
+            "Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
+            "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
+            "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation."
+        ),
+    )
     _common_args(p, "segmentation folder (ADE20K layout or images/ + masks/)")
-    p.add_argument("--num-classes", type=int, default=None,
-                   help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        default=None,
+        help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)",
+    )
     p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -143,7 +179,20 @@ def segment_main(argv: Optional[Sequence[str]] = None) -> int:
     nc = train.dataset.num_classes if isinstance(train, torch.utils.data.Subset) else train.num_classes
     if not -len(bb.blocks) <= args.layer < len(bb.blocks):
         raise ConfigError(f"--layer={args.layer} is outside the model's {len(bb.blocks)} blocks")
-    res = segmentation_probe(bb, train, val, nc, meta["img_size"], meta["mean"], meta["std"], layer=args.layer,
-                             epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
-                             batch_size=args.batch_size, seed=args.seed, device=dev)
+    res = segmentation_probe(
+        bb,
+        train,
+        val,
+        nc,
+        meta["img_size"],
+        meta["mean"],
+        meta["std"],
+        layer=args.layer,
+        epochs=args.epochs,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        device=dev,
+    )
     return _finish(args, "segment", meta, res)

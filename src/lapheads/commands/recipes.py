@@ -9,9 +9,11 @@ from ..recipes.shipped import shipped_configs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads recipes", allow_abbrev=False,
-                                description="List the shipped recipe configs: use one with "
-                                            "`lapheads train RECIPE --config NAME`.")
+    p = argparse.ArgumentParser(
+        prog="lapheads recipes",
+        allow_abbrev=False,
+        description="List the shipped recipe configs: use one with `lapheads train RECIPE --config NAME`.",
+    )
     p.add_argument("--paths", action="store_true", help="also print each config's file")
     args = p.parse_args(list(argv or []))
     configs = shipped_configs()
@@ -21,5 +23,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{c.name:<{width}}  {c.recipe:<{rwidth}}  {c.description}")
         if args.paths:
             print(f"{'':<{width}}  {'':<{rwidth}}  {c.path}")
-    print(f"\nuse one with: lapheads train RECIPE --config NAME (e.g. lapheads train classify --config digits)")
+    print("\nuse one with: lapheads train RECIPE --config NAME (e.g. lapheads train classify --config digits)")
     return 0

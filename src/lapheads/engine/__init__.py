@@ -13,6 +13,19 @@ from .dist import DistInfo, init_distributed
 from .run import RunDir, add_train_args
 from .trainer import ModelEma, Task, TrainConfig, Trainer, lr_factor
 
-__all__ = ["load_config", "save_config", "to_dict", "from_dict", "parse_overrides", "RunDir",
-           "add_train_args", "Task", "Trainer", "TrainConfig", "lr_factor", "ModelEma", "DistInfo",
-           "init_distributed"]
+__all__ = [
+    "load_config",
+    "save_config",
+    "to_dict",
+    "from_dict",
+    "parse_overrides",
+    "RunDir",
+    "add_train_args",
+    "Task",
+    "Trainer",
+    "TrainConfig",
+    "lr_factor",
+    "ModelEma",
+    "DistInfo",
+    "init_distributed",
+]

@@ -53,11 +53,21 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Mapping, Optional, TypeVar
+from typing import Annotated, Any, Callable, Iterable, Mapping, Optional, TypeVar, cast
 
 import yaml
-from pydantic import (AfterValidator, AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      ValidationInfo, create_model, model_validator)
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -118,8 +128,11 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 
     def __init__(self, key: str, first: yaml.Mark, second: yaml.Mark):
         self.key, self.first_line, self.second_line = key, first.line + 1, second.line + 1
-        where = (f"lines {self.first_line} and {self.second_line}" if self.first_line != self.second_line
-                 else f"line {self.first_line}, columns {first.column + 1} and {second.column + 1}")
+        where = (
+            f"lines {self.first_line} and {self.second_line}"
+            if self.first_line != self.second_line
+            else f"line {self.first_line}, columns {first.column + 1} and {second.column + 1}"
+        )
         self.description = f"key {key!r} is given twice ({where})"
         super().__init__(None, None, self.description, second)
 
@@ -145,8 +158,9 @@ def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
     try:
         return loader.get_single_data()
     except DuplicateKeyError as e:
-        raise ConfigError(f"{source}: {e.description}; remove one of them (YAML would silently keep "
-                          f"the last)") from None
+        raise ConfigError(
+            f"{source}: {e.description}; remove one of them (YAML would silently keep the last)"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
     except ValueError as e:  # int() of a scalar beyond Python's digit limit, e.g. a 5000-digit seed
@@ -184,6 +198,7 @@ def _float_input(allow_inf: bool) -> Callable[[Any], Any]:
         if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not allow_inf)):
             raise _refuse(repr(value), _NOT_FINITE)
         return value
+
     return parse
 
 
@@ -239,7 +254,7 @@ class ConfigModel(BaseModel):
         Raises:
             ConfigError: one line, as for a YAML file (e.g. ``init_from is empty: ...``).
         """
-        return from_dict(type(self), self.model_dump())
+        return from_dict(type(self), cast(BaseModel, self).model_dump())
 
 
 def run_rule(check: Callable[[Any], None]) -> Any:
@@ -339,8 +354,9 @@ def _constraints(meta: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
-def describe_range(ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
-                   lt: Optional[float] = None) -> str:
+def describe_range(
+    ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None, lt: Optional[float] = None
+) -> str:
     """``"in [0, 1)"``, ``">= 1"``, ``"> 0"``, ... (``"any number"`` without bounds)."""
     lo = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
     hi = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
@@ -353,10 +369,19 @@ def describe_range(ge: Optional[float] = None, gt: Optional[float] = None, le: O
     return "any number"
 
 
-def _in_range(value: float, ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
-              lt: Optional[float] = None) -> bool:
-    return ((ge is None or value >= ge) and (gt is None or value > gt)
-            and (le is None or value <= le) and (lt is None or value < lt))
+def _in_range(
+    value: float,
+    ge: Optional[float] = None,
+    gt: Optional[float] = None,
+    le: Optional[float] = None,
+    lt: Optional[float] = None,
+) -> bool:
+    return (
+        (ge is None or value >= ge)
+        and (gt is None or value > gt)
+        and (le is None or value <= le)
+        and (lt is None or value < lt)
+    )
 
 
 def _show(value: Any, base: Any = None) -> str:
@@ -376,8 +401,11 @@ def _show(value: Any, base: Any = None) -> str:
 def _dotted(keys: str, loc: Iterable[Any]) -> str:
     out = keys
     for part in loc:
-        out = f"{out}[{part}]" if isinstance(part, int) else (f"{out}{part}" if out.endswith(".") or not out
-                                                               else f"{out}.{part}")
+        out = (
+            f"{out}[{part}]"
+            if isinstance(part, int)
+            else (f"{out}{part}" if out.endswith(".") or not out else f"{out}.{part}")
+        )
     return out.rstrip(".")
 
 
@@ -406,7 +434,7 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
     source, sep, keys = prefix.rpartition(": ")
     if not sep:
         source, keys = "", prefix
-    steps = [(root, [])]
+    steps: list[tuple[Any, Any]] = [(root, [])]
     for part in loc:
         steps.append(_child(steps[-1][0], part))
     tp, meta = steps[-1]
@@ -423,12 +451,16 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
 
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         parent = _dotted(keys, loc[:-1])
-        body = (f"unknown config key {where}; allowed keys under {parent or 'the top level'}: "
-                f"{_field_names(steps[-2][0])}")
+        body = (
+            f"unknown config key {where}; allowed keys under {parent or 'the top level'}: {_field_names(steps[-2][0])}"
+        )
     elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
         n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None
-        body = (f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items" if n is not None
-                else f"{where} is required (it has no default)")
+        body = (
+            f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items"
+            if n is not None
+            else f"{where} is required (it has no default)"
+        )
     elif kind in ("too_long", "too_short"):
         n = fixed_tuple_length(tp)
         if n is not None:
@@ -458,8 +490,9 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
     elif kind in ("list_type", "tuple_type", "iterable_type"):
         body = f"{where}={shown} must be a list"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or \
-            {k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx}
+        bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or {
+            k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx
+        }
         body = f"{where}={shown} must be {describe_range(**bounds)}"
     elif kind == _REFUSED:
         body = f"{where}={ctx['shown']} {ctx['detail']}"
@@ -468,7 +501,7 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
         text = str(raised) if raised is not None else e["msg"]
         name = loc[-1] if loc and isinstance(loc[-1], str) else None
         if name and text.startswith(name) and _NAME_TAIL.match(text, len(name)):
-            text = where + text[len(name):]  # a field's own validator names the field; give its full path
+            text = where + text[len(name) :]  # a field's own validator names the field; give its full path
         line = f"{source}: {text}" if source else text
         return type(raised)(line) if isinstance(raised, LapheadsError) else ConfigError(line)
     else:
@@ -480,8 +513,9 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
 @functools.lru_cache(maxsize=None)
 def _dataclass_wrapper(cls: type) -> type[BaseModel]:
     # lax (strict pydantic refuses a mapping for a plain dataclass); unknown keys are refused
-    return create_model(f"{cls.__name__}Input", __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
-                        value=(cls, ...))
+    return create_model(
+        f"{cls.__name__}Input", __config__=ConfigDict(extra="forbid", allow_inf_nan=False), value=(cls, ...)
+    )
 
 
 def _parse_hooks(obj: Any, keys: str) -> None:
@@ -518,7 +552,8 @@ def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "",
     try:
         if _is_model(cls):
             return cls.model_validate(data, context=context)  # type: ignore[attr-defined]
-        obj = _dataclass_wrapper(cls).model_validate({"value": data}, context=context).value
+        wrapper: Any = _dataclass_wrapper(cls)  # type: ignore[arg-type]
+        obj = wrapper.model_validate({"value": data}, context=context).value
     except ValidationError as e:
         raise config_error(e, cls, prefix) from None
     _parse_hooks(obj, prefix.rpartition(": ")[2])
@@ -592,8 +627,9 @@ def read_yaml(path: str | Path) -> dict:
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: it is not UTF-8 text ({e.reason} at byte "
-                          f"{e.start})") from None
+        raise ConfigError(
+            f"config file {p} is not valid YAML: it is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     except OSError as e:
         raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
     data = load_yaml(text, f"config file {p}")
@@ -604,8 +640,15 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
-                base: Mapping[str, Any] | None = None, recipe: str | None = None, *, run_rules: bool = True) -> T:
+def load_config(
+    cls: type[T],
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    base: Mapping[str, Any] | None = None,
+    recipe: str | None = None,
+    *,
+    run_rules: bool = True,
+) -> T:
     """Defaults of ``cls`` <- ``base`` <- YAML at ``path`` <- ``--set`` overrides.
 
     A YAML file may name its recipe at the top level (``recipe: classify``); with ``recipe``
@@ -640,8 +683,10 @@ def config_schema(cls: type[BaseModel], recipe: Optional[str] = None) -> dict[st
     """
     schema = cls.model_json_schema()
     if recipe is not None:
-        schema["properties"] = {"recipe": {"const": recipe, "description": "the recipe this file is for"},
-                                **schema.get("properties", {})}
+        schema["properties"] = {
+            "recipe": {"const": recipe, "description": "the recipe this file is for"},
+            **schema.get("properties", {}),
+        }
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 
 
@@ -658,8 +703,11 @@ def _type_name(tp: Any) -> str:
     elif origin is typing.Literal:
         name = " | ".join(json.dumps(a) for a in args)
     elif origin is tuple:
-        name = (f"list of {_type_name(args[0])}" if args and args[-1] is Ellipsis
-                else "[" + ", ".join(_type_name(a) for a in args) + "]")
+        name = (
+            f"list of {_type_name(args[0])}"
+            if args and args[-1] is Ellipsis
+            else "[" + ", ".join(_type_name(a) for a in args) + "]"
+        )
     elif origin is list:
         name = f"list of {_type_name(args[0]) if args else 'any'}"
     elif origin is dict or base is dict:
@@ -679,8 +727,9 @@ def _allowed(tp: Any, meta: list) -> str:
     origin, args = typing.get_origin(base), typing.get_args(base)
     if origin in (tuple, list) and args:
         items = {k: v for k, v in _constraints(_unwrap(args[0])[1]).items() if k in ("ge", "gt", "le", "lt")}
-        if items and all(_constraints(_unwrap(a)[1]) == _constraints(_unwrap(args[0])[1])
-                         for a in args if a is not Ellipsis):
+        if items and all(
+            _constraints(_unwrap(a)[1]) == _constraints(_unwrap(args[0])[1]) for a in args if a is not Ellipsis
+        ):
             parts.append(f"items {describe_range(**items)}")
     if "min_length" in c:
         parts.append(f"at least {c['min_length']} item(s)")
@@ -699,8 +748,11 @@ def _section(tp: Any) -> Optional[type[BaseModel]]:
 def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> None:
     for name, f in cls.model_fields.items():
         key = prefix + name
-        value = getattr(current, name) if current is not None else (
-            f.get_default(call_default_factory=True) if not f.is_required() else dataclasses.MISSING)
+        value = (
+            getattr(current, name)
+            if current is not None
+            else (f.get_default(call_default_factory=True) if not f.is_required() else dataclasses.MISSING)
+        )
         section = _section(f.annotation)
         desc = _cell(f.description or "")
         if section is not None:
@@ -708,8 +760,10 @@ def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> N
             _rows(section, value if isinstance(value, section) else None, key + ".", rows)
             continue
         default = "required" if value is dataclasses.MISSING else f"`{_cell(json.dumps(to_dict(value)))}`"
-        rows.append(f"| `{key}` | {_cell(_type_name(f.annotation))} | {default} | "
-                    f"{_cell(_allowed(f.annotation, f.metadata))} | {desc} |")
+        rows.append(
+            f"| `{key}` | {_cell(_type_name(f.annotation))} | {default} | "
+            f"{_cell(_allowed(f.annotation, f.metadata))} | {desc} |"
+        )
         base, _ = _unwrap(f.annotation)
         if typing.get_origin(base) is list and typing.get_args(base) and _is_model(typing.get_args(base)[0]):
             _rows(typing.get_args(base)[0], None, key + "[].", rows)
@@ -728,8 +782,14 @@ def config_table(model_cls: type[BaseModel]) -> str:
 
 
 # --------------------------------------------------------------------------- command-line flags
-def number_arg(kind: type = float, *, ge: Optional[float] = None, gt: Optional[float] = None,
-               le: Optional[float] = None, lt: Optional[float] = None) -> Callable[[str], Any]:
+def number_arg(
+    kind: type = float,
+    *,
+    ge: Optional[float] = None,
+    gt: Optional[float] = None,
+    le: Optional[float] = None,
+    lt: Optional[float] = None,
+) -> Callable[[str], Any]:
     """An argparse ``type=`` for a numeric flag, with the same rules as a config field.
 
     It refuses NaN and infinity (floats), values beyond 64 bits (ints) and values outside the
@@ -747,7 +807,9 @@ def number_arg(kind: type = float, *, ge: Optional[float] = None, gt: Optional[f
         if kind is not int and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (NaN and infinity are refused)")
         if kind is int and not INT64_MIN <= value <= INT64_MAX:
-            raise argparse.ArgumentTypeError(f"{text if len(text) <= 30 else _show_int(value)} does not fit in 64 bits")
+            raise argparse.ArgumentTypeError(
+                f"{text if len(text) <= 30 else _show_int(int(value))} does not fit in 64 bits"
+            )
         if not _in_range(value, **bounds):
             raise argparse.ArgumentTypeError(f"{value!r} must be {describe_range(**bounds)}")
         return value

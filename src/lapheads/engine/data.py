@@ -57,10 +57,20 @@ def steps_per_epoch(n: int, batch_size: int, world_size: int = 1) -> int:
     return n // (batch_size * world_size)
 
 
-def epoch_batches(dataset: Any, batch_size: int, seed: int, start_micro_step: int = 0, *,
-                  shuffle: bool = True, rank: int = 0, world_size: int = 1, num_workers: int = 0,
-                  collate_fn: Optional[Callable] = None, transform: Optional[Callable] = None,
-                  epochs: Optional[int] = None) -> Iterator[Any]:
+def epoch_batches(
+    dataset: Any,
+    batch_size: int,
+    seed: int,
+    start_micro_step: int = 0,
+    *,
+    shuffle: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    collate_fn: Optional[Callable] = None,
+    transform: Optional[Callable] = None,
+    epochs: Optional[int] = None,
+) -> Iterator[Any]:
     """Endless (or ``epochs``-long) stream of this rank's micro-batches, from ``start_micro_step``.
 
     Each epoch drops its last incomplete global batch so every rank sees the same number of steps.
@@ -68,8 +78,10 @@ def epoch_batches(dataset: Any, batch_size: int, seed: int, start_micro_step: in
     n = len(dataset)
     spe = steps_per_epoch(n, batch_size, world_size)
     if spe == 0:
-        raise ValueError(f"the data set has {n} items, fewer than one global batch of "
-                         f"{batch_size * world_size}; lower the batch size")
+        raise ValueError(
+            f"the data set has {n} items, fewer than one global batch of "
+            f"{batch_size * world_size}; lower the batch size"
+        )
     epoch, offset = divmod(start_micro_step, spe)
     gb = batch_size * world_size
     while epochs is None or epoch < epochs:
@@ -78,13 +90,19 @@ def epoch_batches(dataset: Any, batch_size: int, seed: int, start_micro_step: in
             perm = torch.randperm(n, generator=g)
         else:
             perm = torch.arange(n)
-        batches = [perm[m * gb + rank * batch_size: m * gb + (rank + 1) * batch_size].tolist()
-                   for m in range(offset, spe)]
+        batches = [
+            perm[m * gb + rank * batch_size : m * gb + (rank + 1) * batch_size].tolist() for m in range(offset, spe)
+        ]
         ds = SeededTransform(dataset, transform, seed, epoch)
         # An explicit generator: otherwise every new DataLoader iterator draws its worker base
         # seed from the GLOBAL torch RNG, which would shift dropout noise after a resume.
-        loader = DataLoader(ds, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn,
-                            persistent_workers=False,
-                            generator=torch.Generator().manual_seed(_mix(seed, epoch, 1)))
+        loader = DataLoader(
+            ds,
+            batch_sampler=batches,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            persistent_workers=False,
+            generator=torch.Generator().manual_seed(_mix(seed, epoch, 1)),
+        )
         yield from loader
         epoch, offset = epoch + 1, 0

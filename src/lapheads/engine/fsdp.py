@@ -50,7 +50,7 @@ import contextlib
 import copy
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -58,9 +58,25 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 
-__all__ = ["shard_model", "transformer_blocks", "enable_activation_checkpointing", "is_sharded", "ShardedMuon",
-           "muon_class", "plain_norm", "nonfinite_anywhere", "full_state_dict", "meta_copy", "materialize",
-           "save_sharded", "load_sharded", "is_sharded_checkpoint", "consolidate", "lockstep", "DCP_DIR"]
+__all__ = [
+    "shard_model",
+    "transformer_blocks",
+    "enable_activation_checkpointing",
+    "is_sharded",
+    "ShardedMuon",
+    "muon_class",
+    "plain_norm",
+    "nonfinite_anywhere",
+    "full_state_dict",
+    "meta_copy",
+    "materialize",
+    "save_sharded",
+    "load_sharded",
+    "is_sharded_checkpoint",
+    "consolidate",
+    "lockstep",
+    "DCP_DIR",
+]
 
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the DCP files (model + optimizer shards)
 
@@ -82,13 +98,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
         names.update(getattr(m, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ConfigError(f"train.parallel=fsdp: found no transformer blocks to shard in {type(model).__name__} "
-                          f"(no module of the classes {sorted(names) or 'in _no_split_modules'})")
+        raise ConfigError(
+            f"train.parallel=fsdp: found no transformer blocks to shard in {type(model).__name__} "
+            f"(no module of the classes {sorted(names) or 'in _no_split_modules'})"
+        )
     return blocks
 
 
-def shard_model(model: nn.Module, blocks: Sequence[nn.Module], device: torch.device, *, bf16: bool,
-                world_size: Optional[int] = None) -> None:
+def shard_model(
+    model: nn.Module, blocks: Sequence[nn.Module], device: torch.device, *, bf16: bool, world_size: Optional[int] = None
+) -> None:
     """Apply ``fully_shard`` to every block, then to the root (in place).
 
     Args:
@@ -103,8 +122,9 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module], device: torch.dev
 
     world = world_size or dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
-          else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for b in blocks:
         fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
@@ -121,14 +141,17 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     if fn is None:
         fn, kwargs = getattr(model, "gradient_checkpointing_enable", None), "gradient_checkpointing_kwargs"
     if fn is None or not getattr(model, "supports_gradient_checkpointing", True):
-        raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support it "
-                          "(it needs a transformers model)")
+        raise ConfigError(
+            f"train.activation_checkpointing: {type(model).__name__} does not support it "
+            "(it needs a transformers model)"
+        )
     fn(**{kwargs: {"use_reentrant": False}})
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether the model's parameters are DTensor shards (``fully_shard`` was applied)."""
     from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
+
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -144,7 +167,10 @@ class ShardedMuon(torch.optim.Muon):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         from torch.distributed.tensor import DTensor, distribute_tensor  # lazy: ~1 s to import, FSDP only
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # lazy: private torch module, present only in torch versions with Muon
+        from torch.optim._muon import (
+            _adjust_lr,
+            _zeropower_via_newtonschulz,
+        )  # lazy: private torch module, present only in torch versions with Muon
 
         loss = None
         if closure is not None:
@@ -177,6 +203,7 @@ class ShardedMuon(torch.optim.Muon):
 def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
     """:class:`ShardedMuon` when any parameter is a DTensor shard, else ``torch.optim.Muon``."""
     from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
+
     return ShardedMuon if any(isinstance(p, DTensor) for p in params) else torch.optim.Muon
 
 
@@ -184,6 +211,7 @@ def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
     from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
+
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
@@ -211,8 +239,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     """Load a full CPU state dict into a :func:`meta_copy` (``assign``: no copy), ties restored."""
     skeleton.load_state_dict(state, strict=False, assign=True)
-    if hasattr(skeleton, "tie_weights"):
-        skeleton.tie_weights()
+    tie = getattr(skeleton, "tie_weights", None)
+    if callable(tie):
+        tie()
     left = [n for n, p in skeleton.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"the gathered state dict misses {', '.join(left[:5])}")
@@ -221,8 +250,13 @@ def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on rank 0's CPU (other ranks get ``{}``); a collective call."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy: ~1 s to import, FSDP only
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )  # lazy: ~1 s to import, FSDP only
+
+    state: Any = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)
 
 
 # --------------------------------------------------------------------------- sharded checkpoints
@@ -251,7 +285,10 @@ def load_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Opti
         CheckpointError: the checkpoint does not fit this model or these optimizers.
     """
     import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_state_dict,
+    )  # lazy: ~1 s to import, FSDP only
 
     msd, osd = get_state_dict(model, list(optims))
     state = {"model": msd, "optim": osd}
@@ -260,9 +297,10 @@ def load_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Opti
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(Path(path) / DCP_DIR)))
     except Exception as e:  # DCP raises CheckpointException / RuntimeError with per-rank tracebacks
         msg = " ".join(str(e).split())
-        raise CheckpointError(f"{path}: the sharded checkpoint does not fit this model and its optimizers "
-                              f"({msg[:300]})") from None
-    set_state_dict(model, list(optims), model_state_dict=state["model"], optim_state_dict=state["optim"])
+        raise CheckpointError(
+            f"{path}: the sharded checkpoint does not fit this model and its optimizers ({msg[:300]})"
+        ) from None
+    set_state_dict(model, list(optims), model_state_dict=state["model"], optim_state_dict=state["optim"])  # type: ignore[arg-type]
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -290,8 +328,9 @@ def consolidate(path: Path) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- evaluation in lock step
-def lockstep(batches: Iterable[T], fallback: Callable[[], T], device: torch.device,
-             sharded: bool) -> Iterator[tuple[T, bool]]:
+def lockstep(
+    batches: Iterable[T], fallback: Callable[[], T], device: torch.device, sharded: bool
+) -> Iterator[tuple[T, bool]]:
     """``(batch, real)`` pairs, the same number on every rank when the model is sharded.
 
     A sharded forward is a collective (each block all-gathers its weights), so a rank that ran out

@@ -24,8 +24,9 @@ from ..errors import CheckpointError, ConfigError
 __all__ = ["load_checkpoint"]
 
 
-def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Optional[dict[str, Any]] = None
-                    ) -> tuple[torch.nn.Module, str, Any]:
+def load_checkpoint(
+    spec: str, weights: Optional[str] = None, model_args: Optional[dict[str, Any]] = None
+) -> tuple[torch.nn.Module, str, Any]:
     """Load ``spec`` -> (model, kind "vit" | "hf", tokenizer or None).
 
     Args:
@@ -40,8 +41,10 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
         from .. import transformers as lap_tf
 
         if not (p.is_dir() and (p / "config.json").is_file()):
-            raise CheckpointError(f"{spec}: not a transformers checkpoint directory (no config.json); "
-                                  "give a directory saved with save_pretrained or a timm model name")
+            raise CheckpointError(
+                f"{spec}: not a transformers checkpoint directory (no config.json); "
+                "give a directory saved with save_pretrained or a timm model name"
+            )
         if weights:
             raise ConfigError("--weights is for timm models; a transformers directory holds its weights")
         cfg = transformers.AutoConfig.from_pretrained(p)
@@ -62,8 +65,10 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
 
     if not timm.is_model(spec):
         close = timm.list_models(f"*{spec.split('.')[0][:12]}*")[:8]
-        raise CheckpointError(f"{spec!r} is neither an existing directory nor a timm model name"
-                              + (f"; similar timm names: {', '.join(close)}" if close else ""))
+        raise CheckpointError(
+            f"{spec!r} is neither an existing directory nor a timm model name"
+            + (f"; similar timm names: {', '.join(close)}" if close else "")
+        )
     try:
         vit: torch.nn.Module = timm.create_model(spec, pretrained=False, **(model_args or {}))
     except TypeError as e:
@@ -83,6 +88,7 @@ def load_checkpoint(spec: str, weights: Optional[str] = None, model_args: Option
                 sd = sd.get("model", sd) if isinstance(sd, dict) else sd
             vit.load_state_dict(sd)
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"--weights {weights}: does not fit {spec} "
-                                  f"(check --model-args): {str(e)[:400]}") from e
+            raise CheckpointError(
+                f"--weights {weights}: does not fit {spec} (check --model-args): {str(e)[:400]}"
+            ) from e
     return vit, "vit", None

@@ -21,12 +21,30 @@ Modules: ``measures`` (in-memory functions), ``accumulate`` (the base accumulato
 
 from .capture import analyze_model, save_geometry_json
 from .measures import anova, cdnv, geometry, neural_collapse, pca_rgb, spectra, spectral_k99, within_sequence_cosine
-from .streaming import (AnovaAccumulator, ClassAccumulator, CosineAccumulator, GeometryAccumulator, NC4Accumulator,
-                        SpectraAccumulator)
+from .streaming import (
+    AnovaAccumulator,
+    ClassAccumulator,
+    CosineAccumulator,
+    GeometryAccumulator,
+    NC4Accumulator,
+    SpectraAccumulator,
+)
 
 __all__ = [
-    "anova", "cdnv", "geometry", "neural_collapse", "pca_rgb", "spectra", "spectral_k99",
-    "within_sequence_cosine", "AnovaAccumulator", "ClassAccumulator", "CosineAccumulator",
-    "GeometryAccumulator", "NC4Accumulator", "SpectraAccumulator", "analyze_model",
+    "anova",
+    "cdnv",
+    "geometry",
+    "neural_collapse",
+    "pca_rgb",
+    "spectra",
+    "spectral_k99",
+    "within_sequence_cosine",
+    "AnovaAccumulator",
+    "ClassAccumulator",
+    "CosineAccumulator",
+    "GeometryAccumulator",
+    "NC4Accumulator",
+    "SpectraAccumulator",
+    "analyze_model",
     "save_geometry_json",
 ]

@@ -41,10 +41,14 @@ __all__ = ["F64", "Accumulator", "broadcast_from_lowest_rank", "check_inputs", "
 # input validation
 
 
-def check_inputs(x: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
-                 labels: Optional[torch.Tensor] = None, *, name: str = "x",
-                 label_name: str = "labels") -> tuple[torch.Tensor, Optional[torch.Tensor],
-                                                      Optional[torch.Tensor]]:
+def check_inputs(
+    x: torch.Tensor,
+    sequence_ids: Optional[torch.Tensor] = None,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    name: str = "x",
+    label_name: str = "labels",
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Validate and convert one batch: ``x`` (N, D) finite, ids/labels (N,) integer.
 
     Args:
@@ -69,14 +73,17 @@ def check_inputs(x: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
     # the d x d update): a NaN/Inf makes the float64 sum non-finite; only then look closer
     if not bool(torch.isfinite(x.sum(dtype=torch.float64))) and not bool(torch.isfinite(x).all()):
         bad = torch.nonzero(~torch.isfinite(x))[0]
-        raise DataError(f"{name} contains NaN or Inf (first at token {int(bad[0])}, dim {int(bad[1])}); "
-                        "geometry needs finite features")
+        raise DataError(
+            f"{name} contains NaN or Inf (first at token {int(bad[0])}, dim {int(bad[1])}); "
+            "geometry needs finite features"
+        )
 
     def _ids(t: Any, what: str) -> torch.Tensor:
         t = torch.as_tensor(t)
         if t.dim() != 1 or t.shape[0] != x.shape[0]:
-            raise DataError(f"{what} must have shape ({x.shape[0]},) to match {name} "
-                            f"{tuple(x.shape)}, got {tuple(t.shape)}")
+            raise DataError(
+                f"{what} must have shape ({x.shape[0]},) to match {name} {tuple(x.shape)}, got {tuple(t.shape)}"
+            )
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise DataError(f"{what} must be integers, got dtype {t.dtype}")
         return t.to(device=x.device, dtype=torch.int64)
@@ -90,8 +97,7 @@ def check_inputs(x: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
     return x, sid, lab
 
 
-def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
+def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D).
 
     For few segments (sequences of one batch) a dense (S, N) x (N, D) product reads ``src`` once
@@ -111,8 +117,9 @@ def dense_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, int(uniq.numel())
 
 
-def broadcast_from_lowest_rank(value: Optional[torch.Tensor], shape: tuple[int, ...], device: torch.device,
-                               group: Any = None) -> Optional[torch.Tensor]:
+def broadcast_from_lowest_rank(
+    value: Optional[torch.Tensor], shape: tuple[int, ...], device: torch.device, group: Any = None
+) -> Optional[torch.Tensor]:
     """The float64 ``value`` of the lowest rank that has one (not None), on every rank.
 
     Every rank must call it. Returns None when no rank has a value. Used for the reference points
@@ -156,8 +163,9 @@ class Accumulator:
         if type(other) is not type(self):
             raise ConfigError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
         if other._config() != self._config():
-            raise ConfigError(f"cannot merge accumulators with different settings: "
-                              f"{self._config()} vs {other._config()}")
+            raise ConfigError(
+                f"cannot merge accumulators with different settings: {self._config()} vs {other._config()}"
+            )
 
     # -- shifting (overridden by shifted accumulators) ----------------------------------------
     shift: Optional[torch.Tensor] = None
@@ -241,8 +249,11 @@ class Accumulator:
     # -- save / restore -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: config, sums, shift and children (tensors on CPU)."""
-        sd: dict[str, Any] = {"type": type(self).__name__, "config": self._config(),
-                              "shift": None if self.shift is None else self.shift.cpu().clone()}
+        sd: dict[str, Any] = {
+            "type": type(self).__name__,
+            "config": self._config(),
+            "shift": None if self.shift is None else self.shift.cpu().clone(),
+        }
         for n in self._sum_names:
             sd[n] = getattr(self, n).detach().cpu().clone()
         sd.update(self._extra_state())
@@ -257,8 +268,7 @@ class Accumulator:
         if sd.get("type") != type(self).__name__:
             raise ConfigError(f"state is for {sd.get('type')!r}, not {type(self).__name__}")
         if sd.get("config") != self._config():
-            raise ConfigError(f"saved accumulator settings {sd.get('config')} differ from "
-                              f"these {self._config()}")
+            raise ConfigError(f"saved accumulator settings {sd.get('config')} differ from these {self._config()}")
         self.shift = None if sd["shift"] is None else sd["shift"].to(self.device, F64)
         for n in self._sum_names:
             setattr(self, n, sd[n].to(self.device).clone())
@@ -276,4 +286,3 @@ class Accumulator:
         if self.shift is None:
             self.shift = x.mean(0, dtype=F64)
         return x - self.shift  # promotes to float64 in the same pass
-

@@ -22,8 +22,6 @@ from ..errors import CheckpointError, ConfigError, DataError
 __all__ = ["build_batches"]
 
 
-
-
 class _Batches:
     """Re-iterable batches (so NC4 can take its second pass) built lazily from a factory."""
 
@@ -51,9 +49,11 @@ def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_si
 
         def gen() -> Iterator[Any]:
             for i in range(0, len(labels), batch_size):
-                x = torch.nn.functional.interpolate(imgs[i:i + batch_size], size=(image_size, image_size),
-                                                    mode="bilinear", align_corners=False)
-                yield (x.expand(-1, 3, -1, -1) - mean) / std, labels[i:i + batch_size]
+                x = torch.nn.functional.interpolate(
+                    imgs[i : i + batch_size], size=(image_size, image_size), mode="bilinear", align_corners=False
+                )
+                yield (x.expand(-1, 3, -1, -1) - mean) / std, labels[i : i + batch_size]
+
         return _Batches(gen, math.ceil(len(labels) / batch_size))
     p = Path(data)
     if not p.is_dir():
@@ -61,8 +61,15 @@ def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_si
     from torchvision import datasets
     from torchvision.transforms import v2
 
-    tf = v2.Compose([v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                     v2.Normalize(mean.flatten().tolist(), std.flatten().tolist())])
+    tf = v2.Compose(
+        [
+            v2.Resize(image_size),
+            v2.CenterCrop(image_size),
+            v2.ToImage(),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(mean.flatten().tolist(), std.flatten().tolist()),
+        ]
+    )
     try:
         ds = datasets.ImageFolder(str(p), transform=tf)
     except (FileNotFoundError, RuntimeError) as e:
@@ -71,13 +78,16 @@ def _vision_batches(model: torch.nn.Module, data: str, batch_size: int, image_si
     return _Batches(lambda: loader, len(loader))
 
 
-def _text_batches(model: torch.nn.Module, tok: Any, data: str, batch_size: int, seq_len: int,
-                  max_batches: Optional[int]) -> _Batches:
+def _text_batches(
+    model: torch.nn.Module, tok: Any, data: str, batch_size: int, seq_len: int, max_batches: Optional[int]
+) -> _Batches:
     if tok is None:
-        raise CheckpointError("text data needs a tokenizer saved in the checkpoint directory "
-                              "(tokenizer.json / tokenizer_config.json)")
+        raise CheckpointError(
+            "text data needs a tokenizer saved in the checkpoint directory (tokenizer.json / tokenizer_config.json)"
+        )
     if data == "pydoc":
         from pydoc_data.topics import topics  # a 0.8 MB module: only for --data pydoc
+
         text = "\n\n".join(topics[k] for k in sorted(topics))
     else:
         p = Path(data)
@@ -87,7 +97,7 @@ def _text_batches(model: torch.nn.Module, tok: Any, data: str, batch_size: int, 
     if not text.strip():
         raise DataError(f"--data {data}: the corpus is empty")
     if max_batches:  # tokenise only what will be used (about 12 characters per token is ample)
-        text = text[:max_batches * batch_size * seq_len * 12]
+        text = text[: max_batches * batch_size * seq_len * 12]
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     if vocab and ids.numel() and int(ids.max()) >= vocab:
@@ -95,18 +105,26 @@ def _text_batches(model: torch.nn.Module, tok: Any, data: str, batch_size: int, 
     n_rows = ids.numel() // seq_len
     if n_rows == 0:
         raise DataError(f"--data {data}: {ids.numel()} tokens, fewer than one sequence of --seq-len {seq_len}")
-    rows = ids[:n_rows * seq_len].view(n_rows, seq_len)
+    rows = ids[: n_rows * seq_len].view(n_rows, seq_len)
 
     def gen() -> Iterator[Any]:
         for i in range(0, n_rows, batch_size):
-            r = rows[i:i + batch_size]
+            r = rows[i : i + batch_size]
             yield {"input_ids": r, "attention_mask": torch.ones_like(r)}
+
     return _Batches(gen, math.ceil(n_rows / batch_size))
 
 
-def build_batches(model: torch.nn.Module, kind: str, tok: Any, data: str, batch_size: int = 32,
-                  seq_len: int = 128, image_size: Optional[int] = None,
-                  max_batches: Optional[int] = None) -> _Batches:
+def build_batches(
+    model: torch.nn.Module,
+    kind: str,
+    tok: Any,
+    data: str,
+    batch_size: int = 32,
+    seq_len: int = 128,
+    image_size: Optional[int] = None,
+    max_batches: Optional[int] = None,
+) -> _Batches:
     """Batches of ``data`` suited to ``model`` (images for "vit", token rows for "hf")."""
     if kind == "vit":
         if data == "pydoc" or data.endswith(".txt"):

@@ -56,8 +56,19 @@ from ..errors import ConfigError, DataError
 from .classes import ClassAccumulator, check_classifier
 from .streaming import GeometryAccumulator
 
-__all__ = ["ADAPTERS", "HooksAdapter", "ModelAdapter", "TimmViTAdapter", "TransformersAdapter", "analyze_model",
-           "get_adapter", "iter_layer_tokens", "layer_name", "resolve_layers", "save_geometry_json"]
+__all__ = [
+    "ADAPTERS",
+    "HooksAdapter",
+    "ModelAdapter",
+    "TimmViTAdapter",
+    "TransformersAdapter",
+    "analyze_model",
+    "get_adapter",
+    "iter_layer_tokens",
+    "layer_name",
+    "resolve_layers",
+    "save_geometry_json",
+]
 
 Layer = Union[int, str]
 Classifier = tuple[torch.Tensor, Optional[torch.Tensor]]
@@ -133,8 +144,9 @@ class ModelAdapter(ABC):
         yield
 
     @abstractmethod
-    def capture(self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
-                ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def capture(
+        self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
+    ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """One forward pass (under ``no_grad``) -> (tokens per layer, token mask, token classes)."""
 
 
@@ -146,8 +158,10 @@ class TimmViTAdapter(ModelAdapter):
     def resolve(self, layers: Optional[Sequence[Layer]]) -> list[Layer]:
         model = self.model
         if not hasattr(model, "forward_intermediates") or not hasattr(model, "blocks"):
-            raise ConfigError(f"kind='vit' needs a timm VisionTransformer-like model with "
-                              f"forward_intermediates and blocks; got {type(model).__name__}")
+            raise ConfigError(
+                f"kind='vit' needs a timm VisionTransformer-like model with "
+                f"forward_intermediates and blocks; got {type(model).__name__}"
+            )
         n = len(model.blocks)
         if layers is None:
             return list(range(n)) + ["pre_logits"]
@@ -158,8 +172,10 @@ class TimmViTAdapter(ModelAdapter):
                 continue
             i = _as_int(l, f"vit layer {l!r}", f"block indices 0..{n - 1} (or negative) or 'pre_logits'")
             if not -n <= i < n:
-                raise ConfigError(f"vit layer {l!r} does not exist: the model has {n} blocks "
-                                  f"(use 0..{n - 1}, negative indices, or 'pre_logits')")
+                raise ConfigError(
+                    f"vit layer {l!r} does not exist: the model has {n} blocks "
+                    f"(use 0..{n - 1}, negative indices, or 'pre_logits')"
+                )
             out.append(i % n)
         return out
 
@@ -177,13 +193,15 @@ class TimmViTAdapter(ModelAdapter):
         get = getattr(self.model, "get_classifier", None)
         return _linear(get()) if get is not None else None
 
-    def capture(self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
-                ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def capture(
+        self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
+    ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
         res: Captured = {}
         blocks = [l for l in layers if l != "pre_logits"]
         if blocks:
-            inter = self.model.forward_intermediates(inputs, indices=blocks, intermediates_only=True,
-                                                     output_fmt="NLC", return_prefix_tokens=True)
+            inter = self.model.forward_intermediates(
+                inputs, indices=blocks, intermediates_only=True, output_fmt="NLC", return_prefix_tokens=True
+            )
             for l, item in zip(blocks, inter):
                 patch, prefix = item if isinstance(item, tuple) else (item, None)
                 if prefix is not None and prefix.shape[1] == 0:
@@ -204,8 +222,9 @@ class TransformersAdapter(ModelAdapter):
         cfg = getattr(self.model, "config", None)
         L = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None)
         if L is None:
-            raise ConfigError(f"kind='hf' needs a transformers model with config.num_hidden_layers; "
-                              f"got {type(self.model).__name__}")
+            raise ConfigError(
+                f"kind='hf' needs a transformers model with config.num_hidden_layers; got {type(self.model).__name__}"
+            )
         return int(L)
 
     def resolve(self, layers: Optional[Sequence[Layer]]) -> list[Layer]:
@@ -216,8 +235,9 @@ class TransformersAdapter(ModelAdapter):
         for l in layers:
             i = _as_int(l, f"hf layer {l!r}", f"hidden-state indices 0..{L} (0 = embeddings)")
             if not -(L + 1) <= i <= L:
-                raise ConfigError(f"hf layer {l!r} does not exist: hidden states are 0..{L} "
-                                  f"(0 = embeddings, {L} = last layer)")
+                raise ConfigError(
+                    f"hf layer {l!r} does not exist: hidden states are 0..{L} (0 = embeddings, {L} = last layer)"
+                )
             out.append(i % (L + 1))
         return out
 
@@ -246,16 +266,17 @@ class TransformersAdapter(ModelAdapter):
             return {"input_ids": ids, **({"attention_mask": mask} if mask is not None else {})}, None, mask
         return {"input_ids": batch}, None, None
 
-    def capture(self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
-                ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def capture(
+        self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
+    ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
         if "input_ids" not in inputs:
-            raise DataError("hf batches need input_ids (a tensor, a tuple "
-                            "(input_ids, attention_mask) or a dict)")
+            raise DataError("hf batches need input_ids (a tensor, a tuple (input_ids, attention_mask) or a dict)")
         ids = inputs["input_ids"]
         hs = self.model(**inputs, output_hidden_states=True).hidden_states
         res: Captured = {l: (hs[l], None) for l in layers}
-        mask = (inputs.get("attention_mask") if inputs.get("attention_mask") is not None
-                else torch.ones_like(ids)).bool()
+        mask = (
+            inputs.get("attention_mask") if inputs.get("attention_mask") is not None else torch.ones_like(ids)
+        ).bool()
         # class of token t = id of token t+1 when both are real tokens, else none
         tok_cls = torch.full_like(ids, -1)
         nxt = mask[:, :-1] & mask[:, 1:]
@@ -274,17 +295,20 @@ class HooksAdapter(ModelAdapter):
 
     def resolve(self, layers: Optional[Sequence[Layer]]) -> list[Layer]:
         if not layers:
-            raise ConfigError("kind='hooks' needs layers=[module names]; some valid names: "
-                              + ", ".join(_valid_module_names(self.model)[:15]))
+            raise ConfigError(
+                "kind='hooks' needs layers=[module names]; some valid names: "
+                + ", ".join(_valid_module_names(self.model)[:15])
+            )
         mods = dict(self.model.named_modules())
         for l in layers:
             if not isinstance(l, str) or l not in mods or l == "":
                 names = _valid_module_names(self.model)
                 close = difflib.get_close_matches(str(l), names, n=5)
                 hint = f" Did you mean: {', '.join(close)}?" if close else ""
-                raise ConfigError(f"layer {l!r} is not a module of {type(self.model).__name__}.{hint} "
-                                  f"Valid names include: {', '.join(names[:15])}"
-                                  + (" ..." if len(names) > 15 else ""))
+                raise ConfigError(
+                    f"layer {l!r} is not a module of {type(self.model).__name__}.{hint} "
+                    f"Valid names include: {', '.join(names[:15])}" + (" ..." if len(names) > 15 else "")
+                )
         return list(layers)
 
     def default_classifier_layer(self) -> Layer:
@@ -295,8 +319,10 @@ class HooksAdapter(ModelAdapter):
         mods = dict(self.model.named_modules())
         handles = []
         for l in layers:
+
             def hook(_m: Any, _i: Any, out: Any, name: Any = l) -> None:
                 self._store[name] = _tokens(out).detach()
+
             handles.append(mods[l].register_forward_hook(hook))
         try:
             yield
@@ -304,8 +330,9 @@ class HooksAdapter(ModelAdapter):
             for h in handles:
                 h.remove()
 
-    def capture(self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
-                ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def capture(
+        self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
+    ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
         self._store.clear()
         if isinstance(inputs, dict):
             self.model(**inputs)
@@ -396,9 +423,16 @@ def _tokens(out: Any) -> torch.Tensor:
     raise DataError(f"cannot read tokens from an output of shape {tuple(out.shape)}")
 
 
-def iter_layer_tokens(model: torch.nn.Module, batches: Iterable[Any], kind: str, layers: Sequence[Layer],
-                      *, include_prefix: bool = False, max_batches: Optional[int] = None,
-                      device: Optional[torch.device] = None) -> Iterator[dict[str, Any]]:
+def iter_layer_tokens(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    kind: str,
+    layers: Sequence[Layer],
+    *,
+    include_prefix: bool = False,
+    max_batches: Optional[int] = None,
+    device: Optional[torch.device] = None,
+) -> Iterator[dict[str, Any]]:
     """Yield, per batch, ``{"layers": {layer: (tokens (B,T,D), prefix (B,P,D) or None)},
     "mask": (B,T) bool, "labels": (B,) or None, "token_classes": (B,T) or None}``.
 
@@ -415,8 +449,13 @@ def iter_layer_tokens(model: torch.nn.Module, batches: Iterable[Any], kind: str,
     return _iter_tokens(get_adapter(model, kind), batches, layers, max_batches, device)
 
 
-def _iter_tokens(adapter: ModelAdapter, batches: Iterable[Any], layers: Sequence[Layer],
-                 max_batches: Optional[int], device: Optional[torch.device]) -> Iterator[dict[str, Any]]:
+def _iter_tokens(
+    adapter: ModelAdapter,
+    batches: Iterable[Any],
+    layers: Sequence[Layer],
+    max_batches: Optional[int],
+    device: Optional[torch.device],
+) -> Iterator[dict[str, Any]]:
     if device is None:
         p = next(iter(adapter.model.parameters()), None)
         device = p.device if p is not None else torch.device("cpu")
@@ -437,9 +476,13 @@ def _iter_tokens(adapter: ModelAdapter, batches: Iterable[Any], layers: Sequence
             yield {"layers": res, "mask": mask, "labels": labels, "token_classes": tok_cls, "batch_size": B}
 
 
-def _flatten(tokens: torch.Tensor, mask: Optional[torch.Tensor], labels: Optional[torch.Tensor],
-             token_classes: Optional[torch.Tensor], acc_device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _flatten(
+    tokens: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    labels: Optional[torch.Tensor],
+    token_classes: Optional[torch.Tensor],
+    acc_device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(B,T,D) + mask -> flat tokens, sequence ids, per-token class ids and token classes."""
     B, T, D = tokens.shape
     tokens = tokens.to(acc_device)
@@ -499,13 +542,27 @@ class _FirstPass:
     n_tokens: int = 0
 
 
-def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "vit",
-                  layers: Optional[Sequence[Layer]] = None, *, classifier: Any = "auto",
-                  classifier_layer: Optional[Layer] = None, num_classes: Optional[int] = None,
-                  min_count: int = 1, threshold: float = 0.99, spectra: bool = True, cosine: bool = True,
-                  include_prefix: bool = False, max_batches: Optional[int] = None, nc4: bool = True,
-                  device: Optional[Union[str, torch.device]] = None, acc_device: Union[str, torch.device] = "cpu",
-                  tile: int = 2048, progress: bool = False) -> dict[str, Any]:
+def analyze_model(
+    model: torch.nn.Module,
+    batches: Iterable[Any],
+    kind: str = "vit",
+    layers: Optional[Sequence[Layer]] = None,
+    *,
+    classifier: Any = "auto",
+    classifier_layer: Optional[Layer] = None,
+    num_classes: Optional[int] = None,
+    min_count: int = 1,
+    threshold: float = 0.99,
+    spectra: bool = True,
+    cosine: bool = True,
+    include_prefix: bool = False,
+    max_batches: Optional[int] = None,
+    nc4: bool = True,
+    device: Optional[Union[str, torch.device]] = None,
+    acc_device: Union[str, torch.device] = "cpu",
+    tile: int = 2048,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Stream ``batches`` through ``model`` and measure token geometry at each layer.
 
     Args:
@@ -537,13 +594,23 @@ def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "v
         "nc_cls", "spectra", "cosine"}}}`` (sections present when they apply).
     """
     adapter = get_adapter(model, kind)
-    plan = _Plan(adapter=adapter, layers=adapter.resolve(layers), classifier=None,
-                 classifier_layer=classifier_layer, auto_classifier=False,
-                 num_classes=adapter.num_classes() if num_classes is None else num_classes,
-                 min_count=min_count, threshold=threshold, spectra=spectra, cosine=cosine,
-                 include_prefix=include_prefix, max_batches=max_batches,
-                 device=None if device is None else torch.device(device), acc_device=torch.device(acc_device),
-                 tile=tile)
+    plan = _Plan(
+        adapter=adapter,
+        layers=adapter.resolve(layers),
+        classifier=None,
+        classifier_layer=classifier_layer,
+        auto_classifier=False,
+        num_classes=adapter.num_classes() if num_classes is None else num_classes,
+        min_count=min_count,
+        threshold=threshold,
+        spectra=spectra,
+        cosine=cosine,
+        include_prefix=include_prefix,
+        max_batches=max_batches,
+        device=None if device is None else torch.device(device),
+        acc_device=torch.device(acc_device),
+        tile=tile,
+    )
     _resolve_classifier(plan, classifier)
     was_training = model.training
     model.eval()
@@ -556,11 +623,19 @@ def analyze_model(model: torch.nn.Module, batches: Iterable[Any], kind: str = "v
     finally:
         model.train(was_training)
     plan.notes += _coincident_notes(results)
-    meta = {"kind": kind, "model": type(model).__name__, "layers": [plan.name(l) for l in plan.layers],
-            "n_batches": first.n_batches, "n_tokens": first.n_tokens, "min_count": min_count,
-            "threshold": threshold, "include_prefix": include_prefix, "seconds": round(time.time() - t0, 3),
-            "classifier_layer": None if plan.classifier is None else plan.name(plan.classifier_layer),
-            "notes": plan.notes}
+    meta = {
+        "kind": kind,
+        "model": type(model).__name__,
+        "layers": [plan.name(l) for l in plan.layers],
+        "n_batches": first.n_batches,
+        "n_tokens": first.n_tokens,
+        "min_count": min_count,
+        "threshold": threshold,
+        "include_prefix": include_prefix,
+        "seconds": round(time.time() - t0, 3),
+        "classifier_layer": None if plan.classifier is None else plan.name(plan.classifier_layer),
+        "notes": plan.notes,
+    }
     return {"meta": meta, "layers": results}
 
 
@@ -592,21 +667,26 @@ def _first_pass(plan: _Plan, batches: Iterable[Any], progress: bool) -> _FirstPa
     if progress:
         # tqdm only draws the optional bar; imported here so geometry needs torch and numpy only
         from tqdm.auto import tqdm
+
         it = tqdm(it, desc="analyze", unit="batch", total=plan.max_batches, disable=None)  # only on a terminal
     out = _FirstPass()
     for item in it:
         out.n_batches += 1
         for l, (tok, prefix) in item["layers"].items():
             _feed_layer(plan, out, l, tok, prefix, item)
-        out.n_tokens += int(item["mask"].sum()) if item["mask"] is not None else \
-            int(np.prod(next(iter(item["layers"].values()))[0].shape[:2]))
+        out.n_tokens += (
+            int(item["mask"].sum())
+            if item["mask"] is not None
+            else int(np.prod(next(iter(item["layers"].values()))[0].shape[:2]))
+        )
     if out.n_batches == 0:
         raise DataError("no batches: the data iterable is empty")
     return out
 
 
-def _feed_layer(plan: _Plan, out: _FirstPass, l: Layer, tok: torch.Tensor, prefix: Optional[torch.Tensor],
-                item: dict[str, Any]) -> None:
+def _feed_layer(
+    plan: _Plan, out: _FirstPass, l: Layer, tok: torch.Tensor, prefix: Optional[torch.Tensor], item: dict[str, Any]
+) -> None:
     """Add one batch of one layer: a pooled layer to a class accumulator, tokens to the full set."""
     if plan.include_prefix and prefix is not None:
         tok = torch.cat([prefix, tok], 1)
@@ -620,9 +700,15 @@ def _feed_layer(plan: _Plan, out: _FirstPass, l: Layer, tok: torch.Tensor, prefi
         accs[l].update(x, cid)
         return
     if l not in accs:
-        accs[l] = GeometryAccumulator(x.shape[1], min_count=plan.min_count, threshold=plan.threshold,
-                                      spectra=plan.spectra, cosine=plan.cosine, tile=plan.tile,
-                                      device=plan.acc_device)
+        accs[l] = GeometryAccumulator(
+            x.shape[1],
+            min_count=plan.min_count,
+            threshold=plan.threshold,
+            spectra=plan.spectra,
+            cosine=plan.cosine,
+            tile=plan.tile,
+            device=plan.acc_device,
+        )
         if plan.num_classes:
             accs[l].tokens._grow(plan.num_classes)
     accs[l].update(x, sid, cid, tc)
@@ -653,7 +739,7 @@ def _compute(plan: _Plan, first: _FirstPass) -> dict[str, Any]:
                 plan.notes.append(f"model classifier not used (NC3/NC4 skipped): {e}")
                 clf = plan.classifier = None
         if isinstance(acc, ClassAccumulator):
-            r = {"nc_tokens": _or_error(lambda: acc.compute(clf))}
+            r = {"nc_tokens": _or_error(lambda acc=acc, clf=clf: acc.compute(clf))}
         else:
             r = acc.compute(clf)
         if l in first.cls_accs:
@@ -673,8 +759,7 @@ def _or_error(compute: Any) -> dict[str, Any]:
 def _nc4_pass(plan: _Plan, batches: Iterable[Any], first: _FirstPass, results: dict[str, Any]) -> None:
     """Second pass over the classifier's layer with the final class means (NC4)."""
     if iter(batches) is batches:
-        plan.notes.append("NC4 skipped: batches is a one-shot iterator (pass a list or DataLoader "
-                          "for the second pass)")
+        plan.notes.append("NC4 skipped: batches is a one-shot iterator (pass a list or DataLoader for the second pass)")
         return
     l = plan.classifier_layer
     nc = results[plan.name(l)].get("nc_tokens", {"error": 1})
@@ -697,12 +782,13 @@ def _coincident_notes(results: dict[str, Any]) -> list[str]:
             n = int(nc.get("n_pairs_coincident") or 0)
             if n:
                 total = int(nc["n_pairs"])
-                what = ("all pairs: no CDNV" if n == total else
-                        f"CDNV averages the other {total - n} of {total}")
-                notes.append(f"{name} {section}: {n} class pair(s) have identical class means, so their CDNV "
-                             f"is undefined (0/0) or infinite ({what}); expected at the embedding layer, where a "
-                             "token's vector depends only on its input id and next-token classes that always "
-                             "follow the same token coincide")
+                what = "all pairs: no CDNV" if n == total else f"CDNV averages the other {total - n} of {total}"
+                notes.append(
+                    f"{name} {section}: {n} class pair(s) have identical class means, so their CDNV "
+                    f"is undefined (0/0) or infinite ({what}); expected at the embedding layer, where a "
+                    "token's vector depends only on its input id and next-token classes that always "
+                    "follow the same token coincide"
+                )
     return notes
 
 

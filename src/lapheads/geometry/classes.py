@@ -59,8 +59,9 @@ class ClassAccumulator(Accumulator):
 
     _sum_names = ("count", "csum", "csq", "n_lab", "s_lab", "q_lab", "n_unl", "s_unl", "q_unl")
 
-    def __init__(self, dim: int, num_classes: int = 0, min_count: int = 1, tile: int = 2048,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, dim: int, num_classes: int = 0, min_count: int = 1, tile: int = 2048, device: torch.device | str = "cpu"
+    ) -> None:
         super().__init__(device)
         if min_count < 1:
             raise ConfigError(f"min_count must be >= 1, got {min_count}")
@@ -187,17 +188,18 @@ class ClassAccumulator(Accumulator):
     def _kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         keep = self.kept_classes()
         if keep.numel() < 2:
-            raise DataError(f"Neural Collapse needs at least two classes with >= {self.min_count} "
-                            f"token(s); got {int(keep.numel())} (labels seen: "
-                            f"{int((self.count > 0).sum())})")
+            raise DataError(
+                f"Neural Collapse needs at least two classes with >= {self.min_count} "
+                f"token(s); got {int(keep.numel())} (labels seen: "
+                f"{int((self.count > 0).sum())})"
+            )
         cnt = self.count[keep]
         mu = self.csum[keep] / cnt[:, None]
         # within-class average squared distance to the class mean (Galanti's variance)
         var = (self.csq[keep] / cnt - (mu * mu).sum(1)).clamp_min(0.0)
         return keep, cnt, mu, var
 
-    def compute(self, classifier: Optional[tuple[Any, Any]] = None, *,
-                cdnv_only: bool = False) -> dict[str, float]:
+    def compute(self, classifier: Optional[tuple[Any, Any]] = None, *, cdnv_only: bool = False) -> dict[str, float]:
         """The Neural Collapse measures (see :func:`lapheads.geometry.neural_collapse`).
 
         Args:
@@ -207,11 +209,15 @@ class ClassAccumulator(Accumulator):
         """
         keep, cnt, mu, var = self._kept()
         C = int(keep.numel())
-        M = mu.sub_(mu.mean(0))                        # centred class means (C, D), in place
+        M = mu.sub_(mu.mean(0))  # centred class means (C, D), in place
         pair = _pairwise(M, var, self.tile)
-        out: dict[str, float] = {"n_classes": float(C), "n_tokens": float(cnt.sum()),
-                                 "cdnv": pair["cdnv"], "n_pairs": pair["n_pairs"],
-                                 "n_pairs_coincident": pair["n_pairs_coincident"]}
+        out: dict[str, float] = {
+            "n_classes": float(C),
+            "n_tokens": float(cnt.sum()),
+            "cdnv": pair["cdnv"],
+            "n_pairs": pair["n_pairs"],
+            "n_pairs_coincident": pair["n_pairs_coincident"],
+        }
         if cdnv_only:
             return out
         # pooled within-class scatter over every labelled class (see module docstring)
@@ -219,7 +225,7 @@ class ClassAccumulator(Accumulator):
         # q_lab - sum_c S_c S_c^T / N_c, in row blocks so no second C x D table is built
         scat = self.q_lab.clone()
         for i in range(0, allc.numel(), self.tile):
-            idx = allc[i:i + self.tile]
+            idx = allc[i : i + self.tile]
             blk = self.csum[idx] / self.count[idx].sqrt()[:, None]
             scat.addmm_(blk.T, blk, alpha=-1.0)
         sigma_w = scat / self.n_lab
@@ -230,17 +236,21 @@ class ClassAccumulator(Accumulator):
         V = evecs[:, ok]
         nc1 = float(((V.T @ sigma_w @ V).diagonal() / evals[ok]).sum()) / C
         norms = M.norm(dim=1)
-        out.update({
-            "nc1": nc1,
-            "trace_sigma_w": float(sigma_w.trace()),
-            "trace_sigma_b": float(sigma_b.trace()),
-            "within_class_variance": float((var * cnt).sum() / cnt.sum()),
-            "nc2_equinorm": float(norms.std(unbiased=False) / norms.mean()) if float(norms.mean()) > 0 else float("nan"),
-            "nc2_equiangular_std": pair["cos_std"],
-            "nc2_equiangular_mean": pair["cos_mean"],
-            "nc2_equiangular_shift": pair["cos_shift"],
-            "nc2_etf_distance": pair["etf_distance"],
-        })
+        out.update(
+            {
+                "nc1": nc1,
+                "trace_sigma_w": float(sigma_w.trace()),
+                "trace_sigma_b": float(sigma_b.trace()),
+                "within_class_variance": float((var * cnt).sum() / cnt.sum()),
+                "nc2_equinorm": float(norms.std(unbiased=False) / norms.mean())
+                if float(norms.mean()) > 0
+                else float("nan"),
+                "nc2_equiangular_std": pair["cos_std"],
+                "nc2_equiangular_mean": pair["cos_mean"],
+                "nc2_equiangular_shift": pair["cos_shift"],
+                "nc2_etf_distance": pair["etf_distance"],
+            }
+        )
         if classifier is not None:
             W, _ = check_classifier(classifier, self.dim, keep)
             Wk = W[keep]
@@ -255,8 +265,7 @@ class ClassAccumulator(Accumulator):
         return NC4Accumulator(means, keep, weight, bias, tile=self.tile, device=self.device)
 
 
-def check_classifier(classifier: Any, dim: int, keep: torch.Tensor
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def check_classifier(classifier: Any, dim: int, keep: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(weight, bias)`` or an ``nn.Linear`` as float64 CPU tensors, checked against ``dim`` and
     the largest class in ``keep``."""
     if isinstance(classifier, torch.nn.Linear):
@@ -297,15 +306,15 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
     n_coincident = 0
     inv = 1.0 / (C - 1)
     for i in range(0, C, tile):
-        Mi = M[i:i + tile]
+        Mi = M[i : i + tile]
         for j in range(i, C, tile):
-            dots = Mi @ M[j:j + tile].T
-            d2 = sq[i:i + tile, None] + sq[None, j:j + tile]
+            dots = Mi @ M[j : j + tile].T
+            d2 = sq[i : i + tile, None] + sq[None, j : j + tile]
             d2.sub_(dots, alpha=2.0).clamp_(min=0.0)
-            cos = dots.mul_(inv_n[i:i + tile, None]).mul_(inv_n[None, j:j + tile])
-            vv = var[i:i + tile, None] + var[None, j:j + tile]
+            cos = dots.mul_(inv_n[i : i + tile, None]).mul_(inv_n[None, j : j + tile])
+            vv = var[i : i + tile, None] + var[None, j : j + tile]
             # sq_i + sq_j - 2 dot is exact to ~eps (sq_i + sq_j); below 1e-9 of that the means coincide
-            apart = d2 > 1e-9 * (sq[i:i + tile, None] + sq[None, j:j + tile])
+            apart = d2 > 1e-9 * (sq[i : i + tile, None] + sq[None, j : j + tile])
             if i == j:  # only c < c' inside a diagonal block
                 mask = torch.ones_like(d2, dtype=torch.bool).triu_(1)
                 d2, cos, vv, apart = d2[mask], cos[mask], vv[mask], apart[mask]
@@ -316,17 +325,22 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
             s_shift += float(cos.add_(inv).abs_().sum())
     P = C * (C - 1) / 2
     cmean = s_cos / P
-    unit = (nrm > 0).to(M.dtype)                   # ||u_c||^2: 1, or 0 for a zero mean
-    g2 = float(unit.sum()) + 2 * s_cos2            # ||G||_F^2
-    tot = inv_n @ M                                # sum of the unit rows
-    ge = C / (C - 1) * (float(unit.sum()) - float(tot @ tot) / C)   # <G, E>
+    unit = (nrm > 0).to(M.dtype)  # ||u_c||^2: 1, or 0 for a zero mean
+    g2 = float(unit.sum()) + 2 * s_cos2  # ||G||_F^2
+    tot = inv_n @ M  # sum of the unit rows
+    ge = C / (C - 1) * (float(unit.sum()) - float(tot @ tot) / C)  # <G, E>
     e_norm = C / math.sqrt(C - 1)
     etf = math.sqrt(max(0.0, 2.0 - 2.0 * ge / (math.sqrt(g2) * e_norm)))
     n_apart = P - n_coincident
-    return {"cdnv": s_cdnv / n_apart if n_apart else float("nan"), "n_pairs": P,
-            "n_pairs_coincident": float(n_coincident), "cos_mean": cmean,
-            "cos_std": math.sqrt(max(0.0, s_cos2 / P - cmean * cmean)),
-            "cos_shift": s_shift / P, "etf_distance": etf}
+    return {
+        "cdnv": s_cdnv / n_apart if n_apart else float("nan"),
+        "n_pairs": P,
+        "n_pairs_coincident": float(n_coincident),
+        "cos_mean": cmean,
+        "cos_std": math.sqrt(max(0.0, s_cos2 / P - cmean * cmean)),
+        "cos_shift": s_shift / P,
+        "etf_distance": etf,
+    }
 
 
 class NC4Accumulator(Accumulator):
@@ -346,8 +360,15 @@ class NC4Accumulator(Accumulator):
 
     _sum_names = ("agree", "total")
 
-    def __init__(self, means: torch.Tensor, classes: torch.Tensor, weight: Any, bias: Any = None,
-                 tile: int = 2048, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        means: torch.Tensor,
+        classes: torch.Tensor,
+        weight: Any,
+        bias: Any = None,
+        tile: int = 2048,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__(device)
         self.means = means.to(self.device, F64)
         self.classes = classes.to(self.device)
@@ -370,7 +391,7 @@ class NC4Accumulator(Accumulator):
         if lab is not None:  # only tokens of the kept classes count (as in the first pass)
             x = x[torch.isin(lab.to(self.device), self.classes)]
         for i in range(0, x.shape[0], self.tile):
-            xi = x[i:i + self.tile]
+            xi = x[i : i + self.tile]
             logits = xi @ self.W.T
             if self.b is not None:
                 logits = logits + self.b
@@ -381,6 +402,8 @@ class NC4Accumulator(Accumulator):
     def compute(self) -> dict[str, float]:
         if float(self.total) == 0:
             raise DataError("NC4: no tokens were scored")
-        return {"nc4_agreement": float(self.agree / self.total),
-                "nc4_mismatch": 1.0 - float(self.agree / self.total), "nc4_tokens": float(self.total)}
-
+        return {
+            "nc4_agreement": float(self.agree / self.total),
+            "nc4_mismatch": 1.0 - float(self.agree / self.total),
+            "nc4_tokens": float(self.total),
+        }

@@ -30,8 +30,16 @@ from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold
 from .streaming import GeometryAccumulator
 from .variance import add_fractions, sequence_classes
 
-__all__ = ["anova", "neural_collapse", "cdnv", "spectral_k99", "spectra", "within_sequence_cosine",
-           "geometry", "pca_rgb"]
+__all__ = [
+    "anova",
+    "neural_collapse",
+    "cdnv",
+    "spectral_k99",
+    "spectra",
+    "within_sequence_cosine",
+    "geometry",
+    "pca_rgb",
+]
 
 
 def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
@@ -62,7 +70,8 @@ def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
     mu_s = torch.zeros(S, x.shape[1], dtype=F64).index_add_(0, sid, x) / n_s[:, None]
     mu_g = x.mean(0)
     out: dict[str, float] = {
-        "n_tokens": float(x.shape[0]), "n_sequences": float(S),
+        "n_tokens": float(x.shape[0]),
+        "n_sequences": float(S),
         "total": float(((x - mu_g) ** 2).sum()),
         "within_sequence": float(((x - mu_s[sid]) ** 2).sum()),
         "between_sequence": float((n_s * ((mu_s - mu_g) ** 2).sum(1)).sum()),
@@ -82,8 +91,9 @@ def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
     return out
 
 
-def neural_collapse(features: Any, labels: Any, classifier: Optional[tuple[Any, Any]] = None, *,
-                    min_count: int = 1, tile: int = 2048) -> dict[str, float]:
+def neural_collapse(
+    features: Any, labels: Any, classifier: Optional[tuple[Any, Any]] = None, *, min_count: int = 1, tile: int = 2048
+) -> dict[str, float]:
     """Neural Collapse measures (Papyan, Han & Donoho 2020; CDNV of Galanti et al. 2021).
 
     - ``nc1`` = tr(Sigma_W pinv(Sigma_B)) / C with the pooled within-class covariance Sigma_W
@@ -145,8 +155,9 @@ def cdnv(features: Any, labels: Any, *, min_count: int = 1, tile: int = 2048) ->
     return acc.compute(cdnv_only=True)
 
 
-def _classes(features: Any, labels: Any, min_count: int, tile: int
-             ) -> tuple[torch.Tensor, torch.Tensor, ClassAccumulator]:
+def _classes(
+    features: Any, labels: Any, min_count: int, tile: int
+) -> tuple[torch.Tensor, torch.Tensor, ClassAccumulator]:
     """Checked ``(features, labels)`` and a class accumulator fed with them once."""
     x, _, lab = check_inputs(features, None, labels, name="features")
     if lab is None:
@@ -215,9 +226,16 @@ def within_sequence_cosine(x: Any, sequence_ids: Any) -> dict[str, float]:
     return acc.compute()
 
 
-def geometry(x: Any, sequence_ids: Any, class_ids: Any = None, token_classes: Any = None, *,
-             classifier: Optional[tuple[Any, Any]] = None, min_count: int = 1,
-             threshold: float = 0.99) -> dict[str, Any]:
+def geometry(
+    x: Any,
+    sequence_ids: Any,
+    class_ids: Any = None,
+    token_classes: Any = None,
+    *,
+    classifier: Optional[tuple[Any, Any]] = None,
+    min_count: int = 1,
+    threshold: float = 0.99,
+) -> dict[str, Any]:
     """Every measure of one layer at once (the dict :class:`GeometryAccumulator` computes)."""
     x, sid, _ = check_inputs(x, sequence_ids)
     acc = GeometryAccumulator(x.shape[1], min_count=min_count, threshold=threshold)

@@ -43,14 +43,16 @@ def patch_tokens(backbone: nn.Module, images: torch.Tensor, layer: int = -1) -> 
     n = len(backbone.blocks)
     if not -n <= layer < n:
         raise ConfigError(f"layer={layer} is outside the model's {n} blocks")
-    out = backbone.forward_intermediates(images, indices=[layer % n], norm=True, output_fmt="NCHW",
-                                         intermediates_only=True)[0]
+    out = backbone.forward_intermediates(
+        images, indices=[layer % n], norm=True, output_fmt="NCHW", intermediates_only=True
+    )[0]
     N, D, h, w = out.shape
     return out.flatten(2).transpose(1, 2).float().cpu(), (h, w)
 
 
-def foreground_mask(first_component: np.ndarray, threshold: float = 0.5,
-                    foreground: Literal["auto", "high", "low"] = "auto") -> np.ndarray:
+def foreground_mask(
+    first_component: np.ndarray, threshold: float = 0.5, foreground: Literal["auto", "high", "low"] = "auto"
+) -> np.ndarray:
     """Boolean foreground mask from the first principal component scaled to [0, 1]."""
     if foreground not in ("auto", "high", "low"):
         raise ConfigError(f"foreground={foreground!r} must be 'auto', 'high' or 'low'")
@@ -62,8 +64,14 @@ def foreground_mask(first_component: np.ndarray, threshold: float = 0.5,
     return high if high.mean() <= 0.5 else ~high
 
 
-def pca_maps(backbone: nn.Module, images: torch.Tensor, layer: int = -1, mask_background: bool = False,
-             threshold: float = 0.5, foreground: Literal["auto", "high", "low"] = "auto") -> np.ndarray:
+def pca_maps(
+    backbone: nn.Module,
+    images: torch.Tensor,
+    layer: int = -1,
+    mask_background: bool = False,
+    threshold: float = 0.5,
+    foreground: Literal["auto", "high", "low"] = "auto",
+) -> np.ndarray:
     """RGB PCA maps ``(N, h, w, 3)`` in [0, 1] of normalised input ``images`` ``(N, 3, H, W)``."""
     tokens, grid = patch_tokens(backbone, images, layer)
     rgb = pca_rgb(tokens, grid)
@@ -73,10 +81,12 @@ def pca_maps(backbone: nn.Module, images: torch.Tensor, layer: int = -1, mask_ba
     return rgb
 
 
-def save_grid(pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path, title: str = "",
-              ncols: int = 8) -> Path:
+def save_grid(
+    pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path, title: str = "", ncols: int = 8
+) -> Path:
     """PNG grid: for each group of ``ncols`` images, a row of pictures then a row of PCA maps."""
     import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
 

@@ -40,8 +40,7 @@ def _get(d: Mapping[str, Any], *keys: str) -> Optional[float]:
 
 
 def _layers(res: Mapping[str, Any], section: str) -> list[str]:
-    return [l for l, v in res["layers"].items() if isinstance(v.get(section), Mapping)
-            and "error" not in v[section]]
+    return [l for l, v in res["layers"].items() if isinstance(v.get(section), Mapping) and "error" not in v[section]]
 
 
 def _save(fig: Any, out_dir: Path, name: str) -> Path:
@@ -58,10 +57,12 @@ def plot_anova(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path
     """Stacked bars of ANOVA fractions per layer, one panel per run."""
     runs = _runs(results)
     fig, axes = plt.subplots(1, len(runs), figsize=(max(4.5, 4.5 * len(runs)), 3.6), squeeze=False, sharey=True)
-    parts = [("frac_within_sequence", "within sequence", "#4c72b0"),
-             ("frac_between_sequence_within_class", "between seq., within class", "#dd8452"),
-             ("frac_between_class", "between class", "#55a868"),
-             ("frac_between_sequence", "between sequences", "#c44e52")]
+    parts = [
+        ("frac_within_sequence", "within sequence", "#4c72b0"),
+        ("frac_between_sequence_within_class", "between seq., within class", "#dd8452"),
+        ("frac_between_class", "between class", "#55a868"),
+        ("frac_between_sequence", "between sequences", "#c44e52"),
+    ]
     for ax, (label, res) in zip(axes[0], runs.items()):
         layers = _layers(res, "anova")
         has_cls = any(_get(res["layers"][l], "anova", "frac_between_class") is not None for l in layers)
@@ -79,16 +80,16 @@ def plot_anova(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path
     return _save(fig, Path(out_dir), "anova_fractions.png")
 
 
-def _lines(ax: Any, runs: dict[str, Mapping[str, Any]], section: str, key: str, style: str = "-o",
-           suffix: str = "") -> bool:
+def _lines(
+    ax: Any, runs: dict[str, Mapping[str, Any]], section: str, key: str, style: str = "-o", suffix: str = ""
+) -> bool:
     drew = False
     for label, res in runs.items():
         layers = list(res["layers"])
         vals = [_get(res["layers"][l], section, key) for l in layers]
         if all(v is None for v in vals):
             continue
-        ax.plot(range(len(layers)), [float("nan") if v is None else v for v in vals], style,
-                label=label + suffix, ms=3)
+        ax.plot(range(len(layers)), [float("nan") if v is None else v for v in vals], style, label=label + suffix, ms=3)
         ax.set_xticks(range(len(layers)), layers, rotation=60, fontsize=7)
         drew = True
     return drew
@@ -100,8 +101,15 @@ def plot_k99(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path])
     fig, ax = plt.subplots(figsize=(6, 3.6))
     _lines(ax, runs, "spectra", "k_mean", "-o", " per-sequence")
     _lines(ax, runs, "spectra", "global_k", "--s", " global")
-    thr = next((_get(v, "spectra", "threshold") for r in runs.values() for v in r["layers"].values()
-                if _get(v, "spectra", "threshold")), 0.99)
+    thr = next(
+        (
+            _get(v, "spectra", "threshold")
+            for r in runs.values()
+            for v in r["layers"].values()
+            if _get(v, "spectra", "threshold")
+        ),
+        0.99,
+    )
     ax.set_ylabel(f"k{round(100 * thr)} (components)")
     ax.legend(fontsize=7)
     return _save(fig, Path(out_dir), "k99.png")
@@ -120,8 +128,13 @@ def plot_spectra(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Pa
             for key, ls in (("sequence_curve", "-"), ("global_curve", ":")):
                 curve = [v for v in (sp.get(key) or []) if v and v > 0]
                 if curve:
-                    ax.semilogy(range(1, len(curve) + 1), curve, ls, color=c,
-                                label=l if key == "sequence_curve" or "sequence_curve" not in sp else None)
+                    ax.semilogy(
+                        range(1, len(curve) + 1),
+                        curve,
+                        ls,
+                        color=c,
+                        label=l if key == "sequence_curve" or "sequence_curve" not in sp else None,
+                    )
         ax.set_title(label)
         ax.set_xlabel("component")
         ax.legend(fontsize=6, ncol=2)
@@ -129,8 +142,13 @@ def plot_spectra(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Pa
     return _save(fig, Path(out_dir), "spectra.png")
 
 
-NC_KEYS = [("nc1", "NC1 tr(Sw Sb+)/C"), ("cdnv", "CDNV"), ("nc2_equinorm", "NC2 equinorm (CV)"),
-           ("nc2_equiangular_std", "NC2 equiangular (std cos)"), ("nc2_etf_distance", "NC2 distance to ETF")]
+NC_KEYS = [
+    ("nc1", "NC1 tr(Sw Sb+)/C"),
+    ("cdnv", "CDNV"),
+    ("nc2_equinorm", "NC2 equinorm (CV)"),
+    ("nc2_equiangular_std", "NC2 equiangular (std cos)"),
+    ("nc2_etf_distance", "NC2 distance to ETF"),
+]
 
 
 def plot_nc(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path]) -> Path:

@@ -60,8 +60,7 @@ def k_for_threshold(ev: torch.Tensor, threshold: float) -> int:
     if tot <= 0:
         return 0
     cum = torch.cumsum(ev, 0) / tot
-    return min(int(torch.searchsorted(cum, torch.tensor([threshold], dtype=cum.dtype))[0]) + 1,
-               ev.numel())
+    return min(int(torch.searchsorted(cum, torch.tensor([threshold], dtype=cum.dtype))[0]) + 1, ev.numel())
 
 
 class SpectraAccumulator(Accumulator):
@@ -116,7 +115,7 @@ class SpectraAccumulator(Accumulator):
             k = k_for_threshold(ev, self.threshold)
             tot = float(ev.sum())
             if tot > 0:
-                self.curve_sum[:ev.numel()] += ev / tot
+                self.curve_sum[: ev.numel()] += ev / tot
             self.n_seq += 1
             self.k_sum += k
             self.k_sq += k * k
@@ -128,10 +127,15 @@ class SpectraAccumulator(Accumulator):
         if n == 0:
             raise DataError("spectra: no sequence with at least two tokens was seen")
         m = float(self.k_sum) / n
-        return {"threshold": self.threshold, "n_sequences": n, "k_mean": m,
-                "k_std": math.sqrt(max(0.0, float(self.k_sq) / n - m * m)),
-                "k_min": float(self.k_min), "k_max": float(self.k_max),
-                "sequence_curve": (self.curve_sum / n).tolist()}
+        return {
+            "threshold": self.threshold,
+            "n_sequences": n,
+            "k_mean": m,
+            "k_std": math.sqrt(max(0.0, float(self.k_sq) / n - m * m)),
+            "k_min": float(self.k_min),
+            "k_max": float(self.k_max),
+            "sequence_curve": (self.curve_sum / n).tolist(),
+        }
 
 
 class CosineAccumulator(Accumulator):
@@ -195,9 +199,12 @@ class CosineAccumulator(Accumulator):
         return new
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"n_seq": self.n_seq.cpu().clone(), "cos_sum": self.cos_sum.cpu().clone(),
-                "cos_sq": self.cos_sq.cpu().clone(),
-                "c0": None if self.c0 is None else self.c0.cpu().clone()}
+        return {
+            "n_seq": self.n_seq.cpu().clone(),
+            "cos_sum": self.cos_sum.cpu().clone(),
+            "cos_sq": self.cos_sq.cpu().clone(),
+            "c0": None if self.c0 is None else self.c0.cpu().clone(),
+        }
 
     def _load_extra(self, sd: dict[str, Any]) -> None:
         self.n_seq = sd["n_seq"].to(self.device, F64).clone()
@@ -212,8 +219,14 @@ class CosineAccumulator(Accumulator):
         sid, S = dense_ids(sid.to(self.device))
         self._update_prepared(x.to(self.device), sid, S)
 
-    def _update_prepared(self, x: torch.Tensor, sid: torch.Tensor, S: int, y: Optional[torch.Tensor] = None,
-                         shift: Optional[torch.Tensor] = None) -> None:
+    def _update_prepared(
+        self,
+        x: torch.Tensor,
+        sid: torch.Tensor,
+        S: int,
+        y: Optional[torch.Tensor] = None,
+        shift: Optional[torch.Tensor] = None,
+    ) -> None:
         """``y = x - shift`` in float64 may be given (the geometry accumulator has it): then
         sum_i x_i/||x_i|| = sum_i y_i/||x_i|| + (sum_i 1/||x_i||) shift needs no float64 copy of x."""
         nrm = torch.linalg.vector_norm(x, dim=1, dtype=F64)
@@ -241,6 +254,8 @@ class CosineAccumulator(Accumulator):
         if n == 0 or self.c0 is None:
             raise DataError("cosine: no sequence with at least two tokens was seen")
         dm = float(self.cos_sum) / n  # mean deviation from c0
-        return {"cosine_mean": float(self.c0) + dm,
-                "cosine_std": math.sqrt(max(0.0, float(self.cos_sq) / n - dm * dm)), "n_sequences": n}
-
+        return {
+            "cosine_mean": float(self.c0) + dm,
+            "cosine_std": math.sqrt(max(0.0, float(self.cos_sq) / n - dm * dm)),
+            "n_sequences": n,
+        }

@@ -72,8 +72,16 @@ class GeometryAccumulator(Accumulator):
         device: where the sums live.
     """
 
-    def __init__(self, dim: int, min_count: int = 1, threshold: float = 0.99, spectra: bool = True,
-                 cosine: bool = True, tile: int = 2048, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        dim: int,
+        min_count: int = 1,
+        threshold: float = 0.99,
+        spectra: bool = True,
+        cosine: bool = True,
+        tile: int = 2048,
+        device: torch.device | str = "cpu",
+    ) -> None:
         super().__init__(device)
         self.dim, self.min_count, self.threshold = int(dim), int(min_count), float(threshold)
         self.with_spectra, self.with_cosine = bool(spectra), bool(cosine)
@@ -85,8 +93,13 @@ class GeometryAccumulator(Accumulator):
         self.n_batches = 0
 
     def _config(self) -> dict[str, Any]:
-        return {"dim": self.dim, "min_count": self.min_count, "threshold": self.threshold,
-                "spectra": self.with_spectra, "cosine": self.with_cosine}
+        return {
+            "dim": self.dim,
+            "min_count": self.min_count,
+            "threshold": self.threshold,
+            "spectra": self.with_spectra,
+            "cosine": self.with_cosine,
+        }
 
     def _children(self) -> dict[str, Accumulator]:
         ch: dict[str, Accumulator] = {"anova": self.anova, "tokens": self.tokens, "seq_means": self.seq_means}
@@ -112,8 +125,13 @@ class GeometryAccumulator(Accumulator):
         self.n_batches = int(t.item())
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, sequence_ids: torch.Tensor, class_ids: Optional[torch.Tensor] = None,
-               token_classes: Optional[torch.Tensor] = None) -> None:
+    def update(
+        self,
+        x: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        class_ids: Optional[torch.Tensor] = None,
+        token_classes: Optional[torch.Tensor] = None,
+    ) -> None:
         """Add one batch of tokens.
 
         Args:
@@ -181,10 +199,12 @@ class GeometryAccumulator(Accumulator):
         cov = self.tokens.covariance()
         ev = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0.0)
         tot = float(ev.sum())
-        spec: dict[str, Any] = {"threshold": self.threshold,
-                                "global_k": float(k_for_threshold(ev, self.threshold)),
-                                "global_spectrum": ev.tolist(),
-                                "global_curve": (ev / tot).tolist() if tot > 0 else [0.0] * self.dim}
+        spec: dict[str, Any] = {
+            "threshold": self.threshold,
+            "global_k": float(k_for_threshold(ev, self.threshold)),
+            "global_spectrum": ev.tolist(),
+            "global_curve": (ev / tot).tolist() if tot > 0 else [0.0] * self.dim,
+        }
         if self.spectra is not None:
             try:
                 spec.update(self.spectra.compute())
@@ -197,4 +217,3 @@ class GeometryAccumulator(Accumulator):
             except DataError as e:
                 res["cosine"] = {"error": str(e)}
         return res
-

@@ -85,8 +85,7 @@ class AnovaAccumulator(Accumulator):
             self.has_classes = other.has_classes
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, sequence_ids: torch.Tensor,
-               class_ids: Optional[torch.Tensor] = None) -> None:
+    def update(self, x: torch.Tensor, sequence_ids: torch.Tensor, class_ids: Optional[torch.Tensor] = None) -> None:
         """Add one batch.
 
         Args:
@@ -112,8 +111,9 @@ class AnovaAccumulator(Accumulator):
         if has and int(cid.min()) < 0:
             raise DataError(f"class_ids must be >= 0{where} (every sequence needs a class)")
 
-    def _update_prepared(self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor,
-                         cid: Optional[torch.Tensor]) -> torch.Tensor:
+    def _update_prepared(
+        self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor, cid: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """Add shifted float64 rows; ``sid`` dense 0..S-1, ``r`` squared row norms.
 
         The within-sequence scatter is sum ||y||^2 - sum_s ||S_s||^2 / n_s per batch: exact up to
@@ -125,7 +125,7 @@ class AnovaAccumulator(Accumulator):
         sq = (ssum * ssum).sum(1) / cnt
         rs = r.sum()
         self.within += rs - sq.sum()
-        self.seqterm += sq.sum()                     # sum_s n_s ||mu_s - a||^2
+        self.seqterm += sq.sum()  # sum_s n_s ||mu_s - a||^2
         self.n += y.shape[0]
         self.n_seq += S
         self.sum += ssum.sum(0)
@@ -134,7 +134,7 @@ class AnovaAccumulator(Accumulator):
             lo = sequence_classes(sid, cid, S)
             self._grow(int(cid.max()) + 1)
             self.class_count.index_add_(0, lo, cnt)
-            self.class_sum.index_add_(0, lo, ssum)   # per-sequence sums: S rows, not N
+            self.class_sum.index_add_(0, lo, ssum)  # per-sequence sums: S rows, not N
         return ssum
 
     def compute(self) -> dict[str, float]:
@@ -142,11 +142,15 @@ class AnovaAccumulator(Accumulator):
         if float(self.n) == 0:
             raise DataError("ANOVA: no tokens were accumulated")
         n = float(self.n)
-        g = float(self.sum @ self.sum) / n          # N ||mu_G - a||^2
+        g = float(self.sum @ self.sum) / n  # N ||mu_G - a||^2
         total = float(self.sumsq) - g
         within = float(self.within)
-        out: dict[str, float] = {"n_tokens": n, "n_sequences": float(self.n_seq), "total": total,
-                                 "within_sequence": within}
+        out: dict[str, float] = {
+            "n_tokens": n,
+            "n_sequences": float(self.n_seq),
+            "total": total,
+            "within_sequence": within,
+        }
         between_seq = float(self.seqterm) - g
         out["between_sequence"] = between_seq
         if self.has_classes:
@@ -172,6 +176,7 @@ def sequence_classes(sid: torch.Tensor, cid: torch.Tensor, S: int) -> torch.Tens
     lo = torch.full((S,), 1 << 62, dtype=torch.int64, device=sid.device).scatter_reduce_(0, sid, cid, "amin")
     hi = torch.full((S,), -1, dtype=torch.int64, device=sid.device).scatter_reduce_(0, sid, cid, "amax")
     if bool((lo != hi).any()):
-        raise DataError("class_ids must be constant within each sequence for ANOVA "
-                        "(a sequence has tokens of two classes)")
+        raise DataError(
+            "class_ids must be constant within each sequence for ANOVA (a sequence has tokens of two classes)"
+        )
     return lo

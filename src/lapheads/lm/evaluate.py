@@ -61,8 +61,17 @@ from ..errors import ConfigError, DataError
 from ..sandbox import require_sandbox
 from . import tasks as chat_tasks
 
-__all__ = ["LM_EVAL_BOOTSTRAP_ITERS", "parse_tasks", "check_chat_tasks", "make_lm_eval_model",
-           "lm_eval_task_manager", "run_lm_eval", "run_chat_tasks", "evaluate_chat_lm", "chatcore"]
+__all__ = [
+    "LM_EVAL_BOOTSTRAP_ITERS",
+    "parse_tasks",
+    "check_chat_tasks",
+    "make_lm_eval_model",
+    "lm_eval_task_manager",
+    "run_lm_eval",
+    "run_chat_tasks",
+    "evaluate_chat_lm",
+    "chatcore",
+]
 
 #: lm-eval's own default number of bootstrap resamples (``simple_evaluate(bootstrap_iters=...)``).
 LM_EVAL_BOOTSTRAP_ITERS = 100000
@@ -93,8 +102,9 @@ def parse_tasks(spec: str) -> dict[str, Optional[str]]:
     return out
 
 
-def check_chat_tasks(tasks: dict[str, Optional[str]], allow_network: bool = False,
-                     allow_unsafe_code: bool = False) -> dict[str, str]:
+def check_chat_tasks(
+    tasks: dict[str, Optional[str]], allow_network: bool = False, allow_unsafe_code: bool = False
+) -> dict[str, str]:
     """Check the ``--tasks`` of ``lapheads eval lm`` before any model work; returns name -> data source.
 
     Every local file is read and validated whole (:func:`lapheads.data.tasks.load_task`); the
@@ -120,8 +130,10 @@ def check_chat_tasks(tasks: dict[str, Optional[str]], allow_network: bool = Fals
             path = builtin_humaneval_path()
         if path is None:
             if not allow_network:
-                raise ConfigError(f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network "
-                                  "to read its Hub data set")
+                raise ConfigError(
+                    f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network "
+                    "to read its Hub data set"
+                )
             sources[name] = _HUB
         else:
             load_task(name, path)  # validates the whole file, naming file:line
@@ -153,8 +165,9 @@ def _offline() -> None:
         ds.HF_HUB_OFFLINE = ds.HF_DATASETS_OFFLINE = on("HF_DATASETS_OFFLINE")
 
 
-def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_length: Optional[int] = None,
-                       max_gen_toks: int = 256):
+def make_lm_eval_model(
+    model: Any, tokenizer: Any, batch_size: int = 8, max_length: Optional[int] = None, max_gen_toks: int = 256
+):
     """lm-eval's view of an in-memory transformers causal LM: a :class:`lapheads.lm.hflm.LapheadsHFLM`.
 
     Args:
@@ -169,8 +182,13 @@ def make_lm_eval_model(model: Any, tokenizer: Any, batch_size: int = 8, max_leng
     _require_lm_eval()
     from .hflm import LapheadsHFLM  # lazy: imports lm-eval (the eval extra)
 
-    return LapheadsHFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
-                        max_gen_toks=max_gen_toks)
+    return LapheadsHFLM(
+        pretrained=model.eval(),
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        max_length=max_length,
+        max_gen_toks=max_gen_toks,
+    )
 
 
 def _require_lm_eval() -> None:
@@ -210,18 +228,32 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
     tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
-        raise ConfigError(f"lm-eval task(s) {unknown} not found"
-                          + (f" in {include_path}, lapheads' chat tasks or lm-eval's built-in tasks" if include_path
-                             else " in lapheads' chat tasks or lm-eval's built-in tasks; pass --lm-eval-include DIR "
-                                  "for local task YAML files"))
+        raise ConfigError(
+            f"lm-eval task(s) {unknown} not found"
+            + (
+                f" in {include_path}, lapheads' chat tasks or lm-eval's built-in tasks"
+                if include_path
+                else " in lapheads' chat tasks or lm-eval's built-in tasks; pass --lm-eval-include DIR "
+                "for local task YAML files"
+            )
+        )
     return tm
 
 
-def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: Optional[str] = None,
-                limit: Optional[int] = None, num_fewshot: Optional[int] = None, batch_size: int = 8,
-                allow_network: bool = False, seed: int = 0,
-                bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, task_manager: Any = None,
-                allow_unsafe_code: bool = False) -> dict[str, Any]:
+def run_lm_eval(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    include_path: Optional[str] = None,
+    limit: Optional[int] = None,
+    num_fewshot: Optional[int] = None,
+    batch_size: int = 8,
+    allow_network: bool = False,
+    seed: int = 0,
+    bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS,
+    task_manager: Any = None,
+    allow_unsafe_code: bool = False,
+) -> dict[str, Any]:
     """Run lm-evaluation-harness tasks on an in-memory model.
 
     Args:
@@ -250,22 +282,43 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: Sequence[str], include_path: 
 
     lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
     with chat_tasks.sandbox_options(allow_unsafe=allow_unsafe_code):
-        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                                      num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=bootstrap_iters,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
+        res = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=tm,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=False,
+            bootstrap_iters=bootstrap_iters,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
         raise DataError("lm-eval returned no results")
     keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
     return json.loads(json.dumps(keep, default=str))  # plain JSON types
 
 
-def run_chat_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]], max_items: Optional[int] = None,
-                   batch_size: int = 8, max_new_tokens: int = 256, num_samples: int = 1, temperature: float = 0.0,
-                   top_k: Optional[int] = None, seed: int = 0, allow_unsafe_code: bool = False,
-                   sandbox_timeout: float = 5.0, sandbox_workers: int = 2,
-                   bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, allow_network: bool = False,
-                   sources: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def run_chat_tasks(
+    model: Any,
+    tokenizer: Any,
+    tasks: dict[str, Optional[str]],
+    max_items: Optional[int] = None,
+    batch_size: int = 8,
+    max_new_tokens: int = 256,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    seed: int = 0,
+    allow_unsafe_code: bool = False,
+    sandbox_timeout: float = 5.0,
+    sandbox_workers: int = 2,
+    bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS,
+    allow_network: bool = False,
+    sources: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
     """Run the chat tasks of :mod:`lapheads.lm.tasks` on an in-memory model with lm-eval.
 
     The model is wrapped as :class:`lapheads.lm.hflm.LapheadsHFLM` (prompts never truncated,
@@ -291,19 +344,41 @@ def run_chat_tasks(model: Any, tokenizer: Any, tasks: dict[str, Optional[str]], 
     _check_sampling(num_samples, temperature)
     sources = sources or check_chat_tasks(tasks, allow_network, allow_unsafe_code)
     _require_chat_tokens(tokenizer)
-    lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size, max_length=_UNTRUNCATED,
-                            max_gen_toks=max_new_tokens)
-    return evaluate_chat_lm(lm, tasks, max_items=max_items, num_samples=num_samples, temperature=temperature,
-                            top_k=top_k, seed=seed, allow_unsafe_code=allow_unsafe_code,
-                            sandbox_timeout=sandbox_timeout, sandbox_workers=sandbox_workers,
-                            bootstrap_iters=bootstrap_iters, allow_network=allow_network, sources=sources)
+    lm = make_lm_eval_model(
+        model, tokenizer, batch_size=batch_size, max_length=_UNTRUNCATED, max_gen_toks=max_new_tokens
+    )
+    return evaluate_chat_lm(
+        lm,
+        tasks,
+        max_items=max_items,
+        num_samples=num_samples,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        allow_unsafe_code=allow_unsafe_code,
+        sandbox_timeout=sandbox_timeout,
+        sandbox_workers=sandbox_workers,
+        bootstrap_iters=bootstrap_iters,
+        allow_network=allow_network,
+        sources=sources,
+    )
 
 
-def evaluate_chat_lm(lm: Any, tasks: dict[str, Optional[str]], max_items: Optional[int] = None,
-                     num_samples: int = 1, temperature: float = 0.0, top_k: Optional[int] = None, seed: int = 0,
-                     allow_unsafe_code: bool = False, sandbox_timeout: float = 5.0, sandbox_workers: int = 2,
-                     bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS, allow_network: bool = False,
-                     sources: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def evaluate_chat_lm(
+    lm: Any,
+    tasks: dict[str, Optional[str]],
+    max_items: Optional[int] = None,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    seed: int = 0,
+    allow_unsafe_code: bool = False,
+    sandbox_timeout: float = 5.0,
+    sandbox_workers: int = 2,
+    bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS,
+    allow_network: bool = False,
+    sources: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
     """Run the chat tasks through ``lm_eval.simple_evaluate`` on an lm-eval model (any ``lm_eval.api.model.LM``).
 
     Args:
@@ -340,16 +415,28 @@ def evaluate_chat_lm(lm: Any, tasks: dict[str, Optional[str]], max_items: Option
     from lm_eval.tasks import TaskManager
 
     names = {chat_tasks.CHAT_TASKS[canonical_name(n)]: n for n in sources}  # lm-eval task -> --tasks name
-    configs = [chat_tasks.chat_task_config(n, None if src == _HUB else src,
-                                           num_samples if canonical_name(n) == "humaneval" else None)
-               for n, src in sources.items()]
+    configs = [
+        chat_tasks.chat_task_config(
+            n, None if src == _HUB else src, num_samples if canonical_name(n) == "humaneval" else None
+        )
+        for n, src in sources.items()
+    ]
     gen_kwargs = {"do_sample": True, "temperature": temperature, "top_k": top_k or 0} if temperature > 0 else None
     tm = TaskManager(include_path=str(chat_tasks.TASKS_DIR), include_defaults=False)
     with chat_tasks.sandbox_options(timeout=sandbox_timeout, workers=sandbox_workers, allow_unsafe=allow_unsafe_code):
-        res = lm_eval.simple_evaluate(model=lm, tasks=configs, task_manager=tm, limit=max_items, log_samples=True,
-                                      bootstrap_iters=bootstrap_iters, gen_kwargs=gen_kwargs,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
+        res = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=configs,
+            task_manager=tm,
+            limit=max_items,
+            log_samples=True,
+            bootstrap_iters=bootstrap_iters,
+            gen_kwargs=gen_kwargs,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
         raise DataError("lm-eval returned no results")
     chat = {names[t]: _chat_summary(t, res["results"][t], res["samples"][t]) for t in names}
@@ -375,11 +462,16 @@ def chatcore(results: dict[str, Any]) -> float:
 
 def _require_chat_tokens(tokenizer: Any) -> None:
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    missing = [t for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>")
-               if t not in vocab]
+    missing = [
+        t
+        for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>")
+        if t not in vocab
+    ]
     if missing:
-        raise ConfigError(f"the chat tasks need a tokenizer with the chat special tokens; {missing} are missing "
-                          "(use lm-eval's own tasks with --lm-eval for a model without them)")
+        raise ConfigError(
+            f"the chat tasks need a tokenizer with the chat special tokens; {missing} are missing "
+            "(use lm-eval's own tasks with --lm-eval for a model without them)"
+        )
 
 
 def _chat_summary(task: str, metrics: dict[str, Any], samples: list[dict]) -> dict[str, Any]:
@@ -388,10 +480,15 @@ def _chat_summary(task: str, metrics: dict[str, Any], samples: list[dict]) -> di
     if task == chat_tasks.CHAT_TASKS["humaneval"]:
         statuses = [s["filtered_resps"][0] for s in samples]
         passed = [sum(st == "passed" for st in row) for row in statuses]
-        out: dict[str, Any] = {"metric": "pass@1", "total": total, "num_samples": len(statuses[0]),
-                               "passed_samples": sum(passed), "baseline": 0.0,
-                               "statuses": dict(Counter(st for row in statuses for st in row)),
-                               "per_problem": {s["doc"]["task_id"]: c for s, c in zip(samples, passed)}}
+        out: dict[str, Any] = {
+            "metric": "pass@1",
+            "total": total,
+            "num_samples": len(statuses[0]),
+            "passed_samples": sum(passed),
+            "baseline": 0.0,
+            "statuses": dict(Counter(st for row in statuses for st in row)),
+            "per_problem": {s["doc"]["task_id"]: c for s, c in zip(samples, passed)},
+        }
         for k in chat_tasks.PASS_KS:
             if f"pass@{k},sandbox" in metrics:
                 out[f"pass@{k}"] = metrics[f"pass@{k},sandbox"]
@@ -400,10 +497,21 @@ def _chat_summary(task: str, metrics: dict[str, Any], samples: list[dict]) -> di
     if task == chat_tasks.CHAT_TASKS["gsm8k"]:
         answers = [s["filtered_resps"][0] or None for s in samples]
         correct = int(sum(s["exact_match"] for s in samples))
-        return {"metric": "accuracy", "accuracy": metrics["exact_match,final_number"], "correct": correct,
-                "total": total, "baseline": 0.0, "answers": answers}
+        return {
+            "metric": "accuracy",
+            "accuracy": metrics["exact_match,final_number"],
+            "correct": correct,
+            "total": total,
+            "baseline": 0.0,
+            "answers": answers,
+        }
     # multiple choice: one (log-likelihood, is_greedy) per letter
     preds = [max(range(len(s["filtered_resps"])), key=lambda i, s=s: s["filtered_resps"][i][0]) for s in samples]
-    return {"metric": "accuracy", "accuracy": metrics["acc,none"], "correct": int(sum(s["acc"] for s in samples)),
-            "total": total, "baseline": sum(1 / len(s["filtered_resps"]) for s in samples) / total,
-            "predictions": [LETTERS[p] for p in preds]}
+    return {
+        "metric": "accuracy",
+        "accuracy": metrics["acc,none"],
+        "correct": int(sum(s["acc"] for s in samples)),
+        "total": total,
+        "baseline": sum(1 / len(s["filtered_resps"]) for s in samples) / total,
+        "predictions": [LETTERS[p] for p in preds],
+    }

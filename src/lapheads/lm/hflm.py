@@ -74,10 +74,16 @@ class LapheadsHFLM(HFLM):
         finally:
             self._encoding_rolling_document = False
 
-    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None,
-                   left_truncate_len: Optional[int] = None, **kwargs: Any) -> list[int]:
-        ids = super().tok_encode(string, add_special_tokens=add_special_tokens,
-                                 left_truncate_len=left_truncate_len, **kwargs)
+    def tok_encode(
+        self,
+        string: str,
+        add_special_tokens: Optional[bool] = None,
+        left_truncate_len: Optional[int] = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        ids = super().tok_encode(
+            string, add_special_tokens=add_special_tokens, left_truncate_len=left_truncate_len, **kwargs
+        )
         if self._encoding_rolling_document and ids[:1] == [self.prefix_token_id]:
             ids = ids[1:]  # lm-eval's prefix token is the document's BOS
         return ids

@@ -84,10 +84,10 @@ class LMModelConfig(ConfigModel):
     depth: Int = Field(20, ge=1, description="number of transformer blocks (nanochat's single knob)")
     width: Optional[Int] = Field(None, ge=1, description="model width; default 64 * depth")
     n_heads: Optional[Int] = Field(None, ge=1, description="attention heads; default max(1, ceil(width / 128))")
-    n_kv_heads: Optional[Int] = Field(None, ge=1, description="key/value heads; default n_heads (nanochat uses no "
-                                                              "GQA)")
-    head_dim: Optional[Int] = Field(None, ge=2, description="width of a head (even: RoPE rotates pairs); default "
-                                                            "width // n_heads")
+    n_kv_heads: Optional[Int] = Field(None, ge=1, description="key/value heads; default n_heads (nanochat uses no GQA)")
+    head_dim: Optional[Int] = Field(
+        None, ge=2, description="width of a head (even: RoPE rotates pairs); default width // n_heads"
+    )
     mlp_ratio: Int = Field(4, ge=1, description="MLP width as a multiple of the model width")
     rope_theta: Float = Field(10000.0, gt=0.0, description="RoPE base")
     softcap: Float = Field(15.0, ge=0.0, description="tanh soft-cap of the logits; 0 = none")
@@ -102,13 +102,15 @@ class LMOptimConfig(ConfigModel):
     embedding_lr: Float = Field(0.2, ge=0.0, description="AdamW, token embedding (times (width/768)^-0.5)")
     unembedding_lr: Float = Field(0.004, ge=0.0, description="AdamW, lm_head (times (width/768)^-0.5)")
     weight_decay: Float = Field(0.0, ge=0.0, description="AdamW and Muon (never on the learnable mixing)")
-    mix_lr: Float = Field(0.02, ge=0.0, description="AdamW, learnable head mixing a, b (laplacian_heads: learn...), "
-                                                    "no decay")
+    mix_lr: Float = Field(
+        0.02, ge=0.0, description="AdamW, learnable head mixing a, b (laplacian_heads: learn...), no decay"
+    )
     adam_betas: tuple[Beta, Beta] = Field((0.8, 0.95), strict=False, description="AdamW betas")
     adam_eps: Float = Field(1e-10, gt=0.0, description="AdamW epsilon")
     muon_momentum: Float = Field(0.95, ge=0.0, lt=1.0, description="Muon momentum after its warmup")
-    muon_momentum_start: Float = Field(0.85, ge=0.0, lt=1.0, description="nanochat warms Muon's momentum up from "
-                                                                         "this ...")
+    muon_momentum_start: Float = Field(
+        0.85, ge=0.0, lt=1.0, description="nanochat warms Muon's momentum up from this ..."
+    )
     muon_momentum_warmup: Int = Field(300, ge=0, description="... over this many optimizer steps; 0 = constant")
     lr_scale_width: Int = Field(768, ge=1, description="AdamW lrs were tuned at this width")
 
@@ -131,8 +133,10 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
         head_dim = cfg.head_dim
     else:
         if width % heads:
-            raise ConfigError(f"model.width={width} is not divisible by model.n_heads={heads}; "
-                              "set model.head_dim explicitly or pick a divisible width")
+            raise ConfigError(
+                f"model.width={width} is not divisible by model.n_heads={heads}; "
+                "set model.head_dim explicitly or pick a divisible width"
+            )
         head_dim = width // heads
     if head_dim < 2 or head_dim % 2:
         raise ConfigError(f"model.head_dim={head_dim} must be an even number >= 2 (RoPE rotates pairs)")
@@ -141,12 +145,19 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
         raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={heads}")
     if cfg.mlp_ratio < 1:
         raise ConfigError(f"model.mlp_ratio={cfg.mlp_ratio} must be >= 1")
-    return {"width": width, "n_heads": heads, "n_kv_heads": kv, "head_dim": head_dim,
-            "intermediate": cfg.mlp_ratio * width, "depth": cfg.depth}
+    return {
+        "width": width,
+        "n_heads": heads,
+        "n_kv_heads": kv,
+        "head_dim": head_dim,
+        "intermediate": cfg.mlp_ratio * width,
+        "depth": cfg.depth,
+    }
 
 
-def build_config(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_token_id: int = 0,
-                 eos_token_id: Any = None):
+def build_config(
+    cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_token_id: int = 0, eos_token_id: Any = None
+):
     """A transformers ``NanoChatConfig`` for ``cfg`` with ``laplacian_heads`` set and validated.
 
     Args:
@@ -160,33 +171,48 @@ def build_config(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_t
     """
 
     if cfg.vocab_size and cfg.vocab_size != vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.vocab_size} does not match the tokenizer's vocabulary of "
-                          f"{vocab_size} tokens; set model.vocab_size=0 (take it from the tokenizer) or use "
-                          "the tokenizer the model was made for")
+        raise ConfigError(
+            f"model.vocab_size={cfg.vocab_size} does not match the tokenizer's vocabulary of "
+            f"{vocab_size} tokens; set model.vocab_size=0 (take it from the tokenizer) or use "
+            "the tokenizer the model was made for"
+        )
     if vocab_size < 2:
         raise ConfigError(f"vocab_size={vocab_size} must be >= 2")
     if max_seq_len < 1:
         raise ConfigError(f"max_seq_len={max_seq_len} must be >= 1")
     s = resolve_shape(cfg)
     config = NanoChatConfig(
-        vocab_size=vocab_size, hidden_size=s["width"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["depth"], num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
-        head_dim=s["head_dim"], max_position_embeddings=max_seq_len, hidden_act="relu2",
+        vocab_size=vocab_size,
+        hidden_size=s["width"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["depth"],
+        num_attention_heads=s["n_heads"],
+        num_key_value_heads=s["n_kv_heads"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=max_seq_len,
+        hidden_act="relu2",
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        final_logit_softcapping=float(cfg.softcap) if cfg.softcap else None, attention_bias=False,
-        tie_word_embeddings=False, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=None)
+        final_logit_softcapping=float(cfg.softcap) if cfg.softcap else None,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+    )
     try:
         lap_tf.enable(config, cfg.laplacian_heads)
     except ConfigError as e:
-        raise ConfigError(f"model.laplacian_heads={cfg.laplacian_heads!r} does not fit a model with "
-                          f"{s['depth']} layers of {s['n_heads']} heads: {e}") from None
+        raise ConfigError(
+            f"model.laplacian_heads={cfg.laplacian_heads!r} does not fit a model with "
+            f"{s['depth']} layers of {s['n_heads']} heads: {e}"
+        ) from None
     return config
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module) -> None:
     """nanochat's initialisation (see the module docstring), in place."""
-    for name, mod in model.named_modules():
+    for mod in model.modules():
         if isinstance(mod, nn.Linear):
             fan_out, fan_in = mod.weight.shape
             std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))  # arXiv 2310.17813
@@ -203,9 +229,17 @@ def init_weights(model: nn.Module) -> None:
         nn.init.zeros_(layer.mlp.fc2.weight)
 
 
-def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device: Any = None,
-                init: bool = True, bos_token_id: int = 0, eos_token_id: Any = None,
-                pad_token_id: Optional[int] = None):
+def build_model(
+    cfg: LMModelConfig,
+    vocab_size: int,
+    max_seq_len: int,
+    *,
+    device: Any = None,
+    init: bool = True,
+    bos_token_id: int = 0,
+    eos_token_id: Any = None,
+    pad_token_id: Optional[int] = None,
+):
     """Build a ``NanoChatForCausalLM`` with Laplacian heads from ``cfg``.
 
     Args:
@@ -225,8 +259,11 @@ def build_model(cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, device
         init_weights(model)
     gc = model.generation_config
     gc.bos_token_id, gc.eos_token_id = bos_token_id, eos_token_id
-    gc.pad_token_id = pad_token_id if pad_token_id is not None else (
-        eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id)
+    gc.pad_token_id = (
+        pad_token_id
+        if pad_token_id is not None
+        else (eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id)
+    )
     if device is not None:
         model = model.to(device)
     return model
@@ -255,16 +292,19 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
             groups["mix"].append((name, p))
         elif name.startswith("model.layers."):
             if p.ndim != 2:
-                raise ConfigError(f"{name} has shape {tuple(p.shape)}: the blocks must hold only 2D matrices "
-                                  "(Muon orthogonalises matrices)")
+                raise ConfigError(
+                    f"{name} has shape {tuple(p.shape)}: the blocks must hold only 2D matrices "
+                    "(Muon orthogonalises matrices)"
+                )
             groups["matrix"].append((name, p))
         else:
             raise ConfigError(f"parameter {name} fits none of nanochat's optimizer groups")
     return groups
 
 
-def build_optimizers(model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bool] = None
-                     ) -> list[torch.optim.Optimizer]:
+def build_optimizers(
+    model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bool] = None
+) -> list[torch.optim.Optimizer]:
     """``[AdamW(lm_head, embedding), Muon(block matrices)]`` with nanochat's learning rates.
 
     Args:
@@ -283,13 +323,19 @@ def build_optimizers(model: nn.Module, cfg: LMOptimConfig, *, fused: Optional[bo
     ]
     if g["mix"]:  # learnable mixing: scalars per head, never weight-decayed
         adam_groups.append({"params": [p for _, p in g["mix"]], "lr": cfg.mix_lr, "name": "mix", "weight_decay": 0.0})
-    adamw = torch.optim.AdamW(adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
-                              weight_decay=cfg.weight_decay, fused=fused)
+    adamw = torch.optim.AdamW(
+        adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay, fused=fused
+    )
     momentum = cfg.muon_momentum_start if cfg.muon_momentum_warmup > 0 else cfg.muon_momentum
     matrices = [p for _, p in g["matrix"]]
-    muon = muon_class(matrices)([{"params": matrices, "name": "matrix"}], lr=cfg.matrix_lr,
-                            momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay,
-                            adjust_lr_fn="original")
+    muon = muon_class(matrices)(
+        [{"params": matrices, "name": "matrix"}],
+        lr=cfg.matrix_lr,
+        momentum=momentum,
+        nesterov=True,
+        weight_decay=cfg.weight_decay,
+        adjust_lr_fn="original",
+    )
     return [adamw, muon]
 
 
@@ -328,12 +374,15 @@ def budget_steps(n_params: int, tokens_per_param: float, total_batch_tokens: int
         ConfigError: the budget is smaller than one step.
     """
     if tokens_per_param <= 0 or total_batch_tokens <= 0:
-        raise ConfigError(f"tokens_per_param={tokens_per_param} and total_batch_tokens={total_batch_tokens} "
-                          "must be > 0")
+        raise ConfigError(
+            f"tokens_per_param={tokens_per_param} and total_batch_tokens={total_batch_tokens} must be > 0"
+        )
     target = tokens_per_param * n_params
     steps = int(target // total_batch_tokens)
     if steps < 1:
-        raise ConfigError(f"the budget of {tokens_per_param} tokens/param x {n_params} params = {target:.0f} tokens "
-                          f"is less than one step of {total_batch_tokens} tokens; raise tokens_per_param or set "
-                          "train.max_steps")
+        raise ConfigError(
+            f"the budget of {tokens_per_param} tokens/param x {n_params} params = {target:.0f} tokens "
+            f"is less than one step of {total_batch_tokens} tokens; raise tokens_per_param or set "
+            "train.max_steps"
+        )
     return steps

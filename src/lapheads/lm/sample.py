@@ -23,12 +23,21 @@ import torch
 from ..errors import ConfigError
 from .tokenizer import render_chat, stop_token_ids
 
-__all__ = ["generate_text", "main"]
+__all__ = ["generate_text"]
 
 
 @torch.no_grad()
-def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
-                  top_k: Optional[int] = None, num_samples: int = 1, chat: bool = False, seed: int = 0) -> list[str]:
+def generate_text(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    num_samples: int = 1,
+    chat: bool = False,
+    seed: int = 0,
+) -> list[str]:
     """Continue ``prompt`` ``num_samples`` times.
 
     Args:
@@ -50,19 +59,25 @@ def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int =
     """
 
     if not temperature >= 0 or max_new_tokens < 1 or num_samples < 1 or (top_k is not None and top_k < 1):
-        raise ConfigError(f"need temperature >= 0 (got {temperature}), max_new_tokens >= 1 (got {max_new_tokens}), "
-                          f"num_samples >= 1 (got {num_samples}) and top_k >= 1 or unset (got {top_k})")
+        raise ConfigError(
+            f"need temperature >= 0 (got {temperature}), max_new_tokens >= 1 (got {max_new_tokens}), "
+            f"num_samples >= 1 (got {num_samples}) and top_k >= 1 or unset (got {top_k})"
+        )
     dev = next(model.parameters()).device
     if chat:
         ids, _ = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
     else:
         ids = tokenizer(prompt)["input_ids"]
     x = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)
-    kw: dict[str, Any] = {"do_sample": temperature > 0, "max_new_tokens": max_new_tokens,
-                          "eos_token_id": stop_token_ids(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    kw: dict[str, Any] = {
+        "do_sample": temperature > 0,
+        "max_new_tokens": max_new_tokens,
+        "eos_token_id": stop_token_ids(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     if temperature > 0:
         kw.update(temperature=temperature, top_k=top_k if top_k is not None else 0)
     torch.manual_seed(seed)
     model.eval()
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
-    return [tokenizer.decode(row[x.shape[1]:], skip_special_tokens=True) for row in out]
+    return [tokenizer.decode(row[x.shape[1] :], skip_special_tokens=True) for row in out]

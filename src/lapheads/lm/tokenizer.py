@@ -49,7 +49,6 @@ __all__ = [
     "render_chat",
     "tokenizer_hash",
     "stop_token_ids",
-    "main",
 ]
 
 #: nanochat's special tokens, in nanochat's order.
@@ -79,14 +78,20 @@ _MIN_VOCAB = 256 + len(ALL_SPECIAL_TOKENS)
 def _backend(vocab_size: int):
     tok = Tokenizer(models.BPE(byte_fallback=False, unk_token=None, fuse_unk=False))
     tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, show_progress=False, min_frequency=0,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=list(ALL_SPECIAL_TOKENS))
+        vocab_size=vocab_size,
+        show_progress=False,
+        min_frequency=0,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(ALL_SPECIAL_TOKENS),
+    )
     return tok, trainer
 
 
@@ -96,11 +101,17 @@ def _wrap(backend: Any):
     bos_id = backend.token_to_id("<|bos|>")
     # Prefix BOS on tokenizer(text); pairs get one BOS each (documents are BOS-delimited).
     backend.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)])
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos_id)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|assistant_end|>", pad_token=PAD_TOKEN,
+        tokenizer_object=backend,
+        bos_token="<|bos|>",
+        eos_token="<|assistant_end|>",
+        pad_token=PAD_TOKEN,
         additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|bos|>", "<|assistant_end|>")],
-        clean_up_tokenization_spaces=False, model_max_length=int(1e30))
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(1e30),
+    )
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Optional[str | os.PathLike] = None):
@@ -119,8 +130,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Optional[str
         DataError: the corpus is empty (no non-empty text).
     """
     if not isinstance(vocab_size, int) or vocab_size < _MIN_VOCAB:
-        raise ConfigError(f"vocab_size={vocab_size!r} is too small: it must be an int >= {_MIN_VOCAB} "
-                          f"(256 byte symbols + {len(ALL_SPECIAL_TOKENS)} special tokens)")
+        raise ConfigError(
+            f"vocab_size={vocab_size!r} is too small: it must be an int >= {_MIN_VOCAB} "
+            f"(256 byte symbols + {len(ALL_SPECIAL_TOKENS)} special tokens)"
+        )
     stats = {"docs": 0, "chars": 0}
 
     def _counted(it: Iterable[str]) -> Iterator[str]:
@@ -168,8 +181,9 @@ def load_tokenizer(path: str | os.PathLike):
     vocab = tok.get_vocab()
     missing = [t for t in ALL_SPECIAL_TOKENS if t not in vocab]
     if missing:
-        raise DataError(f"{file}: tokenizer lacks the special tokens {missing}; it was not made by "
-                        "`lapheads tokenizer train`")
+        raise DataError(
+            f"{file}: tokenizer lacks the special tokens {missing}; it was not made by `lapheads tokenizer train`"
+        )
     return tok
 
 
@@ -192,18 +206,27 @@ def _content_parts(content: Any, idx: int, role: str) -> list[tuple[str, str]]:
     if role == "assistant" and isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("text", "python", "python_output") \
-                    or not isinstance(part.get("text"), str):
-                raise DataError(f"messages[{idx}].content[{j}] must be {{'type': 'text'|'python'|'python_output', "
-                                f"'text': str}}, got {part!r}")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in ("text", "python", "python_output")
+                or not isinstance(part.get("text"), str)
+            ):
+                raise DataError(
+                    f"messages[{idx}].content[{j}] must be {{'type': 'text'|'python'|'python_output', "
+                    f"'text': str}}, got {part!r}"
+                )
             parts.append((part["type"], part["text"]))
         return parts
-    raise DataError(f"messages[{idx}] ({role}) content must be a string"
-                    + (" or a list of parts" if role == "assistant" else "") + f", got {type(content).__name__}")
+    raise DataError(
+        f"messages[{idx}] ({role}) content must be a string"
+        + (" or a list of parts" if role == "assistant" else "")
+        + f", got {type(content).__name__}"
+    )
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False,
-                max_tokens: Optional[int] = None) -> tuple[list[int], list[int]]:
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False, max_tokens: Optional[int] = None
+) -> tuple[list[int], list[int]]:
     """Render a conversation to token ids and a loss mask (nanochat's format).
 
     Args:
@@ -244,11 +267,15 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], add_generation_prompt:
         want = "user" if j % 2 == 0 else "assistant"
         if m["role"] != want:
             why = "a second system message" if m["role"] == "system" else f"a {m['role']} message"
-            raise DataError(f"messages[{j + offset}] is {why} where a {want} message is expected "
-                            "(optional system first, then user and assistant alternating, starting with user)")
+            raise DataError(
+                f"messages[{j + offset}] is {why} where a {want} message is expected "
+                "(optional system first, then user and assistant alternating, starting with user)"
+            )
     if add_generation_prompt and msgs[-1]["role"] != "user":
-        raise DataError(f"messages[{len(messages) - 1}] is an assistant message; add_generation_prompt needs "
-                        "the conversation to end with a user message")
+        raise DataError(
+            f"messages[{len(messages) - 1}] is an assistant message; add_generation_prompt needs "
+            "the conversation to end with a user message"
+        )
 
     ids: list[int] = []
     mask: list[int] = []

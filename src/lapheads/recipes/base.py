@@ -76,9 +76,13 @@ def vision_batches(dataset: Any, transform: Any, batch_size: int, max_items: int
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:n].tolist()
     batches = []
     for s in range(0, n, batch_size):
-        items = [dataset[i] for i in order[s:s + batch_size]]
-        batches.append((torch.stack([transform(img) for img, _ in items]),
-                        torch.as_tensor([y for _, y in items], dtype=torch.long)))
+        items = [dataset[i] for i in order[s : s + batch_size]]
+        batches.append(
+            (
+                torch.stack([transform(img) for img, _ in items]),
+                torch.as_tensor([y for _, y in items], dtype=torch.long),
+            )
+        )
     return batches
 
 
@@ -108,8 +112,15 @@ class Recipe(ABC):
 
     def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
         """Train ``cfg`` into run directory ``out``; returns the final metrics."""
-        return launch(self.name, cfg, lambda c, info: self.build_task(c, info, run_dir=out), str(out),
-                      resume=resume, overwrite=overwrite, same=self.same_setting)
+        return launch(
+            self.name,
+            cfg,
+            lambda c, info: self.build_task(c, info, run_dir=out),
+            str(out),
+            resume=resume,
+            overwrite=overwrite,
+            same=self.same_setting,
+        )
 
     def same_setting(self, key: str, old: Any, new: Any) -> bool:
         """The run-equality rule (``--resume``, sweeps): equal values, and for a ``laplacian_heads``
@@ -125,8 +136,11 @@ class Recipe(ABC):
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         """What ``lapheads train <name>`` prints when :meth:`train` returns ``result``."""
-        lines = ["final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in result.items())] if result else []
+        lines = (
+            ["final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())]
+            if result
+            else []
+        )
         return lines + [f"run directory: {out}"]
 
     # ------------------------------------------------------------------ reading runs back
@@ -149,14 +163,15 @@ class Recipe(ABC):
         """The held-out images of a vision run's config (``(image, label)`` items)."""
         raise CheckpointError(f"a `{self.name}` run has no images")
 
-    def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int,
-                     seq_len: Optional[int] = None) -> list:
+    def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int, seq_len: Optional[int] = None) -> list:
         """Held-out batches of ``run`` for :func:`lapheads.geometry.analyze_model` (vision: a fixed,
         seeded subset of :meth:`eval_dataset` through the run's evaluation transform)."""
         return vision_batches(self.eval_dataset(run.config), run.transform, batch_size, max_items)
 
     def load_backbone(self, run_dir: str | Path, device: Any = "cpu") -> tuple[nn.Module, dict]:
         """A frozen vision backbone of the run and its metadata (:mod:`lapheads.vision.backbones`)."""
-        raise CheckpointError(f"{run_dir} is a `{self.name}` run (a language model): probes and PCA maps need a "
-                              "vision backbone, a `classify` or `dino` run or --model NAME; use `lapheads analyze "
-                              "--run` for the token geometry of a language model")
+        raise CheckpointError(
+            f"{run_dir} is a `{self.name}` run (a language model): probes and PCA maps need a "
+            "vision backbone, a `classify` or `dino` run or --model NAME; use `lapheads analyze "
+            "--run` for the token geometry of a language model"
+        )

@@ -63,13 +63,36 @@ from ..heads_config import HEADS_JSON_SCHEMA
 from ..lm.model import count_params
 from ..lm.tokenizer import tokenizer_hash
 from ..outputs import read_json
-from .lm import (LMDataConfig, LMRecipe, LMTask, SampleConfig, export_hf, hf_dir, open_token_shards, prepare_data,
-                 resolve_grad_accum, token_bytes)
+from .lm import (
+    LMDataConfig,
+    LMRecipe,
+    LMTask,
+    SampleConfig,
+    export_hf,
+    hf_dir,
+    open_token_shards,
+    prepare_data,
+    resolve_grad_accum,
+    token_bytes,
+)
 from .lm import load_model as load_lm
 
-__all__ = ["LoraSettings", "RetrofitOptim", "RetrofitConfig", "RetrofitTask", "switch_cost_table", "switch_costs",
-           "select_heads", "with_lora", "build_task", "load_model", "summarize", "RetrofitRuns", "RetrofitRecipe",
-           "RECIPE"]
+__all__ = [
+    "LoraSettings",
+    "RetrofitOptim",
+    "RetrofitConfig",
+    "RetrofitTask",
+    "switch_cost_table",
+    "switch_costs",
+    "select_heads",
+    "with_lora",
+    "build_task",
+    "load_model",
+    "summarize",
+    "RetrofitRuns",
+    "RetrofitRecipe",
+    "RECIPE",
+]
 
 KEEP = "keep"
 
@@ -80,8 +103,9 @@ class LoraSettings(ConfigModel):
     r: Int = Field(8, ge=1, description="rank of the adapters")
     alpha: Float = Field(16.0, gt=0.0, description="LoRA alpha (the update is scaled by alpha / r)")
     dropout: Float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
-    target_modules: list[Str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      description="last names of the modules that get adapters")
+    target_modules: list[Str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], description="last names of the modules that get adapters"
+    )
 
 
 class RetrofitOptim(ConfigModel):
@@ -101,11 +125,18 @@ def retrofit_heads(value: Any, info: ValidationInfo) -> Any:
 
 
 #: a retrofit's ``laplacian_heads``: a head setting, or ``keep`` (convert nothing, the baseline)
-RetrofitHeads = Annotated[Any, AfterValidator(retrofit_heads), WithJsonSchema({
-    "title": "head setting or keep",
-    "anyOf": [{"const": KEEP, "description": "convert nothing (the baseline)"}, *HEADS_JSON_SCHEMA["anyOf"]]})]
+RetrofitHeads = Annotated[
+    Any,
+    AfterValidator(retrofit_heads),
+    WithJsonSchema(
+        {
+            "title": "head setting or keep",
+            "anyOf": [{"const": KEEP, "description": "convert nothing (the baseline)"}, *HEADS_JSON_SCHEMA["anyOf"]],
+        }
+    ),
+]
 
-RETROFIT_HEADS_HELP = "int k, per-layer list, per-layer index lists, or \"keep\" (no conversion)"
+RETROFIT_HEADS_HELP = 'int k, per-layer list, per-layer index lists, or "keep" (no conversion)'
 SELECT_HELP = "how an int k picks heads: the trailing k, or the k of least switch cost (see the module docstring)"
 
 
@@ -120,33 +151,43 @@ class RetrofitConfig(ConfigModel):
     lora: LoraSettings = Field(LoraSettings(), description="PEFT LoRA settings (method: lora)")
     optim: RetrofitOptim = Field(RetrofitOptim(), description="AdamW")
     baseline: bool = Field(True, description="also fine-tune the unconverted model for the same steps (OUT/baseline)")
-    data: LMDataConfig = Field(LMDataConfig(seq_len=512, batch_size=8, eval_tokens=2**16),
-                               description="tokens and batches (the tokenizer is init_from's)")
+    data: LMDataConfig = Field(
+        LMDataConfig(seq_len=512, batch_size=8, eval_tokens=2**16),
+        description="tokens and batches (the tokenizer is init_from's)",
+    )
     samples: SampleConfig = Field(SampleConfig(max_new_tokens=0), description="greedy samples at every evaluation")
-    train: TrainConfig = Field(TrainConfig(
-        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
-        description="the shared engine (train.max_steps is the N of the comparison)")
+    train: TrainConfig = Field(
+        TrainConfig(schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
+        description="the shared engine (train.max_steps is the N of the comparison)",
+    )
 
     @rule
     def _select(self) -> None:
         if self.select == "score" and not is_count(self.laplacian_heads):
-            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
-                              f"{self.laplacian_heads!r}; give explicit heads with select: trailing")
+            raise ConfigError(
+                f"select: score picks k heads per layer and needs an int laplacian_heads, got "
+                f"{self.laplacian_heads!r}; give explicit heads with select: trailing"
+            )
 
     @run_rule
     def _run(self) -> None:
         if not self.init_from:
-            raise ConfigError("init_from is empty: set it to a pretrained run or save_pretrained directory "
-                              "(e.g. --set init_from=runs/lm_tiny)")
+            raise ConfigError(
+                "init_from is empty: set it to a pretrained run or save_pretrained directory "
+                "(e.g. --set init_from=runs/lm_tiny)"
+            )
         hf = hf_dir(self.init_from)  # CheckpointError when it is neither
         if self.data.tokenizer == "train":  # the model's own tokenizer, never a new one
             self.data.tokenizer = str(hf)
         if self.data.shards is None and self.data.tokenizer != str(hf):
-            raise ConfigError(f"data.tokenizer={self.data.tokenizer} is not the tokenizer of init_from ({hf}); "
-                              "leave it unset to tokenize the corpus with the model's tokenizer")
+            raise ConfigError(
+                f"data.tokenizer={self.data.tokenizer} is not the tokenizer of init_from ({hf}); "
+                "leave it unset to tokenize the corpus with the model's tokenizer"
+            )
         if self.train.max_steps < 1:
-            raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
-                              "comparison")
+            raise ConfigError(
+                "train.max_steps must be set (>= 1): it is the N of the before / after N steps comparison"
+            )
         # derived here, as for `train lm`, so that --resume compares the resolved value
         resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
 
@@ -177,8 +218,10 @@ def switch_cost_table(heads_per_layer: Sequence[int], loss: Callable[[list[list[
     """
     n_layers = len(heads_per_layer)
     ref = loss([[] for _ in range(n_layers)])
-    return [[loss([[h] if i == layer else [] for i in range(n_layers)]) - ref for h in range(n_heads)]
-            for layer, n_heads in enumerate(heads_per_layer)]
+    return [
+        [loss([[h] if i == layer else [] for i in range(n_layers)]) - ref for h in range(n_heads)]
+        for layer, n_heads in enumerate(heads_per_layer)
+    ]
 
 
 @torch.no_grad()
@@ -194,6 +237,7 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
     old, old_impl = getattr(cfg, "laplacian_heads", None), cfg._attn_implementation
     was_training = model.training
     model.eval()
+
     def loss(selection: list[list[int]]) -> float:
         cfg.laplacian_heads = selection
         return _mean_loss(model, batches)
@@ -279,8 +323,9 @@ class RetrofitTask(LMTask):
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         rest = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": o.weight_decay}] + ([{"params": rest, "weight_decay": 0.0}]
-                                                                        if rest else [])
+        groups = [{"params": decay, "weight_decay": o.weight_decay}] + (
+            [{"params": rest, "weight_decay": 0.0}] if rest else []
+        )
         return [torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))]
 
     def total_steps(self) -> int:
@@ -298,10 +343,20 @@ class RetrofitTask(LMTask):
 
     def model_spec(self) -> dict:
         c = self.cfg
-        return {"init_from": str(c.init_from), "method": c.method, "original_laplacian_heads": self.original_heads,
-                "laplacian_heads": self.heads, "select": c.select, "switch_costs": self.switch_costs,
-                "n_params": self.n_params, "n_trainable": self.n_trainable, "vocab_size": len(self.tokenizer),
-                "tokenizer_hash": tokenizer_hash(self.tokenizer), "before": self.before, "converted": self.converted}
+        return {
+            "init_from": str(c.init_from),
+            "method": c.method,
+            "original_laplacian_heads": self.original_heads,
+            "laplacian_heads": self.heads,
+            "select": c.select,
+            "switch_costs": self.switch_costs,
+            "n_params": self.n_params,
+            "n_trainable": self.n_trainable,
+            "vocab_size": len(self.tokenizer),
+            "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "before": self.before,
+            "converted": self.converted,
+        }
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         if self.cfg.method == "lora":
@@ -314,8 +369,9 @@ class RetrofitTask(LMTask):
             super().export_final(final_dir, model, ema_model)
 
 
-def with_lora(model: nn.Module, s: LoraSettings, task_type: Optional[str] = None,
-              linear_only: bool = False) -> nn.Module:
+def with_lora(
+    model: nn.Module, s: LoraSettings, task_type: Optional[str] = None, linear_only: bool = False
+) -> nn.Module:
     """``model`` wrapped with PEFT LoRA adapters on the modules whose last name is in ``s.target_modules``.
 
     Args:
@@ -331,12 +387,14 @@ def with_lora(model: nn.Module, s: LoraSettings, task_type: Optional[str] = None
     names = {n.rsplit(".", 1)[-1] for n, _ in modules}
     missing = [t for t in s.target_modules if t not in names]
     if missing or not s.target_modules:
-        raise ConfigError(f"lora.target_modules {missing or s.target_modules} not found in the model; "
-                          f"its linear layers are named {sorted(n for n in names if n and not n.isdigit())}")
-    targets = ([n for n, _ in modules if n.rsplit(".", 1)[-1] in s.target_modules] if linear_only
-               else list(s.target_modules))
-    cfg = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets,
-                     task_type=task_type)
+        raise ConfigError(
+            f"lora.target_modules {missing or s.target_modules} not found in the model; "
+            f"its linear layers are named {sorted(n for n in names if n and not n.isdigit())}"
+        )
+    targets = (
+        [n for n, _ in modules if n.rsplit(".", 1)[-1] in s.target_modules] if linear_only else list(s.target_modules)
+    )
+    cfg = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets, task_type=task_type)
     return get_peft_model(model, cfg)
 
 
@@ -361,8 +419,14 @@ def summarize(out: str | Path, keys: Sequence[str] = ("val_loss", "val_bpb")) ->
     if base.is_file():
         rows["baseline_after_steps"] = json.loads(base.read_text())
     rows = {k: {m: v[m] for m in keys if m in v} for k, v in rows.items()}
-    res = {"steps": spec["step"], "method": spec["method"], "original_laplacian_heads": spec["original_laplacian_heads"],
-           "laplacian_heads": spec["laplacian_heads"], "select": spec["select"], "metrics": rows}
+    res = {
+        "steps": spec["step"],
+        "method": spec["method"],
+        "original_laplacian_heads": spec["original_laplacian_heads"],
+        "laplacian_heads": spec["laplacian_heads"],
+        "select": spec["select"],
+        "metrics": rows,
+    }
     (out / "retrofit.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     return res
 
@@ -398,17 +462,24 @@ class RetrofitRuns:
             runs.append((base, str(Path(out) / "baseline")))
         for i, (c, o) in enumerate(runs):
             # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
-            super().train(c, o, resume=resume and (i == 0 or Path(o).exists()),  # type: ignore[misc]
-                          overwrite=overwrite)
+            super().train(
+                c,
+                o,
+                resume=resume and (i == 0 or Path(o).exists()),  # type: ignore[misc]
+                overwrite=overwrite,
+            )
         # rank 0 writes retrofit.json
         return summarize(out, self.summary_keys) if int(os.environ.get("RANK", "0")) == 0 else {}
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
-        lines = [f"retrofit to laplacian_heads={result['laplacian_heads']!r} ({result['method']}, "
-                 f"{result['steps']} steps):"]
+        lines = [
+            f"retrofit to laplacian_heads={result['laplacian_heads']!r} ({result['method']}, {result['steps']} steps):"
+        ]
         for name, m in result["metrics"].items():
-            lines.append(f"  {name:<22} " + "  ".join(f"{k}={v:.4f}" for k, v in m.items()
-                                                      if isinstance(v, float) and math.isfinite(v)))
+            lines.append(
+                f"  {name:<22} "
+                + "  ".join(f"{k}={v:.4f}" for k, v in m.items() if isinstance(v, float) and math.isfinite(v))
+            )
         return lines + [f"-> {Path(out) / 'retrofit.json'}"]
 
 
@@ -416,9 +487,11 @@ class RetrofitRecipe(RetrofitRuns, LMRecipe):
     name = "retrofit"
     config_type = RetrofitConfig
     kind = "hf"
-    description = ("Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
-                   "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
-                   "steps (OUT/baseline).")
+    description = (
+        "Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
+        "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
+        "steps (OUT/baseline)."
+    )
 
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
         return RetrofitTask(cfg, info, run_dir=run_dir)

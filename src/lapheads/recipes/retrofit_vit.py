@@ -67,14 +67,41 @@ from ..heads import LaplacianHeads, is_count, learnable_spec
 from ..outputs import read_json
 from ..vision.backbones import frozen
 from .base import vision_batches
-from .classify import (AugConfig, ClassifyRecipe, ClassifyTask, DataConfig, ModelConfig, OptimConfig, check_channels,
-                       evaluate_classifier, timm_kwargs)
+from .classify import (
+    AugConfig,
+    ClassifyRecipe,
+    ClassifyTask,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    check_channels,
+    evaluate_classifier,
+    timm_kwargs,
+)
 from .classify import load_model as load_classifier
-from .retrofit import (KEEP, RETROFIT_HEADS_HELP, SELECT_HELP, LoraSettings, RetrofitHeads, RetrofitRuns,
-                       select_heads, switch_cost_table, with_lora)
+from .retrofit import (
+    KEEP,
+    RETROFIT_HEADS_HELP,
+    SELECT_HELP,
+    LoraSettings,
+    RetrofitHeads,
+    RetrofitRuns,
+    select_heads,
+    switch_cost_table,
+    with_lora,
+)
 
-__all__ = ["RetrofitViTConfig", "RetrofitViTTask", "run_model_config", "checkpoint_classes", "pretrained_model",
-           "switch_costs", "load_model", "RetrofitViTRecipe", "RECIPE"]
+__all__ = [
+    "RetrofitViTConfig",
+    "RetrofitViTTask",
+    "run_model_config",
+    "checkpoint_classes",
+    "pretrained_model",
+    "switch_costs",
+    "load_model",
+    "RetrofitViTRecipe",
+    "RECIPE",
+]
 
 #: the numbers of a validation pass kept for the before / after-conversion record
 _RECORD = ("top1", "top5", "mean_class_acc", "loss")
@@ -88,46 +115,58 @@ class RetrofitViTConfig(ConfigModel):
     select: Literal["trailing", "score"] = Field("trailing", description=SELECT_HELP)
     score_batches: Int = Field(2, ge=1, description="validation batches of the switch-cost score")
     method: Literal["full", "lora"] = Field("full", description="train every weight, or LoRA adapters only")
-    lora: LoraSettings = Field(LoraSettings(target_modules=["qkv", "proj"]),
-                               description="PEFT LoRA settings (method: lora)")
+    lora: LoraSettings = Field(
+        LoraSettings(target_modules=["qkv", "proj"]), description="PEFT LoRA settings (method: lora)"
+    )
     baseline: bool = Field(True, description="also fine-tune the unconverted model for the same steps (OUT/baseline)")
-    model: ModelConfig = Field(ModelConfig(), description="a checkpoint file's architecture; a run's own comes from "
-                                                          "the run (leave unset)")
+    model: ModelConfig = Field(
+        ModelConfig(), description="a checkpoint file's architecture; a run's own comes from the run (leave unset)"
+    )
     data: DataConfig = Field(DataConfig(), description="images, batches and augmentation")
     aug: AugConfig = Field(AugConfig(), description="mixup / cutmix and the loss")
     optim: OptimConfig = Field(OptimConfig(lr=1e-4, lr_batch=0), description="the optimizer")
-    train: TrainConfig = Field(TrainConfig(
-        schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
-        description="the shared engine (train.max_steps is the N of the comparison)")
+    train: TrainConfig = Field(
+        TrainConfig(schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
+        description="the shared engine (train.max_steps is the N of the comparison)",
+    )
 
     @rule
     def _heads(self) -> None:
         spec = self.laplacian_heads
         if self.select == "score" and not is_count(spec):
-            raise ConfigError(f"select: score picks k heads per layer and needs an int laplacian_heads, got "
-                              f"{spec!r}; give explicit heads with select: trailing")
+            raise ConfigError(
+                f"select: score picks k heads per layer and needs an int laplacian_heads, got "
+                f"{spec!r}; give explicit heads with select: trailing"
+            )
         if spec != KEEP and self.method == "lora" and learnable_spec(spec) is not None:
-            raise ConfigError(f"laplacian_heads={spec!r} (learnable mixing) with method: lora would freeze the "
-                              "mixing parameters; use method: full")
+            raise ConfigError(
+                f"laplacian_heads={spec!r} (learnable mixing) with method: lora would freeze the "
+                "mixing parameters; use method: full"
+            )
 
     @run_rule
     def _run(self) -> None:
         if not self.init_from:
-            raise ConfigError("init_from is empty: set it to a finished classify run or a timm checkpoint file "
-                              "(e.g. --set init_from=runs/digits_k0)")
+            raise ConfigError(
+                "init_from is empty: set it to a finished classify run or a timm checkpoint file "
+                "(e.g. --set init_from=runs/digits_k0)"
+            )
         src = Path(self.init_from)
         if src.is_dir():
             own = run_model_config(src)
             if self.model != own and self.model != ModelConfig():
-                raise ConfigError(f"model.* is set, but init_from={self.init_from} is a run: its model comes from "
-                                  f"{src / 'final' / 'model.json'}; leave model unset (it is {to_dict(own)})")
+                raise ConfigError(
+                    f"model.* is set, but init_from={self.init_from} is a run: its model comes from "
+                    f"{src / 'final' / 'model.json'}; leave model unset (it is {to_dict(own)})"
+                )
             self.model = own
         elif not src.is_file():
             raise ConfigError(f"init_from={self.init_from} is neither a run directory nor a checkpoint file")
         check_channels(self.model, self.data.mean, self.data.std)  # the model of the run, if it is one
         if self.train.max_steps < 1:
-            raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps "
-                              "comparison")
+            raise ConfigError(
+                "train.max_steps must be set (>= 1): it is the N of the before / after N steps comparison"
+            )
 
 
 def run_model_config(run_dir: str | Path) -> ModelConfig:
@@ -138,8 +177,10 @@ def run_model_config(run_dir: str | Path) -> ModelConfig:
     """
     path = Path(run_dir) / "final" / "model.json"
     if not path.is_file():
-        raise CheckpointError(f"{path} does not exist; init_from must be a finished `lapheads train classify` run "
-                              "or a timm checkpoint file")
+        raise CheckpointError(
+            f"{path} does not exist; init_from must be a finished `lapheads train classify` run "
+            "or a timm checkpoint file"
+        )
     spec = read_json(path, "the model description of a classify run")
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
         raise CheckpointError(f"{path} has no 'model' mapping; is {run_dir} a classify run?")
@@ -172,8 +213,10 @@ def pretrained_model(cfg: RetrofitViTConfig, num_classes: int) -> nn.Module:
     if src.is_dir():
         model = load_classifier(src)
         if model.num_classes != num_classes:
-            raise ConfigError(f"init_from={src} predicts {model.num_classes} classes but data.train has "
-                              f"{num_classes}; retrofit on the run's task")
+            raise ConfigError(
+                f"init_from={src} predicts {model.num_classes} classes but data.train has "
+                f"{num_classes}; retrofit on the run's task"
+            )
         return model
     m = cfg.model
     head = getattr(timm.models.get_pretrained_cfg(m.name), "classifier", None) or "head"
@@ -181,13 +224,19 @@ def pretrained_model(cfg: RetrofitViTConfig, num_classes: int) -> nn.Module:
     # timm keeps the file's head only when its class count matches num_classes (then it drops it)
     overlay = {"file": str(src), "source": "", "num_classes": checkpoint_classes(src, head)}
     try:
-        return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=True,
-                                     pretrained_cfg_overlay=overlay, **timm_kwargs(m, num_classes))
+        return lap_timm.create_model(
+            m.name,
+            laplacian_heads=m.laplacian_heads,
+            pretrained=True,
+            pretrained_cfg_overlay=overlay,
+            **timm_kwargs(m, num_classes),
+        )
     except TypeError as e:
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e})") from None
     except RuntimeError as e:  # load_state_dict: missing / unexpected keys or shapes
-        raise CheckpointError(f"init_from={src} does not fit model {m.name!r} with these settings: "
-                              f"{str(e).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"init_from={src} does not fit model {m.name!r} with these settings: {str(e).splitlines()[0]}"
+        ) from None
 
 
 @torch.no_grad()
@@ -240,8 +289,9 @@ class RetrofitViTTask(ClassifyTask):
         else:
             spec: Any = cfg.laplacian_heads
             if cfg.select == "score":
-                batches = vision_batches(self.val_set, self.eval_tf, cfg.data.eval_batch_size,
-                                         cfg.score_batches * cfg.data.eval_batch_size)
+                batches = vision_batches(
+                    self.val_set, self.eval_tf, cfg.data.eval_batch_size, cfg.score_batches * cfg.data.eval_batch_size
+                )
                 self.switch_costs = switch_costs(model, batches)
                 spec = select_heads(self.switch_costs, int(spec))
             lap_timm.convert(model, spec)
@@ -255,8 +305,9 @@ class RetrofitViTTask(ClassifyTask):
 
     def _record(self, model: nn.Module) -> dict[str, float]:
         d = self.cfg.data
-        res = evaluate_classifier(model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size,
-                                  self.info.device, d.max_eval_items)
+        res = evaluate_classifier(
+            model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size, self.info.device, d.max_eval_items
+        )
         return {k: float(res[k]) for k in _RECORD}
 
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, Any]:
@@ -269,10 +320,19 @@ class RetrofitViTTask(ClassifyTask):
         c = self.cfg
         spec = super().model_spec()
         spec["model"] = dict(spec["model"], laplacian_heads=self.heads)  # what the classify loader rebuilds
-        return {**spec, "init_from": str(c.init_from), "method": c.method,
-                "original_laplacian_heads": self.original_heads, "laplacian_heads": self.heads, "select": c.select,
-                "switch_costs": self.switch_costs, "n_params": self.n_params, "n_trainable": self.n_trainable,
-                "before": self.before, "converted": self.converted}
+        return {
+            **spec,
+            "init_from": str(c.init_from),
+            "method": c.method,
+            "original_laplacian_heads": self.original_heads,
+            "laplacian_heads": self.heads,
+            "select": c.select,
+            "switch_costs": self.switch_costs,
+            "n_params": self.n_params,
+            "n_trainable": self.n_trainable,
+            "before": self.before,
+            "converted": self.converted,
+        }
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         if self.cfg.method != "lora":
@@ -291,9 +351,11 @@ class RetrofitViTRecipe(RetrofitRuns, ClassifyRecipe):
     name = "retrofit_vit"
     config_type = RetrofitViTConfig
     kind = "vit"
-    description = ("Switch k heads of a pretrained timm ViT classifier (a classify run or a checkpoint file) to "
-                   "Laplacian heads and continue training for train.max_steps (full or LoRA), against "
-                   "fine-tuning the unconverted model for the same steps (OUT/baseline).")
+    description = (
+        "Switch k heads of a pretrained timm ViT classifier (a classify run or a checkpoint file) to "
+        "Laplacian heads and continue training for train.max_steps (full or LoRA), against "
+        "fine-tuning the unconverted model for the same steps (OUT/baseline)."
+    )
     summary_keys = ("top1", "loss")
 
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitViTTask:

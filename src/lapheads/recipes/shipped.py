@@ -73,8 +73,10 @@ def resolve_any(spec: str, recipe: Optional[str] = None) -> str:
     if len(found) == 1:
         return str(found[0].path)
     if found:
-        raise ConfigError(f"--config {spec!r} names several shipped configs: {', '.join(c.name for c in found)}; "
-                          "give one of those names (or --recipe)")
+        raise ConfigError(
+            f"--config {spec!r} names several shipped configs: {', '.join(c.name for c in found)}; "
+            "give one of those names (or --recipe)"
+        )
     raise ConfigError(f"--config {spec!r} is neither a file nor a shipped config (`lapheads recipes` lists them)")
 
 
@@ -94,7 +96,11 @@ def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
         return str(found[0].path)
     names = ", ".join(c.path.stem for c in mine) or "none"
     if len(found) > 1:
-        raise ConfigError(f"--config {spec!r} names several shipped configs of {recipe}: "
-                          f"{', '.join(c.name for c in found)}; give one of those names")
-    raise ConfigError(f"--config {spec!r} is neither a file nor a shipped config of {recipe} "
-                      f"(shipped: {names}; `lapheads recipes` lists them all)")
+        raise ConfigError(
+            f"--config {spec!r} names several shipped configs of {recipe}: "
+            f"{', '.join(c.name for c in found)}; give one of those names"
+        )
+    raise ConfigError(
+        f"--config {spec!r} is neither a file nor a shipped config of {recipe} "
+        f"(shipped: {names}; `lapheads recipes` lists them all)"
+    )

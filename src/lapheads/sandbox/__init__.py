@@ -22,8 +22,16 @@ Design choices:
 
 from __future__ import annotations
 
-from .core import (UID_RANGE, ExecResult, SandboxStatus, SandboxUnavailableError, require_sandbox, run_code,
-                   run_many, sandbox_status)
+from .core import (
+    UID_RANGE,
+    ExecResult,
+    SandboxStatus,
+    SandboxUnavailableError,
+    require_sandbox,
+    run_code,
+    run_many,
+    sandbox_status,
+)
 from .humaneval import build_humaneval_program, check_program
 
 __all__ = [

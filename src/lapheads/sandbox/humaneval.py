@@ -20,8 +20,7 @@ from .core import ExecResult, run_code
 __all__ = ["build_humaneval_program", "check_program"]
 
 
-def build_humaneval_program(problem_prompt: str, completion: str, test: str,
-                            entry_point: str) -> str:
+def build_humaneval_program(problem_prompt: str, completion: str, test: str, entry_point: str) -> str:
     """The program HumanEval runs: prompt + completion + test + ``check(entry_point)``.
 
     Args:
@@ -33,8 +32,9 @@ def build_humaneval_program(problem_prompt: str, completion: str, test: str,
     return f"{problem_prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"
 
 
-def check_program(problem_prompt: str, completion: str, test: str, entry_point: str,
-                  timeout: float = 5.0, **kwargs: Any) -> ExecResult:
+def check_program(
+    problem_prompt: str, completion: str, test: str, entry_point: str, timeout: float = 5.0, **kwargs: Any
+) -> ExecResult:
     """Build the HumanEval program for one completion and run it in the sandbox.
 
     Args:
@@ -45,5 +45,4 @@ def check_program(problem_prompt: str, completion: str, test: str, entry_point: 
         timeout: wall-clock seconds.
         **kwargs: passed to :func:`run_code`.
     """
-    return run_code(build_humaneval_program(problem_prompt, completion, test, entry_point),
-                    timeout=timeout, **kwargs)
+    return run_code(build_humaneval_program(problem_prompt, completion, test, entry_point), timeout=timeout, **kwargs)

@@ -25,8 +25,7 @@ from ..errors import ConfigError
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 
-def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0,
-                    **kwargs: Any) -> nn.Module:
+def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0, **kwargs: Any) -> nn.Module:
     """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
 
     Args:
@@ -49,7 +48,7 @@ def load_backbone_weights(bb: nn.Module, path: Path) -> None:
     classifier ``head.*`` the backbone does not have is dropped."""
     sd = load_tensors(Path(path))
     if any(k.startswith("backbone.") for k in sd):
-        sd = {k[len("backbone."):]: v for k, v in sd.items() if k.startswith("backbone.")}
+        sd = {k[len("backbone.") :]: v for k, v in sd.items() if k.startswith("backbone.")}
     own = bb.state_dict()
     sd = {k: v for k, v in sd.items() if not (k.startswith("head.") and k not in own)}
     load_weights(bb, sd, source=str(path))
@@ -80,9 +79,14 @@ def frozen(bb: nn.Module, meta: dict, device: str | torch.device = "cpu") -> tup
     return bb.to(device), meta
 
 
-def timm_backbone(model: str, weights: Optional[str] = None, laplacian_heads: Any = None,
-                  img_size: Optional[int] = None, device: str | torch.device = "cpu",
-                  **timm_kwargs: Any) -> tuple[nn.Module, dict]:
+def timm_backbone(
+    model: str,
+    weights: Optional[str] = None,
+    laplacian_heads: Any = None,
+    img_size: Optional[int] = None,
+    device: str | torch.device = "cpu",
+    **timm_kwargs: Any,
+) -> tuple[nn.Module, dict]:
     """A frozen backbone from a timm name (``--model NAME``) and its metadata.
 
     Args:
@@ -101,7 +105,12 @@ def timm_backbone(model: str, weights: Optional[str] = None, laplacian_heads: An
         load_backbone_weights(bb, Path(weights))
     cfg = getattr(bb, "pretrained_cfg", {}) or {}
     heads = getattr(bb, "laplacian_heads", None)
-    meta = {"source": f"timm:{model}" + (f"+{weights}" if weights else " (random init)"), "timm_name": model,
-            "laplacian_heads": heads.to_config() if heads is not None else None, "img_size": img_size,
-            "mean": list(cfg.get("mean", IMAGENET_MEAN)), "std": list(cfg.get("std", IMAGENET_STD))}
+    meta = {
+        "source": f"timm:{model}" + (f"+{weights}" if weights else " (random init)"),
+        "timm_name": model,
+        "laplacian_heads": heads.to_config() if heads is not None else None,
+        "img_size": img_size,
+        "mean": list(cfg.get("mean", IMAGENET_MEAN)),
+        "std": list(cfg.get("std", IMAGENET_STD)),
+    }
     return frozen(bb, meta, device)

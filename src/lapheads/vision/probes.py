@@ -65,7 +65,9 @@ class _Mapped(torch.utils.data.Dataset):
 
 
 @torch.no_grad()
-def backbone_features(backbone: nn.Module, x: torch.Tensor, n_last_blocks: int = 1, avgpool: bool = False) -> torch.Tensor:
+def backbone_features(
+    backbone: nn.Module, x: torch.Tensor, n_last_blocks: int = 1, avgpool: bool = False
+) -> torch.Tensor:
     """Image features of a timm ViT: CLS tokens of the last ``n_last_blocks`` blocks (+ mean patch).
 
     With ``n_last_blocks=1`` and no ``avgpool`` this is the backbone's pooled output (DINO's k-NN
@@ -73,8 +75,9 @@ def backbone_features(backbone: nn.Module, x: torch.Tensor, n_last_blocks: int =
     """
     if n_last_blocks == 1 and not avgpool:
         return backbone(x).float()
-    inter = backbone.forward_intermediates(x, indices=n_last_blocks, return_prefix_tokens=True, norm=True,
-                                           output_fmt="NLC", intermediates_only=True)
+    inter = backbone.forward_intermediates(
+        x, indices=n_last_blocks, return_prefix_tokens=True, norm=True, output_fmt="NLC", intermediates_only=True
+    )
     feats = [prefix[:, 0] for _, prefix in inter]
     if avgpool:
         feats.append(inter[-1][0].mean(dim=1))
@@ -82,12 +85,20 @@ def backbone_features(backbone: nn.Module, x: torch.Tensor, n_last_blocks: int =
 
 
 @torch.no_grad()
-def extract_features(backbone: nn.Module, dataset: Any, transform: Callable, batch_size: int = 256,
-                     device: str | torch.device = "cpu", n_last_blocks: int = 1, avgpool: bool = False,
-                     num_workers: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def extract_features(
+    backbone: nn.Module,
+    dataset: Any,
+    transform: Callable,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    n_last_blocks: int = 1,
+    avgpool: bool = False,
+    num_workers: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Features ``(N, D)`` and labels ``(N,)`` of a data set of ``(image, label)`` items."""
-    loader = torch.utils.data.DataLoader(_Mapped(dataset, transform), batch_size=batch_size, shuffle=False,
-                                         num_workers=num_workers)
+    loader = torch.utils.data.DataLoader(
+        _Mapped(dataset, transform), batch_size=batch_size, shuffle=False, num_workers=num_workers
+    )
     feats, labels = [], []
     for x, y in loader:
         feats.append(backbone_features(backbone, x.to(device), n_last_blocks, avgpool).cpu())
@@ -100,9 +111,16 @@ def extract_features(backbone: nn.Module, dataset: Any, transform: Callable, bat
 # ---------------------------------------------------------------------------------------------
 # k-NN
 @torch.no_grad()
-def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feats: torch.Tensor,
-                 test_labels: torch.Tensor, ks: Sequence[int] = (10, 20), temperature: float = 0.07,
-                 num_classes: Optional[int] = None, chunk: int = 1024) -> dict[str, float]:
+def knn_classify(
+    train_feats: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_feats: torch.Tensor,
+    test_labels: torch.Tensor,
+    ks: Sequence[int] = (10, 20),
+    temperature: float = 0.07,
+    num_classes: Optional[int] = None,
+    chunk: int = 1024,
+) -> dict[str, float]:
     """Weighted k-NN top-1 accuracy (fractions) for each k, DINO style.
 
     Args:
@@ -121,11 +139,11 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     kmax = min(max(ks), len(tr))
     correct = {k: 0 for k in ks}
     for s in range(0, len(te), chunk):
-        sim = te[s:s + chunk] @ tr.T
+        sim = te[s : s + chunk] @ tr.T
         top, idx = sim.topk(kmax, dim=1)
         cand = train_labels[idx]  # (b, kmax)
         w = (top / temperature).exp()
-        y = test_labels[s:s + chunk]
+        y = test_labels[s : s + chunk]
         for k in ks:
             kk = min(k, kmax)
             votes = torch.zeros(len(y), C).scatter_add_(1, cand[:, :kk], w[:, :kk])
@@ -135,10 +153,19 @@ def knn_classify(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
 
 # ---------------------------------------------------------------------------------------------
 # linear probe
-def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_feats: torch.Tensor,
-                 test_labels: torch.Tensor, num_classes: Optional[int] = None, epochs: int = 50,
-                 lr: float = 1e-3, optimizer: str = "adamw", weight_decay: float = 0.0, batch_size: int = 256,
-                 seed: int = 0) -> dict[str, float]:
+def linear_probe(
+    train_feats: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_feats: torch.Tensor,
+    test_labels: torch.Tensor,
+    num_classes: Optional[int] = None,
+    epochs: int = 50,
+    lr: float = 1e-3,
+    optimizer: str = "adamw",
+    weight_decay: float = 0.0,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> dict[str, float]:
     """Train a linear classifier on cached frozen features; top-1 accuracy (fraction) on train and test.
 
     Args:
@@ -155,9 +182,11 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.01, generator=g)
         lin.bias.zero_()
-    opt: torch.optim.Optimizer = (torch.optim.SGD(lin.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
-                                  if optimizer == "sgd" else
-                                  torch.optim.AdamW(lin.parameters(), lr=lr, weight_decay=weight_decay))
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(lin.parameters(), lr=lr, momentum=0.9, weight_decay=weight_decay)
+        if optimizer == "sgd"
+        else torch.optim.AdamW(lin.parameters(), lr=lr, weight_decay=weight_decay)
+    )
     n = len(train_feats)
     steps_ep = max(1, math.ceil(n / batch_size))
     total = epochs * steps_ep
@@ -168,7 +197,7 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
         for s in range(0, n, batch_size):
             for grp in opt.param_groups:
                 grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
-            b = perm[s:s + batch_size]
+            b = perm[s : s + batch_size]
             loss = F.cross_entropy(lin(x[b]), y[b])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -182,8 +211,9 @@ def linear_probe(train_feats: torch.Tensor, train_labels: torch.Tensor, test_fea
 
 # ---------------------------------------------------------------------------------------------
 # segmentation
-def confusion_matrix(pred: torch.Tensor, target: torch.Tensor, num_classes: int,
-                     ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def confusion_matrix(
+    pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
     """Brute-force ``(C, C)`` count, rows = target class, columns = predicted class."""
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     t = target.reshape(-1).tolist()
@@ -255,11 +285,24 @@ class _SegView(torch.utils.data.Dataset):
         return self.tf(img), small, mask
 
 
-def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_classes: int, img_size: int,
-                       mean: Sequence[float], std: Sequence[float], layer: int = -1, epochs: int = 20,
-                       lr: float = 1e-3, weight_decay: float = 1e-4, batch_size: int = 16, seed: int = 0,
-                       device: str | torch.device = "cpu", cache_mb: float = 2048.0,
-                       ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+def segmentation_probe(
+    backbone: nn.Module,
+    train_set: Any,
+    val_set: Any,
+    num_classes: int,
+    img_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    layer: int = -1,
+    epochs: int = 20,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-4,
+    batch_size: int = 16,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    cache_mb: float = 2048.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> dict[str, Any]:
     """Train a linear segmentation head on frozen patch tokens; mIoU on ``val_set``.
 
     Args:
@@ -303,7 +346,7 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
     for ep in range(epochs):
         perm = torch.randperm(n, generator=g)
         for s in range(0, n, batch_size):
-            b = perm[s:s + batch_size]
+            b = perm[s : s + batch_size]
             if cached is not None:
                 f, m = feats_all[b].to(device), masks_all[b].to(device)
             else:
@@ -328,6 +371,7 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
 
     head.eval()
     from torchmetrics.classification import MulticlassJaccardIndex  # lazy: several s to import, this probe only
+
     jac = MulticlassJaccardIndex(num_classes=num_classes, ignore_index=ignore_index, average="macro")
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
     trivial_cm = torch.zeros_like(cm)
@@ -348,7 +392,15 @@ def segmentation_probe(backbone: nn.Module, train_set: Any, val_set: Any, num_cl
     miou_bf, per_class = miou_from_confusion(cm)
     trivial, _ = miou_from_confusion(trivial_cm)
     valid = cm.sum()
-    return {"miou": float(jac.compute()), "miou_bruteforce": miou_bf,
-            "pixel_acc": float(cm.diag().sum()) / max(1, int(valid)), "trivial_miou": trivial,
-            "per_class_iou": per_class, "num_classes": num_classes, "layer": layer,
-            "train_images": len(tr), "val_images": len(va), "cached_features": cached is not None}
+    return {
+        "miou": float(jac.compute()),
+        "miou_bruteforce": miou_bf,
+        "pixel_acc": float(cm.diag().sum()) / max(1, int(valid)),
+        "trivial_miou": trivial,
+        "per_class_iou": per_class,
+        "num_classes": num_classes,
+        "layer": layer,
+        "train_images": len(tr),
+        "val_images": len(va),
+        "cached_features": cached is not None,
+    }

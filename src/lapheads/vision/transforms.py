@@ -42,14 +42,27 @@ from torchvision.transforms.v2 import functional as TF
 
 from ..errors import ConfigError
 
-__all__ = ["build_transforms", "ToMode", "RandomGaussianBlurPIL", "to_float_image", "MultiCropAugment",
-           "EvalTransform", "IMAGENET_MEAN", "IMAGENET_STD", "check_channels", "in_chans_of"]
+__all__ = [
+    "build_transforms",
+    "ToMode",
+    "RandomGaussianBlurPIL",
+    "to_float_image",
+    "MultiCropAugment",
+    "EvalTransform",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "check_channels",
+    "in_chans_of",
+]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-_INTERP = {"bicubic": InterpolationMode.BICUBIC, "bilinear": InterpolationMode.BILINEAR,
-           "nearest": InterpolationMode.NEAREST}
+_INTERP = {
+    "bicubic": InterpolationMode.BICUBIC,
+    "bilinear": InterpolationMode.BILINEAR,
+    "nearest": InterpolationMode.NEAREST,
+}
 
 
 def _timm_kwargs(model: Any, kwargs_field: str) -> Mapping[str, Any]:
@@ -81,15 +94,19 @@ def check_channels(model: Any, mean: Any, std: Any, where: str = "data", kwargs_
     """
     extra = _timm_kwargs(model, kwargs_field)
     if "in_chans" in extra and model.in_chans != 3 and extra["in_chans"] != model.in_chans:
-        raise ConfigError(f"model.{kwargs_field}.in_chans={extra['in_chans']!r} contradicts "
-                          f"model.in_chans={model.in_chans}; set only model.in_chans")
+        raise ConfigError(
+            f"model.{kwargs_field}.in_chans={extra['in_chans']!r} contradicts "
+            f"model.in_chans={model.in_chans}; set only model.in_chans"
+        )
     c = extra.get("in_chans", model.in_chans)
     if c not in (1, 3) or isinstance(c, bool):
         raise ConfigError(f"model.in_chans={c!r} must be 1 (greyscale) or 3 (RGB)")
     for name, v in (("mean", mean), ("std", std)):
         if len(v) != c:
-            raise ConfigError(f"{where}.{name} has {len(v)} value(s) but model.in_chans={c} needs {c} "
-                              f"(e.g. {where}.mean: [0.5] and {where}.std: [0.5] for a greyscale model)")
+            raise ConfigError(
+                f"{where}.{name} has {len(v)} value(s) but model.in_chans={c} needs {c} "
+                f"(e.g. {where}.mean: [0.5] and {where}.std: [0.5] for a greyscale model)"
+            )
 
 
 class ToMode:
@@ -187,11 +204,15 @@ def build_transforms(
         if hflip > 0:
             ops.append(v2.RandomHorizontalFlip(hflip))
         if three_augment:
-            ops.append(v2.RandomChoice([
-                v2.Grayscale(num_output_channels=in_chans),
-                v2.RandomSolarize(threshold=128, p=1.0),
-                RandomGaussianBlurPIL(0.1, 2.0),
-            ]))
+            ops.append(
+                v2.RandomChoice(
+                    [
+                        v2.Grayscale(num_output_channels=in_chans),
+                        v2.RandomSolarize(threshold=128, p=1.0),
+                        RandomGaussianBlurPIL(0.1, 2.0),
+                    ]
+                )
+            )
         if color_jitter:
             ops.append(v2.ColorJitter(color_jitter, color_jitter, color_jitter))
     else:
@@ -281,9 +302,11 @@ class MultiCropAugment:
             ops.append(v2.Normalize(list(c.mean), list(c.std)))
             return v2.Compose(ops)
 
-        return [pipe(c.global_size, c.global_scale, 1.0, 0.0),
-                pipe(c.global_size, c.global_scale, 0.1, c.solarize),
-                pipe(c.local_size, c.local_scale, 0.5, 0.0)]
+        return [
+            pipe(c.global_size, c.global_scale, 1.0, 0.0),
+            pipe(c.global_size, c.global_scale, 0.1, c.solarize),
+            pipe(c.local_size, c.local_scale, 0.5, 0.0),
+        ]
 
     def __call__(self, item: Any) -> tuple[list[torch.Tensor], Any]:
         if self._t is None:
@@ -310,8 +333,9 @@ class EvalTransform:
     def __call__(self, img: Any) -> torch.Tensor:
         x = to_float_image(img, self.channels)
         if tuple(x.shape[-2:]) != (self.size, self.size):
-            x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", antialias=True,
-                              align_corners=False)[0]
+            x = F.interpolate(
+                x[None], size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False
+            )[0]
         m = torch.tensor(self.mean).view(-1, 1, 1)
         s = torch.tensor(self.std).view(-1, 1, 1)
         return (x - m) / s

@@ -120,7 +120,7 @@ def choice_doc_to_text(doc: dict) -> str:
 
 def choice_doc_to_choice(doc: dict) -> list[str]:
     """The letters scored, one per choice (``doc_to_choice``)."""
-    return list(LETTERS[:len(_choice_item(doc).choices or [])])
+    return list(LETTERS[: len(_choice_item(doc).choices or [])])
 
 
 def choice_doc_to_target(doc: dict) -> int:
@@ -332,8 +332,12 @@ def chat_task_config(name: str, path: Optional[str] = None, repeats: Optional[in
     cfg = load_yaml(TASKS_DIR / f"{task}.yaml", resolve_func=True, recursive=True)
     cfg.pop("tag", None)  # an inline config is not indexed: a tag would mean nothing
     if path is not None:
-        cfg.update(dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": {"test": str(path)}},
-                   test_split="test")
+        cfg.update(
+            dataset_path="json",
+            dataset_name=None,
+            dataset_kwargs={"data_files": {"test": str(path)}},
+            test_split="test",
+        )
     if repeats is not None:
         cfg["repeats"] = repeats
     return cfg
