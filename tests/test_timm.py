@@ -123,8 +123,9 @@ def test_layer_masks_fused_eager_reference(mask_kind):
         layer.fused_attn = False
         b = layer(x, attn_mask=mask, is_causal=causal)
         qkv = layer.qkv(x).reshape(2, 7, 3, 4, 8).permute(2, 0, 3, 1, 4)
-        ref, _ = laplacian_attention_reference(*qkv.unbind(0), laplacian_heads=layer.laplacian_selection.mask(),
-                                               attn_mask=mask, is_causal=causal)
+        ref, _ = laplacian_attention_reference(
+            *qkv.unbind(0), laplacian_heads=layer.laplacian_selection.mask(), attn_mask=mask, is_causal=causal
+        )
         ref = layer.proj(ref.transpose(1, 2).reshape(2, 7, 32))
     torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(a, ref, atol=2e-5, rtol=1e-5)
@@ -237,8 +238,11 @@ def test_set_laplacian_heads_per_layer_after_construction():
 def test_registered_names_create_models_with_the_right_masks():
     assert len(lt.REGISTERED_MODELS) == 6 + 12 + 16
     assert set(timm.list_models("deit3_*_lap*")) == set(lt.REGISTERED_MODELS)
-    for name, heads, k in [("deit3_small_patch16_224_lap5", 6, 5), ("deit3_base_patch16_224_lap12", 12, 12),
-                           ("deit3_large_patch16_224_lap1", 16, 1)]:
+    for name, heads, k in [
+        ("deit3_small_patch16_224_lap5", 6, 5),
+        ("deit3_base_patch16_224_lap12", 12, 12),
+        ("deit3_large_patch16_224_lap1", 16, 1),
+    ]:
         # embed_dim shrunk (4 per head) so ViT-L builds in milliseconds; heads come from the variant
         model = timm.create_model(name, depth=2, img_size=32, num_classes=3, embed_dim=4 * heads)
         assert model.blocks[0].attn.num_heads == heads

@@ -10,36 +10,70 @@ import math
 
 import pytest
 import torch
-from transformers import (AttentionInterface, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, NanoChatConfig, NanoChatForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+from _lm_helpers import greedy_by_recompute
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    NanoChatConfig,
+    NanoChatForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import lapheads.transformers as lt
 from lapheads import ConfigError
-
-from _lm_helpers import greedy_by_recompute
 
 V = 97
 
 
 def _config(arch: str, **kw):
     if arch == "nanochat":
-        return NanoChatConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=4, **kw)
+        return NanoChatConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            **kw,
+        )
     if arch == "llama":  # grouped-query attention: 4 query heads over 2 KV heads
-        return LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, **kw)
+        return LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **kw,
+        )
     if arch == "qwen3":
-        return Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, **kw)
+        return Qwen3Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            **kw,
+        )
     if arch == "gpt2":
         return GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, **kw)
     raise AssertionError(arch)
 
 
-_CLASSES = {"nanochat": NanoChatForCausalLM, "llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM,
-            "gpt2": GPT2LMHeadModel}
+_CLASSES = {
+    "nanochat": NanoChatForCausalLM,
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gpt2": GPT2LMHeadModel,
+}
 ARCHS = list(_CLASSES)
 
 
@@ -88,8 +122,8 @@ def _manual_attention(module, query, key, value, attention_mask, scaling=None, d
     out = p @ value
     k = _REF_HEADS.get(module.layer_idx, 0)
     if k:
-        own = value[:, :, tk - tq:, :]
-        out = torch.cat([out[:, : h - k], own[:, h - k:] - out[:, h - k:]], dim=1)
+        own = value[:, :, tk - tq :, :]
+        out = torch.cat([out[:, : h - k], own[:, h - k :] - out[:, h - k :]], dim=1)
     return out.transpose(1, 2).contiguous(), p
 
 
@@ -108,10 +142,31 @@ def _left_padded(rng_seed: int = 1):
 
 # --------------------------------------------------------------------------- tests
 def test_registration_names():
-    assert lt.ATTN_IMPLEMENTATION in AttentionInterface._global_mapping
-    assert lt.EAGER_ATTN_IMPLEMENTATION in AttentionInterface._global_mapping
-    assert lt.ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping
-    assert lt.EAGER_ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping
+    for name in (
+        lt.ATTN_IMPLEMENTATION,
+        lt.FUSED_ATTN_IMPLEMENTATION,
+        lt.EAGER_ATTN_IMPLEMENTATION,
+        lt.SAVED_ATTN_IMPLEMENTATION,
+        lt.SAVED_FUSED_ATTN_IMPLEMENTATION,
+        lt.SAVED_EAGER_ATTN_IMPLEMENTATION,
+    ):
+        assert name in AttentionInterface._global_mapping and name in AttentionMaskInterface._global_mapping
+    # the fused twin's name claims no built-in backend, so transformers' SDPA-support check never sees it
+    assert "sdpa" not in lt.FUSED_ATTN_IMPLEMENTATION and "flash" not in lt.FUSED_ATTN_IMPLEMENTATION
+    assert AttentionInterface._global_mapping[lt.FUSED_ATTN_IMPLEMENTATION] is lt.laplacian_sdpa_attention_forward
+    # the name saved for a model that needs indexing is NOT registered: a plain load is refused, naming the fix
+    indexed = lt.ATTN_IMPLEMENTATION + lt.INDEXED_ATTN_IMPLEMENTATION_SUFFIX
+    assert indexed not in AttentionInterface._global_mapping and lt.is_laplacian_implementation(indexed)
+    assert "lapheads.transformers.from_pretrained" in indexed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decoders_stay_plain_loadable(arch):
+    """A decoder's modules carry their stack index as layer_idx: the saved name is the registered alias."""
+    model = _model(arch, [1, 3])
+    assert model.config.to_dict()["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
+    attn = [m for m in lt.mixing_modules(model)]
+    assert [m.laplacian_layer for m in attn] == [m.layer_idx for m in attn] == [0, 1]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -224,8 +279,9 @@ def test_preallocated_buffer_refused_in_attention_function():
 
 
 def test_sliding_window_layers_decode_like_full_recompute():
-    model = _model("qwen3", [2, 1], use_sliding_window=True, sliding_window=4,
-                   layer_types=["sliding_attention", "full_attention"])
+    model = _model(
+        "qwen3", [2, 1], use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+    )
     prompt = torch.randint(3, V, (1, 6), generator=torch.Generator().manual_seed(5))
     gen = model.generate(prompt, max_new_tokens=6, do_sample=False)
     seq = greedy_by_recompute(model, prompt, 6)
@@ -258,8 +314,9 @@ def test_save_and_load_round_trip(tmp_path):
     assert loaded.config._attn_implementation == lt.ATTN_IMPLEMENTATION
     ids = torch.randint(3, V, (1, 6))
     assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
-    explicit = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=lt.ATTN_IMPLEMENTATION,
-                                                    dtype=torch.float64)
+    explicit = AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation=lt.ATTN_IMPLEMENTATION, dtype=torch.float64
+    )
     assert torch.equal(explicit.eval()(ids).logits, model(ids).logits)
 
 
@@ -291,9 +348,16 @@ def laplacian_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("lap_ckpt")
     tok = train_tokenizer(["the list type is a mutable sequence; a tuple is not. " * 20], 300, path)
     torch.manual_seed(0)
-    cfg = NanoChatConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, bos_token_id=tok.bos_token_id,
-                         pad_token_id=None)
+    cfg = NanoChatConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=None,
+    )
     model = NanoChatForCausalLM(cfg).double().eval()
     lt.enable(model, [1, 4])
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -303,6 +367,7 @@ def laplacian_checkpoint(tmp_path_factory):
 
 def test_config_json_names_the_laplacian_implementation(laplacian_checkpoint, tmp_path):
     import json
+
     path, model, _ = laplacian_checkpoint
     saved = json.loads((path / "config.json").read_text())
     assert saved["laplacian_heads"] == [1, 4]
@@ -341,11 +406,14 @@ def test_marking_changes_one_config_not_transformers_classes(laplacian_checkpoin
         assert twin.laplacian_heads == [1, 4]
     # transformers' auto classes still recognise a marked config
     from transformers import AutoModelForCausalLM as Auto
+
     built = Auto.from_config(other)
     assert built.config.to_dict()["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
     built.save_pretrained(tmp_path / "built")
-    assert json.loads((tmp_path / "built" / "config.json").read_text())["attn_implementation"] == \
-        lt.SAVED_ATTN_IMPLEMENTATION
+    assert (
+        json.loads((tmp_path / "built" / "config.json").read_text())["attn_implementation"]
+        == lt.SAVED_ATTN_IMPLEMENTATION
+    )
 
 
 def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpoint, tmp_path):
@@ -363,9 +431,15 @@ def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpo
     pipe = pipeline("text-generation", model=str(path), dtype=torch.float64)
     assert torch.equal(pipe.model.eval()(ids).logits, want)
     text = pipe("the list type is", max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
-    gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                         eos_token_id=None, pad_token_id=tok.pad_token_id)
-    assert text == tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    gen = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=tok.pad_token_id,
+    )
+    assert text == tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
     # a model loaded the plain way and saved again keeps the key
     auto.save_pretrained(tmp_path / "again")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float64).eval()

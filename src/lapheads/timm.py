@@ -1,23 +1,51 @@
-"""Laplacian heads in timm Vision Transformers (timm >= 1.0.23, unmodified).
+"""Laplacian heads in timm models (timm >= 1.0.23, unmodified).
 
 What this module gives:
 
 * :class:`LaplacianAttention`, a subclass of ``timm.layers.Attention`` usable as ``attn_layer=`` of
   timm's ``VisionTransformer`` / ``Block``. The selected heads output ``V - P V`` instead of
-  ``P V`` (PAPER.md, "The operator").
-* :func:`convert` turns every ``timm.layers.Attention`` of an existing model into a
-  :class:`LaplacianAttention` IN PLACE, by swapping the instance's class: no parameter is created,
-  copied or re-initialised, so pretrained weights, optimizer references and ``state_dict`` keys are
-  all unchanged.
-* :func:`create_model` = ``timm.create_model`` + :func:`convert`, for any timm ViT.
+  ``P V`` (:mod:`lapheads.ops`).
+* :func:`convert` turns every convertible attention module of an existing model into its
+  Laplacian twin IN PLACE, by swapping the instance's class: no parameter is created, copied or
+  re-initialised, so pretrained weights, optimizer references and ``state_dict`` keys are all
+  unchanged.
+* :func:`create_model` = ``timm.create_model`` + :func:`convert`, for any timm name it converts.
 * Registered timm names for the paper's variants (see "Naming scheme" below), created by
   ``timm.create_model`` once ``lapheads.timm`` has been imported.
+
+Converted attention families (:data:`LAPLACIAN_CLASSES`, timm class -> Laplacian class):
+
+==========================================  =====================================================
+``timm.layers.Attention``                   ViT, DeiT, DeiT-3, DINOv2, CLIP, SigLIP, NaFlexViT, PiT,
+                                            MobileViT, CrossViT's branches, ...
+``timm.models.eva.EvaAttention``            EVA, EVA-02, DINOv3 (``vit_*_dinov3``), timm's RoPE ViTs
+                                            (``vit_*_rope_reg*_gap_256``): RoPE after the prefix
+                                            tokens, fused or separate q/k/v, q/v biases, sub-LN
+                                            (``norm``), gate
+``timm.layers.AttentionRope``               the RoPE-ViTs (``vit_*_patch16_rope[_mixed]_224``, EVA's
+                                            ``attn_type='rope'``), Qwen3 / DeepSeek ViT (grouped-query
+                                            K/V too)
+``timm.models.beit.Attention``              BEiT / BEiT v2: q/v biases, (shared) relative position bias
+``timm.models.swin_transformer``            Swin: attention per window, the shifted windows' mask,
+``.WindowAttention``                        relative position bias
+``timm.models.swin_transformer_v2``         Swin v2: cosine attention with the clamped logit scale,
+``.WindowAttention``                        continuous position bias (``16 sigmoid(cpb_mlp)``)
+``timm.models.vision_transformer_relpos``   RelPos ViT: ``rel_pos.get_bias()`` or the shared bias
+``.RelPosAttention``
+``timm.models.hiera.MaskUnitAttention``     Hiera: mask-unit (windowed) and global attention, the
+                                            layers that do not pool their queries
+``timm.models.levit.Attention``             LeViT: attention biases, linear or conv layout
+``timm.models.maxxvit.Attention2d`` /       MaxViT, CoAtNet, MaxxViT: block / grid partitions and
+``AttentionCl``                             2-d layers, relative position bias
+``timm.models.metaformer.Attention``        CAFormer's attention stages
+``timm.models.davit.WindowAttention``       DaViT's spatial (window) blocks
+==========================================  =====================================================
 
 Design choices:
 
 * A layer's selection is ``laplacian_selection``, a :class:`lapheads.heads.LayerHeads` (Python
   bools, resolved once; see its docstring for why not a tensor), set by
-  :meth:`LaplacianAttention.set_laplacian_heads`. It is a plain attribute, neither a parameter nor
+  :meth:`LaplacianLayer.set_laplacian_heads`. It is a plain attribute, neither a parameter nor
   a buffer, so the ``state_dict`` keys are timm's: timm checkpoints load into converted models and
   converted checkpoints load into plain timm models. ``forward`` picks its code path from it, hands
   it to :func:`lapheads.laplacian_attention` as is (fused path), and applies it by slicing
@@ -25,20 +53,40 @@ Design choices:
   ``torch.compile(fullgraph=True)`` works. The selection that rebuilds the model is stored as
   ``model.laplacian_heads`` (a :class:`lapheads.LaplacianHeads`) and
   ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON); a saved run records it in its config.
-* A layer with no Laplacian head runs timm's own ``Attention.forward`` unchanged, so the k = 0 model
-  is bit-identical to timm on both paths and costs nothing extra.
-* Fused path (``fused_attn=True``, timm's default): :func:`lapheads.laplacian_attention` (one SDPA
-  call, then ``v - out`` on the selected heads). Eager path (``fused_attn=False``): timm's explicit
-  softmax, ``attn_drop`` applied to P only (the identity term is never dropped), then
-  ``v - P v`` on the selected heads. On both paths a query row whose mask hides every key has
-  ``P = 0`` (the operator's rule, :mod:`lapheads.ops`), so its Laplacian heads output ``v``; the
-  eager softmax runs in float32 for that (:func:`lapheads.ops.masked_softmax`). A layer with no
-  Laplacian head is timm's own code, where such a row is NaN on the eager path. ``qk_norm``, ``scale_norm`` (``self.norm``), timm's output
-  gate (``gated=True``, newer timm), ``attn_mask`` and ``is_causal`` behave exactly as in timm.
+* A layer with no Laplacian head runs timm's own ``forward`` unchanged, so the k = 0 model is
+  bit-identical to timm on every path of every converted family and costs nothing extra.
+* A Laplacian layer's ``forward`` computes q, k and v the way timm's forward does, from the
+  module's own pieces (its projections, ``q_norm`` / ``k_norm``, timm's ``apply_rot_embed_cat``,
+  ``_get_rel_pos_bias``, ``rel_pos.get_bias``, ``get_attention_biases``), folds every position
+  bias and window mask into ONE additive float mask, and calls the operator once
+  (:meth:`LaplacianLayer._laplacian_attend`); then it finishes as timm does (sub-LN ``norm``,
+  gate, ``proj``). Swin's shifted-window mask is added to the bias per window exactly as timm's
+  fused branch does; Swin v2's cosine attention is ``normalize(q) * logit_scale`` against
+  ``normalize(k)`` at scale 1, so it runs through SDPA too (timm has only an eager branch there).
+* Fused path (``fused_attn=True``, or a module without that switch: Swin v2, LeViT):
+  :func:`lapheads.laplacian_attention` (one SDPA call, then ``v - out`` on the selected heads).
+  Eager path (``fused_attn=False``, e.g. Swin v1's default): explicit scores plus the same mask,
+  ``attn_drop`` applied to P only (the identity term is never dropped), then ``v - P v`` on the
+  selected heads. On both paths a query row whose mask hides every key has ``P = 0`` (the
+  operator's rule, :mod:`lapheads.ops`), so its Laplacian heads output ``v``; the eager softmax
+  runs in float32 for that (:func:`lapheads.ops.masked_softmax`). A layer with no Laplacian head is
+  timm's own code, where such a row is NaN on the eager path. ``qk_norm``, ``scale_norm``
+  (``self.norm``), timm's output gate (``gated=True``), ``attn_mask`` and ``is_causal`` behave
+  exactly as in timm.
+* A layer is converted only where a query's own value is among its keys (``I - P`` needs the
+  query's own position). Left standard, and listed with the reason by
+  :func:`skipped_attention_layers`: attention that pools or subsamples its queries (Hiera's
+  stage transitions, LeViT's ``AttentionDownsample``), spatial-reduction attention (PVT v2,
+  Twins' global sub-sampling, Next-ViT), cross-covariance / channel attention (XCiT, EdgeNeXt,
+  DaViT's channel blocks), class attention and latent-query pooling (CaiT, XCiT, VOLO, timm's
+  ``AttentionPoolLatent``), cross-attention (CrossViT), and attention without a token-to-token
+  softmax (linear, additive, factorized, talking-heads, outlook). A model none of whose layers
+  converts is refused with a :class:`ConfigError` naming those classes and reasons.
 * timm builds every block's ``attn_layer`` with the same keyword arguments and never tells it its
   depth, so a class can only carry a selection that is the same in every layer: use
   ``LaplacianAttention.with_heads(k)`` (a cached subclass whose default is k) as ``attn_layer``, or
-  build the model plainly and call :func:`convert`, which also takes per-layer selections.
+  build the model plainly and call :func:`convert`, which also takes per-layer selections (one
+  entry per converted layer, in :func:`laplacian_attention_layers` order).
 * Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``, issue 13): every
   converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
   head h applies ``a_h I + b_h P`` on both paths (fused: :class:`lapheads.HeadMix` through the
@@ -46,9 +94,9 @@ Design choices:
   ``state_dict`` (``blocks.<i>.attn.lap_mix_a``), so a learnable model saves and restores its mixing;
   loading a plain timm checkpoint into it needs ``strict=False`` (the mixing keeps its
   initialisation). Switching a layer back to a fixed selection removes the parameters.
-* Only modules whose class is exactly ``timm.layers.Attention`` (or already Laplacian) are
-  converted; other attention classes (``AttentionRope`` in EVA, attention pooling heads) are left
-  alone. A model with no convertible attention is refused with a :class:`ConfigError`.
+* Only modules whose class is EXACTLY one of :data:`LAPLACIAN_CLASSES`' keys (or already
+  Laplacian) are converted: a timm subclass may change the forward in ways the Laplacian twin
+  does not know.
 
 Naming scheme of the registered variants: ``<timm base name>_lap<k>`` = the timm model with the
 TRAILING k heads of EVERY layer Laplacian (the authors' convention), for the DeiT-3 ViT-S/B/L at
@@ -68,27 +116,74 @@ Other image sizes / class counts are timm keyword arguments (``img_size=192, num
 from __future__ import annotations
 
 import difflib
+import inspect
+import math
 import re
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, cast
 
-import timm
 import torch
+
+try:
+    import timm
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        "lapheads.timm needs timm, which is not installed: pip install timm (or lapheads[train])", name=e.name
+    ) from None
+import torch.nn.functional as F
 from timm.layers import Attention
+from timm.layers.attention import AttentionRope
+from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+from timm.models.beit import Attention as BeitAttention
+from timm.models.davit import WindowAttention as DavitWindowAttention
+from timm.models.eva import EvaAttention
+from timm.models.hiera import MaskUnitAttention
+from timm.models.levit import Attention as LevitAttention
+from timm.models.maxxvit import Attention2d as MaxxVitAttention2d
+from timm.models.maxxvit import AttentionCl as MaxxVitAttentionCl
+from timm.models.metaformer import Attention as MetaFormerAttention
+from timm.models.swin_transformer import WindowAttention as SwinWindowAttention
+from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAttention
+from timm.models.vision_transformer_relpos import RelPosAttention
 from torch import nn
 
 from .errors import ConfigError
-from .heads import (HeadMix, HeadSpec, LaplacianHeads, LayerHeads, laplacianness, learnable_spec, nearer_laplacian,
-                    register_mix,
-                    remove_mix)
+from .heads import (
+    HeadMix,
+    HeadSpec,
+    LaplacianHeads,
+    LayerHeads,
+    laplacianness,
+    learnable_spec,
+    nearer_laplacian,
+    register_mix,
+    remove_mix,
+)
 from .ops import laplacian_attention, masked_softmax, subtract_selected
 
+_L = TypeVar("_L", bound="LaplacianLayer")
+
 __all__ = [
+    "LaplacianLayer",
     "LaplacianAttention",
+    "LaplacianEvaAttention",
+    "LaplacianAttentionRope",
+    "LaplacianBeitAttention",
+    "LaplacianSwinWindowAttention",
+    "LaplacianSwinV2WindowAttention",
+    "LaplacianRelPosAttention",
+    "LaplacianMaskUnitAttention",
+    "LaplacianLevitAttention",
+    "LaplacianMaxxVitAttention2d",
+    "LaplacianMaxxVitAttentionCl",
+    "LaplacianMetaFormerAttention",
+    "LaplacianDavitWindowAttention",
+    "LAPLACIAN_CLASSES",
     "convert",
     "create_model",
     "laplacian_head_counts",
     "laplacian_attention_layers",
+    "skipped_attention_layers",
     "REGISTERED_MODELS",
     "VARIANT_BASES",
 ]
@@ -102,8 +197,214 @@ VARIANT_BASES: dict[str, int] = {
 
 _LAP_NAME = re.compile(r"^(?P<base>.+)_lap(?P<k>\d+)$")
 
+#: timm attention class -> its Laplacian twin (filled by :func:`_converts`).
+LAPLACIAN_CLASSES: dict[type, type["LaplacianLayer"]] = {}
 
-class LaplacianAttention(Attention):
+
+def _converts(stock: type) -> Callable[[type[_L]], type[_L]]:
+    """Class decorator: register ``cls`` as the Laplacian twin of the timm class ``stock``."""
+
+    def register(cls: type[_L]) -> type[_L]:
+        cls.laplacian_stock_class = stock
+        LAPLACIAN_CLASSES[stock] = cls
+        return cls
+
+    return register
+
+
+def _heads_of(module: Any) -> int:
+    """Number of query heads of a timm attention module (``num_heads``; Hiera calls it ``heads``)."""
+    n = getattr(module, "num_heads", None)
+    return int(n if n is not None else module.heads)
+
+
+class LaplacianLayer(nn.Module):
+    """Base of every Laplacian timm attention class: the head selection and the Laplacian core.
+
+    A Laplacian class is ``class LaplacianX(LaplacianLayer, X)`` for a timm class X (this class
+    adds no parameter, buffer or ``__init__``, so :func:`convert` can swap a module's class); its
+    ``forward`` calls ``X.forward`` when no head is Laplacian (:attr:`laplacian_active` is False)
+    and otherwise computes q, k, v and the additive mask as X does and calls
+    :meth:`_laplacian_attend`.
+    """
+
+    if TYPE_CHECKING:  # the mixin's other attributes are those of the timm class it is mixed into
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    #: the timm class this one converts (set by the registration).
+    laplacian_stock_class: type = nn.Module
+    #: axis of the heads in timm's own attention matrix (``(..., H, N, N)``); read by references.
+    laplacian_head_axis: int = -3
+
+    @classmethod
+    def laplacian_refusal(cls, module: nn.Module) -> Optional[str]:
+        """Why this instance of the timm class cannot be made Laplacian (None: it can)."""
+        return None
+
+    # ------------------------------------------------------------------ head selection
+    def _init_laplacian(self, spec: Any) -> None:
+        # Called by __init__ and by convert() (after a __class__ swap, where __init__ never ran).
+        #: this layer's resolved selection (for learnable mixing: the heads that started Laplacian).
+        self.laplacian_selection = LayerHeads((False,) * _heads_of(self))
+        #: learnable mixing: lap_mix_a / lap_mix_b exist and drive the forward pass.
+        self.laplacian_learnable = False
+        self.set_laplacian_heads(spec)
+
+    def set_laplacian_heads(self, spec: Any) -> None:
+        """Choose the Laplacian heads of this layer (int k, "all", "none", indices, a bool mask, or "learn...").
+
+        A learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b`` at their initialisation; a fixed
+        one removes them.
+        """
+        n_heads = _heads_of(self)
+        learn = learnable_spec(spec)
+        if learn is not None:
+            selection = learn.init_selection(1, n_heads)[0]
+            register_mix(self, selection)
+            self.laplacian_selection, self.laplacian_learnable = selection, True
+            return
+        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
+            raise ConfigError(
+                f"{spec!r} is per-layer; a single {type(self).__name__} layer needs one layer's selection. "
+                "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model"
+            )
+        # Validate and resolve once (a tensor spec is read back here, once, not per call).
+        selection = LayerHeads.of(spec, n_heads)
+        remove_mix(self)
+        self.laplacian_selection, self.laplacian_learnable = selection, False
+
+    @property
+    def num_laplacian_heads(self) -> int:
+        """Number of Laplacian heads in this layer (learnable: heads now nearer Laplacian than standard)."""
+        if self.laplacian_learnable:
+            return sum(
+                nearer_laplacian(laplacianness(float(a), float(b)))
+                for a, b in zip(self.lap_mix_a.tolist(), self.lap_mix_b.tolist())
+            )
+        return self.laplacian_selection.count
+
+    @property
+    def laplacian_active(self) -> bool:
+        """True when the forward pass is Laplacian (a Laplacian head, or learnable mixing)."""
+        return self.laplacian_learnable or self.laplacian_selection.any
+
+    # ------------------------------------------------------------------ the Laplacian core
+    def _laplacian_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        *,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """This layer's heads over ``q, k, v`` (heads on dim -3): ``V - P V`` on the Laplacian ones.
+
+        Args:
+            q, k, v: ``(..., H, N, D)`` as timm computes them (after norms and RoPE).
+            attn_mask: boolean (True = attend) or additive float mask broadcastable to
+                ``(..., H, N, N)``: position biases and window masks, already summed.
+            is_causal: causal masking (wins over ``attn_mask`` on the eager path, timm's rule).
+            scale: softmax scale; None = ``1 / sqrt(D)``.
+
+        Returns:
+            ``(..., H, N, Dv)``.
+        """
+        drop = getattr(self, "attn_drop", None)
+        if getattr(self, "fused_attn", True):
+            return laplacian_attention(
+                q,
+                k,
+                v,
+                laplacian_heads=(
+                    HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
+                ),
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                scale=scale,
+                dropout_p=drop.p if (drop is not None and self.training) else 0.0,
+            )
+        attn = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-2, -1)
+        if is_causal:  # timm's convention: is_causal wins over attn_mask
+            attn = attn + attn.new_full((q.shape[-2], k.shape[-2]), float("-inf")).triu_(1)
+        elif attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn = attn.masked_fill(~attn_mask, float("-inf"))
+            else:
+                attn = attn + attn_mask
+        # Dropout on P only. masked_softmax: a fully masked query row has P = 0 (not NaN), as on
+        # the fused path (lapheads.ops, "Edge cases").
+        attn = masked_softmax(attn, dim=-1)
+        if drop is not None:
+            attn = drop(attn)
+        x = attn @ v
+        if self.laplacian_learnable:
+            return self.lap_mix_a.to(x.dtype).view(-1, 1, 1) * v + self.lap_mix_b.to(x.dtype).view(-1, 1, 1) * x
+        return subtract_selected(x, v, self.laplacian_selection)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        if self.laplacian_learnable:
+            mine = f"num_heads={_heads_of(self)}, laplacian_heads=learnable a I + b P"
+        else:
+            mine = f"num_heads={_heads_of(self)}, laplacian_heads={list(self.laplacian_selection.indices)}"
+        return f"{base}, {mine}" if base else mine
+
+
+# ---------------------------------------------------------------------- shared pieces
+def _biased_qkv(m: Any, x: torch.Tensor) -> torch.Tensor:
+    """The fused q/k/v projection with timm's separate q/v biases (``k_bias`` is a zero buffer)."""
+    if getattr(m, "q_bias", None) is None:
+        return m.qkv(x)
+    bias = torch.cat((m.q_bias, m.k_bias, m.v_bias))
+    if getattr(m, "qkv_bias_separate", False):
+        return m.qkv(x) + bias
+    return F.linear(x, m.qkv.weight, bias)
+
+
+def _split_heads(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(B, N, 3 * H * D)`` -> q, k, v of shape ``(B, H, N, D)`` (timm's q/k/v order)."""
+    b, n, _ = qkv.shape
+    q, k, v = qkv.reshape(b, n, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
+
+
+def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, N, D)`` -> ``(B, N, H * D)``."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
+def _as_mask(bias: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+    """An additive bias in the dtype of ``q`` (SDPA's rule; under autocast q is half, the bias float32)."""
+    if bias is None or bias.dtype == torch.bool or bias.dtype == q.dtype:
+        return bias
+    return bias.to(q.dtype)
+
+
+def _window_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], batch: int) -> torch.Tensor:
+    """Swin's per-window mask added to the position bias, as timm's fused branch builds it.
+
+    Args:
+        bias: ``(1, H, N, N)`` position bias.
+        mask: ``(nW, N, N)`` 0 / -100 shifted-window mask, or None.
+        batch: the windows' batch ``B * nW`` (window w of image b is row ``b * nW + w``).
+
+    Returns:
+        ``(1, H, N, N)`` without a mask, else ``(B * nW, H, N, N)``.
+    """
+    if mask is None:
+        return bias
+    nw, n = mask.shape[0], mask.shape[-1]
+    h = bias.shape[1]
+    full = bias.unsqueeze(1) + mask.to(bias.dtype).view(1, nw, 1, n, n)  # (1, nW, H, N, N)
+    return full.expand(batch // nw, -1, -1, -1, -1).reshape(batch, h, n, n)
+
+
+# ---------------------------------------------------------------------- the Laplacian classes
+@_converts(Attention)
+class LaplacianAttention(LaplacianLayer, Attention):
     """timm ``Attention`` whose selected heads output ``V - softmax(QK^T)V``.
 
     Same constructor as ``timm.layers.Attention`` plus ``laplacian_heads``.
@@ -114,8 +415,8 @@ class LaplacianAttention(Attention):
         *args: passed to ``timm.layers.Attention``.
         laplacian_heads: the heads of THIS layer that are Laplacian: an int k (trailing k heads),
             ``"all"``, ``"none"``, a list of head indices, a boolean mask of shape
-            ``(num_heads,)`` or a :class:`lapheads.heads.LayerHeads`. ``None`` uses the class default ``default_laplacian_heads``
-            (``"none"`` here; see :meth:`with_heads`).
+            ``(num_heads,)`` or a :class:`lapheads.heads.LayerHeads`. ``None`` uses the class default
+            ``default_laplacian_heads`` (``"none"`` here; see :meth:`with_heads`).
         **kwargs: passed to ``timm.layers.Attention`` (qkv_bias, qk_norm, attn_drop, proj_drop,
             norm_layer, scale_norm, ...).
     """
@@ -128,44 +429,6 @@ class LaplacianAttention(Attention):
         super().__init__(dim, num_heads, *args, **kwargs)
         self._init_laplacian(self.default_laplacian_heads if laplacian_heads is None else laplacian_heads)
 
-    # ------------------------------------------------------------------ head selection
-    def _init_laplacian(self, spec: Any) -> None:
-        # Called by __init__ and by convert() (after a __class__ swap, where __init__ never ran).
-        #: this layer's resolved selection (for learnable mixing: the heads that started Laplacian).
-        self.laplacian_selection = LayerHeads((False,) * self.num_heads)
-        #: learnable mixing: lap_mix_a / lap_mix_b exist and drive the forward pass.
-        self.laplacian_learnable = False
-        self.set_laplacian_heads(spec)
-
-    def set_laplacian_heads(self, spec: Any) -> None:
-        """Choose the Laplacian heads of this layer (int k, "all", "none", indices, a bool mask, or "learn...").
-
-        A learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b`` at their initialisation; a fixed
-        one removes them.
-        """
-        learn = learnable_spec(spec)
-        if learn is not None:
-            selection = learn.init_selection(1, self.num_heads)[0]
-            register_mix(self, selection)
-            self.laplacian_selection, self.laplacian_learnable = selection, True
-            return
-        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
-            raise ConfigError(
-                f"{spec!r} is per-layer; a single LaplacianAttention layer needs one layer's selection. "
-                "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model")
-        # Validate and resolve once (a tensor spec is read back here, once, not per call).
-        selection = LayerHeads.of(spec, self.num_heads)
-        remove_mix(self)
-        self.laplacian_selection, self.laplacian_learnable = selection, False
-
-    @property
-    def num_laplacian_heads(self) -> int:
-        """Number of Laplacian heads in this layer (learnable: heads now nearer Laplacian than standard)."""
-        if self.laplacian_learnable:
-            return sum(nearer_laplacian(laplacianness(float(a), float(b)))
-                       for a, b in zip(self.lap_mix_a.tolist(), self.lap_mix_b.tolist()))
-        return self.laplacian_selection.count
-
     @classmethod
     def with_heads(cls, laplacian_heads: Any) -> type["LaplacianAttention"]:
         """A subclass whose default selection is ``laplacian_heads`` (same for every layer).
@@ -177,21 +440,21 @@ class LaplacianAttention(Attention):
         if spec.kind not in ("k", "all", "none", "learn"):
             raise ConfigError(
                 f"LaplacianAttention.with_heads({laplacian_heads!r}): timm builds every layer with the same "
-                "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads")
+                "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads"
+            )
         key = (cls, str(spec.spec))
         if key not in cls._variants:
             name = f"{cls.__name__}_{str(spec.spec).replace(':', '_')}"
             cls._variants[key] = type(name, (cls,), {"default_laplacian_heads": spec.spec, "__module__": __name__})
         return cls._variants[key]
 
-    # ------------------------------------------------------------------ forward
     def forward(
         self,
         x: torch.Tensor,
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        if not (self.laplacian_learnable or self.laplacian_selection.any):
+        if not self.laplacian_active:
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
         gate_layer = getattr(self, "gate", None)  # timm >= 1.0.2x: optional sigmoid output gate
@@ -200,33 +463,9 @@ class LaplacianAttention(Attention):
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_attn:
-            x = laplacian_attention(
-                q, k, v,
-                laplacian_heads=(HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable
-                                 else self.laplacian_selection),
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                dropout_p=self.attn_drop.p if self.training else 0.0,
-            )
-        else:
-            attn = (q * self.scale) @ k.transpose(-2, -1)
-            if is_causal:  # timm's convention: is_causal wins over attn_mask
-                attn = attn + attn.new_full((N, N), float("-inf")).triu_(1)
-            elif attn_mask is not None:
-                if attn_mask.dtype == torch.bool:
-                    attn = attn.masked_fill(~attn_mask, float("-inf"))
-                else:
-                    attn = attn + attn_mask
-            # Dropout on P only. masked_softmax: a fully masked query row has P = 0 (not NaN), as on
-            # the fused path (lapheads.ops, "Edge cases").
-            attn = self.attn_drop(masked_softmax(attn, dim=-1))
-            x = attn @ v
-            if self.laplacian_learnable:
-                x = (self.lap_mix_a.to(x.dtype).view(-1, 1, 1) * v
-                     + self.lap_mix_b.to(x.dtype).view(-1, 1, 1) * x)
-            else:
-                x = subtract_selected(x, v, self.laplacian_selection)
+        x = self._laplacian_attend(
+            q, k, v, attn_mask, is_causal=is_causal, scale=None if self.fused_attn else self.scale
+        )
         x = x.transpose(1, 2).reshape(B, N, attn_dim)
         x = self.norm(x)
         if gate is not None:
@@ -235,63 +474,438 @@ class LaplacianAttention(Attention):
         x = self.proj_drop(x)
         return x
 
-    def extra_repr(self) -> str:
-        if self.laplacian_learnable:
-            return f"num_heads={self.num_heads}, laplacian_heads=learnable a I + b P"
-        return f"num_heads={self.num_heads}, laplacian_heads={list(self.laplacian_selection.indices)}"
+
+class _LaplacianRope(LaplacianLayer):
+    """EVA's attention and ``AttentionRope``: RoPE on the non-prefix tokens, sub-LN, gate."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        if self.qkv is not None:
+            q, k, v = _split_heads(_biased_qkv(self, x), self.num_heads)
+        else:
+            kv_heads = getattr(self, "num_kv_heads", self.num_heads)
+            q = self.q_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+            k = self.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+            v = self.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:  # rotate every token but the prefix (class / register) tokens
+            npt, half = self.num_prefix_tokens, getattr(self, "rotate_half", False)
+            q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+            k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+        groups = self.num_heads // k.shape[1]
+        if groups > 1:  # grouped-query K/V: query head h reads K/V head h // groups, as timm expands them
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        x = _merge_heads(self._laplacian_attend(q, k, v, attn_mask, is_causal=is_causal))
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
 
 
-# ---------------------------------------------------------------------- model-level helpers
-def laplacian_attention_layers(model: nn.Module) -> list[tuple[str, Attention]]:
+@_converts(EvaAttention)
+class LaplacianEvaAttention(_LaplacianRope, EvaAttention):
+    """``timm.models.eva.EvaAttention`` with Laplacian heads (EVA, EVA-02, DINOv3, timm's RoPE ViTs)."""
+
+
+@_converts(AttentionRope)
+class LaplacianAttentionRope(_LaplacianRope, AttentionRope):
+    """``timm.layers.AttentionRope`` with Laplacian heads (RoPE-ViT, EVA ``attn_type='rope'``, Qwen3 / DeepSeek ViT)."""
+
+
+@_converts(BeitAttention)
+class LaplacianBeitAttention(LaplacianLayer, BeitAttention):
+    """``timm.models.beit.Attention`` with Laplacian heads: q/v biases, own and shared relative position bias."""
+
+    def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, shared_rel_pos_bias=shared_rel_pos_bias)
+        q, k, v = _split_heads(_biased_qkv(self, x), self.num_heads)
+        bias = self._get_rel_pos_bias() if self.relative_position_bias_table is not None else None
+        if shared_rel_pos_bias is not None:
+            bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
+        x = _merge_heads(self._laplacian_attend(q, k, v, _as_mask(bias, q)))
+        return self.proj_drop(self.proj(x))
+
+
+@_converts(SwinWindowAttention)
+class LaplacianSwinWindowAttention(LaplacianLayer, SwinWindowAttention):
+    """Swin's ``WindowAttention`` with Laplacian heads: per window, relative position bias, shifted-window mask."""
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, mask=mask)
+        q, k, v = _split_heads(self.qkv(x), self.num_heads)
+        bias = _window_mask(self._get_rel_pos_bias(), mask, x.shape[0])
+        x = _merge_heads(
+            self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=None if self.fused_attn else self.scale)
+        )
+        return self.proj_drop(self.proj(x))
+
+
+def _swinv2_position_bias(m: Any) -> torch.Tensor:
+    """Swin v2's continuous position bias ``16 * sigmoid(cpb_mlp(coords))`` gathered to ``(1, H, N, N)``."""
+    n = m.window_size[0] * m.window_size[1]
+    table = m.cpb_mlp(m.relative_coords_table).view(-1, m.num_heads)
+    bias = table[m.relative_position_index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+    return (16 * torch.sigmoid(bias)).unsqueeze(0)
+
+
+@_converts(SwinV2WindowAttention)
+class LaplacianSwinV2WindowAttention(LaplacianLayer, SwinV2WindowAttention):
+    """Swin v2's ``WindowAttention`` with Laplacian heads: cosine attention with the clamped logit scale,
+    continuous position bias and the shifted-window mask, through the operator at scale 1."""
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, mask=mask)
+        q, k, v = _split_heads(_biased_qkv(self, x), self.num_heads)
+        logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # (H, 1, 1), timm's clamp
+        q, k = F.normalize(q, dim=-1) * logit_scale, F.normalize(k, dim=-1)
+        bias = _window_mask(_swinv2_position_bias(self), mask, x.shape[0])
+        x = _merge_heads(self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=1.0))
+        return self.proj_drop(self.proj(x))
+
+
+@_converts(RelPosAttention)
+class LaplacianRelPosAttention(LaplacianLayer, RelPosAttention):
+    """``RelPosAttention`` (RelPos ViT) with Laplacian heads: its own ``rel_pos`` bias, else the shared one."""
+
+    def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, shared_rel_pos=shared_rel_pos)
+        q, k, v = _split_heads(self.qkv(x), self.num_heads)
+        q, k = self.q_norm(q), self.k_norm(k)
+        rel_pos: Any = self.rel_pos
+        bias = rel_pos.get_bias() if rel_pos is not None else shared_rel_pos
+        x = _merge_heads(
+            self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=None if self.fused_attn else self.scale)
+        )
+        return self.proj_drop(self.proj(x))
+
+
+@_converts(MaskUnitAttention)
+class LaplacianMaskUnitAttention(LaplacianLayer, MaskUnitAttention):
+    """Hiera's ``MaskUnitAttention`` with Laplacian heads, mask-unit (windowed) or global.
+
+    Layers that pool their queries (``q_stride > 1``, the first block of a stage) are not
+    converted: a pooled query is no token among the keys.
+    """
+
+    @classmethod
+    def laplacian_refusal(cls, module: nn.Module) -> Optional[str]:
+        stride = int(getattr(module, "q_stride", 1))
+        if stride > 1:
+            return f"pools its queries (q_stride={stride}), so a query is no token among the keys and has no own value"
+        return None
+
+    @property
+    def laplacian_head_axis(self) -> int:  # type: ignore[override]
+        return -4 if self.use_mask_unit_attn else -3  # timm's (B, H, windows, N, N) vs (B, H, N, N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x)
+        B, N, _ = x.shape
+        if self.use_mask_unit_attn:
+            windows = N // (self.q_stride * self.window_size)
+            # (3, B, windows, H, tokens, D): heads on dim -3 for the operator
+            q, k, v = self.qkv(x).reshape(B, -1, windows, 3, self.heads, self.head_dim).permute(3, 0, 2, 4, 1, 5)
+            out = self._laplacian_attend(q, k, v)
+            x = out.permute(0, 3, 1, 2, 4).reshape(B, -1, self.dim_out)  # timm's (B, tokens, windows, H, D)
+        else:
+            q, k, v = _split_heads(self.qkv(x), self.heads)
+            x = _merge_heads(self._laplacian_attend(q, k, v))
+        return self.proj(x)
+
+
+@_converts(LevitAttention)
+class LaplacianLevitAttention(LaplacianLayer, LevitAttention):
+    """LeViT's ``Attention`` with Laplacian heads: learned attention biases, linear or conv layout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x)
+        split = [self.key_dim, self.key_dim, self.val_dim]
+        bias = self.get_attention_biases(x.device)  # (H, N, N)
+        if self.use_conv:
+            B, _, H, W = x.shape
+            q, k, v = (t.transpose(-2, -1) for t in self.qkv(x).view(B, self.num_heads, -1, H * W).split(split, dim=2))
+            out = self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=self.scale)
+            x = out.transpose(-2, -1).reshape(B, -1, H, W)
+        else:
+            B, N, _ = x.shape
+            q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, N, self.num_heads, -1).split(split, dim=3))
+            out = self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=self.scale)
+            x = out.transpose(1, 2).reshape(B, N, self.val_attn_dim)
+        return self.proj(x)
+
+
+class _LaplacianPlainQKV(LaplacianLayer):
+    """Attention that is one fused q/k/v projection, SDPA and an output projection (nothing else)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x)
+        q, k, v = _split_heads(self.qkv(x), self.num_heads)
+        x = self.proj(_merge_heads(self._laplacian_attend(q, k, v, scale=None if self.fused_attn else self.scale)))
+        drop = getattr(self, "proj_drop", None)
+        return drop(x) if drop is not None else x
+
+
+@_converts(MetaFormerAttention)
+class LaplacianMetaFormerAttention(_LaplacianPlainQKV, MetaFormerAttention):
+    """MetaFormer's ``Attention`` (CAFormer's attention stages) with Laplacian heads."""
+
+
+@_converts(DavitWindowAttention)
+class LaplacianDavitWindowAttention(_LaplacianPlainQKV, DavitWindowAttention):
+    """DaViT's spatial ``WindowAttention`` with Laplacian heads (its channel attention stays standard)."""
+
+
+@_converts(MaxxVitAttention2d)
+class LaplacianMaxxVitAttention2d(LaplacianLayer, MaxxVitAttention2d):
+    """MaxxViT's ``Attention2d`` (NCHW, CoAtNet-style blocks) with Laplacian heads."""
+
+    def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, shared_rel_pos=shared_rel_pos)
+        B, _, H, W = x.shape
+        if self.head_first:
+            q, k, v = self.qkv(x).view(B, self.num_heads, self.dim_head * 3, -1).chunk(3, dim=2)
+        else:
+            q, k, v = self.qkv(x).reshape(B, 3, self.num_heads, self.dim_head, -1).unbind(1)
+        q, k, v = q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)  # (B, H, N, D)
+        rel_pos: Any = self.rel_pos
+        bias = rel_pos.get_bias() if rel_pos is not None else shared_rel_pos
+        out = self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=self.scale)
+        return self.proj_drop(self.proj(out.transpose(-1, -2).reshape(B, -1, H, W)))
+
+
+@_converts(MaxxVitAttentionCl)
+class LaplacianMaxxVitAttentionCl(LaplacianLayer, MaxxVitAttentionCl):
+    """MaxxViT's channels-last ``AttentionCl`` (MaxViT's block and grid partitions) with Laplacian heads."""
+
+    def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not self.laplacian_active:
+            return super().forward(x, shared_rel_pos=shared_rel_pos)
+        B, shape = x.shape[0], x.shape[:-1]
+        if self.head_first:
+            q, k, v = self.qkv(x).view(B, -1, self.num_heads, self.dim_head * 3).transpose(1, 2).chunk(3, dim=3)
+        else:
+            q, k, v = self.qkv(x).reshape(B, -1, 3, self.num_heads, self.dim_head).transpose(1, 3).unbind(2)
+        rel_pos: Any = self.rel_pos
+        bias = rel_pos.get_bias() if rel_pos is not None else shared_rel_pos
+        out = self._laplacian_attend(q, k, v, _as_mask(bias, q), scale=self.scale)
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(shape + (-1,))))
+
+
+# ---------------------------------------------------------------------- what is not converted, and why
+_NO_OWN_QUERY = "so a query is no token among the keys and has no own value"
+_SPATIAL_REDUCTION = (
+    "spatial-reduction attention: the keys and values are pooled tokens, so a query's own value is not among them"
+)
+_CHANNELS = "attends over channels, not tokens, so no token has an own value among the keys"
+_CLASS_ATTN = "class attention: only the class token queries, the other tokens are keys only"
+_NO_P = "has no softmax over query-key scores, so there is no P to subtract from the identity"
+
+#: timm attention classes that are refused, by ``module.qualname``, with the reason.
+REFUSED_CLASSES: dict[str, str] = {
+    "timm.models.pvt_v2.Attention": _SPATIAL_REDUCTION,
+    "timm.models.twins.GlobalSubSampleAttn": _SPATIAL_REDUCTION,
+    "timm.models.nextvit.EfficientAttention": _SPATIAL_REDUCTION,
+    "timm.models.mvitv2.MultiScaleAttention": (
+        "pooling attention: queries and keys / values are pooled tokens, so a query's own value is not among the keys"
+    ),
+    "timm.models.xcit.XCA": f"cross-covariance attention {_CHANNELS}",
+    "timm.models.edgenext.CrossCovarianceAttn": f"cross-covariance attention {_CHANNELS}",
+    "timm.models.davit.ChannelAttention": f"channel attention {_CHANNELS}",
+    "timm.models.davit.ChannelAttentionV2": f"channel attention {_CHANNELS}",
+    "timm.models.cait.ClassAttn": _CLASS_ATTN,
+    "timm.models.volo.ClassAttention": _CLASS_ATTN,
+    "timm.layers.attention_pool.AttentionPoolLatent": (
+        "latent-query pooling: the queries are learned latents, not tokens"
+    ),
+    "timm.layers.attention_pool2d.AttentionPool2d": "attention pooling: the query is the pooled token, not a token",
+    "timm.layers.attention_pool2d.RotAttentionPool2d": "attention pooling: the query is the pooled token, not a token",
+    "timm.models.crossvit.CrossAttention": "cross-attention: the query is the other branch's class token",
+    "timm.models.levit.AttentionDownsample": f"subsamples its queries (stride 2), {_NO_OWN_QUERY}",
+    "timm.models.efficientformer_v2.Attention2dDownsample": f"subsamples its queries (stride 2), {_NO_OWN_QUERY}",
+    "timm.models.cait.TalkingHeadAttn": (
+        "talking-heads attention mixes the heads before and after the softmax, so no head has a P of its own"
+    ),
+    "timm.models.efficientvit_mit.LiteMLA": f"linear (ReLU-kernel) attention {_NO_P}",
+    "timm.models.swiftformer.EfficientAdditiveAttention": f"additive attention with one global query {_NO_P}",
+    "timm.models.coat.FactorAttnConvRelPosEnc": f"factorized attention (softmax over keys, then K^T V) {_NO_P}",
+    "timm.models.volo.OutlookAttention": f"outlook attention (local weights predicted from the centre token) {_NO_P}",
+    "timm.layers.split_attn.SplitAttn": "split attention weighs convolution branches per channel: no token attention",
+    "timm.layers.selective_kernel.SelectiveKernelAttn": (
+        "selective-kernel attention weighs convolution kernels per channel: no token attention"
+    ),
+    "timm.layers.split_attn.RadixSoftmax": "split attention's softmax over convolution branches: no token attention",
+    "timm.models.efficientvim.HSMSSD": "a state-space token mixer (hidden-state SSD) has no token-to-token softmax P",
+}
+
+_ATTENTION_NAME = re.compile(r"attn|attention|mhsa|shsa|gpsa|shma", re.IGNORECASE)
+_ATTENTION_CODE = re.compile(r"softmax|scaled_dot_product_attention")
+_SOURCE_SAYS_ATTENTION: dict[type, bool] = {}
+
+
+def _computes_attention(cls: Any) -> bool:
+    """Whether ``cls.forward`` (its source, read once per class) calls a softmax or SDPA."""
+    if cls not in _SOURCE_SAYS_ATTENTION:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        _SOURCE_SAYS_ATTENTION[cls] = bool(_ATTENTION_CODE.search(source))
+    return _SOURCE_SAYS_ATTENTION[cls]
+
+
+def _class_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _convertible(module: nn.Module) -> bool:
+    if isinstance(module, LaplacianLayer):
+        return True
+    lap = LAPLACIAN_CLASSES.get(type(module))
+    return lap is not None and lap.laplacian_refusal(module) is None
+
+
+def _looks_like_attention(module: nn.Module) -> bool:
+    cls = type(module)
+    if _class_key(cls) in REFUSED_CLASSES or cls in LAPLACIAN_CLASSES:
+        return True
+    if cls.__module__.startswith("torch.") or cls.__name__.endswith(("Block", "Stage")):
+        return False  # torch's own layers (nn.Softmax), and timm's blocks wrapping an attention module
+    return bool(_ATTENTION_NAME.search(cls.__name__)) or _computes_attention(cls)
+
+
+def laplacian_attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every convertible attention layer, in forward (block) order."""
-    return [(n, m) for n, m in model.named_modules() if type(m) is Attention or isinstance(m, LaplacianAttention)]
+    return [(n, m) for n, m in model.named_modules() if _convertible(m)]
+
+
+def skipped_attention_layers(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(name, class name, reason)`` of every attention module of ``model`` that :func:`convert` leaves standard.
+
+    An attention module is an instance of a class lapheads converts (which may refuse the instance:
+    Hiera's query-pooling layers), of a class in :data:`REFUSED_CLASSES`, or of any other class
+    that is named like attention (``*Attn*``, ``*Attention*``, ``*MHSA*``, ...) or whose
+    ``forward`` calls a softmax or SDPA, unless it only wraps such a module (a block) or is part of
+    one already accounted for.
+    """
+    out: list[tuple[str, str, str]] = []
+    seen: tuple[str, ...] = ()  # prefixes of the attention modules accounted for: their parts are not listed
+    for name, m in model.named_modules():
+        if seen and name.startswith(seen):
+            continue
+        if not _convertible(m) and not _looks_like_attention(m):
+            continue
+        lap = LAPLACIAN_CLASSES.get(type(m))
+        if _convertible(m):
+            reason = None
+        elif lap is not None:
+            reason = lap.laplacian_refusal(m)
+        elif _class_key(type(m)) in REFUSED_CLASSES:
+            reason = REFUSED_CLASSES[_class_key(type(m))]
+        elif any(_looks_like_attention(c) for c in m.modules() if c is not m):
+            continue  # a wrapper: its attention module is listed itself
+        else:
+            reason = "lapheads has no Laplacian form of this attention class yet"
+        if reason is not None:
+            out.append((name, type(m).__name__, reason))
+        seen += (f"{name}." if name else "",)
+    return out
 
 
 def laplacian_head_counts(model: nn.Module) -> list[int]:
-    """Number of Laplacian heads in each attention layer of ``model`` (0 for a plain timm layer)."""
-    return [m.num_laplacian_heads if isinstance(m, LaplacianAttention) else 0
-            for _, m in laplacian_attention_layers(model)]
+    """Number of Laplacian heads in each convertible attention layer of ``model`` (0 for a plain timm layer)."""
+    return [m.num_laplacian_heads if isinstance(m, LaplacianLayer) else 0 for _, m in laplacian_attention_layers(model)]
+
+
+def _nothing_to_convert(model: nn.Module) -> ConfigError:
+    skipped = skipped_attention_layers(model)
+    if not skipped:
+        return ConfigError(
+            f"{type(model).__name__} has no self-attention layer, so it has no heads to make "
+            "Laplacian; use a model with attention (vit_*, deit3_*, eva02_*, swin_*, beit_*, ...)"
+        )
+    reasons = list(dict.fromkeys(f"{cls} ({reason})" for _, cls, reason in skipped))
+    return ConfigError(
+        f"{type(model).__name__} has no attention layer lapheads can make Laplacian: " + "; ".join(reasons)
+    )
+
+
+def _layer_selections(spec: LaplacianHeads, heads: list[int]) -> list[LayerHeads]:
+    """One selection per layer, each validated against ITS head count (Swin, MaxViT, LeViT and Hiera
+    widen from stage to stage); the errors name the entry at fault as ``resolve`` does."""
+    n = len(heads)
+    if spec.kind not in ("per_layer_k", "per_layer_indices"):
+        return [spec.init_selection(n, h)[i] for i, h in enumerate(heads)]
+    if len(spec.spec) != n:
+        spec.resolve(n, max(heads))  # raises the "per-layer entries but the model has n layers" error
+    blank: Any = 0 if spec.kind == "per_layer_k" else []
+    return [
+        LaplacianHeads([entry if j == i else blank for j, entry in enumerate(spec.spec)]).resolve(n, h)[i]
+        for i, h in enumerate(heads)
+    ]
 
 
 def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
-    """Turn the attention of a timm ViT into Laplacian attention, in place, keeping every weight.
+    """Turn the attention of a timm model into Laplacian attention, in place, keeping every weight.
 
-    A fixed selection creates no parameter; a learnable one (``"learn..."``) adds ``lap_mix_a`` /
-    ``lap_mix_b`` to every converted layer (create the optimizer after converting).
+    Every module whose class is a key of :data:`LAPLACIAN_CLASSES` (and whose own value is among
+    its keys) gets its Laplacian class; other attention modules stay standard
+    (:func:`skipped_attention_layers` lists them with the reason). A fixed selection creates no
+    parameter; a learnable one (``"learn..."``) adds ``lap_mix_a`` / ``lap_mix_b`` to every
+    converted layer (create the optimizer after converting).
 
     Args:
-        model: a timm model whose blocks use ``timm.layers.Attention`` (ViT, DeiT, DeiT-3, ...);
-            already converted layers are re-selected.
+        model: a timm model with convertible attention (ViT, DeiT-3, EVA / EVA-02, DINOv3, RoPE ViT,
+            BEiT, Swin, Swin v2, RelPos ViT, Hiera, LeViT, MaxViT, ...); already converted layers
+            are re-selected.
         laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts: int k (trailing k heads
-            of every layer), ``"all"``, ``"none"``, a per-layer list of counts or of head indices.
-            Validated against the model before anything is changed.
+            of every layer), ``"all"``, ``"none"``, a per-layer list of counts or of head indices
+            (one entry per layer of :func:`laplacian_attention_layers`). Validated against the
+            model before anything is changed.
 
     Returns:
         the same ``model`` object, with ``model.laplacian_heads`` set to the selection.
+
+    Raises:
+        ConfigError: the model has no convertible attention layer (the message names its attention
+            classes and why each is refused), or the selection does not fit the model.
     """
     spec = LaplacianHeads(laplacian_heads)
     layers = laplacian_attention_layers(model)
     if not layers:
-        kinds = sorted({type(m).__name__ for m in model.modules() if "attention" in type(m).__name__.lower()})
-        raise ConfigError(
-            f"{type(model).__name__} has no timm.layers.Attention layer to convert"
-            + (f" (it has {', '.join(kinds)}, which lapheads does not convert)" if kinds else "")
-            + "; use a timm ViT family model (vit_*, deit_*, deit3_*)")
+        raise _nothing_to_convert(model)
     # Resolve every layer first (each with its own head count) so a bad spec changes nothing.
-    masks: list[Any] = [spec.init_selection(len(layers), m.num_heads)[i] for i, (_, m) in enumerate(layers)]
+    masks: list[Any] = _layer_selections(spec, [_heads_of(m) for _, m in layers])
     if spec.learnable:
         masks = [spec] * len(layers)  # each layer registers its (a, b) at the spec's initialisation
     for (_, m), mask in zip(layers, masks):
-        if isinstance(m, LaplacianAttention):
+        if isinstance(m, LaplacianLayer):
             m.set_laplacian_heads(mask)
         else:
-            # Class swap: LaplacianAttention adds no parameter, so the module keeps its tensors.
-            m.__class__ = LaplacianAttention
-            m._init_laplacian(mask)
-    model.laplacian_heads = spec
+            # Class swap: a Laplacian class adds no parameter, so the module keeps its tensors.
+            m.__class__ = LAPLACIAN_CLASSES[type(m)]
+            cast(Any, m)._init_laplacian(mask)
+    # plain attributes, not submodules: object.__setattr__ keeps nn.Module's typed __setattr__ out
+    object.__setattr__(model, "laplacian_heads", spec)
     cfg = getattr(model, "pretrained_cfg", None)
     if isinstance(cfg, dict):
-        model.pretrained_cfg = dict(cfg, laplacian_heads=spec.to_config())
+        object.__setattr__(model, "pretrained_cfg", dict(cfg, laplacian_heads=spec.to_config()))
     return model
 
 
@@ -310,11 +924,12 @@ def _unknown_model(name: str) -> ConfigError:
 
 
 def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any) -> nn.Module:
-    """Create a timm ViT with Laplacian heads.
+    """Create a timm model with Laplacian heads.
 
     Args:
-        name: any timm model name whose blocks use ``timm.layers.Attention`` (``vit_small_patch16_224``,
-            ``deit3_base_patch16_224``, ``deit3_base_patch16_224.fb_in1k``, ...), or a registered
+        name: any timm model name with attention :func:`convert` converts (``vit_small_patch16_224``,
+            ``deit3_base_patch16_224.fb_in1k``, ``eva02_small_patch14_224``, ``vit_small_patch16_dinov3``,
+            ``swin_tiny_patch4_window7_224``, ``beit_base_patch16_224``, ...), or a registered
             variant ``<base>_lap<k>`` (k then comes from the name).
         laplacian_heads: the selection (see :func:`convert`); ``None`` = none, or k from a
             ``_lap<k>`` name. Giving both a ``_lap<k>`` name and a different selection is an error.
@@ -330,7 +945,8 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
         if laplacian_heads is not None and LaplacianHeads(laplacian_heads) != LaplacianHeads(k):
             raise ConfigError(
                 f"model name {name!r} means laplacian_heads={k}, but laplacian_heads={laplacian_heads!r} was "
-                f"also given; use the base name {base!r} with laplacian_heads, or drop laplacian_heads")
+                f"also given; use the base name {base!r} with laplacian_heads, or drop laplacian_heads"
+            )
         laplacian_heads = k
         if timm_kwargs.get("pretrained"):
             raise _no_pretrained(name, base, k)
@@ -348,7 +964,8 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
 def _no_pretrained(name: str, base: str, k: int) -> ConfigError:
     return ConfigError(
         f"no pretrained weights exist for {name!r}; use pretrained=False, or start from the baseline weights "
-        f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k})")
+        f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k})"
+    )
 
 
 def _make_entrypoint(base: str, k: int):
@@ -362,8 +979,9 @@ def _make_entrypoint(base: str, k: int):
             kwargs.pop(key, None)
         model = timm.models.model_entrypoint(base)(pretrained=False, **kwargs)
         convert(model, k)
-        model.pretrained_cfg = dict(model.pretrained_cfg, architecture=name, tag=None, hf_hub_id=None,
-                                    url="", file=None, laplacian_heads=k)
+        model.pretrained_cfg = dict(
+            model.pretrained_cfg, architecture=name, tag=None, hf_hub_id=None, url="", file=None, laplacian_heads=k
+        )
         return model
 
     entrypoint.__name__ = name
