@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.lapheads-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps quickstart test test-fast bench clean
+.PHONY: setup system-deps quickstart lint docs test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -34,7 +34,19 @@ quickstart: setup
 # asserts of every test module and of hypothesis (__pycache__/ is git-ignored).
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadgroup --durations=15
 
-test: setup system-deps
+# Lint, formatting and types (ruff, mypy; configured in pyproject.toml): seconds, so they run first.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+# The docs site, strictly: a broken link, a missing reference or a docstring that does not render
+# fails the build (into build/site; without --quiet, which would hide a broken link's failure).
+# `make test` builds it too, as one test of tests/test_docs.py, so it shares the workers.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+test: setup system-deps lint
 	$(PYTEST) $(PYTEST_ARGS)
 
 test-fast: setup
@@ -44,4 +56,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

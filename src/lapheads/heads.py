@@ -1,6 +1,6 @@
 """Which heads of which layer are Laplacian.
 
-The authors' convention (PAPER.md, "The operator"): the Laplacian heads are the TRAILING k heads
+The authors' convention (docs/method.md): the Laplacian heads are the TRAILING k heads
 of a layer, and the same k is used in every layer. The LM code also takes a per-layer list.
 :class:`LaplacianHeads` accepts all of these and validates them against a concrete model shape:
 

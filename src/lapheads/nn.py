@@ -3,7 +3,7 @@
 :class:`MultiheadAttention` is a drop-in for ``torch.nn.MultiheadAttention``: same constructor,
 same ``forward`` signature and return values, same parameters and ``state_dict`` keys (so torch's
 weights load with ``load_state_dict`` and back), plus one keyword, ``laplacian_heads``, that
-turns the selected heads into Laplacian heads (output ``V - P V``, PAPER.md "The operator").
+turns the selected heads into Laplacian heads (output ``V - P V``, :mod:`lapheads.ops`).
 Design choices:
 
 * It subclasses the torch module, so parameters, initialisation, ``state_dict`` keys,

@@ -789,6 +789,16 @@ _GRID_CLAIMS_HOW = (
 )
 
 
+def run_figures(run_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
+    """The figures of one run's own report, drawn into ``out_dir``, as ``(file, "report/NAME")``:
+    what ``lapheads train`` hands to the run's trackers (:func:`lapheads.engine.trackers.add_final_files`).
+    A directory without ``config.yaml`` has none."""
+    if not (Path(run_dir) / "config.yaml").is_file():
+        return []
+    report = make_report([run_dir], out_dir, title=f"lapheads run {Path(run_dir).name}")
+    return [(Path(out_dir) / fig.path, f"report/{Path(fig.path).name}") for fig in report.figures()]
+
+
 def make_report(
     run_dirs: Sequence[str | Path],
     out_dir: str | Path,

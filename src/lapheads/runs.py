@@ -18,7 +18,7 @@ Every measurement setting of :func:`lapheads.geometry.analyze_model` can be give
 in the result's ``meta``. ``min_count`` defaults per kind: 1 for images (a class is an image
 label: every token of every image of the class counts) and :data:`LM_MIN_COUNT` for language
 runs, whose next-token classes are mostly rare and whose CDNV / NC1 over classes seen once or
-twice measure noise (the README recommends 5-20). Settings that a recipe cannot use
+twice measure noise (5-20 is a sensible --min-count for them). Settings that a recipe cannot use
 (``seq_len`` for images, ``include_prefix`` for text) are refused, not ignored.
 
 Results go to ``RUN/geometry/geometry.json`` (and figures next to it); the report reads them.

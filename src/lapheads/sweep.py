@@ -43,6 +43,10 @@ Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` made by the
   the sweep after the running ones end, with its error line and log named. Ctrl-C / SIGTERM are
   passed on: every running run stops at a step boundary with a checkpoint, and the same sweep
   command resumes them. With ``--jobs 1`` runs train in the sweep's own process.
+* ``--launcher slurm``: the runs that are not finished are one SLURM array job, one task per run,
+  each the same ``lapheads train`` command (engine.slurm, docs/slurm.md); the sweep waits for them
+  (``--no-wait``: it returns after the submission), and a run still queued from an earlier
+  submission is waited for, not submitted again.
 * Afterwards every run can be analysed (``--analyze``) and ``OUT/report/`` gets the comparison
   report (``lapheads report``).
 """
@@ -59,27 +63,26 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from tqdm.auto import tqdm
 
 from .engine.config import load_config, to_dict
-from .engine.threads import available_cpus
 from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes, lock_dir
-from .errors import ConfigError, RunFailed
+from .engine.slurm import LauncherConfig, submit_sweep
+from .engine.threads import available_cpus
+from .errors import ConfigError, DiskFullError, RunFailed, is_disk_full
 from .heads import LaplacianHeads
 from .recipes import get_recipe
 
-SWEEP_HINT = ("pass --restart-changed to train them afresh, --overwrite to restart every run, "
-              "or choose another --out")
+SWEEP_HINT = "pass --restart-changed to train them afresh, --overwrite to restart every run, or choose another --out"
 
 
 RESERVED_AXES = {"model.laplacian_heads": "--laplacian-heads", "train.seed": "--seeds"}
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
-def run_name(k: str, seed: int, values: Optional[dict[str, str]] = None,
-             short: Optional[dict[str, str]] = None) -> str:
+def run_name(k: str, seed: int, values: Optional[dict[str, str]] = None, short: Optional[dict[str, str]] = None) -> str:
     """``lap<k>_seed<s>``, prefixed by ``<axis>=<value>__`` per config axis of ``values`` (sorted by key)."""
     parts = [f"{(short or {}).get(key, key)}={_value_slug(values[key])}" for key in sorted(values or {})]
     return "__".join(parts + [f"lap{k}_seed{seed}"])
@@ -91,8 +94,11 @@ def _value_slug(raw: str) -> str:
     if raw and not _SAFE.search(raw) and len(raw) <= 40:
         return raw
     clean = _SAFE.sub("-", raw).strip("-")[:32]
-    return f"{clean}-{hashlib.sha256(raw.encode()).hexdigest()[:6]}" if clean else hashlib.sha256(
-        raw.encode()).hexdigest()[:8]
+    return (
+        f"{clean}-{hashlib.sha256(raw.encode()).hexdigest()[:6]}"
+        if clean
+        else hashlib.sha256(raw.encode()).hexdigest()[:8]
+    )
 
 
 def axis_names(keys: Sequence[str]) -> dict[str, str]:
@@ -164,8 +170,9 @@ def parse_point(item: str, overrides: Sequence[str] = ()) -> dict[str, str]:
     return point
 
 
-def design_points(grid: Sequence[tuple[str, Sequence[str]]] = (),
-                  points: Sequence[dict[str, str]] = ()) -> list[dict[str, str]]:
+def design_points(
+    grid: Sequence[tuple[str, Sequence[str]]] = (), points: Sequence[dict[str, str]] = ()
+) -> list[dict[str, str]]:
     """The cross product of ``grid`` plus the explicit ``points``, each once, in that order."""
     design: list[dict[str, str]] = []
     if grid or not points:
@@ -217,8 +224,15 @@ class GridRun:
     changes: list[str] = field(default_factory=list)  # keys that differ beyond what may differ
 
 
-def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
-              overrides: Sequence[str] = (), design: Sequence[dict[str, str]] = ({},)) -> list[GridRun]:
+def plan_grid(
+    recipe: str,
+    config: Optional[str],
+    heads: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    overrides: Sequence[str] = (),
+    design: Sequence[dict[str, str]] = ({},),
+) -> list[GridRun]:
     """Every run of the design x k x seeds with its state and, for existing runs, the config keys that changed.
 
     Raises:
@@ -244,8 +258,13 @@ def plan_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: S
                     run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
                     run.existing = RunDir(run.path).read_config()
                     allowed = FINISHED_MUTABLE if run.state == "done" else RESUME_MUTABLE
-                    run.changes = config_changes(run.existing, run.resolved, allowed, {"recipe": recipe, **defaults},
-                                                 same=get_recipe(recipe).same_setting)
+                    run.changes = config_changes(
+                        run.existing,
+                        run.resolved,
+                        allowed,
+                        {"recipe": recipe, **defaults},
+                        same=get_recipe(recipe).same_setting,
+                    )
                 plan.append(run)
     return plan
 
@@ -260,7 +279,8 @@ def refuse_changed(plan: Sequence[GridRun], out: Path, hint: str = SWEEP_HINT) -
     raise ConfigError(
         f"{len(changed)} existing run(s) in {out} ({', '.join(r.path.name for r in changed)}) were made "
         f"with other settings than this command's: {', '.join(keys)} (e.g. {first.path.name}: "
-        f"{describe_changes(first.existing, first.resolved, first.changes, limit=3)}); {hint}")
+        f"{describe_changes(first.existing, first.resolved, first.changes, limit=3)}); {hint}"
+    )
 
 
 def _restart(run: GridRun) -> None:
@@ -274,16 +294,34 @@ def _restart(run: GridRun) -> None:
     run.state = "new"
 
 
-def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Sequence[int], out: Path,
-             overrides: Sequence[str] = (), quiet: bool = False, *, overwrite: bool = False,
-             restart_changed: bool = False, hint: str = SWEEP_HINT,
-             design: Sequence[dict[str, str]] = ({},), jobs: int = 1) -> list[Path]:
+def run_grid(
+    recipe: str,
+    config: Optional[str],
+    heads: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    overrides: Sequence[str] = (),
+    quiet: bool = False,
+    *,
+    overwrite: bool = False,
+    restart_changed: bool = False,
+    hint: str = SWEEP_HINT,
+    design: Sequence[dict[str, str]] = ({},),
+    jobs: int = 1,
+    launcher: Optional[LauncherConfig] = None,
+    slurm_folder: Optional[str] = None,
+    wait: bool = True,
+    on_start: Optional[Callable[[], None]] = None,
+) -> list[Path]:
     """Train every (design point, k, seed) run that is not finished yet; returns the run directories.
 
     Raises ConfigError (before anything runs) when existing runs were made with other settings,
     unless ``restart_changed`` (those runs start afresh) or ``overwrite`` (every run does);
     ``hint`` is the advice appended to that error. ``jobs`` > 1 trains that many runs at once in
-    subprocesses (see the module docstring).
+    subprocesses (see the module docstring). With ``launcher`` (``--launcher slurm``) the runs are
+    one SLURM array job instead (:func:`lapheads.engine.slurm.submit_sweep`; ``wait``: until it ends).
+    ``on_start`` runs once the plan is accepted, before anything in ``out`` changes (the sweep
+    command records itself there).
     """
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: expected a positive number of runs at once")
@@ -292,6 +330,8 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
         plan = plan_grid(recipe, config, heads, seeds, out, overrides, design)
         if not (overwrite or restart_changed):
             refuse_changed(plan, out, hint)
+        if on_start is not None:
+            on_start()
         for r in plan:
             if r.state != "new" and (overwrite or r.changes):
                 if not quiet:
@@ -305,6 +345,11 @@ def run_grid(recipe: str, config: Optional[str], heads: Sequence[str], seeds: Se
                     print(f"[sweep] {r.path.name}: finished, skipped")
             else:
                 todo.append(r)
+        if launcher is not None:
+            if todo:
+                argvs = [(r.path, train_command(recipe, config, r)[5:], r.state == "partial") for r in todo]
+                submit_sweep(recipe, argvs, out, launcher, slurm_folder, wait=wait, quiet=quiet)
+            return [r.path for r in plan]
         if jobs > 1 and len(todo) > 1:
             _train_in_subprocesses(recipe, config, todo, out, min(jobs, len(todo)), quiet)
             return [r.path for r in plan]
@@ -326,8 +371,9 @@ def train_command(recipe: str, config: Optional[str], run: GridRun) -> list[str]
     return cmd + (["--resume"] if run.state == "partial" else [])
 
 
-def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[GridRun], out: Path, jobs: int,
-                           quiet: bool) -> None:
+def _train_in_subprocesses(
+    recipe: str, config: Optional[str], todo: Sequence[GridRun], out: Path, jobs: int, quiet: bool
+) -> None:
     """Train ``todo`` with ``jobs`` ``lapheads train`` subprocesses at a time (module docstring)."""
     threads = max(1, available_cpus() // jobs)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -343,12 +389,26 @@ def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[Gr
             while pending and len(running) < jobs and not failed:
                 r = pending.pop(0)
                 log_path = logs / f"{r.path.name}.log"
-                log = open(log_path, "a")
                 cmd = train_command(recipe, config, r)
-                log.write(f"# {' '.join(cmd[1:])}\n")
-                log.flush()
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env)
+                log = None
+                try:
+                    log = open(log_path, "a")
+                    log.write(f"# {' '.join(cmd[1:])}\n")
+                    log.flush()
+                except OSError as e:  # a full disk: this run fails in one line, the running ones end first
+                    if log is not None:
+                        try:
+                            log.close()
+                        except OSError:
+                            pass
+                    if not is_disk_full(e):
+                        raise
+                    full = DiskFullError(
+                        logs, None, what=f"the log {log_path.name}", run=out, resume="the same lapheads sweep command"
+                    )
+                    failed.append((r, log_path, str(full)))
+                    continue
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
                 running[proc] = (r, log, log_path, time.time())
                 if not quiet:
                     tqdm.write(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
@@ -366,7 +426,7 @@ def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[Gr
                 bar.update(1)
                 if not quiet:
                     tqdm.write(f"[sweep] {r.path.name}: done in {time.time() - t0:.0f} s")
-                    for line in text[[i for i, t in enumerate(text) if t.startswith("# ")][-1] + 1:]:
+                    for line in text[[i for i, t in enumerate(text) if t.startswith("# ")][-1] + 1 :]:
                         if line.startswith(("final", "->", "run directory")):
                             tqdm.write(line)
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: every run stops at a step with a checkpoint
@@ -374,7 +434,7 @@ def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[Gr
         for proc in running:
             if proc.poll() is None:
                 proc.send_signal(signum)
-        for proc, (r, log, _, _) in running.items():
+        for proc, (_, log, _, _) in running.items():
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
@@ -388,5 +448,7 @@ def _train_in_subprocesses(recipe: str, config: Optional[str], todo: Sequence[Gr
         failed.sort(key=lambda f: [r.path for r in todo].index(f[0].path))  # the first in the plan's order
         r, log_path, line = failed[0]
         more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
-        raise RunFailed(f"run {r.path.name} failed{more}: {line} (log: {log_path}); once that is "
-                             "fixed, the same sweep command resumes the unfinished runs")
+        raise RunFailed(
+            f"run {r.path.name} failed{more}: {line} (log: {log_path}); once that is "
+            "fixed, the same sweep command resumes the unfinished runs"
+        )

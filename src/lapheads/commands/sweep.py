@@ -1,53 +1,125 @@
-"""``lapheads sweep``: a recipe over Laplacian-head settings, seeds and config axes, resumably, then a report."""
+"""``lapheads sweep``: a recipe over Laplacian-head settings, seeds and config axes, resumably, then a report.
+
+``--launcher slurm`` submits the unfinished points as one SLURM array job (:mod:`lapheads.engine.slurm`);
+every sweep records its command in ``OUT/sweep_command.json``, so ``lapheads sweep --status OUT`` lists
+its points and ``lapheads sweep --resume --out OUT`` continues it without repeating the flags.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..engine.checkpoint import atomic_write_text
 from ..engine.config import read_yaml
-from ..recipes.shipped import resolve_any
 from ..engine.run import lock_dir
+from ..engine.slurm import add_launcher_args, launcher_config, print_status
 from ..errors import ConfigError
+from ..recipes.shipped import resolve_any
 from ..report import build_report
 from ..runs import analyze_run
-from ..sweep import design_points, parse_grid, parse_heads_list, parse_point, parse_seeds, run_grid
+from ..sweep import (
+    axis_names,
+    design_points,
+    parse_grid,
+    parse_heads_list,
+    parse_point,
+    parse_seeds,
+    run_grid,
+    run_name,
+)
+
+COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
-        prog="lapheads sweep", allow_abbrev=False,
+        prog="lapheads sweep",
+        allow_abbrev=False,
         description="Run a recipe for several Laplacian-head settings and seeds, optionally crossed with "
-                    "config axes (--grid, --point), resumably; then write a report comparing them.")
-    p.add_argument("--config", required=True, help="recipe YAML (its top-level `recipe:` names the recipe)")
+        "config axes (--grid, --point), resumably; then write a report comparing them.",
+    )
+    p.add_argument("--config", default=None, help="recipe YAML (its top-level `recipe:` names the recipe)")
     p.add_argument("--recipe", default=None, help="recipe name when the YAML does not say it")
-    p.add_argument("--laplacian-heads", default="0,all",
-                   help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all")
+    p.add_argument(
+        "--laplacian-heads",
+        default="0,all",
+        help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all",
+    )
     p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a config axis crossed with every other --grid, k and seed (repeatable), "
-                        "e.g. model.embed_dim=64,128")
-    p.add_argument("--point", action="append", default=[], metavar="KEY=V,KEY2=V2",
-                   help="one explicit design point (repeatable), for uneven designs, e.g. "
-                        "model.embed_dim=128,train.max_steps=400")
-    p.add_argument("--out", required=True, help="sweep directory (one run directory per grid point)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override applied to every run (repeatable)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete every existing run of the grid first and train them all afresh")
-    p.add_argument("--restart-changed", action="store_true",
-                   help="train afresh the existing runs whose config differs from this command's "
-                        "(default: stop and list them)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained at once, each in its own process with the cores shared out "
-                        "(default 1: one run at a time, in this process)")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a config axis crossed with every other --grid, k and seed (repeatable), e.g. model.embed_dim=64,128",
+    )
+    p.add_argument(
+        "--point",
+        action="append",
+        default=[],
+        metavar="KEY=V,KEY2=V2",
+        help="one explicit design point (repeatable), for uneven designs, e.g. model.embed_dim=128,train.max_steps=400",
+    )
+    p.add_argument("--out", default=None, help="sweep directory (one run directory per grid point)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override applied to every run (repeatable)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete every existing run of the grid first and train them all afresh"
+    )
+    p.add_argument(
+        "--restart-changed",
+        action="store_true",
+        help="train afresh the existing runs whose config differs from this command's (default: stop and list them)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at once, each in its own process with the cores shared out "
+        "(default 1: one run at a time, in this process)",
+    )
     p.add_argument("--analyze", action="store_true", help="run the geometry analysis of every run")
     p.add_argument("--no-report", action="store_true", help="skip the report")
-    args = p.parse_args(list(argv or []))
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="with only --out: run the sweep recorded there again (its own flags), which skips the "
+        "finished points (and, under SLURM, the queued ones) and continues the others",
+    )
+    p.add_argument(
+        "--status",
+        metavar="DIR",
+        default=None,
+        help="list each point of the sweep in DIR (pending, running with its job id, done, failed "
+        "with its log's last lines) and exit",
+    )
+    add_launcher_args(p, sweep=True)
+    argv = list(argv or [])
+    args = p.parse_args(argv)
+    if args.status:
+        return _status(Path(args.status))
+    if args.resume and args.config is None:
+        if args.out is None:
+            raise ConfigError("--resume needs --out (the sweep directory)")
+        argv = _recorded(Path(args.out), [a for a in argv if a != "--resume"])
+        args = p.parse_args(argv)
+    if args.config is None or args.out is None:
+        raise ConfigError(
+            "the following arguments are required: "
+            + ", ".join(f for f, v in (("--config", args.config), ("--out", args.out)) if v is None)
+        )
+    slurm = launcher_config(args)
     heads, seeds = parse_heads_list(args.laplacian_heads), parse_seeds(args.seeds)
-    design = design_points(parse_grid(args.grid, args.overrides),
-                           [parse_point(x, args.overrides) for x in args.point])
+    design = design_points(parse_grid(args.grid, args.overrides), [parse_point(x, args.overrides) for x in args.point])
     args.config = resolve_any(args.config, args.recipe)  # a path, or a shipped config's name
     recipe = read_yaml(args.config).get("recipe") or args.recipe
     if not recipe:
@@ -56,8 +128,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError(f"{args.config} is a {recipe!r} recipe but --recipe says {args.recipe!r}")
     out = Path(args.out)
     with lock_dir(out):
-        dirs = run_grid(recipe, args.config, heads, seeds, out, args.overrides, overwrite=args.overwrite,
-                        restart_changed=args.restart_changed, design=design, jobs=args.jobs)
+        record = [a for a in argv if a not in ("--overwrite", "--restart-changed", "--resume", "--no-wait")]
+        config = str(Path(args.config).absolute()) if Path(args.config).is_file() else args.config
+
+        def write_command() -> None:  # once the sweep is sure to run: a refused one changes nothing in OUT
+            atomic_write_text(
+                out / COMMAND_FILE, json.dumps({"argv": record, "config": config, "cwd": str(Path.cwd())}, indent=1)
+            )
+
+        dirs = run_grid(
+            recipe,
+            args.config,
+            heads,
+            seeds,
+            out,
+            args.overrides,
+            overwrite=args.overwrite,
+            restart_changed=args.restart_changed,
+            design=design,
+            jobs=args.jobs,
+            launcher=slurm,
+            slurm_folder=args.slurm_folder,
+            wait=not args.no_wait,
+            on_start=write_command,
+        )
+        if slurm is not None and args.no_wait:
+            print(
+                f"[sweep] not waiting; `lapheads sweep --status {out}` shows the points, and "
+                f"`lapheads sweep --resume --out {out}` writes the report once they are done"
+            )
+            return 0
         if args.analyze:
             for d in dirs:
                 with lock_dir(d):
@@ -66,3 +166,64 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             paths = build_report(dirs, out / "report", title=f"Sweep: {Path(args.config).name}")
             print(f"report: {paths['html']}")
     return 0
+
+
+def _recorded(out: Path, given: Sequence[str]) -> list[str]:
+    """The argv recorded in ``OUT/sweep_command.json`` (``--resume --out OUT``; only --no-wait may be added)."""
+    data = _read_command(out)
+    rest, skip = [], False
+    for a in given:
+        if skip or a == "--no-wait" or a.startswith("--out="):
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        rest.append(a)
+    if rest:
+        raise ConfigError(
+            f"--resume --out {out} reruns the sweep recorded there unchanged; give only --no-wait "
+            f"with it (not {' '.join(rest)}), or repeat the sweep's whole command"
+        )
+    # the recorded paths as they resolved then; --out as given now (argparse: the last one wins)
+    config = [] if not data.get("config") else ["--config", data["config"]]
+    return [*data["argv"], *config, "--out", str(out), *(["--no-wait"] if "--no-wait" in given else [])]
+
+
+def _read_command(out: Path) -> dict:
+    path = out / COMMAND_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data.get("argv"), list):
+            raise ValueError
+        return data
+    except FileNotFoundError:
+        raise ConfigError(f"{out} holds no sweep ({path} is missing); pass the sweep's flags") from None
+    except (OSError, ValueError, AttributeError):
+        raise ConfigError(f"{path} is not a sweep's record; pass the sweep's flags") from None
+
+
+def point_names(argv: Sequence[str]) -> list[str]:
+    """The run directory names of the sweep ``argv`` (as run_grid names them), without loading configs."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--laplacian-heads", default="0,all")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--grid", action="append", default=[])
+    p.add_argument("--point", action="append", default=[])
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args, _ = p.parse_known_args(list(argv))
+    design = design_points(parse_grid(args.grid, args.overrides), [parse_point(x, args.overrides) for x in args.point])
+    short = axis_names(sorted({k for d in design for k in d}))
+    return [
+        run_name(k, s, d, short)
+        for d in design
+        for k in parse_heads_list(args.laplacian_heads)
+        for s in parse_seeds(args.seeds)
+    ]
+
+
+def _status(out: Path) -> int:
+    data = _read_command(out)
+    names = point_names(data["argv"])
+    print(f"sweep {out}: {len(names)} point(s)")
+    return print_status(out, names)

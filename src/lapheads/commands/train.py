@@ -2,29 +2,55 @@
 
 Every recipe shares the flags of :func:`lapheads.engine.run.add_train_args` (``--config``,
 ``--out``, ``--resume``, ``--overwrite``, ``--set KEY=VALUE``); the recipe's config type checks
-every value before anything runs (:func:`lapheads.engine.config.load_config`).
+every value before anything runs (:func:`lapheads.engine.config.load_config`). ``--launcher slurm``
+(:mod:`lapheads.engine.slurm`) submits the same command as a SLURM job instead, after that check.
+``--resume`` without ``--config`` continues with the run directory's saved ``config.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ..engine.config import load_config
-from ..engine.run import add_train_args
+from ..engine.run import add_train_args, resume_config
+from ..engine.slurm import add_launcher_args, launcher_config, split_launcher_argv, submit_train
+from ..engine.trackers import add_final_files
 from ..recipes import get_recipe
 from ..recipes.shipped import resolve_config
+
+
+def _report_figures(run_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
+    from ..report import run_figures  # lazy: matplotlib and the report only when a run has finished
+
+    return run_figures(run_dir, out_dir)
 
 
 def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
     """``lapheads train RECIPE_NAME ARGV...``."""
     recipe = get_recipe(recipe_name)
-    p = argparse.ArgumentParser(prog=f"lapheads train {recipe.name}", description=recipe.description,
-                                allow_abbrev=False)
-    add_train_args(p, recipe.default_config)
+    p = argparse.ArgumentParser(
+        prog=f"lapheads train {recipe.name}", description=recipe.description, allow_abbrev=False
+    )
+    add_train_args(p, None)  # no --config given: the recipe's default, or on --resume the run's saved config
+    add_launcher_args(p)
     args = p.parse_args(list(argv or []))
+    slurm = launcher_config(args)  # --launcher slurm: its options (None: train here)
+    args.config = args.config or resume_config(args.out, args.resume) or recipe.default_config
     cfg = load_config(recipe.config_type, resolve_config(recipe.name, args.config), args.overrides, recipe=recipe.name)
+    if slurm is not None:  # the config loaded above; the job runs this same command without the launcher flags
+        submit_train(
+            recipe.name,
+            split_launcher_argv(list(argv or [])),
+            args.out,
+            slurm,
+            args.slurm_folder,
+            wait=not args.no_wait,
+        )
+        return 0
+    add_final_files(_report_figures)  # the run's own report figures go to its trackers (the engine knows no report)
     result = recipe.train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report per job, not one per process
         for line in recipe.result_lines(result, args.out):

@@ -1,6 +1,6 @@
 """Image classification data sets read from local files (nothing is downloaded).
 
-Formats (DESIGN.md, "Data"):
+Formats (docs/recipe-classify.md):
 
 * ``cifar10`` / ``cifar100``: the official python-pickle archives, either the ``.tar.gz`` as
   downloaded (``cifar-10-python.tar.gz`` with ``cifar-10-batches-py/data_batch_1..5, test_batch,
@@ -12,6 +12,10 @@ Formats (DESIGN.md, "Data"):
 * ``idx``: MNIST-style idx files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
   ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``); MNIST,
   Fashion-MNIST, KMNIST and EMNIST all use it.
+* ``hf``: a Hugging Face ``datasets`` dataset, ``hf:<path or name>`` (a ``save_to_disk``
+  directory, parquet / JSON files, or a Hub name ``datasets`` resolves) with an image column and
+  a label column (:class:`HFImageDataset`); its ``validation`` / ``test`` split is ``val``, else a
+  deterministic stratified 80/20 split of ``train``.
 * ``digits``: the embedded default, scikit-learn's digits (``sklearn.datasets.load_digits``: 1797
   8x8 images, 10 classes), scaled from 0..16 to 0..255, with a deterministic stratified 80/20 split.
   The CSV that ships inside scikit-learn is read directly (:func:`load_digits_arrays`): importing
@@ -69,6 +73,8 @@ __all__ = [
     "ImageFolderDataset",
     "IdxDataset",
     "DigitsDataset",
+    "HFImageDataset",
+    "hf_options",
     "build_image_dataset",
     "read_idx",
     "IMAGE_EXTENSIONS",
@@ -76,7 +82,7 @@ __all__ = [
 ]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-DATASET_KINDS = ("digits", "cifar10", "cifar100", "imagefolder", "idx")
+DATASET_KINDS = ("digits", "cifar10", "cifar100", "imagefolder", "idx", "hf")
 SPLITS = ("train", "val")
 _VERIFY_AUTO_LIMIT = 20_000  # "auto" decodes every image of a folder set up to this many files
 
@@ -98,7 +104,8 @@ def _check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
         i = int(bad[0])
         raise DataError(
             f"{where}: label {int(labels[i])} at index {i} is out of range; expected 0..{num_classes - 1} "
-            f"({num_classes} classes; {bad.size} bad label(s) in all)")
+            f"({num_classes} classes; {bad.size} bad label(s) in all)"
+        )
 
 
 # ============================================================================ base classes
@@ -145,8 +152,10 @@ class ImageDataset(torch.utils.data.Dataset):
         return img, int(self.targets[index])
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.source!r}, n={len(self)}, classes={self.num_classes}, "
-                f"channels={self.channels}, native_size={self.native_size})")
+        return (
+            f"{type(self).__name__}({self.source!r}, n={len(self)}, classes={self.num_classes}, "
+            f"channels={self.channels}, native_size={self.native_size})"
+        )
 
 
 class ArrayImageDataset(ImageDataset):
@@ -160,13 +169,20 @@ class ArrayImageDataset(ImageDataset):
         transform: optional transform of the PIL image.
     """
 
-    def __init__(self, images: np.ndarray, labels: Sequence[int], classes: Sequence[str], source: str,
-                 transform: Optional[Callable] = None):
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: Sequence[int],
+        classes: Sequence[str],
+        source: str,
+        transform: Optional[Callable] = None,
+    ):
         super().__init__(transform)
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
-            raise DataError(f"{source}: images must be uint8 (N, H, W) or (N, H, W, 3); got {images.dtype} "
-                            f"{tuple(images.shape)}")
+            raise DataError(
+                f"{source}: images must be uint8 (N, H, W) or (N, H, W, 3); got {images.dtype} {tuple(images.shape)}"
+            )
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if len(labels) != len(images):
             raise DataError(f"{source}: {len(images)} images but {len(labels)} labels")
@@ -257,16 +273,20 @@ class _SafeUnpickler(pickle.Unpickler):
     """Only what the official CIFAR pickles contain: builtins and numpy arrays."""
 
     _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
     }
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not part of a CIFAR pickle)")
         if module.startswith("numpy.core"):  # numpy 2 moved it; avoid its deprecation warning
-            module = "numpy._core" + module[len("numpy.core"):]
+            module = "numpy._core" + module[len("numpy.core") :]
         return super().find_class(module, name)
 
 
@@ -274,16 +294,22 @@ def _unpickle(raw: bytes, where: str) -> dict[str, Any]:
     try:
         obj = _SafeUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except Exception as e:  # any failure here means the member is not a valid CIFAR pickle
-        raise DataError(f"{where}: not a readable CIFAR pickle ({type(e).__name__}: {e}); "
-                        "the file is truncated or corrupted") from None
+        raise DataError(
+            f"{where}: not a readable CIFAR pickle ({type(e).__name__}: {e}); the file is truncated or corrupted"
+        ) from None
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a pickled dict, got {type(obj).__name__}")
     return {(k.decode("latin1") if isinstance(k, bytes) else str(k)): v for k, v in obj.items()}
 
 
 _CIFAR_LAYOUT = {
-    "cifar10": dict(folder="cifar-10-batches-py", train=[f"data_batch_{i}" for i in range(1, 6)],
-                    val=["test_batch"], meta="batches.meta", n_classes=10),
+    "cifar10": dict(
+        folder="cifar-10-batches-py",
+        train=[f"data_batch_{i}" for i in range(1, 6)],
+        val=["test_batch"],
+        meta="batches.meta",
+        n_classes=10,
+    ),
     "cifar100": dict(folder="cifar-100-python", train=["train"], val=["test"], meta="meta", n_classes=100),
 }
 
@@ -306,7 +332,8 @@ class _CifarSource:
         raise DataError(
             f"{self.path}: not a CIFAR-10/100 python archive or folder; expected {_CIFAR_LAYOUT['cifar10']['folder']}/"
             f"data_batch_1..5, test_batch, batches.meta or {_CIFAR_LAYOUT['cifar100']['folder']}/train, test, meta; "
-            f"found {sorted(names)[:8]}")
+            f"found {sorted(names)[:8]}"
+        )
 
     def _names(self) -> set[str]:
         if self.is_archive:
@@ -317,8 +344,10 @@ class _CifarSource:
 
     def _folder(self) -> Optional[Path]:
         # either the extracted cifar-*-py* folder itself, or the folder that contains it
-        if any((self.path / lay["meta"]).is_file() or (self.path / lay["train"][0]).is_file()
-               for lay in _CIFAR_LAYOUT.values()):
+        if any(
+            (self.path / lay["meta"]).is_file() or (self.path / lay["train"][0]).is_file()
+            for lay in _CIFAR_LAYOUT.values()
+        ):
             return self.path
         for lay in _CIFAR_LAYOUT.values():
             if (self.path / lay["folder"]).is_dir():
@@ -335,8 +364,10 @@ class _CifarSource:
                         f = tar.extractfile(m)
                         self.members[os.path.basename(m.name)] = f.read() if f is not None else b""
         except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-            raise DataError(f"{self.path}: cannot read the archive ({type(e).__name__}: {e}); "
-                            "it is truncated or corrupted, download it again") from None
+            raise DataError(
+                f"{self.path}: cannot read the archive ({type(e).__name__}: {e}); "
+                "it is truncated or corrupted, download it again"
+            ) from None
 
     def where(self, name: str) -> str:
         return f"{self.path}:{name}" if self.is_archive else str((self._folder() or self.path) / name)
@@ -367,8 +398,14 @@ class CIFARDataset(ArrayImageDataset):
         transform: optional transform of the PIL image.
     """
 
-    def __init__(self, path: PathLike, split: str = "train", kind: Optional[str] = None,
-                 label_type: str = "fine", transform: Optional[Callable] = None):
+    def __init__(
+        self,
+        path: PathLike,
+        split: str = "train",
+        kind: Optional[str] = None,
+        label_type: str = "fine",
+        transform: Optional[Callable] = None,
+    ):
         split = _check_split(split)
         if label_type not in ("fine", "coarse"):
             raise ConfigError(f"label_type={label_type!r}; expected 'fine' or 'coarse'")
@@ -404,8 +441,13 @@ class CIFARDataset(ArrayImageDataset):
             # rows are 1024 red, 1024 green, 1024 blue values, each a 32x32 image in row order
             images.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
             labels.append(lab.astype(np.int64))
-        super().__init__(np.ascontiguousarray(np.concatenate(images)), np.concatenate(labels), classes,
-                         source=f"{found}:{path}:{split}", transform=transform)
+        super().__init__(
+            np.ascontiguousarray(np.concatenate(images)),
+            np.concatenate(labels),
+            classes,
+            source=f"{found}:{path}:{split}",
+            transform=transform,
+        )
         self.kind = found
 
 
@@ -414,8 +456,11 @@ def _list_images(folder: Path) -> list[Path]:
     out = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames.sort()
-        out.extend(Path(dirpath) / f for f in sorted(filenames)
-                   if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
+        out.extend(
+            Path(dirpath) / f
+            for f in sorted(filenames)
+            if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")
+        )
     return out
 
 
@@ -453,8 +498,15 @@ class ImageFolderDataset(ImageDataset):
         transform: optional transform of the PIL image.
     """
 
-    def __init__(self, root: PathLike, split: str = "train", verify: Union[bool, str] = "auto",
-                 val_fraction: float = 0.2, seed: int = 0, transform: Optional[Callable] = None):
+    def __init__(
+        self,
+        root: PathLike,
+        split: str = "train",
+        verify: Union[bool, str] = "auto",
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        transform: Optional[Callable] = None,
+    ):
         super().__init__(transform)
         split = _check_split(split)
         root = Path(root)
@@ -472,8 +524,10 @@ class ImageFolderDataset(ImageDataset):
                 val_classes = _class_dirs(val_dir)
                 missing = [c for c in classes if c not in val_classes]
                 if missing:
-                    raise DataError(f"{val_dir / missing[0]}: missing class folder (train/ has class {missing[0]!r};"
-                                    f" {len(missing)} class folder(s) missing from val/ in all)")
+                    raise DataError(
+                        f"{val_dir / missing[0]}: missing class folder (train/ has class {missing[0]!r};"
+                        f" {len(missing)} class folder(s) missing from val/ in all)"
+                    )
                 extra = [c for c in val_classes if c not in classes]
                 if extra:
                     raise DataError(f"{val_dir / extra[0]}: class {extra[0]!r} is not in {train_dir}")
@@ -481,8 +535,10 @@ class ImageFolderDataset(ImageDataset):
         else:
             classes = _class_dirs(root)
             if not classes:
-                raise DataError(f"{root}: no class folders (expected {root}/<class>/<image files> or "
-                                f"{root}/train/<class>/... and {root}/val/<class>/...)")
+                raise DataError(
+                    f"{root}: no class folders (expected {root}/<class>/<image files> or "
+                    f"{root}/train/<class>/... and {root}/val/<class>/...)"
+                )
             base, indices = root, (split, val_fraction, seed)
         files: list[Path] = []
         labels: list[int] = []
@@ -525,8 +581,14 @@ class ImageFolderDataset(ImageDataset):
 
 
 # ============================================================================ idx (MNIST)
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
 _IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09}
 
 
@@ -553,20 +615,25 @@ def read_idx(path: PathLike, ndim: Optional[int] = None) -> np.ndarray:
         raise DataError(f"{path}: {len(raw)} bytes, too short for an idx header")
     zero, code, nd = int.from_bytes(raw[:2], "big"), raw[2], raw[3]
     if zero != 0 or code not in _IDX_DTYPES:
-        raise DataError(f"{path}: wrong magic number 0x{raw[:4].hex()}; an idx file starts with 0x0000, a type "
-                        f"byte (0x08 for uint8) and the number of dimensions (e.g. 0x00000803 for images)")
+        raise DataError(
+            f"{path}: wrong magic number 0x{raw[:4].hex()}; an idx file starts with 0x0000, a type "
+            f"byte (0x08 for uint8) and the number of dimensions (e.g. 0x00000803 for images)"
+        )
     if ndim is not None and nd != ndim:
-        raise DataError(f"{path}: magic number 0x{raw[:4].hex()} says {nd} dimension(s), expected {ndim} "
-                        f"(0x{0x0800 + ndim:08x})")
+        raise DataError(
+            f"{path}: magic number 0x{raw[:4].hex()} says {nd} dimension(s), expected {ndim} (0x{0x0800 + ndim:08x})"
+        )
     header = 4 + 4 * nd
     if len(raw) < header:
         raise DataError(f"{path}: truncated header ({len(raw)} bytes, need {header})")
-    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(nd)]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(nd)]
     dtype = np.dtype(_IDX_DTYPES[code])
     expect = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
     if len(raw) != expect:
-        raise DataError(f"{path}: size {len(raw)} bytes does not match its header (dims {dims} need {expect} "
-                        f"bytes); the file is truncated or corrupted")
+        raise DataError(
+            f"{path}: size {len(raw)} bytes does not match its header (dims {dims} need {expect} "
+            f"bytes); the file is truncated or corrupted"
+        )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
 
 
@@ -577,8 +644,10 @@ def _find_idx(root: Path, prefix: str, kind: str, nd: int) -> Path:
             p = root / f"{prefix}-{kind}{sep}idx{nd}-ubyte{ext}"
             if p.is_file():
                 return p
-    raise DataError(f"{root}: missing {prefix}-{kind}-idx{nd}-ubyte (or .gz); an MNIST-style folder holds "
-                    "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte")
+    raise DataError(
+        f"{root}: missing {prefix}-{kind}-idx{nd}-ubyte (or .gz); an MNIST-style folder holds "
+        "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte"
+    )
 
 
 class IdxDataset(ArrayImageDataset):
@@ -592,8 +661,14 @@ class IdxDataset(ArrayImageDataset):
         transform: optional transform of the PIL image.
     """
 
-    def __init__(self, root: PathLike, split: str = "train", num_classes: int = 10,
-                 classes: Optional[Sequence[str]] = None, transform: Optional[Callable] = None):
+    def __init__(
+        self,
+        root: PathLike,
+        split: str = "train",
+        num_classes: int = 10,
+        classes: Optional[Sequence[str]] = None,
+        transform: Optional[Callable] = None,
+    ):
         split = _check_split(split)
         root = Path(root)
         if not root.is_dir():
@@ -620,8 +695,10 @@ def digits_csv() -> Path:
         path = Path(root) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             return path
-    raise DataError("the embedded digits data set ships with scikit-learn: pip install scikit-learn "
-                    f"(looked for sklearn/datasets/data/digits.csv.gz in {roots or 'no installed sklearn'})")
+    raise DataError(
+        "the embedded digits data set ships with scikit-learn: pip install scikit-learn "
+        f"(looked for sklearn/datasets/data/digits.csv.gz in {roots or 'no installed sklearn'})"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -658,14 +735,142 @@ class DigitsDataset(ArrayImageDataset):
         transform: optional transform of the PIL image.
     """
 
-    def __init__(self, split: str = "train", val_fraction: float = 0.2, seed: int = 0,
-                 transform: Optional[Callable] = None):
+    def __init__(
+        self, split: str = "train", val_fraction: float = 0.2, seed: int = 0, transform: Optional[Callable] = None
+    ):
         split = _check_split(split)
         images, labels = _load_digits()
         keep = _stratified_split(labels, split, val_fraction, seed)
-        super().__init__(images[keep], labels[keep], [str(i) for i in range(10)],
-                         source=f"digits:{split}", transform=transform)
+        super().__init__(
+            images[keep], labels[keep], [str(i) for i in range(10)], source=f"digits:{split}", transform=transform
+        )
         self.indices = keep  # positions in load_digits(), for reproducibility checks
+
+
+# ============================================================================ Hugging Face datasets
+#: the Hugging Face split read for a validation split, first present wins (else a stratified share of train)
+HF_VAL_SPLITS = ("validation", "valid", "val", "test")
+
+
+class HFImageDataset(ImageDataset):
+    """An image classification set from a ``datasets`` dataset: an image column and a label column.
+
+    Args:
+        source: a ``save_to_disk`` directory, parquet / JSON files, or a Hub name
+            (:func:`lapheads.data.text.open_hf_dataset`).
+        split: ``"train"`` or ``"val"``.
+        image_column: the column of images (``datasets.Image`` features decode to PIL images; arrays
+            of uint8 pixels work too).
+        label_column: the column of labels: a ``ClassLabel`` (its names are the classes), integers
+            (classes ``0..max``) or strings (classes sorted by name), the classes counted over all
+            splits so that train and val agree.
+        hf_split: the Hugging Face split read; empty: ``train`` (or the only split) for ``"train"``,
+            and for ``"val"`` the first of :data:`HF_VAL_SPLITS` present, else a deterministic
+            stratified ``val_fraction`` of the train split (whose rest is then ``"train"``).
+        name: the dataset's configuration name (Hub datasets with several).
+        val_fraction, seed: that stratified split.
+        transform: optional transform of the PIL image.
+
+    Raises:
+        DataError: one line for a missing split or column (listing those present) or a bad label.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        split: str = "train",
+        image_column: str = "image",
+        label_column: str = "label",
+        hf_split: str = "",
+        name: Optional[str] = None,
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        transform: Optional[Callable] = None,
+    ):
+        from .text import _hf_module, open_hf_dataset
+
+        super().__init__(transform)
+        split = _check_split(split)
+        datasets = _hf_module()
+        where = f"hf:{source}"
+        every = open_hf_dataset(source, None, name, what=where)
+        if not isinstance(every, datasets.DatasetDict):
+            every = datasets.DatasetDict({"train": every})
+        names = list(every)
+        carve = False  # the val / train halves of one split
+        if hf_split:
+            chosen = hf_split
+        elif split == "train":
+            chosen = "train" if "train" in every or len(names) != 1 else names[0]
+            carve = not any(v in every for v in HF_VAL_SPLITS)
+        else:
+            chosen = next((v for v in HF_VAL_SPLITS if v in every), None) or ("train" if "train" in every else names[0])
+            carve = chosen not in HF_VAL_SPLITS
+        if chosen not in every:
+            raise DataError(f"{where}: no split {chosen!r}; its splits: {', '.join(names)}")
+        ds = every[chosen]
+        for col, key in ((image_column, "image_column"), (label_column, "label_column")):
+            if col not in ds.column_names:
+                raise DataError(
+                    f"{where}: the dataset has no column {col!r} (data.{key}); its columns: "
+                    f"{', '.join(ds.column_names)}"
+                )
+        feature = ds.features[label_column]
+        if isinstance(feature, datasets.ClassLabel):
+            self.classes = list(feature.names)
+            labels = np.asarray(list(ds[label_column]), dtype=np.int64)
+        else:
+            values = {k: list(v[label_column]) for k, v in every.items() if label_column in v.column_names}
+            seen = [x for vals in values.values() for x in vals]
+            if seen and all(isinstance(x, str) for x in seen):
+                self.classes = sorted(set(seen))
+                index = {c: i for i, c in enumerate(self.classes)}
+                labels = np.asarray([index[x] for x in values[chosen]], dtype=np.int64)
+            elif seen and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in seen):
+                self.classes = [str(i) for i in range(int(max(seen)) + 1)]
+                labels = np.asarray(values[chosen], dtype=np.int64)
+            else:
+                bad = next((x for x in seen if not isinstance(x, (int, np.integer, str))), None)
+                raise DataError(
+                    f"{where}: column {label_column!r} (data.label_column) must hold integers, strings or "
+                    f"a ClassLabel; found {type(bad).__name__ if seen else 'no'} values"
+                )
+        _check_labels(labels, len(self.classes), f"{where}:{chosen}")
+        self.indices = (
+            _stratified_split(labels, split, val_fraction, seed) if carve else np.arange(len(labels), dtype=np.int64)
+        )
+        self.targets = labels[self.indices]
+        self.images = ds.select_columns([image_column])
+        self.image_column = image_column
+        first = self._raw(0) if len(self.indices) else None
+        self.channels = 1 if first is not None and first.mode in ("L", "1", "I;16", "I", "F") else 3
+        self.native_size = None  # sizes may vary, as in a folder
+        self.source = f"{where}:{chosen}" + (f"[{split}]" if carve else "")
+
+    def _raw(self, index: int) -> Image.Image:
+        value = self.images[int(self.indices[index])][self.image_column]
+        if isinstance(value, Image.Image):
+            return value
+        if isinstance(value, dict) and value.get("bytes"):  # an undecoded image
+            return Image.open(io.BytesIO(value["bytes"]))
+        try:
+            return Image.fromarray(np.asarray(value, dtype=np.uint8))
+        except (TypeError, ValueError) as e:
+            raise DataError(
+                f"{self.source}: row {int(self.indices[index])} of column {self.image_column!r} is not "
+                f"an image ({type(value).__name__}: {e})"
+            ) from None
+
+    def load_image(self, index: int) -> Image.Image:
+        img = self._raw(index)
+        return img.convert("L" if self.channels == 1 else "RGB")
+
+
+def hf_options(spec: Any, image_column: str = "image", label_column: str = "label") -> dict[str, Any]:
+    """The column options a recipe passes to :func:`build_image_dataset` for an ``hf:`` spec ({} for others)."""
+    if isinstance(spec, str) and spec.strip().lower().startswith("hf:"):
+        return {"image_column": image_column, "label_column": label_column}
+    return {}
 
 
 # ============================================================================ factory
@@ -676,6 +881,7 @@ _OPTIONS = {
     "cifar": {"label_type"},  # CIFAR-10 or -100, told apart by the files
     "imagefolder": {"verify", "val_fraction", "seed"},
     "idx": {"num_classes", "classes"},
+    "hf": {"image_column", "label_column", "hf_split", "name", "val_fraction", "seed"},
 }
 _ALIASES = {"mnist": "idx", "fashion_mnist": "idx", "folder": "imagefolder", "imagenet": "imagefolder"}
 
@@ -689,28 +895,34 @@ def _detect_kind(path: Path) -> str:
             return "cifar"
         raise DataError(f"{path}: a file that is not a CIFAR .tar.gz; give a folder for ImageFolder or idx data")
     names = {p.name for p in path.iterdir()}
-    if (any(n.startswith("cifar-") for n in names) or "batches.meta" in names
-            or ("meta" in names and (path / "meta").is_file())):
+    if (
+        any(n.startswith("cifar-") for n in names)
+        or "batches.meta" in names
+        or ("meta" in names and (path / "meta").is_file())
+    ):
         return "cifar"
     if any("idx3-ubyte" in n for n in names):
         return "idx"
     return "imagefolder"
 
 
-def build_image_dataset(spec: Union[str, dict[str, Any]], split: str = "train",
-                        transform: Optional[Callable] = None, **options: Any) -> ImageDataset:
+def build_image_dataset(
+    spec: Union[str, dict[str, Any]], split: str = "train", transform: Optional[Callable] = None, **options: Any
+) -> ImageDataset:
     """Build a data set from a short spec.
 
     Args:
         spec: ``"digits"``; a path (format detected: CIFAR ``.tar.gz`` or folder, a folder of idx
             files, else an ImageFolder tree); ``"<kind>:<path>"`` with kind one of
             ``cifar10, cifar100, imagefolder, idx`` (aliases ``mnist``, ``folder``, ``imagenet``,
-            ``cifar``); or a dict ``{"kind": ..., "path": ..., **options}``.
+            ``cifar``); ``"hf:<path or name>"``, a Hugging Face dataset (:class:`HFImageDataset`);
+            or a dict ``{"kind": ..., "path": ..., **options}``.
         split: ``"train"`` or ``"val"``.
         transform: transform of the PIL image (see :mod:`lapheads.vision.transforms`).
         **options: format options, merged over those of a dict spec: ``label_type`` (CIFAR-100
             ``"fine"``/``"coarse"``), ``verify`` / ``val_fraction`` / ``seed`` (ImageFolder),
-            ``num_classes`` / ``classes`` (idx), ``val_fraction`` / ``seed`` (digits).
+            ``num_classes`` / ``classes`` (idx), ``val_fraction`` / ``seed`` (digits),
+            ``image_column`` / ``label_column`` / ``hf_split`` / ``name`` / ``val_fraction`` / ``seed`` (hf).
 
     Returns:
         an :class:`ImageDataset`; ``ds.num_classes`` and ``ds.classes`` describe the labels.
@@ -726,7 +938,7 @@ def build_image_dataset(spec: Union[str, dict[str, Any]], split: str = "train",
         head, sep, tail = s.partition(":")
         if s.strip().lower() == "digits":
             kind, path = "digits", None
-        elif sep and head.lower() in set(DATASET_KINDS) | set(_ALIASES) | {"cifar"}:
+        elif sep and head.lower() in set(DATASET_KINDS) | set(_ALIASES) | {"cifar", "hf"}:
             kind, path = head.lower(), tail
         else:
             kind, path = None, s
@@ -736,9 +948,14 @@ def build_image_dataset(spec: Union[str, dict[str, Any]], split: str = "train",
         kind = str(kind).lower()
         kind = _ALIASES.get(kind, kind)
         if kind not in _OPTIONS:
-            raise ConfigError(f"data kind {kind!r} is unknown; expected one of {DATASET_KINDS} "
-                              f"(or an alias: {sorted(_ALIASES)}, 'cifar')")
-    if kind != "digits":
+            raise ConfigError(
+                f"data kind {kind!r} is unknown; expected one of {DATASET_KINDS} "
+                f"(or an alias: {sorted(_ALIASES)}, 'cifar')"
+            )
+    if kind == "hf":
+        if not path:
+            raise ConfigError(f"data spec {spec!r} needs a dataset path or name after 'hf:'")
+    elif kind != "digits":
         if not path:
             raise ConfigError(f"data spec {spec!r} needs a path")
         path = Path(os.path.expanduser(str(path)))
@@ -747,14 +964,17 @@ def build_image_dataset(spec: Union[str, dict[str, Any]], split: str = "train",
     allowed = _OPTIONS[kind]
     unknown = set(options) - allowed
     if unknown:
-        raise ConfigError(f"data option(s) {sorted(unknown)} not understood for {kind!r} data; "
-                          f"allowed: {sorted(allowed)}")
+        raise ConfigError(
+            f"data option(s) {sorted(unknown)} not understood for {kind!r} data; allowed: {sorted(allowed)}"
+        )
     if kind == "digits":
         return DigitsDataset(split, transform=transform, **options)
     if kind in ("cifar10", "cifar100", "cifar"):
         return CIFARDataset(path, split, kind=None if kind == "cifar" else kind, transform=transform, **options)
     if kind == "imagefolder":
         return ImageFolderDataset(path, split, transform=transform, **options)
+    if kind == "hf":
+        return HFImageDataset(str(path), split, transform=transform, **options)
     return IdxDataset(path, split, transform=transform, **options)
 
 
@@ -787,7 +1007,9 @@ def load_images(source: str, max_images: int = 16) -> list[Any]:
         raise ConfigError(f"max_images={max_images} must be >= 1")
     p = Path(source).expanduser()
     if p.is_dir() or (p.is_file() and p.suffix.lower() in IMAGE_EXTS):
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTS)
+        files = (
+            [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTS)
+        )
         if not files:
             raise DataError(f"{p}: no image files ({', '.join(IMAGE_EXTS)}) found")
         out = []
@@ -803,6 +1025,5 @@ def load_images(source: str, max_images: int = 16) -> list[Any]:
     if len(ds) == 0:
         raise DataError(f"{source}: no images")
     labels = getattr(ds, "targets", None)
-    idx = (spread_over_classes(list(labels), max_images) if labels is not None
-           else list(range(min(max_images, len(ds)))))
+    idx = spread_over_classes(list(labels), max_images) if labels is not None else list(range(min(max_images, len(ds))))
     return [ds[i][0] for i in idx]

@@ -7,6 +7,10 @@ Design choices:
   default, ``.jsonl.gz`` too), parquet shards with a ``text`` column (FineWeb-Edu's layout, read
   one row group at a time with pyarrow), and the embedded default, ``pydoc_data.topics``, which
   ships with Python (79 documents, ~0.46M characters, sorted by topic name).
+* Hugging Face datasets (``hf:PATH_OR_NAME``, :func:`open_hf_dataset`): a ``save_to_disk``
+  directory, parquet / JSON / CSV files, or a name ``datasets`` resolves (the Hub, its cache);
+  one document per row of the text column, streamed (``streaming``) when the corpus is larger
+  than memory. A missing column is one DataError line listing the columns (:func:`check_hf_column`).
 * :func:`check_inputs` opens every file before any tokenisation starts, so a missing file, a
   parquet file without the text column (the error lists the columns found) or a JSONL file whose
   first line is not JSON fails in seconds.
@@ -55,7 +59,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, DiskFullError, is_disk_full
 from .jsonl import iter_jsonl
 
 __all__ = [
@@ -72,8 +76,13 @@ __all__ = [
     "is_validation_document",
     "tokenize_to_shards",
     "TokenShards",
-    "tokenize_main",
     "INDEX_NAME",
+    "HF_PREFIX",
+    "hf_source",
+    "open_hf_dataset",
+    "check_hf_column",
+    "read_hf_dataset",
+    "hf_fingerprint",
 ]
 
 INDEX_NAME = "index.json"
@@ -123,8 +132,9 @@ def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[st
     p = Path(path)
     for n, obj in iter_jsonl(p):
         if text_field not in obj:
-            raise DataError(f"{p}:{n}: no key {text_field!r}; keys found: {sorted(obj)[:20]} "
-                            "(choose one with --text-field)")
+            raise DataError(
+                f"{p}:{n}: no key {text_field!r}; keys found: {sorted(obj)[:20]} (choose one with --text-field)"
+            )
         text = obj[text_field]
         if not isinstance(text, str):
             raise DataError(f"{p}:{n}: {text_field!r} is a {type(text).__name__}, expected a string")
@@ -140,8 +150,9 @@ def _parquet_file(p: Path, text_field: str):
         raise DataError(f"{p}: not a readable parquet file ({e})") from e
     names = pf.schema_arrow.names
     if text_field not in names:
-        raise DataError(f"{p}: parquet file has no column {text_field!r}; columns found: {names} "
-                        "(choose one with --text-field)")
+        raise DataError(
+            f"{p}: parquet file has no column {text_field!r}; columns found: {names} (choose one with --text-field)"
+        )
     return pf
 
 
@@ -162,8 +173,10 @@ def read_parquet(path: str | os.PathLike, text_field: str = "text") -> Iterator[
             if text is None:
                 continue  # a null cell is an absent document, not an error
             if not isinstance(text, str):
-                raise DataError(f"{p}: column {text_field!r} holds {type(text).__name__} values "
-                                f"(row group {g}, row {i}); expected strings")
+                raise DataError(
+                    f"{p}: column {text_field!r} holds {type(text).__name__} values "
+                    f"(row group {g}, row {i}); expected strings"
+                )
             yield text
 
 
@@ -191,8 +204,9 @@ def check_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text") -
     for path in paths:
         p = Path(path)
         if not p.is_file():
-            raise DataError(f"{p}: is a directory, not a text/JSONL/parquet file" if p.is_dir()
-                            else f"{p}: no such file")
+            raise DataError(
+                f"{p}: is a directory, not a text/JSONL/parquet file" if p.is_dir() else f"{p}: no such file"
+            )
         if p.stat().st_size == 0:
             raise DataError(f"{p}: the file is empty")
         kind = _kind(p)
@@ -212,14 +226,154 @@ def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
         left -= len(d)
 
 
+# --------------------------------------------------------------------------- Hugging Face datasets
+HF_PREFIX = "hf:"
+_HF_BUILDERS = {
+    ".parquet": "parquet",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+
+
+def hf_source(spec: Any) -> Optional[str]:
+    """``"PATH_OR_NAME"`` of an ``"hf:PATH_OR_NAME"`` data spec, else None."""
+    if isinstance(spec, str) and spec.startswith(HF_PREFIX) and spec[len(HF_PREFIX) :].strip():
+        return spec[len(HF_PREFIX) :].strip()
+    return None
+
+
+def _hf_module() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            "an hf: data source needs the 'datasets' package; install it with pip install datasets "
+            "(or pip install 'lapheads[hf]')"
+        ) from None
+    return datasets
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def open_hf_dataset(
+    source: str, split: Optional[str] = "train", name: Optional[str] = None, streaming: bool = False, what: str = "data"
+) -> Any:
+    """A ``datasets`` dataset from a path or a name, resolved in this order:
+
+    * a directory written by ``save_to_disk`` (``dataset_dict.json`` or ``state.json`` inside):
+      ``load_from_disk``, memory-mapped; a ``DatasetDict`` gives its ``split``;
+    * a data file or a glob of them (``.parquet``, ``.json``/``.jsonl``, ``.csv``, ``.arrow``,
+      ``.txt``): ``load_dataset(<format>, data_files=...)``, the files as split ``split``;
+    * anything else (a directory of data files, a Hub name such as ``HuggingFaceFW/fineweb-edu``):
+      ``load_dataset(source, name)``, as ``datasets`` resolves it (its cache, ``HF_HUB_OFFLINE``).
+
+    ``split=None`` returns every split (a ``DatasetDict``); ``streaming`` an ``IterableDataset``
+    (a saved directory is streamed with ``to_iterable_dataset``), which reads corpora larger than
+    memory.
+
+    Raises:
+        DataError: one line naming ``what``, the source and the split, with ``datasets``' reason.
+        ConfigError: the ``datasets`` package is missing.
+    """
+    datasets = _hf_module()
+    p = Path(os.path.expanduser(source))
+    where = f"{what}: Hugging Face dataset {source!r}" + (f" (config {name!r})" if name else "")
+    try:
+        if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+            ds = datasets.load_from_disk(str(p))
+            if isinstance(ds, datasets.DatasetDict) and split is not None:
+                if split not in ds:
+                    raise DataError(f"{where} has the splits {', '.join(ds)}, not {split!r}")
+                ds = ds[split]
+            if streaming:
+                ds = (
+                    datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in ds.items()})
+                    if isinstance(ds, datasets.DatasetDict)
+                    else ds.to_iterable_dataset()
+                )
+            return ds
+        suffix = "".join(s for s in p.suffixes[-1:]).lower()
+        if suffix in _HF_BUILDERS and (p.is_file() or any(c in source for c in "*?[")):
+            return datasets.load_dataset(
+                _HF_BUILDERS[suffix], data_files={split or "train": str(p)}, split=split, streaming=streaming
+            )
+        if not p.exists() and (source.startswith((".", "/", "~")) or os.sep in source.strip("/").replace("/", "", 1)):
+            raise DataError(f"{where}: no such file or directory")
+        return datasets.load_dataset(source, name, split=split, streaming=streaming)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets raises many types (missing files, offline hub, bad split)
+        raise DataError(f"{where}, split {split!r}, cannot be opened: {_one_line(e)}") from None
+
+
+def hf_columns(ds: Any) -> Optional[list[str]]:
+    """The column names of a (streaming) dataset, or None when a stream does not know them yet."""
+    names = getattr(ds, "column_names", None)
+    return list(names) if names is not None else None
+
+
+def check_hf_column(ds: Any, column: str, what: str, key: str) -> None:
+    """Raise one DataError line naming ``key`` (the config key) when ``ds`` has no ``column``."""
+    names = hf_columns(ds)
+    if names is None:  # a stream of unknown features: look at its first row
+        first = next(iter(ds), None)
+        names = list(first) if isinstance(first, dict) else []
+    if column not in names:
+        raise DataError(
+            f"{what}: the dataset has no column {column!r} ({key}); its columns: {', '.join(names) or 'none'}"
+        )
+
+
+def read_hf_dataset(ds: Any, text_field: str = "text", source: str = "hf") -> Iterator[str]:
+    """One document per row: the string in column ``text_field`` (empty rows and None are skipped).
+
+    Raises:
+        DataError: a value that is not a string, naming the row.
+    """
+    rows = ds.select_columns([text_field]) if hasattr(ds, "select_columns") else ds
+    for i, row in enumerate(rows):
+        text = row[text_field]
+        if text is None or text == "":
+            continue
+        if not isinstance(text, str):
+            raise DataError(
+                f"{source}: column {text_field!r} holds {type(text).__name__} values (row {i}); expected strings"
+            )
+        yield text
+
+
+def hf_fingerprint(source: str, ds: Any, name: Optional[str], split: str) -> Any:
+    """What identifies a Hugging Face corpus in a cache key: local files by path, size and mtime;
+    a Hub dataset by its ``datasets`` fingerprint (a stream: by name, config and split)."""
+    p = Path(os.path.expanduser(source))
+    key: dict[str, Any] = {"hf": source, "name": name, "split": split}
+    if p.exists():
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+        key["files"] = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files[:10_000]]
+    elif getattr(ds, "_fingerprint", None):
+        key["fingerprint"] = ds._fingerprint
+    return key
+
+
 # --------------------------------------------------------------------------- documents of one file
 SPLIT_MODES = ("blank_lines", "chapters")  # or a positive int: characters per piece
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
-_NUMBER_WORDS = (r"one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
-                 r"sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
-                 r"first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|last")
-_CHAPTER = re.compile(r"^[ \t]*(?:chapter|book|part)[ \t]+(?:\d+|[ivxlcdm]+|(?:" + _NUMBER_WORDS + r")(?:-\w+)?)\b"
-                      r"[^\n]{0,80}$", re.IGNORECASE | re.MULTILINE)
+_NUMBER_WORDS = (
+    r"one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+    r"sixteen|seventeen|eighteen|nineteen|twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety|"
+    r"first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|last"
+)
+_CHAPTER = re.compile(
+    r"^[ \t]*(?:chapter|book|part)[ \t]+(?:\d+|[ivxlcdm]+|(?:" + _NUMBER_WORDS + r")(?:-\w+)?)\b"
+    r"[^\n]{0,80}$",
+    re.IGNORECASE | re.MULTILINE,
+)
 
 
 def check_split_mode(how: Any, name: str = "split_documents") -> Any:
@@ -247,8 +401,10 @@ def split_text(text: str, how: Any, where: str = "") -> list[str]:
     elif how == "chapters":
         starts = [m.start() for m in _CHAPTER.finditer(text)]
         if not starts:
-            raise DataError(f"{where or 'the text'}: no chapter heading (a line such as 'Chapter 1', 'CHAPTER IV.' "
-                            "or 'Book Two'); split it with blank_lines or a number of characters instead")
+            raise DataError(
+                f"{where or 'the text'}: no chapter heading (a line such as 'Chapter 1', 'CHAPTER IV.' "
+                "or 'Book Two'); split it with blank_lines or a number of characters instead"
+            )
         bounds = ([0] if starts[0] > 0 else []) + starts + [len(text)]
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     else:
@@ -289,8 +445,12 @@ def is_validation_document(i: int, val_fraction: float | Fraction) -> bool:
 
 # --------------------------------------------------------------------------- writing shards
 # How `lapheads data tokenize` spells the options named in errors (`train lm` passes its own).
-_CLI_HINTS = {"val_fraction": "--val-fraction", "val_by": "--val-by tokens",
-              "split_documents": "--split-documents blank_lines|chapters|N", "fraction": "train_fraction"}
+_CLI_HINTS = {
+    "val_fraction": "--val-fraction",
+    "val_by": "--val-by tokens",
+    "split_documents": "--split-documents blank_lines|chapters|N",
+    "fraction": "train_fraction",
+}
 # Settings an index written before they existed implicitly had.
 _SETTING_DEFAULTS = {"val_by": "documents", "train_fraction": "1", "max_train_documents": 0}
 
@@ -300,12 +460,26 @@ def _dtype_for(vocab_size: int) -> str:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file; a full disk is one :class:`DiskFullError` line
+    (the shards written before stay, listed in ``index.json``) and the temporary file is removed."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # readers see the old file or the complete new one, never half of it
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the complete new one, never half of it
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise DiskFullError(
+                path.parent,
+                len(data),
+                what=f"writing {path.name}",
+                run=path.parent,
+                resume="the same command with --resume (the shards written so far are kept)",
+            ) from None
+        raise
 
 
 def _write_index(out: Path, index: dict) -> None:
@@ -386,20 +560,30 @@ def tokenize_to_shards(
     settings = _shard_settings(tokenizer, shard_tokens, f, dtype, val_by, train_fraction, max_train_documents)
     if (out / INDEX_NAME).exists():
         if not resume:
-            raise DataError(f"{out / INDEX_NAME} already exists; pass resume=True (--resume) to continue it "
-                            "or choose an empty --out directory")
+            raise DataError(
+                f"{out / INDEX_NAME} already exists; pass resume=True (--resume) to continue it "
+                "or choose an empty --out directory"
+            )
         index = read_index(out)
         for k, v in settings.items():
             if index.get(k, _SETTING_DEFAULTS.get(k)) != v:
                 what = "tokenizer" if k in ("tokenizer_hash", "vocab_size", "bos_id") else k
-                raise DataError(f"{out / INDEX_NAME}: cannot resume with a different {what}: the index has "
-                                f"{k}={index.get(k)!r}, this run has {v!r}")
+                raise DataError(
+                    f"{out / INDEX_NAME}: cannot resume with a different {what}: the index has "
+                    f"{k}={index.get(k)!r}, this run has {v!r}"
+                )
         if index.get("complete"):
             return index
     else:
         out.mkdir(parents=True, exist_ok=True)
-        index = {"version": _INDEX_VERSION, **settings, "source": source, "complete": False,
-                 "documents_consumed": 0, "splits": {s: _empty_split() for s in _SPLITS}}
+        index = {
+            "version": _INDEX_VERSION,
+            **settings,
+            "source": source,
+            "complete": False,
+            "documents_consumed": 0,
+            "splits": {s: _empty_split() for s in _SPLITS},
+        }
     writer = _ShardWriter(out, index, settings, tokenizer, f, source)
     if total_documents is None and hasattr(documents, "__len__"):
         total_documents = len(documents)
@@ -408,8 +592,10 @@ def tokenize_to_shards(
     splits = index["splits"]
     committed = max(splits[s]["next_document"] for s in _SPLITS)
     if seen < committed:
-        raise DataError(f"{out / INDEX_NAME}: the resumed run already holds {committed} input documents but "
-                        f"the input{where} has only {seen}; resume with the same input, in the same order")
+        raise DataError(
+            f"{out / INDEX_NAME}: the resumed run already holds {committed} input documents but "
+            f"the input{where} has only {seen}; resume with the same input, in the same order"
+        )
     if seen == 0 or (writer.nonempty == 0 and all(splits[s]["documents"] == 0 for s in _SPLITS)):
         raise DataError(f"the corpus{where} is empty: no non-empty document to tokenize")
     for s in _SPLITS:
@@ -419,19 +605,30 @@ def tokenize_to_shards(
         if val_by == "tokens":
             why = f"{hints['fraction']}={train_fraction} and val_fraction={val_fraction} leave no training token"
         else:
-            why = (f"validation by document ({hints['val_fraction']}={val_fraction}) leaves no training "
-                   f"document (the first document is always validation)")
-        raise DataError(f"the corpus{where} has {seen} document(s) and {why}; split the text into documents "
-                        f"({hints['split_documents']}), validate by tokens ({hints['val_by']}) or give more "
-                        f"documents")
+            why = (
+                f"validation by document ({hints['val_fraction']}={val_fraction}) leaves no training "
+                f"document (the first document is always validation)"
+            )
+        raise DataError(
+            f"the corpus{where} has {seen} document(s) and {why}; split the text into documents "
+            f"({hints['split_documents']}), validate by tokens ({hints['val_by']}) or give more "
+            f"documents"
+        )
     index["documents_consumed"] = seen
     index["complete"] = True
     _write_index(out, index)
     return index
 
 
-def _shard_settings(tokenizer: Any, shard_tokens: int, f: Fraction, dtype: Optional[str], val_by: str,
-                    train_fraction: float, max_train_documents: int) -> dict:
+def _shard_settings(
+    tokenizer: Any,
+    shard_tokens: int,
+    f: Fraction,
+    dtype: Optional[str],
+    val_by: str,
+    train_fraction: float,
+    max_train_documents: int,
+) -> dict:
     """The checked settings of a shard directory, as its index records them (a resume must match them)."""
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ConfigError(f"shard_tokens={shard_tokens!r} must be a positive int")
@@ -443,8 +640,10 @@ def _shard_settings(tokenizer: Any, shard_tokens: int, f: Fraction, dtype: Optio
     if dtype not in ("uint16", "uint32"):
         raise ConfigError(f"dtype={dtype!r} must be 'uint16' or 'uint32'")
     if vocab > np.iinfo(dtype).max + 1:
-        raise DataError(f"the tokenizer has {vocab} tokens, which do not fit {dtype} shards "
-                        f"(max {np.iinfo(dtype).max + 1}); use uint32")
+        raise DataError(
+            f"the tokenizer has {vocab} tokens, which do not fit {dtype} shards "
+            f"(max {np.iinfo(dtype).max + 1}); use uint32"
+        )
     if val_by not in ("documents", "tokens"):
         raise ConfigError(f"val_by={val_by!r} must be 'documents' or 'tokens'")
     if not isinstance(train_fraction, (int, float)) or not 0 < train_fraction <= 1:
@@ -452,9 +651,17 @@ def _shard_settings(tokenizer: Any, shard_tokens: int, f: Fraction, dtype: Optio
     if not isinstance(max_train_documents, int) or max_train_documents < 0:
         raise ConfigError(f"max_train_documents={max_train_documents!r} must be an int >= 0")
     g = Fraction(str(train_fraction)).limit_denominator(10**6)
-    return {"tokenizer_hash": tokenizer_hash(tokenizer), "vocab_size": vocab, "dtype": dtype, "bos_id": int(bos),
-            "shard_tokens": shard_tokens, "val_fraction": str(f), "val_by": val_by,
-            "train_fraction": str(g), "max_train_documents": max_train_documents}
+    return {
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "vocab_size": vocab,
+        "dtype": dtype,
+        "bos_id": int(bos),
+        "shard_tokens": shard_tokens,
+        "val_fraction": str(f),
+        "val_by": val_by,
+        "train_fraction": str(g),
+        "max_train_documents": max_train_documents,
+    }
 
 
 def _ceil(x: Fraction) -> int:
@@ -502,13 +709,16 @@ class _ShardWriter:
     def keep_train(self, i: int) -> bool:
         """Whether the training part of document ``i`` is kept (``train_fraction``, ``max_train_documents``)."""
         j = i if self.by_tokens else i - _ceil(i * self.f)  # its position among the training documents
-        return _ceil((j + 1) * self.g) > _ceil(j * self.g) and (not self.max_train or _ceil(j * self.g) < self.max_train)
+        return _ceil((j + 1) * self.g) > _ceil(j * self.g) and (
+            not self.max_train or _ceil(j * self.g) < self.max_train
+        )
 
     def done_or_dropped(self, i: int) -> bool:
         """Document ``i`` needs no tokenizing: every split it feeds holds it already, or it is left out."""
         if self.by_tokens:
             return i < self.splits["val"]["next_document"] and (
-                i < self.splits["train"]["next_document"] or not self.keep_train(i))
+                i < self.splits["train"]["next_document"] or not self.keep_train(i)
+            )
         split = "val" if is_validation_document(i, self.f) else "train"
         return i < self.splits[split]["next_document"] or (split == "train" and not self.keep_train(i))
 
@@ -525,8 +735,11 @@ class _ShardWriter:
             else:
                 at = len(self.tokenizer.decode(ids[:cut]))
             parts = [("train", ids[:cut], text[:at]), ("val", ids[cut:], text[at:])]
-        return [(s, x, t) for s, x, t in parts
-                if x and i >= self.splits[s]["next_document"] and (s == "val" or self.keep_train(i))]
+        return [
+            (s, x, t)
+            for s, x, t in parts
+            if x and i >= self.splits[s]["next_document"] and (s == "val" or self.keep_train(i))
+        ]
 
     def process(self, batch: list[tuple[int, str]]) -> None:
         """Tokenize a batch of ``(index, text)`` documents into the split buffers (flushing full shards)."""
@@ -534,11 +747,16 @@ class _ShardWriter:
         be = self.backend
         encs = be.encode_batch(texts, add_special_tokens=False) if be is not None else [None] * len(texts)
         for (i, text), enc in zip(batch, encs):
-            ids = enc.ids if enc is not None else self.tokenizer.encode(text, add_special_tokens=False,
-                                                                        split_special_tokens=True)
+            ids = (
+                enc.ids
+                if enc is not None
+                else self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+            )
             if len(ids) and max(ids) >= self.vocab:
-                raise DataError(f"document {i} of {self.source or 'the corpus'} produced token id {max(ids)} "
-                                f">= vocabulary size {self.vocab}")
+                raise DataError(
+                    f"document {i} of {self.source or 'the corpus'} produced token id {max(ids)} "
+                    f">= vocabulary size {self.vocab}"
+                )
             for split, part, part_text in self.parts_of(i, text, list(ids), enc):
                 arr = np.empty(len(part) + 1, dtype=np.int64)
                 arr[0] = self.bos
@@ -554,9 +772,14 @@ class _ShardWriter:
 
     def run(self, documents: Iterable[str], batch_documents: int, total: Optional[int], progress: bool) -> int:
         """Read every document (tokenizing those not written yet); returns how many were read."""
-        bar = tqdm(total=total, initial=0, unit="doc", desc=f"tokenize -> {self.out.name}",
-                   disable=None if progress else True,  # None: only on a terminal
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            initial=0,
+            unit="doc",
+            desc=f"tokenize -> {self.out.name}",
+            disable=None if progress else True,  # None: only on a terminal
+            dynamic_ncols=True,
+        )
         old_flag = getattr(self.backend, "encode_special_tokens", None)
         seen = 0  # input documents read so far (including those a resumed run skips)
         batch: list[tuple[int, str]] = []
@@ -565,8 +788,11 @@ class _ShardWriter:
             self.process(b)
             bar.update(len(b))
             sp, pend = self.splits, self.pending
-            bar.set_postfix(train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
-                            val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"], refresh=False)
+            bar.set_postfix(
+                train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
+                val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"],
+                refresh=False,
+            )
 
         try:
             if self.backend is not None:
@@ -574,8 +800,9 @@ class _ShardWriter:
             for i, text in enumerate(documents):
                 seen = i + 1
                 if not isinstance(text, str):
-                    raise DataError(f"document {i} of {self.source or 'the corpus'} is a {type(text).__name__}, "
-                                    "not a str")
+                    raise DataError(
+                        f"document {i} of {self.source or 'the corpus'} is a {type(text).__name__}, not a str"
+                    )
                 # Empty documents are skipped (nothing to learn); documents already inside a complete
                 # shard of their split (a resumed run) are read but not tokenized again.
                 if not text or self.done_or_dropped(i):
@@ -615,13 +842,17 @@ class TokenShards:
         self.split = split
         self.index = read_index(self.path)
         if not self.index.get("complete"):
-            raise DataError(f"{self.path / INDEX_NAME}: the shards are incomplete (an interrupted run); "
-                            f"finish them with `lapheads data tokenize ... --out {self.path} --resume`")
+            raise DataError(
+                f"{self.path / INDEX_NAME}: the shards are incomplete (an interrupted run); "
+                f"finish them with `lapheads data tokenize ... --out {self.path} --resume`"
+            )
         if tokenizer is not None:
             h = tokenizer_hash(tokenizer)
             if h != self.index["tokenizer_hash"] or len(tokenizer) != self.index["vocab_size"]:
-                raise DataError(f"{self.path / INDEX_NAME}: shards were made with tokenizer {self.index['tokenizer_hash']} "
-                                f"(vocab {self.index['vocab_size']}), but the given tokenizer is {h} (vocab {len(tokenizer)})")
+                raise DataError(
+                    f"{self.path / INDEX_NAME}: shards were made with tokenizer {self.index['tokenizer_hash']} "
+                    f"(vocab {self.index['vocab_size']}), but the given tokenizer is {h} (vocab {len(tokenizer)})"
+                )
         self.dtype = np.dtype(self.index["dtype"])
         info = self.index["splits"][split]
         self.maps: list[np.memmap] = []
@@ -631,13 +862,17 @@ class TokenShards:
                 raise DataError(f"{f}: shard listed in {INDEX_NAME} is missing")
             want = sh["tokens"] * self.dtype.itemsize
             if f.stat().st_size != want:
-                raise DataError(f"{f}: {f.stat().st_size} bytes, but {INDEX_NAME} says {sh['tokens']} tokens "
-                                f"({want} bytes); the shard is truncated or from another run")
+                raise DataError(
+                    f"{f}: {f.stat().st_size} bytes, but {INDEX_NAME} says {sh['tokens']} tokens "
+                    f"({want} bytes); the shard is truncated or from another run"
+                )
             self.maps.append(np.memmap(f, dtype=self.dtype, mode="r"))
         self.num_tokens = int(info["tokens"])
         if self.num_tokens == 0:
-            raise DataError(f"{self.path}: the {split} split has no tokens (val_fraction "
-                            f"{self.index['val_fraction']} of {self.index['documents_consumed']} documents)")
+            raise DataError(
+                f"{self.path}: the {split} split has no tokens (val_fraction "
+                f"{self.index['val_fraction']} of {self.index['documents_consumed']} documents)"
+            )
         self.num_documents = int(info["documents"])
         self.bytes_per_token = float(info["bytes_per_token"])
         self.vocab_size = int(self.index["vocab_size"])
@@ -648,8 +883,10 @@ class TokenShards:
         return self.num_tokens
 
     def __repr__(self) -> str:
-        return (f"TokenShards({str(self.path)!r}, split={self.split!r}, tokens={self.num_tokens}, "
-                f"shards={len(self.maps)}, bytes_per_token={self.bytes_per_token:.3f})")
+        return (
+            f"TokenShards({str(self.path)!r}, split={self.split!r}, tokens={self.num_tokens}, "
+            f"shards={len(self.maps)}, bytes_per_token={self.bytes_per_token:.3f})"
+        )
 
     def tokens(self, start: int, n: int) -> np.ndarray:
         """``n`` consecutive tokens from global position ``start`` (crossing shard boundaries)."""
@@ -660,7 +897,7 @@ class TokenShards:
         while got < n:
             m = self.maps[s]
             take = min(n - got, len(m) - pos)
-            out[got:got + take] = m[pos:pos + take]
+            out[got : got + take] = m[pos : pos + take]
             got += take
             s, pos = s + 1, 0
         return out
@@ -669,11 +906,14 @@ class TokenShards:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ConfigError(f"seq_len={seq_len!r} must be a positive int")
         if self.num_tokens < seq_len + 1:
-            raise DataError(f"{self.path}: the {self.split} split has {self.num_tokens} tokens, fewer than "
-                            f"seq_len + 1 = {seq_len + 1}; use a shorter sequence or more data")
+            raise DataError(
+                f"{self.path}: the {self.split} split has {self.num_tokens} tokens, fewer than "
+                f"seq_len + 1 = {seq_len + 1}; use a shorter sequence or more data"
+            )
 
-    def sample_batch(self, batch_size: int, seq_len: int,
-                     generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_batch(
+        self, batch_size: int, seq_len: int, generator: Optional[torch.Generator] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows: ``x`` = tokens ``[s, s + seq_len)``, ``y`` = ``[s + 1, s + seq_len + 1)``.
 
         Args:
@@ -690,8 +930,9 @@ class TokenShards:
         t = torch.from_numpy(w)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
-    def iter_batches(self, batch_size: int, seq_len: int, max_batches: Optional[int] = None,
-                     rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def iter_batches(
+        self, batch_size: int, seq_len: int, max_batches: Optional[int] = None, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Deterministic sequential windows for evaluation: window ``j`` starts at ``j * seq_len``.
 
         Windows are consecutive and do not overlap in their targets, so every token except the very

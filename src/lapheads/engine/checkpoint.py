@@ -25,10 +25,24 @@ Design choices:
 * Safe: tensors go through safetensors; everything else through ``torch.load(weights_only=True)``,
   which refuses pickled code (a crafted payload raises instead of executing).
 * Loading weights into the wrong architecture lists the missing, unexpected and mis-shaped keys.
+* Verifiable: ``state.json`` records the size and SHA-256 of every file of the checkpoint and the
+  run's id (``meta.json``), written at save time. ``--resume`` verifies each checkpoint, newest
+  first, and falls back to the newest intact one, naming the ones it skipped and why
+  (:func:`resumable_checkpoint`); nothing is deleted on the way. Checkpoints written before the
+  checksums existed are verified as far as their files allow (each file parses), and said so.
+* A full disk (``ENOSPC`` / ``EDQUOT``) ends a write with :class:`~lapheads.errors.DiskFullError`
+  (one line: the directory, what the write needed, what is free) after its temporary files are
+  removed, also when a signal interrupts it. Before a checkpoint is written its size is estimated
+  (:func:`estimate_bytes`); when the disk is short, checkpoints that ``keep`` would remove after
+  the write anyway are removed first (:func:`make_room`; never the last good one), and when it is
+  still short the write is refused before it starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import re
@@ -36,14 +50,15 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DiskFullError, free_bytes, is_disk_full
 
 LATEST = "latest"
+STATE_JSON = "state.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -64,15 +79,39 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[int] = None) -> Iterator[None]:
+    """Remove the temporary file or directory ``tmp`` when the block fails (a signal included), and
+    turn a full disk into :class:`DiskFullError` naming ``directory``, ``what`` and ``needed`` bytes."""
+    try:
+        yield
+    except BaseException as e:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        if isinstance(e, DiskFullError):
+            raise
+        if is_disk_full(e):
+            raise DiskFullError(directory, needed, what=what) from None
+        raise
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a mix."""
+    """Write ``text`` to ``path`` so readers see the old or the new content, never a mix.
+
+    A full disk raises :class:`DiskFullError`; the temporary file is removed on any failure.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    data = text.encode("utf-8")
+    with removed_on_failure(tmp, path.parent, f"writing {path.name}", len(data)):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     _fsync_dir(path.parent)
 
 
@@ -92,7 +131,13 @@ def _contiguous(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
-    save_file(_contiguous(tensors), str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+    """``safetensors`` ``save_file``; a full disk raises ``OSError(ENOSPC)`` (safetensors says it in text)."""
+    try:
+        save_file(_contiguous(tensors), str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+    except Exception as e:
+        if not isinstance(e, OSError) and is_disk_full(e):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+        raise
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -118,22 +163,32 @@ def safe_torch_load(path: Path) -> Any:
         msg = " ".join(str(e).split())
         # torch's text is a paragraph of advice ending in the real reason; keep only the reason
         bad = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", msg)
-        why = (f"it holds something other than tensors and plain containers ({bad.group(1).strip()}), "
-               f"e.g. a pickled object that could run code; it was not loaded" if bad else msg[:300])
+        why = (
+            f"it holds something other than tensors and plain containers ({bad.group(1).strip()}), "
+            f"e.g. a pickled object that could run code; it was not loaded"
+            if bad
+            else msg[:300]
+        )
         raise CheckpointError(f"{path} was refused by the safe loader (weights_only=True): {why}") from None
 
 
-def load_weights(module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint",
-                 strict: bool = True) -> None:
+def load_weights(
+    module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint", strict: bool = True
+) -> None:
     """``load_state_dict`` with an error listing every mismatched key (wrong architecture)."""
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
     if strict and (missing or unexpected or shapes):
+
         def _fmt(xs: list[str]) -> str:
             return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+
         parts = []
         if missing:
             parts.append(f"missing keys: {_fmt(missing)}")
@@ -149,6 +204,21 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     if not ckpt_dir.is_dir():
         return []
     return sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step_"))
+
+
+def checkpoint_step(path: Path) -> Optional[int]:
+    """The step of a checkpoint directory ``step_00000020`` (None for another name)."""
+    m = re.fullmatch(r"step_(\d+)", Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def last_good_step(ckpt_dir: Path) -> Optional[int]:
+    """The step of the checkpoint ``latest`` names when it is there, else None (never raises)."""
+    try:
+        ck = latest_checkpoint(ckpt_dir)
+    except (CheckpointError, OSError):
+        return None
+    return checkpoint_step(ck) if ck is not None else None
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
@@ -186,10 +256,77 @@ def write_files(directory: Path, files: Mapping[str, Any]) -> None:
         if fname.endswith(".safetensors"):
             save_tensors(path, content)
         elif fname.endswith(".pt"):
-            torch.save(content, path)
+            with open(path, "wb") as f:  # through a file object a full disk is an OSError(ENOSPC)
+                torch.save(content, f)
         else:
             raise CheckpointError(f"unsupported checkpoint file type {fname}")
         _fsync_file(path)
+
+
+def _tensor_bytes(obj: Any) -> tuple[int, int]:
+    """(bytes of every tensor in ``obj``, number of tensors), through dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size(), 1
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        total = n = 0
+        for v in obj:
+            b, k = _tensor_bytes(v)
+            total, n = total + b, n + k
+        return total, n
+    return 0, 0
+
+
+def estimate_bytes(files: Mapping[str, Any]) -> int:
+    """The disk space a checkpoint of ``files`` (as for :func:`write_files`) takes, a little generously:
+    the tensor bytes plus headers, and a file-system block per file."""
+    total = 16 * 1024  # state.json, latest
+    for content in files.values():
+        b, n = _tensor_bytes(content)
+        total += b + 256 * n + 8192  # headers / pickle records; the last block of the file
+    return total
+
+
+def file_checksums(directory: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``directory``."""
+    out = {}
+    for p in sorted(Path(directory).rglob("*")):
+        if p.is_file() and p.name != STATE_JSON:
+            out[p.relative_to(directory).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+    return out
+
+
+def make_room(ckpt_dir: Path, needed: int, keep: int, what: str, protect: Optional[str] = None) -> None:
+    """Make sure ``needed`` bytes are free in ``ckpt_dir`` before a new checkpoint is written.
+
+    When they are not, stale temporary directories and then the oldest checkpoints that ``keep``
+    would remove after the write anyway go first (never the one ``latest`` names nor ``protect``,
+    the name of the checkpoint the run last wrote or resumed from: the last good one); when that is
+    not enough, :class:`DiskFullError` is raised before anything is written.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    free = free_bytes(ckpt_dir)
+    if free is None or free >= needed:
+        return
+    for stale in ckpt_dir.glob(".tmp-*"):  # partial writes of killed processes (we hold the run's lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    good = None
+    with contextlib.suppress(CheckpointError, OSError):
+        good = latest_checkpoint(ckpt_dir)
+    old = list_checkpoints(ckpt_dir)
+    doomed = (old[: len(old) - (keep - 1)] if keep > 1 else old) if keep > 0 else []
+    for ck in doomed:
+        free = free_bytes(ckpt_dir) or 0
+        if free >= needed:
+            return
+        if (good is not None and ck.resolve() == good.resolve()) or ck.name == protect:
+            continue
+        shutil.rmtree(ck, ignore_errors=True)
+    free = free_bytes(ckpt_dir)
+    if free is not None and free < needed:
+        raise DiskFullError(ckpt_dir, needed, free, what=what)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -200,16 +337,21 @@ def _fsync_tree(root: Path) -> None:
             _fsync_dir(p)
 
 
-def commit_checkpoint(ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None) -> Path:
+def commit_checkpoint(
+    ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None, run_id: Optional[str] = None
+) -> Path:
     """Publish a complete temporary checkpoint directory: ``state.json``, rename, move ``latest``.
 
-    Every file under ``tmp`` is fsynced again (shards other ranks wrote included), then ``tmp`` is
-    renamed to ``step_X`` and only then ``latest`` is replaced; older checkpoints beyond ``keep``
-    and stale temporary directories of killed processes are removed afterwards.
+    ``state.json`` records the size and SHA-256 of every file (and ``run_id``, the run's id), which
+    :func:`verify_checkpoint` checks on resume. Every file under ``tmp`` is fsynced again (shards
+    other ranks wrote included), then ``tmp`` is renamed to ``step_X`` and only then ``latest`` is
+    replaced; older checkpoints beyond ``keep`` and stale temporary directories of killed processes
+    are removed afterwards.
     """
     ckpt_dir = Path(ckpt_dir)
-    info = {"step": step, "time": time.time(), **(summary or {})}
-    (tmp / "state.json").write_text(json.dumps(info, indent=1, default=float), encoding="utf-8")
+    info = {"step": step, "time": time.time(), **(summary or {}), "run_id": run_id, "files": file_checksums(tmp)}
+    with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
+        f.write(json.dumps(info, indent=1, default=float))
     _fsync_tree(tmp)
     _fsync_dir(tmp)
     name = f"step_{step:08d}"
@@ -229,15 +371,159 @@ def commit_checkpoint(ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summa
     return final
 
 
-def write_checkpoint(ckpt_dir: Path, step: int, files: Mapping[str, Any], keep: int = 2,
-                     summary: Optional[dict] = None) -> Path:
+def write_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    files: Mapping[str, Any],
+    keep: int = 2,
+    summary: Optional[dict] = None,
+    run_id: Optional[str] = None,
+    protect: Optional[str] = None,
+) -> Path:
     """Write one checkpoint atomically (one writer: :func:`begin_checkpoint` + files + commit).
 
     Args:
         files: name -> content; ``*.safetensors`` take a dict of tensors, ``state.pt`` any
             weights-only-loadable object.
-        keep: how many complete checkpoints to keep (older ones are removed afterwards).
+        keep: how many complete checkpoints to keep (older ones are removed afterwards; when the
+            disk is short, before the write: :func:`make_room`).
+        run_id: the run's id, recorded so that a checkpoint copied from another run is recognised.
+        protect: name of a checkpoint :func:`make_room` must not remove (the run's last good one).
+
+    Raises:
+        DiskFullError: the disk cannot hold the checkpoint (refused before the write when the
+            estimate says so); the temporary directory is removed, the last good checkpoint kept.
     """
-    tmp = begin_checkpoint(ckpt_dir, step)
-    write_files(tmp, files)
-    return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary)
+    ckpt_dir = Path(ckpt_dir)
+    needed = estimate_bytes(files)
+    what = f"the checkpoint of step {step}"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    make_room(ckpt_dir, needed, keep, what, protect)
+    tmp = ckpt_dir / f".tmp-step_{step:08d}-{os.getpid()}"
+    with removed_on_failure(tmp, ckpt_dir, what, needed):
+        tmp = begin_checkpoint(ckpt_dir, step)
+        write_files(tmp, files)
+        return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary, run_id=run_id)
+
+
+# ----------------------------------------------------------------------------- verification
+def _check_safetensors_structure(path: Path) -> Optional[str]:
+    """Why ``path`` is not a complete safetensors file (header and data length), or None."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is truncated ({size} bytes)"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path.name} is truncated ({size} bytes, its header alone needs {n + 8})"
+            header = json.loads(f.read(n))
+        end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"] or [0])
+        if 8 + n + end != size:
+            return f"{path.name} has {size} bytes, its header describes {8 + n + end}"
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} is not a valid safetensors file ({type(e).__name__})"
+    return None
+
+
+def verify_checkpoint(path: Path, run_id: Optional[str] = None) -> tuple[Optional[str], bool]:
+    """Check a checkpoint directory without loading it into a model.
+
+    Returns ``(problem, checksummed)``: ``problem`` is None when it is intact, else why not (a
+    missing, truncated or changed file, another run's id); ``checksummed`` says whether sizes and
+    SHA-256 sums were checked (False for checkpoints written before they were recorded: then each
+    file's structure is checked and ``state.pt`` loaded).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "it is missing", False
+    if not (path / "state.pt").is_file():
+        return "it has no state.pt (incomplete)", False
+    try:
+        info = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        info = {}
+    files = info.get("files") if isinstance(info, dict) else None
+    if isinstance(files, dict) and files:
+        other = info.get("run_id")
+        if run_id and other and other != run_id:
+            return f"it was written by another run (run id {other}, this run is {run_id})", True
+        for rel, want in sorted(files.items()):
+            p = path / rel
+            if not p.is_file():
+                return f"{rel} is missing", True
+            size = p.stat().st_size
+            why = (
+                f"{rel} has {size} bytes, {want.get('size')} were written"
+                if size != want.get("size")
+                else f"{rel} does not match the checksum written with it (damaged)"
+                if sha256_file(p) != want.get("sha256")
+                else None
+            )
+            if why is not None:
+                return _refused_code(p) or why, True
+        return None, True
+    for p in sorted(path.glob("*.safetensors")):
+        why = _check_safetensors_structure(p)
+        if why:
+            return why, False
+    try:
+        safe_torch_load(path / "state.pt")
+    except CheckpointError:
+        return "state.pt does not load (truncated or damaged)", False
+    return None, False
+
+
+def _refused_code(path: Path) -> Optional[str]:
+    """For a changed ``*.pt`` file: the safe loader's refusal when it holds code (the news that
+    matters most about such a file), else None. Loading with ``weights_only=True`` runs nothing."""
+    if path.suffix != ".pt":
+        return None
+    try:
+        safe_torch_load(path)
+    except CheckpointError as e:
+        return str(e) if "could run code" in str(e) else None
+    return None
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of one file (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resumable_checkpoint(
+    ckpt_dir: Path, run_id: Optional[str] = None, skip: Collection[Path] = ()
+) -> tuple[Optional[Path], list[str]]:
+    """The newest intact checkpoint of ``ckpt_dir`` and one note per checkpoint skipped (or unverified).
+
+    Every ``step_*`` directory is a candidate, newest first (one renamed into place but not yet
+    named by ``latest`` is complete); a ``latest`` that names a missing step is noted. Nothing is
+    deleted; checkpoints in ``skip`` (those the caller could not load) are passed over without a
+    note. Returns ``(None, notes)`` when there is no intact one (``notes`` empty: no checkpoint
+    at all, the run starts at step 0).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    notes: list[str] = []
+    pointer = ckpt_dir / LATEST
+    if pointer.is_file():
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            name = pointer.read_text(encoding="utf-8").strip()
+            if not (ckpt_dir / name).is_dir():
+                notes.append(f"{pointer} names {name!r}, which is missing")
+    for ck in sorted(list_checkpoints(ckpt_dir), key=lambda p: checkpoint_step(p) or -1, reverse=True):
+        if ck in skip:
+            continue
+        why, checksummed = verify_checkpoint(ck, run_id)
+        if why is None:
+            if not checksummed:
+                notes.append(
+                    f"{ck.name} has no checksums (written by an older lapheads): only its file structure was verified"
+                )
+            return ck, notes
+        notes.append(f"skipped {ck.name}: {why}")
+    return None, notes

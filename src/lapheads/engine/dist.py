@@ -11,6 +11,11 @@ second ``launch``, which ends the group like the first). torch restarts its grou
 ``destroy_process_group``, so under torchrun, whose store outlives the group, a second group would
 read the first one's rendezvous keys and hang (pytorch#55967); every group after the first gets
 keys of its own (a ``PrefixStore``).
+
+Under SLURM (``--launcher slurm``, engine.slurm) there is no torchrun: every task of the job is a
+training process, and :func:`env_from_slurm` sets torchrun's variables from submitit's job
+environment (global rank, local rank, number of tasks, the first node as master, a port derived
+from the job id) before :func:`init_distributed` reads them, so the same code path serves both.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +58,37 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return dev
 
 
+def env_from_slurm(job: Any = None, apply: bool = False) -> dict[str, str]:
+    """torchrun's variables for this SLURM task (empty for a one-task job or under torchrun).
+
+    ``job`` is submitit's ``JobEnvironment`` (default: this task's). ``MASTER_ADDR`` is the job's first
+    node, ``MASTER_PORT`` is ``LAPHEADS_MASTER_PORT`` or 20000 + job id mod 20000 (two jobs sharing a node
+    get different ports, a requeued job the same). With ``apply`` they are also set in ``os.environ``.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or a caller) has set them
+        return {}
+    if job is None:
+        import submitit  # the slurm extra; only called inside a submitit job
+
+        job = submitit.JobEnvironment()
+    if job.num_tasks <= 1:
+        return {}
+    raw_id = str(os.environ.get("SLURM_JOB_ID") or job.raw_job_id).split("_")[0]
+    port = os.environ.get("LAPHEADS_MASTER_PORT") or str(20000 + int(raw_id) % 20000 if raw_id.isdigit() else 29500)
+    env = {
+        "RANK": str(job.global_rank),
+        "WORLD_SIZE": str(job.num_tasks),
+        "LOCAL_RANK": str(job.local_rank),
+        "LOCAL_WORLD_SIZE": str(job.num_tasks // max(1, job.num_nodes)),
+        "NODE_RANK": str(job.node),
+        "MASTER_ADDR": str(job.hostnames[0]),
+        "MASTER_PORT": port,
+    }
+    if apply:
+        os.environ.update(env)
+    return env
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Initialise the process group when launched by torchrun; otherwise a single process."""
     global _groups_created
@@ -66,8 +103,13 @@ def init_distributed(device: str = "auto") -> DistInfo:
         timeout = datetime.timedelta(seconds=float(os.environ.get("LAPHEADS_DIST_TIMEOUT", "120")))
         if _groups_created:  # a fresh key space in the same store (pytorch#55967)
             store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world,
-                                    store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store))
+            dist.init_process_group(
+                backend=backend,
+                timeout=timeout,
+                rank=rank,
+                world_size=world,
+                store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store),
+            )
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
         _groups_created += 1

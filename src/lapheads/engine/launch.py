@@ -12,6 +12,12 @@ Order matters for "nothing is lost, nothing half-written, one writer at a time":
 
 A SIGINT / SIGTERM ends the command with one line naming the checkpoint and the exact command
 that continues the run (:func:`describe_interrupt`), and exit status 128 + signal.
+
+A full disk (``ENOSPC`` / ``EDQUOT``) anywhere in a run, the lock, a checkpoint, ``metrics.jsonl``,
+``final/``, ends it with :class:`~lapheads.errors.DiskFullError`, one line that names the
+directory, what the write needed and what is free, the last good checkpoint's step, and the
+command that continues the run from its directory alone once there is room
+(:func:`disk_full_in_run`).
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from ..errors import DiskFullError, is_disk_full
 from . import dist as D
-from .checkpoint import latest_checkpoint
+from .checkpoint import last_good_step, latest_checkpoint
 from .run import RunDir, SameValue
 from .threads import configure_threads
 from .trainer import RunInterrupted, Task, Trainer, seed_everything
@@ -41,8 +49,16 @@ def _agree(info: D.DistInfo, outcome: Any) -> Any:
     return outcome
 
 
-def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task], out: str, *,
-           resume: bool = False, overwrite: bool = False, same: Optional[SameValue] = None) -> dict:
+def launch(
+    recipe: str,
+    cfg: Any,
+    build_task: Callable[[Any, D.DistInfo], Task],
+    out: str,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    same: Optional[SameValue] = None,
+) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``.
 
     ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`).
@@ -53,6 +69,7 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
         print(f"CPU threads: {threads} ({why})", flush=True)
     run = RunDir(out)
     started = False
+    trainer: Optional[Trainer] = None
     try:
         outcome: Any = None
         if info.is_main:
@@ -76,6 +93,12 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
         return trainer.fit(resume=resume)
     except RunInterrupted:
         raise
+    except (DiskFullError, OSError) as e:
+        if not is_disk_full(e):
+            raise
+        # the trainer knows the checkpoint it wrote or resumed from (latest may name a damaged one it skipped)
+        last: Any = "pointer" if trainer is None else (trainer._ckpt_step if trainer._ckpt_step >= 0 else None)
+        raise disk_full_in_run(e, recipe, run.path, last) from None
     except KeyboardInterrupt as e:  # outside the loop: Ctrl-C, or SIGTERM via the CLI's handler
         signum = getattr(e, "signum", signal.SIGINT)
         ck = latest_checkpoint(run.ckpt_dir) if (started and info.is_main and run.ckpt_dir.is_dir()) else None
@@ -83,6 +106,20 @@ def launch(recipe: str, cfg: Any, build_task: Callable[[Any, D.DistInfo], Task],
     finally:
         run.unlock()
         D.cleanup()
+
+
+def disk_full_in_run(exc: BaseException, recipe: str, run_dir: Path, last_step: Any = "pointer") -> DiskFullError:
+    """The one-line :class:`DiskFullError` of a run whose write ``exc`` met a full disk: with the
+    run's last good checkpoint (``last_step``; by default the step ``latest`` names) and the
+    command that continues it from its directory alone."""
+    if not isinstance(exc, DiskFullError):
+        name = getattr(exc, "filename", None)
+        where = Path(name).parent if name else run_dir
+        exc = DiskFullError(where, None, what=f"writing {Path(name).name}" if name else "a write")
+    resume = resume_command(["train", recipe], ["--out", str(run_dir)])
+    if last_step == "pointer":
+        last_step = last_good_step(Path(run_dir) / "checkpoints")
+    return exc.in_run(run_dir, last_step, resume)
 
 
 def resume_command(words: Sequence[str], args: Sequence[str], started: bool = True) -> str:

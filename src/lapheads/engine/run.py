@@ -17,7 +17,13 @@ Design choices:
 * A run directory is never overwritten: starting a run where ``config.yaml`` already exists
   needs ``--resume`` (continue it) or ``--overwrite`` (delete it first). ``--resume`` also checks
   that the config did not change in ways that would break exact resume, and lists every
-  differing key (:func:`config_changes`; the sweep uses the same rule).
+  differing key (:func:`config_changes`; the sweep uses the same rule). ``--resume`` without
+  ``--config`` continues with the directory's own ``config.yaml`` (:func:`resume_config`), so
+  ``lapheads train RECIPE --out RUN --resume`` needs nothing else; ``--set`` on top is compared
+  as usual. Keys that cannot change a result may differ (:data:`RESUME_MUTABLE`);
+  ``train.threads`` may too, with one warning line (:data:`RESUME_WARN`).
+* ``meta.json`` holds the run's id (``run_id``), which every checkpoint records, so that a
+  checkpoint copied in from another run is recognised on resume (engine.checkpoint).
 * ``config.yaml`` is what makes a directory a run. A directory that holds nothing but the
   leftovers of a start killed before ``config.yaml`` was complete (its temporary file, a stale
   lock file) is not a run: a plain start cleans it up and proceeds, and so does ``--resume``
@@ -29,6 +35,8 @@ Design choices:
   writer can say who holds it (``filelock`` truncates the file when it tries to lock it, which
   would erase exactly that information, hence ``fcntl`` directly). The file is removed on release;
   an acquirer that locked a file unlinked in the meantime notices (inode check) and retries.
+  A full disk that refuses even the holder record gives the lock back and ends in one
+  :class:`~lapheads.errors.DiskFullError` line.
 * Every top-level ``*.jsonl`` file is a per-step log whose records carry ``step``: on resume they
   are all trimmed to the checkpoint's step (:meth:`RunDir.trim_step_logs`), so a killed attempt
   leaves no duplicates.
@@ -48,13 +56,14 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import yaml
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
 from ..outputs import check_out_dir
 from .checkpoint import atomic_write_text
 from .config import load_yaml, to_dict
@@ -66,12 +75,16 @@ def git_revision() -> Optional[str]:
     """The git commit of the lapheads source tree (with ``-dirty``), or None outside git."""
     here = Path(__file__).resolve().parent
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=5)
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -79,20 +92,53 @@ def git_revision() -> Optional[str]:
 
 def add_train_args(p: argparse.ArgumentParser, default_config: Optional[str] = None) -> None:
     """The flags every ``lapheads train ...`` command shares."""
-    p.add_argument("--config", default=default_config,
-                   help="YAML recipe (see recipes/); values can be overridden with --set")
+    p.add_argument(
+        "--config",
+        default=default_config,
+        help="a YAML recipe file or a shipped config name (`lapheads recipes`); values can be overridden with --set; with --resume and "
+        "no --config the run directory's config.yaml",
+    )
     p.add_argument("--out", required=True, help="run directory to create (or continue with --resume)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest complete checkpoint")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its newest complete checkpoint"
+    )
     p.add_argument("--overwrite", action="store_true", help="delete an existing --out first")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.max_steps=100 "
-                        "--set model.laplacian_heads=all (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.max_steps=100 --set model.laplacian_heads=all (repeatable)",
+    )
+
+
+def resume_config(out: str | Path, resume: bool) -> Optional[str]:
+    """The config a ``--resume`` without ``--config`` continues with: ``OUT/config.yaml`` (None when
+    not resuming or ``OUT`` holds no run; the recipe's default config applies then)."""
+    saved = Path(out) / "config.yaml"
+    return str(saved) if resume and saved.is_file() else None
 
 
 # Keys that may differ between the original run and a --resume (they do not change the math).
-RESUME_MUTABLE = {"train.max_steps", "train.log_every", "train.eval_every", "train.ckpt_every",
-                  "train.keep_checkpoints", "train.progress", "train.num_workers", "train.device"}
+RESUME_MUTABLE = {
+    "train.max_steps",
+    "train.log_every",
+    "train.eval_every",
+    "train.ckpt_every",
+    "train.keep_checkpoints",
+    "train.progress",
+    "train.num_workers",
+    "train.device",
+    # where metrics are mirrored (engine.trackers), never what is trained
+    "train.trackers",
+    "train.tracker_project",
+    "train.tracker_run_name",
+    "train.tracker_dir",
+    "train.mlflow_tracking_uri",
+}
+# Keys that may differ on --resume with one warning line: CPU threads can change the last bits of sums.
+RESUME_WARN = {"train.threads"}
 # Keys that may differ for a FINISHED run that is reused as is (e.g. by a sweep): the run length
 # decides the final model, so it is not among them.
 FINISHED_MUTABLE = RESUME_MUTABLE - {"train.max_steps"}
@@ -116,8 +162,9 @@ def _equal(key: str, old: Any, new: Any) -> bool:
     return old == new
 
 
-def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE,
-                   defaults: Optional[dict] = None, same: SameValue = _equal) -> list[str]:
+def config_changes(
+    old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE, defaults: Optional[dict] = None, same: SameValue = _equal
+) -> list[str]:
     """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out.
 
     With ``defaults`` (the recipe's default config), a key the old config lacks because it was
@@ -127,8 +174,11 @@ def config_changes(old: dict, new: dict, allowed: set[str] = RESUME_MUTABLE,
     """
     a, b = flatten_config(old), flatten_config(new)
     d = flatten_config(defaults) if defaults is not None else {}
-    return sorted(k for k in set(a) | set(b) if not same(k, a.get(k), b.get(k)) and k not in allowed
-                  and not (k not in a and k in d and b.get(k) == d[k]))
+    return sorted(
+        k
+        for k in set(a) | set(b)
+        if not same(k, a.get(k), b.get(k)) and k not in allowed and not (k not in a and k in d and b.get(k) == d[k])
+    )
 
 
 def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:
@@ -194,7 +244,8 @@ class RunLock:
                 os.close(fd)
                 raise RunDirBusy(
                     f"{path} is being written by another process ({holder}); two writers would "
-                    f"corrupt it: wait for that process to end or stop it first") from None
+                    f"corrupt it: wait for that process to end or stop it first"
+                ) from None
             try:  # the previous holder may have unlinked the file between our open and flock
                 st = os.stat(lock_file)
                 same = (st.st_ino, st.st_dev) == (os.fstat(fd).st_ino, os.fstat(fd).st_dev)
@@ -203,10 +254,26 @@ class RunLock:
             if same:
                 break
             os.close(fd)
-        info = {"pid": os.getpid(), "host": platform.node(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "command": shlex.join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        info = {
+            "pid": os.getpid(),
+            "host": platform.node(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": shlex.join(sys.argv),
+        }
+        record = (json.dumps(info) + "\n").encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+        except OSError as e:  # a full disk: give the lock back, leave nothing behind, say so in one line
+            with contextlib.suppress(OSError):
+                os.unlink(lock_file)
+            os.close(fd)
+            for d in reversed(created):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            if is_disk_full(e):
+                raise DiskFullError(path, len(record), what=f"the writer lock {lock_file}") from None
+            raise
         lock = cls(path, fd, created)
         cls._held[key] = lock
         return lock
@@ -296,6 +363,7 @@ class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._lock: Optional[RunLock] = None
+        self._warned = False  # the RESUME_WARN line is printed once (check() runs twice per start)
 
     config_path = property(lambda self: self.path / "config.yaml")
     metrics_path = property(lambda self: self.path / "metrics.jsonl")
@@ -320,8 +388,7 @@ class RunDir:
     def _only_leftovers(self) -> bool:
         return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
 
-    def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool,
-              same: Optional[SameValue] = None) -> bool:
+    def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, same: Optional[SameValue] = None) -> bool:
         """Check that the run can start here; returns whether it resumes an existing run.
 
         Raises before anything is touched when the directory would be overwritten or the config
@@ -341,26 +408,51 @@ class RunDir:
             new = {"recipe": recipe, **to_dict(cfg)}
             # plus the keys a config derives from the world size (lm: train.grad_accum from data.total_batch_tokens)
             allowed = RESUME_MUTABLE | (cfg.resume_mutable() if hasattr(cfg, "resume_mutable") else set())
-            changed = config_changes(old, new, allowed, defaults={"recipe": recipe, **to_dict(type(cfg)())},
-                                     same=same or _equal)
+            changed = config_changes(
+                old,
+                new,
+                allowed | RESUME_WARN,
+                defaults={"recipe": recipe, **to_dict(type(cfg)())},
+                same=same or _equal,
+            )
             if changed:
                 raise ConfigError(
                     f"--resume: the config differs from {self.config_path} at "
-                    f"{describe_changes(old, new, changed)}; exact resume needs the same config")
+                    f"{describe_changes(old, new, changed)}; exact resume needs the same config"
+                )
+            warn = [k for k in config_changes(old, new, set(), same=same or _equal) if k in RESUME_WARN]
+            if warn and not self._warned:
+                self._warned = True
+                print(
+                    f"warning: --resume with {describe_changes(old, new, warn)} (saved in {self.config_path}): "
+                    f"on a CPU a different thread count can change the last bits of the results",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return True
         if self.path.exists() and not overwrite:
             if self.exists():
                 raise CheckpointError(
-                    f"{self.path} already holds a run; pass --resume to continue it or "
-                    f"--overwrite to replace it")
+                    f"{self.path} already holds a run; pass --resume to continue it or --overwrite to replace it"
+                )
             if not self._only_leftovers():
                 raise CheckpointError(
                     f"{self.path} is not empty and holds no run (no config.yaml); choose another "
-                    f"--out or pass --overwrite to empty it")
+                    f"--out or pass --overwrite to empty it"
+                )
         return False
 
-    def prepare(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, is_main: bool = True,
-                write: bool = True, same: Optional[SameValue] = None) -> bool:
+    def prepare(
+        self,
+        cfg: Any,
+        recipe: str,
+        *,
+        resume: bool,
+        overwrite: bool,
+        is_main: bool = True,
+        write: bool = True,
+        same: Optional[SameValue] = None,
+    ) -> bool:
         """Check (see :meth:`check`), then create the directory and write ``config.yaml`` +
         ``meta.json``; returns whether the run resumes.
 
@@ -377,20 +469,31 @@ class RunDir:
         atomic_write_text(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
         meta_path = self.path / "meta.json"
         meta = json.loads(meta_path.read_text()) if (resume and meta_path.is_file()) else {}
-        meta.setdefault("starts", []).append({
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "argv": sys.argv,
-            "git_revision": git_revision(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "host": platform.node(),
-            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "resume": resume,
-        })
+        meta.setdefault("starts", []).append(
+            {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "argv": sys.argv,
+                "git_revision": git_revision(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "host": platform.node(),
+                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "resume": resume,
+            }
+        )
         meta["recipe"] = recipe
+        meta.setdefault("run_id", uuid.uuid4().hex[:16])  # recorded in every checkpoint (engine.checkpoint)
         meta["git_revision"] = meta["starts"][0]["git_revision"]
         atomic_write_text(meta_path, json.dumps(meta, indent=1))
         return resume
+
+    def run_id(self) -> Optional[str]:
+        """The run's id from ``meta.json`` (None for runs started before ids were recorded)."""
+        try:
+            rid = json.loads((self.path / "meta.json").read_text(encoding="utf-8")).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return rid if isinstance(rid, str) else None
 
     def read_config(self) -> dict:
         if not self.exists():

@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, cast
 
 import numpy as np
 import torch
@@ -66,16 +66,31 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError, LapheadsError, NonFiniteError
+from ..errors import CheckpointError, ConfigError, DiskFullError, LapheadsError, NonFiniteError
 from ..stats import evals_without_improvement
 from . import dist as D
 from . import fsdp as F
 from .callbacks import active_callbacks
-from .checkpoint import (begin_checkpoint, commit_checkpoint, latest_checkpoint, load_tensors, load_weights,
-                         safe_torch_load, save_tensors, write_checkpoint, write_files)
-from .config import ConfigModel, Float, Int, Str, rule
+from .checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
+    estimate_bytes,
+    latest_checkpoint,
+    list_checkpoints,
+    load_tensors,
+    load_weights,
+    make_room,
+    removed_on_failure,
+    resumable_checkpoint,
+    safe_torch_load,
+    save_tensors,
+    write_checkpoint,
+    write_files,
+)
+from .config import ConfigModel, Float, Int, Str, rule, run_rule
 from .fsdp import enable_activation_checkpointing, full_state_dict, is_sharded_checkpoint, materialize, plain_norm
 from .run import RunDir
+from .trackers import build_trackers, check_trackers, log_final
 
 
 class UntilPlateau(ConfigModel):
@@ -83,10 +98,13 @@ class UntilPlateau(ConfigModel):
 
     patience: Int = Field(0, ge=0, description="evals in a row without improvement before stopping; 0 = off")
     min_rel_delta: Float = Field(0.0, ge=0.0, description="an improvement must exceed this fraction of |best|")
-    metric: Str = Field("", description="a key of the recipe's evaluation (classify: top1, lm: val_bpb, "
-                                        "sft: val_loss, dino: knn_k20_top1)")
-    mode: Literal["", "min", "max"] = Field("", description="max: higher is better (accuracy); min: lower "
-                                                            "(loss, bits per byte)")
+    metric: Str = Field(
+        "",
+        description="a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_k20_top1)",
+    )
+    mode: Literal["", "min", "max"] = Field(
+        "", description="max: higher is better (accuracy); min: lower (loss, bits per byte)"
+    )
 
 
 class TrainConfig(ConfigModel):
@@ -95,51 +113,84 @@ class TrainConfig(ConfigModel):
     seed: Int = Field(0, description="seed of initialisation, data order and augmentation")
     max_steps: Int = Field(0, ge=0, description="optimizer steps; 0 = the recipe decides (e.g. from epochs)")
     grad_accum: Int = Field(1, ge=1, description="micro-batches per optimizer step")
-    clip_grad: Float = Field(0.0, ge=0.0, description="max global grad norm; 0 = no clipping (the norm is still "
-                                                      "logged)")
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field("cosine", description="learning-rate "
-                                                                     "schedule after the warmup")
+    clip_grad: Float = Field(
+        0.0, ge=0.0, description="max global grad norm; 0 = no clipping (the norm is still logged)"
+    )
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="learning-rate schedule after the warmup"
+    )
     warmup_steps: Int = Field(0, ge=0, description="linear warmup steps; 0 = warmup_ratio decides")
-    warmup_ratio: Float = Field(0.0, ge=0.0, lt=1.0, description="warmup as a fraction of the steps (when "
-                                                                 "warmup_steps is 0)")
-    warmdown_ratio: Float = Field(0.2, ge=0.0, le=1.0, description='"wsd": fraction of steps of linear decay at '
-                                                                   'the end (nanochat)')
+    warmup_ratio: Float = Field(
+        0.0, ge=0.0, lt=1.0, description="warmup as a fraction of the steps (when warmup_steps is 0)"
+    )
+    warmdown_ratio: Float = Field(
+        0.2, ge=0.0, le=1.0, description='"wsd": fraction of steps of linear decay at the end (nanochat)'
+    )
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final lr as a fraction of the base lr")
-    precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto = bf16 autocast on GPUs that "
-                                                                           "have it")
+    precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto = bf16 autocast on GPUs that have it")
     ema_decay: Float = Field(0.0, ge=0.0, lt=1.0, description="decay of the EMA of weights; 0 = no EMA")
     ckpt_every: Int = Field(0, ge=0, description="optimizer steps between checkpoints; 0 = only at the end")
     keep_checkpoints: Int = Field(2, ge=0, description="checkpoints kept; 0 = keep all")
     eval_every: Int = Field(0, ge=0, description="optimizer steps between evaluations; 0 = only at the end")
     log_every: Int = Field(10, ge=0, description="optimizer steps between logged metrics")
-    nan_policy: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient: stop the run, "
-                                                                    "or skip the step")
-    max_skipped_steps: Int = Field(20, ge=0, description="with nan_policy=skip, stop after this many skipped "
-                                                         "steps")
+    nan_policy: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss or gradient: stop the run, or skip the step"
+    )
+    max_skipped_steps: Int = Field(20, ge=0, description="with nan_policy=skip, stop after this many skipped steps")
     device: Str = Field("auto", description="auto, cpu, cuda, cuda:N, ...")
     num_workers: Int = Field(0, ge=0, description="data-loader worker processes")
-    threads: Int = Field(0, ge=0, description="CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy "
-                                              "(engine/threads.py)")
+    threads: Int = Field(
+        0, ge=0, description="CPU intra-op threads; 0 = OMP_NUM_THREADS, else the cores not busy (engine/threads.py)"
+    )
     progress: bool = Field(True, description="tqdm bars; shown only when stderr is a terminal")
     find_unused_parameters: bool = Field(False, description="DDP's find_unused_parameters")
     until_plateau: UntilPlateau = Field(UntilPlateau(), description="early stopping (module docstring)")
-    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="fsdp: FSDP2 per-block sharding + sharded (DCP) "
-                                                                "checkpoints")
-    activation_checkpointing: bool = Field(False, description="recompute each block's activations in backward "
-                                                              "(transformers models)")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="fsdp: FSDP2 per-block sharding + sharded (DCP) checkpoints"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each block's activations in backward (transformers models)"
+    )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        ["tensorboard"],
+        description="experiment trackers besides metrics.jsonl (always written): any of "
+        "tensorboard, wandb, mlflow (engine/trackers.py)",
+    )
+    tracker_project: Str = Field("lapheads", description="wandb: the project; mlflow: the experiment")
+    tracker_run_name: Str = Field("", description="the tracker run's name; empty = the run directory's name")
+    tracker_dir: Str = Field("", description="wandb: where its files go (wandb/ below it); empty = the run directory")
+    mlflow_tracking_uri: Str = Field(
+        "",
+        description="mlflow: tracking URI (sqlite:///mlflow.db, http://...); "
+        "empty = MLFLOW_TRACKING_URI, else MLflow's default",
+    )
+
+    @rule
+    def _trackers_once(self) -> None:
+        twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if twice:
+            raise ConfigError(f"train.trackers names {', '.join(twice)} more than once")
+
+    @run_rule
+    def _trackers_installed(self) -> None:
+        check_trackers([t for t in self.trackers if t != "tensorboard"])  # one line naming package and extra
 
     @rule
     def _until_plateau(self) -> None:
         up = self.until_plateau
         if up.patience and (not up.metric or not up.mode or not self.eval_every):
-            raise ConfigError("train.until_plateau.patience > 0 needs train.until_plateau.metric (e.g. top1, val_bpb), "
-                              "train.until_plateau.mode (max or min) and train.eval_every > 0")
+            raise ConfigError(
+                "train.until_plateau.patience > 0 needs train.until_plateau.metric (e.g. top1, val_bpb), "
+                "train.until_plateau.mode (max or min) and train.eval_every > 0"
+            )
 
     @rule
     def _fsdp_without_ema(self) -> None:
         if self.parallel == "fsdp" and self.ema_decay > 0:
-            raise ConfigError("train.ema_decay > 0 is not supported with train.parallel=fsdp (the EMA copy would "
-                              "be unsharded); set train.ema_decay=0 or use train.parallel=ddp")
+            raise ConfigError(
+                "train.ema_decay > 0 is not supported with train.parallel=fsdp (the EMA copy would "
+                "be unsharded); set train.ema_decay=0 or use train.parallel=ddp"
+            )
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
@@ -226,7 +277,6 @@ class Task:
         """Extra files in ``final/`` (e.g. a transformers ``save_pretrained`` directory)."""
 
 
-
 def _after_earlier_event_files(tb_dir: Path) -> None:
     """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
 
@@ -243,6 +293,7 @@ def _after_earlier_event_files(tb_dir: Path) -> None:
             stamps.append(int(parts[3]))
     while stamps and int(time.time()) <= max(stamps):
         time.sleep(0.05)
+
 
 class ModelEma:
     """Exponential moving average of a module's parameters and buffers (float copies)."""
@@ -265,7 +316,7 @@ class ModelEma:
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_state = random.getstate()
     st = {
         "torch": torch.get_rng_state(),
@@ -284,8 +335,7 @@ def _set_rng_state(st: dict[str, Any], device: torch.device) -> None:
     meta = st["numpy_meta"]
     np.random.set_state(("MT19937", st["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1], meta[2]))
     gauss = st["python_gauss"]
-    random.setstate((gauss[0], tuple(int(x) for x in st["python"].tolist()),
-                     None if gauss[1] == "none" else gauss[1]))
+    random.setstate((gauss[0], tuple(int(x) for x in st["python"].tolist()), None if gauss[1] == "none" else gauss[1]))
     if device.type == "cuda" and "cuda" in st:
         torch.cuda.set_rng_state(st["cuda"], device)
 
@@ -315,8 +365,15 @@ class RunInterrupted(KeyboardInterrupt):
         finished: whether the run had already written ``final/`` when it stopped.
     """
 
-    def __init__(self, signum: int, run_dir: Path, step: Optional[int], checkpoint: Optional[Path],
-                 started: bool = True, finished: bool = False):
+    def __init__(
+        self,
+        signum: int,
+        run_dir: Path,
+        step: Optional[int],
+        checkpoint: Optional[Path],
+        started: bool = True,
+        finished: bool = False,
+    ):
         self.signum, self.run_dir, self.step = int(signum), Path(run_dir), step
         self.checkpoint, self.started, self.finished = checkpoint, started, finished
         super().__init__(self.describe())
@@ -327,8 +384,11 @@ class RunInterrupted(KeyboardInterrupt):
         where = f"after step {self.step} of {self.run_dir}" if self.step is not None else f"in {self.run_dir}"
         if self.finished:
             where += " (the run had finished)"
-        ck = (f"checkpoint {self.checkpoint} is complete" if self.checkpoint is not None
-              else "no checkpoint yet, it restarts at step 0")
+        ck = (
+            f"checkpoint {self.checkpoint} is complete"
+            if self.checkpoint is not None
+            else "no checkpoint yet, it restarts at step 0"
+        )
         return f"{where}; {ck}"
 
 
@@ -344,7 +404,8 @@ class Trainer:
         if self.total <= 0:
             raise ConfigError(f"the run has {self.total} optimizer steps; set train.max_steps > 0")
         self.use_bf16 = (cfg.precision == "bf16") or (
-            cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+            cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        )
         self.model = task.model
         self.sharded = False  # FSDP2 applied (parallel: fsdp with more than one process)
         self._export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
@@ -363,18 +424,25 @@ class Trainer:
                 g.setdefault("base_lr", g["lr"])
                 # beyond float32's range torch fails inside opt.step() with a bare RuntimeError
                 if not 0.0 <= float(g["base_lr"]) <= torch.finfo(torch.float32).max:
-                    raise ConfigError(f"learning rate {float(g['base_lr']):g} of {type(opt).__name__} must be a "
-                                      f"finite number >= 0 (check the optim section)")
+                    raise ConfigError(
+                        f"learning rate {float(g['base_lr']):g} of {type(opt).__name__} must be a "
+                        f"finite number >= 0 (check the optim section)"
+                    )
         self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.ddp_model: nn.Module = self.model
         if self.info.distributed and cfg.parallel == "ddp":
-            self.ddp_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                 find_unused_parameters=cfg.find_unused_parameters)
+            self.ddp_model = DDP(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=cfg.find_unused_parameters,
+            )
         self.step = 0
         self.skipped = 0
         self._restored = False
-        self._tb = None
-        self._tb_purge_step: Optional[int] = None
+        self._tb: Any = None  # the trackers of train.trackers (engine.trackers), started by the first _log
+        self._tb_purge_step: Optional[int] = None  # on resume: the checkpoint's step + 1 (see _trim_logs)
+        if self.info.is_main:
+            check_trackers([t for t in cfg.trackers if t != "tensorboard"])  # a missing package: one line, now
         self._ckpt_step = -1  # step of the newest checkpoint written or loaded
         self._stop_signal = 0  # set by the SIGINT / SIGTERM handler during fit()
 
@@ -407,8 +475,12 @@ class Trainer:
             rngs = gathered
         else:
             rngs = [rng]
-        files["state.pt"] = {"step": self.step, "skipped": self.skipped,
-                             "optimizers": [o.state_dict() for o in self.optims], "rng": rngs}
+        files["state.pt"] = {
+            "step": self.step,
+            "skipped": self.skipped,
+            "optimizers": [o.state_dict() for o in self.optims],
+            "rng": rngs,
+        }
         return files
 
     def _gather_rngs(self) -> list[Any]:
@@ -439,11 +511,59 @@ class Trainer:
                 ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
                 raise NonFiniteError(
                     f"non-finite value at step {self.step}: weight {name} is NaN/Inf after the optimizer "
-                    f"step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})")
+                    f"step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})"
+                )
         if self.info.is_main:
-            write_checkpoint(self.run.ckpt_dir, self.step, files, keep=self.cfg.keep_checkpoints)
+            write_checkpoint(
+                self.run.ckpt_dir,
+                self.step,
+                files,
+                keep=self.cfg.keep_checkpoints,
+                run_id=self.run.run_id(),
+                protect=self.last_good_checkpoint(),
+            )
         self._ckpt_step = self.step
         D.barrier()
+
+    def last_good_checkpoint(self) -> Optional[str]:
+        """Name of the newest checkpoint this run wrote or resumed from (None: none yet)."""
+        return f"step_{self._ckpt_step:08d}" if self._ckpt_step >= 0 else None
+
+    def check_checkpoint_space(self) -> None:
+        """Before the first checkpoint: refuse early when the disk cannot hold one (weights + optimizer
+        state, known after the first step), naming both figures (engine.checkpoint.make_room).
+
+        Rank 0 decides and every rank raises the same :class:`DiskFullError`.
+        """
+        err: Optional[BaseException] = None
+        if self.info.is_main and not list_checkpoints(self.run.ckpt_dir):
+            files: dict[str, Any] = {
+                "model.safetensors": self.model.state_dict(),
+                "state.pt": [o.state_dict() for o in self.optims],
+            }
+            if self.ema is not None:
+                files["ema.safetensors"] = self.ema.module.state_dict()
+            extra = self.task.extra_state()
+            if extra:
+                files["extra.safetensors"] = extra
+            needed = estimate_bytes(files)
+            if self.sharded:  # the shards of the other ranks land in the same directory
+                needed *= self.info.world_size
+            try:
+                make_room(
+                    self.run.ckpt_dir,
+                    needed,
+                    self.cfg.keep_checkpoints,
+                    "a checkpoint of this run (weights + optimizer state)",
+                )
+            except DiskFullError as e:
+                err = e
+        if self.info.distributed:
+            box = [err]
+            dist.broadcast_object_list(box, src=0)
+            err = box[0]
+        if err is not None:
+            raise err
 
     def _save_sharded_checkpoint(self) -> None:
         """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
@@ -452,7 +572,8 @@ class Trainer:
             ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
             raise NonFiniteError(
                 f"non-finite value at step {self.step}: weight {bad or '(on another rank)'} is NaN/Inf after the "
-                f"optimizer step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})")
+                f"optimizer step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})"
+            )
         rngs = self._gather_rngs()
         extra = self.task.extra_state()
         box: list[Any] = [begin_checkpoint(self.run.ckpt_dir, self.step) if self.info.is_main else None]
@@ -462,12 +583,21 @@ class Trainer:
         F.save_sharded(tmp, self.model, self.optims)  # collective; each rank fsyncs its own files
         D.barrier()
         if self.info.is_main:
-            files: dict[str, Any] = {"state.pt": {"step": self.step, "skipped": self.skipped, "rng": rngs,
-                                                  "world_size": self.info.world_size}}
+            files: dict[str, Any] = {
+                "state.pt": {
+                    "step": self.step,
+                    "skipped": self.skipped,
+                    "rng": rngs,
+                    "world_size": self.info.world_size,
+                }
+            }
             if extra:
                 files["extra.safetensors"] = extra
-            write_files(tmp, files)
-            commit_checkpoint(self.run.ckpt_dir, tmp, self.step, keep=self.cfg.keep_checkpoints)
+            with removed_on_failure(tmp, self.run.ckpt_dir, f"the checkpoint of step {self.step}"):
+                write_files(tmp, files)
+                commit_checkpoint(
+                    self.run.ckpt_dir, tmp, self.step, keep=self.cfg.keep_checkpoints, run_id=self.run.run_id()
+                )
         self._ckpt_step = self.step
         D.barrier()
 
@@ -487,15 +617,20 @@ class Trainer:
         # the random streams and each rank's data order cannot be
         seed_everything(self.cfg.seed + self.info.rank + 1_000_003 * self.step)
         if self.info.is_main:
-            print(f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
-                  "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
-                  "run", file=sys.stderr, flush=True)
+            print(
+                f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
+                "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
+                "run",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def load_checkpoint(self, path: Path) -> None:
         if self.cfg.parallel == "fsdp" or is_sharded_checkpoint(path):
             if not is_sharded_checkpoint(path):
-                raise ConfigError(f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with "
-                                  "train.parallel=ddp")
+                raise ConfigError(
+                    f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with train.parallel=ddp"
+                )
             self._load_sharded_checkpoint(path)
             return
         load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
@@ -505,7 +640,9 @@ class Trainer:
             self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
         st = safe_torch_load(path / "state.pt")
         if len(st["optimizers"]) != len(self.optims):
-            raise ConfigError(f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}")
+            raise ConfigError(
+                f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}"
+            )
         for opt, sd in zip(self.optims, st["optimizers"]):
             opt.load_state_dict(sd)
         self.step = int(st["step"])
@@ -516,7 +653,8 @@ class Trainer:
             raise ConfigError(
                 f"{path} was written by {len(rngs)} processes but this run has {self.info.world_size}; "
                 f"exact resume needs the same world size: resume it on {len(rngs)} processes (torchrun); "
-                "checkpoints of train.parallel=fsdp also resume on another number")
+                "checkpoints of train.parallel=fsdp also resume on another number"
+            )
         _set_rng_state(rngs[self.info.rank], self.device)
 
     # ------------------------------------------------------------------ logging
@@ -526,20 +664,25 @@ class Trainer:
         rec = {k: _to_float(v) for k, v in record.items()}
         with open(self.run.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        self._start_trackers()
+        self._tb.log(rec)
+
+    def _start_trackers(self) -> None:
+        """Open the trackers of ``train.trackers`` once (rank 0); on resume they continue their runs and
+        TensorBoard purges the events past the checkpoint (logged by a killed attempt)."""
         if self._tb is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                if self._tb_purge_step is not None:
-                    _after_earlier_event_files(self.run.tb_dir)
-                # after a resume, events past the checkpoint (logged by a killed attempt) are purged
-                self._tb = SummaryWriter(str(self.run.tb_dir), purge_step=self._tb_purge_step)
-            except ImportError:  # tensorboard is a dependency; tolerate its absence anyway
-                self._tb = False
-        if self._tb:
-            prefix = rec.get("split", "train")
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and k not in ("step",) and math.isfinite(v):
-                    self._tb.add_scalar(f"{prefix}/{k}", v, rec["step"])
+            cfg = self.cfg
+            self._tb = build_trackers(
+                cfg.trackers,
+                self.run.path,
+                {
+                    "project": cfg.tracker_project,
+                    "run_name": cfg.tracker_run_name,
+                    "dir": cfg.tracker_dir,
+                    "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
+                },
+            )
+            self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
 
     def _trim_logs(self, step: int) -> None:
         """On resume, drop what a killed attempt logged after the checkpoint (see RunDir)."""
@@ -550,19 +693,27 @@ class Trainer:
     # ------------------------------------------------------------------ signals
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:
-        """SIGINT / SIGTERM only set ``_stop_signal`` (the loop stops at the step boundary); the
-        previous handlers come back after the first signal (a second one acts at once) and on exit."""
+        """SIGINT / SIGTERM / SIGUSR1 only set ``_stop_signal`` (the loop stops at the step boundary);
+        the previous handlers come back after the first signal (a second one acts at once) and on exit.
+        SIGUSR1 is SLURM's warning before a time limit or preemption (``--launcher slurm``, engine.slurm:
+        the job then requeues itself and resumes from this checkpoint); its handler stays until the
+        loop ends, as SLURM can send it more than once."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
         # a signal the process was started to ignore (``cmd &`` in a script ignores SIGINT) stays
         # ignored, and one handled outside Python (getsignal() is None) is left alone
-        sigs = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) not in (signal.SIG_IGN, None)]
-        previous = {s: signal.getsignal(s) for s in sigs}
+        sigs = [
+            s
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+            if signal.getsignal(s) not in (signal.SIG_IGN, None)
+        ]
+        previous: dict[int, Any] = {s: signal.getsignal(s) for s in sigs}
 
         def handler(signum: int, frame: Any) -> None:
             self._stop_signal = self._stop_signal or signum
-            signal.signal(signum, previous[signum])
+            if signum != signal.SIGUSR1:  # SLURM may deliver its warning twice (srun forwards it too)
+                signal.signal(signum, previous[signum])
 
         for s in sigs:
             signal.signal(s, handler)
@@ -604,10 +755,48 @@ class Trainer:
         fails on a bad checkpoint leaves the run directory exactly as it was.
         """
         seed_everything(self.cfg.seed + self.info.rank)
-        ck = latest_checkpoint(self.run.ckpt_dir)
-        if ck is not None:
-            self.load_checkpoint(ck)
+        self.load_checkpoint_with_fallback()
         self._restored = True
+
+    def load_checkpoint_with_fallback(self) -> Optional[Path]:
+        """Load the newest intact checkpoint; returns it (None: there is none yet, step 0).
+
+        Each checkpoint is verified first (sizes and checksums, the run's id:
+        engine.checkpoint.resumable_checkpoint) and one that does not load into this model is
+        skipped too; one line on stderr names what was skipped and why. Nothing is deleted.
+
+        Raises:
+            CheckpointError: checkpoints exist but none is intact (each is named with its reason).
+        """
+        notes: list[str] = []
+        run_id = self.run.run_id()
+        tried: set[Path] = set()
+        while True:
+            ck, found = resumable_checkpoint(self.run.ckpt_dir, run_id, skip=tried)
+            notes += [n for n in found if n not in notes]
+            if ck is None:
+                break
+            try:
+                self.load_checkpoint(ck)
+            except CheckpointError as e:  # a damaged file the checksum could not see, another architecture
+                tried.add(ck)
+                notes.append(f"skipped {ck.name}: {' '.join(str(e).split())[:300]}")
+                continue
+            if notes and self.info.is_main:
+                kept = "; nothing was deleted" if any(n.startswith("skipped ") for n in notes) else ""
+                print(
+                    f"--resume: {'; '.join(notes)}; resuming from {ck} (step {self.step}){kept}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return ck
+        if notes:  # checkpoints were written (skipped ones, or a latest that names a missing step)
+            raise CheckpointError(
+                f"--resume: no intact checkpoint in {self.run.ckpt_dir}: {'; '.join(notes)}; "
+                f"nothing was deleted; restore a checkpoint from a copy, or start afresh "
+                f"with --overwrite"
+            )
+        return None
 
     def fit(self, resume: bool = False) -> dict[str, Any]:
         """Train to ``total`` steps, evaluate, checkpoint and export ``final/``.
@@ -615,11 +804,19 @@ class Trainer:
         Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
         """
         with self._stop_signals():
+            status = "failed"
             try:
-                return self._fit(resume)
+                result = self._fit(resume)
+                status = "finished"
+                if self.info.is_main and self._tb is not None:
+                    log_final(self._tb, self.run.path)  # final metrics and the run's report figures
+                return result
+            except KeyboardInterrupt:  # RunInterrupted: the trackers' runs continue on --resume
+                status = "interrupted"
+                raise
             finally:
-                if self._tb:
-                    self._tb.close()
+                if self._tb is not None:
+                    self._tb.finish(status)
                 self._tb = None
 
     def _fit(self, resume: bool) -> dict[str, Any]:
@@ -633,16 +830,22 @@ class Trainer:
                 self.restore()
             self._trim_logs(self.step)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16
-                    else contextlib.nullcontext())
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else contextlib.nullcontext()
         # disable=None: tqdm draws only when stderr is a terminal (no bars in logs and pipes)
-        bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.task.name}", unit="step",
-                   disable=None if (self.info.is_main and cfg.progress) else True, dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total,
+            initial=self.step,
+            desc=f"train {self.task.name}",
+            unit="step",
+            disable=None if (self.info.is_main and cfg.progress) else True,
+            dynamic_ncols=True,
+        )
         batches = self.task.batches(self.step * cfg.grad_accum)
         last_eval: dict[str, Any] = {}
         t_last = time.time()
         self.model.train()
         stopped = resume and self._plateau_reached()  # a resumed run that had already stopped
+        space_checked = False
         while self.step < self.total and not stopped:
             signum = self._stop_requested()  # at a step boundary, never mid-step
             if signum:
@@ -662,7 +865,7 @@ class Trainer:
                 # DDP all-reduces only the last micro-batch; FSDP reduce-scatters each one (sharded
                 # gradients accumulate, which keeps the memory of a sharded model low)
                 sync = micro == cfg.grad_accum - 1 or self.ddp_model is self.model
-                ctx = contextlib.nullcontext() if sync else self.ddp_model.no_sync()
+                ctx = contextlib.nullcontext() if sync else cast(Any, self.ddp_model).no_sync()
                 with ctx:
                     with autocast:
                         loss, metrics = self.task.loss(self.ddp_model, batch, step)
@@ -686,7 +889,8 @@ class Trainer:
                     ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
                     raise NonFiniteError(
                         f"non-finite value at step {step}: {what} is NaN/Inf; the run stopped "
-                        f"(last good checkpoint: {ck if ck else 'none'})")
+                        f"(last good checkpoint: {ck if ck else 'none'})"
+                    )
                 self.skipped += 1
                 for opt in self.optims:
                     opt.zero_grad(set_to_none=True)
@@ -704,12 +908,21 @@ class Trainer:
                 cb.on_step_end(step)
             self.step += 1
             bar.update(1)
+            if not space_checked:  # the optimizer state exists now: will a checkpoint fit on the disk?
+                space_checked = True
+                self.check_checkpoint_space()
             if self.step % max(1, cfg.log_every) == 0 or self.step == self.total:
                 loss_val = float(D.all_reduce_mean(loss_sum))
                 now = time.time()
-                rec = {"step": self.step, "loss": loss_val, "lr_factor": factor,
-                       "lr": self.optims[0].param_groups[0]["lr"], "grad_norm": float(gnorm),
-                       "sec_per_step": (now - t_last) / max(1, cfg.log_every), **metrics_acc}
+                rec = {
+                    "step": self.step,
+                    "loss": loss_val,
+                    "lr_factor": factor,
+                    "lr": self.optims[0].param_groups[0]["lr"],
+                    "grad_norm": float(gnorm),
+                    "sec_per_step": (now - t_last) / max(1, cfg.log_every),
+                    **metrics_acc,
+                }
                 t_last = now
                 self._log(rec)
                 bar.set_postfix(loss=f"{loss_val:.4f}")
@@ -718,14 +931,24 @@ class Trainer:
                 stopped = self._plateau_reached()
                 if stopped:  # checkpoint and final/ at this step, below
                     up = cfg.until_plateau
-                    self._log({"step": self.step, "event": "until_plateau_stop", "metric": up.metric,
-                               "patience": up.patience, "min_rel_delta": up.min_rel_delta})
+                    self._log(
+                        {
+                            "step": self.step,
+                            "event": "until_plateau_stop",
+                            "metric": up.metric,
+                            "patience": up.patience,
+                            "min_rel_delta": up.min_rel_delta,
+                        }
+                    )
                     break
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total:
                 self.save_checkpoint()
         bar.close()
-        done_before = [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step] \
-            if resume and self.info.is_main else []
+        done_before = (
+            [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step]
+            if resume and self.info.is_main
+            else []
+        )
         if stopped and last_eval:  # stopped at a plateau: the evaluation of this step is the final one
             pass
         elif done_before:  # resumed from the final checkpoint: the final evaluation is already logged
@@ -790,16 +1013,24 @@ class Trainer:
             tmp = final.with_name(".final.tmp")
             if tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            save_tensors(tmp / "model.safetensors", model.state_dict())
-            if self.ema is not None:
-                save_tensors(tmp / "ema.safetensors", self.ema.module.state_dict())
-            spec = {"recipe": self.task.name, "step": self.step, **self.task.model_spec()}
-            (tmp / "model.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
-            (tmp / "metrics.json").write_text(json.dumps({k: _to_float(v) for k, v in last_eval.items()},
-                                                         indent=1), encoding="utf-8")
-            self.task.export_final(tmp, model, self.ema.module if self.ema else None)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            needed = estimate_bytes(
+                {
+                    "model.safetensors": model.state_dict(),
+                    **({"ema.safetensors": self.ema.module.state_dict()} if self.ema else {}),
+                }
+            )
+            with removed_on_failure(tmp, self.run.path, "final/ (the exported model)", needed):
+                tmp.mkdir(parents=True)
+                save_tensors(tmp / "model.safetensors", model.state_dict())
+                if self.ema is not None:
+                    save_tensors(tmp / "ema.safetensors", self.ema.module.state_dict())
+                spec = {"recipe": self.task.name, "step": self.step, **self.task.model_spec()}
+                (tmp / "model.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
+                (tmp / "metrics.json").write_text(
+                    json.dumps({k: _to_float(v) for k, v in last_eval.items()}, indent=1), encoding="utf-8"
+                )
+                self.task.export_final(tmp, model, self.ema.module if self.ema else None)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
         D.barrier()

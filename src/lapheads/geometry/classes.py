@@ -11,7 +11,7 @@ Design choices:
   so in streaming mode NC4 is a second pass: ``ClassAccumulator.nc4_pass(weight, bias)`` returns
   an :class:`NC4Accumulator` holding the finished means, fed with the same batches again.
 
-Definitions (see PAPER.md "The geometry analyses"); for classes ``c`` with token count ``N_c``:
+Definitions (see docs/method.md, "The geometry the paper measures"); for classes ``c`` with token count ``N_c``:
 
 - ``Sigma_W`` is the pooled within-class covariance over all labelled tokens,
   ``sum_i (x_i - mu_{y_i})(x_i - mu_{y_i})^T / N`` (Papyan et al.'s definition for balanced

@@ -1,6 +1,6 @@
 """In-memory geometry measures: one call on one tensor, a plain dict of floats back.
 
-These are the public functions of :mod:`lapheads.geometry` (PAPER.md, "The geometry analyses").
+These are the public functions of :mod:`lapheads.geometry` (docs/method.md, "The geometry the paper measures").
 Each takes ``x`` as a flat ``(N, D)`` array of tokens (torch or numpy) with ``(N,)`` integer
 ``sequence_ids`` / labels, and computes in float64.
 

@@ -1,7 +1,7 @@
 """PCA maps: the top three principal components of a ViT's patch tokens, shown as RGB.
 
 ``lapheads pca-maps --run RUN --images FOLDER|digits --out maps.png`` draws, for each image, the
-picture and the RGB map of its patch tokens (PAPER.md, "PCA maps": Laplacian heads are reported to
+picture and the RGB map of its patch tokens (docs/method.md: Laplacian heads are reported to
 give cleaner object parts).
 
 Design choices:

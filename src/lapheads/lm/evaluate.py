@@ -331,8 +331,16 @@ def run_chat_tasks(
         max_items: at most this many documents per task (lm-eval's ``limit``: the first ones).
         batch_size: requests per forward pass / ``generate`` call.
         max_new_tokens: generation length (GSM8K, HumanEval).
-        num_samples, temperature, top_k, seed, allow_unsafe_code, sandbox_timeout, sandbox_workers,
-            bootstrap_iters, allow_network, sources: as :func:`evaluate_chat_lm`.
+        num_samples: as :func:`evaluate_chat_lm`.
+        temperature: as :func:`evaluate_chat_lm`.
+        top_k: as :func:`evaluate_chat_lm`.
+        seed: as :func:`evaluate_chat_lm`.
+        allow_unsafe_code: as :func:`evaluate_chat_lm`.
+        sandbox_timeout: as :func:`evaluate_chat_lm`.
+        sandbox_workers: as :func:`evaluate_chat_lm`.
+        bootstrap_iters: as :func:`evaluate_chat_lm`.
+        allow_network: as :func:`evaluate_chat_lm`.
+        sources: as :func:`evaluate_chat_lm`.
 
     Raises:
         ConfigError: bad options, a tokenizer without the chat special tokens, lm-eval missing.

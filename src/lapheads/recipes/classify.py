@@ -1,4 +1,4 @@
-"""DeiT-3 supervised classification with k Laplacian heads (PAPER.md, experiment 1).
+"""DeiT-3 supervised classification with k Laplacian heads (the paper's experiment 1; docs/method.md).
 
 ``lapheads train classify --config digits --out runs/digits``
 
@@ -34,8 +34,8 @@ from timm.optim import Lamb
 from torch import nn
 
 from .. import timm as lap_timm
-from ..data.images import build_image_dataset, subset
-from ..engine import Task, TrainConfig
+from ..data.images import build_image_dataset, hf_options, subset
+from ..engine import TrainConfig
 from ..engine.checkpoint import load_tensors, load_weights
 from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
@@ -44,11 +44,11 @@ from ..errors import CheckpointError, ConfigError
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
 from ..vision.backbones import frozen
+
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
 # here also so that `from lapheads.recipes.classify import check_channels` keeps working
 from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
 from .base import HeadsTask, LoadedRun, Recipe
-
 
 #: the normalisation of one channel: a positive standard deviation
 _Std = Annotated[Float, Field(gt=0.0)]
@@ -66,8 +66,9 @@ class ModelConfig(ConfigModel):
     depth: Optional[Int] = Field(None, ge=1, description="number of blocks; null = the timm model's")
     num_heads: Optional[Int] = Field(None, ge=1, description="attention heads per block; null = the timm model's")
     drop_path: Float = Field(0.0, ge=0.0, lt=1.0, description="stochastic-depth rate")
-    layer_scale_init: Optional[Float] = Field(None, gt=0.0, description="LayerScale init (timm init_values); "
-                                                                        "DeiT-3 uses 1e-6; null = none")
+    layer_scale_init: Optional[Float] = Field(
+        None, gt=0.0, description="LayerScale init (timm init_values); DeiT-3 uses 1e-6; null = none"
+    )
     qk_norm: bool = Field(False, description="normalise queries and keys (timm qk_norm)")
     extra: dict[Str, Any] = Field({}, description="any other timm keyword argument")
 
@@ -75,20 +76,33 @@ class ModelConfig(ConfigModel):
 class DataConfig(ConfigModel):
     """Images, batches and augmentation (the ``data:`` section)."""
 
-    train: Str = Field("digits", description="digits | cifar archive/folder | ImageFolder root | idx folder")
-    val: Optional[Str] = Field(None, description="validation data; null = the validation split of `train`")
+    train: Str = Field(
+        "digits",
+        description="digits | cifar archive/folder | ImageFolder root | idx folder | "
+        "hf:PATH_OR_NAME (a Hugging Face dataset)",
+    )
+    val: Optional[Str] = Field(
+        None,
+        description="validation data; null = the validation split of `train` (hf: its "
+        "validation/test split, else 20% of train)",
+    )
+    image_column: Str = Field("image", description="hf: data: the column of images")
+    label_column: Str = Field("label", description="hf: data: the column of labels (ClassLabel, integers or strings)")
     batch_size: Int = Field(64, ge=1, description="images per process and micro-step")
     eval_batch_size: Int = Field(256, ge=1, description="images per evaluation batch")
-    epochs: Int = Field(10, ge=1, description="passes over the training images (sets the steps when "
-                                              "train.max_steps is 0)")
+    epochs: Int = Field(
+        10, ge=1, description="passes over the training images (sets the steps when train.max_steps is 0)"
+    )
     three_augment: bool = Field(True, description="DeiT-3's 3-Augment (grayscale / solarize / blur)")
     color_jitter: Float = Field(0.3, ge=0.0, description="color-jitter strength; 0 = off")
     scale_min: Float = Field(0.08, gt=0.0, le=1.0, description="random-resized-crop scale range (scale_min, 1)")
     hflip: Float = Field(0.5, ge=0.0, le=1.0, description="probability of a horizontal flip")
-    mean: tuple[Float, ...] = Field(IMAGENET_MEAN, strict=False, description="normalisation mean, one value per "
-                                                                             "model.in_chans channel")
-    std: tuple[_Std, ...] = Field(IMAGENET_STD, strict=False, description="normalisation std, one value per "
-                                                                          "model.in_chans channel")
+    mean: tuple[Float, ...] = Field(
+        IMAGENET_MEAN, strict=False, description="normalisation mean, one value per model.in_chans channel"
+    )
+    std: tuple[_Std, ...] = Field(
+        IMAGENET_STD, strict=False, description="normalisation std, one value per model.in_chans channel"
+    )
     max_eval_items: Int = Field(0, ge=0, description="validation images per evaluation; 0 = all")
     fraction: Float = Field(1.0, gt=0.0, le=1.0, description="stratified share of the TRAINING images used")
     max_items: Int = Field(0, ge=0, description="cap on training images after `fraction` (0 = no cap)")
@@ -101,8 +115,9 @@ class AugConfig(ConfigModel):
     mixup: Float = Field(0.8, ge=0.0, description="mixup alpha; 0 = off")
     cutmix: Float = Field(1.0, ge=0.0, description="cutmix alpha; 0 = off")
     mix_prob: Float = Field(1.0, ge=0.0, le=1.0, description="probability of mixing a batch")
-    switch_prob: Float = Field(0.5, ge=0.0, le=1.0, description="probability of cutmix instead of mixup when "
-                                                                "both are on")
+    switch_prob: Float = Field(
+        0.5, ge=0.0, le=1.0, description="probability of cutmix instead of mixup when both are on"
+    )
     label_smoothing: Float = Field(0.1, ge=0.0, lt=1.0, description="label smoothing")
     loss: Literal["bce", "ce"] = Field("bce", description="DeiT-3 uses BCE on the (mixed) soft targets")
 
@@ -118,8 +133,11 @@ class OptimConfig(ConfigModel):
     momentum: Float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
     # the mixing is a few scalars per layer that AdamW moves by at most ~lr per step, so at a
     # small-model lr they barely leave their start (studies/learnable/README.md)
-    mix_lr_scale: Float = Field(1.0, ge=0.0, description="learnable head mixing (laplacian_heads: learn...): its "
-                                                         "lr = the (batch-scaled) lr x this")
+    mix_lr_scale: Float = Field(
+        1.0,
+        ge=0.0,
+        description="learnable head mixing (laplacian_heads: learn...): its lr = the (batch-scaled) lr x this",
+    )
 
 
 class ClassifyConfig(ConfigModel):
@@ -158,8 +176,9 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
         ConfigError: timm refuses the keyword arguments (e.g. an unknown key in ``model.extra``).
     """
     try:
-        return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False,
-                                     **timm_kwargs(m, num_classes))
+        return lap_timm.create_model(
+            m.name, laplacian_heads=m.laplacian_heads, pretrained=False, **timm_kwargs(m, num_classes)
+        )
     except TypeError as e:  # every keyword comes from the config: a wrong one is the user's to fix
         extra = f"; model.extra holds {sorted(m.extra)}" if m.extra else ""
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e}){extra}") from None
@@ -168,7 +187,12 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
 def _datasets(cfg: ClassifyConfig):
     """Train (the ``data.fraction`` / ``data.max_items`` subset) and validation (always whole) sets."""
     d = cfg.data
-    train = subset(build_image_dataset(d.train, split="train"), d.fraction, d.max_items, d.subset_seed)
+    train = subset(
+        build_image_dataset(d.train, split="train", **hf_options(d.train, d.image_column, d.label_column)),
+        d.fraction,
+        d.max_items,
+        d.subset_seed,
+    )
     val = eval_dataset(cfg)
     if val.num_classes != train.num_classes:
         raise ConfigError(f"data.val has {val.num_classes} classes but data.train has {train.num_classes}")
@@ -181,8 +205,9 @@ def _collate(items):
 
 
 @torch.no_grad()
-def evaluate_classifier(model: nn.Module, dataset, transform, num_classes: int, batch_size: int,
-                        device: torch.device, max_items: int = 0) -> dict[str, Any]:
+def evaluate_classifier(
+    model: nn.Module, dataset, transform, num_classes: int, batch_size: int, device: torch.device, max_items: int = 0
+) -> dict[str, Any]:
     """Top-1, top-5, mean per-class accuracy, per-class accuracy and CE loss."""
     model.eval()
     n = len(dataset) if not max_items else min(max_items, len(dataset))
@@ -203,10 +228,15 @@ def evaluate_classifier(model: nn.Module, dataset, transform, num_classes: int, 
         per_class_n += torch.bincount(y.cpu(), minlength=num_classes)
         per_class_hits += torch.bincount(y[hit1].cpu(), minlength=num_classes)
     seen = per_class_n > 0
-    per_class = (per_class_hits[seen].double() / per_class_n[seen].double())
-    return {"top1": correct1 / n, "top5": correct5 / n, "mean_class_acc": float(per_class.mean()),
-            "loss": loss_sum / n, "n": n,
-            "per_class_acc": [float(h) / float(c) if c else None for h, c in zip(per_class_hits, per_class_n)]}
+    per_class = per_class_hits[seen].double() / per_class_n[seen].double()
+    return {
+        "top1": correct1 / n,
+        "top5": correct5 / n,
+        "mean_class_acc": float(per_class.mean()),
+        "loss": loss_sum / n,
+        "n": n,
+        "per_class_acc": [float(h) / float(c) if c else None for h, c in zip(per_class_hits, per_class_n)],
+    }
 
 
 class ClassifyTask(HeadsTask):
@@ -218,9 +248,17 @@ class ClassifyTask(HeadsTask):
         self.train_set, self.val_set = _datasets(cfg)
         self.num_classes = self.train_set.num_classes
         in_chans = in_chans_of(cfg.model)
-        self.train_tf = build_transforms(cfg.model.img_size, train=True, three_augment=d.three_augment,
-                                         color_jitter=d.color_jitter, mean=d.mean, std=d.std, in_chans=in_chans,
-                                         scale=(d.scale_min, 1.0), hflip=d.hflip)
+        self.train_tf = build_transforms(
+            cfg.model.img_size,
+            train=True,
+            three_augment=d.three_augment,
+            color_jitter=d.color_jitter,
+            mean=d.mean,
+            std=d.std,
+            in_chans=in_chans,
+            scale=(d.scale_min, 1.0),
+            hflip=d.hflip,
+        )
         self.eval_tf = eval_transform(cfg)
         if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and d.batch_size % 2:
             raise ConfigError(f"data.batch_size={d.batch_size} must be even for mixup/cutmix")
@@ -229,13 +267,19 @@ class ClassifyTask(HeadsTask):
         if self.spe < cfg.train.grad_accum:
             raise ConfigError(
                 f"data.train has {len(self.train_set)} images: fewer than one optimizer step of "
-                f"{d.batch_size * info.world_size * cfg.train.grad_accum}; lower data.batch_size")
+                f"{d.batch_size * info.world_size * cfg.train.grad_accum}; lower data.batch_size"
+            )
         a = cfg.aug
         self.mixup = None
         if a.mixup > 0 or a.cutmix > 0:
-            self.mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mix_prob,
-                               switch_prob=a.switch_prob, label_smoothing=a.label_smoothing,
-                               num_classes=self.num_classes)
+            self.mixup = Mixup(
+                mixup_alpha=a.mixup,
+                cutmix_alpha=a.cutmix,
+                prob=a.mix_prob,
+                switch_prob=a.switch_prob,
+                label_smoothing=a.label_smoothing,
+                num_classes=self.num_classes,
+            )
         if a.loss == "bce":
             # with mixup the smoothing is already in the soft targets
             self.criterion = BinaryCrossEntropy(smoothing=0.0 if self.mixup else a.label_smoothing)
@@ -278,10 +322,17 @@ class ClassifyTask(HeadsTask):
         return self.cfg.data.epochs * self.spe // self.cfg.train.grad_accum
 
     def batches(self, start_micro_step: int):
-        return epoch_batches(self.train_set, self.cfg.data.batch_size, self.cfg.train.seed, start_micro_step,
-                             rank=self.info.rank, world_size=self.info.world_size,
-                             num_workers=self.cfg.train.num_workers, collate_fn=_collate,
-                             transform=lambda it: (self.train_tf(it[0]), it[1]))
+        return epoch_batches(
+            self.train_set,
+            self.cfg.data.batch_size,
+            self.cfg.train.seed,
+            start_micro_step,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            num_workers=self.cfg.train.num_workers,
+            collate_fn=_collate,
+            transform=lambda it: (self.train_tf(it[0]), it[1]),
+        )
 
     def loss(self, model, batch, step):
         x, y = (t.to(self.info.device, non_blocking=True) for t in batch)
@@ -296,18 +347,29 @@ class ClassifyTask(HeadsTask):
 
     def evaluate(self, model, ema_model, step):
         d = self.cfg.data
-        res = evaluate_classifier(model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size,
-                                  self.info.device, d.max_eval_items)
+        res = evaluate_classifier(
+            model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size, self.info.device, d.max_eval_items
+        )
         out = {k: v for k, v in res.items() if k != "per_class_acc"}
         if ema_model is not None:
-            e = evaluate_classifier(ema_model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size,
-                                    self.info.device, d.max_eval_items)
+            e = evaluate_classifier(
+                ema_model,
+                self.val_set,
+                self.eval_tf,
+                self.num_classes,
+                d.eval_batch_size,
+                self.info.device,
+                d.max_eval_items,
+            )
             out.update({f"ema_{k}": v for k, v in e.items() if k in ("top1", "top5", "mean_class_acc", "loss")})
         return out
 
     def model_spec(self) -> dict:
-        return {"model": to_dict(self.cfg.model), "num_classes": self.num_classes,
-                "classes": list(getattr(self.train_set, "classes", []))}
+        return {
+            "model": to_dict(self.cfg.model),
+            "num_classes": self.num_classes,
+            "classes": list(getattr(self.train_set, "classes", [])),
+        }
 
 
 def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
@@ -321,10 +383,16 @@ def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
     if not spec_path.is_file():
         raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
     spec = read_json(spec_path, "the model description of a classify run")
-    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) \
-            or not isinstance(spec.get("num_classes"), int) or isinstance(spec.get("num_classes"), bool):
-        raise CheckpointError(f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
-                              f"integer); the file is damaged or not from `lapheads train classify`")
+    if (
+        not isinstance(spec, dict)
+        or not isinstance(spec.get("model"), dict)
+        or not isinstance(spec.get("num_classes"), int)
+        or isinstance(spec.get("num_classes"), bool)
+    ):
+        raise CheckpointError(
+            f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
+            f"integer); the file is damaged or not from `lapheads train classify`"
+        )
     model = build_model(from_dict(ModelConfig, spec["model"], prefix=f"{spec_path}: model."), spec["num_classes"])
     path = final / f"{weights}.safetensors"
     load_weights(model, load_tensors(path), source=str(path))
@@ -339,7 +407,8 @@ def eval_transform(cfg: ClassifyConfig) -> Any:
 
 def eval_dataset(cfg: ClassifyConfig, data: Optional[str] = None) -> Any:
     """The held-out images of a classify config: ``data`` (a data spec) or the run's validation split."""
-    return build_image_dataset(data or cfg.data.val or cfg.data.train, split="val")
+    spec = data or cfg.data.val or cfg.data.train
+    return build_image_dataset(spec, split="val", **hf_options(spec, cfg.data.image_column, cfg.data.label_column))
 
 
 class ClassifyRecipe(Recipe):
@@ -354,8 +423,7 @@ class ClassifyRecipe(Recipe):
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)
         model = load_model(Path(run_dir), weights).to(device)
-        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind,
-                         transform=eval_transform(cfg))
+        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind, transform=eval_transform(cfg))
 
     def eval_dataset(self, config: ClassifyConfig) -> Any:
         return eval_dataset(config)
@@ -365,9 +433,14 @@ class ClassifyRecipe(Recipe):
         cfg = self.read_config(run_dir)
         bb = load_model(Path(run_dir))
         bb.reset_classifier(0)
-        meta = {"source": str(run_dir), "timm_name": cfg.model.name, "laplacian_heads": cfg.model.laplacian_heads,
-                "img_size": cfg.model.img_size, "mean": list(cfg.data.mean or IMAGENET_MEAN),
-                "std": list(cfg.data.std or IMAGENET_STD)}
+        meta = {
+            "source": str(run_dir),
+            "timm_name": cfg.model.name,
+            "laplacian_heads": cfg.model.laplacian_heads,
+            "img_size": cfg.model.img_size,
+            "mean": list(cfg.data.mean or IMAGENET_MEAN),
+            "std": list(cfg.data.std or IMAGENET_STD),
+        }
         return frozen(bb, meta, device)
 
 

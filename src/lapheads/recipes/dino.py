@@ -1,4 +1,4 @@
-"""DINO self-supervised pretraining of a timm ViT with Laplacian heads (PAPER.md, experiment 3).
+"""DINO self-supervised pretraining of a timm ViT with Laplacian heads (the paper's experiment 3; docs/method.md).
 
 ``lapheads train dino --config digits --out RUN`` runs DINO (Caron et al. 2021)
 on the shared engine (:mod:`lapheads.engine`): this module only describes WHAT is trained as a
@@ -70,8 +70,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from ..data.images import build_image_dataset, subset
-from ..engine import DistInfo, Task, TrainConfig
+from ..data.images import build_image_dataset, hf_options, subset
+from ..engine import DistInfo, TrainConfig
 from ..engine.checkpoint import load_weights, save_tensors
 from ..engine.config import Beta, ConfigModel, Float, Int, Str, rule
 from ..engine.data import epoch_batches, steps_per_epoch
@@ -81,10 +81,15 @@ from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
 from ..vision.backbones import create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
-from ..vision.transforms import (IMAGENET_MEAN, IMAGENET_STD, EvalTransform, MultiCropAugment, check_channels,
-                                 in_chans_of)
+from ..vision.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    EvalTransform,
+    MultiCropAugment,
+    check_channels,
+    in_chans_of,
+)
 from .base import HeadsTask, LoadedRun, Recipe
-
 
 # ---------------------------------------------------------------------------------------------
 # config
@@ -99,11 +104,13 @@ class DinoModelConfig(ConfigModel):
 
     name: Str = Field("vit_small_patch16_224", description="any timm ViT name")
     laplacian_heads: HeadsSetting = heads_field()
-    drop_path_rate: Float = Field(0.1, ge=0.0, lt=1.0, description="stochastic depth of the student only; the "
-                                                                   "teacher has none")
+    drop_path_rate: Float = Field(
+        0.1, ge=0.0, lt=1.0, description="stochastic depth of the student only; the teacher has none"
+    )
     in_chans: Int = Field(3, description="3 (RGB) or 1 (greyscale model; then crops.mean/std hold one value each)")
-    kwargs: dict[Str, Any] = Field({}, description="timm kwargs: img_size, patch_size, embed_dim, depth, "
-                                                   "num_heads, ...")
+    kwargs: dict[Str, Any] = Field(
+        {}, description="timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ..."
+    )
 
 
 class DinoHeadConfig(ConfigModel):
@@ -123,21 +130,26 @@ class CropsConfig(ConfigModel):
     global_size: Int = Field(224, ge=1, description="side of the 2 global crops in pixels")
     local_size: Int = Field(96, ge=1, description="side of the local crops in pixels")
     local_crops: Int = Field(10, ge=0, description="number of small crops; 0 = only the 2 global crops")
-    global_scale: tuple[_Scale, _Scale] = Field((0.4, 1.0), strict=False, description="area range of a global crop "
-                                                                                      "(lo <= hi)")
-    local_scale: tuple[_Scale, _Scale] = Field((0.05, 0.4), strict=False, description="area range of a local crop "
-                                                                                      "(lo <= hi)")
+    global_scale: tuple[_Scale, _Scale] = Field(
+        (0.4, 1.0), strict=False, description="area range of a global crop (lo <= hi)"
+    )
+    local_scale: tuple[_Scale, _Scale] = Field(
+        (0.05, 0.4), strict=False, description="area range of a local crop (lo <= hi)"
+    )
     hflip: Float = Field(0.5, ge=0.0, le=1.0, description="probability of a horizontal flip")
     color_jitter: Float = Field(0.8, ge=0.0, le=1.0, description="probability of color jitter")
-    jitter: tuple[_Jitter, _Jitter, _Jitter, _Jitter] = Field((0.4, 0.4, 0.2, 0.1), strict=False,
-                                                              description="brightness, contrast, saturation, hue")
+    jitter: tuple[_Jitter, _Jitter, _Jitter, _Jitter] = Field(
+        (0.4, 0.4, 0.2, 0.1), strict=False, description="brightness, contrast, saturation, hue"
+    )
     grayscale: Float = Field(0.2, ge=0.0, le=1.0, description="probability of a grayscale crop")
     blur: bool = Field(True, description="DINO's blur probabilities: global 1.0 / 0.1, local 0.5")
     solarize: Float = Field(0.2, ge=0.0, le=1.0, description="probability, second global crop only")
-    mean: tuple[Float, ...] = Field(IMAGENET_MEAN, strict=False, description="normalisation mean, one value per "
-                                                                             "model.in_chans channel")
-    std: tuple[_Std, ...] = Field(IMAGENET_STD, strict=False, description="normalisation std, one value per "
-                                                                          "model.in_chans channel")
+    mean: tuple[Float, ...] = Field(
+        IMAGENET_MEAN, strict=False, description="normalisation mean, one value per model.in_chans channel"
+    )
+    std: tuple[_Std, ...] = Field(
+        IMAGENET_STD, strict=False, description="normalisation std, one value per model.in_chans channel"
+    )
 
     @rule
     def _scales(self) -> None:
@@ -150,11 +162,16 @@ class CropsConfig(ConfigModel):
 class DinoDataConfig(ConfigModel):
     """Images and batches (the ``data:`` section)."""
 
-    train: Str = Field("digits", description="build_image_dataset spec: digits, a CIFAR archive, an ImageFolder "
-                                             "path, idx files")
+    train: Str = Field(
+        "digits",
+        description="build_image_dataset spec: digits, a CIFAR archive, an ImageFolder "
+        "path, idx files, hf:PATH_OR_NAME (a Hugging Face dataset)",
+    )
     train_split: Str = Field("train", description="split of `train` that is trained on")
     val: Str = Field("", description='k-NN evaluation data ("" = same as train)')
     val_split: Str = Field("val", description="split of `val` the k-NN accuracy is measured on")
+    image_column: Str = Field("image", description="hf: data: the column of images")
+    label_column: Str = Field("label", description="hf: data: the column of labels (used only by the k-NN evaluation)")
     batch_size: Int = Field(64, ge=1, description="images per process (DINO's batch_size_per_gpu)")
     fraction: Float = Field(1.0, gt=0.0, le=1.0, description="stratified share of the TRAINING images used")
     max_items: Int = Field(0, ge=0, description="cap on training images after `fraction` (0 = no cap)")
@@ -185,8 +202,9 @@ class DinoLossConfig(ConfigModel):
 class KnnConfig(ConfigModel):
     """The k-NN evaluation (the ``knn:`` section)."""
 
-    ks: list[Annotated[Int, Field(ge=1)]] = Field([10, 20], min_length=1, description="the k of the reported "
-                                                                                      "accuracies")
+    ks: list[Annotated[Int, Field(ge=1)]] = Field(
+        [10, 20], min_length=1, description="the k of the reported accuracies"
+    )
     temperature: Float = Field(0.07, gt=0.0, description="temperature of the weighted vote")
     max_train: Int = Field(0, ge=0, description="cap on the size of the k-NN bank (0 = the whole train split)")
     batch_size: Int = Field(256, ge=1, description="images per feature-extraction batch")
@@ -202,8 +220,9 @@ class DinoConfig(ConfigModel):
     optim: DinoOptimConfig = Field(DinoOptimConfig(), description="the optimizer")
     loss: DinoLossConfig = Field(DinoLossConfig(), description="temperatures, centering, teacher EMA")
     knn: KnnConfig = Field(KnnConfig(), description="the k-NN evaluation")
-    epochs: Int = Field(100, ge=1, description="passes over the training images (sets the steps when "
-                                               "train.max_steps is 0)")
+    epochs: Int = Field(
+        100, ge=1, description="passes over the training images (sets the steps when train.max_steps is 0)"
+    )
     train: TrainConfig = Field(TrainConfig(), description="the shared engine")
 
     @rule
@@ -234,8 +253,16 @@ class DINOHead(nn.Module):
         norm_last_layer: keep the weight-norm magnitude ``g`` at 1 (not trained).
     """
 
-    def __init__(self, in_dim: int, out_dim: int, hidden_dim: int = 2048, bottleneck_dim: int = 256,
-                 nlayers: int = 3, use_bn: bool = False, norm_last_layer: bool = True):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        hidden_dim: int = 2048,
+        bottleneck_dim: int = 256,
+        nlayers: int = 3,
+        use_bn: bool = False,
+        norm_last_layer: bool = True,
+    ):
         super().__init__()
         if nlayers == 1:
             self.mlp: nn.Module = nn.Linear(in_dim, bottleneck_dim)
@@ -293,7 +320,9 @@ class MultiCropNet(nn.Module):
 
 # ---------------------------------------------------------------------------------------------
 # loss pieces
-def dino_loss(student_out: torch.Tensor, teacher_probs: torch.Tensor, n_crops: int, student_temp: float) -> torch.Tensor:
+def dino_loss(
+    student_out: torch.Tensor, teacher_probs: torch.Tensor, n_crops: int, student_temp: float
+) -> torch.Tensor:
     """Mean cross-entropy over (teacher global crop i, student crop v != i) pairs.
 
     Args:
@@ -342,8 +371,8 @@ def collapse_metrics(probs: torch.Tensor) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # task
-def _load_images(spec: str, split: str, what: str) -> Any:
-    ds = build_image_dataset(spec, split)
+def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] = None) -> Any:
+    ds = build_image_dataset(spec, split, **(hf_options(spec, d.image_column, d.label_column) if d else {}))
     if len(ds) == 0:
         raise DataError(f"{what}: data set {spec!r} split {split!r} is empty")
     return ds
@@ -361,7 +390,7 @@ class DinoTask(HeadsTask):
         # Data first: a bad path fails before any model is built. The k-NN bank is the whole train
         # split; training sees the data.fraction / data.max_items subset of it.
         d = cfg.data
-        self.bank_set = _load_images(d.train, d.train_split, "data.train")
+        self.bank_set = _load_images(d.train, d.train_split, "data.train", d)
         self.train_set = subset(self.bank_set, d.fraction, d.max_items, d.subset_seed)
         self.val_spec = cfg.data.val or cfg.data.train
         self._val_set: Any = None
@@ -371,7 +400,8 @@ class DinoTask(HeadsTask):
             raise ConfigError(
                 f"data.train {cfg.data.train!r} has {len(self.train_set)} training images{used}, fewer than one "
                 f"optimizer step of {cfg.data.batch_size} x {self.info.world_size} processes x {cfg.train.grad_accum} "
-                "accumulation steps; lower data.batch_size")
+                "accumulation steps; lower data.batch_size"
+            )
         self.steps_per_epoch = self.spe // cfg.train.grad_accum
 
         m = cfg.model
@@ -379,8 +409,10 @@ class DinoTask(HeadsTask):
         teacher_bb = create_backbone(m.name, m.laplacian_heads, 0.0, **backbone_kwargs(m))
         dim = student_bb.num_features
         h = cfg.head
-        mk_head = lambda: DINOHead(dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers, h.use_bn,  # noqa: E731
-                                   h.norm_last_layer)
+
+        def mk_head() -> DINOHead:
+            return DINOHead(dim, h.out_dim, h.hidden_dim, h.bottleneck_dim, h.nlayers, h.use_bn, h.norm_last_layer)
+
         self.model = MultiCropNet(student_bb, mk_head()).to(self.device)
         self.teacher = MultiCropNet(teacher_bb, mk_head()).to(self.device)
         if self.info.distributed and h.use_bn:
@@ -408,8 +440,10 @@ class DinoTask(HeadsTask):
             (no_decay if p.ndim == 1 or n.endswith(".bias") or "original0" in n else decay).append(p)
         global_batch = self.cfg.data.batch_size * self.info.world_size * self.cfg.train.grad_accum
         lr = self.cfg.optim.lr * global_batch / 256.0
-        groups = [{"params": decay, "weight_decay": self.cfg.optim.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": self.cfg.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         # kept for the weight-decay schedule (the engine owns the optimizer; this is the same object)
         self._opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(self.cfg.optim.betas))
         return [self._opt]
@@ -418,9 +452,16 @@ class DinoTask(HeadsTask):
         return self.cfg.epochs * self.steps_per_epoch
 
     def batches(self, start_micro_step: int) -> Iterator[Any]:
-        return epoch_batches(self.train_set, self.cfg.data.batch_size, self.cfg.train.seed, start_micro_step,
-                             rank=self.info.rank, world_size=self.info.world_size,
-                             num_workers=self.cfg.train.num_workers, transform=self.augment)
+        return epoch_batches(
+            self.train_set,
+            self.cfg.data.batch_size,
+            self.cfg.train.seed,
+            start_micro_step,
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            num_workers=self.cfg.train.num_workers,
+            transform=self.augment,
+        )
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -447,8 +488,9 @@ class DinoTask(HeadsTask):
         loss = dino_loss(s_out, probs, self.n_crops, self.cfg.loss.student_temp)
         self._update_center(t_out)
         metrics: dict[str, Any] = collapse_metrics(probs)
-        metrics.update(teacher_temp=temp, teacher_momentum=self._momentum, weight_decay=self._wd,
-                       epoch=float(self.epoch_of(step)))
+        metrics.update(
+            teacher_temp=temp, teacher_momentum=self._momentum, weight_decay=self._wd, epoch=float(self.epoch_of(step))
+        )
         return loss, metrics
 
     @torch.no_grad()
@@ -486,13 +528,13 @@ class DinoTask(HeadsTask):
         if "center" not in state:
             raise CheckpointError("the checkpoint's extra.safetensors has no DINO center")
         self.center.copy_(state["center"].to(self.device))
-        t = {k[len("teacher."):]: v for k, v in state.items() if k.startswith("teacher.")}
+        t = {k[len("teacher.") :]: v for k, v in state.items() if k.startswith("teacher.")}
         load_weights(self.teacher, t, source="extra.safetensors (teacher)")
 
     # ---------------------------------------------------------------- evaluation / export
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
         if self._val_set is None:
-            self._val_set = _load_images(self.val_spec, self.cfg.data.val_split, "data.val")
+            self._val_set = _load_images(self.val_spec, self.cfg.data.val_split, "data.val", self.cfg.data)
         tf = EvalTransform(self.cfg.crops.global_size, self.cfg.crops.mean, self.cfg.crops.std)
         bb = self.teacher.backbone
         was = bb.training
@@ -512,11 +554,17 @@ class DinoTask(HeadsTask):
     def model_spec(self) -> dict:
         m = self.cfg.model
         kw = {k: v for k, v in backbone_kwargs(m).items() if k != "drop_path_rate"}
-        return {"timm_name": m.name, "timm_kwargs": {"num_classes": 0, "dynamic_img_size": True, **kw},
-                "laplacian_heads": self.laplacian_heads, "embed_dim": self.embed_dim,
-                "backbone_file": "teacher_backbone.safetensors", "img_size": self.cfg.crops.global_size,
-                "mean": list(self.cfg.crops.mean), "std": list(self.cfg.crops.std),
-                "head": {"out_dim": self.cfg.head.out_dim, "bottleneck_dim": self.cfg.head.bottleneck_dim}}
+        return {
+            "timm_name": m.name,
+            "timm_kwargs": {"num_classes": 0, "dynamic_img_size": True, **kw},
+            "laplacian_heads": self.laplacian_heads,
+            "embed_dim": self.embed_dim,
+            "backbone_file": "teacher_backbone.safetensors",
+            "img_size": self.cfg.crops.global_size,
+            "mean": list(self.cfg.crops.mean),
+            "std": list(self.cfg.crops.std),
+            "head": {"out_dim": self.cfg.head.out_dim, "bottleneck_dim": self.cfg.head.bottleneck_dim},
+        }
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         save_tensors(final_dir / "teacher_backbone.safetensors", self.teacher.backbone.state_dict())
@@ -531,9 +579,11 @@ class DinoRecipe(Recipe):
     name = "dino"
     config_type = DinoConfig
     kind = "vit"
-    description = ("DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
-                   "Try: --config digits (CPU, minutes); "
-                   "the shipped dino/vits16_imagenet_lap5 config is the paper's ViT-S/16 recipe.")
+    description = (
+        "DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
+        "Try: --config digits (CPU, minutes); "
+        "the shipped dino/vits16_imagenet_lap5 config is the paper's ViT-S/16 recipe."
+    )
 
     def build_task(self, cfg: DinoConfig, info: DistInfo, run_dir: Any = None) -> DinoTask:
         return build_task(cfg, info)
@@ -549,26 +599,37 @@ class DinoRecipe(Recipe):
             raise CheckpointError(f"{spec_path} must hold a JSON object with 'timm_name'; the file is damaged")
         bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **dict(spec.get("timm_kwargs", {})))
         load_backbone_weights(bb, final / spec.get("backbone_file", "model.safetensors"))
-        meta = {"source": str(run_dir), "timm_name": spec["timm_name"], "laplacian_heads": spec.get("laplacian_heads"),
-                "img_size": spec.get("img_size"), "mean": list(spec.get("mean", IMAGENET_MEAN)),
-                "std": list(spec.get("std", IMAGENET_STD))}
+        meta = {
+            "source": str(run_dir),
+            "timm_name": spec["timm_name"],
+            "laplacian_heads": spec.get("laplacian_heads"),
+            "img_size": spec.get("img_size"),
+            "mean": list(spec.get("mean", IMAGENET_MEAN)),
+            "std": list(spec.get("std", IMAGENET_STD)),
+        }
         return frozen(bb, meta, device)
 
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         """The teacher backbone: ``weights`` "model" and "ema" both mean the teacher, DINO's EMA of the
         student and the network it evaluates (the engine's own ``train.ema_decay`` is not used by DINO)."""
         if weights not in ("model", "ema"):
-            raise ConfigError(f"weights={weights!r}: a DINO run has one evaluated network, its teacher "
-                              "(use 'model')")
+            raise ConfigError(f"weights={weights!r}: a DINO run has one evaluated network, its teacher (use 'model')")
         cfg = self.read_config(run_dir)
         bb, meta = self.load_backbone(run_dir, device)
-        return LoadedRun(self.name, Path(run_dir), cfg, bb, self.kind,
-                         transform=EvalTransform(meta["img_size"], meta["mean"], meta["std"]),
-                         analyze_options={"classifier": None})
+        return LoadedRun(
+            self.name,
+            Path(run_dir),
+            cfg,
+            bb,
+            self.kind,
+            transform=EvalTransform(meta["img_size"], meta["mean"], meta["std"]),
+            analyze_options={"classifier": None},
+        )
 
     def eval_dataset(self, config: DinoConfig) -> Any:
         d = config.data  # the labels are used only for measuring: DINO never saw them
-        return build_image_dataset(d.val or d.train, split=d.val_split)
+        spec = d.val or d.train
+        return build_image_dataset(spec, split=d.val_split, **hf_options(spec, d.image_column, d.label_column))
 
 
 RECIPE = DinoRecipe()

@@ -1,4 +1,4 @@
-"""NanoChat-style language-model pretraining with k Laplacian heads (PAPER.md, experiment 2).
+"""NanoChat-style language-model pretraining with k Laplacian heads (the paper's experiment 2; docs/method.md).
 
 ``lapheads train lm --config tiny --out runs/lm_tiny --set model.laplacian_heads=2``
 
@@ -9,8 +9,9 @@ Design choices:
   ``save_pretrained`` directory with the tokenizer, which
   ``lapheads.transformers.from_pretrained`` loads with its Laplacian heads.
 * Data: token shards from ``lapheads data tokenize`` (``data.shards`` + ``data.tokenizer: DIR``), or
-  built on the fly from ``data.corpus`` (``embedded`` = ``pydoc_data.topics``, or text / JSONL /
-  parquet paths) with ``data.tokenizer: DIR`` or ``train`` (a BPE of ``data.vocab_size`` trained on
+  built on the fly from ``data.corpus`` (``embedded`` = ``pydoc_data.topics``, text / JSONL /
+  parquet paths, or ``hf:PATH_OR_NAME``, a Hugging Face dataset read through ``datasets``: its
+  ``data.text_field`` column of split ``data.hf_split``, streamed with ``data.streaming``) with ``data.tokenizer: DIR`` or ``train`` (a BPE of ``data.vocab_size`` trained on
   the corpus). On-the-fly data goes to a cache directory keyed by the corpus and settings
   (``data.cache_dir``, default ``~/.cache/lapheads/lm``), not into the run directory: the engine
   writes the run directory only after the task is built, and runs that differ only in k share
@@ -66,47 +67,85 @@ from ..engine.data import _mix
 from ..engine.dist import DistInfo
 from ..engine.fsdp import lockstep, transformer_blocks
 from ..errors import CheckpointError, ConfigError, DataError
-from ..lm.model import (LMModelConfig, LMOptimConfig, budget_steps, build_model, build_optimizers, count_params,
-                        muon_momentum)
+from ..lm.model import (
+    LMModelConfig,
+    LMOptimConfig,
+    budget_steps,
+    build_model,
+    build_optimizers,
+    count_params,
+    muon_momentum,
+)
 from ..lm.tokenizer import load_tokenizer, stop_token_ids, tokenizer_hash, train_tokenizer
 from .base import HeadsTask, LoadedRun, Recipe
 
-__all__ = ["LMDataConfig", "SampleConfig", "LMConfig", "LMTask", "build_task", "load_model", "token_bytes",
-           "prepare_data", "bits_per_byte", "LMRecipe", "RECIPE"]
+__all__ = [
+    "LMDataConfig",
+    "SampleConfig",
+    "LMConfig",
+    "LMTask",
+    "build_task",
+    "load_model",
+    "token_bytes",
+    "prepare_data",
+    "bits_per_byte",
+    "LMRecipe",
+    "RECIPE",
+]
 
-DEFAULT_PROMPTS = ["The capital of France is", "The meaning of the word", "def fibonacci(n):",
-                   "In Python, a list"]
+DEFAULT_PROMPTS = ["The capital of France is", "The meaning of the word", "def fibonacci(n):", "In Python, a list"]
 
 
 class LMDataConfig(ConfigModel):
     """Where the tokens come from and how they are batched (the ``data:`` section)."""
 
-    shards: Optional[Str] = Field(None, description="directory from `lapheads data tokenize` (then tokenizer must "
-                                                    "be a DIR)")
-    corpus: Any = Field("embedded", description='used without shards: "embedded", a file path, or a list of paths')
-    text_field: Str = Field("text", description="JSONL key / parquet column")
+    shards: Optional[Str] = Field(
+        None, description="directory from `lapheads data tokenize` (then tokenizer must be a DIR)"
+    )
+    corpus: Any = Field(
+        "embedded",
+        description='used without shards: "embedded", a file path, a list of paths, '
+        'or "hf:PATH_OR_NAME" (a Hugging Face dataset: save_to_disk '
+        "directory, parquet/JSON files or a Hub name)",
+    )
+    text_field: Str = Field("text", description="JSONL key / parquet column / the text column of an hf: corpus")
+    hf_split: Str = Field("train", description="hf: corpus: the split read (validation is data.val_fraction of it)")
+    hf_name: Str = Field("", description="hf: corpus: the dataset's configuration (subset) name; empty = its default")
+    streaming: bool = Field(
+        False,
+        description="hf: corpus: stream the rows instead of loading the dataset (corpora larger than memory or disk)",
+    )
     tokenizer: Str = Field("train", description='DIR of `lapheads tokenizer train`, or "train" (on the corpus)')
     vocab_size: Int = Field(2048, ge=1, description="with tokenizer: train, its vocabulary size")
-    tokenizer_max_chars: Int = Field(0, ge=0, description="with tokenizer: train, read at most this many characters "
-                                                          "(0 = all)")
-    val_fraction: Float = Field(0.05, gt=0.0, lt=1.0, description="documents (or tokens) held out, when the shards "
-                                                                  "are built here")
-    val_by: Literal["documents", "tokens"] = Field("documents", description="hold out whole documents, or the last "
-                                                   "val_fraction of every document's tokens (one file works)")
-    split_documents: Any = Field(None, description='cut each corpus document: "blank_lines", "chapters" or N '
-                                                   'characters per piece')
-    fraction: Float = Field(1.0, gt=0.0, le=1.0, description="share of the training documents used (validation "
-                                                             "stays whole)")
+    tokenizer_max_chars: Int = Field(
+        0, ge=0, description="with tokenizer: train, read at most this many characters (0 = all)"
+    )
+    val_fraction: Float = Field(
+        0.05, gt=0.0, lt=1.0, description="documents (or tokens) held out, when the shards are built here"
+    )
+    val_by: Literal["documents", "tokens"] = Field(
+        "documents",
+        description="hold out whole documents, or the last val_fraction of every document's tokens (one file works)",
+    )
+    split_documents: Any = Field(
+        None, description='cut each corpus document: "blank_lines", "chapters" or N characters per piece'
+    )
+    fraction: Float = Field(
+        1.0, gt=0.0, le=1.0, description="share of the training documents used (validation stays whole)"
+    )
     max_items: Int = Field(0, ge=0, description="cap on training documents after `fraction` (0 = no cap)")
     cache_dir: Optional[Str] = Field(None, description="on-the-fly tokenizer/shards; default ~/.cache/lapheads/lm")
     seq_len: Int = Field(2048, ge=1, description="tokens per training sequence")
     batch_size: Int = Field(32, ge=1, description="sequences per process and micro-step")
-    total_batch_tokens: Int = Field(0, ge=0, description="tokens per optimizer step over all ranks; 0 = "
-                                                         "batch_size*seq_len*world*grad_accum")
-    tokens_per_param: Float = Field(20.0, gt=0.0, description="run length when train.max_steps is 0 (nanochat / "
-                                                              "Chinchilla: 20)")
-    eval_tokens: Int = Field(2**20, ge=1, description="validation tokens per evaluation (fewer if the split is "
-                                                      "smaller)")
+    total_batch_tokens: Int = Field(
+        0, ge=0, description="tokens per optimizer step over all ranks; 0 = batch_size*seq_len*world*grad_accum"
+    )
+    tokens_per_param: Float = Field(
+        20.0, gt=0.0, description="run length when train.max_steps is 0 (nanochat / Chinchilla: 20)"
+    )
+    eval_tokens: Int = Field(
+        2**20, ge=1, description="validation tokens per evaluation (fewer if the split is smaller)"
+    )
     eval_batch_size: Int = Field(0, ge=0, description="sequences per evaluation batch; 0 = batch_size")
 
 
@@ -124,9 +163,18 @@ class LMConfig(ConfigModel):
     optim: LMOptimConfig = Field(LMOptimConfig(), description="Muon + AdamW (nanochat)")
     data: LMDataConfig = Field(LMDataConfig(), description="tokens and batches")
     samples: SampleConfig = Field(SampleConfig(), description="greedy samples at every evaluation")
-    train: TrainConfig = Field(TrainConfig(
-        schedule="wsd", warmup_ratio=0.0, warmdown_ratio=0.2, min_lr_ratio=0.0, clip_grad=1.0, eval_every=250,
-        log_every=10), description="the shared engine")
+    train: TrainConfig = Field(
+        TrainConfig(
+            schedule="wsd",
+            warmup_ratio=0.0,
+            warmdown_ratio=0.2,
+            min_lr_ratio=0.0,
+            clip_grad=1.0,
+            eval_every=250,
+            log_every=10,
+        ),
+        description="the shared engine",
+    )
 
     @run_rule
     def _grad_accum(self) -> None:
@@ -150,13 +198,17 @@ def resolve_grad_accum(d: LMDataConfig, t: TrainConfig, world_size: int) -> None
         return
     micro = d.batch_size * d.seq_len * world_size
     if d.total_batch_tokens % micro:
-        raise ConfigError(f"data.total_batch_tokens={d.total_batch_tokens} is not a multiple of one micro-step "
-                          f"(data.batch_size {d.batch_size} x data.seq_len {d.seq_len} x {world_size} process(es) "
-                          f"= {micro} tokens)")
+        raise ConfigError(
+            f"data.total_batch_tokens={d.total_batch_tokens} is not a multiple of one micro-step "
+            f"(data.batch_size {d.batch_size} x data.seq_len {d.seq_len} x {world_size} process(es) "
+            f"= {micro} tokens)"
+        )
     accum = d.total_batch_tokens // micro
     if t.grad_accum not in (1, accum):
-        raise ConfigError(f"train.grad_accum={t.grad_accum} contradicts data.total_batch_tokens="
-                          f"{d.total_batch_tokens}, which needs grad_accum={accum}; set only one of them")
+        raise ConfigError(
+            f"train.grad_accum={t.grad_accum} contradicts data.total_batch_tokens="
+            f"{d.total_batch_tokens}, which needs grad_accum={accum}; set only one of them"
+        )
     t.grad_accum = accum
 
 
@@ -203,14 +255,30 @@ def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
     return out
 
 
-def _documents(paths: Optional[list[str]], text_field: str, split: Any = None):
+def _documents(paths: Optional[list[str]], text_field: str, split: Any = None, hf: Any = None):
+    if hf is not None:  # (source, dataset) of an hf: corpus
+        return T.split_documents(T.read_hf_dataset(hf[1], text_field, f"hf:{hf[0]}"), split, f"hf:{hf[0]}")
     docs = T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=text_field)
     return T.split_documents(docs, split, "pydoc_data.topics" if paths is None else ", ".join(paths))
 
 
+def _hf_corpus(d: LMDataConfig) -> Optional[tuple[str, Any]]:
+    """``(source, dataset)`` of an ``hf:`` corpus (its text column checked), else None."""
+    source = T.hf_source(d.corpus)
+    if source is None:
+        return None
+    ds = T.open_hf_dataset(source, d.hf_split, d.hf_name or None, streaming=d.streaming, what="data.corpus")
+    T.check_hf_column(ds, d.text_field, f"data.corpus={d.corpus}", "data.text_field")
+    return source, ds
+
+
 # How `train lm` spells the options that fix a corpus without training text (named in DataError).
-_LM_HINTS = {"val_fraction": "data.val_fraction", "val_by": "data.val_by: tokens",
-             "split_documents": "data.split_documents: blank_lines|chapters|N", "fraction": "data.fraction"}
+_LM_HINTS = {
+    "val_fraction": "data.val_fraction",
+    "val_by": "data.val_by: tokens",
+    "split_documents": "data.split_documents: blank_lines|chapters|N",
+    "fraction": "data.fraction",
+}
 
 
 def _default_cache() -> Path:
@@ -227,14 +295,21 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
 
     info = info or DistInfo()
     if d.shards is not None:
-        built_here = [k for k in ("val_by", "split_documents", "fraction", "max_items")
-                      if getattr(d, k) != LMDataConfig.model_fields[k].default]
+        built_here = [
+            k
+            for k in ("val_by", "split_documents", "fraction", "max_items")
+            if getattr(d, k) != LMDataConfig.model_fields[k].default
+        ]
         if built_here:
-            raise ConfigError(f"data.{built_here[0]} applies when the shards are built from data.corpus, not to "
-                              f"data.shards={d.shards}; give the split options to `lapheads data tokenize`")
+            raise ConfigError(
+                f"data.{built_here[0]} applies when the shards are built from data.corpus, not to "
+                f"data.shards={d.shards}; give the split options to `lapheads data tokenize`"
+            )
         if d.tokenizer == "train":
-            raise ConfigError(f"data.shards={d.shards} needs data.tokenizer set to the tokenizer DIR the shards "
-                              "were made with (not 'train')")
+            raise ConfigError(
+                f"data.shards={d.shards} needs data.tokenizer set to the tokenizer DIR the shards "
+                "were made with (not 'train')"
+            )
         tok = load_tokenizer(d.tokenizer)
         T.TokenShards(d.shards, "train", tokenizer=tok)  # raises on a tokenizer/shard mismatch
         return tok, Path(d.shards)
@@ -243,17 +318,36 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
     if d.val_by not in ("documents", "tokens"):
         raise ConfigError(f"data.val_by={d.val_by!r} must be 'documents' or 'tokens'")
     T.check_split_mode(d.split_documents, "data.split_documents")
-    paths = _corpus_paths(d.corpus)
+    hf = _hf_corpus(d)  # an hf: corpus: opened, its text column checked
+    paths = None if hf is not None else _corpus_paths(d.corpus)
     if paths is not None:
         T.check_inputs(paths, text_field=d.text_field)  # missing / empty files, wrong columns
     given_tok = None if d.tokenizer == "train" else load_tokenizer(d.tokenizer)
-    key = {"corpus": _corpus_fingerprint(paths), "text_field": d.text_field, "val_fraction": d.val_fraction,
-           "tokenizer": tokenizer_hash(given_tok) if given_tok is not None else
-           {"train": d.vocab_size, "max_chars": d.tokenizer_max_chars}}
+    corpus = (
+        T.hf_fingerprint(hf[0], hf[1], d.hf_name or None, d.hf_split) if hf is not None else _corpus_fingerprint(paths)
+    )
+    source = f"hf:{hf[0]}" if hf is not None else "pydoc_data.topics" if paths is None else ", ".join(paths)
+    key = {
+        "corpus": corpus,
+        "text_field": d.text_field,
+        "val_fraction": d.val_fraction,
+        "tokenizer": tokenizer_hash(given_tok)
+        if given_tok is not None
+        else {"train": d.vocab_size, "max_chars": d.tokenizer_max_chars},
+    }
     # settings added later enter the key only when set, so existing caches keep their names
-    key.update({k: v for k, v in (("val_by", d.val_by), ("split_documents", d.split_documents),
-                                  ("fraction", d.fraction), ("max_items", d.max_items))
-                if v != LMDataConfig.model_fields[k].default})
+    key.update(
+        {
+            k: v
+            for k, v in (
+                ("val_by", d.val_by),
+                ("split_documents", d.split_documents),
+                ("fraction", d.fraction),
+                ("max_items", d.max_items),
+            )
+            if v != LMDataConfig.model_fields[k].default
+        }
+    )
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else _default_cache()
     target = root / digest
@@ -262,17 +356,24 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
         try:
             if given_tok is None:
-                docs = _documents(paths, d.text_field, d.split_documents)
+                docs = _documents(paths, d.text_field, d.split_documents, hf)
                 if d.tokenizer_max_chars:
                     docs = T.limit_chars(docs, d.tokenizer_max_chars)
                 tok = train_tokenizer(docs, d.vocab_size, tmp / "tokenizer")
             else:
                 tok = given_tok
-            T.tokenize_to_shards(_documents(paths, d.text_field, d.split_documents), tok, tmp / "shards",
-                                 val_fraction=d.val_fraction, val_by=d.val_by, train_fraction=d.fraction,
-                                 max_train_documents=d.max_items, hints=_LM_HINTS,
-                                 source="pydoc_data.topics" if paths is None else ", ".join(paths),
-                                 progress=progress)
+            T.tokenize_to_shards(
+                _documents(paths, d.text_field, d.split_documents, hf),
+                tok,
+                tmp / "shards",
+                val_fraction=d.val_fraction,
+                val_by=d.val_by,
+                train_fraction=d.fraction,
+                max_train_documents=d.max_items,
+                hints=_LM_HINTS,
+                source=source,
+                progress=progress,
+            )
             (tmp / "done.json").write_text(json.dumps(key, indent=1))
             if target.exists():  # a stale, unfinished build
                 shutil.rmtree(target)
@@ -292,8 +393,10 @@ def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
     shards = (TokenShards(shard_dir, "train"), TokenShards(shard_dir, "val"))
     for s in shards:
         if len(s) < seq_len + 1:
-            raise DataError(f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
-                            f"{seq_len + 1}; lower data.seq_len or give more text")
+            raise DataError(
+                f"{s.path}: the {s.split} split has {len(s)} tokens, fewer than data.seq_len + 1 = "
+                f"{seq_len + 1}; lower data.seq_len or give more text"
+            )
     return shards
 
 
@@ -312,12 +415,19 @@ class LMTask(HeadsTask):
         self.train_shards, self.val_shards = open_token_shards(self.shard_dir, d.seq_len)
         vocab = len(self.tokenizer)
         if self.train_shards.vocab_size != vocab:
-            raise DataError(f"{self.shard_dir}: shards have vocabulary {self.train_shards.vocab_size}, the tokenizer "
-                            f"{vocab}")
+            raise DataError(
+                f"{self.shard_dir}: shards have vocabulary {self.train_shards.vocab_size}, the tokenizer {vocab}"
+            )
         stops = stop_token_ids(self.tokenizer)
-        self.model = build_model(cfg.model, vocab, d.seq_len, device=info.device,
-                                 bos_token_id=self.tokenizer.bos_token_id, eos_token_id=stops,
-                                 pad_token_id=self.tokenizer.pad_token_id)
+        self.model = build_model(
+            cfg.model,
+            vocab,
+            d.seq_len,
+            device=info.device,
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=stops,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
         self.n_params = count_params(self.model)
         self.token_bytes = token_bytes(self.tokenizer).to(info.device)
         self.eval_bs = d.eval_batch_size or d.batch_size
@@ -375,10 +485,14 @@ class LMTask(HeadsTask):
         dev = self.info.device
         sums = torch.zeros(3, dtype=torch.float64, device=dev)  # nats (byte-bearing), bytes, tokens
         loss_all = torch.zeros((), dtype=torch.float64, device=dev)
-        autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dev.type == "cuda" and
-                    self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported() else None)
-        batches = self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=self.eval_batches,
-                                               rank=self.info.rank, world_size=self.info.world_size)
+        autocast = (
+            torch.autocast(dev.type, dtype=torch.bfloat16)
+            if dev.type == "cuda" and self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported()
+            else None
+        )
+        batches = self.val_shards.iter_batches(
+            self.eval_bs, d.seq_len, max_batches=self.eval_batches, rank=self.info.rank, world_size=self.info.world_size
+        )
         first = lambda: next(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=1))  # noqa: E731
         for (x, y), real in lockstep(batches, first, dev, self.sharded):
             x, y = x.to(dev), y.to(dev)
@@ -398,8 +512,11 @@ class LMTask(HeadsTask):
         if self.info.distributed:
             torch.distributed.all_reduce(sums)
             torch.distributed.all_reduce(loss_all)
-        return {"val_bpb": bits_per_byte(float(sums[0]), int(sums[1])),
-                "val_loss": float(loss_all / sums[2].clamp(min=1)), "val_tokens": int(sums[2])}
+        return {
+            "val_bpb": bits_per_byte(float(sums[0]), int(sums[1])),
+            "val_loss": float(loss_all / sums[2].clamp(min=1)),
+            "val_tokens": int(sums[2]),
+        }
 
     def write_samples(self, model: nn.Module, step: int) -> list[dict]:
         """Greedy continuations of the configured prompts, appended to ``RUN/samples.jsonl``."""
@@ -411,9 +528,14 @@ class LMTask(HeadsTask):
         return recs
 
     def model_spec(self) -> dict:
-        return {"model": to_dict(self.cfg.model), "vocab_size": len(self.tokenizer), "max_seq_len": self.cfg.data.seq_len,
-                "n_params": self.n_params, "tokenizer_hash": tokenizer_hash(self.tokenizer),
-                "laplacian_heads": self.model.config.laplacian_heads}
+        return {
+            "model": to_dict(self.cfg.model),
+            "vocab_size": len(self.tokenizer),
+            "max_seq_len": self.cfg.data.seq_len,
+            "n_params": self.n_params,
+            "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "laplacian_heads": self.model.config.laplacian_heads,
+        }
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         export_hf(model, self.tokenizer, final_dir / "hf")
@@ -432,9 +554,10 @@ def sample_prompts(model: nn.Module, tokenizer: Any, prompts: Sequence[str], max
     out = []
     for p in prompts:
         ids = tokenizer(p, return_tensors="pt")["input_ids"].to(dev)  # BOS-prefixed, as in pretraining
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False)
-        text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
+        gen = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=False)
         out.append({"prompt": p, "completion": text})
     model.train(was_training)
     return out
@@ -463,8 +586,10 @@ def hf_dir(run_dir: str | Path, weights: str = "model") -> Path:
     sub = "hf" if weights == "model" else "hf_ema"
     d = p / "final" / sub
     if not (d / "config.json").is_file():
-        raise CheckpointError(f"{d} does not exist; is {p} a finished `lapheads train lm` / `train sft` run "
-                              f"(or a save_pretrained directory)?")
+        raise CheckpointError(
+            f"{d} does not exist; is {p} a finished `lapheads train lm` / `train sft` run "
+            f"(or a save_pretrained directory)?"
+        )
     return d
 
 
@@ -490,8 +615,10 @@ class LMRecipe(Recipe):
     name = "lm"
     config_type = LMConfig
     kind = "hf"
-    description = ("NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
-                   "validation bits per byte) with k Laplacian heads per layer.")
+    description = (
+        "NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
+        "validation bits per byte) with k Laplacian heads per layer."
+    )
 
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
         return LMTask(cfg, info, run_dir=run_dir)
@@ -503,11 +630,17 @@ class LMRecipe(Recipe):
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)
         model, tok = load_model(run_dir, weights=weights, device=device)
-        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind, tokenizer=tok,
-                         analyze_options={"num_classes": model.config.vocab_size})
+        return LoadedRun(
+            self.name,
+            Path(run_dir),
+            cfg,
+            model,
+            self.kind,
+            tokenizer=tok,
+            analyze_options={"num_classes": model.config.vocab_size},
+        )
 
-    def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int,
-                     seq_len: Optional[int] = None) -> list:
+    def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int, seq_len: Optional[int] = None) -> list:
         """Windows of the validation token shards (a sequence is a window; a token's class is its next token)."""
         data = self.text_config(run)
         _, shard_dir = prepare_data(data)
@@ -517,8 +650,10 @@ class LMRecipe(Recipe):
             raise ConfigError(f"--seq-len {length} is longer than the model's {max_pos} positions")
         val = TokenShards(shard_dir, "val")
         n_batches = max(1, max_items // batch_size)
-        return [{"input_ids": x, "attention_mask": torch.ones_like(x)}
-                for x, _y in val.iter_batches(batch_size, length, max_batches=n_batches)]
+        return [
+            {"input_ids": x, "attention_mask": torch.ones_like(x)}
+            for x, _y in val.iter_batches(batch_size, length, max_batches=n_batches)
+        ]
 
 
 RECIPE = LMRecipe()

@@ -20,7 +20,7 @@ Design choices:
   :mod:`lapheads.recipes.lm` (:class:`RetrofitTask` subclasses :class:`~lapheads.recipes.lm.LMTask`:
   same random windows, loss, validation bits per byte and loss), with AdamW instead of Muon
   (the recipe is for any causal LM). ``method: full`` trains every weight; ``method: lora`` wraps
-  the model with PEFT LoRA adapters (``lora.*``; PEFT is in the ``eval`` extra) and trains only
+  the model with PEFT LoRA adapters (``lora.*``; PEFT is in the ``train`` extra) and trains only
   them. ``train.max_steps`` is the N of the comparison and must be set.
 * ``final/hf`` is a plain ``save_pretrained`` directory with the Laplacian heads in its config: a
   LoRA run is merged (``merge_and_unload`` on a copy, so the trained model is untouched) before it

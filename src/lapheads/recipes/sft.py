@@ -1,4 +1,4 @@
-"""Supervised fine-tuning (SFT) of a pretrained NanoChat LM on chat JSONL (PAPER.md, experiment 2).
+"""Supervised fine-tuning (SFT) of a pretrained NanoChat LM on chat JSONL (the paper's experiment 2; docs/method.md).
 
 ``lapheads train sft --config tiny --out runs/sft --set init_from=runs/lm_tiny``
 
@@ -8,7 +8,9 @@ Design choices:
   and its tokenizer come from ``RUN/final/hf``; the heads cannot be changed here (the weights were
   trained for them).
 * Data: chat JSONL, one ``{"messages": [{"role": "user"|"assistant"|"system", "content": ...}]}`` per
-  line, from one or more ``data.sources`` with mixture weights. A weight is a relative
+  line, or a Hugging Face chat dataset (``path: hf:PATH_OR_NAME``: its ``column`` of message lists,
+  split ``split``; ``hf:`` entries of ``data.val`` read ``data.val_split``), from one or more
+  ``data.sources`` with mixture weights. A weight is a relative
   over-sampling factor per conversation (weight 2 = every conversation of that source twice per
   epoch, nanochat's TaskMixture), so a source is drawn with probability proportional to
   ``weight * conversations``. Every file is read and rendered up front with the tokenizer's
@@ -60,8 +62,21 @@ from .base import HeadsTask, LoadedRun
 from .lm import RECIPE as LM_RECIPE
 from .lm import LMDataConfig, LMRecipe, export_hf, load_model
 
-__all__ = ["SFTSource", "SFTDataConfig", "SFTConfig", "SFTTask", "read_chat_jsonl", "topics_qa",
-           "write_topics_qa", "collate_padded", "collate_packed", "build_task", "SFTRecipe", "RECIPE"]
+__all__ = [
+    "SFTSource",
+    "SFTDataConfig",
+    "SFTConfig",
+    "SFTTask",
+    "read_chat_jsonl",
+    "read_chat_hf",
+    "topics_qa",
+    "write_topics_qa",
+    "collate_padded",
+    "collate_packed",
+    "build_task",
+    "SFTRecipe",
+    "RECIPE",
+]
 
 EMBEDDED = "embedded"
 
@@ -69,19 +84,28 @@ EMBEDDED = "embedded"
 class SFTSource(ConfigModel):
     """One chat data source (an item of ``data.sources``)."""
 
-    path: Str = Field(description='chat JSONL, or "embedded" (generated pydoc_data.topics Q/A)')
+    path: Str = Field(
+        description='chat JSONL, "embedded" (generated pydoc_data.topics Q/A), or hf:PATH_OR_NAME '
+        "(a Hugging Face dataset)"
+    )
     weight: Float = Field(1.0, gt=0.0, description="relative over-sampling per conversation")
+    column: Str = Field("messages", description="hf: source: the column of message lists ({role, content} dicts)")
+    split: Str = Field("train", description="hf: source: the split read")
 
 
 class SFTDataConfig(ConfigModel):
     """Conversations and batches (the ``data:`` section)."""
 
-    sources: list[SFTSource] = Field([SFTSource(path=EMBEDDED)], min_length=1,
-                                     description="chat JSONL sources with mixture weights (at least one; 'embedded' "
-                                                 "is a generated set)")
-    val: list[Str] = Field([], description="validation JSONL files; empty = val_fraction of each source")
-    val_fraction: Float = Field(0.1, ge=0.0, lt=1.0, description="share of each source held out when `val` is "
-                                                                 "empty")
+    sources: list[SFTSource] = Field(
+        [SFTSource(path=EMBEDDED)],
+        min_length=1,
+        description="chat JSONL sources with mixture weights (at least one; 'embedded' is a generated set)",
+    )
+    val: list[Str] = Field(
+        [], description="validation JSONL files or hf: datasets; empty = val_fraction of each source"
+    )
+    val_split: Str = Field("test", description="hf: entries of `val`: the split read (column: messages)")
+    val_fraction: Float = Field(0.1, ge=0.0, lt=1.0, description="share of each source held out when `val` is empty")
     seq_len: Int = Field(1024, ge=2, description="tokens per row (longer conversations are truncated)")
     batch_size: Int = Field(8, ge=1, description="rows per process and micro-step")
     packing: bool = Field(False, description="several conversations per row (block-diagonal attention)")
@@ -94,18 +118,22 @@ class SFTConfig(ConfigModel):
 
     init_from: Str = Field("", description="run directory of `lapheads train lm` (or a save_pretrained directory)")
     data: SFTDataConfig = Field(SFTDataConfig(), description="conversations and batches")
-    optim: LMOptimConfig = Field(LMOptimConfig(muon_momentum_warmup=0), description="Muon + AdamW (nanochat), at "
-                                                                                    "lr_scale times these lrs")
+    optim: LMOptimConfig = Field(
+        LMOptimConfig(muon_momentum_warmup=0), description="Muon + AdamW (nanochat), at lr_scale times these lrs"
+    )
     lr_scale: Float = Field(0.02, gt=0.0, description="nanochat's init_lr_frac: SFT lr = lr_scale * pretraining lr")
-    train: TrainConfig = Field(TrainConfig(
-        schedule="linear", warmup_ratio=0.0, min_lr_ratio=0.0, clip_grad=1.0, eval_every=0, log_every=10),
-        description="the shared engine")
+    train: TrainConfig = Field(
+        TrainConfig(schedule="linear", warmup_ratio=0.0, min_lr_ratio=0.0, clip_grad=1.0, eval_every=0, log_every=10),
+        description="the shared engine",
+    )
 
     @run_rule
     def _init_from(self) -> None:
         if not self.init_from:
-            raise ConfigError("init_from is empty: set it to a finished `lapheads train lm` run directory "
-                              "(e.g. --set init_from=runs/lm_tiny)")
+            raise ConfigError(
+                "init_from is empty: set it to a finished `lapheads train lm` run directory "
+                "(e.g. --set init_from=runs/lm_tiny)"
+            )
 
 
 # --------------------------------------------------------------------------- data
@@ -144,23 +172,48 @@ def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
     p = Path(path)
     out = []
     for n, obj in iter_jsonl(p, "chat JSONL file"):
-        msgs = obj.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{p}:{n}: expected an object with a non-empty 'messages' list of "
-                            "{'role', 'content'} dicts")
-        for i, m in enumerate(msgs):  # roles are checked here, before any model is loaded
-            role = m.get("role") if isinstance(m, dict) else None
-            if role not in ("system", "user", "assistant") or "content" not in m:
-                raise DataError(f"{p}:{n}: messages[{i}] has unknown role {role!r} or no 'content'; allowed "
-                                "roles: system, user, assistant")
-        out.append((n, msgs))
+        out.append((n, _checked_messages(obj.get("messages"), f"{p}:{n}")))
     if not out:
         raise DataError(f"{p}: the file holds no conversation (it is empty)")
     return out
 
 
-def _render_all(tokenizer: Any, where: str, convs: Sequence[tuple[int, list[dict]]], max_tokens: int
-                ) -> list[tuple[list[int], list[int]]]:
+def _checked_messages(msgs: Any, where: str, column: str = "messages") -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: expected an object with a non-empty {column!r} list of {{'role', 'content'}} dicts")
+    for i, m in enumerate(msgs):  # roles are checked here, before any model is loaded
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant") or "content" not in m:
+            raise DataError(
+                f"{where}: {column}[{i}] has unknown role {role!r} or no 'content'; allowed "
+                "roles: system, user, assistant"
+            )
+    return msgs
+
+
+def read_chat_hf(source: str, split: str = "train", column: str = "messages") -> list[tuple[int, list[dict]]]:
+    """``(row number from 1, messages)`` of every row of a Hugging Face chat dataset (``hf:`` source).
+
+    Raises:
+        DataError: one line for a missing split or column, or a row whose messages are malformed.
+    """
+    from ..data.text import check_hf_column, open_hf_dataset
+
+    where = f"hf:{source}"
+    ds = open_hf_dataset(source, split, what=where)
+    check_hf_column(ds, column, where, "column")
+    out = [
+        (n + 1, _checked_messages(row[column], f"{where}:{split}:{n + 1}", column))
+        for n, row in enumerate(ds.select_columns([column]))
+    ]
+    if not out:
+        raise DataError(f"{where}: split {split!r} holds no conversation")
+    return out
+
+
+def _render_all(
+    tokenizer: Any, where: str, convs: Sequence[tuple[int, list[dict]]], max_tokens: int
+) -> list[tuple[list[int], list[int]]]:
     out = []
     for n, msgs in convs:
         try:
@@ -171,9 +224,11 @@ def _render_all(tokenizer: Any, where: str, convs: Sequence[tuple[int, list[dict
     return out
 
 
-def _load_source(path: str) -> tuple[str, list[tuple[int, list[dict]]]]:
+def _load_source(path: str, split: str = "train", column: str = "messages") -> tuple[str, list[tuple[int, list[dict]]]]:
     if path == EMBEDDED:
         return "embedded(pydoc_data.topics Q/A)", [(i + 1, c["messages"]) for i, c in enumerate(topics_qa())]
+    if path.startswith("hf:"):
+        return path, read_chat_hf(path[3:].strip(), split, column)
     return path, read_chat_jsonl(path)
 
 
@@ -191,14 +246,15 @@ def collate_padded(convs: Sequence[tuple[list[int], list[int]]], pad_id: int) ->
     y = torch.full((len(pairs), T), -100, dtype=torch.long)
     am = torch.zeros((len(pairs), T), dtype=torch.long)
     for i, (xi, yi) in enumerate(pairs):
-        x[i, :len(xi)] = torch.tensor(xi)
-        y[i, :len(yi)] = torch.tensor(yi)
-        am[i, :len(xi)] = 1
+        x[i, : len(xi)] = torch.tensor(xi)
+        y[i, : len(yi)] = torch.tensor(yi)
+        am[i, : len(xi)] = 1
     return {"input_ids": x, "attention_mask": am, "labels": y}
 
 
-def collate_packed(rows: Sequence[Sequence[tuple[list[int], list[int]]]], row_tokens: int, pad_id: int
-                   ) -> dict[str, torch.Tensor]:
+def collate_packed(
+    rows: Sequence[Sequence[tuple[list[int], list[int]]]], row_tokens: int, pad_id: int
+) -> dict[str, torch.Tensor]:
     """Several whole conversations per row; position ids restart at each (block-diagonal attention).
 
     Args:
@@ -252,15 +308,15 @@ class SFTTask(HeadsTask):
         self.cfg, self.info = cfg, info
         d = cfg.data
         # Read every file before loading the model: bad data fails in seconds.
-        raw = [_load_source(s.path) for s in d.sources]
-        val_raw = [_load_source(p) for p in d.val]
+        raw = [_load_source(s.path, s.split, s.column) for s in d.sources]
+        val_raw = [_load_source(p, d.val_split) for p in d.val]
         self.model, self.tokenizer = load_model(cfg.init_from, device=info.device)
         self.model.train()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         row = d.seq_len + 1
         self.train_sets: list[list[tuple[list[int], list[int]]]] = []
         self.val_set: list[tuple[list[int], list[int]]] = []
-        for (where, convs), src in zip(raw, d.sources):
+        for where, convs in raw:
             rendered = _render_all(self.tokenizer, where, convs, row)
             if d.val:
                 train = rendered
@@ -269,13 +325,15 @@ class SFTTask(HeadsTask):
                 self.val_set += [c for i, c in enumerate(rendered) if is_validation_document(i, d.val_fraction)]
             train = [c for c in train if any(c[1][1:])]  # nothing to learn without assistant tokens
             if not train:
-                raise DataError(f"{where}: no training conversation with assistant tokens within data.seq_len="
-                                f"{d.seq_len} (after holding out val_fraction={d.val_fraction})")
+                raise DataError(
+                    f"{where}: no training conversation with assistant tokens within data.seq_len="
+                    f"{d.seq_len} (after holding out val_fraction={d.val_fraction})"
+                )
             self.train_sets.append(train)
         for where, convs in val_raw:
             self.val_set += _render_all(self.tokenizer, where, convs, row)
         if d.max_eval_items:
-            self.val_set = self.val_set[:d.max_eval_items]
+            self.val_set = self.val_set[: d.max_eval_items]
         w = torch.tensor([s.weight * len(t) for s, t in zip(d.sources, self.train_sets)], dtype=torch.float64)
         self.source_probs = w / w.sum()
         self.weighted_convs = float(w.sum())
@@ -324,7 +382,7 @@ class SFTTask(HeadsTask):
                     k = max(1, math.ceil(need * (d.seq_len + 1) / self.mean_len))
                     packed = pack_rows(self._draw(g, k), d.seq_len + 1)
                     rows += packed[:need] if len(packed) > 1 else packed
-                yield collate_packed(rows[:d.batch_size], d.seq_len + 1, self.pad_id)
+                yield collate_packed(rows[: d.batch_size], d.seq_len + 1, self.pad_id)
             micro += 1
 
     def _loss_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,8 +390,9 @@ class SFTTask(HeadsTask):
         b = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
         labels = b.pop("labels")
         logits = model(**b, use_cache=False).logits
-        nll = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100,
-                              reduction="sum")
+        nll = F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100, reduction="sum"
+        )
         return nll, (labels != -100).sum()
 
     def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -355,7 +414,7 @@ class SFTTask(HeadsTask):
         sums = torch.zeros(2, dtype=torch.float64, device=self.info.device)
         starts = range(self.info.rank * bs, len(self.val_set), bs * self.info.world_size)
         for b, real in lockstep(starts, lambda: 0, self.info.device, self.sharded):
-            nll, n = self._loss_sums(model, collate_padded(self.val_set[b:b + bs], self.pad_id))
+            nll, n = self._loss_sums(model, collate_padded(self.val_set[b : b + bs], self.pad_id))
             if not real:  # a sharded model's forward in lock step with the ranks that still have batches
                 continue
             sums[0] += nll.double()
@@ -365,9 +424,13 @@ class SFTTask(HeadsTask):
         return {"val_loss": float(sums[0] / sums[1].clamp(min=1)), "val_tokens": int(sums[1])}
 
     def model_spec(self) -> dict:
-        return {"init_from": str(self.cfg.init_from), "vocab_size": len(self.tokenizer), "n_params": self.n_params,
-                "tokenizer_hash": tokenizer_hash(self.tokenizer),
-                "laplacian_heads": getattr(self.model.config, "laplacian_heads", None)}
+        return {
+            "init_from": str(self.cfg.init_from),
+            "vocab_size": len(self.tokenizer),
+            "n_params": self.n_params,
+            "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "laplacian_heads": getattr(self.model.config, "laplacian_heads", None),
+        }
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         export_hf(model, self.tokenizer, final_dir / "hf")
@@ -382,8 +445,10 @@ def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
 class SFTRecipe(LMRecipe):
     name = "sft"
     config_type = SFTConfig
-    description = ("Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
-                   "(loss on assistant tokens only, mixture of sources).")
+    description = (
+        "Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
+        "(loss on assistant tokens only, mixture of sources)."
+    )
 
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
         return SFTTask(cfg, info)

@@ -1,0 +1,689 @@
+"""``--launcher slurm``: ``lapheads train`` and ``lapheads sweep`` on a SLURM cluster, through submitit.
+
+::
+
+    lapheads train classify --config digits.yaml --out runs/a --launcher slurm --partition gpu \\
+        --nodes 2 --gpus-per-node 8 --time-min 240 [--sbatch account=abc] [--no-wait]
+    lapheads sweep --config digits.yaml --laplacian-heads 0,all --seeds 0,1 --out runs/sw \\
+        --launcher slurm [--launcher-config slurm.yaml]
+    lapheads sweep --status runs/sw        # pending / running (job id) / done / failed (log tail)
+    lapheads sweep --resume --out runs/sw  # resubmits only the unfinished points
+
+Design choices:
+
+* One job per ``lapheads train``, one array task per sweep point (``executor.batch()``), each
+  running the unchanged ``lapheads train`` command (:class:`TrainJob`) in the task's own process;
+  a job with N tasks (``--nodes`` x ``--tasks-per-node``, default one task per GPU) sets up
+  torch.distributed from submitit's job environment (:func:`lapheads.engine.dist.env_from_slurm`),
+  so DDP / FSDP2 run across nodes without a torchrun line.
+* Options: the flags of :func:`add_launcher_args`, over a small YAML file (``--launcher-config``,
+  the keys of :class:`LauncherConfig` at its top level or under ``launcher:``), over the defaults.
+  They are not a section of the recipe's config: a run's ``config.yaml`` describes the math of a
+  run, and where it ran (partition, time limit, requeues) never changes it.
+* Preemption and time limits: submitit asks SLURM for ``--signal=USR1@signal_delay_s``; the
+  trainer turns SIGUSR1 like SIGTERM into "finish the step, write a checkpoint, stop"
+  (engine.trainer), and :class:`TrainJob` then hands the signal back to submitit, which calls
+  :meth:`TrainJob.checkpoint` (the same command with ``--resume``) and requeues the job
+  (``scontrol requeue``). A job requeued by SLURM itself (``scontrol requeue``, a node failure) finds
+  its run directory and resumes it too (``SLURM_RESTART_COUNT``). The engine's resume is exact, so
+  the requeued run ends with the weights of an uninterrupted one.
+* Records: the submitter writes ``SWEEP/slurm/jobs.json`` (per point: job id, log paths, every
+  submission) next to submitit's own files and logs (``SWEEP/slurm/``; ``lapheads train``:
+  ``<parent of --out>/slurm_logs/``); every attempt's rank 0 appends to ``RUN_DIR/slurm.json``
+  (job id, restart count, nodes, log paths) when the run directory holds a run. A sweep's
+  ``--status`` reads both plus ``squeue``.
+* The sweep waits for its jobs (polling ``squeue``; SLURM accounting is not needed) and then writes
+  its report as with ``--launcher local``; ``--no-wait`` returns after the submission, and the same
+  command (or ``--resume``) later skips the points that are finished or still queued, resubmits
+  the others and writes the report. Ctrl-C while waiting leaves the jobs running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pydantic import Field
+
+from ..errors import ConfigError, RunFailed
+from .config import ConfigModel, Float, Int, Str, from_dict, read_yaml
+
+PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
+JOBS_FILE = "jobs.json"  # in a sweep's slurm/ folder
+RUN_RECORD = "slurm.json"  # in a run directory
+# squeue states of a job that is still in the queue (anything else: it has ended)
+QUEUED = {
+    "PENDING",
+    "CONFIGURING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESV_DEL_HOLD",
+    "SUSPENDED",
+    "STOPPED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+}
+ACTIVE = {"RUNNING", "COMPLETING", "PREEMPTED"}
+
+
+class LauncherConfig(ConfigModel):
+    """Where and how a job runs on SLURM (``--launcher-config`` YAML keys; flags override them)."""
+
+    partition: Str = Field("", description="SLURM partition; empty = the cluster's default")
+    nodes: Int = Field(1, ge=1, description="nodes per job (multi-node DDP/FSDP2)")
+    gpus_per_node: Int = Field(0, ge=0, description="GPUs per node (--gpus-per-node)")
+    tasks_per_node: Int = Field(0, ge=0, description="training processes per node; 0 = gpus_per_node, at least 1")
+    cpus_per_task: Int = Field(1, ge=1, description="CPUs per training process (also its OMP_NUM_THREADS)")
+    mem_gb: Float = Field(0.0, ge=0.0, description="memory per node in GB; 0 = the partition's default")
+    time_min: Int = Field(60, ge=1, description="time limit of one attempt in minutes")
+    signal_delay_s: Int = Field(120, ge=1, description="SIGUSR1 this many seconds before the time limit")
+    max_requeues: Int = Field(3, ge=0, description="requeues after a time limit (preemptions are not counted)")
+    array_parallelism: Int = Field(0, ge=0, description="sweep points running at once; 0 = all")
+    job_name: Str = Field("", description="SLURM job name; empty = lapheads-<recipe>")
+    sbatch: dict[str, Str] = Field(
+        default_factory=dict, description="extra sbatch flags, e.g. {account: abc, qos: high, constraint: a100}"
+    )
+    setup: list[Str] = Field(
+        default_factory=list, description="shell lines run before the job's srun (module load, source a venv)"
+    )
+    poll_s: Float = Field(2.0, gt=0.0, description="seconds between two squeue polls while waiting")
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.tasks_per_node or max(1, self.gpus_per_node)
+
+
+# ----------------------------------------------------------------------------- flags
+_FLAGS = {  # flag -> (LauncherConfig key, type)
+    "--partition": ("partition", str),
+    "--nodes": ("nodes", int),
+    "--gpus-per-node": ("gpus_per_node", int),
+    "--tasks-per-node": ("tasks_per_node", int),
+    "--cpus-per-task": ("cpus_per_task", int),
+    "--mem-gb": ("mem_gb", float),
+    "--time-min": ("time_min", int),
+    "--max-requeues": ("max_requeues", int),
+    "--array-parallelism": ("array_parallelism", int),
+    "--job-name": ("job_name", str),
+}
+
+
+def add_launcher_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The ``--launcher`` flags of ``lapheads train`` and ``lapheads sweep``."""
+    g = p.add_argument_group("launcher (--launcher slurm: submit through submitit; docs/slurm.md)")
+    g.add_argument(
+        "--launcher",
+        choices=("local", "slurm"),
+        default="local",
+        help="local: train in this process (default); slurm: submit to SLURM "
+        + ("(one array task per point)" if sweep else "(one job)"),
+    )
+    g.add_argument(
+        "--launcher-config",
+        default=None,
+        metavar="YAML",
+        help="YAML with the launcher options (keys as the flags below, e.g. time_min: 240, "
+        "sbatch: {account: abc}); flags override it",
+    )
+    for flag, (key, kind) in _FLAGS.items():
+        if key == "array_parallelism" and not sweep:
+            continue
+        g.add_argument(
+            flag,
+            dest=f"slurm_{key}",
+            type=kind,
+            default=None,
+            metavar=key.split("_")[0].upper(),
+            help=LauncherConfig.model_fields[key].description,
+        )
+    g.add_argument(
+        "--sbatch",
+        dest="slurm_sbatch",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra sbatch flag, e.g. --sbatch account=abc --sbatch qos=high (repeatable)",
+    )
+    g.add_argument(
+        "--slurm-folder",
+        default=None,
+        metavar="DIR",
+        help="submitit's folder (job scripts, pickles, logs); default: "
+        + ("OUT/slurm" if sweep else "<parent of --out>/slurm_logs"),
+    )
+    g.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="return once the job(s) are submitted (default: wait for them to end"
+        + (", then write the report)" if sweep else ")"),
+    )
+
+
+def launcher_config(args: argparse.Namespace) -> Optional[LauncherConfig]:
+    """The options of ``--launcher slurm`` (None for ``--launcher local``).
+
+    Raises:
+        ConfigError: a SLURM flag without ``--launcher slurm``, a bad value or YAML key (one line).
+    """
+    given = [f for f, (key, _) in _FLAGS.items() if getattr(args, f"slurm_{key}", None) is not None]
+    given += ["--sbatch"] * bool(args.slurm_sbatch) + ["--launcher-config"] * bool(args.launcher_config)
+    given += ["--slurm-folder"] * bool(args.slurm_folder) + ["--no-wait"] * bool(args.no_wait)
+    if args.launcher != "slurm":
+        if given:
+            raise ConfigError(f"{given[0]} needs --launcher slurm")
+        return None
+    data: dict[str, Any] = {}
+    prefix = ""
+    if args.launcher_config:
+        raw = read_yaml(args.launcher_config)
+        data = raw["launcher"] if set(raw) == {"launcher"} else raw
+        if not isinstance(data, dict):
+            raise ConfigError(f"{args.launcher_config}: launcher must be a mapping")
+        data = dict(data)
+        prefix = f"{args.launcher_config}: "
+    for _flag, (key, _) in _FLAGS.items():
+        value = getattr(args, f"slurm_{key}", None)
+        if value is not None:
+            data[key] = value
+    extra = dict(data.get("sbatch") or {})
+    for item in args.slurm_sbatch:
+        key, sep, value = item.partition("=")
+        if not key.strip():
+            raise ConfigError(f"--sbatch {item!r} must look like KEY=VALUE (e.g. account=abc) or KEY")
+        extra[key.strip().lstrip("-")] = value.strip() if sep else ""
+    if extra:
+        data["sbatch"] = extra
+    return from_dict(LauncherConfig, data, prefix)
+
+
+def split_launcher_argv(argv: Sequence[str], sweep: bool = False) -> list[str]:
+    """``argv`` without the launcher flags (what each job runs)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_launcher_args(p, sweep=sweep)
+    _, rest = p.parse_known_args(list(argv))
+    return rest
+
+
+# ----------------------------------------------------------------------------- submitit
+def _submitit() -> Any:
+    """submitit, told to ask for SIGUSR1 before the time limit (the trainer's preemption signal)."""
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # the jobs inherit it (sbatch exports the env)
+    try:
+        import submitit
+    except ModuleNotFoundError:
+        raise ConfigError("--launcher slurm needs submitit: pip install 'submitit>=1.5'") from None
+    submitit.JobEnvironment.USR_SIG = PREEMPT_SIGNAL  # also when submitit was imported before
+    return submitit
+
+
+def make_executor(opts: LauncherConfig, folder: Path, name: str) -> Any:
+    """A submitit ``SlurmExecutor`` for ``opts`` writing into ``folder``."""
+    submitit = _submitit()
+    folder.mkdir(parents=True, exist_ok=True)
+    ex = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=opts.max_requeues)
+    params: dict[str, Any] = dict(
+        job_name=opts.job_name or name,
+        nodes=opts.nodes,
+        ntasks_per_node=opts.ntasks_per_node,
+        cpus_per_task=opts.cpus_per_task,
+        time=opts.time_min,
+        signal_delay_s=opts.signal_delay_s,
+        setup=[f"export OMP_NUM_THREADS={opts.cpus_per_task}", *opts.setup],
+        additional_parameters={k: (v if v != "" else True) for k, v in opts.sbatch.items()} or None,
+        stderr_to_stdout=False,
+    )
+    if opts.partition:
+        params["partition"] = opts.partition
+    if opts.gpus_per_node:
+        params["gpus_per_node"] = opts.gpus_per_node
+    if opts.mem_gb:
+        params["mem"] = f"{max(1, int(round(opts.mem_gb * 1024)))}M"
+    if opts.array_parallelism:
+        params["array_parallelism"] = opts.array_parallelism
+    ex.update_parameters(**params)
+    return ex
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _atomic_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARGV]) -> exit status``
+
+
+def run_state(run_dir: Path) -> str:
+    """``done`` (final model written), ``partial`` (started, resumable) or ``new`` (as lapheads.sweep)."""
+    if (Path(run_dir) / "final" / "model.json").is_file():
+        return "done"
+    return "partial" if (Path(run_dir) / "config.yaml").is_file() else "new"
+
+
+class TrainJob:
+    """What submitit runs in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
+
+    Picklable (submitit stores it with the job); :meth:`checkpoint` is submitit's hook on SIGUSR1.
+    ``entry`` names the command's ``main`` (``module:function``): the CLI sits above the engine, so
+    the engine imports it by name, in the job.
+    """
+
+    def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False, entry: str = CLI_MAIN):
+        self.recipe, self.argv, self.out, self.resume, self.entry = recipe, list(argv), str(out), resume, entry
+
+    def command(self) -> list[str]:
+        """The argv of this attempt: a requeued one drops ``--overwrite`` and resumes the run if it started."""
+        from .run import RunDir  # noqa: PLC0415 - light, but keep this module's import cheap
+
+        argv = list(self.argv)
+        restarted = self.resume or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        if restarted:
+            argv = [a for a in argv if a not in ("--overwrite", "--resume")]
+            if RunDir(self.out).exists():
+                argv.append("--resume")
+        return ["train", self.recipe, *argv]
+
+    def __call__(self) -> int:
+        import gc
+        import importlib
+
+        from . import dist as D
+
+        module, _, name = self.entry.partition(":")
+        main = getattr(importlib.import_module(module), name)
+        submitit = _submitit()
+        job = submitit.JobEnvironment()
+        D.env_from_slurm(job, apply=True)
+        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+        if cpus and "OMP_NUM_THREADS" not in os.environ:
+            os.environ["OMP_NUM_THREADS"] = cpus
+        argv = self.command()
+        main_rank = job.global_rank == 0
+        if main_rank:
+            print(
+                f"[slurm] job {job.job_id} task {job.global_rank}/{job.num_tasks} on {job.hostname}: "
+                f"lapheads {shlex.join(argv)}",
+                flush=True,
+            )
+            self._record(job, "started", argv)
+        try:
+            rc = main(argv)
+        finally:  # exit without the shutdown collections of every object torch made (~1.5 s; lapheads.cli)
+            gc.collect()
+            gc.freeze()
+        if main_rank:
+            stopped = {128 + int(sig): f"stopped by {sig.name}" for sig in (signal.SIGINT, signal.SIGTERM)}
+            event = {0: "finished", 128 + signal.SIGUSR1: "requeued", **stopped}.get(rc, f"exit status {rc}")
+            self._record(job, event, argv)
+        if rc == 128 + signal.SIGUSR1:
+            # the trainer stopped at a step with a checkpoint; submitit's handler (back in place)
+            # calls self.checkpoint() and requeues the job (rank 0), the other ranks just end
+            signal.raise_signal(signal.SIGUSR1)
+            return rc
+        if rc != 0:
+            raise JobFailed(f"lapheads {shlex.join(argv)} ended with exit status {rc} (see the lines above)")
+        return rc
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's preemption hook: the same run again, resumed from its newest checkpoint."""
+        submitit = _submitit()
+        return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True, self.entry))
+
+    def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
+        """Append this attempt to ``RUN_DIR/slurm.json`` (only once the directory holds a run: a fresh
+        start needs an empty directory)."""
+        from .run import RunDir
+
+        run = RunDir(self.out)
+        if not run.exists():
+            return
+        path = run.path / RUN_RECORD
+        data = read_json(path) or {"attempts": []}
+        paths = job.paths
+        data["attempts"].append(
+            {
+                "event": event,
+                "time": _now(),
+                "job_id": job.job_id,
+                "array_job_id": job.array_job_id,
+                "array_task_id": job.array_task_id,
+                "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                "nodes": list(job.hostnames),
+                "num_tasks": job.num_tasks,
+                "stdout": str(paths.stdout),
+                "stderr": str(paths.stderr),
+                "argv": ["lapheads", *argv],
+            }
+        )
+        try:
+            _atomic_json(path, data)
+        except OSError as e:  # a record must never fail the run
+            print(f"[slurm] could not write {path}: {e}", file=sys.stderr)
+
+
+class JobFailed(RuntimeError):
+    """A job's ``lapheads train`` ended with an error (its one-line message is in the job's log)."""
+
+
+# ----------------------------------------------------------------------------- the queue
+def queue_states() -> dict[str, str]:
+    """``{job id: state}`` of every job in the queue (array tasks as ``ARRAY_TASK``), from ``squeue``."""
+    try:
+        r = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RunFailed(f"squeue failed: {e}") from None
+    if r.returncode != 0:
+        raise RunFailed(f"squeue failed: {(r.stderr or r.stdout).strip()}")
+    out = {}
+    for line in r.stdout.splitlines():
+        jid, _, state = line.strip().partition("|")
+        if jid:
+            out[jid] = state
+    return out
+
+
+def job_state(job_id: str, queue: dict[str, str]) -> Optional[str]:
+    """The squeue state of ``job_id`` (an array task ``A_T`` is also found under a pending ``A_[..]``)."""
+    if job_id in queue:
+        return queue[job_id]
+    array, _, task = job_id.partition("_")
+    for jid, state in queue.items():  # a pending array's tasks may still be listed as A_[0-3%2]
+        if task and jid.startswith(f"{array}_[") and _in_range(int(task), jid[len(array) + 2 : -1]):
+            return state
+    return None
+
+
+def _in_range(task: int, spec: str) -> bool:
+    for part in spec.split("%")[0].split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            if int(lo) <= task <= int(hi or lo):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def log_tail(path: Optional[str | Path], lines: int = 5) -> list[str]:
+    """The last ``lines`` non-empty lines of a log (submitit's own log lines and tracebacks left out:
+    the command's error is its one ``lapheads ...`` line)."""
+    if not path or not Path(path).is_file():
+        return []
+    keep, in_traceback = [], False
+    for t in Path(path).read_text(errors="replace").splitlines():
+        if t.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+            continue
+        if in_traceback and (not t.strip() or t[:1].isspace()):
+            continue
+        if in_traceback:  # the exception's own line ends the traceback; JobFailed only repeats the exit status
+            in_traceback = False
+            if t.startswith(f"{__name__}.JobFailed"):
+                continue
+        if t.strip() and not t.startswith("submitit "):
+            keep.append(t)
+    return keep[-lines:]
+
+
+def cancel(job_ids: Sequence[str]) -> None:
+    if job_ids:
+        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
+
+
+# ----------------------------------------------------------------------------- lapheads train
+def submit_train(
+    recipe: str,
+    argv: Sequence[str],
+    out: str | Path,
+    opts: LauncherConfig,
+    folder: Optional[str | Path] = None,
+    wait: bool = True,
+) -> Any:
+    """Submit ``lapheads train RECIPE ARGV`` as one job; with ``wait``, until it ends.
+
+    Raises:
+        RunFailed: the job failed (its error line and log named).
+    """
+    out = Path(out)
+    folder = Path(folder) if folder else out.absolute().parent / "slurm_logs"
+    ex = make_executor(opts, folder, f"lapheads-{recipe}")
+    job = ex.submit(TrainJob(recipe, argv, out.absolute()))
+    print(
+        f"[slurm] submitted job {job.job_id} ({opts.nodes} node(s) x {opts.ntasks_per_node} task(s)): "
+        f"{out}; log: {job.paths.stdout} (stderr: {job.paths.stderr})",
+        flush=True,
+    )
+    _atomic_json(
+        folder / f"{job.job_id}_lapheads.json",
+        {
+            "job_id": job.job_id,
+            "run": str(out.absolute()),
+            "recipe": recipe,
+            "argv": list(argv),
+            "submitted": _now(),
+            "stdout": str(job.paths.stdout),
+            "stderr": str(job.paths.stderr),
+            "options": opts.model_dump(),
+        },
+    )
+    if not wait:
+        return job
+    while job_state(job.job_id, queue_states()) is not None:
+        time.sleep(opts.poll_s)
+    from .run import RunDir
+
+    if not (RunDir(out).final_dir / "model.json").is_file():
+        tail = log_tail(job.paths.stderr) or log_tail(job.paths.stdout)
+        raise RunFailed(
+            f"job {job.job_id} ended without finishing {out}: {tail[-1] if tail else 'no log'} "
+            f"(log: {job.paths.stderr}); continue it with --resume"
+        )
+    for line in log_tail(job.paths.stdout, 50):  # the run's result lines, as a local run prints them
+        if not line.startswith("[slurm]"):
+            print(line)
+    return job
+
+
+# ----------------------------------------------------------------------------- lapheads sweep
+class SweepJobs:
+    """``SWEEP/slurm/jobs.json``: each point's current job and every earlier submission."""
+
+    def __init__(self, out: Path, folder: Optional[Path] = None):
+        self.out = Path(out)
+        self.folder = Path(folder) if folder else self.out / "slurm"
+        self.path = self.out / "slurm" / JOBS_FILE
+        data = read_json(self.path) or {}
+        self.points: dict[str, dict] = data.get("points", {})
+        self.history: list[dict] = data.get("history", [])
+
+    def save(self) -> None:
+        _atomic_json(self.path, {"points": self.points, "history": self.history})
+
+    def queued(self, queue: dict[str, str]) -> dict[str, str]:
+        """``{point: state}`` of the points whose current job is still in the queue."""
+        out = {}
+        for name, rec in self.points.items():
+            state = job_state(rec["job_id"], queue)
+            if state is not None:
+                out[name] = state
+        return out
+
+
+def submit_sweep(
+    recipe: str,
+    todo: Sequence[tuple[Path, Sequence[str], bool]],
+    out: Path,
+    opts: LauncherConfig,
+    folder: Optional[str | Path] = None,
+    wait: bool = True,
+    quiet: bool = False,
+) -> None:
+    """Submit the grid runs ``todo`` (``(run directory, lapheads train ARGV, resumes)`` each) as one array
+    job, one task per point; with ``wait``, until every task has ended.
+
+    Points whose job from an earlier submission is still queued or running are not submitted again
+    (they are waited for).
+
+    Raises:
+        RunFailed: some points did not finish (the first one's last log line and log named).
+    """
+    records = SweepJobs(out, Path(folder) if folder else None)
+    queue = queue_states()
+    still = records.queued(queue)
+    submit = [t for t in todo if t[0].name not in still]
+    for path, _, _ in todo:
+        if path.name in still and not quiet:
+            print(
+                f"[sweep] {path.name}: still {still[path.name].lower()} as job "
+                f"{records.points[path.name]['job_id']}; not submitted again"
+            )
+    if submit:
+        ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
+        jobs = []
+        with ex.batch():
+            for path, argv, _ in submit:
+                jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
+        stamp = _now()
+        for (path, _, resume), job in zip(submit, jobs):
+            rec = {
+                "job_id": job.job_id,
+                "array_job_id": job.job_id.split("_")[0],
+                "submitted": stamp,
+                "resume": resume,
+                "stdout": str(job.paths.stdout),
+                "stderr": str(job.paths.stderr),
+            }
+            records.points[path.name] = rec
+            records.history.append({"point": path.name, **rec})
+        records.save()
+        if not quiet:
+            print(
+                f"[sweep] submitted {len(jobs)} point(s) as array job {jobs[0].job_id.split('_')[0]} "
+                f"(logs in {records.folder}; `lapheads sweep --status {out}` shows them)",
+                flush=True,
+            )
+    if not wait:
+        return
+    names = [path.name for path, _, _ in todo]
+    seen: dict[str, str] = {}
+    while True:
+        queue = queue_states()
+        live = {n: s for n, s in records.queued(queue).items() if n in names}
+        if not quiet:
+            for n in names:
+                now = "done" if run_state(out / n) == "done" else live.get(n, "ended").lower()
+                if seen.get(n) != now:
+                    seen[n] = now
+                    jid = records.points.get(n, {}).get("job_id", "?")
+                    print(f"[sweep] {n}: {now} (job {jid})", flush=True)
+        if not live:
+            break
+        time.sleep(opts.poll_s)
+    failed = [path for path, _, _ in todo if run_state(path) != "done"]
+    if failed:
+        first = records.points.get(failed[0].name, {})
+        tail = log_tail(first.get("stderr")) or log_tail(first.get("stdout"))
+        more = f" ({len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise RunFailed(
+            f"point {failed[0].name}{more} did not finish: {tail[-1] if tail else 'no log'} "
+            f"(log: {first.get('stderr')}); `lapheads sweep --status {out}` lists them, and "
+            f"`lapheads sweep --resume --out {out}` resubmits the unfinished points"
+        )
+
+
+def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
+    """Each point of a sweep: ``pending`` / ``running`` (job id) / ``done`` / ``failed`` (log tail) /
+    ``stopped`` (started by a local sweep, unfinished) / ``not started`` / ``unknown`` (squeue failed)."""
+    records = SweepJobs(out)
+    unreachable = ""
+    try:
+        queue = queue_states() if records.points else {}
+    except RunFailed as e:  # no cluster from here: what is not done is unknown, not failed
+        queue, unreachable = {}, str(e)
+    rows = []
+    for name in names:
+        rec = records.points.get(name, {})
+        jid = rec.get("job_id")
+        state = job_state(jid, queue) if jid else None
+        run = out / name
+        row: dict[str, Any] = {"point": name, "job_id": jid, "log": rec.get("stderr")}
+        if run_state(run) == "done":
+            row["state"] = "done"
+        elif state in ACTIVE:
+            row["state"] = "running"
+        elif state is not None:
+            row["state"] = "pending"
+        elif jid is None:
+            row["state"] = "not started" if run_state(run) == "new" else "stopped"
+        elif unreachable:
+            row["state"] = "unknown"
+            row["tail"] = [unreachable]
+        else:
+            tail = log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
+            row["state"] = "failed"
+            row["tail"] = tail
+            row["resumable"] = run_state(run) == "partial"
+        rows.append(row)
+    return rows
+
+
+def print_status(out: Path, names: Sequence[str]) -> int:
+    """``lapheads sweep --status``: one line per point (plus a failed point's last log lines)."""
+    rows = sweep_status(out, names)
+    width = max([len(r["point"]) for r in rows] + [5])
+    for r in rows:
+        extra = f"job {r['job_id']}" if r["job_id"] and r["state"] in ("running", "pending", "failed") else ""
+        if r["state"] == "failed" and r.get("resumable"):
+            extra += ", has a checkpoint"
+        print(f"{r['point']:<{width}}  {r['state']:<11}  {extra}".rstrip())
+        if r["state"] == "unknown":
+            print(f"{'':<{width}}  | {r['tail'][0]}")
+        if r["state"] == "failed":
+            if r.get("log"):
+                print(f"{'':<{width}}  log: {r['log']}")
+            for line in r.get("tail", []):
+                print(f"{'':<{width}}  | {line}")
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    return 0
+
+
+__all__ = [
+    "LauncherConfig",
+    "TrainJob",
+    "JobFailed",
+    "add_launcher_args",
+    "launcher_config",
+    "split_launcher_argv",
+    "make_executor",
+    "submit_train",
+    "submit_sweep",
+    "sweep_status",
+    "print_status",
+    "queue_states",
+]
