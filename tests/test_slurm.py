@@ -38,7 +38,9 @@ from _slurm_cluster import ClusterUnavailable, start_cluster
 from lapheads.cli import main as cli
 from lapheads.engine.checkpoint import load_tensors
 
-pytestmark = pytest.mark.timeout(600)
+# One worker runs them all: the cluster is a module fixture, and its munged (a machine-wide socket)
+# would be stopped under another worker's cluster by this one's teardown.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("slurm")]
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
