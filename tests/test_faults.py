@@ -355,3 +355,34 @@ def test_making_room_never_removes_the_last_good_checkpoint(small_disk):
         make_room(ckpt, 10 << 20, keep=2, what="the checkpoint of step 4", protect="step_00000001")
     assert "10.0 MiB" in str(e.value) and str(ckpt) in str(e.value)
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000001", "step_00000003"]
+
+
+def test_a_full_disk_under_a_command_outside_a_run_is_one_line(small_disk, capsys):
+    """A write that is not a run's own (here `lapheads analyze`'s geometry and figures) on a full
+    disk: one line naming where and what is free, never a traceback."""
+    from lapheads.cli import main as cli
+
+    disk = small_disk(16 * 1024)
+    rc = cli(
+        [
+            "analyze",
+            "--checkpoint",
+            "vit_tiny_patch16_224",
+            "--model-args",
+            "img_size=16",
+            "patch_size=8",
+            "depth=1",
+            "num_classes=10",
+            "--data",
+            "digits",
+            "--max-batches",
+            "1",
+            "--batch-size",
+            "8",
+            "--out",
+            str(disk / "geo"),
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "no space left" in err[0] and str(disk) in err[0] and "free" in err[0], err[0]

@@ -105,6 +105,16 @@ def _find(argv: Sequence[str]) -> tuple[Optional[tuple[str, ...]], list[str]]:
     return None, list(argv)
 
 
+def _out_arg(args: Sequence[str]) -> Optional[str]:
+    """The value of ``--out`` in ``args`` (``--out X`` or ``--out=X``), or None."""
+    for i, a in enumerate(args):
+        if a == "--out" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--out="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LAPHEADS_DEBUG") == "1"
@@ -147,6 +157,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         msg = " ".join(str(e).split())
         print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk outside a run's own writes (a report, figures, geometry): one line
+        from .errors import free_bytes, human_bytes, is_disk_full
+
+        if debug or not is_disk_full(e):
+            raise
+        where = e.filename or _out_arg(rest)  # a write through a file object names no file: the --out folder
+        free = f" ({human_bytes(free_bytes(where))} free)" if where else ""
+        print(
+            f"lapheads {' '.join(key)}: error: no space left on the disk of {where or 'the output'}{free}; "
+            "free space or write elsewhere, then run the command again",
+            file=sys.stderr,
+        )
         return 2
     except ModuleNotFoundError as e:  # an optional extra is not installed (lapheads.extras)
         from .extras import missing_extra_message
