@@ -417,6 +417,7 @@ def test_reference_forward_catches_a_wrong_layer():
     assert all(isinstance(m, lt.LaplacianLayer) for _, m in lt.laplacian_attention_layers(model))  # restored
 
 
+@pytest.mark.slow  # scheduled first: the table builds one model per family
 def test_coverage_table_is_current():
     """Regenerate docs/coverage-timm.md (every timm family) and compare; also: no family crashes or is silently
     standard (about 10 s of CPU: refused models are only built on the meta device)."""

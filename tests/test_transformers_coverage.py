@@ -458,6 +458,7 @@ def test_plain_model_without_index_is_refused_at_the_first_forward():
 
 
 # --------------------------------------------------------------------------- the coverage table
+@pytest.mark.slow  # scheduled first: the table builds one model per family
 def test_coverage_table_is_current():
     """Regenerate docs/coverage-transformers.md; fail (with the diff) when the committed file differs."""
     doc = REPO / "docs" / "coverage-transformers.md"
