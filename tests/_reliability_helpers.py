@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from lapheads.engine.checkpoint import latest_checkpoint, list_checkpoints, load_tensors, safe_torch_load
+from lapheads.recipes.shipped import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 
 TINY = [
     "--set",

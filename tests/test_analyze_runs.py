@@ -16,12 +16,13 @@ from lapheads.cli import main as cli
 from lapheads.engine.config import load_config
 from lapheads.engine.launch import launch
 from lapheads.engine.trainer import TrainConfig
+from lapheads.recipes.shipped import CONFIG_DIR
 from lapheads.runs import LM_MIN_COUNT
 
 pytestmark = pytest.mark.xdist_group("analyze_runs")  # the module's runs are trained once, on one worker
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 TINY_CLASSIFY = [
     "--set",
     "model.embed_dim=32",

@@ -29,10 +29,11 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from _reliability_helpers import DIGITS, ROOT, TINY, classify_argv, snapshot, subprocess_env
+from _reliability_helpers import DIGITS, TINY, classify_argv, snapshot, subprocess_env
 
 from lapheads.cli import main as cli
 from lapheads.errors import LapheadsError
+from lapheads.recipes.shipped import CONFIG_DIR
 
 
 @dataclass
@@ -142,7 +143,7 @@ def c_config_of_other_recipe(s, tmp):
             "train",
             "classify",
             "--config",
-            str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"),
+            str(CONFIG_DIR / "lm/tiny.yaml"),
             "--out",
             str(_out(tmp)),
         ],
@@ -678,7 +679,7 @@ def t_lm_missing_corpus(s, tmp):
             "train",
             "lm",
             "--config",
-            str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"),
+            str(CONFIG_DIR / "lm/tiny.yaml"),
             "--out",
             str(_out(tmp)),
             "--set",
@@ -699,7 +700,7 @@ def t_lm_tokenizer_dir_missing_files(s, tmp):
             "train",
             "lm",
             "--config",
-            str(ROOT / "src/lapheads/recipes/configs/lm/tiny.yaml"),
+            str(CONFIG_DIR / "lm/tiny.yaml"),
             "--out",
             str(_out(tmp)),
             "--set",
@@ -722,7 +723,7 @@ def t_sft_messages_not_a_list(s, tmp):
             "train",
             "sft",
             "--config",
-            str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"),
+            str(CONFIG_DIR / "sft/tiny.yaml"),
             "--out",
             str(_out(tmp)),
             "--set",
@@ -742,7 +743,7 @@ def t_sft_unknown_role(s, tmp):
             "train",
             "sft",
             "--config",
-            str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"),
+            str(CONFIG_DIR / "sft/tiny.yaml"),
             "--out",
             str(_out(tmp)),
             "--set",
@@ -762,7 +763,7 @@ def t_sft_chat_not_json(s, tmp):
             "train",
             "sft",
             "--config",
-            str(ROOT / "src/lapheads/recipes/configs/sft/tiny.yaml"),
+            str(CONFIG_DIR / "sft/tiny.yaml"),
             "--out",
             str(_out(tmp)),
             "--set",

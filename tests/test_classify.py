@@ -15,9 +15,10 @@ from _data_writers import write_cifar_archive
 
 from lapheads.cli import main as cli
 from lapheads.engine.checkpoint import atomic_write_text, load_tensors
+from lapheads.recipes.shipped import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 
 TINY = [
     "--set",

@@ -17,9 +17,10 @@ from lapheads.cli import main as cli
 from lapheads.engine.config import ConfigModel, config_table, from_dict, load_config, to_dict
 from lapheads.errors import ConfigError
 from lapheads.recipes import RECIPES, get_recipe
+from lapheads.recipes.shipped import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 #: a section every recipe has, and one of its own
 SECTIONS = {
     "classify": "aug",

@@ -29,6 +29,7 @@ from lapheads.engine.config import (
 )
 from lapheads.errors import CheckpointError, ConfigError
 from lapheads.outputs import check_out_dir, check_out_file, read_json, removed_on_failure
+from lapheads.recipes.shipped import CONFIG_DIR
 
 
 # ----------------------------------------------------------------------------- repeated keys
@@ -315,7 +316,7 @@ def test_every_recipe_refuses_a_bad_head_selection_when_the_config_is_parsed(rec
     """One shared, typed config field (heads_field): a bad value is one line naming the key, before any work."""
     from lapheads.cli import main as cli
 
-    root = Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs"
+    root = CONFIG_DIR
     out = tmp_path / "run"
     rc = cli(
         ["train", recipe, "--config", str(root / config), "--out", str(out), "--set", "model.laplacian_heads=alll"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ from lapheads.recipes.dino import (
     dino_loss,
     teacher_temperature,
 )
+from lapheads.recipes.shipped import CONFIG_DIR
 from lapheads.testing import CRASH_AFTER
 
 pytestmark = pytest.mark.xdist_group("dino")  # the module-scoped tiny run is trained once, on one worker
@@ -283,9 +283,7 @@ def test_probe_and_pca_clis_on_a_run(trained_run, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # greyscale models and training subsets (issue 15, item 4): the same options as classify
-DINO_DIGITS = str(
-    Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "dino" / "digits.yaml"
-)
+DINO_DIGITS = str(CONFIG_DIR / "dino" / "digits.yaml")
 
 
 def test_greyscale_run_trains_reloads_and_analyzes(tmp_path):

@@ -25,6 +25,7 @@ from lapheads import (
 )
 from lapheads.heads import laplacianness, nearer_laplacian
 from lapheads.nn import MultiheadAttention
+from lapheads.recipes.shipped import CONFIG_DIR
 
 
 def _qkv(h=4, hkv=None, tq=6, tk=6, d=8, seed=0, dtype=torch.float64):
@@ -432,14 +433,11 @@ def test_mixing_table_and_suggested_selection():
 
 # ----------------------------------------------------------------------------- a training run
 def test_classify_run_logs_the_mixing_and_restores_it(tmp_path):
-    from pathlib import Path
 
     from lapheads.cli import main as cli
     from lapheads.recipes.classify import load_model
 
-    digits = str(
-        Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"
-    )
+    digits = str(CONFIG_DIR / "classify" / "digits.yaml")
     out = tmp_path / "run"
     assert (
         cli(

@@ -25,6 +25,7 @@ from lapheads.lm.model import (
     resolve_shape,
 )
 from lapheads.recipes import lm as R
+from lapheads.recipes.shipped import CONFIG_DIR
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +256,7 @@ def test_train_lm_cli_with_prebuilt_shards(cache, tmp_path, capsys):
             "train",
             "lm",
             "--config",
-            "src/lapheads/recipes/configs/lm/tiny.yaml",
+            str(CONFIG_DIR / "lm" / "tiny.yaml"),
             "--out",
             str(out),
             "--set",
@@ -291,7 +292,7 @@ def test_train_lm_cli_with_prebuilt_shards(cache, tmp_path, capsys):
             "train",
             "lm",
             "--config",
-            "src/lapheads/recipes/configs/lm/tiny.yaml",
+            str(CONFIG_DIR / "lm" / "tiny.yaml"),
             "--out",
             str(tmp_path / "bad"),
             "--set",

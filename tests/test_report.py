@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 
 from lapheads.cli import main as cli
+from lapheads.recipes.shipped import CONFIG_DIR
 
 # one xdist worker runs this module, so the module-scoped runs are trained once
 pytestmark = pytest.mark.xdist_group("report")
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 TINY = [
     "--set",
     "model.embed_dim=32",

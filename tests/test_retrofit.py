@@ -14,11 +14,12 @@ from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
 from lapheads.recipes import retrofit as RF
 from lapheads.recipes.lm import load_model
+from lapheads.recipes.shipped import CONFIG_DIR
 
 pytestmark = pytest.mark.xdist_group("test_retrofit")  # module-scoped runs, on one worker
 
 STEPS = 3
-RECIPE = Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "retrofit" / "tiny.yaml"
+RECIPE = CONFIG_DIR / "retrofit" / "tiny.yaml"
 
 
 @pytest.fixture(scope="module")

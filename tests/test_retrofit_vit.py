@@ -21,12 +21,13 @@ from lapheads.errors import CheckpointError, ConfigError
 from lapheads.recipes import classify as C
 from lapheads.recipes import load_run
 from lapheads.recipes import retrofit_vit as RV
+from lapheads.recipes.shipped import CONFIG_DIR
 
 pytestmark = pytest.mark.xdist_group("test_retrofit_vit")  # module-scoped runs, on one worker
 
 STEPS = 3
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "src" / "lapheads" / "recipes" / "configs" / "retrofit" / "vit_tiny.yaml"
+RECIPE = CONFIG_DIR / "retrofit" / "vit_tiny.yaml"
 # the architecture of the base run, as model.* of a checkpoint file (the run gives it by itself)
 ARCH = [
     "model.img_size=16",
@@ -57,7 +58,7 @@ def base(tmp_path_factory) -> Path:
                 "train",
                 "classify",
                 "--config",
-                str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"),
+                str(CONFIG_DIR / "classify" / "digits.yaml"),
                 "--out",
                 str(out),
                 *[a for s in sets for a in ("--set", s)],

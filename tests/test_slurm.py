@@ -37,13 +37,14 @@ from _slurm_cluster import ClusterUnavailable, start_cluster
 
 from lapheads.cli import main as cli
 from lapheads.engine.checkpoint import load_tensors
+from lapheads.recipes.shipped import CONFIG_DIR
 
 # One worker runs them all: the cluster is a module fixture, and its munged (a machine-wide socket)
 # would be stopped under another worker's cluster by this one's teardown.
 pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("slurm")]
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 TINY = [
     "--config",
     DIGITS,

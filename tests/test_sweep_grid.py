@@ -9,11 +9,12 @@ import yaml
 
 from lapheads.cli import main as cli
 from lapheads.errors import ConfigError
+from lapheads.recipes.shipped import CONFIG_DIR
 from lapheads.report import curve_series, grid_axes, grid_report, summarise
 from lapheads.sweep import axis_names, design_points, parse_grid, parse_point, plan_grid, run_name, split_top
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml")
+DIGITS = str(CONFIG_DIR / "classify" / "digits.yaml")
 TINY = [
     "--set",
     "model.depth=1",

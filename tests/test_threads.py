@@ -11,6 +11,7 @@ import torch
 
 from lapheads.engine import threads as TH
 from lapheads.errors import ConfigError
+from lapheads.recipes.shipped import CONFIG_DIR
 
 
 def test_explicit_setting_then_environment_then_auto(monkeypatch):
@@ -66,13 +67,10 @@ def test_configure_threads_applies_the_choice(monkeypatch):
 
 
 def test_train_threads_is_a_config_field_and_is_validated(tmp_path, capsys):
-    from pathlib import Path
 
     from lapheads.cli import main as cli
 
-    digits = str(
-        Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"
-    )
+    digits = str(CONFIG_DIR / "classify" / "digits.yaml")
     assert (
         cli(
             [
@@ -96,13 +94,10 @@ def test_train_threads_is_a_config_field_and_is_validated(tmp_path, capsys):
 
 def test_training_applies_train_threads(tmp_path, capsys):
     """The engine applies train.threads before training (the run's config wins over the environment)."""
-    from pathlib import Path
 
     from lapheads.cli import main as cli
 
-    digits = str(
-        Path(__file__).resolve().parents[1] / "src" / "lapheads" / "recipes" / "configs" / "classify" / "digits.yaml"
-    )
+    digits = str(CONFIG_DIR / "classify" / "digits.yaml")
     before = torch.get_num_threads()
     try:
         assert (
