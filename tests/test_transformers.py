@@ -384,7 +384,7 @@ def test_config_json_names_the_laplacian_implementation(laplacian_checkpoint, tm
 
 
 def test_marking_changes_one_config_not_transformers_classes(laplacian_checkpoint, tmp_path):
-    """No global patch: enable() marks its own config instance; a config of the same transformers
+    """No global to_dict patch: enable() marks its own config instance; a config of the same transformers
     class built beside it saves no implementation key even with laplacian_heads set, and the class's
     own to_dict is transformers' (so nothing else in the process changes)."""
     import copy
@@ -444,6 +444,33 @@ def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpo
     auto.save_pretrained(tmp_path / "again")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", dtype=torch.float64).eval()
     assert torch.equal(again(ids).logits, want)
+
+
+def test_a_plain_load_saved_again_before_any_forward_stays_laplacian(laplacian_checkpoint, tmp_path):
+    """Loaded by plain transformers and saved at once (no forward, no lapheads call): config.json
+    still names the implementation, so the copy loads Laplacian, not silently standard."""
+    import json
+
+    from transformers import AutoConfig
+
+    path, model, tok = laplacian_checkpoint
+    ids = torch.tensor([tok.encode("a tuple is")])
+    want = model(ids).logits
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).save_pretrained(tmp_path / "copy")
+    AutoConfig.from_pretrained(path).save_pretrained(tmp_path / "config_only")
+    for d in ("copy", "config_only"):
+        saved = json.loads((tmp_path / d / "config.json").read_text())
+        assert saved["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION and saved["laplacian_heads"] == [1, 4], d
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float64).eval()
+    assert torch.equal(again(ids).logits, want)
+    # a config that names no Laplacian implementation is not marked: its (stock) model is standard
+    stock = type(model.config).__mro__[1](
+        **{k: v for k, v in model.config.to_dict().items() if k != "attn_implementation"}
+    )
+    assert "attn_implementation" not in stock.to_dict()
+    # an explicit standard implementation wins over the file in transformers: nothing claims Laplacian heads
+    std = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
+    assert "attn_implementation" not in std.to_dict()
 
 
 def test_explicit_standard_implementation_is_refused(laplacian_checkpoint):

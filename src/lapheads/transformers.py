@@ -65,8 +65,9 @@ The table of what is covered, measured per attention family, is ``docs/coverage-
   its list of unserialised keys). So every config this module touches (:func:`enable`,
   :func:`from_pretrained`, a model's first forward with the Laplacian implementation) is marked
   (:func:`mark_config`): that one instance gets a ``to_dict`` which serialises
-  ``"attn_implementation"`` while it (or a sub-config) has Laplacian heads. No transformers class
-  is patched; other configs in the process are untouched. Two kinds of saved name:
+  ``"attn_implementation"`` while it (or a sub-config) has Laplacian heads. No ``to_dict`` of a
+  transformers class is changed; other configs in the process are untouched (the one hook, on
+  config construction, is described below). Two kinds of saved name:
 
   - a model that plain loading reproduces (every self-attention module carries its stack index
     as ``layer_idx`` and sees the saved config itself: the decoders) saves the registered name
@@ -84,9 +85,14 @@ The table of what is covered, measured per attention family, is ``docs/coverage-
     the message, even with this module imported, since it could not index the modules;
     :func:`from_pretrained` loads it.
 
-  The one path this cannot see: a checkpoint loaded by plain ``from_pretrained`` and saved again
-  before any forward and without any call of this module; load it with :func:`from_pretrained`
-  (or call :func:`mark_config`) to re-save it. An explicit ``attn_implementation="sdpa"`` still
+  A checkpoint loaded by plain ``from_pretrained`` (or ``AutoConfig.from_pretrained``) and saved
+  again before any forward, with no call of this module, keeps its key too: the one hook this
+  module installs wraps ``PreTrainedConfig.__post_init__`` so that a config built with one of
+  these implementation names (which only a ``config.json`` written here, or an explicit
+  argument, gives) is marked as it is built; every other config is left as transformers makes
+  it. A config that names no Laplacian implementation is never marked by the hook, so
+  ``LlamaConfig(laplacian_heads=2)`` with a stock model (which computes standard attention)
+  does not claim Laplacian heads in its file. An explicit ``attn_implementation="sdpa"`` still
   overrides ``config.json`` in transformers (an argument wins over the file);
   :func:`from_pretrained` and every loader of this project refuse it for a config with Laplacian
   heads (:func:`check_implementation`).
@@ -1219,6 +1225,21 @@ def mark_config(config: PreTrainedConfig) -> PreTrainedConfig:
         _serialising_classes[marked] = marked
     config.__class__ = marked
     return config
+
+
+_stock_post_init = PreTrainedConfig.__post_init__
+
+
+def _post_init_marking(self: PreTrainedConfig, *args: Any, **kwargs: Any) -> None:
+    """transformers' ``PreTrainedConfig.__post_init__``, then :func:`mark_config` for a config
+    built with a Laplacian implementation name (see the module docstring)."""
+    _stock_post_init(self, *args, **kwargs)
+    if is_laplacian_implementation(self.__dict__.get("_attn_implementation_internal")):
+        mark_config(self)
+
+
+if getattr(PreTrainedConfig.__post_init__, "__name__", "") != _post_init_marking.__name__:  # once per process
+    PreTrainedConfig.__post_init__ = _post_init_marking  # type: ignore[method-assign]
 
 
 def check_implementation(config: Any, attn_implementation: Optional[str]) -> None:
