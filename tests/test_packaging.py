@@ -22,6 +22,7 @@ import venv
 from pathlib import Path
 
 import pytest
+from _quickstart_checks import check_quickstart_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(md.distribution("torch").locate_file(""))  # this environment's site-packages
@@ -199,9 +200,17 @@ def test_the_full_install_runs_outside_the_repository(wheel, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (work / "digits" / "final" / "model.safetensors").is_file()
-    r = _run([str(bin_ / "lapheads"), "quickstart", "--tiny", "--jobs", "1", "--out", "qs"], work, timeout=600)
+    # the main job, end to end (the project's one quickstart run: every file, row and link checked)
+    qs = work / "qs"
+    r = _run([str(bin_ / "lapheads"), "quickstart", "--tiny", "--jobs", "1", "--out", str(qs)], work, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (work / "qs" / "report" / "report.md").is_file() and (work / "qs" / "report" / "report.html").is_file()
+    check_quickstart_tiny(qs, r.stdout)
+    # run it again: every finished run is reused, nothing is retrained
+    before = {p: p.stat().st_mtime_ns for p in qs.glob("*/*/final/model.safetensors")}
+    assert len(before) == 8
+    r = _run([str(bin_ / "lapheads"), "quickstart", "--tiny", "--out", str(qs)], work, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in before} == before
     # the README's Python examples, with the installed wheel: one interpreter, each block in a fresh namespace
     blocks = _python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
     assert len(blocks) >= 3

@@ -1,20 +1,16 @@
-"""`lapheads quickstart --tiny` end to end: every file, one row per k, finite numbers, working HTML."""
+"""What ``lapheads quickstart --tiny`` must leave behind: every file, one row per k, finite
+numbers, a report whose links and images all resolve. Checked on the run of the installed wheel
+(tests/test_packaging.py), outside the repository, which is the newcomer's path."""
 
 from __future__ import annotations
 
 import math
 import re
-
-import pytest
-
-from lapheads.cli import main as cli
+from pathlib import Path
 
 
-@pytest.mark.slow
-def test_quickstart_tiny_end_to_end(tmp_path, capsys):
-    out = tmp_path / "qs"
-    assert cli(["quickstart", "--tiny", "--out", str(out), "--jobs", "1"]) == 0  # in this process: faster here
-    printed = capsys.readouterr().out
+def check_quickstart_tiny(out: Path, printed: str) -> None:
+    """Assert the output directory ``out`` of ``lapheads quickstart --tiny`` and its printed text."""
     assert str(out / "report" / "report.html") in printed
     runs = sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("*/*/config.yaml"))
     assert runs == [
@@ -56,7 +52,3 @@ def test_quickstart_tiny_end_to_end(tmp_path, capsys):
         assert src.startswith("data:image/png;base64,"), src[:60]
     headings = re.findall(r"^#+ .*$", md, re.M)
     assert len(headings) >= 3, headings  # the report's structure: a title and its sections
-    # run it again: every finished run is reused, nothing is retrained
-    before = {p: p.stat().st_mtime_ns for p in out.glob("*/*/final/model.safetensors")}
-    assert cli(["quickstart", "--tiny", "--out", str(out)]) == 0
-    assert {p: p.stat().st_mtime_ns for p in before} == before
