@@ -218,3 +218,50 @@ def test_a_directory_of_data_files_resolves_as_datasets_resolves_it(tmp_path):
         check_hf_column(ds, "text", "corpus", "data.text_field")
     with pytest.raises(DataError, match="split 'validation'"):
         open_hf_dataset(str(tmp_path / "corpus"), "validation")
+
+
+def test_tokenizer_train_and_data_tokenize_read_an_hf_dataset_like_the_same_jsonl(tmp_path, capsys):
+    """`lapheads tokenizer train` / `lapheads data tokenize --input hf:...` (a saved dataset and a
+    streamed parquet file) give the tokenizer and shards that the same documents as JSONL give."""
+    docs = [d for d in embedded_documents()][:40]
+    rows = {"content": docs, "n": list(range(len(docs)))}
+    saved, parquet, jsonl = tmp_path / "saved", tmp_path / "c.parquet", tmp_path / "c.jsonl"
+    datasets.Dataset.from_dict(rows).save_to_disk(str(saved))
+    datasets.Dataset.from_dict(rows).to_parquet(str(parquet))
+    jsonl.write_text("".join(json.dumps({"content": d}) + "\n" for d in docs))
+    tok_args = ["--vocab-size", "300", "--text-field", "content"]
+    assert cli(["tokenizer", "train", "--input", str(jsonl), *tok_args, "--out", str(tmp_path / "tok_j")]) == 0
+    assert cli(["tokenizer", "train", "--input", f"hf:{saved}", *tok_args, "--out", str(tmp_path / "tok_h")]) == 0
+    assert (tmp_path / "tok_j" / "tokenizer.json").read_bytes() == (tmp_path / "tok_h" / "tokenizer.json").read_bytes()
+    common = [
+        "--tokenizer",
+        str(tmp_path / "tok_j"),
+        "--text-field",
+        "content",
+        "--shard-tokens",
+        "2000",
+        "--no-progress",
+    ]
+    runs = {
+        "jsonl": ["--input", str(jsonl)],
+        "saved": ["--input", f"hf:{saved}"],
+        "stream": ["--input", f"hf:{parquet}", "--streaming"],
+    }
+    for name, src in runs.items():
+        assert cli(["data", "tokenize", *src, *common, "--out", str(tmp_path / f"out_{name}")]) == 0, name
+    capsys.readouterr()
+
+    def shards(d: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != "index.json"}
+
+    want = shards(tmp_path / "out_jsonl")
+    assert len(want) >= 2
+    stats = json.loads((tmp_path / "out_jsonl" / "index.json").read_text())["splits"]
+    for name in ("saved", "stream"):
+        assert shards(tmp_path / f"out_{name}") == want, name
+        assert json.loads((tmp_path / f"out_{name}" / "index.json").read_text())["splits"] == stats, name
+    # a wrong column is one line naming the option and the columns there are
+    rc = cli(["data", "tokenize", "--input", f"hf:{saved}", *common[:2], "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--text-field" in err[0] and "content" in err[0], err
+    assert not (tmp_path / "bad").exists()

@@ -1,4 +1,9 @@
-"""``lapheads tokenizer train`` and ``lapheads data tokenize``: a tokenizer and token shards from text."""
+"""``lapheads tokenizer train`` and ``lapheads data tokenize``: a tokenizer and token shards from text.
+
+Both read text, JSONL and parquet files, the embedded corpus, or one Hugging Face dataset
+(``--input hf:PATH_OR_NAME``: a ``save_to_disk`` directory, data files, or a Hub name, resolved as
+``datasets`` resolves it; ``--hf-split``, ``--hf-name``, ``--streaming``), the same sources the
+``lm`` recipe's ``data.corpus`` takes."""
 
 from __future__ import annotations
 
@@ -22,6 +27,40 @@ from ..errors import ConfigError
 from ..lm.tokenizer import _MIN_VOCAB, load_tokenizer, tokenizer_hash, train_tokenizer
 from ..outputs import check_out_dir, removed_on_failure
 
+# --------------------------------------------------------------------------- inputs
+_INPUT_HELP = (
+    "text (.txt: one document per file), JSONL (.jsonl[.gz]: one per line) or parquet "
+    "(.parquet with a text column, FineWeb-Edu's layout) files, in this order; or one Hugging Face "
+    "dataset, hf:PATH_OR_NAME (save_to_disk directory, data files, or a Hub name)"
+)
+
+
+def _add_hf_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--hf-split", default="train", help="--input hf:...: the split read (default train)")
+    ap.add_argument("--hf-name", default="", help="--input hf:...: the dataset's configuration (subset) name")
+    ap.add_argument(
+        "--streaming",
+        action="store_true",
+        help="--input hf:...: stream the rows instead of loading the dataset (corpora larger than memory)",
+    )
+
+
+def _input_documents(args: argparse.Namespace) -> tuple[Iterable[str], Optional[int], str]:
+    """``(documents, number of documents or None, source)`` of ``--input`` (files or one ``hf:`` dataset)."""
+    hf = [p for p in args.input if text_data.hf_source(p) is not None]
+    if not hf:
+        check_inputs(args.input, text_field=args.text_field)
+        return iter_documents(args.input, text_field=args.text_field), None, ", ".join(str(p) for p in args.input)
+    if len(args.input) != 1:
+        raise ConfigError(f"--input {hf[0]}: give one Hugging Face dataset and no other input (got {len(args.input)})")
+    spec = args.input[0]
+    ds = text_data.open_hf_dataset(
+        str(text_data.hf_source(spec)), args.hf_split, args.hf_name or None, streaming=args.streaming, what="--input"
+    )
+    text_data.check_hf_column(ds, args.text_field, f"--input {spec}", "--text-field")
+    total = None if args.streaming else len(ds)
+    return text_data.read_hf_dataset(ds, args.text_field, spec), total, spec
+
 
 # --------------------------------------------------------------------------- CLI
 def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -37,8 +76,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
         "--input",
         nargs="+",
         metavar="FILE",
-        help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one document per line) or "
-        "parquet (.parquet, FineWeb-Edu layout) files",
+        help=_INPUT_HELP,
     )
     src.add_argument(
         "--embedded",
@@ -53,7 +91,8 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
         "~1000-4000 before merges become rare",
     )
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
+    ap.add_argument("--text-field", default="text", help="JSONL key / parquet / hf: column holding the text")
+    _add_hf_options(ap)
     ap.add_argument(
         "--max-chars",
         type=number_arg(int, ge=1),
@@ -67,9 +106,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
         docs: Iterable[str] = text_data.embedded_documents()
         source = "pydoc_data.topics"
     else:
-        text_data.check_inputs(args.input, text_field=args.text_field)
-        docs = text_data.iter_documents(args.input, text_field=args.text_field)
-        source = ", ".join(args.input)
+        docs, _, source = _input_documents(args)
     if args.max_chars is not None:
         docs = text_data.limit_chars(docs, args.max_chars)
     with removed_on_failure(args.out):
@@ -100,8 +137,7 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         "--input",
         nargs="+",
         metavar="FILE",
-        help="text (.txt: one document per file), JSONL (.jsonl[.gz]: one per line) or parquet "
-        "(.parquet with a text column, FineWeb-Edu's layout) files, in this order",
+        help=_INPUT_HELP,
     )
     src.add_argument("--embedded", action="store_true", help="the corpus that ships with Python (pydoc_data.topics)")
     ap.add_argument("--tokenizer", required=True, help="directory written by `lapheads tokenizer train`")
@@ -119,7 +155,8 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         default=2**24,
         help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less lost work",
     )
-    ap.add_argument("--text-field", default="text", help="JSONL key / parquet column holding the text")
+    ap.add_argument("--text-field", default="text", help="JSONL key / parquet / hf: column holding the text")
+    _add_hf_options(ap)
     ap.add_argument(
         "--split-documents",
         type=_split_arg,
@@ -148,10 +185,7 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         total: Optional[int] = len(topics)
         source = "pydoc_data.topics"
     else:
-        check_inputs(args.input, text_field=args.text_field)
-        docs = iter_documents(args.input, text_field=args.text_field)
-        total = None
-        source = ", ".join(str(p) for p in args.input)
+        docs, total, source = _input_documents(args)
     if args.split_documents is not None:
         docs = split_documents(docs, args.split_documents, source)
         total = None
