@@ -250,3 +250,37 @@ def test_bad_settings_fail_before_training(base, full, tmp_path, capsys):
     assert "classify" in refused("f", init_from=tmp_path)  # a folder that is not a finished run
     with pytest.raises(ConfigError, match="init_from"):
         RV.RetrofitViTConfig().validate()
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_dinov3", "eva02_tiny_patch14_224"])
+def test_retrofit_from_a_dinov3_or_eva02_checkpoint_file(name, tmp_path, capsys):
+    """timm's DINOv3 and EVA-02 architectures (class Eva: RoPE, EvaAttention) retrofit from a
+    checkpoint file like a ViT: the heads change the model, the final run reloads Laplacian."""
+    import timm
+    from safetensors.torch import save_file
+
+    arch = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4)
+    torch.manual_seed(0)
+    src = timm.create_model(name, num_classes=10, **arch)  # plain timm: stock EvaAttention
+    assert type(src.blocks[0].attn).__name__ == "EvaAttention"
+    torch.nn.init.normal_(src.head.weight, std=0.5)  # timm starts this head at zero: make the logits depend on x
+    with torch.no_grad():  # DINOv3's layer scale starts at 1e-5, which would hide what attention does
+        for n, p in src.named_parameters():
+            if n.rsplit(".", 1)[-1].startswith("gamma"):
+                p.fill_(1.0)
+    path = tmp_path / f"{name}.safetensors"
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(path))
+    out = tmp_path / "run"
+    sets = [f"model.name={name}", *(f"model.{k}={v}" for k, v in arch.items()), "baseline=false"]
+    sets += ["select=score"] if "dinov3" in name else []
+    assert cli(_argv(path, out, *sets)) == 0
+    capsys.readouterr()
+    res = json.loads((out / "retrofit.json").read_text())["metrics"]
+    assert res["before_conversion"]["loss"] != res["after_conversion"]["loss"]  # the heads changed the model
+    reloaded = load_run(out).model
+    assert type(reloaded).__name__ == "Eva" and lap_timm.laplacian_head_counts(reloaded) == [2, 2]
+    stock = timm.create_model(name, num_classes=10, **arch).eval()
+    stock.load_state_dict(reloaded.state_dict())
+    x = _batch(out)
+    with torch.no_grad():
+        assert not torch.allclose(reloaded.eval()(x), stock(x), atol=1e-4)  # not silently standard
