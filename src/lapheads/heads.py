@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from . import epilogue
 from .errors import ConfigError
 
 HeadSpec = Union[int, str, Sequence[int], Sequence[Sequence[int]], "LaplacianHeads", None]
@@ -75,6 +76,28 @@ class HeadMix(NamedTuple):
 
     a: torch.Tensor
     b: torch.Tensor
+
+    @property
+    def any(self) -> bool:
+        """Learnable mixing always runs the head operator (it is never plain SDPA)."""
+        return True
+
+    @property
+    def identity(self) -> bool:
+        """The identity term is always there (``a`` may become nonzero): ``v_self`` is needed."""
+        return True
+
+    def coefficients(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` in ``dtype`` (no graph node when the dtype agrees)."""
+        return self.a.to(dtype), self.b.to(dtype)
+
+    def apply(self, pv: torch.Tensor, v_self: torch.Tensor, tape: Optional[epilogue.Tape] = None) -> torch.Tensor:
+        """``a_h v_self + b_h pv`` per head (see :func:`lapheads.epilogue.combine`)."""
+        return epilogue.combine(pv, v_self, self.coefficients(v_self.dtype), tape)
+
+    def operator(self, p: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+        """The explicit operator ``a_h I + b_h P`` (heads on dim -3 of ``p``)."""
+        return epilogue.explicit(self.coefficients(p.dtype), p, eye)
 
 
 def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
@@ -130,6 +153,9 @@ class LayerHeads:
     """
 
     flags: tuple[bool, ...]
+    #: ``(a, b)`` of the flagged heads: ``(1, -1)`` Laplacian; the ablations use others. The other
+    #: heads are standard, ``(0, 1)``.
+    coef: tuple[float, float] = epilogue.LAPLACIAN
     # Device masks already built, by device; not part of equality, hash or repr.
     _masks: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -146,6 +172,38 @@ class LayerHeads:
                 "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms"
             )
         object.__setattr__(self, "flags", tuple(flags))
+        a, b = self.coef
+        object.__setattr__(self, "coef", (float(a), float(b)))
+        std = epilogue.STANDARD
+        object.__setattr__(self, "_runs", epilogue.Runs.of(tuple(self.coef if f else std for f in self.flags)))
+
+    def __repr__(self) -> str:
+        extra = "" if self.coef == epilogue.LAPLACIAN else f", coef={self.coef!r}"
+        return f"LayerHeads(flags={self.flags!r}{extra})"
+
+    @property
+    def runs(self) -> epilogue.Runs:
+        """The per-head coefficients ``(a, b)`` as runs of consecutive heads (what the epilogue loops over)."""
+        return self._runs  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def identity(self) -> bool:
+        """Some head has an identity term (``a != 0``), so every query needs its own position among the keys."""
+        return self.any and self.coef[0] != 0
+
+    def apply(self, pv: torch.Tensor, v_self: torch.Tensor, tape: Optional[epilogue.Tape] = None) -> torch.Tensor:
+        """This layer's heads after SDPA: ``v_self - pv`` on the Laplacian heads, ``pv`` on the others.
+
+        ``pv`` is ``(..., H, Tq, D)``; ``v_self`` is ``(..., H_kv, Tq, D)`` (grouped-query attention
+        by broadcast). A fresh tensor, written in one pass (:func:`lapheads.epilogue.combine`).
+        """
+        if not self.any:
+            return pv
+        return epilogue.combine(pv, v_self, self.runs, tape)
+
+    def operator(self, p: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+        """The explicit operator per head: ``P`` on standard heads, ``I - P`` on Laplacian ones."""
+        return epilogue.explicit(self.runs, p, eye)
 
     @classmethod
     def of(cls, spec: Any, n_heads: int) -> "LayerHeads":
