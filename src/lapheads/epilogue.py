@@ -121,7 +121,8 @@ def _fresh_like(pv: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     the formula's type promotion gives (under autocast SDPA's output is half, ``v`` may be float32)."""
     dtype = pv.dtype
     for t in others:
-        dtype = torch.promote_types(dtype, t.dtype)
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
     t = pv.transpose(-3, -2)
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
 
@@ -318,10 +319,9 @@ def _head_dot(x: torch.Tensor, y: torch.Tensor, h: int) -> torch.Tensor:
     if xt is None or yt is None or xt.shape[0] != yt.shape[0]:
         prod = _grouped(x, hkv) * y.unsqueeze(-3)
         return prod.sum_to_size((hkv, h // hkv, 1, 1)).reshape(h)
-    m = torch.bmm(xt, yt.transpose(-2, -1))  # (N, H, H_kv)
-    rows = torch.arange(h, device=x.device)
-    sel = m[:, rows, rows // (h // hkv)]  # (N, H)
-    return sel.sum(0)
+    m = torch.bmm(xt, yt.transpose(-2, -1))  # (N, H, H_kv): entry (h, h // G) is head h's dot
+    diag = m.unflatten(1, (hkv, h // hkv)).diagonal(dim1=1, dim2=3)  # (N, G, H_kv), a view
+    return diag.transpose(1, 2).sum(0).view(h)  # (H_kv, G) -> head order
 
 
 class _Mix(torch.autograd.Function):
