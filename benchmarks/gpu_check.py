@@ -335,7 +335,7 @@ def training_rows(device: torch.device, args: argparse.Namespace, budget: Budget
                 note += f", build + compile {setup:.0f} s ({args.compile_backend})"
             for label in labels:
                 mfu = f", MFU {flops[label] / med[label] / peak:.1%}" if peak else ""
-                ratio = "" if label == "k=0" else f"x{paired_ratio(times, label, 'k=0'):.3f} vs k=0"
+                ratio = "" if label == "k=0" else f"throughput x{paired_ratio(times, 'k=0', label):.3f} vs k=0"
                 rows.append([name, f"{label}, {mode}", f"{items / med[label]:,.0f} {unit}{mfu}", ratio, note])
             del steps
             if device.type == "cuda":

@@ -50,7 +50,7 @@ def test_gpu_check_tiny_on_cpu(gpu_check, tmp_path, capsys):
         if r[1].startswith("k=0,"):
             assert r[3] == ""
         else:
-            assert r[3].startswith("x") and r[3].endswith(" vs k=0") and float(r[3][1:].split()[0]) > 0
+            assert r[3].startswith("throughput x") and r[3].endswith(" vs k=0") and float(r[3].split()[1][1:]) > 0
     (resume,) = [r for r in rows if r[0] == "exact resume"]
     assert resume[1] == "10 steps vs 5 + resume 5"
     assert resume[2].startswith("exact"), resume

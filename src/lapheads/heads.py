@@ -15,6 +15,9 @@ of a layer, and the same k is used in every layer. The LM code also takes a per-
 ``LaplacianHeads("learn:laplacian")``  learnable, every head starts Laplacian
 ``LaplacianHeads("learn:3")``          learnable, the trailing 3 heads start Laplacian
 ``LaplacianHeads.learn(init)``         the same, ``init`` = "standard", "laplacian" or k
+``LaplacianHeads("identity:2")``       ablation: the trailing 2 heads output V (``I``)
+``LaplacianHeads("negated:2")``        ablation: the trailing 2 heads output ``-P V``
+``LaplacianHeads("mix(0.5,-1):2")``    ablation: the trailing 2 heads apply ``0.5 I - P``
 =====================================  ============================================
 
 Learnable mixing (issue 13): a head's operator generalises to ``a_h I + b_h P`` with two learned
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -58,8 +62,8 @@ HeadSpec = Union[int, str, Sequence[int], Sequence[Sequence[int]], "LaplacianHea
 
 _ALLOWED = (
     "an int k >= 0 (trailing k heads of every layer), 'all', 'none', a per-layer list of ints, "
-    "a per-layer list of head-index lists, or 'learn' / 'learn:standard' / 'learn:laplacian' / 'learn:<k>' "
-    "(learnable mixing)"
+    "a per-layer list of head-index lists, 'learn' / 'learn:standard' / 'learn:laplacian' / 'learn:<k>' "
+    "(learnable mixing), or an ablation of the trailing K heads: 'identity:K', 'negated:K', 'mix(a,b):K'"
 )
 
 #: Parameter-name suffixes of the learnable mixing (a, b); optimizers match on them.
@@ -112,6 +116,40 @@ def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
         f"{name}={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
         f"an int k >= 0 (trailing k heads start Laplacian), e.g. 'learn:laplacian' or 'learn:2'"
     )
+
+
+_ABLATION = re.compile(r"^(identity|negated|mix\(.*\))\s*:")
+_NUMBER = r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*"
+_MIX = re.compile(rf"^mix\({_NUMBER},{_NUMBER}\)$")
+#: ``(a, b)`` of the named ablation heads.
+ABLATIONS: dict[str, tuple[float, float]] = {"identity": (1.0, 0.0), "negated": (0.0, -1.0)}
+
+
+def _parse_ablation(spec: str, name: str) -> tuple[tuple[float, float], int]:
+    """``"identity:K"``, ``"negated:K"``, ``"mix(a,b):K"`` -> ``((a, b), K)``."""
+    head, _, k = spec.rpartition(":")
+    head, k = head.strip(), k.strip()
+    if not _digits(k):
+        raise ConfigError(f"{name}={spec!r}: the head count after ':' must be an int K >= 0, e.g. 'identity:2'")
+    if head in ABLATIONS:
+        return ABLATIONS[head], int(k)
+    m = _MIX.match(head)
+    if m is None:
+        raise ConfigError(
+            f"{name}={spec!r}: a fixed mixing is 'mix(a,b):K' with two numbers, e.g. 'mix(0.5,-1):2' "
+            "(the trailing K heads apply a I + b P)"
+        )
+    a, b = float(m.group(1)), float(m.group(2))
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise ConfigError(f"{name}={spec!r}: a and b must be finite numbers")
+    return (a, b), int(k)
+
+
+def _ablation_text(coef: tuple[float, float], k: int) -> str:
+    for word, ab in ABLATIONS.items():
+        if ab == coef:
+            return f"{word}:{k}"
+    return f"mix({coef[0]:g},{coef[1]:g}):{k}"
 
 
 def _is_int(x: Any) -> bool:
@@ -226,7 +264,7 @@ class LayerHeads:
         if isinstance(spec, LaplacianHeads):
             if spec.learnable:
                 spec.resolve(1, n_heads)  # raises the learnable-mixing error
-            if spec.kind not in ("k", "all", "none"):
+            if spec.kind not in ("k", "all", "none", "ablation"):
                 raise ConfigError(
                     f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])"
                 )
@@ -294,8 +332,8 @@ class LaplacianHeads:
         name: how error messages name the value (``model.laplacian_heads`` for a config key).
     """
 
-    spec: Any  # the normalised setting: an int k, "all" / "none", a per-layer list, or "learn:<init>"
-    kind: str  # "k", "all", "none", "per_layer_k", "per_layer_indices" or "learn"
+    spec: Any  # the normalised setting: an int k, "all" / "none", a per-layer list, "learn:<init>" or an ablation
+    kind: str  # "k", "all", "none", "per_layer_k", "per_layer_indices", "learn" or "ablation"
 
     def __init__(self, spec: Any = "none", *, name: str = "laplacian_heads"):  # spec: a HeadSpec
         if isinstance(spec, LaplacianHeads):
@@ -303,11 +341,22 @@ class LaplacianHeads:
         if spec is None:
             spec = "none"
         self.learn_init: Union[str, int, None] = None
+        #: an ablation head's ``(a, b)`` and how many trailing heads get it (``kind == "ablation"``).
+        self.ablation: Optional[tuple[tuple[float, float], int]] = None
         if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
             self.learn_init = _parse_learn(spec.strip().lower(), name)
             self.kind = "learn"
             self.spec = f"learn:{self.learn_init}"
             return
+        if isinstance(spec, str) and _ABLATION.match(spec.strip().lower()):
+            coef, k = _parse_ablation(spec.strip().lower(), name)
+            if coef == (1.0, -1.0) or coef == (0.0, 1.0):  # Laplacian or standard: one spelling, k
+                spec = k if coef == (1.0, -1.0) else 0
+            else:
+                self.ablation = (coef, k)
+                self.kind = "ablation"
+                self.spec = _ablation_text(coef, k)
+                return
         if isinstance(spec, str):
             s = spec.strip().lower()
             if s not in ("all", "none"):
@@ -391,6 +440,10 @@ class LaplacianHeads:
                 "that holds the parameters (lapheads.nn.MultiheadAttention, lapheads.timm.convert, "
                 "lapheads.transformers.enable) or a HeadMix(a, b) for the operator"
             )
+        if self.kind == "ablation":
+            assert self.ablation is not None
+            coef, k = self.ablation
+            return [LayerHeads(self._trailing(k, n_heads, None).flags, coef)] * n_layers
         if self.kind == "all":
             return [LayerHeads((True,) * n_heads)] * n_layers
         if self.kind == "none":
@@ -441,6 +494,8 @@ class LaplacianHeads:
             return all(k == 0 for k in self.spec)
         if self.kind == "per_layer_indices":
             return all(len(i) == 0 for i in self.spec)
+        if self.kind == "ablation":
+            return self.ablation is not None and self.ablation[1] == 0
         return False
 
     def to_config(self) -> Any:
@@ -448,8 +503,9 @@ class LaplacianHeads:
         return self.spec
 
     def label(self) -> str:
-        """A short label for tables and plots (``k=3``, ``all``, ``none``, ``per-layer``, ``learn:standard``)."""
-        if self.kind == "learn":
+        """A short label for tables and plots (``k=3``, ``all``, ``none``, ``per-layer``, ``learn:standard``,
+        ``identity:3``)."""
+        if self.kind in ("learn", "ablation"):
             return str(self.spec)
         if self.kind == "k":
             return f"k={self.spec}"
@@ -472,6 +528,10 @@ class LaplacianHeads:
             return (2, 0, tuple(self.spec), "")
         if self.kind == "per_layer_indices":
             return (2, 1, tuple(tuple(i) for i in self.spec), "")
+        if self.kind == "ablation":
+            assert self.ablation is not None
+            (a, b), k = self.ablation
+            return (3, 3, (a, b, k), "")
         if self.learn_init == "standard":
             return (3, 0, (), "")
         if _is_int(self.learn_init):
@@ -480,7 +540,7 @@ class LaplacianHeads:
 
     @classmethod
     def sort_key(cls, value: Any) -> tuple[Any, ...]:
-        """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing.
+        """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing < ablations.
 
         Args:
             value: a :class:`LaplacianHeads`, anything it accepts, or a label as :meth:`label` writes

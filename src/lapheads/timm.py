@@ -264,7 +264,7 @@ class LaplacianLayer(nn.Module):
             register_mix(self, selection)
             self.laplacian_selection, self.laplacian_learnable = selection, True
             return
-        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
+        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none", "ablation"):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single {type(self).__name__} layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model"
@@ -432,7 +432,7 @@ class LaplacianAttention(LaplacianLayer, Attention):
         The class is cached per selection, so repeated calls return the same class.
         """
         spec = LaplacianHeads(laplacian_heads)
-        if spec.kind not in ("k", "all", "none", "learn"):
+        if spec.kind not in ("k", "all", "none", "learn", "ablation"):
             raise ConfigError(
                 f"LaplacianAttention.with_heads({laplacian_heads!r}): timm builds every layer with the same "
                 "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads"
