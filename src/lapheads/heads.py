@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -477,7 +478,16 @@ class LaplacianHeads:
         return LayerHeads((False,) * (n_heads - k) + (True,) * k)
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
-        """The boolean head mask of one layer (a new CPU tensor)."""
+        """The boolean head mask of one layer (a new CPU tensor).
+
+        Deprecated: use ``spec.resolve(n_layers, n_heads)[layer].mask()``.
+        """
+        warnings.warn(
+            "LaplacianHeads.layer_mask is deprecated and will be removed in the next release; use "
+            "spec.resolve(n_layers, n_heads)[layer].mask()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return torch.tensor(self.resolve(n_layers, n_heads)[layer].flags, dtype=torch.bool)
 
     def counts(self, n_layers: int, n_heads: int) -> list[int]:
@@ -601,14 +611,39 @@ def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean mask of shape ``(n_heads,)`` for ONE layer (a new tensor; a tensor ``spec`` is returned as is).
 
+    Deprecated: use ``LayerHeads.of(spec, n_heads).mask(device)`` (one way to get a mask).
+
     ``spec`` may be a boolean tensor/list of length ``n_heads``, an int k (trailing k heads),
     ``"all"``/``"none"``, a list of head indices, a :class:`LayerHeads`, or a
     :class:`LaplacianHeads` that is the same for every layer (an int, ``"all"`` or ``"none"``).
     """
+    warnings.warn(
+        "lapheads.head_mask is deprecated and will be removed in the next release; use "
+        "lapheads.LayerHeads.of(spec, n_heads).mask(device)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if isinstance(spec, torch.Tensor):
         _check_mask_tensor(spec, n_heads)
         return spec.to(device) if device is not None else spec
     return torch.tensor(LayerHeads.of(spec, n_heads).flags, dtype=torch.bool, device=device)
+
+
+#: What one attention layer applies after SDPA: fixed coefficients (:class:`LayerHeads`) or the
+#: learnable ``(a, b)`` (:class:`HeadMix`). Both offer ``any``, ``identity``, ``apply(pv, v_self)``
+#: and ``operator(P, I)``; they differ only in where ``(a, b)`` come from.
+HeadOperator = Union["LayerHeads", HeadMix]
+
+
+def layer_operator(module: torch.nn.Module) -> HeadOperator:
+    """The head operator of a Laplacian attention module: its learnable mixing when it holds
+    ``lap_mix_a`` / ``lap_mix_b``, else its fixed selection ``laplacian_selection``."""
+    a = module._parameters.get(MIX_PARAM_SUFFIXES[0])
+    b = module._parameters.get(MIX_PARAM_SUFFIXES[1])
+    if a is not None and b is not None:
+        return HeadMix(a, b)
+    selection: LayerHeads = module.laplacian_selection
+    return selection
 
 
 # ---------------------------------------------------------------------- learnable mixing

@@ -89,8 +89,8 @@ Design choices:
   entry per converted layer, in :func:`laplacian_attention_layers` order).
 * Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``, issue 13): every
   converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
-  head h applies ``a_h I + b_h P`` on both paths (fused: :class:`lapheads.HeadMix` through the
-  operator; eager: ``a * v + b * (P v)``). Unlike a fixed selection these ARE in the
+  head h applies ``a_h I + b_h P`` on both paths (:class:`lapheads.HeadMix`, given to the fused
+  operator or to the eager reference by :func:`lapheads.heads.layer_operator`). Unlike a fixed selection these ARE in the
   ``state_dict`` (``blocks.<i>.attn.lap_mix_a``), so a learnable model saves and restores its mixing;
   loading a plain timm checkpoint into it needs ``strict=False`` (the mixing keeps its
   initialisation). Switching a layer back to a fixed selection removes the parameters.
@@ -149,11 +149,11 @@ from torch import nn
 
 from .errors import ConfigError
 from .heads import (
-    HeadMix,
     HeadSpec,
     LaplacianHeads,
     LayerHeads,
     laplacianness,
+    layer_operator,
     learnable_spec,
     nearer_laplacian,
     register_mix,
@@ -313,7 +313,7 @@ class LaplacianLayer(nn.Module):
             ``(..., H, N, Dv)``.
         """
         drop = getattr(self, "attn_drop", None)
-        heads = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
+        heads = layer_operator(self)
         if getattr(self, "fused_attn", True):
             return laplacian_attention(
                 q,
