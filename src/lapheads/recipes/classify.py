@@ -25,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
+import timm
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -43,6 +44,9 @@ from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
+from ..variants import Attention as VariantName
+from ..variants import check_attention
+from ..vision.attention import attn_layer
 from ..vision.backbones import frozen
 
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
@@ -59,6 +63,11 @@ class ModelConfig(ConfigModel):
 
     name: Str = Field("vit_tiny_patch16_224", description="any timm ViT (or a registered *_lap<k> name)")
     laplacian_heads: HeadsSetting = heads_field()
+    attention: VariantName = Field(
+        "laplacian",
+        description="laplacian (softmax attention with `laplacian_heads`) | standard | diff (timm's "
+        "DiffAttention) | xsa (exclusive self-attention); all but laplacian need laplacian_heads: 0",
+    )
     img_size: Int = Field(224, ge=1, description="input resolution in pixels")
     in_chans: Int = Field(3, description="3 (RGB) or 1 (greyscale model; then data.mean/std hold one value each)")
     patch_size: Optional[Int] = Field(None, ge=1, description="patch size; null = the timm model's")
@@ -153,6 +162,10 @@ class ClassifyConfig(ConfigModel):
     def _channels(self) -> None:
         check_channels(self.model, self.data.mean, self.data.std)
 
+    @rule
+    def _attention(self) -> None:
+        check_attention(self.model.attention, self.model.laplacian_heads)
+
 
 def timm_kwargs(m: ModelConfig, num_classes: int) -> dict:
     kw: dict[str, Any] = {"img_size": m.img_size, "num_classes": num_classes, "drop_path_rate": m.drop_path}
@@ -176,6 +189,11 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
         ConfigError: timm refuses the keyword arguments (e.g. an unknown key in ``model.extra``).
     """
     try:
+        if m.attention in ("diff", "xsa"):  # another attention in every layer: timm builds it, nothing to convert
+            check_attention(m.attention, m.laplacian_heads)
+            return timm.create_model(
+                m.name, pretrained=False, attn_layer=attn_layer(m.attention), **timm_kwargs(m, num_classes)
+            )
         return lap_timm.create_model(
             m.name, laplacian_heads=m.laplacian_heads, pretrained=False, **timm_kwargs(m, num_classes)
         )

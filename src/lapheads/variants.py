@@ -1,0 +1,78 @@
+"""Attention variants compared with Laplacian heads: which attention a recipe's model uses.
+
+A recipe's ``model.attention`` picks one of :data:`ATTENTIONS`:
+
+==============  ==========================================================================
+``laplacian``   softmax attention with the heads of ``model.laplacian_heads`` (the default;
+                ``laplacian_heads: 0`` is standard attention, the ablation specs live here)
+``standard``    plain softmax attention (``model.laplacian_heads`` must be 0)
+``diff``        differential attention (Ye et al. 2024, "Differential Transformer"): the
+                difference of two softmax maps, ``(P1 - lambda P2) V``, then a per-head
+                RMSNorm; the host library's own implementation (timm's ``DiffAttention``)
+``xsa``         exclusive self-attention: each head's output minus its projection on the
+                token's own value, ``y - (y . v_hat) v_hat`` with ``v_hat = v / ||v||``,
+                right after SDPA (:func:`xsa`)
+==============  ==========================================================================
+
+The variants other than ``laplacian`` replace the attention of every layer, so they do not combine
+with Laplacian heads: :func:`check_attention` refuses a non-zero ``laplacian_heads`` with them
+instead of silently dropping it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from .errors import ConfigError
+from .heads import LaplacianHeads
+
+__all__ = ["ATTENTIONS", "Attention", "check_attention", "variant_label", "xsa"]
+
+#: The attention variants a recipe can build (``model.attention``).
+ATTENTIONS: tuple[str, ...] = ("laplacian", "standard", "diff", "xsa")
+#: The type of a ``model.attention`` config field.
+Attention = Literal["laplacian", "standard", "diff", "xsa"]
+
+
+def check_attention(attention: str, laplacian_heads: Any, key: str = "model") -> None:
+    """Refuse a variant that cannot carry the given Laplacian heads.
+
+    Raises:
+        ConfigError: ``attention`` is unknown, or is not ``laplacian`` while ``laplacian_heads``
+            selects some head (it would be silently ignored).
+    """
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"{key}.attention={attention!r} must be one of {', '.join(ATTENTIONS)}")
+    if attention != "laplacian" and not LaplacianHeads(laplacian_heads).is_none():
+        raise ConfigError(
+            f"{key}.attention={attention!r} replaces every attention layer and has no Laplacian heads, but "
+            f"{key}.laplacian_heads={laplacian_heads!r}; set {key}.laplacian_heads=0 (or {key}.attention=laplacian)"
+        )
+
+
+def variant_label(attention: str, heads_label: str) -> str:
+    """The label of a run in tables: the head setting's label for softmax attention, else the variant's name."""
+    return heads_label if attention in ("laplacian", "standard") else attention
+
+
+def xsa(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Exclusive self-attention: ``y - (y . v_hat) v_hat`` per head and token, ``v_hat = v / ||v||``.
+
+    Args:
+        y: the attention output ``(..., H, T, D)`` (SDPA's ``P V``).
+        v: the values ``(..., H_kv, T, D)``, ``H_kv`` dividing ``H`` (grouped-query attention by
+            broadcast: query head ``h`` uses value head ``h // (H / H_kv)``).
+
+    Returns:
+        ``y`` with its component along each token's own value removed; a token whose value is
+        zero keeps ``y`` (its direction is undefined, and nothing is removed).
+    """
+    h, hkv = y.shape[-3], v.shape[-3]
+    if h % hkv:
+        raise ConfigError(f"xsa: {h} query heads are not a multiple of {hkv} value heads")
+    yg = y.unflatten(-3, (hkv, h // hkv))  # (..., H_kv, G, T, D)
+    vh = torch.nn.functional.normalize(v, dim=-1).unsqueeze(-3)  # (..., H_kv, 1, T, D)
+    out = yg - (yg * vh).sum(-1, keepdim=True) * vh
+    return out.flatten(-4, -3)

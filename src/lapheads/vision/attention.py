@@ -1,0 +1,43 @@
+"""The attention variants of :mod:`lapheads.variants` in timm ViTs (``model.attention`` of the classify recipe).
+
+timm's ``VisionTransformer`` takes its attention class as ``attn_layer``: ``"diff"`` is timm's own
+``DiffAttention`` (differential attention, used as timm ships it), and :class:`XSAAttention` is
+timm's ``Attention`` with exclusive self-attention after SDPA (:func:`lapheads.variants.xsa`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+
+from ..variants import xsa
+
+__all__ = ["XSAAttention", "attn_layer"]
+
+
+class XSAAttention(Attention):
+    """timm's ``Attention`` whose heads output ``y - (y . v_hat) v_hat`` (``y`` = SDPA's ``P V``)."""
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=is_causal
+        )
+        y = xsa(y, v).transpose(1, 2).reshape(B, N, self.attn_dim)
+        y = self.norm(y)
+        if gate is not None:
+            y = y * gate
+        return self.proj_drop(self.proj(y))
+
+
+def attn_layer(attention: str) -> Any:
+    """timm's ``attn_layer`` argument of a variant (``diff`` or ``xsa``)."""
+    return {"diff": "diff", "xsa": XSAAttention}[attention]
