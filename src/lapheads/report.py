@@ -57,6 +57,7 @@ from .outputs import read_json
 from .recipes import get_recipe
 from .runs import load_geometry
 from .stats import Comparison, Plateau, compare, plateau
+from .variants import variant_label
 from .vision.transforms import to_float_image
 
 # recipe -> [(metric key in final/metrics.json, label, higher is better)]
@@ -96,6 +97,8 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
     label = LaplacianHeads(spec).label()
     if label == "none":
         label = "k=0"
+    # another attention (diff, xsa) is its own group; standard attention is k=0
+    label = variant_label((cfg.get("model") or {}).get("attention", "laplacian"), label)
     final = run.final_dir / "metrics.json"
     records = run.metrics()
     return {
@@ -1060,8 +1063,8 @@ GRID_MEASURES = [
     ("nc_tokens", "cdnv", "CDNV (tokens)"),
     ("cosine", "cosine_mean", "cosine"),
 ]
-# keys that never define a grid axis: the k and seed axes, and what does not change the math
-_NOT_AXES = {"model.laplacian_heads", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
+# keys that never define a grid axis: the k (and attention variant) and seed axes, and what does not change the math
+_NOT_AXES = {"model.laplacian_heads", "model.attention", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
 
 
 def grid_axes(configs: Sequence[dict]) -> list[str]:

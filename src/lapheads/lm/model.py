@@ -61,6 +61,8 @@ from ..engine.fsdp import muon_class  # ShardedMuon on FSDP2 shards: orthogonali
 from ..errors import ConfigError
 from ..heads import is_mix_param, learnable_spec
 from ..heads_config import HeadsSetting, heads_field
+from ..variants import Attention as VariantName
+from .attention import check_lm_attention, set_variant
 
 __all__ = [
     "LMModelConfig",
@@ -92,6 +94,11 @@ class LMModelConfig(ConfigModel):
     rope_theta: Float = Field(10000.0, gt=0.0, description="RoPE base")
     softcap: Float = Field(15.0, ge=0.0, description="tanh soft-cap of the logits; 0 = none")
     laplacian_heads: HeadsSetting = heads_field()
+    attention: VariantName = Field(
+        "laplacian",
+        description="laplacian (softmax attention with `laplacian_heads`) | standard | xsa (exclusive "
+        "self-attention); standard and xsa need laplacian_heads: 0 (diff: classify only, docs/heads.md)",
+    )
     vocab_size: Int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size; otherwise it must match it")
 
 
@@ -251,8 +258,10 @@ def build_model(
         bos_token_id / eos_token_id / pad_token_id: special ids for ``generate()``.
     """
 
+    check_lm_attention(cfg.attention, cfg.laplacian_heads)
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model = NanoChatForCausalLM(config)
+    set_variant(model, cfg.attention)
     if learnable_spec(config.laplacian_heads) is not None:
         lap_tf.enable(model, config.laplacian_heads)  # registers lap_mix_a / lap_mix_b per layer
     if init:

@@ -67,6 +67,7 @@ from ..engine.data import _mix
 from ..engine.dist import DistInfo
 from ..engine.fsdp import lockstep, transformer_blocks
 from ..errors import CheckpointError, ConfigError, DataError
+from ..lm.attention import apply_variant
 from ..lm.model import (
     LMModelConfig,
     LMOptimConfig,
@@ -606,6 +607,7 @@ def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu",
     d = hf_dir(run_dir, weights)
     tok = load_tokenizer(d)
     model = lap_tf.from_pretrained(str(d), eager=eager).to(device).eval()
+    apply_variant(model, str(d))  # another attention (xsa) recorded in config.json
     if model.config.vocab_size != len(tok):
         raise CheckpointError(f"{d}: the model has vocabulary {model.config.vocab_size}, its tokenizer {len(tok)}")
     return model, tok
