@@ -263,3 +263,11 @@ def test_report_groups_runs_by_variant(tmp_path):
     assert set(summary["classify"]) >= {"k=0", "xsa", "diff"}
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| xsa |" in md and "| diff |" in md
+
+
+def test_class_geometry_of_identical_class_means_is_nan_not_an_error():
+    """A ViT whose heads are all identity never lets CLS see the image: every class mean is the same."""
+    from lapheads.geometry.classes import _pairwise
+
+    out = _pairwise(torch.zeros(3, 4, dtype=torch.float64), torch.ones(3, dtype=torch.float64), tile=2)
+    assert math.isnan(out["etf_distance"]) and math.isnan(out["cdnv"]) and out["n_pairs_coincident"] == 3

@@ -330,7 +330,8 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
     tot = inv_n @ M  # sum of the unit rows
     ge = C / (C - 1) * (float(unit.sum()) - float(tot @ tot) / C)  # <G, E>
     e_norm = C / math.sqrt(C - 1)
-    etf = math.sqrt(max(0.0, 2.0 - 2.0 * ge / (math.sqrt(g2) * e_norm)))
+    # every class mean zero (e.g. a CLS token no head lets see the image): no simplex to compare with
+    etf = math.sqrt(max(0.0, 2.0 - 2.0 * ge / (math.sqrt(g2) * e_norm))) if g2 > 0 else float("nan")
     n_apart = P - n_coincident
     return {
         "cdnv": s_cdnv / n_apart if n_apart else float("nan"),
