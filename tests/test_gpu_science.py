@@ -54,3 +54,17 @@ def test_gpu_science_budget_and_bad_settings(gpu_science, tmp_path):
     assert "Skipped (time budget" in (out / "report.md").read_text()
     with pytest.raises(SystemExit, match="unknown"):
         gpu_science.main(["--smoke", "--data", "digits", "--settings", "k=9", "--out", str(out)])
+
+
+@pytest.mark.slow  # torch.compile of a tiny ViT on the CPU (about a minute on 2 cores)
+def test_gpu_science_compiled_seeds_reuse_one_graph_and_match_a_fresh_compile(gpu_science, tmp_path):
+    """Seed 1 of a setting runs in the module compiled for seed 0 (its fresh initialisation loaded
+    into it); it must train exactly as seed 1 compiled on its own."""
+    common = ["--smoke", "--device", "cpu", "--data", "digits", "--compile", "on", "--settings", "k=0"]
+    assert gpu_science.main([*common, "--seeds", "0,1", "--out", str(tmp_path / "both")]) == 0
+    gpu_science._COMPILED.clear()
+    assert gpu_science.main([*common, "--seeds", "1", "--out", str(tmp_path / "one")]) == 0
+    both = json.loads((tmp_path / "both" / "results.json").read_text())["runs"]
+    one = json.loads((tmp_path / "one" / "results.json").read_text())["runs"][0]
+    reused = next(r for r in both if r["seed"] == 1)
+    assert reused["curve"] == one["curve"] and reused["k99"] == one["k99"] and reused["cdnv"] == one["cdnv"]
