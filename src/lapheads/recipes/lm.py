@@ -60,7 +60,7 @@ from torch import nn
 from .. import transformers as lap_tf
 from ..data import text as T
 from ..data.text import TokenShards
-from ..engine import Task, TrainConfig
+from ..engine import TrainConfig, TrainTask
 from ..engine import dist as D
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule, to_dict
 from ..engine.data import _mix
@@ -402,7 +402,7 @@ def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
 
 # --------------------------------------------------------------------------- the task
 class LMTask(HeadsTask):
-    """Pretraining as an engine :class:`Task` (see the module docstring)."""
+    """Pretraining as an engine :class:`~lapheads.engine.TrainTask` (see the module docstring)."""
 
     name = "lm"
 
@@ -620,7 +620,7 @@ class LMRecipe(Recipe):
         "validation bits per byte) with k Laplacian heads per layer."
     )
 
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
         return LMTask(cfg, info, run_dir=run_dir)
 
     def text_config(self, run: LoadedRun) -> LMDataConfig:
