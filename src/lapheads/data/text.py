@@ -52,6 +52,7 @@ __all__ = [
     "HF_PREFIX",
     "hf_source",
     "open_hf_dataset",
+    "import_datasets",
     "check_hf_column",
     "read_hf_dataset",
     "hf_fingerprint",
@@ -214,7 +215,8 @@ def hf_source(spec: Any) -> Optional[str]:
     return None
 
 
-def _hf_module() -> Any:
+def import_datasets() -> Any:
+    """The ``datasets`` package; a ConfigError naming the extra when it is missing."""
     try:
         import datasets
     except ImportError:
@@ -249,7 +251,7 @@ def open_hf_dataset(
         DataError: one line naming ``what``, the source and the split, with ``datasets``' reason.
         ConfigError: the ``datasets`` package is missing.
     """
-    datasets = _hf_module()
+    datasets = import_datasets()
     p = Path(os.path.expanduser(source))
     where = f"{what}: Hugging Face dataset {source!r}" + (f" (config {name!r})" if name else "")
     try:
