@@ -103,7 +103,9 @@ class TrainConfig(ConfigModel):
     )
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final lr as a fraction of the base lr")
     precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto = bf16 autocast on GPUs that have it")
-    ema_decay: Float = Field(0.0, ge=0.0, lt=1.0, description="decay of the EMA of weights; 0 = no EMA")
+    ema_decay: Float = Field(
+        0.0, ge=0.0, lt=1.0, description="decay of the EMA of weights and buffers (timm ModelEmaV3); 0 = no EMA"
+    )
     ckpt_every: Int = Field(0, ge=0, description="optimizer steps between checkpoints; 0 = only at the end")
     keep_checkpoints: Int = Field(2, ge=0, description="checkpoints kept; 0 = keep all")
     eval_every: Int = Field(0, ge=0, description="optimizer steps between evaluations; 0 = only at the end")
