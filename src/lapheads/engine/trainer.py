@@ -254,6 +254,9 @@ class TrainTask:
         """Extra files in ``final/`` (e.g. a transformers ``save_pretrained`` directory)."""
 
 
+Task = TrainTask  # the public name lapheads.engine.Task, for tasks written against it
+
+
 def _after_earlier_event_files(tb_dir: Path) -> None:
     """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
 
@@ -276,9 +279,6 @@ def _to_float(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return float(v.detach().float().mean()) if v.numel() else float("nan")
     return v
-
-
-Task = TrainTask  # the public name lapheads.engine.Task, for tasks written against it
 
 
 class Trainer:
