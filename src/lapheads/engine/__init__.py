@@ -5,7 +5,8 @@
 - ``checkpoint``: atomic, code-free checkpoints (safetensors + weights-only state).
 - ``dist``: torchrun process groups (gloo on CPU, nccl on GPU).
 - ``data``: deterministic, resumable batching for map-style data sets.
-- ``trainer``: ``TrainTask`` (what a recipe provides) and ``Trainer`` (the loop).
+- ``train_task``: ``TrainTask``, what a recipe hands to the trainer.
+- ``trainer``: ``Trainer``, the loop, and its ``TrainConfig``.
 - ``train_state``: what a checkpoint of a run holds; save, resume with fallback, ``final/``.
 - ``signals``: SIGINT / SIGTERM / SIGUSR1 stop the loop at a step boundary.
 """
@@ -13,7 +14,8 @@
 from .config import from_dict, load_config, parse_overrides, save_config, to_dict
 from .dist import DistInfo, init_distributed
 from .run import RunDir, add_train_args
-from .trainer import Task, TrainConfig, Trainer, TrainTask, lr_factor
+from .train_task import Task, TrainTask
+from .trainer import TrainConfig, Trainer, lr_factor
 
 __all__ = [
     "load_config",

@@ -37,7 +37,8 @@ from .run import RunDir, SameValue
 from .signals import RunInterrupted
 from .threads import configure_threads
 from .train_state import seed_everything
-from .trainer import Trainer, TrainTask
+from .train_task import TrainTask
+from .trainer import Trainer
 
 
 def _agree(info: D.DistInfo, outcome: Any) -> Any:

@@ -28,7 +28,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -55,9 +55,7 @@ from .checkpoint import (
     write_files,
 )
 from .run import RunDir
-
-if TYPE_CHECKING:  # the trainer imports this module
-    from .trainer import TrainTask
+from .train_task import TrainTask
 
 
 def seed_everything(seed: int) -> None:
