@@ -23,10 +23,8 @@ Formats (docs/recipe-classify.md):
 
 Design choices:
 
-* Every data set is map-style and returns ``(image, label)``: a PIL image (mode ``"RGB"`` for
-  CIFAR and folders, ``"L"`` for idx and digits) passed through ``transform`` when one is set,
-  and an ``int`` label. Each has ``classes``, ``num_classes``, ``targets`` (all labels, for
-  per-class accuracy and samplers), ``channels`` and ``native_size`` (None for folders).
+* Every data set is an :class:`~lapheads.data.image_dataset.ImageDataset` of ``(PIL image, int
+  label)`` items: mode ``"RGB"`` for CIFAR and folders, ``"L"`` for idx and digits.
 * Everything that can be checked is checked when the data set is built, so a bad file fails
   before training starts: archive readability, pickle contents, array shapes, idx magic numbers
   and sizes, labels in ``0..num_classes-1``, class folders present and not empty, and (when
