@@ -1144,6 +1144,16 @@ def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> 
     return indices
 
 
+def _pretrained_cfg(model: nn.Module) -> dict[str, Any]:
+    return dict(model.__dict__.get("pretrained_cfg") or {})
+
+
+def _set_pretrained_cfg(model: nn.Module, cfg: dict[str, Any]) -> None:
+    """timm's ``pretrained_cfg`` and its alias ``default_cfg``: plain attributes, not submodules."""
+    object.__setattr__(model, "pretrained_cfg", cfg)
+    object.__setattr__(model, "default_cfg", cfg)
+
+
 def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(what a stock timm model has, the Laplacian part: markers and learnable mixing)."""
     stock = {k: v for k, v in state.items() if not _LAPLACIAN_KEY.search(k)}
@@ -1177,11 +1187,11 @@ def _create(name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[s
         **kw,
     )
     if state is not None:  # the weights' source as the caller named it, not the in-memory copy
-        cfg = {k: v for k, v in model.pretrained_cfg.items() if k not in _WEIGHT_SOURCE_KEYS}
+        cfg = {k: v for k, v in _pretrained_cfg(model).items() if k not in _WEIGHT_SOURCE_KEYS}
         cfg.update({k: named[k] for k in _WEIGHT_SOURCE_KEYS if k != "state_dict" and named.get(k) is not None})
-        model.pretrained_cfg = model.default_cfg = cfg
+        _set_pretrained_cfg(model, cfg)
     if k is not None:  # a registered variant: its own name, whatever timm built it from
-        model.pretrained_cfg = model.default_cfg = dict(model.pretrained_cfg, architecture=name)
+        _set_pretrained_cfg(model, dict(_pretrained_cfg(model), architecture=name))
     loaded = timm.models.load_state_dict(str(checkpoint_path)) if checkpoint_path else None
     markers = _markers(loaded if loaded is not None else lap)
     spec: Any = laplacian_heads if laplacian_heads is not None else saved_spec
@@ -1235,8 +1245,7 @@ def _make_entrypoint(base: str, k: int):
                 kwargs.pop(key, None)
         model = _create(name, base, k, dict(kwargs, pretrained=pretrained))
         if not pretrained:
-            model.pretrained_cfg = dict(model.pretrained_cfg, tag=None, hf_hub_id=None, url="", file=None)
-            model.default_cfg = model.pretrained_cfg
+            _set_pretrained_cfg(model, dict(_pretrained_cfg(model), tag=None, hf_hub_id=None, url="", file=None))
         return model
 
     entrypoint.__name__ = name
