@@ -177,3 +177,48 @@ def test_loading_other_heads_is_refused():
     assert lt.laplacian_head_counts(same) == [1, 2]  # the marker follows the selection, not the file
     with pytest.raises(ConfigError, match="local-dir"):
         lt.create_model("local-dir:/nonexistent/lapheads-model")
+
+
+def test_project_loader_takes_stock_weights_and_refuses_other_heads():
+    """lapheads.engine.checkpoint.load_weights (runs, backbones with --weights): a stock timm state
+    dict has no marker and loads into a Laplacian model; a Laplacian one with other heads is refused."""
+    from lapheads.engine.checkpoint import load_weights
+    from lapheads.errors import CheckpointError
+
+    torch.manual_seed(0)
+    stock = timm.create_model(NAME, **ARCH)
+    model = _model(2)
+    load_weights(model, stock.state_dict())
+    assert torch.equal(model.blocks[0].attn.qkv.weight, stock.blocks[0].attn.qkv.weight)
+    assert lt.laplacian_head_counts(model) == [2, 2]
+    with pytest.raises(CheckpointError, match=r"blocks.0.attn: the checkpoint has Laplacian heads \[1\] of 4"):
+        load_weights(model, _model([[1], [1]]).state_dict())
+    with pytest.raises(CheckpointError, match="missing keys: blocks.1.attn.qkv.weight"):
+        load_weights(model, {k: v for k, v in stock.state_dict().items() if k != "blocks.1.attn.qkv.weight"})
+
+
+def test_hf_hub_name_through_the_hub_cache(tmp_path):
+    """``hf-hub:`` takes the same path as ``local-dir:``; here timm's Hub loaders read a Hub cache
+    laid out as huggingface_hub writes it, offline (in a fresh process, which reads the settings)."""
+    import os
+    import subprocess
+    import sys
+
+    model = _model([[0, 3], [2]])
+    repo = tmp_path / "hub" / "models--someone--lapvit"
+    timm.models.save_for_hf(model, str(repo / "snapshots" / ("0" * 40)), safe_serialization=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    torch.save({"x": _images(), "ref": _logits(model)}, tmp_path / "io.pt")
+    code = (
+        "import sys, torch, lapheads.timm as lt\n"
+        f"io = torch.load({str(tmp_path / 'io.pt')!r})\n"
+        "m = lt.create_model('hf-hub:someone/lapvit').eval()\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(m(io['x']), io['ref'])\n"
+        "print(m.laplacian_heads.to_config(), m.pretrained_cfg['hf_hub_id'])\n"
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["[[0,", "3],", "[2]]", "someone/lapvit"]

@@ -1038,7 +1038,7 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
             ``pretrained=True`` and no checkpoint to load.
         RuntimeError: timm's strict load: weights of another architecture.
     """
-    saved = _saved_model_config(name)
+    saved = _saved_model_config(name, timm_kwargs.get("cache_dir"))
     if saved is not None:
         cfg, name, model_args = saved
         if timm_kwargs.get("pretrained_cfg") is not None:
@@ -1071,9 +1071,11 @@ _TIMM_TAKES_MODEL_ARGS = "pretrained_model_args" in inspect.signature(timm.model
 _WEIGHT_SOURCE_KEYS = ("state_dict", "source", "file", "url", "hf_hub_id", "hf_hub_filename")
 
 
-def _saved_model_config(name: str) -> Optional[tuple[dict[str, Any], str, dict[str, Any]]]:
+def _saved_model_config(name: str, cache_dir: Any = None) -> Optional[tuple[dict[str, Any], str, dict[str, Any]]]:
     """``local-dir:PATH`` / ``hf-hub:REPO`` -> (pretrained_cfg, architecture, model_args) of its
     ``config.json``, read by timm's own functions; any other name -> None."""
+    if not name.startswith(("local-dir:", "hf-hub:", "hf_hub:")):
+        return None
     source, ident = timm.models.parse_model_name(name)
     if source == "local-dir":
         from timm.models._hub import load_model_config_from_path  # not re-exported by timm.models
@@ -1083,11 +1085,16 @@ def _saved_model_config(name: str) -> Optional[tuple[dict[str, Any], str, dict[s
         except FileNotFoundError as e:
             raise ConfigError(f"{name!r}: {e}; save a model there with timm.models.save_for_hf(model, PATH)") from None
     if source == "hf-hub":
-        return timm.models.load_model_config_from_hf(ident)
+        return timm.models.load_model_config_from_hf(ident, **_cache(cache_dir))
     return None
 
 
-def _named_weights(cfg: dict[str, Any]) -> Optional[dict[str, torch.Tensor]]:
+def _cache(cache_dir: Any) -> dict[str, Any]:
+    """timm's ``cache_dir`` keyword, passed on only when given."""
+    return {} if cache_dir is None else {"cache_dir": cache_dir}
+
+
+def _named_weights(cfg: dict[str, Any], cache_dir: Any = None) -> Optional[dict[str, torch.Tensor]]:
     """The state dict ``cfg`` (a saved model's ``pretrained_cfg`` with the caller's overlay) points
     timm to, read by timm's own loaders: an in-memory ``state_dict``, a ``local-dir`` / ``hf-hub``
     source, a ``file``. None when it names none (timm's registry weights: stock, never Laplacian)."""
@@ -1099,7 +1106,7 @@ def _named_weights(cfg: dict[str, Any]) -> Optional[dict[str, torch.Tensor]]:
         return load_state_dict_from_path(cfg["file"])
     if cfg.get("source") == "hf-hub":
         extra = [cfg["hf_hub_filename"]] if cfg.get("hf_hub_filename") else []
-        return timm.models.load_state_dict_from_hf(cfg["hf_hub_id"], *extra)
+        return timm.models.load_state_dict_from_hf(cfg["hf_hub_id"], *extra, **_cache(cache_dir))
     if cfg.get("file"):
         return timm.models.load_state_dict(str(cfg["file"]))
     return None
@@ -1171,7 +1178,7 @@ def _create(name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[s
     user_cfg = dict(cfg_arg) if isinstance(cfg_arg, dict) else {}
     saved_spec = user_cfg.pop("laplacian_heads", None)
     named = {**user_cfg, **(overlay or {})}
-    state = _named_weights(named) if pretrained else None
+    state = _named_weights(named, kw.get("cache_dir")) if pretrained else None
     _, k = _split_lap_name(name)
     if pretrained and state is None and k is not None:
         raise _no_pretrained(name, base, k)
