@@ -222,3 +222,17 @@ def test_hf_hub_name_through_the_hub_cache(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["[[0,", "3],", "[2]]", "someone/lapvit"]
+
+
+def test_marker_follows_a_layer_reselected_after_conversion(tmp_path):
+    """The marker is written from the selection when the state dict is taken, so a layer re-selected
+    by hand is saved as it is; on reload the markers win over the (now stale) saved pretrained_cfg."""
+    model = _model(2)
+    model.blocks[1].attn.set_laplacian_heads([0, 2])
+    with torch.inference_mode():
+        assert model.state_dict()["blocks.1.attn.lap_heads"].tolist() == [1, 0, 1, 0]
+    assert model.pretrained_cfg["laplacian_heads"] == 2  # stale: describes the conversion only
+    timm.models.save_for_hf(model, str(tmp_path / "m"), safe_serialization=True)
+    again = lt.create_model(f"local-dir:{tmp_path / 'm'}")
+    assert [b.attn.laplacian_selection.indices for b in again.blocks] == [(2, 3), (0, 2)]
+    assert torch.equal(_logits(again), _logits(model))

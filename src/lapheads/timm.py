@@ -338,10 +338,16 @@ class LaplacianLayer(nn.Module):
             self.register_buffer(MARKER, torch.zeros(_heads_of(self), dtype=torch.int8, device=device))
 
     def _sync_marker(self) -> None:
-        """Write the current selection into the marker (the selection itself is a Python attribute)."""
+        """Write the current selection into the marker (the selection itself is a Python attribute).
+
+        A new tensor, and only when the marker holds other codes: no in-place write (inference
+        mode), the same tensor object while the selection is unchanged.
+        """
+        codes = self.laplacian_codes()
         old = self._buffers[MARKER]
         assert old is not None
-        self._buffers[MARKER] = torch.tensor(self.laplacian_codes(), dtype=torch.int8, device=old.device)
+        if old.is_meta or old.tolist() != codes:
+            self._buffers[MARKER] = torch.tensor(codes, dtype=torch.int8, device=old.device)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         self._sync_marker()
