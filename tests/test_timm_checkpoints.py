@@ -236,3 +236,18 @@ def test_marker_follows_a_layer_reselected_after_conversion(tmp_path):
     again = lt.create_model(f"local-dir:{tmp_path / 'm'}")
     assert [b.attn.laplacian_selection.indices for b in again.blocks] == [(2, 3), (0, 2)]
     assert torch.equal(_logits(again), _logits(model))
+
+
+def test_a_variant_name_loads_only_its_own_heads(tmp_path):
+    """A ``_lap<k>`` name means k heads: a checkpoint with k heads loads, one with other heads is refused."""
+    arch = dict(depth=2, img_size=32, embed_dim=24, num_classes=3)
+    for k in (5, 3):
+        torch.manual_seed(0)
+        src = lt.create_model("deit3_small_patch16_224", laplacian_heads=k, **arch)
+        torch.save(src.state_dict(), tmp_path / f"k{k}.pth")
+    overlay = dict(file=str(tmp_path / "k5.pth"), num_classes=3)
+    same = lt.create_model("deit3_small_patch16_224_lap5", pretrained=True, pretrained_cfg_overlay=overlay, **arch)
+    assert lt.laplacian_head_counts(same) == [5, 5] and same.pretrained_cfg["file"] == overlay["file"]
+    overlay["file"] = str(tmp_path / "k3.pth")
+    with pytest.raises(RuntimeError, match=r"has Laplacian heads \[3, 4, 5\] of 6 but this layer has Laplacian heads"):
+        timm.create_model("deit3_small_patch16_224_lap5", pretrained=True, pretrained_cfg_overlay=overlay, **arch)

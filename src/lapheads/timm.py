@@ -1058,6 +1058,7 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
             timm_kwargs.setdefault(key, value)
         if model_args and _TIMM_TAKES_MODEL_ARGS:
             timm_kwargs.setdefault("pretrained_model_args", dict(model_args))
+    replaces = laplacian_heads is not None  # the caller's heads replace a checkpoint's on purpose
     base, k = _split_lap_name(name)
     if k is not None:
         if laplacian_heads is not None and LaplacianHeads(laplacian_heads) != LaplacianHeads(k):
@@ -1069,7 +1070,7 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
     LaplacianHeads(laplacian_heads)  # validate the type before building anything
     if not timm.is_model(base):
         raise _unknown_model(name)
-    return _create(name, base, laplacian_heads, timm_kwargs)
+    return _create(name, base, laplacian_heads, timm_kwargs, replaces=replaces)
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -1173,10 +1174,17 @@ def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     return stock, {k: v for k, v in state.items() if _LAPLACIAN_KEY.search(k)}
 
 
-def _create(name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[str, Any]) -> nn.Module:
+def _create(
+    name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[str, Any], *, replaces: bool
+) -> nn.Module:
     """timm builds the stock model and loads the stock part of the weights (its filters and its
     class-count and channel rules apply); the model is converted to the selection; then the
-    Laplacian part of the weights (markers, learnable mixing) loads into the converted model."""
+    Laplacian part of the weights (markers, learnable mixing) loads into the converted model.
+
+    ``laplacian_heads`` None: the checkpoint's heads (the saved ``pretrained_cfg`` entry, else its
+    markers). Given with ``replaces``: those heads, the checkpoint's markers dropped (retrofitting).
+    Given without (a ``_lap<k>`` name): those heads, and the checkpoint's markers must agree.
+    """
     kw = dict(timm_kwargs)
     pretrained = bool(kw.pop("pretrained", False))
     cfg_arg, overlay = kw.pop("pretrained_cfg", None), kw.pop("pretrained_cfg_overlay", None)
@@ -1215,7 +1223,7 @@ def _create(name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[s
     except ConfigError as e:
         raise ConfigError(f"model {name!r}: {e}") from None
     own = model.state_dict()
-    keep = laplacian_heads is None  # a selection given on purpose replaces the checkpoint's
+    keep = not replaces
     if lap:
         part = {k: v for k, v in lap.items() if k in own and (keep or not k.endswith(MARKER))}
         left = sorted(set(lap) - set(own))
@@ -1256,7 +1264,7 @@ def _make_entrypoint(base: str, k: int):
         if not pretrained:
             for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "pretrained_model_args"):
                 kwargs.pop(key, None)
-        model = _create(name, base, k, dict(kwargs, pretrained=pretrained))
+        model = _create(name, base, k, dict(kwargs, pretrained=pretrained), replaces=False)
         if not pretrained:
             _set_pretrained_cfg(model, dict(_pretrained_cfg(model), tag=None, hf_hub_id=None, url="", file=None))
         return model
