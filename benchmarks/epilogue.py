@@ -57,12 +57,18 @@ class _Counter(TorchDispatchMode):
             if a.alias_info is not None and a.alias_info.is_write:
                 val = kwargs.get(a.name) if a.name in kwargs else (args[i] if i < len(args) else None)
                 mutated.extend(t for t in tree_flatten(val)[0] if isinstance(t, torch.Tensor))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if mutated:
             written = mutated
-        elif any(r.alias_info is not None for r in schema.returns):
-            return out  # a view: nothing written, not counted
+        elif any(r.alias_info is not None for r in schema.returns) or (
+            outputs and all(t.untyped_storage().data_ptr() in inputs for t in outputs)
+        ):
+            return out  # a view (``_unsafe_view`` too): nothing written, not counted
         else:
-            written = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            written = outputs
         self.ops[name] += 1
         if name not in _ALLOCATE:
             self.written += sum(t.numel() * t.element_size() for t in written)

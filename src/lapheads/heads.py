@@ -52,7 +52,7 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 
@@ -642,8 +642,30 @@ def layer_operator(module: torch.nn.Module) -> HeadOperator:
     b = module._parameters.get(MIX_PARAM_SUFFIXES[1])
     if a is not None and b is not None:
         return HeadMix(a, b)
-    selection: LayerHeads = module.laplacian_selection
-    return selection
+    return cast(LayerHeads, cast(Any, module).laplacian_selection)
+
+
+def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOperator:
+    """Give one attention module the heads of ``spec`` and return its operator.
+
+    ``spec`` is anything one layer takes: an int k, ``"all"``, ``"none"``, head indices, a boolean
+    mask, a :class:`LayerHeads`, an ablation (``"identity:K"``, ...), or learnable mixing
+    (``"learn..."``). The module gets ``laplacian_selection`` (the fixed selection, or the heads a
+    learnable layer starts Laplacian) and ``laplacian_learnable``; a learnable spec (re)creates
+    ``lap_mix_a`` / ``lap_mix_b`` at their initialisation, a fixed one removes them.
+    """
+    learn = learnable_spec(spec)
+    if learn is not None:
+        selection = learn.init_selection(1, n_heads)[0]
+        register_mix(module, selection)
+    else:
+        selection = LayerHeads.of(spec, n_heads)
+        remove_mix(module)
+    # Plain attributes (not parameters or buffers): the state_dict keys stay the host library's.
+    target = cast(Any, module)
+    target.laplacian_selection = selection
+    target.laplacian_learnable = learn is not None
+    return layer_operator(module)
 
 
 # ---------------------------------------------------------------------- learnable mixing
@@ -711,7 +733,8 @@ def param_groups(
     """
     if isinstance(mix_lr_scale, bool) or not isinstance(mix_lr_scale, (int, float)) or not 0 < mix_lr_scale < math.inf:
         raise ConfigError(f"mix_lr_scale={mix_lr_scale!r} must be a finite number > 0")
-    mix, other = [], []
+    mix: list[torch.nn.Parameter] = []
+    other: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (mix if is_mix_param(name) else other).append(p)

@@ -154,10 +154,8 @@ from .heads import (
     LayerHeads,
     laplacianness,
     layer_operator,
-    learnable_spec,
     nearer_laplacian,
-    register_mix,
-    remove_mix,
+    set_layer_heads,
 )
 from .ops import laplacian_attention, laplacian_attention_reference
 
@@ -257,22 +255,13 @@ class LaplacianLayer(nn.Module):
         A learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b`` at their initialisation; a fixed
         one removes them.
         """
-        n_heads = _heads_of(self)
-        learn = learnable_spec(spec)
-        if learn is not None:
-            selection = learn.init_selection(1, n_heads)[0]
-            register_mix(self, selection)
-            self.laplacian_selection, self.laplacian_learnable = selection, True
-            return
-        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none", "ablation"):
+        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none", "ablation", "learn"):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single {type(self).__name__} layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model"
             )
-        # Validate and resolve once (a tensor spec is read back here, once, not per call).
-        selection = LayerHeads.of(spec, n_heads)
-        remove_mix(self)
-        self.laplacian_selection, self.laplacian_learnable = selection, False
+        # Validated and resolved once (a tensor spec is read back here, once, not per call).
+        set_layer_heads(self, spec, _heads_of(self))
 
     @property
     def num_laplacian_heads(self) -> int:
