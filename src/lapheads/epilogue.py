@@ -11,9 +11,9 @@ counts it):
 * Forward: ONE fresh output buffer, written once. Runs of standard heads are copied, runs of
   Laplacian heads are ``v_self - pv`` written straight into their part of the buffer (``out=``):
   no ``cat``, no slices that autograd would scatter back. The buffer is laid out ``(..., T, H,
-  D)`` in memory (a ``(..., H, T, D)`` view of it is returned), which is the layout every
-  attention layer wants next (``out.transpose(1, 2).reshape(B, T, H * D)``), so that reshape is a
-  view and the copy it costs after plain SDPA is saved.
+  D)`` in memory (a ``(..., H, T, D)`` view of it is returned), the layout SDPA's fused kernels
+  give and the one every attention layer wants next (``out.transpose(1, 2).reshape(B, T, H * D)``
+  is then a view, as after plain SDPA).
 * Grouped-query attention by broadcasting: ``pv`` viewed as ``(..., H_kv, G, T, D)`` against
   ``v_self`` as ``(..., H_kv, 1, T, D)``; ``v`` is never repeated.
 * Backward: ``d_pv`` written once (``-dy`` on Laplacian runs, ``dy`` on standard runs). The
