@@ -170,25 +170,30 @@ def is_count(spec: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LayerHeads:
-    """The resolved selection of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
+    """The fixed head operator of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
 
-    Why Python bools and not a tensor: the operator branches on the selection (no Laplacian head:
-    plain SDPA; every head: one subtraction; a mix: slices of runs of heads). Branching on a
-    device tensor would read it back to the host (a sync per layer per call on a GPU), is a
-    data-dependent graph break under ``torch.compile``, and ``torch.jit.trace`` / ``torch.export``
-    / the ONNX exporters would not record it as a constant. A tuple of bools is free to branch on
-    and a constant for every tracer. So every integration resolves its selection once (when the
-    layer is built or converted, or when ``config.laplacian_heads`` changes), stores it on the
-    attention module as ``laplacian_selection``, and hands it to
-    :func:`lapheads.laplacian_attention`, which trusts it (no validation per call). Where an op
-    needs the selection as a tensor (the eager ``torch.where``), :meth:`mask` gives one, cached per
-    device.
+    Every head applies ``a I + b P``: a flagged head ``coef`` (``(1, -1)``, Laplacian, unless an
+    ablation gives another), the others ``(0, 1)`` (standard). :meth:`apply` finishes the layer
+    after SDPA, :meth:`operator` gives the explicit matrix; :class:`HeadMix` offers the same for
+    learnable ``(a, b)``, so the two differ only in where the coefficients come from.
 
-    Frozen (hashable, equal when the flags are equal) so it can be shared and compared; build one
-    with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
+    Why Python values and not a tensor: the operator branches on the selection (no Laplacian head:
+    plain SDPA; otherwise one pass over runs of heads). Branching on a device tensor would read it
+    back to the host (a sync per layer per call on a GPU), is a data-dependent graph break under
+    ``torch.compile``, and ``torch.jit.trace`` / ``torch.export`` / the ONNX exporters would not
+    record it as a constant. A tuple of bools is free to branch on and a constant for every
+    tracer. So every integration resolves its selection once (when the layer is built or
+    converted, or when ``config.laplacian_heads`` changes), stores it on the attention module as
+    ``laplacian_selection``, and hands it to :func:`lapheads.laplacian_attention`, which trusts it
+    (no validation per call). Where the selection is wanted as a tensor, :meth:`mask` gives one,
+    cached per device.
+
+    Frozen (hashable, equal when the flags and coefficients are equal) so it can be shared and
+    compared; build one with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
 
     Args:
         flags: one bool per head (a list is turned into a tuple); at least one head.
+        coef: ``(a, b)`` of the flagged heads, default ``(1, -1)``.
     """
 
     flags: tuple[bool, ...]
