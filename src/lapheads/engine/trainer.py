@@ -100,7 +100,7 @@ class UntilPlateau(ConfigModel):
     min_rel_delta: Float = Field(0.0, ge=0.0, description="an improvement must exceed this fraction of |best|")
     metric: Str = Field(
         "",
-        description="a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_k20_top1)",
+        description="a key of the recipe's evaluation (`lapheads train RECIPE --help` lists them)",
     )
     mode: Literal["", "min", "max"] = Field(
         "", description="max: higher is better (accuracy); min: lower (loss, bits per byte)"
@@ -782,14 +782,17 @@ class Trainer:
                 tried.add(ck)
                 notes.append(f"skipped {ck.name}: {' '.join(str(e).split())[:300]}")
                 continue
-            if notes and self.info.is_main:
+            if self.info.is_main:
                 kept = "; nothing was deleted" if any(n.startswith("skipped ") for n in notes) else ""
                 print(
-                    f"--resume: {'; '.join(notes)}; resuming from {ck} (step {self.step}){kept}",
+                    f"--resume: {''.join(n + '; ' for n in notes)}resuming {self.run.path} from step "
+                    f"{self.step} of {self.total} ({ck.name}){kept}",
                     file=sys.stderr,
                     flush=True,
                 )
             return ck
+        if not notes and self.info.is_main:
+            print(f"--resume: {self.run.path} has no checkpoint yet; starting at step 0", file=sys.stderr, flush=True)
         if notes:  # checkpoints were written (skipped ones, or a latest that names a missing step)
             raise CheckpointError(
                 f"--resume: no intact checkpoint in {self.run.ckpt_dir}: {'; '.join(notes)}; "
@@ -798,15 +801,16 @@ class Trainer:
             )
         return None
 
-    def fit(self, resume: bool = False) -> dict[str, Any]:
-        """Train to ``total`` steps, evaluate, checkpoint and export ``final/``.
+    def fit(self, resume: bool = False, reevaluate: bool = False) -> dict[str, Any]:
+        """Train to ``total`` steps, evaluate, checkpoint and export ``final/`` (``reevaluate``: a
+        resumed run that had finished evaluates again instead of reusing its logged evaluation).
 
         Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
         """
         with self._stop_signals():
             status = "failed"
             try:
-                result = self._fit(resume)
+                result = self._fit(resume, reevaluate)
                 status = "finished"
                 if self.info.is_main and self._tb is not None:
                     log_final(self._tb, self.run.path)  # final metrics and the run's report figures
@@ -819,7 +823,7 @@ class Trainer:
                     self._tb.finish(status)
                 self._tb = None
 
-    def _fit(self, resume: bool) -> dict[str, Any]:
+    def _fit(self, resume: bool, reevaluate: bool = False) -> dict[str, Any]:
         # The step loop in one piece on purpose: accumulate, non-finite guard, clip, step, hooks, log, evaluate,
         # checkpoint, stop. The order of these is what exact resume depends on; it reads top to bottom here.
         cfg = self.cfg
@@ -946,7 +950,7 @@ class Trainer:
         bar.close()
         done_before = (
             [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step]
-            if resume and self.info.is_main
+            if resume and self.info.is_main and not reevaluate
             else []
         )
         if stopped and last_eval:  # stopped at a plateau: the evaluation of this step is the final one
