@@ -97,6 +97,16 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _group_usage(group: str) -> str:
+    """The help of a command group (``lapheads train --help``): its commands, one line each."""
+    words = [k for k in COMMANDS if len(k) == 2 and k[0] == group]
+    width = max(len(k[1]) for k in words)
+    lines = [f"usage: lapheads {group} <{'|'.join(k[1] for k in words)}> [options]", "", "commands:"]
+    lines += [f"  {k[1]:<{width}}  {COMMANDS[k][1]}" for k in words]
+    lines += ["", f"add --help after one for its options (lapheads {group} {words[0][1]} --help)"]
+    return "\n".join(lines)
+
+
 def _find(argv: Sequence[str]) -> tuple[Optional[tuple[str, ...]], list[str]]:
     for n in (2, 1):
         key = tuple(argv[:n])
@@ -127,10 +137,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     key, rest = _find(argv)
     if key is None:
-        groups = sorted({k[0] for k in COMMANDS if len(k) == 2 and k[0] == argv[0]})
-        if groups:
-            subs = ", ".join(k[1] for k in COMMANDS if k[0] == argv[0])
-            print(f"lapheads: error: '{argv[0]}' needs one of: {subs}", file=sys.stderr)
+        group = [k for k in COMMANDS if len(k) == 2 and k[0] == argv[0]]
+        if group and argv[1:2] and argv[1] in ("-h", "--help", "help"):
+            print(_group_usage(argv[0]))
+            return 0
+        if group:
+            subs = ", ".join(k[1] for k in group)
+            print(
+                f"lapheads: error: '{argv[0]}' needs one of: {subs} (see 'lapheads {argv[0]} --help')", file=sys.stderr
+            )
         else:
             print(f"lapheads: error: unknown command {argv[0]!r}; run 'lapheads --help' for the list", file=sys.stderr)
         return 2

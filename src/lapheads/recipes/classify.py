@@ -40,6 +40,7 @@ from ..engine.checkpoint import load_tensors, load_weights
 from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
+from ..engine.run import RunDir
 from ..errors import CheckpointError, ConfigError
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
@@ -48,7 +49,7 @@ from ..vision.backbones import frozen
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
 # here also so that `from lapheads.recipes.classify import check_channels` keeps working
 from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 #: the normalisation of one channel: a positive standard deviation
 _Std = Annotated[Float, Field(gt=0.0)]
@@ -416,6 +417,20 @@ class ClassifyRecipe(Recipe):
     config_type = ClassifyConfig
     kind = "vit"
     description = "DeiT-3 supervised classification with k Laplacian heads per layer."
+    metrics = (
+        Metric("top1", "top-1 acc", True),
+        Metric("top5", "top-5 acc", True),
+        Metric("mean_class_acc", "mean class acc", True),
+        Metric("loss", "val loss", False),
+    )
+
+    def chance(self, run_dir: str | Path) -> dict[str, float]:
+        """Accuracies of a uniform guess over the run's classes (``final/model.json``: ``num_classes``)."""
+        path = RunDir(run_dir).final_dir / "model.json"
+        n = read_json(path, "the final model of a run").get("num_classes") if path.is_file() else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return {}
+        return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n}
 
     def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
         return build_task(cfg, info)
