@@ -10,8 +10,10 @@ from pathlib import Path
 
 
 def check_quickstart_tiny(out: Path, printed: str) -> None:
-    """Assert the output directory ``out`` of ``lapheads quickstart --tiny`` and its printed text."""
+    """Assert the output directory ``out`` of ``lapheads quickstart --tiny`` and its printed text
+    (stdout and stderr, captured by a pipe: no library's progress bar or warning in it)."""
     assert str(out / "report" / "report.html") in printed
+    assert "it/s" not in printed and "Warning" not in printed, printed[-3000:]
     runs = sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("*/*/config.yaml"))
     assert runs == [
         "lm/lap0_seed0",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import subprocess
 import sys
 
 from lapheads import __version__
-from lapheads.cli import entry
+from lapheads.cli import _QUIET_ENV, entry
 
 
 class _Cycle:
@@ -115,3 +116,50 @@ def test_resume_says_its_step_and_a_finished_run_is_not_recomputed(tmp_path, cap
     vals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     vals = [v for v in vals if v.get("split") == "val" and v["step"] == 3]
     assert len(vals) == 2 and vals[1]["top1"] == metrics["top1"]
+
+
+_LIBRARY_NOISE = """
+import sys, warnings
+from lapheads.cli import quiet_libraries
+quiet_libraries(verbose=sys.argv[2] == "verbose", interactive=False)
+import transformers
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+model.save_pretrained(sys.argv[1])
+transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+warnings.warn_explicit("a library's warning", RuntimeWarning, "lib.py", 1, module="scipy.stats")
+warnings.warn_explicit("a lapheads warning", UserWarning, "ours.py", 1, module="lapheads.report")
+"""
+
+
+def test_library_progress_bars_and_warnings_stay_out_of_logs_unless_verbose(tmp_path):
+    """A log file gets lapheads' own warnings but not transformers' "Loading weights" bar or a
+    library's warning; ``--verbose`` (``LAPHEADS_VERBOSE=1`` for child processes) keeps them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LAPHEADS_VERBOSE", *_QUIET_ENV)}
+    logs = {}
+    for mode in ("quiet", "verbose"):
+        log = tmp_path / f"{mode}.log"
+        with open(log, "w") as f:
+            r = subprocess.run(
+                [sys.executable, "-c", _LIBRARY_NOISE, str(tmp_path / mode), mode],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=300,
+            )
+        logs[mode] = log.read_text()
+        assert r.returncode == 0, logs[mode]
+        assert "a lapheads warning" in logs[mode]
+    assert "Loading weights" in logs["verbose"] and "a library's warning" in logs["verbose"]
+    assert "Loading weights" not in logs["quiet"] and "it/s" not in logs["quiet"]
+    assert "a library's warning" not in logs["quiet"]
+
+
+def test_verbose_flag_is_read_by_the_entry_and_handed_to_children(tmp_path):
+    code = "import os, sys; from lapheads.cli import entry; sys.argv = ['lapheads', '--verbose', '--version']; entry(); print(os.environ.get('LAPHEADS_VERBOSE'), os.environ.get('TQDM_DISABLE'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("LAPHEADS_VERBOSE", *_QUIET_ENV)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-2:] == ["1", "None"], r.stdout + r.stderr
+    r = subprocess.run(
+        [sys.executable, "-c", code.replace("'--verbose', ", "")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.stdout.split()[-2:] == ["None", "1"], r.stdout + r.stderr  # stderr is a pipe: quiet
