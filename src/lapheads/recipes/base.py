@@ -33,7 +33,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -47,9 +47,9 @@ from ..heads import LaplacianHeads, mixing_table
 from ..outputs import read_json
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A number a recipe's evaluation logs (``final/metrics.json``, ``metrics.jsonl``).
+class Metric(NamedTuple):
+    """A number a recipe's evaluation logs (``final/metrics.json``, ``metrics.jsonl``); unpacks as
+    ``key, label, higher_is_better``.
 
     Attributes:
         key: its key in the logged records (``top1``, ``val_bpb``).
