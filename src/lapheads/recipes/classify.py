@@ -40,7 +40,6 @@ from ..engine.checkpoint import load_tensors, load_weights
 from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
-from ..engine.run import RunDir
 from ..errors import CheckpointError, ConfigError
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
@@ -377,10 +376,9 @@ def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
     return ClassifyTask(cfg, info)
 
 
-def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
-    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
-    final = Path(run_dir) / "final"
-    spec_path = final / "model.json"
+def model_spec(run_dir: str | Path) -> dict:
+    """``final/model.json`` of a classify run, checked: ``model`` (a mapping) and ``num_classes``."""
+    spec_path = Path(run_dir) / "final" / "model.json"
     if not spec_path.is_file():
         raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
     spec = read_json(spec_path, "the model description of a classify run")
@@ -394,6 +392,14 @@ def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
             f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
             f"integer); the file is damaged or not from `lapheads train classify`"
         )
+    return spec
+
+
+def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
+    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
+    final = Path(run_dir) / "final"
+    spec_path = final / "model.json"
+    spec = model_spec(run_dir)
     model = build_model(from_dict(ModelConfig, spec["model"], prefix=f"{spec_path}: model."), spec["num_classes"])
     path = final / f"{weights}.safetensors"
     load_weights(model, load_tensors(path), source=str(path))
@@ -426,11 +432,8 @@ class ClassifyRecipe(Recipe):
 
     def chance(self, run_dir: str | Path) -> dict[str, float]:
         """Accuracies of a uniform guess over the run's classes (``final/model.json``: ``num_classes``)."""
-        path = RunDir(run_dir).final_dir / "model.json"
-        n = read_json(path, "the final model of a run").get("num_classes") if path.is_file() else None
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            return {}
-        return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n}
+        n = model_spec(run_dir)["num_classes"]
+        return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n} if n > 0 else {}
 
     def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
         return build_task(cfg, info)
