@@ -322,8 +322,13 @@ def _json_safe(x: Any) -> Any:
 
 def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl: Sequence[dict] = ()) -> dict:
     """recipe -> setting -> {key: [mean, std, n], "runs": [names], "plateau": {run: {...}},
-    "comparisons": {key: {claim, verdict, diff, ci_low, ci_high, t, df, p, seeds ...}} (vs k=0),
-    and for grid runs "comparisons_by_grid_point": {point: {key: {...}}} (:func:`grid_claims`)}."""
+    "at_chance": {run: why or None}, "comparisons": {key: {claim, verdict, diff, ci_low, ci_high,
+    t, df, p, seeds ...}} (vs k=0), and for grid runs "comparisons_by_grid_point": {point: {key:
+    {...}}} (:func:`grid_claims`)}."""
+
+    def entry(c: dict, comp: Any) -> dict:
+        return {"claim": c["claim"], "want_lower": c["want_lower"], "convergence": c["convergence"], **comp.to_dict()}
+
     out: dict[str, dict[str, Any]] = {}
     for rec, groups in summary.items():
         out[rec] = {}
@@ -336,16 +341,13 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
                     "rel_change": _json_safe(flags[r["dir"]].rel_change),
                     "eval_points": flags[r["dir"]].points,
                     "window_start": flags[r["dir"]].window_start,
+                    "never_moved": flags[r["dir"]].flat,
                 }
                 for r in g["runs"]
             }
+            d["at_chance"] = {r["name"]: r.get("at_chance") for r in g["runs"]}
             d["comparisons"] = {
-                c["key"]: {
-                    "claim": c["claim"],
-                    "want_lower": c["want_lower"],
-                    "convergence": c["convergence"],
-                    **comp.to_dict(),
-                }
+                c["key"]: entry(c, comp)
                 for c in cl
                 if c["recipe"] == rec
                 for comp in c["comparisons"]
@@ -354,11 +356,8 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
             for c in gcl:
                 for comp in c["comparisons"]:
                     if c["recipe"] == rec and comp.other == lb:
-                        d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})[c["key"]] = {
-                            "claim": c["claim"],
-                            "want_lower": c["want_lower"],
-                            "convergence": c["convergence"],
-                            **comp.to_dict(),
-                        }
+                        d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})[c["key"]] = entry(
+                            c, comp
+                        )
             out[rec][lb] = d
     return out
