@@ -309,10 +309,12 @@ def test_save_and_reload_stays_laplacian(arch, tmp_path):
         assert back.config._attn_implementation == lt.FUSED_ATTN_IMPLEMENTATION
         plain = type(model).from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
         assert _max_diff(_run(plain, inputs), want) < 1e-12
-    else:  # encoders, towers, encoder-decoders: a plain load is refused at load time, naming the fix
+    else:  # encoders, towers, encoder-decoders: a plain load refuses its first forward in one line naming the fix
         assert saved["attn_implementation"] == lt.ATTN_IMPLEMENTATION + lt.INDEXED_ATTN_IMPLEMENTATION_SUFFIX
-        with pytest.raises(ValueError, match="lapheads.transformers.from_pretrained"):
-            type(model).from_pretrained(tmp_path, dtype=torch.float64)
+        plain = type(model).from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
+        with pytest.raises(ConfigError, match="lapheads.transformers.from_pretrained") as refused:
+            _run(plain, inputs)
+        assert "\n" not in str(refused.value)
     with pytest.raises(ConfigError, match="standard attention"):
         lt.from_pretrained(str(tmp_path), model_class=type(model), attn_implementation=stock_impl)
 
