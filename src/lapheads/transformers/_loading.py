@@ -10,6 +10,7 @@ from typing import Any, Optional, Union, cast
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.utils import cached_file
 from transformers.utils import logging as hf_logging
 
@@ -221,22 +222,38 @@ def _load_mixing(model: PreTrainedModel, path: str, **hub: Any) -> None:
         eager=BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION,
     )
     wanted = {n: p for n, p in model.named_parameters() if n.endswith(MIX_PARAM_SUFFIXES)}
+    keys = {n: _checkpoint_keys(model, n, p) for n, p in wanted.items()}
+    by_key = {k: n for n, ks in keys.items() for k in ks}
     found: dict[str, torch.Tensor] = {}
     for file in _checkpoint_files(path, **hub):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                if key in wanted:
-                    found[key] = f.get_tensor(key)
+                if key in by_key:
+                    found[by_key[key]] = f.get_tensor(key)
     missing = sorted(set(wanted) - set(found))
     if missing:
         raise ConfigError(
             f"{path}: config.laplacian_heads={_current_spec(model)!r} is learnable mixing, but "
-            f"the checkpoint lacks {len(missing)} of its parameters (e.g. {missing[0]}); it was not "
+            f"the checkpoint lacks {len(missing)} of its parameters (e.g. {keys[missing[0]][0]}); it was not "
             "saved from a model with learnable mixing"
         )
     with torch.no_grad():
         for n, p in wanted.items():
             p.copy_(found[n].to(p.dtype))
+
+
+def _checkpoint_keys(model: PreTrainedModel, name: str, param: torch.Tensor) -> list[str]:
+    """The keys a model parameter may have in a checkpoint file: the name ``save_pretrained`` gives it
+    (transformers' reverse weight conversion: ViT's ``vit.layers.0`` is ``vit.encoder.layer.0`` on
+    disk), with and without the base model's prefix (a checkpoint of ``ViTForImageClassification``
+    loaded as ``ViTModel``, or the other way round), as transformers' loader matches them."""
+    saved = list(revert_weight_conversion(model, {name: param}))
+    key = saved[0] if len(saved) == 1 else name
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out = [key]
+    if prefix:
+        out += [key[len(prefix) + 1 :]] if key.startswith(prefix + ".") else [f"{prefix}.{key}"]
+    return out
 
 
 def _current_spec(model: PreTrainedModel) -> Any:
