@@ -418,16 +418,14 @@ def test_a_start_killed_before_its_config_was_complete_is_not_a_run(tmp_path):
         _run(out, _cfg(max_steps=2, ckpt_every=0), resume=resume)
         assert (out / "final" / "model.json").is_file()
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
-    # a directory with files of its own is not taken over without --overwrite
+    # a directory with files of its own is never taken over: --overwrite deletes only a run
     other = tmp_path / "notes"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    for resume in (False, True):
+    for resume, overwrite in ((False, False), (True, False), (False, True)):
         with pytest.raises(CheckpointError, match="no config.yaml"):
-            _run(other, _cfg(max_steps=2, ckpt_every=0), resume=resume)
+            _run(other, _cfg(max_steps=2, ckpt_every=0), resume=resume, overwrite=overwrite)
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
-    _run(other, _cfg(max_steps=2, ckpt_every=0), overwrite=True)
-    assert not (other / "notes.txt").exists() and (other / "final" / "model.json").is_file()
     # --resume of a directory that does not exist is a mistake (a typo), not a fresh start
     with pytest.raises(CheckpointError, match="not a run directory"):
         _run(tmp_path / "missing" / "run", _cfg(max_steps=2), resume=True)
