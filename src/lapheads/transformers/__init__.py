@@ -61,9 +61,7 @@ except ImportError as e:  # pragma: no cover - transformers is a hard dependency
 from ..heads import MIX_PARAM_SUFFIXES, LayerHeads
 from ._attention import laplacian_eager_attention_forward, laplacian_sdpa_attention_forward, register_implementations
 from ._configs import check_implementation, fused_implementation, layer_selections, mark_config
-from ._explicit import Extras as _Extras
-from ._explicit import explicit_attention as _explicit_attention
-from ._explicit import flex_softcap_pv as _flex_softcap_pv
+from ._extras import flex_softcap_pv as _flex_softcap_pv
 from ._indexing import attention_modules, mixing_modules
 from ._loading import enable, from_pretrained
 from ._names import (
@@ -99,6 +97,6 @@ __all__ = [
 ]
 
 # Names the tests and the coverage harness reach (not part of the public API).
-_PRIVATE = (MIX_PARAM_SUFFIXES, LayerHeads, _Extras, _explicit_attention, _flex_softcap_pv)
+_PRIVATE = (MIX_PARAM_SUFFIXES, LayerHeads, _flex_softcap_pv)
 
 register_implementations()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from transformers import AttentionInterface
@@ -39,17 +39,7 @@ from ..errors import ConfigError
 from ..heads import HeadMix, LayerHeads
 from ..ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 from ._configs import any_laplacian, config_spec
-from ._explicit import (
-    Extras,
-    additive,
-    apply_heads,
-    explicit_attention,
-    explicit_pv,
-    flex_softcap_pv,
-    flex_usable,
-    scores_mask,
-    sink_column,
-)
+from ._extras import Extras, additive, fused_extras
 from ._indexing import is_cross, module_heads_operator
 from ._names import ATTN_IMPLEMENTATION, EAGER_ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION, saved_name
 
@@ -211,60 +201,6 @@ def _stock_attention(
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _fused_extras(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    heads: Union[LayerHeads, HeadMix],
-    attention_mask: Optional[torch.Tensor],
-    causal: bool,
-    scaling: Optional[float],
-    dropout: float,
-    extras: Extras,
-) -> torch.Tensor:
-    """The fused path of a call with soft-cap, sinks or position bias: ``(B, H, Tq, D)``."""
-    h, tq, tk = query.shape[1], query.shape[2], key.shape[2]
-    if extras.softcap is not None:
-        if extras.bias is None and extras.sinks is None and flex_usable(query, dropout):
-            pv = flex_softcap_pv(query, key, value, attention_mask, causal, scaling, extras.softcap)
-            return apply_heads(pv, value, heads)
-        if extras.bias is not None or extras.sinks is not None:
-            out, _ = explicit_attention(
-                query, key, value, heads, attention_mask, causal, scaling, dropout, extras, module.training
-            )
-            return out
-        pv = explicit_pv(
-            query, key, value, attention_mask, causal, scaling, dropout if module.training else 0.0, extras.softcap
-        )
-        return apply_heads(pv, value, heads)
-    # Sinks and bias: one SDPA call with an additive float mask.
-    mask = scores_mask(attention_mask, causal, tq, tk, query.device)
-    add = None if mask is None else additive(mask, query.dtype, float("-inf"))
-    if extras.bias is not None:
-        bias = extras.bias.to(query.dtype)
-        add = bias if add is None else add + bias
-    if extras.sinks is not None:
-        zeros = key.new_zeros(key.shape[0], key.shape[1], 1, key.shape[3])
-        key = torch.cat([zeros, key], dim=2)
-        value = torch.cat([value.new_zeros(value.shape[0], value.shape[1], 1, value.shape[3]), value], dim=2)
-        b = query.shape[0]
-        base = (add if add is not None else query.new_zeros(1, 1, tq, tk)).expand(b, h, tq, tk)
-        sink = sink_column(extras.sinks, b, h, tq, query.dtype)
-        add = torch.cat([sink, base], dim=-1)
-    return laplacian_attention(
-        query,
-        key,
-        value,
-        laplacian_heads=heads,
-        attn_mask=add,
-        is_causal=False,
-        scale=scaling,
-        dropout_p=dropout,
-        enable_gqa=key.shape[1] != h,
-    )
-
-
 # --------------------------------------------------------------------------- attention functions
 def laplacian_sdpa_attention_forward(
     module: torch.nn.Module,
@@ -305,7 +241,7 @@ def laplacian_sdpa_attention_forward(
     if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
         attention_mask = attention_mask.to(query.dtype)  # eager_mask has the embeddings' dtype (autocast)
     if extras.any:
-        out = _fused_extras(module, query, key, value, heads, attention_mask, causal, scaling, dropout, extras)
+        out = fused_extras(query, key, value, heads, attention_mask, causal, scaling, dropout, extras)
     else:
         out = laplacian_attention(
             query,
@@ -361,22 +297,20 @@ def laplacian_eager_attention_forward(
         # eager_mask has the embeddings' dtype; under autocast the queries are bf16/fp16, and the
         # operator takes a float mask only in the dtype of q.
         attention_mask = attention_mask.to(query.dtype)
-    if extras.any:
-        out, op = explicit_attention(
-            query, key, value, heads, attention_mask, causal, scaling, dropout, extras, module.training
-        )
-    else:
-        out, op = laplacian_attention_reference(
-            query,
-            key,
-            value,
-            laplacian_heads=heads,
-            attn_mask=attention_mask,
-            is_causal=causal,
-            scale=scaling,
-            dropout_p=dropout,
-            enable_gqa=key.shape[1] != h,
-        )
+    out, op = laplacian_attention_reference(
+        query,
+        key,
+        value,
+        laplacian_heads=heads,
+        attn_mask=attention_mask,
+        is_causal=causal,
+        scale=scaling,
+        dropout_p=dropout,
+        enable_gqa=key.shape[1] != h,
+        softcap=extras.softcap,
+        sinks=extras.sinks,
+        bias=extras.bias,
+    )
     return out.transpose(1, 2).contiguous(), op
 
 
