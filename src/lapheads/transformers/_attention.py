@@ -224,7 +224,8 @@ def laplacian_sdpa_attention_forward(
         scaling: softmax scale.
         is_causal: overrides ``module.is_causal``.
         **kwargs: passed to the stock attention of a layer without Laplacian heads; ``softcap``,
-            ``s_aux`` / ``sinks`` and ``position_bias`` are applied (see the module docstring).
+            ``s_aux`` / ``sinks`` and ``position_bias`` are applied (fused where SDPA or
+            FlexAttention can express them, else :func:`lapheads.laplacian_attention_reference`).
 
     Returns:
         ``(out, None)`` with ``out`` of shape ``(B, Tq, H, D)`` as transformers expects.

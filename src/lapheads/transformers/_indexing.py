@@ -93,10 +93,17 @@ def _spec_config(tree: list[tuple[str, Any]], module_config: Any) -> tuple[str, 
 def attention_modules(model: torch.nn.Module) -> list[Entry]:
     """Every attention module of ``model`` that dispatches through ``AttentionInterface``, indexed.
 
-    Each entry has the module's name, its stack (the nearest ``nn.ModuleList`` above it), whether
-    it is cross-attention, the config whose ``laplacian_heads`` applies (and its path in the
-    model's config tree), and, for self-attention, its index in the stack and the stack's size
-    (see the module docstring). Nothing is changed.
+    Each entry has the module's name, its stack (the nearest ``nn.ModuleList`` above it:
+    ``encoder.layer``, ``vision_model.encoder.layers``, ``decoder.block``), whether it is
+    cross-attention (``is_cross_attention``, a class name with "Cross", or an attribute name such as
+    ``encoder_attn`` / ``EncDecAttention``: it always computes standard attention, having no own
+    position among its keys), the config whose ``laplacian_heads`` applies (``module.config`` when
+    that object is in the model's config tree, else the saved config of the same class, else the
+    top config; and its path in the tree), and, for self-attention, its index in the stack (module
+    order, i.e. encoder order; a stack whose modules carry distinct valid ``layer_idx`` keeps them)
+    and the stack's size, what a per-layer spec is resolved against. Nothing is changed;
+    :func:`enable` writes these on the modules as ``laplacian_layer``, ``laplacian_n_layers``,
+    ``laplacian_config``, ``laplacian_cross`` and ``laplacian_fallback``.
     """
     config = getattr(model, "config", None)
     tree = config_tree(config) if isinstance(config, PreTrainedConfig) else [("", config)]

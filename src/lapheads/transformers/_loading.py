@@ -100,7 +100,7 @@ def enable(
 ) -> Union[PreTrainedModel, PreTrainedConfig]:
     """Give a model (or a config before the model is built) Laplacian heads, in one call.
 
-    Indexes the model's attention modules (see the module docstring: stack, index in encoder
+    Indexes the model's attention modules (:func:`attention_modules`: stack, index in encoder
     order, the config holding the spec, cross-attention), sets ``laplacian_heads`` on each config
     its self-attention modules read (validated against each stack's shape now, not at the first
     forward) and switches the attention implementation (:func:`fused_implementation`, or the
@@ -278,8 +278,9 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     ``"laplacian_fused"`` where the class does not support SDPA) or the eager one when it is set,
     then indexes the attention modules (:func:`enable` with the loaded spec). This also serves
     checkpoints saved before ``config.json`` carried ``attn_implementation``, those that need
-    indexing (encoders, towers, encoder-decoders: their saved name is not registered, see the
-    module docstring), and keeps the plain registered name (not the saved alias) as the model's
+    indexing (encoders, towers, encoder-decoders, whose plain load refuses its first forward),
+    those with learnable mixing (whose parameters it registers and reads back under the names
+    ``save_pretrained`` gave them), and keeps the plain registered name (not the saved alias) as the model's
     implementation. An explicit ``attn_implementation="laplacian_sdpa"`` is translated for a class
     without SDPA support.
 
