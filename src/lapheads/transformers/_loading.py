@@ -166,15 +166,17 @@ def enable(
         else:
             remove_mix(e.module)
     write_index(model, entries)
-    for e in selfs:  # each layer's laplacian_selection is readable now, not only after a forward
-        n_heads = module_heads(e.module)
-        if n_heads is not None:
-            module_selection(e.module, n_heads)
     fused = fused_implementation(model)
     model.set_attn_implementation(EAGER_ATTN_IMPLEMENTATION if eager else fused)
     needs_index = not plain_load_reproduces(entries)
     for _, c in config_tree(config) + configs:
         mark_config(c, needs_index=needs_index, fused=fused)
+    # Each layer's laplacian_selection is readable now, resolved under the implementation the model
+    # runs, so its first forward (compiled or not) finds it current and changes nothing.
+    for e in selfs:
+        n_heads = module_heads(e.module)
+        if n_heads is not None:
+            module_selection(e.module, n_heads)
     return model
 
 
