@@ -7,7 +7,11 @@ holds what the fused path does instead:
 
 * soft-capping inside ``torch.compile`` (float32 / bfloat16 / float16): FlexAttention's
   ``score_mod``, a fused kernel, then the heads; outside compilation FlexAttention would
-  materialise the scores itself, so the reference runs (what stock Gemma 2 does on its eager path);
+  materialise the scores itself, so :func:`explicit_pv` does (what stock Gemma 2 runs outside
+  flash kernels: scores, soft-cap, mask, softmax, ``P V``, with no ``I - P`` matrix; the reference,
+  which builds that matrix too, took 1.5-2.3x the CPU time per training step of a tiny Gemma 2 at
+  T = 128 / 512), and the heads follow;
+  with sinks or a bias as well, the reference computes it all;
 * sinks: one extra key column in front whose key and value are 0 and whose additive mask is the
   sink logit ``s_h`` (its score is exactly ``s_h``, its value adds nothing), so one SDPA call of
   :func:`lapheads.laplacian_attention` computes ``P v`` with the sink in every row's softmax; the
@@ -19,10 +23,12 @@ holds what the fused path does instead:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Union
 
 import torch
 
+from ..errors import ConfigError
 from ..heads import HeadMix, LayerHeads
 from ..ops import (
     _merge_causal,
@@ -31,6 +37,7 @@ from ..ops import (
     causal_lower_right_mask,
     laplacian_attention,
     laplacian_attention_reference,
+    masked_softmax,
     subtract_selected,
 )
 
@@ -105,6 +112,40 @@ def flex_softcap_pv(
     return out
 
 
+def explicit_pv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    causal: bool,
+    scaling: Optional[float],
+    dropout: float,
+    softcap: float,
+) -> torch.Tensor:
+    """``P V`` with soft-capped scores, materialised in float32 (float64 stays float64) as the
+    reference computes its scores, but with no operator matrix; the heads are applied after."""
+    h, hkv, tq, tk = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
+    if tq > tk:
+        raise ConfigError(
+            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
+        )
+    if h != hkv:
+        key = key.repeat_interleave(h // hkv, dim=1)
+        value = value.repeat_interleave(h // hkv, dim=1)
+    work = torch.promote_types(query.dtype, torch.float32)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    s = torch.matmul(query.to(work), key.to(work).transpose(-2, -1)).mul_(scale)
+    s = torch.tanh(s.div_(softcap)) * softcap  # tanh saves its output for backward: not in place
+    m = merged_mask(attention_mask, causal, tq, tk, query.device)
+    if m is not None and m.dtype == torch.bool:
+        p = masked_softmax(s.masked_fill_(~m, float("-inf")), dim=-1)  # a fully masked row: P = 0
+    else:
+        p = torch.softmax(s if m is None else s.add_(m.to(work)), dim=-1)
+    if dropout > 0:
+        p = torch.nn.functional.dropout(p, p=dropout)
+    return torch.matmul(p.to(value.dtype), value)
+
+
 def merged_mask(
     attention_mask: Optional[torch.Tensor], causal: bool, tq: int, tk: int, device: Any
 ) -> Optional[torch.Tensor]:
@@ -139,8 +180,11 @@ def fused_extras(
     h, tq, tk = query.shape[1], query.shape[2], key.shape[2]
     gqa = key.shape[1] != h
     if extras.softcap is not None:
-        if extras.bias is None and extras.sinks is None and flex_usable(query, dropout):
-            pv = flex_softcap_pv(query, key, value, attention_mask, causal, scaling, extras.softcap)
+        if extras.bias is None and extras.sinks is None:
+            if flex_usable(query, dropout):
+                pv = flex_softcap_pv(query, key, value, attention_mask, causal, scaling, extras.softcap)
+            else:
+                pv = explicit_pv(query, key, value, attention_mask, causal, scaling, dropout, extras.softcap)
             return apply_heads(pv, value, heads)
         out, _ = laplacian_attention_reference(
             query,
