@@ -5,13 +5,12 @@ The explicit form of all three (scores materialised) is the operator layer's
 :func:`lapheads.laplacian_attention_reference` (``softcap=``, ``sinks=``, ``bias=``); this module
 holds what the fused path does instead:
 
-* soft-capping inside ``torch.compile`` (float32 / bfloat16 / float16): FlexAttention's
-  ``score_mod``, a fused kernel, then the heads; outside compilation FlexAttention would
-  materialise the scores itself, so :func:`explicit_pv` does (what stock Gemma 2 runs outside
-  flash kernels: scores, soft-cap, mask, softmax, ``P V``, with no ``I - P`` matrix; the reference,
-  which builds that matrix too, took 1.5-2.3x the CPU time per training step of a tiny Gemma 2 at
-  T = 128 / 512), and the heads follow;
-  with sinks or a bias as well, the reference computes it all;
+* soft-capping: inside ``torch.compile`` (float32 / bfloat16 / float16) FlexAttention's
+  ``score_mod``, a fused kernel, computes ``P V``; outside compilation FlexAttention would
+  materialise the scores itself, so :func:`explicit_pv` does, as stock Gemma 2 does outside flash
+  kernels (scores, soft-cap, mask, softmax, ``P V``; no operator matrix: the reference, which builds
+  one, takes 1.5-2.3x the CPU time of a tiny Gemma 2 training step at T = 128 / 512); the heads
+  follow (:func:`apply_heads`). With sinks or a bias as well, the reference computes it all;
 * sinks: one extra key column in front whose key and value are 0 and whose additive mask is the
   sink logit ``s_h`` (its score is exactly ``s_h``, its value adds nothing), so one SDPA call of
   :func:`lapheads.laplacian_attention` computes ``P v`` with the sink in every row's softmax; the
