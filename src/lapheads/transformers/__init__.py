@@ -17,7 +17,7 @@ Every model whose attention modules dispatch through the interface gets Laplacia
 decoders (NanoChat, Llama, Qwen3, GPT-2, Mistral, Gemma 2, GPT-OSS, ...), encoders and vision
 towers (BERT, ViT, DeiT, DINOv2, BEiT, CLIP and SigLIP towers), encoder-decoders (T5, BART).
 The table of what is covered, measured per attention family, is ``docs/coverage-transformers.md``
-(:mod:`lapheads.coverage`).
+(written by ``tools/coverage``).
 
 * Heads per layer come from ``config.laplacian_heads`` (anything :class:`lapheads.LaplacianHeads`
   accepts), a plain config attribute that ``save_pretrained`` writes and ``from_pretrained`` reads.
