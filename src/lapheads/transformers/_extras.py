@@ -31,13 +31,10 @@ from ..errors import ConfigError
 from ..heads import HeadMix, LayerHeads
 from ..ops import (
     _merge_causal,
-    _mix_heads,
-    _v_self,
     causal_lower_right_mask,
     laplacian_attention,
     laplacian_attention_reference,
     masked_softmax,
-    subtract_selected,
 )
 
 
@@ -155,13 +152,9 @@ def merged_mask(
 
 
 def apply_heads(pv: torch.Tensor, value: torch.Tensor, heads: Union[LayerHeads, HeadMix]) -> torch.Tensor:
-    """``P V`` -> the layer's output by the operator's own steps: ``v_self - P V`` on the Laplacian
-    heads, ``a v_self + b P V`` when learnable."""
-    h, tq = pv.shape[1], pv.shape[2]
-    v_self = _v_self(value, tq, h, value.shape[1])
-    if isinstance(heads, HeadMix):
-        return _mix_heads(pv, v_self, heads.a.to(pv.dtype), heads.b.to(pv.dtype))
-    return subtract_selected(pv, v_self, heads)
+    """``P V`` -> the layer's output by the operator's own head operator (``a v_self + b P V`` per
+    head; ``v_self`` is the last ``Tq`` values, one per key-value head: GQA broadcasts)."""
+    return heads.apply(pv, value[:, :, value.shape[2] - pv.shape[2] :, :])
 
 
 def fused_extras(
