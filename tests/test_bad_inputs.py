@@ -298,6 +298,62 @@ def c_model_extra_unknown_kwarg(s, tmp):
     return Case(_train(tmp, "--set", "model.extra.foo.bar=1", *SHORT), tmp, ("model", "'foo'", "model.extra"))
 
 
+def c_model_extra_nan_text(s, tmp):
+    # YAML reads `nan` as text: timm multiplied it by the width ('nannan...') and int() failed
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: nan}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio='nan' (a string)", "vit_tiny_patch16_224", "remove the key"),
+    )
+
+
+def c_model_extra_nan(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: .nan}", *SHORT), tmp, ("model.extra.mlp_ratio=nan", "finite")
+    )
+
+
+def c_model_extra_inf_nested(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={foo: {bar: [1, -.inf]}}", *SHORT),
+        tmp,
+        ("model.extra.foo.bar[1]=-inf", "finite"),
+    )
+
+
+def c_model_extra_negative_size(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: -2}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio=-2", "negative dimension", "remove the key"),
+    )
+
+
+def c_model_extra_number_as_text(s, tmp):
+    # '1' x 64 is a 64-digit number of features: torch's C++ error, whose frames must not show
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: '1'}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio='1' (a string)", "Overflow"),
+    )
+
+
+def c_model_extra_names_the_one_key(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={qkv_bias: false, mlp_ratio: -1, class_token: true}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio=-1:",),
+    )
+
+
+def c_dino_kwargs_negative_size(s, tmp):
+    return Case(
+        ["train", "dino", "--config", "digits", "--out", str(_out(tmp)), "--set", "model.kwargs={mlp_ratio: -2}"],
+        tmp,
+        ("model.kwargs.mlp_ratio=-2", "negative dimension"),
+    )
+
+
 # ----------------------------------------------------------------------------- CLI arguments
 def a_unknown_command(s, tmp):
     return Case(["frobnicate", "--out", str(_out(tmp))], _out(tmp), ("frobnicate", "unknown command"))
@@ -918,6 +974,13 @@ CASES = {
         c_label_smoothing_out_of_range,
         c_beta_out_of_range,
         c_model_extra_unknown_kwarg,
+        c_model_extra_nan_text,
+        c_model_extra_nan,
+        c_model_extra_inf_nested,
+        c_model_extra_negative_size,
+        c_model_extra_number_as_text,
+        c_model_extra_names_the_one_key,
+        c_dino_kwargs_negative_size,
         a_unknown_command,
         a_group_without_subcommand,
         a_missing_required_flag,
