@@ -402,6 +402,40 @@ def a_resume_missing_run(s, tmp):
     return Case(_train(tmp, "--resume"), _out(tmp), (str(_out(tmp)), "not a run directory"))
 
 
+def a_resume_empty_dir_without_config(s, tmp):
+    # without --config the recipe's defaults (not digits) would start a new run there without a word
+    _out(tmp).mkdir()
+    return Case(
+        ["train", "classify", "--out", str(_out(tmp)), "--resume"],
+        _out(tmp),
+        (str(_out(tmp)), "not a run directory", "--config"),
+    )
+
+
+def a_resume_missing_dir_without_config(s, tmp):
+    return Case(["train", "classify", "--out", str(_out(tmp)), "--resume"], _out(tmp), ("not a run directory",))
+
+
+def _sweep(tmp: Path, *extra: str) -> list[str]:
+    return ["sweep", "--config", "classify/digits", "--out", str(_out(tmp)), *TINY, *SHORT, "--no-report", *extra]
+
+
+def a_sweep_duplicate_seeds(s, tmp):
+    return Case(_sweep(tmp, "--laplacian-heads", "0", "--seeds", "0,1,0"), tmp, ("--seeds '0,1,0'", "seed 0 twice"))
+
+
+def a_sweep_two_spellings_of_no_heads(s, tmp):
+    return Case(
+        _sweep(tmp, "--laplacian-heads", "0,none", "--seeds", "0"),
+        tmp,
+        ("--laplacian-heads", "'0' and 'none' are the same setting"),
+    )
+
+
+def a_sweep_two_spellings_of_k(s, tmp):
+    return Case(_sweep(tmp, "--laplacian-heads", "1,all,01"), tmp, ("'1' and '01' are the same setting",))
+
+
 def a_existing_run_without_resume(s, tmp):
     run = _copy_run(s, tmp)
     return Case(classify_argv(run, "--set", "train.max_steps=2"), run, (str(run), "--resume", "--overwrite"))
@@ -988,6 +1022,11 @@ CASES = {
         a_flag_wrong_type,
         a_resume_and_overwrite,
         a_resume_missing_run,
+        a_resume_empty_dir_without_config,
+        a_resume_missing_dir_without_config,
+        a_sweep_duplicate_seeds,
+        a_sweep_two_spellings_of_no_heads,
+        a_sweep_two_spellings_of_k,
         a_existing_run_without_resume,
         o_train_out_is_file,
         o_train_out_under_file,

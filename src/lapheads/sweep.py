@@ -185,6 +185,12 @@ def design_points(
 
 
 def parse_heads_list(text: str) -> list[str]:
+    """``"0,2,all"`` -> ``["0", "2", "all"]``, each a valid head setting given once.
+
+    Raises:
+        ConfigError: an invalid setting, or two spellings of one setting (``0,none``: one run, so the
+            sweep would train it twice or stop half-way on its own directory).
+    """
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise ConfigError(f"--laplacian-heads {text!r} is empty; give e.g. 0,3,all")
@@ -193,13 +199,36 @@ def parse_heads_list(text: str) -> list[str]:
     return items
 
 
+def check_distinct_heads(heads: Sequence[str], same: Callable[[str, object, object], bool]) -> None:
+    """Refuse two spellings of one head setting in a sweep (``0,none``, ``1,01``, ``0,0``): they are one
+    run (``same``: the recipe's :meth:`~lapheads.recipes.base.Recipe.same_setting`), which the sweep
+    would train twice under two names.
+
+    Raises:
+        ConfigError: one line naming both spellings.
+    """
+    for i, a in enumerate(heads):
+        for b in heads[:i]:
+            if same("model.laplacian_heads", LaplacianHeads(b).to_config(), LaplacianHeads(a).to_config()):
+                what = f"{b!r} is given twice" if a == b else f"{b!r} and {a!r} are the same setting"
+                raise ConfigError(f"--laplacian-heads {','.join(heads)!r}: {what} (one run); give each setting once")
+
+
 def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``, each seed once.
+
+    Raises:
+        ConfigError: not integers, empty, or a seed given twice (``0,0``: one run).
+    """
     try:
         seeds = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ConfigError(f"--seeds {text!r} must be comma-separated integers, e.g. 0,1,2") from None
     if not seeds:
         raise ConfigError("--seeds is empty")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"--seeds {text!r} gives seed {twice[0]} twice (one run); give each seed once")
     return seeds
 
 
@@ -239,6 +268,7 @@ def plan_grid(
         ConfigError: a design point's config does not load (unknown key, bad value), before anything runs.
     """
     cfg_cls = get_recipe(recipe).config_type
+    check_distinct_heads(heads, get_recipe(recipe).same_setting)
     short = axis_names(sorted({k for p in design for k in p}))
     defaults = to_dict(cfg_cls())
     plan = []
