@@ -688,6 +688,19 @@ def d_labels_out_of_range(s, tmp):
     return Case(_train(tmp, "--set", f"data.train={bad}"), _out(tmp), ("12", "out of range"))
 
 
+def d_hf_image_column_of_strings(s, tmp):
+    import datasets
+
+    saved = tmp / "hf_strings"
+    ds = datasets.Dataset.from_dict({"image": [f"img_{i}.png" for i in range(20)], "label": [i % 2 for i in range(20)]})
+    ds.save_to_disk(str(saved))
+    return Case(
+        _train(tmp, "--set", f"data.train=hf:{saved}", *SHORT),
+        _out(tmp),
+        ("hf_strings", "row 0 of column 'image' is not an image", "str"),
+    )
+
+
 def d_missing_path(s, tmp):
     return Case(_train(tmp, "--set", f"data.train={tmp / 'no_such_dataset'}"), _out(tmp), ("no_such_dataset",))
 
@@ -1055,6 +1068,7 @@ CASES = {
         d_val_classes_differ,
         d_labels_out_of_range,
         d_missing_path,
+        d_hf_image_column_of_strings,
         t_empty_corpus,
         t_parquet_without_text_column,
         t_jsonl_not_json,
