@@ -436,6 +436,22 @@ def a_sweep_two_spellings_of_k(s, tmp):
     return Case(_sweep(tmp, "--laplacian-heads", "1,all,01"), tmp, ("'1' and '01' are the same setting",))
 
 
+def a_sbatch_without_equals(s, tmp):
+    return Case(
+        _train(tmp, "--launcher", "slurm", "--sbatch", "noequals", "--no-wait"),
+        tmp,
+        ("--sbatch 'noequals'", "KEY=VALUE", "exclusive="),
+    )
+
+
+def a_sweep_sbatch_bad_key(s, tmp):
+    return Case(
+        _sweep(tmp, "--launcher", "slurm", "--sbatch", "qos high=1", "--no-wait"),
+        tmp,
+        ("--sbatch 'qos high=1'", "KEY=VALUE"),
+    )
+
+
 def a_existing_run_without_resume(s, tmp):
     run = _copy_run(s, tmp)
     return Case(classify_argv(run, "--set", "train.max_steps=2"), run, (str(run), "--resume", "--overwrite"))
@@ -1040,6 +1056,8 @@ CASES = {
         a_sweep_duplicate_seeds,
         a_sweep_two_spellings_of_no_heads,
         a_sweep_two_spellings_of_k,
+        a_sbatch_without_equals,
+        a_sweep_sbatch_bad_key,
         a_existing_run_without_resume,
         o_train_out_is_file,
         o_train_out_under_file,

@@ -15,7 +15,13 @@ from typing import Optional, Sequence
 from ..engine.checkpoint import atomic_write_text
 from ..engine.config import read_yaml
 from ..engine.run import lock_dir
-from ..engine.slurm import add_launcher_args, launcher_config, print_status
+from ..engine.slurm import (
+    SubmissionFailed,
+    add_launcher_args,
+    check_controller,
+    launcher_config,
+    print_status,
+)
 from ..errors import ConfigError
 from ..recipes.shipped import resolve_any
 from ..report import build_report
@@ -127,31 +133,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.recipe and recipe != args.recipe:
         raise ConfigError(f"{args.config} is a {recipe!r} recipe but --recipe says {args.recipe!r}")
     out = Path(args.out)
+    if slurm is not None:  # an unreachable controller: one line, before anything is written
+        check_controller()
     with lock_dir(out):
         record = [a for a in argv if a not in ("--overwrite", "--restart-changed", "--resume", "--no-wait")]
         config = str(Path(args.config).absolute()) if Path(args.config).is_file() else args.config
+        recorded = (out / COMMAND_FILE).exists()
 
         def write_command() -> None:  # once the sweep is sure to run: a refused one changes nothing in OUT
             atomic_write_text(
                 out / COMMAND_FILE, json.dumps({"argv": record, "config": config, "cwd": str(Path.cwd())}, indent=1)
             )
 
-        dirs = run_grid(
-            recipe,
-            args.config,
-            heads,
-            seeds,
-            out,
-            args.overrides,
-            overwrite=args.overwrite,
-            restart_changed=args.restart_changed,
-            design=design,
-            jobs=args.jobs,
-            launcher=slurm,
-            slurm_folder=args.slurm_folder,
-            wait=not args.no_wait,
-            on_start=write_command,
-        )
+        try:
+            dirs = run_grid(
+                recipe,
+                args.config,
+                heads,
+                seeds,
+                out,
+                args.overrides,
+                overwrite=args.overwrite,
+                restart_changed=args.restart_changed,
+                design=design,
+                jobs=args.jobs,
+                launcher=slurm,
+                slurm_folder=args.slurm_folder,
+                wait=not args.no_wait,
+                on_start=write_command,
+            )
+        except SubmissionFailed:  # sbatch refused it: a new sweep leaves no record of a sweep that never ran
+            if not recorded:
+                (out / COMMAND_FILE).unlink(missing_ok=True)
+            raise
         if slurm is not None and args.no_wait:
             print(
                 f"[sweep] not waiting; `lapheads sweep --status {out}` shows the points, and "

@@ -41,20 +41,24 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pydantic import Field
 
-from ..errors import ConfigError, RunFailed
+from ..errors import ConfigError, LapheadsError, RunFailed
+from ..outputs import removed_on_failure
 from .config import ConfigModel, Float, Int, Str, from_dict, read_yaml
 
 PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
@@ -105,6 +109,7 @@ class LauncherConfig(ConfigModel):
 
 
 # ----------------------------------------------------------------------------- flags
+_SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # an sbatch long option's name (account, gres, ...)
 _FLAGS = {  # flag -> (LauncherConfig key, type)
     "--partition": ("partition", str),
     "--nodes": ("nodes", int),
@@ -199,9 +204,13 @@ def launcher_config(args: argparse.Namespace) -> Optional[LauncherConfig]:
     extra = dict(data.get("sbatch") or {})
     for item in args.slurm_sbatch:
         key, sep, value = item.partition("=")
-        if not key.strip():
-            raise ConfigError(f"--sbatch {item!r} must look like KEY=VALUE (e.g. account=abc) or KEY")
-        extra[key.strip().lstrip("-")] = value.strip() if sep else ""
+        key = key.strip().lstrip("-")
+        if not sep or not _SBATCH_KEY.fullmatch(key):
+            raise ConfigError(
+                f"--sbatch {item!r} must look like KEY=VALUE, KEY an sbatch option without its dashes "
+                f"(e.g. --sbatch account=abc; an option without a value as KEY=, e.g. --sbatch exclusive=)"
+            )
+        extra[key] = value.strip()
     if extra:
         data["sbatch"] = extra
     return from_dict(LauncherConfig, data, prefix)
@@ -225,6 +234,54 @@ def _submitit() -> Any:
         raise ConfigError("--launcher slurm needs submitit: pip install 'submitit>=1.5'") from None
     submitit.JobEnvironment.USR_SIG = PREEMPT_SIGNAL  # also when submitit was imported before
     return submitit
+
+
+class SubmissionFailed(RunFailed):
+    """``sbatch`` refused the submission; nothing was submitted and submitit's files are removed."""
+
+
+def check_controller() -> None:
+    """Make sure the SLURM controller answers (``sinfo``) before anything is written or submitted.
+
+    Raises:
+        RunFailed: one line with ``sinfo``'s own message (no client tools, an unreachable controller).
+    """
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise RunFailed(
+            "--launcher slurm: the SLURM client tools (sinfo, sbatch) are not installed here; submit from "
+            "a host of the cluster"
+        ) from None
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RunFailed(f"--launcher slurm: sinfo failed ({e}); nothing was submitted") from None
+    if r.returncode != 0:
+        said = [t.strip() for t in (r.stderr or r.stdout).splitlines() if t.strip()]
+        why = said[-1] if said else f"sinfo exit status {r.returncode}"
+        conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+        raise RunFailed(
+            f"--launcher slurm: the SLURM controller cannot be reached ({why}); nothing was submitted: "
+            f"check the cluster (SLURM_CONF={conf}) and run the command again"
+        )
+
+
+@contextlib.contextmanager
+def _submission(folder: Path) -> Iterator[None]:
+    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line with its message,
+    and the files submitit wrote for it (job scripts, pickles; ``folder`` itself when it made it) removed.
+    submitit prints sbatch's stderr before it raises; the line quotes it instead."""
+    try:
+        with removed_on_failure(folder), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except LapheadsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - submitit's FailedJobError, an sbatch that cannot run
+        said = [t.strip() for t in str(e).splitlines() if t.strip()]
+        sbatch = [t for t in said if t.startswith("sbatch:")]
+        raise SubmissionFailed(
+            f"--launcher slurm: sbatch refused the job ({(sbatch or said or [type(e).__name__])[-1]}); "
+            f"nothing was submitted"
+        ) from None
 
 
 def make_executor(opts: LauncherConfig, folder: Path, name: str) -> Any:
@@ -465,12 +522,16 @@ def submit_train(
     """Submit ``lapheads train RECIPE ARGV`` as one job; with ``wait``, until it ends.
 
     Raises:
-        RunFailed: the job failed (its error line and log named).
+        RunFailed: the controller cannot be reached (:func:`check_controller`), or the job failed
+            (its error line and log named).
+        SubmissionFailed: sbatch refused the job (its message; no file of the submission is left).
     """
     out = Path(out)
     folder = Path(folder) if folder else out.absolute().parent / "slurm_logs"
-    ex = make_executor(opts, folder, f"lapheads-{recipe}")
-    job = ex.submit(TrainJob(recipe, argv, out.absolute()))
+    check_controller()
+    with _submission(folder):
+        ex = make_executor(opts, folder, f"lapheads-{recipe}")
+        job = ex.submit(TrainJob(recipe, argv, out.absolute()))
     print(
         f"[slurm] submitted job {job.job_id} ({opts.nodes} node(s) x {opts.ntasks_per_node} task(s)): "
         f"{out}; log: {job.paths.stdout} (stderr: {job.paths.stderr})",
@@ -549,6 +610,7 @@ def submit_sweep(
 
     Raises:
         RunFailed: some points did not finish (the first one's last log line and log named).
+        SubmissionFailed: sbatch refused the array job (its message; no file of the submission is left).
     """
     records = SweepJobs(out, Path(folder) if folder else None)
     queue = queue_states()
@@ -561,11 +623,12 @@ def submit_sweep(
                 f"{records.points[path.name]['job_id']}; not submitted again"
             )
     if submit:
-        ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
         jobs = []
-        with ex.batch():
-            for path, argv, _ in submit:
-                jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
+        with _submission(records.folder):
+            ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
+            with ex.batch():
+                for path, argv, _ in submit:
+                    jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
         stamp = _now()
         for (path, _, resume), job in zip(submit, jobs):
             rec = {
@@ -677,6 +740,8 @@ __all__ = [
     "LauncherConfig",
     "TrainJob",
     "JobFailed",
+    "SubmissionFailed",
+    "check_controller",
     "add_launcher_args",
     "launcher_config",
     "split_launcher_argv",
