@@ -232,22 +232,13 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_state(run_dir: Path) -> str:
-    """``done`` (final model written), ``partial`` (started, resumable) or ``new``."""
-    if (run_dir / "final" / "model.json").is_file():
-        return "done"
-    if (run_dir / "config.yaml").is_file():
-        return "partial"
-    return "new"
-
-
 @dataclass
 class GridRun:
     """One grid point: its directory, its ``lapheads train`` flags, and how it stands."""
 
     path: Path
     sets: list[str]
-    state: str  # run_state()
+    state: str  # RunDir.state(): done, partial or new
     resolved: dict = field(default_factory=dict)  # the config this sweep would write
     existing: dict = field(default_factory=dict)  # the config.yaml already there
     changes: list[str] = field(default_factory=list)  # keys that differ beyond what may differ
@@ -283,7 +274,7 @@ def plan_grid(
             for seed in seeds:
                 sets = [f"model.laplacian_heads={k}", f"train.seed={seed}", *point_sets, *overrides]
                 path = out / run_name(k, seed, point, short)
-                run = GridRun(path, sets, run_state(path))
+                run = GridRun(path, sets, RunDir(path).state())
                 if run.state != "new":
                     run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
                     run.existing = RunDir(run.path).read_config()
@@ -327,7 +318,7 @@ def check_plan(
     Raises:
         ConfigError: existing runs were made with other settings and neither flag is given
             (:func:`refuse_changed`).
-        CheckpointError: a run to delete holds files lapheads did not write, the working directory
+        CheckpointError: a run to delete holds files that are not the run's own, the working directory
             or the ``config`` (:meth:`~lapheads.engine.run.RunDir.check_overwrite`).
     """
     if not (overwrite or restart_changed):
@@ -341,7 +332,7 @@ def check_plan(
 
 def delete_runs(runs: Sequence[GridRun], quiet: bool = False) -> None:
     """Delete the files of the grid runs :func:`check_plan` returned, each under its lock (so never
-    under a live writer); nothing lapheads did not write goes (engine.run.RunDir.clear)."""
+    under a live writer); nothing but the runs' own files goes (engine.run.RunDir.clear)."""
     for r in runs:
         if not quiet:
             why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"

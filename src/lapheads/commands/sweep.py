@@ -8,11 +8,9 @@ its points and ``lapheads sweep --resume --out OUT`` continues it without repeat
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..engine.checkpoint import atomic_write_text
 from ..engine.config import read_yaml
 from ..engine.run import lock_dir
 from ..engine.slurm import (
@@ -23,6 +21,7 @@ from ..engine.slurm import (
     print_status,
 )
 from ..errors import ConfigError
+from ..outputs import read_json, write_json
 from ..recipes.shipped import resolve_any
 from ..report import build_report
 from ..runs import analyze_run
@@ -141,9 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         recorded = (out / COMMAND_FILE).exists()
 
         def write_command() -> None:  # once the sweep is sure to run: a refused one changes nothing in OUT
-            atomic_write_text(
-                out / COMMAND_FILE, json.dumps({"argv": record, "config": config, "cwd": str(Path.cwd())}, indent=1)
-            )
+            write_json(out / COMMAND_FILE, {"argv": record, "config": config, "cwd": str(Path.cwd())})
 
         try:
             dirs = run_grid(
@@ -206,15 +203,12 @@ def _recorded(out: Path, given: Sequence[str]) -> list[str]:
 
 def _read_command(out: Path) -> dict:
     path = out / COMMAND_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data.get("argv"), list):
-            raise ValueError
-        return data
-    except FileNotFoundError:
-        raise ConfigError(f"{out} holds no sweep ({path} is missing); pass the sweep's flags") from None
-    except (OSError, ValueError, AttributeError):
-        raise ConfigError(f"{path} is not a sweep's record; pass the sweep's flags") from None
+    if not path.exists():
+        raise ConfigError(f"{out} holds no sweep ({path} is missing); pass the sweep's flags")
+    data = read_json(path, "a sweep's record")
+    if not isinstance(data, dict) or not isinstance(data.get("argv"), list):
+        raise ConfigError(f"{path} is not a sweep's record; pass the sweep's flags")
+    return data
 
 
 def point_names(argv: Sequence[str]) -> list[str]:

@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
 import os
 import re
 import shlex
@@ -58,8 +57,9 @@ from typing import Any, Iterator, Optional, Sequence
 from pydantic import Field
 
 from ..errors import ConfigError, LapheadsError, RunFailed
-from ..outputs import removed_on_failure
+from ..outputs import read_json, removed_on_failure, write_json
 from .config import ConfigModel, Float, Int, Str, from_dict, read_yaml
+from .run import RunDir
 
 PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
 JOBS_FILE = "jobs.json"  # in a sweep's slurm/ folder
@@ -316,28 +316,7 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _atomic_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARGV]) -> exit status``
-
-
-def run_state(run_dir: Path) -> str:
-    """``done`` (final model written), ``partial`` (started, resumable) or ``new`` (as lapheads.sweep)."""
-    if (Path(run_dir) / "final" / "model.json").is_file():
-        return "done"
-    return "partial" if (Path(run_dir) / "config.yaml").is_file() else "new"
 
 
 class TrainJob:
@@ -353,8 +332,6 @@ class TrainJob:
 
     def command(self) -> list[str]:
         """The argv of this attempt: a requeued one drops ``--overwrite`` and resumes the run if it started."""
-        from .run import RunDir  # noqa: PLC0415 - light, but keep this module's import cheap
-
         argv = list(self.argv)
         restarted = self.resume or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
         if restarted:
@@ -412,14 +389,15 @@ class TrainJob:
     def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
         """Append this attempt to ``RUN_DIR/slurm.json`` (only once the directory holds a run: a fresh
         start needs an empty directory)."""
-        from .run import RunDir
-
         run = RunDir(self.out)
         if not run.exists():
             return
-        path = run.path / RUN_RECORD
-        data = read_json(path) or {"attempts": []}
         paths = job.paths
+        try:
+            data = run.read_json(RUN_RECORD, "the SLURM attempts of the run", missing={"attempts": []})
+        except LapheadsError as e:  # a record must never fail the run
+            print(f"[slurm] {e}; not recording this attempt", file=sys.stderr)
+            return
         data["attempts"].append(
             {
                 "event": event,
@@ -436,9 +414,9 @@ class TrainJob:
             }
         )
         try:
-            _atomic_json(path, data)
-        except OSError as e:  # a record must never fail the run
-            print(f"[slurm] could not write {path}: {e}", file=sys.stderr)
+            run.write_json(RUN_RECORD, data)
+        except (OSError, LapheadsError) as e:  # a record must never fail the run
+            print(f"[slurm] could not write {run.path / RUN_RECORD}: {e}", file=sys.stderr)
 
 
 class JobFailed(RuntimeError):
@@ -537,7 +515,7 @@ def submit_train(
         f"{out}; log: {job.paths.stdout} (stderr: {job.paths.stderr})",
         flush=True,
     )
-    _atomic_json(
+    write_json(
         folder / f"{job.job_id}_lapheads.json",
         {
             "job_id": job.job_id,
@@ -554,9 +532,7 @@ def submit_train(
         return job
     while job_state(job.job_id, queue_states()) is not None:
         time.sleep(opts.poll_s)
-    from .run import RunDir
-
-    if not (RunDir(out).final_dir / "model.json").is_file():
+    if RunDir(out).state() != "done":
         tail = log_tail(job.paths.stderr) or log_tail(job.paths.stdout)
         raise RunFailed(
             f"job {job.job_id} ended without finishing {out}: {tail[-1] if tail else 'no log'} "
@@ -576,12 +552,13 @@ class SweepJobs:
         self.out = Path(out)
         self.folder = Path(folder) if folder else self.out / "slurm"
         self.path = self.out / "slurm" / JOBS_FILE
-        data = read_json(self.path) or {}
+        data = read_json(self.path, "the SLURM jobs of a sweep", missing={})
         self.points: dict[str, dict] = data.get("points", {})
         self.history: list[dict] = data.get("history", [])
 
     def save(self) -> None:
-        _atomic_json(self.path, {"points": self.points, "history": self.history})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"points": self.points, "history": self.history})
 
     def queued(self, queue: dict[str, str]) -> dict[str, str]:
         """``{point: state}`` of the points whose current job is still in the queue."""
@@ -657,7 +634,7 @@ def submit_sweep(
         live = {n: s for n, s in records.queued(queue).items() if n in names}
         if not quiet:
             for n in names:
-                now = "done" if run_state(out / n) == "done" else live.get(n, "ended").lower()
+                now = "done" if RunDir(out / n).state() == "done" else live.get(n, "ended").lower()
                 if seen.get(n) != now:
                     seen[n] = now
                     jid = records.points.get(n, {}).get("job_id", "?")
@@ -665,7 +642,7 @@ def submit_sweep(
         if not live:
             break
         time.sleep(opts.poll_s)
-    failed = [path for path, _, _ in todo if run_state(path) != "done"]
+    failed = [path for path, _, _ in todo if RunDir(path).state() != "done"]
     if failed:
         first = records.points.get(failed[0].name, {})
         tail = log_tail(first.get("stderr")) or log_tail(first.get("stdout"))
@@ -691,16 +668,16 @@ def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
         rec = records.points.get(name, {})
         jid = rec.get("job_id")
         state = job_state(jid, queue) if jid else None
-        run = out / name
+        run = RunDir(out / name).state()
         row: dict[str, Any] = {"point": name, "job_id": jid, "log": rec.get("stderr")}
-        if run_state(run) == "done":
+        if run == "done":
             row["state"] = "done"
         elif state in ACTIVE:
             row["state"] = "running"
         elif state is not None:
             row["state"] = "pending"
         elif jid is None:
-            row["state"] = "not started" if run_state(run) == "new" else "stopped"
+            row["state"] = "not started" if run == "new" else "stopped"
         elif unreachable:
             row["state"] = "unknown"
             row["tail"] = [unreachable]
@@ -708,7 +685,7 @@ def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
             tail = log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
             row["state"] = "failed"
             row["tail"] = tail
-            row["resumable"] = run_state(run) == "partial"
+            row["resumable"] = run == "partial"
         rows.append(row)
     return rows
 
