@@ -14,6 +14,9 @@ Design choices:
   a small CIFAR archive, a small BPE tokenizer.
 * One subprocess test checks the real console: exit status 2 and a one-line stderr, and with
   ``--debug`` a traceback.
+* What needs a working directory of its own (``--overwrite`` of the current directory and its
+  ancestors) is in tests/test_overwrite.py; an unreachable SLURM controller in
+  tests/test_slurm_unreachable.py, sbatch refusing a job in tests/test_slurm.py.
 """
 
 from __future__ import annotations
@@ -462,6 +465,30 @@ def a_existing_run_without_resume(s, tmp):
 # is sysfs (/sys refuses new entries even to root); a path under a regular file cannot exist.
 def _afile(tmp: Path) -> Path:
     return _write(tmp / "afile", "not a directory\n")
+
+
+def o_overwrite_dir_holding_the_config(s, tmp):
+    # the --config being read and the user's notes live in --out: --overwrite would delete both
+    d = tmp / "d"
+    shutil.copy(DIGITS, _write(d / "notes.txt", "mine").parent / "my.yaml")
+    return Case(
+        ["train", "classify", "--config", str(d / "my.yaml"), "--out", str(d), "--overwrite", *TINY, *SHORT],
+        tmp,
+        ("--overwrite would delete", "my.yaml", "which this command reads"),
+    )
+
+
+def o_overwrite_run_with_a_file_of_the_user(s, tmp):
+    run = _copy_run(s, tmp)
+    _write(run / "notes.txt", "mine")
+    return Case(
+        classify_argv(run, *SHORT, "--overwrite"), tmp, ("--overwrite refuses", "notes.txt", "not one of the run's own")
+    )
+
+
+def o_overwrite_not_a_run(s, tmp):
+    _write(_out(tmp) / "thesis.tex", "\\section{}")
+    return Case(_train(tmp, *SHORT, "--overwrite"), tmp, ("--overwrite refuses", "not a run directory"))
 
 
 def o_train_out_is_file(s, tmp):
@@ -1059,6 +1086,9 @@ CASES = {
         a_sbatch_without_equals,
         a_sweep_sbatch_bad_key,
         a_existing_run_without_resume,
+        o_overwrite_dir_holding_the_config,
+        o_overwrite_run_with_a_file_of_the_user,
+        o_overwrite_not_a_run,
         o_train_out_is_file,
         o_train_out_under_file,
         o_train_out_unwritable,
