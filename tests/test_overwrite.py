@@ -178,3 +178,10 @@ def test_quickstart_overwrite_deletes_its_runs_only(tmp_path, monkeypatch, capsy
     (q / "vision" / "lap0_seed0" / "draft.md").write_text("mine too")
     argv = ["quickstart", "--tiny", "--no-lm", "--jobs", "1", "--out", str(q), "--overwrite"]
     _refused(capsys, argv, q, "lap0_seed0", "draft.md", "not one of the run's own files")
+    # without it, the run (made with other settings) is retrained as the quickstart's; the notes stay
+    (q / "vision" / "lap0_seed0" / "draft.md").unlink()
+    old = _run_id(q / "vision" / "lap0_seed0")
+    assert cli(argv) == 0
+    assert "lap0_seed0: deleted to start afresh" in capsys.readouterr().out
+    assert _run_id(q / "vision" / "lap0_seed0") != old and (q / "notes.txt").read_text() == "mine"
+    assert (q / "report" / "report.md").is_file()
