@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     intro = (
         "Baseline (k=0) against Laplacian heads on embedded data: a tiny ViT on scikit-learn's "
         "digits and a tiny NanoChat-style LM on Python's pydoc topics (k = 0 and all heads of every "
-        "layer Laplacian), 3 seeds each, every run trained to a plateau on a CPU.\n\n"
+        "layer Laplacian), trained on a CPU.\n\n"
         + SCOPE
         + ("\n\nThis is a --tiny run (a few steps per model): its numbers mean nothing." if args.tiny else "")
     )
