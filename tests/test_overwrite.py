@@ -102,10 +102,20 @@ def test_a_run_with_a_file_lapheads_did_not_write_is_refused_naming_it(tmp_path,
     run = _copy(finished, tmp_path / "run")
     (run / "notes.txt").write_text("mine")
     (run / "zz_plot.png").write_bytes(b"\x89PNG")
-    _refused(capsys, _train(run, "--overwrite"), run, "notes.txt and 1 more", "lapheads did not write")
+    _refused(capsys, _train(run, "--overwrite"), run, "notes.txt and 1 more", "not one of the run's own files")
     # the Python API refuses the same way (the engine, without the command line)
     with pytest.raises(CheckpointError, match="notes.txt"):
         RunDir(run).check_overwrite()
+    # a run inside the run (a retrofit's baseline) is checked too
+    (run / "notes.txt").unlink()
+    (run / "zz_plot.png").unlink()
+    _copy(finished, run / "baseline")
+    (run / "baseline" / "draft.md").write_text("mine")
+    _refused(capsys, _train(run, "--overwrite"), run, "baseline/draft.md")
+    (run / "baseline" / "draft.md").unlink()
+    (run / "retrofit.json").write_text("{}")
+    assert cli(_train(run, "--overwrite")) == 0
+    assert not (run / "baseline").exists() and not (run / "retrofit.json").exists()
 
 
 def test_a_directory_that_is_not_a_run_is_refused(tmp_path, monkeypatch, capsys):
@@ -167,4 +177,11 @@ def test_quickstart_overwrite_deletes_its_runs_only(tmp_path, monkeypatch, capsy
     (q / "notes.txt").write_text("mine")
     (q / "vision" / "lap0_seed0" / "draft.md").write_text("mine too")
     argv = ["quickstart", "--tiny", "--no-lm", "--jobs", "1", "--out", str(q), "--overwrite"]
-    _refused(capsys, argv, q, "lap0_seed0", "draft.md", "lapheads did not write")
+    _refused(capsys, argv, q, "lap0_seed0", "draft.md", "not one of the run's own files")
+    # without it, the run (made with other settings) is retrained as the quickstart's; the notes stay
+    (q / "vision" / "lap0_seed0" / "draft.md").unlink()
+    old = _run_id(q / "vision" / "lap0_seed0")
+    assert cli(argv) == 0
+    assert "lap0_seed0: deleted to start afresh" in capsys.readouterr().out
+    assert _run_id(q / "vision" / "lap0_seed0") != old and (q / "notes.txt").read_text() == "mine"
+    assert (q / "report" / "report.md").is_file()

@@ -185,6 +185,12 @@ def design_points(
 
 
 def parse_heads_list(text: str) -> list[str]:
+    """``"0,2,all"`` -> ``["0", "2", "all"]``, each a valid head setting given once.
+
+    Raises:
+        ConfigError: an invalid setting, or two spellings of one setting (``0,none``: one run, so the
+            sweep would train it twice or stop half-way on its own directory).
+    """
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise ConfigError(f"--laplacian-heads {text!r} is empty; give e.g. 0,3,all")
@@ -193,23 +199,37 @@ def parse_heads_list(text: str) -> list[str]:
     return items
 
 
+def check_distinct_heads(heads: Sequence[str], same: Callable[[str, object, object], bool]) -> None:
+    """Refuse two spellings of one head setting in a sweep (``0,none``, ``1,01``, ``0,0``): they are one
+    run (``same``: the recipe's :meth:`~lapheads.recipes.base.Recipe.same_setting`), which the sweep
+    would train twice under two names.
+
+    Raises:
+        ConfigError: one line naming both spellings.
+    """
+    for i, a in enumerate(heads):
+        for b in heads[:i]:
+            if same("model.laplacian_heads", LaplacianHeads(b).to_config(), LaplacianHeads(a).to_config()):
+                what = f"{b!r} is given twice" if a == b else f"{b!r} and {a!r} are the same setting"
+                raise ConfigError(f"--laplacian-heads {','.join(heads)!r}: {what} (one run); give each setting once")
+
+
 def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``, each seed once.
+
+    Raises:
+        ConfigError: not integers, empty, or a seed given twice (``0,0``: one run).
+    """
     try:
         seeds = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ConfigError(f"--seeds {text!r} must be comma-separated integers, e.g. 0,1,2") from None
     if not seeds:
         raise ConfigError("--seeds is empty")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"--seeds {text!r} gives seed {twice[0]} twice (one run); give each seed once")
     return seeds
-
-
-def run_state(run_dir: Path) -> str:
-    """``done`` (final model written), ``partial`` (started, resumable) or ``new``."""
-    if (run_dir / "final" / "model.json").is_file():
-        return "done"
-    if (run_dir / "config.yaml").is_file():
-        return "partial"
-    return "new"
 
 
 @dataclass
@@ -218,7 +238,7 @@ class GridRun:
 
     path: Path
     sets: list[str]
-    state: str  # run_state()
+    state: str  # RunDir.state(): done, partial or new
     resolved: dict = field(default_factory=dict)  # the config this sweep would write
     existing: dict = field(default_factory=dict)  # the config.yaml already there
     changes: list[str] = field(default_factory=list)  # keys that differ beyond what may differ
@@ -239,6 +259,7 @@ def plan_grid(
         ConfigError: a design point's config does not load (unknown key, bad value), before anything runs.
     """
     cfg_cls = get_recipe(recipe).config_type
+    check_distinct_heads(heads, get_recipe(recipe).same_setting)
     short = axis_names(sorted({k for p in design for k in p}))
     defaults = to_dict(cfg_cls())
     plan = []
@@ -253,7 +274,7 @@ def plan_grid(
             for seed in seeds:
                 sets = [f"model.laplacian_heads={k}", f"train.seed={seed}", *point_sets, *overrides]
                 path = out / run_name(k, seed, point, short)
-                run = GridRun(path, sets, run_state(path))
+                run = GridRun(path, sets, RunDir(path).state())
                 if run.state != "new":
                     run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
                     run.existing = RunDir(run.path).read_config()
@@ -297,7 +318,7 @@ def check_plan(
     Raises:
         ConfigError: existing runs were made with other settings and neither flag is given
             (:func:`refuse_changed`).
-        CheckpointError: a run to delete holds files lapheads did not write, the working directory
+        CheckpointError: a run to delete holds files that are not the run's own, the working directory
             or the ``config`` (:meth:`~lapheads.engine.run.RunDir.check_overwrite`).
     """
     if not (overwrite or restart_changed):
@@ -311,7 +332,7 @@ def check_plan(
 
 def delete_runs(runs: Sequence[GridRun], quiet: bool = False) -> None:
     """Delete the files of the grid runs :func:`check_plan` returned, each under its lock (so never
-    under a live writer); nothing lapheads did not write goes (engine.run.RunDir.clear)."""
+    under a live writer); nothing but the runs' own files goes (engine.run.RunDir.clear)."""
     for r in runs:
         if not quiet:
             why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"

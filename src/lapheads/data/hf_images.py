@@ -112,10 +112,10 @@ class HFImageDataset(ImageDataset):
         self.targets = labels[self.indices]
         self.images = ds.select_columns([image_column])
         self.image_column = image_column
+        self.source = f"{where}:{chosen}" + (f"[{split}]" if carve else "")  # before _raw, which names it
         first = self._raw(0) if len(self.indices) else None
         self.channels = 1 if first is not None and first.mode in ("L", "1", "I;16", "I", "F") else 3
         self.native_size = None  # sizes may vary, as in a folder
-        self.source = f"{where}:{chosen}" + (f"[{split}]" if carve else "")
 
     def _raw(self, index: int) -> Image.Image:
         value = self.images[int(self.indices[index])][self.image_column]

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError, DataError, DiskFullError, is_disk_full
+from ..errors import ConfigError, DataError, DiskFullError
+from ..outputs import atomic_write
 from .text import check_val_fraction, is_validation_document
 
 __all__ = ["tokenize_to_shards", "TokenShards", "INDEX_NAME", "SPLITS", "read_index", "tokenizer_hash"]
@@ -72,24 +73,11 @@ def _dtype_for(vocab_size: int) -> str:
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file; a full disk is one :class:`DiskFullError` line
     (the shards written before stay, listed in ``index.json``) and the temporary file is removed."""
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # readers see the old file or the complete new one, never half of it
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(e):
-            raise DiskFullError(
-                path.parent,
-                len(data),
-                what=f"writing {path.name}",
-                run=path.parent,
-                resume="the same command with --resume (the shards written so far are kept)",
-            ) from None
-        raise
+        atomic_write(path, data)  # readers see the old file or the complete new one, never half of it
+    except DiskFullError as e:
+        resume = "the same command with --resume (the shards written so far are kept)"
+        raise DiskFullError(e.directory, e.needed, e.free, e.what, run=path.parent, resume=resume) from None
 
 
 def _write_index(out: Path, index: dict) -> None:

@@ -56,22 +56,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, DiskFullError, free_bytes, is_disk_full
+from ..outputs import atomic_write
+from ..outputs import fsync_dir as _fsync_dir  # the name the fault-injection tests slow down
 
 LATEST = "latest"
 STATE_JSON = "state.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
@@ -96,23 +85,6 @@ def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[i
         if is_disk_full(e):
             raise DiskFullError(directory, needed, what=what) from None
         raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a mix.
-
-    A full disk raises :class:`DiskFullError`; the temporary file is removed on any failure.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = text.encode("utf-8")
-    with removed_on_failure(tmp, path.parent, f"writing {path.name}", len(data)):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _contiguous(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -374,7 +346,7 @@ def commit_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
-    atomic_write_text(ckpt_dir / LATEST, name)
+    atomic_write(ckpt_dir / LATEST, name)
     for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_dir.glob(".tmp-*"):  # partial writes of killed processes

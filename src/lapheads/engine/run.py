@@ -34,7 +34,7 @@ Design choices:
   that lapheads writes there (:data:`RUN_ENTRIES`: the training files, and what the analysis, a
   SLURM job and the trackers add). It refuses the current directory and its ancestors, a
   directory holding the ``--config`` being read, a sweep directory, and a directory with a file
-  lapheads did not write (naming it), before anything is deleted.
+  not one of the run's own (naming it), before anything is deleted.
 * One writer at a time: every command that writes into a run directory holds :class:`RunLock`,
   an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` that the kernel releases when the process
   dies, whatever kills it. The holder writes its PID and host into the file so that a second
@@ -71,16 +71,16 @@ import torch
 import yaml
 
 from ..errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
-from ..outputs import check_out_dir
-from .checkpoint import atomic_write_text
+from ..outputs import atomic_write, check_out_dir, read_json, write_json
 from .config import load_yaml, to_dict
 from .trackers import STATE_FILE as TRACKERS_FILE
 
 LOCK_NAME = ".lock"
 SWEEP_RECORD = "sweep_command.json"  # what makes a directory a sweep (lapheads sweep writes it)
 # The top-level entries lapheads writes into a run directory: the training files (module docstring),
-# engine.slurm's record of the SLURM attempts, engine.trackers' ids and W&B's offline folder, and the
-# analysis of ``lapheads.runs.analyze_run``. --overwrite deletes these and refuses anything else.
+# engine.slurm's record of the SLURM attempts, engine.trackers' ids and W&B's offline folder, the
+# analysis of ``lapheads.runs.analyze_run`` and a retrofit's comparison. --overwrite deletes these and
+# refuses anything else.
 RUN_ENTRIES = frozenset(
     {
         "config.yaml",
@@ -95,9 +95,11 @@ RUN_ENTRIES = frozenset(
         TRACKERS_FILE,
         "wandb",
         "geometry",
+        "retrofit.json",
     }
 )
-_TMP = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # atomic_write_text's temporary file of NAME
+NESTED_RUNS = frozenset({"baseline"})  # runs inside a run: a retrofit's baseline (its own entries checked too)
+_TMP = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # outputs.atomic_write's temporary file of NAME
 
 
 def git_revision() -> Optional[str]:
@@ -389,6 +391,17 @@ def _written_by_lapheads(name: str) -> bool:
     return (tmp.group("name") if tmp else name) in RUN_ENTRIES
 
 
+def _foreign_entries(run: Path) -> list[str]:
+    """The entries of the run directory ``run`` that are not its own (sorted; nested runs' as ``baseline/x``)."""
+    out = []
+    for c in sorted(run.iterdir(), key=lambda c: c.name):
+        if c.name in NESTED_RUNS and c.is_dir() and not c.is_symlink() and (c / "config.yaml").is_file():
+            out += [f"{c.name}/{n}" for n in _foreign_entries(c)]
+        elif not _written_by_lapheads(c.name):
+            out.append(c.name)
+    return out
+
+
 def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
@@ -414,6 +427,21 @@ class RunDir:
 
     def exists(self) -> bool:
         return self.config_path.is_file()
+
+    def state(self) -> str:
+        """``done`` (the final model is written), ``partial`` (started: resumable) or ``new``."""
+        if (self.final_dir / "model.json").is_file():
+            return "done"
+        return "partial" if self.exists() else "new"
+
+    def read_json(self, name: str, what: str = "", *, missing: Any = None) -> Any:
+        """The JSON file ``name`` of the run (``meta.json``, ``slurm.json``, ``final/model.json``);
+        ``missing`` when it does not exist; one :class:`CheckpointError` line when it is corrupt."""
+        return read_json(self.path / name, what or f"a file of the run {self.path}", missing=missing)
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write the JSON file ``name`` of the run atomically (:func:`lapheads.outputs.atomic_write`)."""
+        write_json(self.path / name, data)
 
     def lock(self) -> RunLock:
         """Take the writer lock (before anything is checked, written or cleaned up)."""
@@ -463,20 +491,20 @@ class RunDir:
                 f"{flag} refuses {self.path}: it is {kind} (no config.yaml), and {flag} deletes "
                 f"only a run; choose another --out, or delete its files yourself"
             )
-        foreign = sorted(c.name for c in self.path.iterdir() if not _written_by_lapheads(c.name))
+        foreign = _foreign_entries(self.path)
         if foreign:
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             raise CheckpointError(
-                f"{flag} refuses {self.path}: it holds {foreign[0]}{more}, which lapheads did not write "
-                f"({flag} deletes only a run's own files); move it elsewhere or choose another --out"
+                f"{flag} refuses {self.path}: it holds {foreign[0]}{more}, which is not one of the run's own "
+                f"files ({flag} deletes only those); move it elsewhere or choose another --out"
             )
 
     def clear(self) -> None:
-        """Delete the run's files (:data:`RUN_ENTRIES`; the lock file, which the caller holds, stays),
-        after :meth:`check_overwrite`: nothing else is ever deleted."""
+        """Delete the run's files (:data:`RUN_ENTRIES`, :data:`NESTED_RUNS`; the lock file, which the
+        caller holds, stays), after :meth:`check_overwrite`: nothing else is ever deleted."""
         self.check_overwrite()
         for child in self.path.iterdir():
-            if child.name == LOCK_NAME or not _written_by_lapheads(child.name):
+            if child.name == LOCK_NAME or not (_written_by_lapheads(child.name) or child.name in NESTED_RUNS):
                 continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
@@ -563,9 +591,8 @@ class RunDir:
             self.clear()
         self.path.mkdir(parents=True, exist_ok=True)
         resolved = {"recipe": recipe, **to_dict(cfg)}
-        atomic_write_text(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
-        meta_path = self.path / "meta.json"
-        meta = json.loads(meta_path.read_text()) if (resume and meta_path.is_file()) else {}
+        atomic_write(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
+        meta = (self.read_json("meta.json", missing={}) if resume else None) or {}
         meta.setdefault("starts", []).append(
             {
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -581,14 +608,14 @@ class RunDir:
         meta["recipe"] = recipe
         meta.setdefault("run_id", uuid.uuid4().hex[:16])  # recorded in every checkpoint (engine.checkpoint)
         meta["git_revision"] = meta["starts"][0]["git_revision"]
-        atomic_write_text(meta_path, json.dumps(meta, indent=1))
+        self.write_json("meta.json", meta)
         return resume
 
     def run_id(self) -> Optional[str]:
         """The run's id from ``meta.json`` (None for runs started before ids were recorded)."""
         try:
-            rid = json.loads((self.path / "meta.json").read_text(encoding="utf-8")).get("run_id")
-        except (OSError, ValueError, AttributeError):
+            rid = self.read_json("meta.json", missing={}).get("run_id")
+        except (CheckpointError, AttributeError):
             return None
         return rid if isinstance(rid, str) else None
 
@@ -613,7 +640,7 @@ class RunDir:
         checkpoint) and torn lines from every per-step log; records without a step are kept."""
         for path in self.step_logs():
             keep = [r for r in _read_jsonl(path) if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+            atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -50,7 +50,6 @@ Design choices:
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import secrets
 import shutil
@@ -59,7 +58,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LapheadsError
+from ..outputs import read_json, write_json
 
 __all__ = [
     "TRACKERS",
@@ -297,10 +297,9 @@ _CLASSES: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb"
 
 
 def _read_state(run_dir: Path) -> dict[str, Any]:
-    p = Path(run_dir) / STATE_FILE
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(Path(run_dir) / STATE_FILE, missing={})
+    except LapheadsError:  # a damaged record: the trackers start new runs
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -346,9 +345,7 @@ class TrackerGroup:
         self._each("start", resume_step)
         ids = {k: v for k, v in self.state.items() if v}
         if ids:
-            from .checkpoint import atomic_write_text
-
-            atomic_write_text(self.run_dir / STATE_FILE, json.dumps(ids, indent=1))
+            write_json(self.run_dir / STATE_FILE, ids)
 
     def log(self, record: dict[str, Any]) -> None:
         self._each("log", record)

@@ -172,9 +172,11 @@ class Recipe(ABC):
         if key.rsplit(".", 1)[-1] != "laplacian_heads":
             return False
         try:
-            return LaplacianHeads(old).label() == LaplacianHeads(new).label()
+            a, b = LaplacianHeads(old), LaplacianHeads(new)
         except LapheadsError:
             return False
+        no_heads = [h.kind == "none" or (h.kind == "k" and h.spec == 0) for h in (a, b)]
+        return a == b or all(no_heads)
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         """What ``lapheads train <name>`` prints when :meth:`train` returns ``result``."""

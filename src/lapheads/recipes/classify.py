@@ -23,7 +23,7 @@ Design choices:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
-from ..vision.backbones import frozen
+from ..vision.backbones import build_with_user_kwargs, check_user_kwargs, frozen
 
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
 # here also so that `from lapheads.recipes.classify import check_channels` keeps working
@@ -71,6 +71,10 @@ class ModelConfig(ConfigModel):
     )
     qk_norm: bool = Field(False, description="normalise queries and keys (timm qk_norm)")
     extra: dict[Str, Any] = Field({}, description="any other timm keyword argument")
+
+    @rule
+    def _extra(self) -> None:
+        check_user_kwargs(self.extra, "model.extra")
 
 
 class DataConfig(ConfigModel):
@@ -175,10 +179,13 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
     Raises:
         ConfigError: timm refuses the keyword arguments (e.g. an unknown key in ``model.extra``).
     """
+    base = timm_kwargs(m.model_copy(update={"extra": {}}), num_classes)
+
+    def build(extra: Mapping[str, Any]) -> nn.Module:
+        return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False, **base, **extra)
+
     try:
-        return lap_timm.create_model(
-            m.name, laplacian_heads=m.laplacian_heads, pretrained=False, **timm_kwargs(m, num_classes)
-        )
+        return build_with_user_kwargs(build, m.extra, "model.extra", m.name)
     except TypeError as e:  # every keyword comes from the config: a wrong one is the user's to fix
         extra = f"; model.extra holds {sorted(m.extra)}" if m.extra else ""
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e}){extra}") from None

@@ -79,7 +79,7 @@ from ..errors import CheckpointError, ConfigError, DataError
 from ..heads import LaplacianHeads
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
-from ..vision.backbones import create_backbone, frozen, load_backbone_weights
+from ..vision.backbones import build_with_user_kwargs, check_user_kwargs, create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
 from ..vision.transforms import (
     IMAGENET_MEAN,
@@ -111,6 +111,10 @@ class DinoModelConfig(ConfigModel):
     kwargs: dict[Str, Any] = Field(
         {}, description="timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ..."
     )
+
+    @rule
+    def _kwargs(self) -> None:
+        check_user_kwargs(self.kwargs, "model.kwargs")
 
 
 class DinoHeadConfig(ConfigModel):
@@ -405,7 +409,13 @@ class DinoTask(HeadsTask):
         self.steps_per_epoch = self.spe // cfg.train.grad_accum
 
         m = cfg.model
-        student_bb = create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **backbone_kwargs(m))
+        base = {k: v for k, v in backbone_kwargs(m).items() if k not in m.kwargs}
+        student_bb = build_with_user_kwargs(
+            lambda kw: create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **base, **kw),
+            m.kwargs,
+            "model.kwargs",
+            m.name,
+        )
         teacher_bb = create_backbone(m.name, m.laplacian_heads, 0.0, **backbone_kwargs(m))
         dim = student_bb.num_features
         h = cfg.head

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import timm
 import torch
@@ -65,7 +65,7 @@ from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
 from ..heads import LaplacianHeads, is_count, learnable_spec
 from ..outputs import read_json
-from ..vision.backbones import frozen
+from ..vision.backbones import build_with_user_kwargs, frozen
 from .base import vision_batches
 from .classify import (
     AugConfig,
@@ -223,14 +223,16 @@ def pretrained_model(cfg: RetrofitViTConfig, num_classes: int) -> nn.Module:
     head = head[0] if isinstance(head, (tuple, list)) else head
     # timm keeps the file's head only when its class count matches num_classes (then it drops it)
     overlay = {"file": str(src), "source": "", "num_classes": checkpoint_classes(src, head)}
-    try:
+    base = timm_kwargs(m.model_copy(update={"extra": {}}), num_classes)
+
+    def build(extra: Mapping[str, Any], pretrained: bool = True) -> nn.Module:
+        pre: dict[str, Any] = {"pretrained_cfg_overlay": overlay} if pretrained else {}
         return lap_timm.create_model(
-            m.name,
-            laplacian_heads=m.laplacian_heads,
-            pretrained=True,
-            pretrained_cfg_overlay=overlay,
-            **timm_kwargs(m, num_classes),
+            m.name, laplacian_heads=m.laplacian_heads, pretrained=pretrained, **pre, **base, **extra
         )
+
+    try:
+        return build_with_user_kwargs(build, m.extra, "model.extra", m.name, trial=lambda kw: build(kw, False))
     except TypeError as e:
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e})") from None
     except RuntimeError as e:  # load_state_dict: missing / unexpected keys or shapes
