@@ -51,7 +51,7 @@ Design choices:
   line each): a tracker whose package is missing (naming the package and the extra that
   installs it, ``pip install 'lapheads[trackers]'``); an MLflow store the installed MLflow cannot
   open: a database without SQLAlchemy and Alembic (``mlflow-skinny`` alone), or a ``file:``
-  store, which MLflow 3.7 and later refuse unless ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow's own
+  store, which recent MLflow releases refuse unless ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow's own
   opt-out, honoured); a W&B directory that cannot be created or written (W&B would otherwise
   write to a temporary directory).
 * A tracker that fails while logging (a network hiccup, a full disk) does not stop training:
