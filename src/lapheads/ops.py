@@ -128,6 +128,39 @@ def _check_numbers(scale: Optional[float], dropout_p: float) -> None:
         raise ConfigError(f"dropout_p={dropout_p!r} must be a number in [0, 1]")
 
 
+def _check_extras(
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    q: torch.Tensor,
+    h: int,
+    tk: int,
+) -> None:
+    """Refuse a soft-cap, sink or position bias that does not fit the call, with the fix."""
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0
+    ):
+        raise ConfigError(f"softcap={softcap!r} must be None (no soft-capping) or a finite number > 0")
+    rows = (*q.shape[:-1], 1)
+    for name, t, target, hint in (
+        ("sinks", sinks, rows, f"({h},) (one per head) or (..., {h}, Tq, 1) (one per head and query)"),
+        ("bias", bias, (*q.shape[:-1], tk), "broadcastable to (..., H, Tq, Tk)"),
+    ):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ConfigError(f"{name} must be a floating tensor of shape {hint}; got {type(t).__name__}")
+        shape = (h, 1, 1) if name == "sinks" and t.dim() == 1 and t.shape[0] == h else tuple(t.shape)
+        try:
+            ok = torch.broadcast_shapes(shape, target) == torch.Size(target)  # type: ignore[no-untyped-call]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"{name} has shape {tuple(t.shape)}; expected {hint} with (..., H, Tq, Tk) = {(*q.shape[:-1], tk)}"
+            )
+
+
 def _dead_rows(mask: torch.Tensor) -> torch.Tensor:
     """``(..., Tq, 1)`` boolean: True where the mask hides every key of the query row."""
     visible = mask if mask.dtype == torch.bool else mask != float("-inf")
@@ -418,8 +451,25 @@ def laplacian_attention_reference(
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`laplacian_attention` that materialises the operator.
+
+    The scores are ``q k^T * scale``, soft-capped, plus the position bias, plus the mask; then the
+    softmax (with the sink logits when given), dropout on P, and the head operator. Beyond the
+    arguments of :func:`laplacian_attention` it takes what some models add to the scores (the
+    transformers integration passes them through):
+
+    Args:
+        softcap: soft-capping (Gemma 2, Grok): the scores become ``softcap * tanh(s / softcap)``
+            before the bias and the mask. A finite number > 0.
+        sinks: attention sinks: one logit per head (shape ``(H,)``, GPT-OSS) or per head and query
+            (broadcastable to ``(..., H, Tq, 1)``); the sink joins each row's softmax as an extra
+            key and its probability is dropped, so the rows of P sum to less than 1.
+        bias: an additive position bias broadcastable to ``(..., H, Tq, Tk)`` (T5-style), added to
+            the (soft-capped) scores before the mask.
 
     Returns:
         ``(out, operator)``: ``out`` as the fused function, and ``operator`` of shape
@@ -446,10 +496,15 @@ def laplacian_attention_reference(
     if group > 1:
         k = k.repeat_interleave(group, dim=-3)
         v = v.repeat_interleave(group, dim=-3)
+    _check_extras(softcap, sinks, bias, q, h, tk)
     s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # float32 scores (float64 stays float64): half-precision logits may overflow float16.
     work = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(work) @ k.to(work).transpose(-2, -1)) * s
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(work)
     m, _ = _merge_causal(attn_mask, is_causal, tq, tk, q.dtype, q.device)
     if m is None and is_causal:  # tq == tk fused case
         m = causal_lower_right_mask(tq, tk, q.device)
@@ -458,7 +513,13 @@ def laplacian_attention_reference(
             scores = scores.masked_fill(~m, float("-inf"))
         else:
             scores = scores + m.to(work)
-    p = masked_softmax(scores, dim=-1)  # fully masked rows: P = 0, as on the fused path
+    if sinks is not None:
+        # The sink is one more key in every row's softmax; its probability is then dropped.
+        col = (sinks.reshape(h, 1, 1) if sinks.dim() == 1 else sinks).to(work)
+        col = col.expand(*scores.shape[:-1], 1)
+        p = masked_softmax(torch.cat([col, scores], dim=-1), dim=-1)[..., 1:]
+    else:
+        p = masked_softmax(scores, dim=-1)  # fully masked rows: P = 0, as on the fused path
     if dropout_p > 0:
         p = F.dropout(p, p=dropout_p)
     eye = torch.zeros(tq, tk, dtype=p.dtype, device=p.device)

@@ -68,7 +68,7 @@ from typing import Callable, Optional, Sequence
 from tqdm.auto import tqdm
 
 from .engine.config import load_config, to_dict
-from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes, lock_dir
+from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, config_changes, describe_changes, lock_dir
 from .engine.slurm import LauncherConfig, submit_sweep
 from .engine.threads import available_cpus
 from .errors import ConfigError, DiskFullError, RunFailed, is_disk_full
@@ -283,15 +283,46 @@ def refuse_changed(plan: Sequence[GridRun], out: Path, hint: str = SWEEP_HINT) -
     )
 
 
-def _restart(run: GridRun) -> None:
-    """Delete a grid run (under its lock, so never under a live writer)."""
-    with lock_dir(run.path):
-        clear_dir(run.path)
-    try:
-        run.path.rmdir()
-    except OSError:
-        pass
-    run.state = "new"
+def check_plan(
+    plan: Sequence[GridRun],
+    out: Path,
+    config: Optional[str],
+    *,
+    overwrite: bool = False,
+    restart_changed: bool = False,
+    hint: str = SWEEP_HINT,
+) -> list[GridRun]:
+    """The runs of ``plan`` to delete and train afresh, every one checked before the first goes.
+
+    Raises:
+        ConfigError: existing runs were made with other settings and neither flag is given
+            (:func:`refuse_changed`).
+        CheckpointError: a run to delete holds files lapheads did not write, the working directory
+            or the ``config`` (:meth:`~lapheads.engine.run.RunDir.check_overwrite`).
+    """
+    if not (overwrite or restart_changed):
+        refuse_changed(plan, out, hint)
+    restart = [r for r in plan if r.state != "new" and (overwrite or r.changes)]
+    for r in restart:
+        flag = "--overwrite" if overwrite else "--restart-changed"
+        RunDir(r.path).check_overwrite(keep=[config] if config else [], flag=flag)
+    return restart
+
+
+def delete_runs(runs: Sequence[GridRun], quiet: bool = False) -> None:
+    """Delete the files of the grid runs :func:`check_plan` returned, each under its lock (so never
+    under a live writer); nothing lapheads did not write goes (engine.run.RunDir.clear)."""
+    for r in runs:
+        if not quiet:
+            why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"
+            print(f"[sweep] {r.path.name}: deleted to start afresh ({why})")
+        with lock_dir(r.path):
+            RunDir(r.path).clear()
+        try:
+            r.path.rmdir()
+        except OSError:
+            pass
+        r.state = "new"
 
 
 def run_grid(
@@ -328,16 +359,10 @@ def run_grid(
     rec = get_recipe(recipe)
     with lock_dir(out):
         plan = plan_grid(recipe, config, heads, seeds, out, overrides, design)
-        if not (overwrite or restart_changed):
-            refuse_changed(plan, out, hint)
+        restart = check_plan(plan, out, config, overwrite=overwrite, restart_changed=restart_changed, hint=hint)
         if on_start is not None:
             on_start()
-        for r in plan:
-            if r.state != "new" and (overwrite or r.changes):
-                if not quiet:
-                    why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"
-                    print(f"[sweep] {r.path.name}: deleted to start afresh ({why})")
-                _restart(r)
+        delete_runs(restart, quiet)
         todo = []
         for r in plan:
             if r.state == "done":

@@ -48,9 +48,9 @@ Design choices:
   :meth:`LaplacianLayer.set_laplacian_heads`. It is a plain attribute, neither a parameter nor
   a buffer, so the ``state_dict`` keys are timm's: timm checkpoints load into converted models and
   converted checkpoints load into plain timm models. ``forward`` picks its code path from it, hands
-  it to :func:`lapheads.laplacian_attention` as is (fused path), and applies it by slicing
-  (:func:`lapheads.ops.subtract_selected`, eager path), so neither path touches a device mask and
-  ``torch.compile(fullgraph=True)`` works. The selection that rebuilds the model is stored as
+  it to :func:`lapheads.laplacian_attention` (fused path) or
+  :func:`lapheads.laplacian_attention_reference` (eager path) as is, so the fused path never touches
+  a device mask and ``torch.compile(fullgraph=True)`` works. The selection that rebuilds the model is stored as
   ``model.laplacian_heads`` (a :class:`lapheads.LaplacianHeads`) and
   ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON); a saved run records it in its config.
 * A layer with no Laplacian head runs timm's own ``forward`` unchanged, so the k = 0 model is
@@ -65,11 +65,11 @@ Design choices:
   ``normalize(k)`` at scale 1, so it runs through SDPA too (timm has only an eager branch there).
 * Fused path (``fused_attn=True``, or a module without that switch: Swin v2, LeViT):
   :func:`lapheads.laplacian_attention` (one SDPA call, then ``v - out`` on the selected heads).
-  Eager path (``fused_attn=False``, e.g. Swin v1's default): explicit scores plus the same mask,
-  ``attn_drop`` applied to P only (the identity term is never dropped), then ``v - P v`` on the
-  selected heads. On both paths a query row whose mask hides every key has ``P = 0`` (the
-  operator's rule, :mod:`lapheads.ops`), so its Laplacian heads output ``v``; the eager softmax
-  runs in float32 for that (:func:`lapheads.ops.masked_softmax`). A layer with no Laplacian head is
+  Eager path (``fused_attn=False``, e.g. Swin v1's default): the explicit operator
+  (:func:`lapheads.laplacian_attention_reference`: scores and softmax in float32, the same mask,
+  ``attn_drop``'s rate applied to P only, the identity term never dropped). On both paths a query
+  row whose mask hides every key has ``P = 0`` (the operator's rule, :mod:`lapheads.ops`), so its
+  Laplacian heads output ``v``. A layer with no Laplacian head is
   timm's own code, where such a row is NaN on the eager path. ``qk_norm``, ``scale_norm``
   (``self.norm``), timm's output gate (``gated=True``), ``attn_mask`` and ``is_causal`` behave
   exactly as in timm.
@@ -159,7 +159,7 @@ from .heads import (
     register_mix,
     remove_mix,
 )
-from .ops import laplacian_attention, masked_softmax, subtract_selected
+from .ops import laplacian_attention, laplacian_attention_reference
 
 _L = TypeVar("_L", bound="LaplacianLayer")
 
@@ -313,36 +313,31 @@ class LaplacianLayer(nn.Module):
             ``(..., H, N, Dv)``.
         """
         drop = getattr(self, "attn_drop", None)
+        heads = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
         if getattr(self, "fused_attn", True):
             return laplacian_attention(
                 q,
                 k,
                 v,
-                laplacian_heads=(
-                    HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
-                ),
+                laplacian_heads=heads,
                 attn_mask=attn_mask,
                 is_causal=is_causal,
                 scale=scale,
                 dropout_p=drop.p if (drop is not None and self.training) else 0.0,
             )
-        attn = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-2, -1)
-        if is_causal:  # timm's convention: is_causal wins over attn_mask
-            attn = attn + attn.new_full((q.shape[-2], k.shape[-2]), float("-inf")).triu_(1)
-        elif attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                attn = attn.masked_fill(~attn_mask, float("-inf"))
-            else:
-                attn = attn + attn_mask
-        # Dropout on P only. masked_softmax: a fully masked query row has P = 0 (not NaN), as on
-        # the fused path (lapheads.ops, "Edge cases").
-        attn = masked_softmax(attn, dim=-1)
-        if drop is not None:
-            attn = drop(attn)
-        x = attn @ v
-        if self.laplacian_learnable:
-            return self.lap_mix_a.to(x.dtype).view(-1, 1, 1) * v + self.lap_mix_b.to(x.dtype).view(-1, 1, 1) * x
-        return subtract_selected(x, v, self.laplacian_selection)
+        # Eager path: the explicit operator of lapheads.ops (timm's rule: is_causal wins over
+        # attn_mask). Dropout acts on P only; a fully masked query row has P = 0, as when fused.
+        out, _ = laplacian_attention_reference(
+            q,
+            k,
+            v,
+            laplacian_heads=heads,
+            attn_mask=None if is_causal else attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            dropout_p=getattr(drop, "p", 0.0) if (drop is not None and self.training) else 0.0,
+        )
+        return out
 
     def extra_repr(self) -> str:
         base = super().extra_repr()

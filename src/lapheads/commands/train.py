@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..engine.config import load_config
-from ..engine.run import add_train_args, resume_config
+from ..engine.run import RunDir, add_train_args, resume_config
 from ..engine.slurm import add_launcher_args, launcher_config, split_launcher_argv, submit_train
 from ..engine.trackers import add_final_files
 from ..recipes import get_recipe
@@ -39,7 +39,10 @@ def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
     args = p.parse_args(list(argv or []))
     slurm = launcher_config(args)  # --launcher slurm: its options (None: train here)
     args.config = args.config or resume_config(args.out, args.resume) or recipe.default_config
-    cfg = load_config(recipe.config_type, resolve_config(recipe.name, args.config), args.overrides, recipe=recipe.name)
+    config = resolve_config(recipe.name, args.config)
+    if args.overwrite and not args.resume:  # before anything is loaded: --overwrite deletes a run, nothing else
+        RunDir(args.out).check_overwrite(keep=[config] if config else [])
+    cfg = load_config(recipe.config_type, config, args.overrides, recipe=recipe.name)
     if slurm is not None:  # the config loaded above; the job runs this same command without the launcher flags
         submit_train(
             recipe.name,

@@ -12,7 +12,7 @@ through ``if recipe == ...`` chains:
                     :func:`lapheads.engine.config.load_config`, its JSON schema by ``lapheads config schema``;
                     an optional ``resume_mutable()`` method names keys a ``--resume`` may change)
 ``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
-``build_task``      the engine :class:`~lapheads.engine.Task` for a config (a :class:`HeadsTask`: its
+``build_task``      the engine :class:`~lapheads.engine.TrainTask` for a config (a :class:`HeadsTask`: its
                     evaluations also log the learned head mixing, ``lap_mix``, which the
                     experiment trackers get as a table, one row per head)
 ``same_setting``    the run-equality rule of ``--resume`` and sweeps (two spellings of one head
@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
-from ..engine import DistInfo, Task
+from ..engine import DistInfo, TrainTask
 from ..engine.config import from_dict
 from ..engine.launch import launch
 from ..engine.run import RunDir
@@ -88,8 +88,8 @@ def vision_batches(dataset: Any, transform: Any, batch_size: int, max_items: int
     return batches
 
 
-class HeadsTask(Task):
-    """The engine :class:`~lapheads.engine.Task` of a recipe whose models carry Laplacian heads: with
+class HeadsTask(TrainTask):
+    """The engine :class:`~lapheads.engine.TrainTask` of a recipe whose models carry Laplacian heads: with
     learnable mixing, every evaluation also logs ``lap_mix`` (per layer: ``a``, ``b`` and the
     Laplacian-ness of each head, :func:`lapheads.heads.mixing_table`), which the report plots."""
 
@@ -122,7 +122,7 @@ class Recipe(ABC):
 
     # ------------------------------------------------------------------ training
     @abstractmethod
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
         """The engine task for ``cfg`` (``run_dir``: where the run writes, for tasks that log files)."""
 
     def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:

@@ -379,7 +379,7 @@ def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] =
 
 
 class DinoTask(HeadsTask):
-    """DINO as a :class:`lapheads.engine.Task` (see the module docstring)."""
+    """DINO as a :class:`lapheads.engine.TrainTask` (see the module docstring)."""
 
     name = "dino"
 
