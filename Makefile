@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.lapheads-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps quickstart lint docs test test-fast test-latest bench clean
+.PHONY: setup system-deps quickstart lint docs test test-fast test-latest bench coverage-tables clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ test-latest:
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# The measured coverage tables of docs/ (tools/coverage/, a repository tool outside the package);
+# tests/test_*_coverage.py fail when the committed files are stale.
+coverage-tables: setup
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m tools.coverage timm --write docs/coverage-timm.md
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m tools.coverage transformers --write docs/coverage-transformers.md
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -9,8 +9,8 @@ installed version and the tests of its files that failed, so a red run says whic
 broke what. Its exit status is pytest's, or 1 when a library does not import or a coverage
 table has a failure.
 
-The coverage tables (``docs/coverage-timm.md``, ``docs/coverage-transformers.md``) describe the
-pinned releases, and a new release changes them by design (new model types every month), so
+The coverage tables (``docs/coverage-timm.md``, ``docs/coverage-transformers.md``, made by
+``tools/coverage``) describe the pinned releases, and a new release changes them by design (new model types every month), so
 their ``test_coverage_table_is_current`` tests are left out here. This script builds both tables
 itself instead: a family that crashes or is silently standard fails the run; a table that
 differs from the committed page is printed as a notice (regenerate the page when the pin moves).
@@ -104,24 +104,19 @@ def _results(junit: Path) -> dict[str, dict[str, list[str]]]:
 
 
 def coverage(library: str) -> dict:
-    """Build ``library``'s coverage table: ``{"failed": [family: status], "current": the committed
-    page is unchanged, "summary": the table's count line}``."""
-    if library == "timm":
-        import lapheads.timm_coverage as tc
+    """Build ``library``'s coverage table (``tools/coverage``): ``{"failed": [family (model): why],
+    "current": the committed page is unchanged, "summary": families and model types per status}``."""
+    sys.path.insert(0, str(ROOT))  # tools/ is a repository tool, not part of the package
+    from tools.coverage.__main__ import LIBRARIES
+    from tools.coverage.table import counts
 
-        rows = tc.timm_coverage()
-        failed = [f"{r.family}: {r.status} {r.detail}" for r in rows if r.status in ("failed", "unverified")]
-        counts = tc.family_counts(rows)
-        summary = f"{counts['total']} families, " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "total")
-        text = tc.to_markdown(rows)
-    else:
-        from lapheads import coverage as cov
-
-        families, skipped = cov.transformers_families()
-        trows = cov.transformers_coverage(families)
-        failed = [f"{r.representative or r.family}: {r.status}" for r in trows if r.kind == "FAIL"]
-        text = cov.transformers_markdown(trows, skipped)
-        summary = next(line for line in text.splitlines() if line.startswith("Model types in them:"))
+    rows, text = LIBRARIES[library][0](argparse.Namespace(only=None, no_reload=False))
+    failed = [f"{r.family} ({r.model or '-'}): {r.detail}" for r in rows if r.status == "failed"]
+    families, models = counts(rows)
+    summary = "; ".join(
+        f"{what}: " + ", ".join(f"{status} {n}" for status, n in c.items())
+        for what, c in (("families", families), ("model types", models))
+    )
     current = (ROOT / COVERAGE[library]).read_text(encoding="utf-8") == text
     return {"failed": failed, "current": current, "summary": summary}
 
@@ -131,7 +126,12 @@ def _coverage_runs() -> dict[str, subprocess.Popen]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     return {
         lib: subprocess.Popen(
-            [sys.executable, __file__, "--coverage", lib], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+            [sys.executable, __file__, "--coverage", lib],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,  # a line per family; shown when the table fails to build
+            text=True,
         )
         for lib in COVERAGE
     }
@@ -167,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         results = _results(junit) if junit.is_file() else {}
     tables = {}
     for lib, proc in _coverage_runs().items():
-        out, _ = proc.communicate()
+        out, err = proc.communicate()
         try:
             tables[lib] = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
+            print(err[-4000:], file=sys.stderr)
             tables[lib] = {"failed": [f"the coverage table was not built (exit status {proc.returncode})"]}
 
     pinned = pins()

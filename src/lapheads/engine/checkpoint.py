@@ -175,7 +175,13 @@ def safe_torch_load(path: Path) -> Any:
 def load_weights(
     module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint", strict: bool = True
 ) -> None:
-    """``load_state_dict`` with an error listing every mismatched key (wrong architecture)."""
+    """``load_state_dict`` with an error listing every mismatched key (wrong architecture).
+
+    A key of the model that the checkpoint lacks is missing only when torch's load says so: a
+    module may supply such a key itself (a Laplacian timm layer's ``lap_heads`` marker, absent
+    from stock timm weights). When only such keys are reported the module has been loaded
+    before the error; discard it.
+    """
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -184,8 +190,8 @@ def load_weights(
         for k in own
         if k in state and tuple(state[k].shape) != tuple(own[k].shape)
     ]
-    if strict and (missing or unexpected or shapes):
 
+    def refuse(missing: list[str]) -> CheckpointError:
         def _fmt(xs: list[str]) -> str:
             return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
 
@@ -196,8 +202,16 @@ def load_weights(
             parts.append(f"unexpected keys: {_fmt(unexpected)}")
         if shapes:
             parts.append(f"shape mismatches: {_fmt(shapes)}")
-        raise CheckpointError(f"{source} does not fit this model architecture; " + "; ".join(parts))
-    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=strict)
+        return CheckpointError(f"{source} does not fit this model architecture; " + "; ".join(parts))
+
+    if strict and (unexpected or shapes):
+        raise refuse(missing)
+    try:
+        result = module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    except RuntimeError as e:  # a module refused its entries (e.g. a Laplacian layer with other heads)
+        raise CheckpointError(f"{source} does not fit this model: {' '.join(str(e).split())}") from None
+    if strict and result.missing_keys:
+        raise refuse(list(result.missing_keys))
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:

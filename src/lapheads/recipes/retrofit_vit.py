@@ -36,7 +36,7 @@ Design choices:
   ``lora.target_modules`` (default ``qkv`` and ``proj``: the attention's input and output
   projections; the patch-embedding convolution, also called ``proj`` in timm, is left alone).
   Only the adapters train; the classifier head stays as loaded.
-* ``final/`` has the classify layout: ``model.safetensors`` holds plain timm weights (a LoRA run is
+* ``final/`` has the classify layout: ``model.safetensors`` holds timm weights (a LoRA run is
   merged into a copy first; the adapter alone is in ``final/adapter``) and ``model.json`` the
   ``model`` section with the heads after conversion, so :func:`lapheads.recipes.classify.load_model`
   rebuilds the Laplacian model. ``model.json`` also holds the retrofit's record (``before``,
@@ -337,7 +337,7 @@ class RetrofitViTTask(ClassifyTask):
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         if self.cfg.method != "lora":
             return
-        # the classify layout holds plain timm weights: merge a copy (the trained model is untouched)
+        # the classify layout holds timm weights, no adapters: merge a copy (the trained model is untouched)
         model.save_pretrained(str(final_dir / "adapter"))  # the adapter alone (PEFT layout)
         save_tensors(final_dir / "model.safetensors", copy.deepcopy(model).merge_and_unload().state_dict())
         if ema_model is not None:
