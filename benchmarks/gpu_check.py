@@ -7,21 +7,25 @@ Rows (bf16 on CUDA; float32 and tiny sizes on the CPU, where the script is teste
    T = 1k / 4k / 16k (B=1, 8 heads of 64, forward + backward): time ratio and peak-memory ratio
    (``torch.cuda.max_memory_allocated`` over the step). A backend the GPU or shape does not support
    is reported as such, not hidden.
-2. ``vit-s`` (DeiT-3 ViT-S/16 at 224, timm) and ``nanochat-d12`` (depth 12, width 768, 6 heads,
-   vocab 65536, sequence 2048): one training step (forward, backward, AdamW / Muon + AdamW) in bf16
-   autocast with k = 0 / half / all Laplacian heads per layer, ``torch.compile`` off and on:
-   images or tokens per second, and MFU = model FLOPs per second / the GPU's dense bf16 peak
-   (a table of known GPUs, or ``--peak-tflops``). FLOPs are PaLM's estimate (6 x matmul parameters
-   per token plus the attention term, ``lapheads.lm.model.flops_per_token``), the same for ViT.
+2. ``vit-s`` (DeiT-3 ViT-S/16 at 224, batch 168 = 33k tokens, timm) and ``nanochat-d12`` (depth
+   12, width 768, 6 heads, vocab 65536, batch 16 x sequence 2048 = 32k tokens): one whole training
+   step (forward, backward, AdamW / Muon + AdamW) in bf16 autocast with k = 0 / half / all Laplacian
+   heads per layer and learnable mixing (``learn:laplacian``), ``torch.compile`` off and on. The
+   variants of a model and mode are timed interleaved in the same rounds, and each row gives the
+   throughput (images or tokens per second, MFU = model FLOPs per second / the GPU's dense bf16
+   peak, from a table of known GPUs or ``--peak-tflops``) and its ratio to k = 0 (the median of
+   per-round ratios). An A/A control (the k = 0 step timed twice under two names) says how far from
+   1 a ratio moves by noise alone. FLOPs are PaLM's estimate (6 x matmul parameters per token plus
+   the attention term, ``lapheads.lm.model.flops_per_token``), the same for ViT.
 3. ``exact resume``: a tiny LM trained 50 steps on the device by the engine, against the same run
    restarted from its step-25 checkpoint (``--resume``): the largest weight difference, which must
    be 0 (deterministic algorithms on; cuBLAS workspace pinned).
 
 Design choices:
 
-* One process, one device, sizes fixed so the whole check ends in under 8 minutes on one H100/H200
-  class GPU; ``--budget-s`` (default 450) stops measuring and marks the remaining rows "skipped
-  (time budget)" rather than overrunning.
+* One process, one device, sizes fixed so the training table (``--only training``) ends in about
+  6 minutes on one H100 (compilation included); ``--budget-s`` (default 450) stops measuring and
+  marks the remaining rows "skipped (time budget)" rather than overrunning.
 * Times are medians of interleaved rounds (``benchmarks/_common.py``), so a ratio's two variants see
   the same load; compile time is excluded (warm-up calls), but printed in the note column.
 * ``--device cpu`` (the default without CUDA) or ``--tiny`` / ``--quick``: tiny sizes, float32, only
@@ -191,14 +195,16 @@ def attention_rows(
 
 # --------------------------------------------------------------------------- 2. training steps
 def vit_step(
-    k: int, device: torch.device, batch: int, img: int, bf16: bool
-) -> tuple[torch.nn.Module, Callable[[], Any], float]:
-    """DeiT-3 ViT-S with k Laplacian heads per layer: (model, step, FLOPs per step)."""
+    k: Any, device: torch.device, batch: int, img: int, bf16: bool
+) -> tuple[torch.nn.Module, Callable[[Callable[..., Any]], Callable[[], None]], float]:
+    """DeiT-3 ViT-S with head setting k in every layer: (model, step maker, FLOPs per step)."""
     import lapheads.timm as lap_timm
+    from lapheads.heads import param_groups
 
     torch.manual_seed(0)
     model = lap_timm.create_model("deit3_small_patch16_224", laplacian_heads=k, img_size=img).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda")
+    groups = param_groups(model, lr=1e-4, weight_decay=0.05)
+    opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(batch, 3, img, img, generator=g, device=device)
     y = torch.randint(0, model.num_classes, (batch,), generator=g, device=device)
@@ -223,9 +229,9 @@ def vit_step(
 
 
 def lm_step(
-    k: int, device: torch.device, shape: dict[str, int], bf16: bool
-) -> tuple[torch.nn.Module, Callable[[], Any], float]:
-    """NanoChat with k Laplacian heads per layer (nanochat's optimizers): (model, step, FLOPs per step)."""
+    k: Any, device: torch.device, shape: dict[str, int], bf16: bool
+) -> tuple[torch.nn.Module, Callable[[Callable[..., Any]], Callable[[], None]], float]:
+    """NanoChat with head setting k in every layer (nanochat's optimizers): (model, step maker, FLOPs per step)."""
     from lapheads.lm.model import LMModelConfig, LMOptimConfig, build_model, build_optimizers, flops_per_token
 
     torch.manual_seed(0)
@@ -258,6 +264,14 @@ def lm_step(
 
 
 def training_rows(device: torch.device, args: argparse.Namespace, budget: Budget) -> list[list[Any]]:
+    """Whole-step throughput of each head setting against k = 0, per model and compile mode.
+
+    The variants of one model and mode (k = 0, half, all, learnable mixing) are built side by side
+    and timed interleaved (``args.repeats`` rounds, each round runs every variant once), and each
+    ratio is the median of the per-round ratios to k = 0. The A/A control times the k = 0 step a
+    second time under another name in the same rounds: its ratio shows how far from 1 noise alone
+    puts a ratio.
+    """
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     peak = peak_flops(device, args.peak_tflops)
     rows: list[list[Any]] = []
@@ -265,43 +279,67 @@ def training_rows(device: torch.device, args: argparse.Namespace, budget: Budget
     if args.tiny:
         vit = dict(batch=2, img=32)
         lm = dict(depth=2, width=64, heads=4, vocab=256, seq=32, batch=2)
-    else:
-        vit = dict(batch=64, img=224)
-        lm = dict(depth=12, width=768, heads=6, vocab=65536, seq=2048, batch=8)
+    else:  # at least 32k tokens per step: 168 x 197 = 33,096 image tokens, 16 x 2048 = 32,768 text tokens
+        vit = dict(batch=168, img=224)
+        lm = dict(depth=12, width=768, heads=6, vocab=65536, seq=2048, batch=16)
+    vit_tokens = vit["batch"] * ((vit["img"] // 16) ** 2 + 1)
     models = [
-        ("vit-s", 6, lambda k: vit_step(k, device, vit["batch"], vit["img"], bf16), vit["batch"], "images/s"),
+        (
+            "vit-s",
+            6,
+            lambda k: vit_step(k, device, vit["batch"], vit["img"], bf16),
+            vit["batch"],
+            "images/s",
+            vit_tokens,
+        ),
         (
             "nanochat-d12" if not args.tiny else "nanochat-tiny",
             lm["heads"],
             lambda k: lm_step(k, device, lm, bf16),
             lm["batch"] * lm["seq"],
             "tokens/s",
+            lm["batch"] * lm["seq"],
         ),
     ]
-    for name, heads, build, items, unit in models:
-        for k in (0, heads // 2, heads):
-            for compiled in compiles:
-                case = f"k={k}/{heads}, compile {'on' if compiled else 'off'}"
-                if not budget.ok():
-                    rows.append([name, case, "skipped (time budget)", "", ""])
-                    continue
-                log(f"{name} {case}")
-                model, make, flops = build(k)
-                fwd: Callable[..., Any] = model
-                note = "bf16 autocast" if bf16 else "float32"
-                if compiled:
-                    t0 = time.perf_counter()
-                    fwd = torch.compile(model, backend=args.compile_backend)
-                    make(fwd)()  # the compilation happens here, not in the measured rounds
-                    sync(device)
-                    note += f", compile {time.perf_counter() - t0:.0f} s ({args.compile_backend})"
-                step = make(fwd)
-                med = medians(timed({"step": step}, device, args.repeats))["step"]
-                mfu = f"MFU {flops / med / peak:.1%}" if peak else "MFU n/a (no bf16 peak known)"
-                rows.append([name, case, f"{items / med:,.0f} {unit}", mfu, note])
-                del model, step, fwd
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    for name, heads, build, items, unit, tokens in models:
+        settings: dict[str, Any] = {
+            "k=0": 0,
+            f"k={heads // 2}/{heads}": heads // 2,
+            f"k={heads}/{heads}": heads,
+            "learn": "learn:laplacian",
+        }
+        for compiled in compiles:
+            mode = f"compile {'on' if compiled else 'off'}"
+            labels = [*settings, "k=0 again (A/A)"]
+            if not budget.ok():
+                rows += [[name, f"{label}, {mode}", "skipped (time budget)", "", ""] for label in labels]
+                continue
+            steps: dict[str, Callable[[], None]] = {}
+            flops: dict[str, float] = {}
+            t0 = time.perf_counter()
+            for label, spec in settings.items():
+                log(f"{name} {label}, {mode}: build{' and compile' if compiled else ''}")
+                model, make, flops[label] = build(spec)
+                fwd: Callable[..., Any] = torch.compile(model, backend=args.compile_backend) if compiled else model
+                steps[label] = make(fwd)
+                steps[label]()  # a compilation happens here, not in the measured rounds
+                sync(device)
+            steps["k=0 again (A/A)"] = steps["k=0"]
+            flops["k=0 again (A/A)"] = flops["k=0"]
+            setup = time.perf_counter() - t0
+            log(f"{name}, {mode}: {args.repeats} interleaved rounds of {len(steps)} steps")
+            times = timed(steps, device, args.repeats)
+            med = medians(times)
+            note = f"{'bf16 autocast' if bf16 else 'float32'}, {tokens:,} tokens/step, {args.repeats} rounds"
+            if compiled:
+                note += f", build + compile {setup:.0f} s ({args.compile_backend})"
+            for label in labels:
+                mfu = f", MFU {flops[label] / med[label] / peak:.1%}" if peak else ""
+                ratio = "" if label == "k=0" else f"throughput x{paired_ratio(times, 'k=0', label):.3f} vs k=0"
+                rows.append([name, f"{label}, {mode}", f"{items / med[label]:,.0f} {unit}{mfu}", ratio, note])
+            del steps
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 

@@ -795,6 +795,7 @@ def _resume(run: Path) -> list[str]:
         "--set",
         "train.keep_checkpoints=3",
         "--resume",
+        "--reevaluate",  # the run has finished: without it nothing would be loaded
     )
 
 

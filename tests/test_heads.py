@@ -392,3 +392,13 @@ def test_heads_field_defaults():
 def test_parse_config_value_turns_laplacian_heads_into_its_config_form():
     assert LaplacianHeads.parse_config_value(LaplacianHeads.learn(2), "k") == "learn:2"
     _raises(lambda: LaplacianHeads.parse_config_value({"k": 1}, "model.laplacian_heads"), "model.laplacian_heads=")
+
+
+def test_head_mask_and_layer_mask_are_deprecated_for_layer_heads_mask():
+    """One way to get a mask stays: LayerHeads.mask(); the two older ones warn and still work."""
+    with pytest.deprecated_call(match=r"LayerHeads.of\(spec, n_heads\).mask\(device\)"):
+        old = head_mask([0, 2], 3)
+    assert old.tolist() == LayerHeads.of([0, 2], 3).mask().tolist() == [True, False, True]
+    with pytest.deprecated_call(match=r"resolve\(n_layers, n_heads\)\[layer\].mask\(\)"):
+        old = LaplacianHeads([1, 2]).layer_mask(1, 2, 3)
+    assert old.tolist() == LaplacianHeads([1, 2]).resolve(2, 3)[1].mask().tolist()

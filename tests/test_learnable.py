@@ -23,7 +23,7 @@ from lapheads import (
     mixing_table,
     suggest_selection,
 )
-from lapheads.heads import laplacianness, nearer_laplacian
+from lapheads.heads import laplacianness, nearer_laplacian, param_groups
 from lapheads.nn import MultiheadAttention
 from lapheads.recipes.shipped import CONFIG_DIR
 
@@ -513,3 +513,40 @@ def test_report_suggestion_averages_seeds(tmp_path):
     groups["learn:standard"]["runs"][1] = run(1, [0.0, -0.45])  # 0.534 -> mean 0.562
     assert "laplacian_heads=[[1]]" in learned_mixing(groups, tmp_path / "mix.png")[1][0]
     assert learned_mixing({"k=0": groups["k=0"]}, tmp_path / "none.png") is None
+
+
+def test_param_groups_keep_the_mixing_out_of_weight_decay():
+    """A user's AdamW(model.parameters(), weight_decay=wd) shrinks (a, b) towards (0, 0); the groups of
+    param_groups leave them undecayed at lr * mix_lr_scale, and every other parameter as before."""
+
+    def model():
+        torch.manual_seed(0)
+        return ltimm.create_model(
+            "vit_tiny_patch16_224", laplacian_heads="learn:laplacian", img_size=32, patch_size=8, depth=2
+        )
+
+    names = {id(p): n for n, p in model().named_parameters()}
+    m = model()
+    groups = param_groups(m, lr=0.1, weight_decay=0.5, mix_lr_scale=10)
+    mix = [n for n, p in m.named_parameters() if any(p is q for q in groups[1]["params"])]
+    assert sorted(mix) == sorted(n for n in names.values() if n.endswith(("lap_mix_a", "lap_mix_b")))
+    assert (groups[1]["lr"], groups[1]["weight_decay"], groups[0]["lr"], groups[0]["weight_decay"]) == (
+        1.0,
+        0.0,
+        0.1,
+        0.5,
+    )
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(m.parameters()))
+    # one step with a zero gradient: plain AdamW decays (a, b); the groups do not
+    plain = (lambda m: torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5), True)
+    grouped = (lambda m: torch.optim.AdamW(param_groups(m, lr=0.1, weight_decay=0.5)), False)
+    for make, decays in (plain, grouped):
+        m = model()
+        opt = make(m)
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+        before = m.blocks[0].attn.lap_mix_b.detach().clone()
+        opt.step()
+        torch.testing.assert_close(m.blocks[0].attn.lap_mix_b.detach(), before * (1 - 0.1 * 0.5) if decays else before)
+    with pytest.raises(ConfigError, match="mix_lr_scale=0"):
+        param_groups(m, lr=0.1, weight_decay=0.0, mix_lr_scale=0)

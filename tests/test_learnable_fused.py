@@ -1,7 +1,7 @@
-"""The learnable path's fused multiply-add: SDPA, then ``_MixHeads``, one autograd Function with a
-hand-written backward. Outputs and gradients (q, k, v, a, b) are checked against the explicit
+"""The learnable path's fused multiply-add: SDPA, then ``lapheads.epilogue._Mix``, one autograd Function
+with a hand-written backward. Outputs and gradients (q, k, v, a, b) are checked against the explicit
 operator ``a I + b P`` (``laplacian_attention_reference``), against finite differences (gradcheck,
-float64) and bit for bit against the generic autograd graph it replaced."""
+float64) and against the generic autograd graph (the forward bit for bit)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lapheads import HeadMix, laplacian_attention, laplacian_attention_reference
-from lapheads.ops import _MixHeads
+from lapheads.epilogue import _Mix
 
 
 def _case(name: str, dtype=torch.float64):
@@ -87,7 +87,7 @@ def test_outputs_and_gradients_equal_the_explicit_operator(case):
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     for name, got, want in zip("qkvab", grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=0, msg=f"gradient of {name} ({case})")
-    assert out.grad_fn is not None and out.grad_fn.name() == "_MixHeadsBackward"  # the fused Function ran
+    assert out.grad_fn is not None and out.grad_fn.name() == "_MixBackward"  # the fused Function ran
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -108,15 +108,20 @@ def test_the_function_alone_passes_gradcheck_and_gradgradcheck():
     out, vs = (torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64) for _ in range(2))
     a, b = _mix(3)
     ins = tuple(_leaves(out, vs, a, b))
-    assert torch.autograd.gradcheck(_MixHeads.apply, ins)
-    assert torch.autograd.gradgradcheck(_MixHeads.apply, ins)
+
+    def mix(out, vs, a, b):
+        return _Mix.apply(out, vs, a, b, None)
+
+    assert torch.autograd.gradcheck(mix, ins)
+    assert torch.autograd.gradgradcheck(mix, ins)
 
 
 @pytest.mark.parametrize("case", ["self", "causal", "kv-cache", "gqa", "bool-mask"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_bit_identical_to_the_generic_graph(case, dtype):
-    """The fused Function changes allocations, not results: forward and every gradient are the
-    same bits as ``torch.addcmul(out * b, v_self, a)`` differentiated by autograd."""
+    """The fused Function changes allocations, not the forward: the same bits as
+    ``torch.addcmul(out * b, v_self, a)``; its gradients agree with autograd's to the dtype's rounding
+    (the gradients of a and b are reduced by a batched matmul, v's is added into SDPA's in place)."""
     q, k, v, kw = _case(case, dtype)
     a, b = _mix(q.shape[-3], dtype)
     gy = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(7), dtype=dtype)
@@ -138,8 +143,10 @@ def test_bit_identical_to_the_generic_graph(case, dtype):
     out_f = laplacian_attention(*ins_f[:3], laplacian_heads=HeadMix(ins_f[3], ins_f[4]), **kw)
     out_g = generic(*ins_g)
     assert torch.equal(out_f, out_g)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for name, x, y in zip("qkvab", torch.autograd.grad(out_f, ins_f, gy), torch.autograd.grad(out_g, ins_g, gy)):
-        assert torch.equal(x, y), f"gradient of {name} differs ({case}, {dtype})"
+        scale = max(1.0, float(y.abs().max()))
+        torch.testing.assert_close(x, y, atol=tol * scale, rtol=tol, msg=f"gradient of {name} ({case}, {dtype})")
 
 
 @pytest.mark.parametrize("trainable", ["a", "b", "ab", "none", "qkv-frozen"])
@@ -191,7 +198,7 @@ def test_half_precision_activations_float32_mixing():
 
 @pytest.mark.parametrize("case", ["kv-cache", "causal"])
 def test_torch_compile_fullgraph_matches_eager_gradients(case):
-    """Compiled graphs trace SDPA + _MixHeads (a plain autograd Function): the eager gradients."""
+    """Compiled graphs trace SDPA + the plain formula (no graph break): the eager gradients."""
     q, k, v, kw = _case(case, torch.float32)
     a, b = _mix(q.shape[-3], torch.float32)
 
@@ -211,12 +218,12 @@ def test_every_case_is_sdpa_then_one_mix_heads_node(case):
     q, k, v, kw = _case(case, torch.float32)
     ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
     out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), **kw)
-    assert out.grad_fn.name() == "_MixHeadsBackward"
+    assert out.grad_fn.name() == "_MixBackward"
     # dropout too
     q, k, v, _ = _case("self", torch.float32)
     ins = _leaves(q, k, v, *_mix(q.shape[-3], torch.float32))
     out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]), dropout_p=0.5)
-    assert out.grad_fn.name() == "_MixHeadsBackward"
+    assert out.grad_fn.name() == "_MixBackward"
 
 
 def test_under_autocast_the_learnable_path_computes_as_sdpa_does():
@@ -228,7 +235,7 @@ def test_under_autocast_the_learnable_path_computes_as_sdpa_does():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = laplacian_attention(*ins[:3], laplacian_heads=HeadMix(ins[3], ins[4]))
         pv = F.scaled_dot_product_attention(q, k, v)
-    assert out.grad_fn.name() == "_MixHeadsBackward" and pv.dtype == torch.bfloat16  # SDPA ran in bfloat16
+    assert out.grad_fn.name() == "_MixBackward" and pv.dtype == torch.bfloat16  # SDPA ran in bfloat16
     want = b.view(-1, 1, 1) * pv + a.view(-1, 1, 1) * v  # the mixing itself in (a, b)'s float32
     assert out.dtype == want.dtype
     torch.testing.assert_close(out.detach(), want, atol=1e-6, rtol=1e-6)  # float32 SDPA would be ~1e-2 away

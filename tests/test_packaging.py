@@ -216,7 +216,7 @@ def test_the_full_install_runs_outside_the_repository(wheel, tmp_path):
     qs = work / "qs"
     r = _run([str(bin_ / "lapheads"), "quickstart", "--tiny", "--jobs", "1", "--out", str(qs)], work, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    check_quickstart_tiny(qs, r.stdout)
+    check_quickstart_tiny(qs, r.stdout + r.stderr)
     # run it again: every finished run is reused, nothing is retrained
     before = {p: p.stat().st_mtime_ns for p in qs.glob("*/*/final/model.safetensors")}
     assert len(before) == 8

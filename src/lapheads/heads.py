@@ -15,6 +15,9 @@ of a layer, and the same k is used in every layer. The LM code also takes a per-
 ``LaplacianHeads("learn:laplacian")``  learnable, every head starts Laplacian
 ``LaplacianHeads("learn:3")``          learnable, the trailing 3 heads start Laplacian
 ``LaplacianHeads.learn(init)``         the same, ``init`` = "standard", "laplacian" or k
+``LaplacianHeads("identity:2")``       ablation: the trailing 2 heads output V (``I``)
+``LaplacianHeads("negated:2")``        ablation: the trailing 2 heads output ``-P V``
+``LaplacianHeads("mix(0.5,-1):2")``    ablation: the trailing 2 heads apply ``0.5 I - P``
 =====================================  ============================================
 
 Learnable mixing (issue 13): a head's operator generalises to ``a_h I + b_h P`` with two learned
@@ -47,18 +50,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence, Union
+import re
+import warnings
+from typing import Any, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 
+from . import epilogue
 from .errors import ConfigError
 
 HeadSpec = Union[int, str, Sequence[int], Sequence[Sequence[int]], "LaplacianHeads", None]
 
 _ALLOWED = (
     "an int k >= 0 (trailing k heads of every layer), 'all', 'none', a per-layer list of ints, "
-    "a per-layer list of head-index lists, or 'learn' / 'learn:standard' / 'learn:laplacian' / 'learn:<k>' "
-    "(learnable mixing)"
+    "a per-layer list of head-index lists, 'learn' / 'learn:standard' / 'learn:laplacian' / 'learn:<k>' "
+    "(learnable mixing), or an ablation of the trailing K heads: 'identity:K', 'negated:K', 'mix(a,b):K'"
 )
 
 #: Parameter-name suffixes of the learnable mixing (a, b); optimizers match on them.
@@ -76,6 +82,28 @@ class HeadMix(NamedTuple):
     a: torch.Tensor
     b: torch.Tensor
 
+    @property
+    def any(self) -> bool:
+        """Learnable mixing always runs the head operator (it is never plain SDPA)."""
+        return True
+
+    @property
+    def identity(self) -> bool:
+        """The identity term is always there (``a`` may become nonzero): ``v_self`` is needed."""
+        return True
+
+    def coefficients(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` in ``dtype`` (no graph node when the dtype agrees)."""
+        return self.a.to(dtype), self.b.to(dtype)
+
+    def apply(self, pv: torch.Tensor, v_self: torch.Tensor, tape: Optional[epilogue.Tape] = None) -> torch.Tensor:
+        """``a_h v_self + b_h pv`` per head (see :func:`lapheads.epilogue.combine`)."""
+        return epilogue.combine(pv, v_self, self.coefficients(v_self.dtype), tape)
+
+    def operator(self, p: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+        """The explicit operator ``a_h I + b_h P`` (heads on dim -3 of ``p``)."""
+        return epilogue.explicit(self.coefficients(p.dtype), p, eye)
+
 
 def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
     """``"learn"``, ``"learn:standard"``, ``"learn:laplacian"``, ``"learn:<k>"`` -> the initialisation."""
@@ -89,6 +117,40 @@ def _parse_learn(spec: str, name: str = "laplacian_heads") -> Union[str, int]:
         f"{name}={spec!r}: the learnable initialisation must be 'standard', 'laplacian' or "
         f"an int k >= 0 (trailing k heads start Laplacian), e.g. 'learn:laplacian' or 'learn:2'"
     )
+
+
+_ABLATION = re.compile(r"^(identity|negated|mix\(.*\))\s*:")
+_NUMBER = r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*"
+_MIX = re.compile(rf"^mix\({_NUMBER},{_NUMBER}\)$")
+#: ``(a, b)`` of the named ablation heads.
+ABLATIONS: dict[str, tuple[float, float]] = {"identity": (1.0, 0.0), "negated": (0.0, -1.0)}
+
+
+def _parse_ablation(spec: str, name: str) -> tuple[tuple[float, float], int]:
+    """``"identity:K"``, ``"negated:K"``, ``"mix(a,b):K"`` -> ``((a, b), K)``."""
+    head, _, k = spec.rpartition(":")
+    head, k = head.strip(), k.strip()
+    if not _digits(k):
+        raise ConfigError(f"{name}={spec!r}: the head count after ':' must be an int K >= 0, e.g. 'identity:2'")
+    if head in ABLATIONS:
+        return ABLATIONS[head], int(k)
+    m = _MIX.match(head)
+    if m is None:
+        raise ConfigError(
+            f"{name}={spec!r}: a fixed mixing is 'mix(a,b):K' with two numbers, e.g. 'mix(0.5,-1):2' "
+            "(the trailing K heads apply a I + b P)"
+        )
+    a, b = float(m.group(1)), float(m.group(2))
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise ConfigError(f"{name}={spec!r}: a and b must be finite numbers")
+    return (a, b), int(k)
+
+
+def _ablation_text(coef: tuple[float, float], k: int) -> str:
+    for word, ab in ABLATIONS.items():
+        if ab == coef:
+            return f"{word}:{k}"
+    return f"mix({coef[0]:g},{coef[1]:g}):{k}"
 
 
 def _is_int(x: Any) -> bool:
@@ -108,28 +170,36 @@ def is_count(spec: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LayerHeads:
-    """The resolved selection of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
+    """The fixed head operator of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
 
-    Why Python bools and not a tensor: the operator branches on the selection (no Laplacian head:
-    plain SDPA; every head: one subtraction; a mix: slices of runs of heads). Branching on a
-    device tensor would read it back to the host (a sync per layer per call on a GPU), is a
-    data-dependent graph break under ``torch.compile``, and ``torch.jit.trace`` / ``torch.export``
-    / the ONNX exporters would not record it as a constant. A tuple of bools is free to branch on
-    and a constant for every tracer. So every integration resolves its selection once (when the
-    layer is built or converted, or when ``config.laplacian_heads`` changes), stores it on the
-    attention module as ``laplacian_selection``, and hands it to
-    :func:`lapheads.laplacian_attention`, which trusts it (no validation per call). Where an op
-    needs the selection as a tensor (the eager ``torch.where``), :meth:`mask` gives one, cached per
-    device.
+    Every head applies ``a I + b P``: a flagged head ``coef`` (``(1, -1)``, Laplacian, unless an
+    ablation gives another), the others ``(0, 1)`` (standard). :meth:`apply` finishes the layer
+    after SDPA, :meth:`operator` gives the explicit matrix; :class:`HeadMix` offers the same for
+    learnable ``(a, b)``, so the two differ only in where the coefficients come from.
 
-    Frozen (hashable, equal when the flags are equal) so it can be shared and compared; build one
-    with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
+    Why Python values and not a tensor: the operator branches on the selection (no Laplacian head:
+    plain SDPA; otherwise one pass over runs of heads). Branching on a device tensor would read it
+    back to the host (a sync per layer per call on a GPU), is a data-dependent graph break under
+    ``torch.compile``, and ``torch.jit.trace`` / ``torch.export`` / the ONNX exporters would not
+    record it as a constant. A tuple of bools is free to branch on and a constant for every
+    tracer. So every integration resolves its selection once (when the layer is built or
+    converted, or when ``config.laplacian_heads`` changes), stores it on the attention module as
+    ``laplacian_selection``, and hands it to :func:`lapheads.laplacian_attention`, which trusts it
+    (no validation per call). Where the selection is wanted as a tensor, :meth:`mask` gives one,
+    cached per device.
+
+    Frozen (hashable, equal when the flags and coefficients are equal) so it can be shared and
+    compared; build one with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
 
     Args:
         flags: one bool per head (a list is turned into a tuple); at least one head.
+        coef: ``(a, b)`` of the flagged heads, default ``(1, -1)``.
     """
 
     flags: tuple[bool, ...]
+    #: ``(a, b)`` of the flagged heads: ``(1, -1)`` Laplacian; the ablations use others. The other
+    #: heads are standard, ``(0, 1)``.
+    coef: tuple[float, float] = epilogue.LAPLACIAN
     # Device masks already built, by device; not part of equality, hash or repr.
     _masks: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -146,6 +216,38 @@ class LayerHeads:
                 "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms"
             )
         object.__setattr__(self, "flags", tuple(flags))
+        a, b = self.coef
+        object.__setattr__(self, "coef", (float(a), float(b)))
+        std = epilogue.STANDARD
+        object.__setattr__(self, "_runs", epilogue.Runs.of(tuple(self.coef if f else std for f in self.flags)))
+
+    def __repr__(self) -> str:
+        extra = "" if self.coef == epilogue.LAPLACIAN else f", coef={self.coef!r}"
+        return f"LayerHeads(flags={self.flags!r}{extra})"
+
+    @property
+    def runs(self) -> epilogue.Runs:
+        """The per-head coefficients ``(a, b)`` as runs of consecutive heads (what the epilogue loops over)."""
+        return self._runs  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def identity(self) -> bool:
+        """Some head has an identity term (``a != 0``), so every query needs its own position among the keys."""
+        return self.any and self.coef[0] != 0
+
+    def apply(self, pv: torch.Tensor, v_self: torch.Tensor, tape: Optional[epilogue.Tape] = None) -> torch.Tensor:
+        """This layer's heads after SDPA: ``v_self - pv`` on the Laplacian heads, ``pv`` on the others.
+
+        ``pv`` is ``(..., H, Tq, D)``; ``v_self`` is ``(..., H_kv, Tq, D)`` (grouped-query attention
+        by broadcast). A fresh tensor, written in one pass (:func:`lapheads.epilogue.combine`).
+        """
+        if not self.any:
+            return pv
+        return epilogue.combine(pv, v_self, self.runs, tape)
+
+    def operator(self, p: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+        """The explicit operator per head: ``P`` on standard heads, ``I - P`` on Laplacian ones."""
+        return epilogue.explicit(self.runs, p, eye)
 
     @classmethod
     def of(cls, spec: Any, n_heads: int) -> "LayerHeads":
@@ -168,7 +270,7 @@ class LayerHeads:
         if isinstance(spec, LaplacianHeads):
             if spec.learnable:
                 spec.resolve(1, n_heads)  # raises the learnable-mixing error
-            if spec.kind not in ("k", "all", "none"):
+            if spec.kind not in ("k", "all", "none", "ablation"):
                 raise ConfigError(
                     f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])"
                 )
@@ -236,8 +338,8 @@ class LaplacianHeads:
         name: how error messages name the value (``model.laplacian_heads`` for a config key).
     """
 
-    spec: Any  # the normalised setting: an int k, "all" / "none", a per-layer list, or "learn:<init>"
-    kind: str  # "k", "all", "none", "per_layer_k", "per_layer_indices" or "learn"
+    spec: Any  # the normalised setting: an int k, "all" / "none", a per-layer list, "learn:<init>" or an ablation
+    kind: str  # "k", "all", "none", "per_layer_k", "per_layer_indices", "learn" or "ablation"
 
     def __init__(self, spec: Any = "none", *, name: str = "laplacian_heads"):  # spec: a HeadSpec
         if isinstance(spec, LaplacianHeads):
@@ -245,11 +347,22 @@ class LaplacianHeads:
         if spec is None:
             spec = "none"
         self.learn_init: Union[str, int, None] = None
+        #: an ablation head's ``(a, b)`` and how many trailing heads get it (``kind == "ablation"``).
+        self.ablation: Optional[tuple[tuple[float, float], int]] = None
         if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
             self.learn_init = _parse_learn(spec.strip().lower(), name)
             self.kind = "learn"
             self.spec = f"learn:{self.learn_init}"
             return
+        if isinstance(spec, str) and _ABLATION.match(spec.strip().lower()):
+            coef, k = _parse_ablation(spec.strip().lower(), name)
+            if coef == (1.0, -1.0) or coef == (0.0, 1.0):  # Laplacian or standard: one spelling, k
+                spec = k if coef == (1.0, -1.0) else 0
+            else:
+                self.ablation = (coef, k)
+                self.kind = "ablation"
+                self.spec = _ablation_text(coef, k)
+                return
         if isinstance(spec, str):
             s = spec.strip().lower()
             if s not in ("all", "none"):
@@ -333,6 +446,10 @@ class LaplacianHeads:
                 "that holds the parameters (lapheads.nn.MultiheadAttention, lapheads.timm.convert, "
                 "lapheads.transformers.enable) or a HeadMix(a, b) for the operator"
             )
+        if self.kind == "ablation":
+            assert self.ablation is not None
+            coef, k = self.ablation
+            return [LayerHeads(self._trailing(k, n_heads, None).flags, coef)] * n_layers
         if self.kind == "all":
             return [LayerHeads((True,) * n_heads)] * n_layers
         if self.kind == "none":
@@ -366,7 +483,16 @@ class LaplacianHeads:
         return LayerHeads((False,) * (n_heads - k) + (True,) * k)
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
-        """The boolean head mask of one layer (a new CPU tensor)."""
+        """The boolean head mask of one layer (a new CPU tensor).
+
+        Deprecated: use ``spec.resolve(n_layers, n_heads)[layer].mask()``.
+        """
+        warnings.warn(
+            "LaplacianHeads.layer_mask is deprecated and will be removed in the next release; use "
+            "spec.resolve(n_layers, n_heads)[layer].mask()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return torch.tensor(self.resolve(n_layers, n_heads)[layer].flags, dtype=torch.bool)
 
     def counts(self, n_layers: int, n_heads: int) -> list[int]:
@@ -383,6 +509,8 @@ class LaplacianHeads:
             return all(k == 0 for k in self.spec)
         if self.kind == "per_layer_indices":
             return all(len(i) == 0 for i in self.spec)
+        if self.kind == "ablation":
+            return self.ablation is not None and self.ablation[1] == 0
         return False
 
     def to_config(self) -> Any:
@@ -390,8 +518,9 @@ class LaplacianHeads:
         return self.spec
 
     def label(self) -> str:
-        """A short label for tables and plots (``k=3``, ``all``, ``none``, ``per-layer``, ``learn:standard``)."""
-        if self.kind == "learn":
+        """A short label for tables and plots (``k=3``, ``all``, ``none``, ``per-layer``, ``learn:standard``,
+        ``identity:3``)."""
+        if self.kind in ("learn", "ablation"):
             return str(self.spec)
         if self.kind == "k":
             return f"k={self.spec}"
@@ -414,6 +543,10 @@ class LaplacianHeads:
             return (2, 0, tuple(self.spec), "")
         if self.kind == "per_layer_indices":
             return (2, 1, tuple(tuple(i) for i in self.spec), "")
+        if self.kind == "ablation":
+            assert self.ablation is not None
+            (a, b), k = self.ablation
+            return (3, 3, (a, b, k), "")
         if self.learn_init == "standard":
             return (3, 0, (), "")
         if _is_int(self.learn_init):
@@ -422,7 +555,7 @@ class LaplacianHeads:
 
     @classmethod
     def sort_key(cls, value: Any) -> tuple[Any, ...]:
-        """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing.
+        """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing < ablations.
 
         Args:
             value: a :class:`LaplacianHeads`, anything it accepts, or a label as :meth:`label` writes
@@ -483,14 +616,61 @@ def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean mask of shape ``(n_heads,)`` for ONE layer (a new tensor; a tensor ``spec`` is returned as is).
 
+    Deprecated: use ``LayerHeads.of(spec, n_heads).mask(device)`` (one way to get a mask).
+
     ``spec`` may be a boolean tensor/list of length ``n_heads``, an int k (trailing k heads),
     ``"all"``/``"none"``, a list of head indices, a :class:`LayerHeads`, or a
     :class:`LaplacianHeads` that is the same for every layer (an int, ``"all"`` or ``"none"``).
     """
+    warnings.warn(
+        "lapheads.head_mask is deprecated and will be removed in the next release; use "
+        "lapheads.LayerHeads.of(spec, n_heads).mask(device)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if isinstance(spec, torch.Tensor):
         _check_mask_tensor(spec, n_heads)
         return spec.to(device) if device is not None else spec
     return torch.tensor(LayerHeads.of(spec, n_heads).flags, dtype=torch.bool, device=device)
+
+
+#: What one attention layer applies after SDPA: fixed coefficients (:class:`LayerHeads`) or the
+#: learnable ``(a, b)`` (:class:`HeadMix`). Both offer ``any``, ``identity``, ``apply(pv, v_self)``
+#: and ``operator(P, I)``; they differ only in where ``(a, b)`` come from.
+HeadOperator = Union["LayerHeads", HeadMix]
+
+
+def layer_operator(module: torch.nn.Module) -> HeadOperator:
+    """The head operator of a Laplacian attention module: its learnable mixing when it holds
+    ``lap_mix_a`` / ``lap_mix_b``, else its fixed selection ``laplacian_selection``."""
+    a = module._parameters.get(MIX_PARAM_SUFFIXES[0])
+    b = module._parameters.get(MIX_PARAM_SUFFIXES[1])
+    if a is not None and b is not None:
+        return HeadMix(a, b)
+    return cast(LayerHeads, cast(Any, module).laplacian_selection)
+
+
+def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOperator:
+    """Give one attention module the heads of ``spec`` and return its operator.
+
+    ``spec`` is anything one layer takes: an int k, ``"all"``, ``"none"``, head indices, a boolean
+    mask, a :class:`LayerHeads`, an ablation (``"identity:K"``, ...), or learnable mixing
+    (``"learn..."``). The module gets ``laplacian_selection`` (the fixed selection, or the heads a
+    learnable layer starts Laplacian) and ``laplacian_learnable``; a learnable spec (re)creates
+    ``lap_mix_a`` / ``lap_mix_b`` at their initialisation, a fixed one removes them.
+    """
+    learn = learnable_spec(spec)
+    if learn is not None:
+        selection = learn.init_selection(1, n_heads)[0]
+        register_mix(module, selection)
+    else:
+        selection = LayerHeads.of(spec, n_heads)
+        remove_mix(module)
+    # Plain attributes (not parameters or buffers): the state_dict keys stay the host library's.
+    target = cast(Any, module)
+    target.laplacian_selection = selection
+    target.laplacian_learnable = learn is not None
+    return layer_operator(module)
 
 
 # ---------------------------------------------------------------------- learnable mixing
@@ -529,6 +709,45 @@ def remove_mix(module: torch.nn.Module) -> None:
 def is_mix_param(name: str) -> bool:
     """True when ``name`` (a ``named_parameters`` key) is a learnable-mixing parameter."""
     return name.endswith(MIX_PARAM_SUFFIXES)
+
+
+def param_groups(
+    model: torch.nn.Module, lr: float, weight_decay: float, mix_lr_scale: float = 1.0
+) -> list[dict[str, Any]]:
+    """Optimizer parameter groups that keep the learnable mixing out of weight decay.
+
+    A plain ``torch.optim.AdamW(model.parameters(), weight_decay=wd)`` decays ``lap_mix_a`` /
+    ``lap_mix_b`` like any weight, pulling every head towards ``(0, 0)`` (no operator at all), which
+    is not a neutral prior for them. Pass these groups instead::
+
+        opt = torch.optim.AdamW(lapheads.heads.param_groups(model, lr=1e-3, weight_decay=0.05, mix_lr_scale=10))
+
+    Args:
+        model: any module; its trainable parameters are split by name (:func:`is_mix_param`).
+        lr: the learning rate of the model's other parameters.
+        weight_decay: their weight decay.
+        mix_lr_scale: the mixing parameters' learning rate is ``lr * mix_lr_scale`` (the learnable
+            study needed 10 at the digits recipe's rate, where they barely moved otherwise).
+
+    Returns:
+        ``[{"params": others, "lr": lr, "weight_decay": weight_decay}, {"params": mixing, "lr": lr *
+        mix_lr_scale, "weight_decay": 0.0}]``; a group with no parameter is left out.
+
+    Raises:
+        ConfigError: ``mix_lr_scale`` is not a finite number > 0.
+    """
+    if isinstance(mix_lr_scale, bool) or not isinstance(mix_lr_scale, (int, float)) or not 0 < mix_lr_scale < math.inf:
+        raise ConfigError(f"mix_lr_scale={mix_lr_scale!r} must be a finite number > 0")
+    mix: list[torch.nn.Parameter] = []
+    other: list[torch.nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (mix if is_mix_param(name) else other).append(p)
+    groups = [
+        {"params": other, "lr": lr, "weight_decay": weight_decay},
+        {"params": mix, "lr": lr * mix_lr_scale, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def mix_angle(a: float, b: float) -> float:

@@ -28,7 +28,11 @@ HEADS_JSON_SCHEMA: dict[str, Any] = {
     "title": "head setting",
     "anyOf": [
         {"type": "integer", "minimum": 0, "description": "k: the trailing k heads of every layer"},
-        {"type": "string", "description": "'all', 'none', 'learn', 'learn:standard', 'learn:laplacian' or 'learn:<k>'"},
+        {
+            "type": "string",
+            "description": "'all', 'none', 'learn', 'learn:standard', 'learn:laplacian', 'learn:<k>', or an "
+            "ablation of the trailing K heads: 'identity:K', 'negated:K', 'mix(a,b):K'",
+        },
         {
             "type": "array",
             "description": "per layer: a count k, or a list of head indices",
@@ -51,7 +55,8 @@ HeadsSetting = Annotated[Any, AfterValidator(_config_value), WithJsonSchema(HEAD
 
 _HEADS_DESCRIPTION = (
     "Laplacian heads: int k (the trailing k heads of every layer), 'all', 'none', a per-layer "
-    "list of counts or of head-index lists, or 'learn[:standard|laplacian|<k>]' (learnable mixing)"
+    "list of counts or of head-index lists, 'learn[:standard|laplacian|<k>]' (learnable mixing), or an "
+    "ablation of the trailing K heads: 'identity:K' (V), 'negated:K' (-P V), 'mix(a,b):K' (a V + b P V)"
 )
 
 

@@ -54,14 +54,14 @@ Design choices:
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import ConfigError
-from .heads import HeadMix, LayerHeads, learnable_spec, register_mix
+from .heads import LayerHeads, layer_operator, learnable_spec, set_layer_heads
 from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 
 __all__ = ["MultiheadAttention"]
@@ -103,7 +103,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         batch_first: inputs are ``(N, L, E)`` instead of ``(L, N, E)``.
         device: parameter device.
         dtype: parameter dtype.
-        laplacian_heads: which heads are Laplacian: anything :func:`lapheads.head_mask` accepts
+        laplacian_heads: which heads are Laplacian: anything :meth:`lapheads.LayerHeads.of` accepts
             (int k = trailing k heads, ``"all"``, ``"none"``, a list of head indices, a boolean
             list/tensor of length ``num_heads``, a :class:`lapheads.heads.LayerHeads`, a uniform
             :class:`lapheads.LaplacianHeads`). Resolved once, into ``laplacian_selection``.
@@ -147,15 +147,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             device=device,
             dtype=dtype,
         )
-        self.laplacian_heads = laplacian_heads
-        #: this layer's resolved selection (a plain attribute, not a buffer: state_dict keys stay
-        #: exactly torch's); the operator takes it as is.
+        self.laplacian_heads = learn.spec if learn is not None else laplacian_heads
+        #: ``laplacian_selection``: this layer's resolved selection (a plain attribute, not a buffer:
+        #: state_dict keys stay exactly torch's), the operator takes it as is; ``laplacian_learnable``:
+        #: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
         self.laplacian_selection: LayerHeads = selection
-        #: learnable mixing: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
         self.laplacian_learnable = learn is not None
-        if learn is not None:
-            self.laplacian_heads = learn.spec
-            register_mix(self, selection)
+        set_layer_heads(self, selection if learn is None else learn, num_heads)
         # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
         # the module docstring. A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
@@ -286,12 +284,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                 f"{given}: key and value must have the same batch and sequence sizes, and the same batch "
                 f"size as query (batch_first={self.batch_first})"
             )
-        lap: Any = (
-            HeadMix(cast(Tensor, self.lap_mix_a), cast(Tensor, self.lap_mix_b))
-            if self.laplacian_learnable
-            else self.laplacian_selection
-        )
-        if (self.laplacian_learnable or self.laplacian_selection.any) and tq > s:
+        lap = layer_operator(self)
+        if lap.identity and tq > s:
             raise ConfigError(
                 f"Laplacian heads need every query to have its own position among the keys, but the "
                 f"query has {tq} positions and the key only {s}"

@@ -3,9 +3,13 @@
 A standard head outputs ``P V`` with ``P = softmax(Q K^T * scale + mask)``; a Laplacian head outputs
 ``(I - P) V = V - P V``. Design choices:
 
-* The fused path calls ``F.scaled_dot_product_attention`` once for all heads and then subtracts
-  its output from ``v_self`` for the selected heads. No T x T matrix is ever built, so speed and
-  memory are those of SDPA plus one elementwise op.
+* Every head applies ``a I + b P``: standard ``(0, 1)``, Laplacian ``(1, -1)``, learnable ``(a, b)``.
+  The fused path calls ``F.scaled_dot_product_attention`` once for all heads and then the head
+  operator (:meth:`lapheads.heads.LayerHeads.apply` / :meth:`lapheads.heads.HeadMix.apply`, written
+  in :mod:`lapheads.epilogue`): one fresh output written in one pass, grouped-query attention by
+  broadcast, and the gradient through ``v_self`` added into SDPA's ``dv`` in place. No T x T matrix
+  is ever built, so speed and memory are those of SDPA plus that pass. With no Laplacian head the
+  result is SDPA's own output, untouched.
 * ``v_self`` is the value at the query's own position: the LAST ``Tq`` positions of ``v``. For a
   full forward pass that is all of ``v``; for a KV-cache chunk (``Tq < Tk``) it is the new tokens.
 * ``is_causal`` with ``Tq != Tk`` is aligned to the lower right (query i sits at key position
@@ -27,44 +31,37 @@ Edge cases, the same on both paths (and in :mod:`lapheads.nn` / :mod:`lapheads.t
 * The reference computes the scores and softmax in float32 (float64 for float64 inputs), with
   the row maximum subtracted, then casts back: half-precision inputs whose logits overflow
   float16 give the same finite result as the fused path, not NaN.
-* ``scale`` must be None or a finite number >= 0, ``dropout_p`` a number in [0, 1], and a float
-  mask must have the dtype of ``q`` (SDPA's rule); anything else is a ConfigError.
+* ``scale`` must be None or a finite number >= 0, ``dropout_p`` a number in [0, 1], q / k / v
+  floating-point tensors of one dtype (outside autocast), k and v of the same length, and a
+  float mask must have the dtype of ``q`` (SDPA's rule); anything else is a ConfigError.
 * Head counts are read as Python ints and the selection is a :class:`lapheads.heads.LayerHeads`
   (Python bools, see its docstring for why), so ``torch.jit.trace``, ``torch.export`` and both
   ONNX exporters record the head selection as constants. A ``LayerHeads`` is taken as is (the
   integrations resolve it once); any other form is resolved on each call.
 
 Learnable mixing (``laplacian_heads=HeadMix(a, b)``, ``a`` and ``b`` of shape ``(H,)``): head h
-outputs ``a_h v_self + b_h P V``, i.e. the operator ``a_h I + b_h P``. Same single SDPA call,
-then one multiply-add over heads with ``a``/``b`` cast to the output dtype and broadcast as
-``(H, 1, 1)``; no T x T matrix. The identity term is always present, so ``Tq <= Tk`` is required
-as for a Laplacian head. The fixed-selection path never sees a tensor of mixing weights and is
-unchanged. When a gradient is wanted the multiply-add is one autograd Function
-(:class:`_MixHeads`) with a hand-written backward: the generic graph (a multiply, an ``addcmul``,
-two views) allocated six ``(..., H, Tq, Dv)`` buffers per step and ran four autograd nodes; the
-Function allocates three (the output, the SDPA output's gradient, ``v_self``'s gradient: the
-products reduced into the gradients of ``a`` and ``b`` share one scratch buffer that then becomes
-the SDPA output's gradient) and is one node. The values are the same ops in the same order (the
-forward is ``out * b`` then an in-place ``addcmul``, exactly what ``torch.addcmul(out * b, v_self,
-a)`` computes; the reductions are ``sum_to_size`` as autograd's own). With ``create_graph=True``
-the backward uses out-of-place ops only, so a second derivative still flows (as far as SDPA's
-kernel has one). Without a gradient (inference, ``torch.no_grad`` exports) the same two ops run
-directly.
+outputs ``a_h v_self + b_h P V``, i.e. the operator ``a_h I + b_h P``. Same single SDPA call, then
+the same epilogue with ``(a, b)`` tensors in place of Python numbers (see :mod:`lapheads.epilogue`
+for what it writes and saves). The identity term is always present, so ``Tq <= Tk`` is required as
+for a Laplacian head.
 
 The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
-standard head, ``I - P`` for a Laplacian head) and returns it alongside the output. Tests check
-the fused path against it; plots show it.
+standard head, ``I - P`` for a Laplacian head, ``a I + b P`` in general) and returns it alongside
+the output; it also takes the soft-capping, attention sinks and position bias some models add to
+the scores. timm's eager path and :mod:`lapheads.nn` call it for their explicit form; the
+transformers integration has the same semantics. Tests check the fused path against it; plots show it.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
+from . import epilogue
 from .errors import ConfigError
 from .heads import HeadMix, LayerHeads
 
@@ -82,6 +79,16 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa:
         raise ConfigError(
             f"q, k, v must be (..., heads, seq, dim) tensors of the same rank; got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not all(t.is_floating_point() for t in (q, k, v)):
+        raise ConfigError(
+            f"q, k, v must be floating-point tensors; got dtypes {q.dtype}, {k.dtype}, {v.dtype} "
+            "(attention needs real numbers: convert them, e.g. q.float())"
+        )
+    if not q.dtype == k.dtype == v.dtype and not torch.is_autocast_enabled(q.device.type):
+        raise ConfigError(
+            f"q, k, v must have one dtype; got {q.dtype}, {k.dtype}, {v.dtype}: cast them to one "
+            "(e.g. k.to(q.dtype)), or run under torch.autocast"
         )
     h, hkv = int(q.shape[-3]), int(k.shape[-3])
     if v.shape[-3] != hkv:
@@ -209,15 +216,6 @@ def _merge_causal(
     return attn_mask + torch.where(causal, torch.zeros((), dtype=attn_mask.dtype, device=device), neg), False
 
 
-def _v_self(v: torch.Tensor, tq: int, h: int, hkv: int, heads: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Values at the query's own position, one per query head (or per selected query head)."""
-    vs = v[..., v.shape[-2] - tq :, :]
-    group = h // hkv
-    if heads is None:
-        return vs if group == 1 else vs.repeat_interleave(group, dim=-3)
-    return vs.index_select(-3, heads // group)
-
-
 def _fused_pv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,53 +270,42 @@ def laplacian_attention(
     Returns:
         ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
     """
-    if isinstance(laplacian_heads, HeadMix):
-        return _mixed_attention(
-            q,
-            k,
-            v,
-            laplacian_heads,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=dropout_p,
-            enable_gqa=enable_gqa,
-        )
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
     _check_numbers(scale, dropout_p)
-    # A LayerHeads (Python bools) is returned as is; a tensor mask is read back here, which is a
-    # sync and a graph break: the integrations never pass one.
-    sel = LayerHeads.of(laplacian_heads, h)
-    if sel.any and tq > tk:
+    heads = _layer_operator(laplacian_heads, h)
+    if not heads.any:
+        return _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
+    if heads.identity and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
         )
-    out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
-    if not sel.any:
-        return out
-    return subtract_selected(out, _v_self(v, tq, h, hkv), sel)
+    # v reaches SDPA through a tap, so the gradient through v_self is added into SDPA's dv in place.
+    v_sdpa, tape = epilogue.tap(v) if heads.identity else (v, None)
+    pv = _fused_pv(q, k, v_sdpa, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
+    return heads.apply(pv, v[..., tk - tq :, :], tape)
+
+
+def _layer_operator(spec: Any, h: int) -> Union[LayerHeads, HeadMix]:
+    """The head operator of one layer: a :class:`HeadMix` (checked) or a :class:`LayerHeads`.
+
+    A ``LayerHeads`` (Python bools) is returned as is; a tensor mask is read back here, which is a
+    sync and a graph break: the integrations never pass one.
+    """
+    if isinstance(spec, HeadMix):
+        _check_mix(spec, h)
+        return spec
+    return LayerHeads.of(spec, h)
 
 
 def subtract_selected(pv: torch.Tensor, v_self: torch.Tensor, heads: LayerHeads) -> torch.Tensor:
     """``v_self - pv`` on the Laplacian heads of ``heads``, ``pv`` on the others (heads on dim -3).
 
-    Every head Laplacian: one subtraction. A mixed layer: the runs of consecutive Laplacian /
-    standard heads (one run each in the trailing-k convention) are sliced and concatenated. Python
-    indices only, so no head mask is copied to the device on every call and ``torch.compile`` sees
-    constants. The fused operator and timm's eager path both finish with this.
+    Kept for callers of earlier releases: it is :meth:`LayerHeads.apply` (``v_self`` may have one
+    head per query head or per key-value head).
     """
-    if heads.all:
-        return v_self - pv
-    flags, h = heads.flags, heads.n_heads
-    pieces, start = [], 0
-    for i in range(1, h + 1):
-        if i == h or flags[i] != flags[start]:
-            o = pv[..., start:i, :, :]
-            pieces.append(v_self[..., start:i, :, :] - o if flags[start] else o)
-            start = i
-    return torch.cat(pieces, dim=-3)
+    return heads.apply(pv, v_self)
 
 
 def _check_mix(mix: HeadMix, h: int) -> None:
@@ -328,116 +315,6 @@ def _check_mix(mix: HeadMix, h: int) -> None:
             raise ConfigError(
                 f"HeadMix.{name} must be a floating tensor of shape ({h},) (one per query head); got {got}"
             )
-
-
-def _mixed_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mix: HeadMix,
-    *,
-    attn_mask: Optional[torch.Tensor],
-    is_causal: bool,
-    scale: Optional[float],
-    dropout_p: float,
-    enable_gqa: bool,
-) -> torch.Tensor:
-    """``a_h v_self + b_h SDPA(q, k, v)`` per head: one SDPA, one multiply-add (see the module docstring)."""
-    h, hkv = _check_shapes(q, k, v, enable_gqa)
-    tq, tk = q.shape[-2], k.shape[-2]
-    _check_mask(attn_mask, q, tk)
-    _check_numbers(scale, dropout_p)
-    _check_mix(mix, h)
-    if tq > tk:
-        raise ConfigError(
-            f"learnable mixing needs every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
-        )
-    a, b = mix.a.to(q.dtype), mix.b.to(q.dtype)  # no-ops (no graph node) when the dtypes agree
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, a, b))
-    out = _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
-    v_self = _v_self(v, tq, h, hkv)
-    if grad:
-        mixed: torch.Tensor = _MixHeads.apply(out, v_self, a, b)
-        return mixed
-    return _mix_heads(out, v_self, a, b)
-
-
-def _mix_heads(out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``b_h out + a_h v_self`` per head (heads on dim -3, ``a``/``b`` of shape ``(H,)``): one new buffer."""
-    h = a.shape[0]
-    y = out * b.view(h, 1, 1)
-    if y.shape != v_self.shape:  # batch dims broadcast against each other: the result is larger than y
-        return torch.addcmul(y, v_self, a.view(h, 1, 1))
-    return y.addcmul_(v_self, a.view(h, 1, 1))  # in place on our own fresh buffer: no second allocation
-
-
-def _head_sum(x: torch.Tensor, h: int) -> torch.Tensor:
-    """Sum over every dim but the head dim (-3) -> ``(H,)``, reduced as autograd reduces a broadcast.
-
-    Always a new tensor: the backward reuses ``x`` as scratch afterwards, and ``sum_to_size``
-    returns ``x`` itself when there is nothing to sum (a 3-d ``(H, 1, 1)`` input).
-    """
-    if x.dim() == 3 and x.shape[-2] == 1 and x.shape[-1] == 1:
-        return x.reshape(h).clone()
-    return x.sum_to_size((h, 1, 1)).view(h)
-
-
-class _MixHeads(torch.autograd.Function):
-    """``y = b_h out + a_h v_self`` with a backward that allocates only the gradients it returns.
-
-    ``dy -> (b dy, a dy, sum(dy * v_self), sum(dy * out))``, the sums over everything but the head
-    dim. ``out`` and ``v_self`` are saved without copies (SDPA saves ``out`` itself, ``v_self`` is
-    a view of ``v`` or GQA's expanded copy that the generic graph saved as well).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, v_self: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(out, v_self, a, b)
-        return _mix_heads(out, v_self, a, b)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        out, v_self, a, b = ctx.saved_tensors
-        need_out, need_vs, need_a, need_b = ctx.needs_input_grad
-        d_out, d_a, d_b = _mix_backward(dy, out, v_self, a, b, need_out, need_a, need_b)
-        d_vs = dy * a.view(a.shape[0], 1, 1) if need_vs else None
-        return d_out, d_vs, d_a, d_b
-
-
-def _mix_backward(
-    dy: torch.Tensor,
-    out: torch.Tensor,
-    v_self: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    need_out: bool,
-    need_a: bool,
-    need_b: bool,
-) -> tuple[Optional[torch.Tensor], ...]:
-    """``(b dy, sum(dy * v_self), sum(dy * out))`` for ``y = b out + a v_self``, the sums over every
-    dim but the head dim; each only when asked for."""
-    h = a.shape[0]
-    d_out = d_a = d_b = None
-    if torch.is_grad_enabled():  # create_graph=True: out-of-place ops, so they can be differentiated again
-        if need_b:
-            d_b = _head_sum(dy * out, h)
-        if need_a:
-            d_a = _head_sum(dy * v_self, h)
-        if need_out:
-            d_out = dy * b.view(h, 1, 1)
-        return d_out, d_a, d_b
-    # One scratch buffer serves both reductions and then holds the SDPA output's gradient.
-    scratch = None
-    if need_b:
-        scratch = torch.mul(dy, out)
-        d_b = _head_sum(scratch, h)
-    if need_a:
-        scratch = torch.mul(dy, v_self) if scratch is None else torch.mul(dy, v_self, out=scratch)
-        d_a = _head_sum(scratch, h)
-    if need_out:
-        bh = b.view(h, 1, 1)
-        d_out = torch.mul(dy, bh) if scratch is None else torch.mul(dy, bh, out=scratch)
-    return d_out, d_a, d_b
 
 
 def laplacian_attention_reference(
@@ -481,14 +358,8 @@ def laplacian_attention_reference(
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)
     _check_numbers(scale, dropout_p)
-    mix = laplacian_heads if isinstance(laplacian_heads, HeadMix) else None
-    if mix is not None:
-        _check_mix(mix, h)
-        identity = True  # the identity term is always there
-    else:
-        sel = LayerHeads.of(laplacian_heads, h)
-        mask, identity = sel.mask(q.device), sel.any
-    if identity and tq > tk:
+    heads = _layer_operator(laplacian_heads, h)
+    if heads.identity and tq > tk:
         raise ConfigError(
             f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
         )
@@ -525,8 +396,5 @@ def laplacian_attention_reference(
     eye = torch.zeros(tq, tk, dtype=p.dtype, device=p.device)
     if tq <= tk:
         eye[torch.arange(tq), torch.arange(tk - tq, tk)] = 1
-    if mix is not None:
-        op = mix.a.to(p.dtype).view(h, 1, 1) * eye + mix.b.to(p.dtype).view(h, 1, 1) * p
-    else:
-        op = torch.where(mask.view(h, 1, 1), eye - p, p)
+    op = heads.operator(p, eye)
     return (op @ v.to(work)).to(q.dtype), op.to(q.dtype)

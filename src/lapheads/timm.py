@@ -104,8 +104,8 @@ Design choices:
   entry per converted layer, in :func:`laplacian_attention_layers` order).
 * Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``, issue 13): every
   converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
-  head h applies ``a_h I + b_h P`` on both paths (fused: :class:`lapheads.HeadMix` through the
-  operator; eager: ``a * v + b * (P v)``). Unlike a fixed selection these ARE in the
+  head h applies ``a_h I + b_h P`` on both paths (:class:`lapheads.HeadMix`, given to the fused
+  operator or to the eager reference by :func:`lapheads.heads.layer_operator`). Unlike a fixed selection these ARE in the
   ``state_dict`` (``blocks.<i>.attn.lap_mix_a``), so a learnable model saves and restores its mixing;
   loading a plain timm checkpoint into it needs ``strict=False`` (the mixing keeps its
   initialisation). Switching a layer back to a fixed selection removes the parameters.
@@ -166,15 +166,13 @@ from torch import nn
 
 from .errors import ConfigError
 from .heads import (
-    HeadMix,
     HeadSpec,
     LaplacianHeads,
     LayerHeads,
     laplacianness,
-    learnable_spec,
+    layer_operator,
     nearer_laplacian,
-    register_mix,
-    remove_mix,
+    set_layer_heads,
 )
 from .ops import laplacian_attention, laplacian_attention_reference
 
@@ -291,22 +289,13 @@ class LaplacianLayer(nn.Module):
         A learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b`` at their initialisation; a fixed
         one removes them.
         """
-        n_heads = _heads_of(self)
-        learn = learnable_spec(spec)
-        if learn is not None:
-            selection = learn.init_selection(1, n_heads)[0]
-            register_mix(self, selection)
-            self.laplacian_selection, self.laplacian_learnable = selection, True
-            return
-        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none"):
+        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none", "ablation", "learn"):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single {type(self).__name__} layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model"
             )
-        # Validate and resolve once (a tensor spec is read back here, once, not per call).
-        selection = LayerHeads.of(spec, n_heads)
-        remove_mix(self)
-        self.laplacian_selection, self.laplacian_learnable = selection, False
+        # Validated and resolved once (a tensor spec is read back here, once, not per call).
+        set_layer_heads(self, spec, _heads_of(self))
 
     @property
     def num_laplacian_heads(self) -> int:
@@ -407,7 +396,7 @@ class LaplacianLayer(nn.Module):
             ``(..., H, N, Dv)``.
         """
         drop = getattr(self, "attn_drop", None)
-        heads = HeadMix(self.lap_mix_a, self.lap_mix_b) if self.laplacian_learnable else self.laplacian_selection
+        heads = layer_operator(self)
         if getattr(self, "fused_attn", True):
             return laplacian_attention(
                 q,
@@ -526,7 +515,7 @@ class LaplacianAttention(LaplacianLayer, Attention):
         The class is cached per selection, so repeated calls return the same class.
         """
         spec = LaplacianHeads(laplacian_heads)
-        if spec.kind not in ("k", "all", "none", "learn"):
+        if spec.kind not in ("k", "all", "none", "learn", "ablation"):
             raise ConfigError(
                 f"LaplacianAttention.with_heads({laplacian_heads!r}): timm builds every layer with the same "
                 "arguments, so only an int k, 'all' or 'none' fits here; use lapheads.timm.convert for per-layer heads"

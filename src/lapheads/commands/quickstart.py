@@ -62,8 +62,8 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     hint = f"pass --overwrite to start {out} afresh, or choose another --out"
     restart = []  # every part is checked, and --overwrite deletes its runs, before the first one trains
     for name, recipe, cfg, heads, seeds, overrides in parts:
-        plan = plan_grid(recipe, str(cfg), heads, seeds, out / name, overrides)
-        restart += check_plan(plan, out / name, str(cfg), overwrite=args.overwrite, hint=hint)
+        grid = plan_grid(recipe, str(cfg), heads, seeds, out / name, overrides)
+        restart += check_plan(grid, out / name, str(cfg), overwrite=args.overwrite, hint=hint)
     delete_runs(restart)
     dirs: list[Path] = []
     for name, recipe, cfg, heads, seeds, overrides in parts:
@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     intro = (
         "Baseline (k=0) against Laplacian heads on embedded data: a tiny ViT on scikit-learn's "
         "digits and a tiny NanoChat-style LM on Python's pydoc topics (k = 0 and all heads of every "
-        "layer Laplacian), 3 seeds each, every run trained to a plateau on a CPU.\n\n"
+        "layer Laplacian), trained on a CPU.\n\n"
         + SCOPE
         + ("\n\nThis is a --tiny run (a few steps per model): its numbers mean nothing." if args.tiny else "")
     )

@@ -61,10 +61,12 @@ def launch(
     resume: bool = False,
     overwrite: bool = False,
     same: Optional[SameValue] = None,
+    reevaluate: bool = False,
 ) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``.
 
-    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`).
+    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`);
+    ``reevaluate``: a resumed run that had finished evaluates its final model again.
     """
     info = D.init_distributed(cfg.train.device)
     threads, why = configure_threads(cfg.train.threads)  # before any tensor work (engine/threads.py)
@@ -93,7 +95,7 @@ def launch(
         if info.is_main:
             run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True, same=same)
         D.barrier()
-        return trainer.fit(resume=resume)
+        return trainer.fit(resume=resume, reevaluate=reevaluate)
     except RunInterrupted:
         raise
     except (DiskFullError, OSError) as e:

@@ -325,14 +325,17 @@ class Checkpointer:
                 tried.add(ck)
                 notes.append(f"skipped {ck.name}: {' '.join(str(e).split())[:300]}")
                 continue
-            if notes and self.info.is_main:
+            if self.info.is_main:
                 kept = "; nothing was deleted" if any(n.startswith("skipped ") for n in notes) else ""
                 print(
-                    f"--resume: {'; '.join(notes)}; resuming from {ck} (step {step}){kept}",
+                    f"--resume: {''.join(n + '; ' for n in notes)}resuming {self.run.path} from step {step} "
+                    f"({ck.name}){kept}",
                     file=sys.stderr,
                     flush=True,
                 )
             return step, skipped
+        if not notes and self.info.is_main:
+            print(f"--resume: {self.run.path} has no checkpoint yet; starting at step 0", file=sys.stderr, flush=True)
         if notes:  # checkpoints were written (skipped ones, or a latest that names a missing step)
             raise CheckpointError(
                 f"--resume: no intact checkpoint in {self.run.ckpt_dir}: {'; '.join(notes)}; "

@@ -75,7 +75,7 @@ class UntilPlateau(ConfigModel):
     min_rel_delta: Float = Field(0.0, ge=0.0, description="an improvement must exceed this fraction of |best|")
     metric: Str = Field(
         "",
-        description="a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_k20_top1)",
+        description="a key of the recipe's evaluation (`lapheads train RECIPE --help` lists them)",
     )
     mode: Literal["", "min", "max"] = Field(
         "", description="max: higher is better (accuracy); min: lower (loss, bits per byte)"
@@ -355,15 +355,16 @@ class Trainer:
         return "the gradient norm"
 
     # ------------------------------------------------------------------ main loop
-    def fit(self, resume: bool = False) -> dict[str, Any]:
-        """Train to ``total`` steps, evaluate, checkpoint and export ``final/``.
+    def fit(self, resume: bool = False, reevaluate: bool = False) -> dict[str, Any]:
+        """Train to ``total`` steps, evaluate, checkpoint and export ``final/`` (``reevaluate``: a
+        resumed run that had finished evaluates again instead of reusing its logged evaluation).
 
         Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
         """
         with self.signals:
             status = "failed"
             try:
-                result = self._fit(resume)
+                result = self._fit(resume, reevaluate)
                 status = "finished"
                 if self.info.is_main and self._tb is not None:
                     log_final(self._tb, self.run.path)  # final metrics and the run's report figures
@@ -376,7 +377,7 @@ class Trainer:
                     self._tb.finish(status)
                 self._tb = None
 
-    def _fit(self, resume: bool) -> dict[str, Any]:
+    def _fit(self, resume: bool, reevaluate: bool = False) -> dict[str, Any]:
         # The step loop in one piece on purpose: accumulate, non-finite guard, clip, step, hooks, log, evaluate,
         # checkpoint, stop. The order of these is what exact resume depends on; it reads top to bottom here.
         cfg = self.cfg
@@ -503,7 +504,7 @@ class Trainer:
         bar.close()
         done_before = (
             [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step]
-            if resume and self.info.is_main
+            if resume and self.info.is_main and not reevaluate
             else []
         )
         if stopped and last_eval:  # stopped at a plateau: the evaluation of this step is the final one

@@ -7,6 +7,9 @@ through ``if recipe == ...`` chains:
 
 ==================  ===========================================================================
 ``name``            the recipe's name (``lapheads train <name>``, ``recipe:`` in config.yaml)
+``metrics``         the keys its evaluation logs that the report compares (:class:`Metric`; the first
+                    is the main one: curves, plateau flags); ``chance`` their values for a model
+                    that guesses, where a run directory tells them
 ``config_type``     its config, a pydantic model (:class:`lapheads.engine.config.ConfigModel`: types, ranges,
                     defaults, descriptions; parsed and validated by
                     :func:`lapheads.engine.config.load_config`, its JSON schema by ``lapheads config schema``;
@@ -31,7 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -43,6 +46,25 @@ from ..engine.run import RunDir
 from ..engine.trackers import Table
 from ..errors import CheckpointError, LapheadsError
 from ..heads import LaplacianHeads, mixing_table
+from ..outputs import read_json
+
+
+class Metric(NamedTuple):
+    """A number a recipe's evaluation logs (``final/metrics.json``, ``metrics.jsonl``); unpacks as
+    ``key, label, higher_is_better``.
+
+    Attributes:
+        key: its key in the logged records (``top1``, ``val_bpb``).
+        label: how the report and the help name it (``top-1 acc``).
+        higher_is_better: its direction (accuracy: True; loss, bits per byte: False).
+    """
+
+    key: str
+    label: str
+    higher_is_better: bool
+
+    def describe(self) -> str:
+        return f"{self.key} ({self.label}, {'higher' if self.higher_is_better else 'lower'} is better)"
 
 
 @dataclass
@@ -119,14 +141,24 @@ class Recipe(ABC):
     kind: ClassVar[str]
     description: ClassVar[str] = ""
     default_config: ClassVar[Optional[str]] = None
+    metrics: ClassVar[tuple[Metric, ...]] = ()  # the first is the main metric
+
+    def chance(self, run_dir: str | Path) -> dict[str, float]:
+        """``{metric key: value of a model that guesses}`` for the finished run in ``run_dir``
+        (classify: ``1 / classes`` top-1); empty where the recipe defines no chance level."""
+        return {}
 
     # ------------------------------------------------------------------ training
     @abstractmethod
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
         """The engine task for ``cfg`` (``run_dir``: where the run writes, for tasks that log files)."""
 
-    def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
-        """Train ``cfg`` into run directory ``out``; returns the final metrics."""
+    def train(
+        self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False, reevaluate: bool = False
+    ) -> dict:
+        """Train ``cfg`` into run directory ``out``; returns the final metrics (``reevaluate``: a
+        resumed run that had finished evaluates its final model again instead of reusing the logged
+        evaluation)."""
         return launch(
             self.name,
             cfg,
@@ -135,7 +167,17 @@ class Recipe(ABC):
             resume=resume,
             overwrite=overwrite,
             same=self.same_setting,
+            reevaluate=reevaluate,
         )
+
+    def finished(self, cfg: Any, out: str | Path) -> bool:
+        """Whether training ``cfg`` into ``out`` has nothing left to do: the run wrote ``final/``."""
+        return (RunDir(out).final_dir / "model.json").is_file()
+
+    def final_result(self, out: str | Path) -> dict:
+        """What :meth:`train` returned for the finished run in ``out``: its final metrics."""
+        path = RunDir(out).final_dir / "metrics.json"
+        return read_json(path, "the final metrics of a run") if path.is_file() else {}
 
     def same_setting(self, key: str, old: Any, new: Any) -> bool:
         """The run-equality rule (``--resume``, sweeps): equal values, and for a ``laplacian_heads``

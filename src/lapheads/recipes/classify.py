@@ -48,7 +48,7 @@ from ..vision.backbones import frozen
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
 # here also so that `from lapheads.recipes.classify import check_channels` keeps working
 from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 #: the normalisation of one channel: a positive standard deviation
 _Std = Annotated[Float, Field(gt=0.0)]
@@ -376,10 +376,9 @@ def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
     return ClassifyTask(cfg, info)
 
 
-def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
-    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
-    final = Path(run_dir) / "final"
-    spec_path = final / "model.json"
+def model_spec(run_dir: str | Path) -> dict:
+    """``final/model.json`` of a classify run, checked: ``model`` (a mapping) and ``num_classes``."""
+    spec_path = Path(run_dir) / "final" / "model.json"
     if not spec_path.is_file():
         raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
     spec = read_json(spec_path, "the model description of a classify run")
@@ -393,6 +392,14 @@ def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
             f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
             f"integer); the file is damaged or not from `lapheads train classify`"
         )
+    return spec
+
+
+def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
+    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
+    final = Path(run_dir) / "final"
+    spec_path = final / "model.json"
+    spec = model_spec(run_dir)
     model = build_model(from_dict(ModelConfig, spec["model"], prefix=f"{spec_path}: model."), spec["num_classes"])
     path = final / f"{weights}.safetensors"
     load_weights(model, load_tensors(path), source=str(path))
@@ -416,6 +423,17 @@ class ClassifyRecipe(Recipe):
     config_type = ClassifyConfig
     kind = "vit"
     description = "DeiT-3 supervised classification with k Laplacian heads per layer."
+    metrics = (
+        Metric("top1", "top-1 acc", True),
+        Metric("top5", "top-5 acc", True),
+        Metric("mean_class_acc", "mean class acc", True),
+        Metric("loss", "val loss", False),
+    )
+
+    def chance(self, run_dir: str | Path) -> dict[str, float]:
+        """Accuracies of a uniform guess over the run's classes (``final/model.json``: ``num_classes``)."""
+        n = model_spec(run_dir)["num_classes"]
+        return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n} if n > 0 else {}
 
     def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
         return build_task(cfg, info)

@@ -89,7 +89,7 @@ from ..vision.transforms import (
     check_channels,
     in_chans_of,
 )
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 # ---------------------------------------------------------------------------------------------
 # config
@@ -579,6 +579,8 @@ class DinoRecipe(Recipe):
     name = "dino"
     config_type = DinoConfig
     kind = "vit"
+    # the keys its evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
+    metrics = (Metric("knn_k20_top1", "20-NN top-1", True), Metric("knn_k10_top1", "10-NN top-1", True))
     description = (
         "DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
         "Try: --config digits (CPU, minutes); "

@@ -78,7 +78,7 @@ from ..lm.model import (
     muon_momentum,
 )
 from ..lm.tokenizer import load_tokenizer, stop_token_ids, tokenizer_hash, train_tokenizer
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 __all__ = [
     "LMDataConfig",
@@ -616,6 +616,7 @@ class LMRecipe(Recipe):
     name = "lm"
     config_type = LMConfig
     kind = "hf"
+    metrics = (Metric("val_bpb", "val bits/byte", False), Metric("val_loss", "val loss", False))
     description = (
         "NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
         "validation bits per byte) with k Laplacian heads per layer."

@@ -58,7 +58,7 @@ from ..engine.run import RunDir
 from ..errors import ConfigError, DataError
 from ..lm.model import LMOptimConfig, build_optimizers, count_params
 from ..lm.tokenizer import render_chat, tokenizer_hash
-from .base import HeadsTask, LoadedRun
+from .base import HeadsTask, LoadedRun, Metric
 from .lm import RECIPE as LM_RECIPE
 from .lm import LMDataConfig, LMRecipe, export_hf, load_model
 
@@ -445,6 +445,7 @@ def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
 class SFTRecipe(LMRecipe):
     name = "sft"
     config_type = SFTConfig
+    metrics = (Metric("val_loss", "val loss (assistant tokens)", False),)
     description = (
         "Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
         "(loss on assistant tokens only, mixture of sources)."
