@@ -506,7 +506,7 @@ def test_a_resumed_event_file_sorts_after_the_killed_attempts(tmp_path, monkeypa
     counter as strings ("...10" < "...9"), so a resume waits for the next second (it once lost steps 1-10)."""
     import time
 
-    from lapheads.engine.trainer import _after_earlier_event_files
+    from lapheads.engine.trackers import _after_earlier_event_files
 
     now = int(time.time())
     (tmp_path / f"events.out.tfevents.{now}.host.4242.9").write_bytes(b"")
@@ -515,9 +515,9 @@ def test_a_resumed_event_file_sorts_after_the_killed_attempts(tmp_path, monkeypa
     other = tmp_path / "other"
     other.mkdir()
     (other / "events.out.tfevents.notanumber.host.1.1").write_bytes(b"")  # not TensorBoard's layout: ignored
-    from lapheads.engine import trainer
+    from lapheads.engine import trackers
 
     sleeps: list[float] = []
-    monkeypatch.setattr(trainer.time, "sleep", sleeps.append)
+    monkeypatch.setattr(trackers.time, "sleep", sleeps.append)
     _after_earlier_event_files(other)
     assert sleeps == []  # nothing to wait for: no sleep at all

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .trackers import Table
 
 __all__ = ["TrainTask", "Task"]
 
@@ -54,6 +55,11 @@ class TrainTask:
     def extra_metrics(self, model: nn.Module) -> dict[str, Any]:
         """Logged with every evaluation besides :meth:`evaluate`'s metrics (JSON-serialisable
         values, e.g. a recipe's per-layer table of learned parameters)."""
+        return {}
+
+    def tables(self) -> dict[str, Table]:
+        """The keys of :meth:`extra_metrics` that the experiment trackers log as tables, each with
+        its columns and the rows of a value (:class:`lapheads.engine.trackers.Table`)."""
         return {}
 
     def on_step_start(self, step: int, total: int) -> None:

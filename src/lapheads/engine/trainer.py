@@ -44,7 +44,6 @@ import contextlib
 import json
 import math
 import time
-from pathlib import Path
 from typing import Any, Literal, Optional, cast
 
 import torch
@@ -134,9 +133,17 @@ class TrainConfig(ConfigModel):
         description="experiment trackers besides metrics.jsonl (always written): any of "
         "tensorboard, wandb, mlflow (engine/trackers.py)",
     )
-    tracker_project: Str = Field("lapheads", description="wandb: the project; mlflow: the experiment")
-    tracker_run_name: Str = Field("", description="the tracker run's name; empty = the run directory's name")
-    tracker_dir: Str = Field("", description="wandb: where its files go (wandb/ below it); empty = the run directory")
+    tracker_project: Str = Field(
+        "",
+        description="wandb: the project; mlflow: the experiment; "
+        "empty = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else lapheads",
+    )
+    tracker_run_name: Str = Field(
+        "", description="the tracker run's name; empty = WANDB_NAME (wandb), else the run directory's name"
+    )
+    tracker_dir: Str = Field(
+        "", description="wandb: where its files go (wandb/ below it); empty = WANDB_DIR, else the run directory"
+    )
     mlflow_tracking_uri: Str = Field(
         "",
         description="mlflow: tracking URI (sqlite:///mlflow.db, http://...); "
@@ -151,7 +158,11 @@ class TrainConfig(ConfigModel):
 
     @run_rule
     def _trackers_installed(self) -> None:
-        check_trackers([t for t in self.trackers if t != "tensorboard"])  # one line naming package and extra
+        check_trackers(  # one line naming the package and extra, the store or the directory
+            [t for t in self.trackers if t != "tensorboard"],
+            mlflow_tracking_uri=self.mlflow_tracking_uri,
+            tracker_dir=self.tracker_dir,
+        )
 
     @rule
     def _until_plateau(self) -> None:
@@ -191,24 +202,6 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     if cfg.schedule == "linear":
         return 1.0 - (1.0 - lo) * frac
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-
-def _after_earlier_event_files(tb_dir: Path) -> None:
-    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
-
-    TensorBoard reads a run's event files in name order, and a name is
-    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: two files made in the same second
-    compare by pid and counter as strings ("...10" < "...9"), so a resumed attempt's file could be read
-    before the killed attempt's, and its purge marker would then erase the earlier steps instead of
-    the orphaned ones. A resume is rare; waiting for the next second makes the order certain.
-    """
-    stamps = []
-    for f in Path(tb_dir).glob("events.out.tfevents.*"):
-        parts = f.name.split(".")
-        if len(parts) > 3 and parts[3].isdigit():
-            stamps.append(int(parts[3]))
-    while stamps and int(time.time()) <= max(stamps):
-        time.sleep(0.05)
 
 
 def _to_float(v: Any) -> Any:
@@ -290,7 +283,11 @@ class Trainer:
         self._tb: Any = None  # the trackers of train.trackers (engine.trackers), started by the first _log
         self._tb_purge_step: Optional[int] = None  # on resume: the checkpoint's step + 1 (see _trim_logs)
         if self.info.is_main:
-            check_trackers([t for t in cfg.trackers if t != "tensorboard"])  # a missing package: one line, now
+            check_trackers(  # a missing package, a store MLflow cannot open: one line, now
+                [t for t in cfg.trackers if t != "tensorboard"],
+                mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                tracker_dir=cfg.tracker_dir,
+            )
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> None:
@@ -337,6 +334,7 @@ class Trainer:
                     "dir": cfg.tracker_dir,
                     "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
                 },
+                self.task.tables(),
             )
             self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
 

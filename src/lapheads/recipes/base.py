@@ -16,7 +16,8 @@ through ``if recipe == ...`` chains:
                     an optional ``resume_mutable()`` method names keys a ``--resume`` may change)
 ``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
 ``build_task``      the engine :class:`~lapheads.engine.TrainTask` for a config (a :class:`HeadsTask`: its
-                    evaluations also log the learned head mixing, ``lap_mix``)
+                    evaluations also log the learned head mixing, ``lap_mix``, which the
+                    experiment trackers get as a table, one row per head)
 ``same_setting``    the run-equality rule of ``--resume`` and sweeps (two spellings of one head
                     setting are the same run)
 ``train``           run it into a directory (default: one engine launch)
@@ -42,6 +43,7 @@ from ..engine import DistInfo, TrainTask
 from ..engine.config import from_dict
 from ..engine.launch import launch
 from ..engine.run import RunDir
+from ..engine.trackers import Table
 from ..errors import CheckpointError, LapheadsError
 from ..heads import LaplacianHeads, mixing_table
 from ..outputs import read_json
@@ -116,6 +118,19 @@ class HeadsTask(TrainTask):
     def extra_metrics(self, model: nn.Module) -> dict[str, Any]:
         mix = mixing_table(model)
         return {"lap_mix": mix} if mix else {}
+
+    def tables(self) -> dict[str, Table]:
+        return {"lap_mix": Table(["layer", "head", "a", "b", "laplacianness"], mixing_rows)}
+
+
+def mixing_rows(table: list[dict[str, Any]]) -> list[list[Any]]:
+    """The rows ``[layer, head, a, b, laplacianness]`` of a ``lap_mix`` table (:func:`lapheads.heads.mixing_table`)."""
+    rows = []
+    for row in table:
+        lap = row.get("laplacianness") or [None] * len(row["a"])
+        for h, (a, b, ln) in enumerate(zip(row["a"], row["b"], lap)):
+            rows.append([row["layer"], h, a, b, ln])
+    return rows
 
 
 class Recipe(ABC):
