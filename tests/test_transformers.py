@@ -183,7 +183,7 @@ def test_integration_equals_manual_reference(arch):
     real = am.bool()  # padded positions are garbage in every implementation; compare real tokens
     assert torch.allclose(got[real], want[real], atol=1e-10, rtol=0), (got - want)[real].abs().max()
     # ... and the Laplacian heads really changed the model (the check above can fail).
-    stock = _clone(model, "sdpa")(ids, attention_mask=am).logits
+    stock = _clone(model, "sdpa", heads=0)(ids, attention_mask=am).logits
     assert (got[real] - stock[real]).abs().max() > 1e-3
     # Gradients flow through the fused path.
     model.train()
@@ -212,7 +212,7 @@ def test_zero_heads_equals_stock_sdpa(arch):
     model = _model(arch, 0)
     assert model.config._attn_implementation == lt.ATTN_IMPLEMENTATION
     ids, am = _left_padded()
-    stock = _clone(model, "sdpa")
+    stock = _clone(model, "sdpa", heads=0)
     assert torch.equal(model(ids, attention_mask=am).logits, stock(ids, attention_mask=am).logits)
 
 
@@ -431,7 +431,7 @@ def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpo
     assert torch.equal(auto(ids).logits, want)
     assert torch.equal(lt.from_pretrained(str(path), dtype=torch.float64).eval()(ids).logits, want)
     # sanity: the same weights as standard attention are a different model
-    assert not torch.allclose(_clone(model, "sdpa")(ids).logits, want, atol=1e-6)
+    assert not torch.allclose(_clone(model, "sdpa", heads=0)(ids).logits, want, atol=1e-6)
     pipe = pipeline("text-generation", model=str(path), dtype=torch.float64)
     assert torch.equal(pipe.model.eval()(ids).logits, want)
     text = pipe("the list type is", max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
@@ -476,6 +476,16 @@ def test_a_plain_load_saved_again_stays_laplacian(laplacian_checkpoint, tmp_path
     assert json.loads((tmp_path / "copy" / "config.json").read_text())["laplacian_heads"] == [1, 4]
     copy = lt.from_pretrained(str(tmp_path / "copy"), dtype=torch.float64).eval()
     assert torch.equal(copy(ids).logits, want)
+    # a plain load of that copy runs transformers' "sdpa", whose registered function refuses a config
+    # with Laplacian heads in one line instead of computing the standard model silently
+    plain_copy = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float64).eval()
+    assert plain_copy.config._attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="lapheads.transformers.from_pretrained") as refused:
+        plain_copy(ids)
+    assert "\n" not in str(refused.value) and "laplacian_heads=[1, 4]" in str(refused.value)
+    # the stock model itself (no Laplacian heads in its config) runs the stock function unchanged
+    plain_copy.config.laplacian_heads = 0
+    assert torch.equal(plain_copy(ids).logits, _clone(model, "sdpa", heads=0)(ids).logits)
     # a config that names no Laplacian implementation is not marked: its (stock) model is standard
     stock = type(model.config)(**{k: v for k, v in model.config.to_dict().items() if k != "attn_implementation"})
     assert "attn_implementation" not in stock.to_dict()
@@ -494,7 +504,7 @@ def test_explicit_standard_implementation_is_refused(laplacian_checkpoint):
     ids = torch.tensor([tok.encode("a tuple")])
     std = lt.from_pretrained(str(path), laplacian_heads=0, attn_implementation="sdpa", dtype=torch.float64)
     assert std.config.laplacian_heads == 0
-    assert torch.equal(std.eval()(ids).logits, _clone(model, "sdpa")(ids).logits)
+    assert torch.equal(std.eval()(ids).logits, _clone(model, "sdpa", heads=0)(ids).logits)
 
 
 def test_plain_load_without_lapheads_fails_naming_the_fix(laplacian_checkpoint):

@@ -339,6 +339,30 @@ def _check_mask_call(args: tuple, kwargs: dict) -> None:
     _check_cache_layout(config, vals["q_length"], vals["kv_length"], vals.get("q_offset", 0), vals.get("kv_offset", 0))
 
 
+def guarded_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' own ``"sdpa"`` function, which first refuses a module whose config claims
+    Laplacian heads: such a model was loaded or switched to stock attention (a copy saved before any
+    forward has no Laplacian ``attn_implementation`` in its ``config.json``, or the implementation
+    was asked for explicitly), and running it would be the standard model, silently."""
+    config = getattr(module, "config", None)
+    spec = config_spec(config)
+    if spec is not None and spec != 0 and spec != "none" and any_laplacian(config):
+        raise ConfigError(
+            f"{type(module).__name__} has config.laplacian_heads={spec!r} but runs transformers' stock 'sdpa' "
+            "attention, which would silently be the standard model: load it with "
+            "lapheads.transformers.from_pretrained(path) (or call lapheads.transformers.enable(model, spec)); "
+            "for the standard model on purpose set laplacian_heads=0"
+        )
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register_implementations() -> None:
     """Register the three implementations under all their names (plain, saved, saved for indexing),
     each with its mask function, in transformers' global ``AttentionInterface`` /
@@ -352,3 +376,6 @@ def register_implementations() -> None:
         for name in (base, saved_name(base, False), saved_name(base, True)):
             AttentionInterface.register(name, attention)
             AttentionMaskInterface.register(name, mask)
+    # transformers' interface lets a library override an existing name: "sdpa" (the default of
+    # most models) keeps its stock function behind the check above.
+    AttentionInterface.register("sdpa", guarded_sdpa_attention_forward)
