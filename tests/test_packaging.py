@@ -1,4 +1,4 @@
-"""The wheel works outside the repository, with and without extras (issue 29).
+"""The wheel works outside the repository, with and without extras.
 
 The wheel is built from this checkout and installed non-editable (``--no-deps``) into fresh
 virtualenvs in a temporary directory. Installing torch again would take minutes and gigabytes, so

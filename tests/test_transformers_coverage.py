@@ -1,5 +1,5 @@
 """lapheads.transformers beyond decoders: vision towers, encoders, encoder-decoders, soft-capping,
-sinks and position bias (issue 30), and the generated coverage table.
+sinks and position bias, and the generated coverage table.
 
 Every model is tiny (hidden 32, 2 layers of 4 heads) and float64. The reference attention is
 written here, from the formula, not from lapheads: explicit scores ``q k^T * scale`` with the

@@ -20,7 +20,7 @@ of a layer, and the same k is used in every layer. The LM code also takes a per-
 ``LaplacianHeads("mix(0.5,-1):2")``    ablation: the trailing 2 heads apply ``0.5 I - P``
 =====================================  ============================================
 
-Learnable mixing (issue 13): a head's operator generalises to ``a_h I + b_h P`` with two learned
+Learnable mixing: a head's operator generalises to ``a_h I + b_h P`` with two learned
 numbers per head per layer (a standard head is ``a=0, b=1``, a Laplacian head ``a=1, b=-1``). A
 learnable selection is not a fixed set of heads: :meth:`LaplacianHeads.resolve` refuses it,
 :meth:`LaplacianHeads.init_selection` gives the heads that START Laplacian, and the modules that

@@ -102,7 +102,7 @@ Design choices:
   ``LaplacianAttention.with_heads(k)`` (a cached subclass whose default is k) as ``attn_layer``, or
   build the model plainly and call :func:`convert`, which also takes per-layer selections (one
   entry per converted layer, in :func:`laplacian_attention_layers` order).
-* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``, issue 13): every
+* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``): every
   converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
   head h applies ``a_h I + b_h P`` on both paths (:class:`lapheads.HeadMix`, given to the fused
   operator or to the eager reference by :func:`lapheads.heads.layer_operator`). Unlike a fixed selection these ARE in the
