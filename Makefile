@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.lapheads-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps quickstart lint docs test test-fast bench clean
+.PHONY: setup system-deps quickstart lint docs test test-fast test-latest bench coverage-tables clean
 
 setup: $(STAMP)
 
@@ -52,8 +52,26 @@ test: setup system-deps lint
 test-fast: setup
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
+# The integration tests (timm, transformers, peft, accelerate, lm-eval, datasets, MLflow, W&B,
+# submitit, pydantic) against the newest release of each, in a second environment refreshed on
+# every run (no constraints; torch and torchvision as pinned); tests/run_latest.py lists the
+# libraries and their test files, and prints which version broke what.
+VENV_LATEST ?= .venv-latest
+test-latest:
+	test -x $(VENV_LATEST)/bin/python || $(PYTHON) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[all,test]" \
+	  $$($(PYTHON) tests/run_latest.py --packages)
+	PYTHONDONTWRITEBYTECODE= $(VENV_LATEST)/bin/python tests/run_latest.py $(PYTEST_ARGS)
+
 bench: setup
 	$(PY) benchmarks/run_all.py
 
+# The measured coverage tables of docs/ (tools/coverage/, a repository tool outside the package);
+# tests/test_*_coverage.py fail when the committed files are stale.
+coverage-tables: setup
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m tools.coverage timm --write docs/coverage-timm.md
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m tools.coverage transformers --write docs/coverage-transformers.md
+
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VENV_LATEST) build dist src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

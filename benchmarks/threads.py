@@ -1,6 +1,6 @@
 """CPU thread count under load: a digits-recipe training step, idle and beside a competing process.
 
-Question (issue: shared machines): with other work on the machine, does the engine's automatic
+Question (shared machines): with other work on the machine, does the engine's automatic
 thread count (``train.threads: 0``, see ``src/lapheads/engine/threads.py``) keep a tiny model's
 step time from collapsing, where torch's default (one thread per core) does not?
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from lapheads.data.images import _CIFAR_LAYOUT, _IDX_CODES
+from lapheads.data.image_files import _CIFAR_LAYOUT, _IDX_CODES
 from lapheads.errors import ConfigError
 
 PathLike = Union[str, os.PathLike]

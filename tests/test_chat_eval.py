@@ -13,7 +13,7 @@ import pytest
 import torch
 from _lm_helpers import chat_task_files, offline, scripted_lm
 
-from lapheads.data.tasks import LETTERS, load_task
+from lapheads.data.benchmarks import LETTERS, load_benchmark
 from lapheads.errors import ConfigError, DataError
 from lapheads.lm.tasks import (
     CHAT_TASKS,
@@ -117,7 +117,7 @@ def test_prompts_are_render_chat_with_one_bos(llama, files):
     model, tok = llama
     lm = make_lm_eval_model(model, tok)
     for name, path in files.items():
-        for item in load_task(name, path):
+        for item in load_benchmark(name, path):
             want = render_chat(
                 tok, [{"role": "user", "content": _user_message(name, item)}], add_generation_prompt=True
             )[0]
@@ -126,7 +126,7 @@ def test_prompts_are_render_chat_with_one_bos(llama, files):
                 lines = render_multiple_choice(item).splitlines()
                 assert [f"- {c}={L}" for c, L in zip(item.choices, LETTERS)] == [x for x in lines if x.startswith("- ")]
     row = json.loads(open(files["arc_challenge"]).readline())  # the original AI2 layout: labels 1-3 become A-C
-    item = load_task("arc_challenge", files["arc_challenge"])[0]
+    item = load_benchmark("arc_challenge", files["arc_challenge"])[0]
     assert choice_doc_to_text(row) == chat_prompt(render_multiple_choice(item))
     assert item.meta["labels"] == ["1", "2", "3"] and item.letters == ["A", "B", "C"]
 
@@ -151,7 +151,7 @@ def test_multiple_choice_accuracy_is_the_argmax_of_the_letters_log_likelihoods(l
     assert all(len(i) == 1 for i in letter_ids)
     all_preds = []
     for name in names:
-        items = load_task(name, files[name])
+        items = load_benchmark(name, files[name])
         preds = []
         for item in items:
             ids = render_chat(
@@ -197,7 +197,7 @@ def test_gsm8k_answer_extraction(text, expected):
 def test_gsm8k_exact_match_of_known_replies(files, no_hub):
     from lapheads.lm.evaluate import evaluate_chat_lm
 
-    items = load_task("gsm8k", files["gsm8k"])
+    items = load_benchmark("gsm8k", files["gsm8k"])
     assert [it.target for it in items] == ["5", "15", "14", "9"]
     replies = ["2 + 3 = 5\n#### 5", "He has 15 apples.", "#### 13", "I do not know."]
     lm = scripted_lm({chat_prompt(it.question): [r] for it, r in zip(items, replies)})
@@ -216,7 +216,7 @@ def test_gsm8k_answers_are_the_final_numbers_of_greedy_replies(llama, files, no_
         "chat"
     ]["gsm8k"]
     want = []
-    for item in load_task("gsm8k", files["gsm8k"]):
+    for item in load_benchmark("gsm8k", files["gsm8k"]):
         seq = render_chat(tok, [{"role": "user", "content": item.question}], add_generation_prompt=True)[0]
         new = []
         with torch.no_grad():
@@ -257,7 +257,7 @@ def test_humaneval_pass_at_k_of_passing_and_failing_completions_run_in_the_sandb
     from lapheads.lm.evaluate import evaluate_chat_lm
 
     monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
-    items = load_task("humaneval", files["humaneval"])
+    items = load_benchmark("humaneval", files["humaneval"])
     n, good = 10, [10, 0, 7, 1, 10, 3]
     replies = {}
     for i, it in enumerate(items):
@@ -294,7 +294,7 @@ def test_bad_task_file_fails_before_the_model_runs(tmp_path):
 
 
 def test_check_chat_tasks_sources(files):
-    from lapheads.data.tasks import builtin_humaneval_path
+    from lapheads.data.benchmarks import builtin_humaneval_path
     from lapheads.lm.evaluate import check_chat_tasks
 
     assert check_chat_tasks({"ARC-Easy": files["arc_easy"]}) == {"ARC-Easy": files["arc_easy"]}

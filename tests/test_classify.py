@@ -14,7 +14,8 @@ import torch
 from _data_writers import write_cifar_archive
 
 from lapheads.cli import main as cli
-from lapheads.engine.checkpoint import atomic_write_text, load_tensors
+from lapheads.engine.checkpoint import load_tensors
+from lapheads.outputs import atomic_write
 from lapheads.recipes.shipped import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_cifar_archive_train_eval_resume(tmp_path, capsys):
     shutil.copytree(ref, crash)
     shutil.rmtree(crash / "final")
     shutil.rmtree(crash / "checkpoints" / "step_00000006")
-    atomic_write_text(crash / "checkpoints" / "latest", "step_00000003")
+    atomic_write(crash / "checkpoints" / "latest", "step_00000003")
     assert _train(crash, data, *args, "--resume") == 0
     a, b = load_tensors(ref / "final" / "model.safetensors"), load_tensors(crash / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)

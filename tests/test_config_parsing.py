@@ -8,6 +8,7 @@ behind) are in ``test_bad_inputs.py``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -182,6 +183,33 @@ def test_recipe_fields_from_the_issue_are_refused():
             load_config(ClassifyConfig, overrides=[override])
 
 
+@pytest.mark.parametrize(
+    "override, meant",
+    [
+        ("train.max_step=10", r"did you mean train\.max_steps\? allowed keys under train: \["),
+        ("train.lr=0.1", r"did you mean optim\.lr \(under optim, not train\)\? allowed keys under train: \["),
+        ("seed=1", r"did you mean train\.seed \(under train, not the top level\)\?"),
+        ("modle.depth=2", r"did you mean model\? allowed keys under the top level"),
+        ("train.epochs=3", r"did you mean data\.epochs \(under data, not train\)\?"),
+    ],
+)
+def test_an_unknown_key_suggests_the_closest_allowed_keys(override, meant):
+    """A misspelt key gets the near one of its section; a key of another section names that section."""
+    from lapheads.recipes.classify import ClassifyConfig
+
+    key = override.split("=")[0].split(".")[0] if override.startswith("modle") else override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"unknown config key {re.escape(key)}; {meant}"):
+        load_config(ClassifyConfig, overrides=[override])
+
+
+def test_an_unknown_key_far_from_every_key_gets_no_guess():
+    from lapheads.recipes.classify import ClassifyConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(ClassifyConfig, overrides=["train.zzzz=1"])
+    assert "did you mean" not in str(e.value) and "allowed keys under train: [" in str(e.value)
+
+
 def test_language_model_fields_are_refused_at_parse_time():
     from lapheads.recipes.lm import LMConfig
 
@@ -201,7 +229,9 @@ def test_model_extra_that_timm_refuses_is_a_config_error():
 
     m = ModelConfig(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, extra={"foo": {"bar": 1}})
     with pytest.raises(
-        ConfigError, match=r"timm cannot build 'vit_tiny_patch16_224'.*'foo'.*model\.extra holds \['foo'\]"
+        ConfigError,
+        match=r"^model\.extra\.foo=\{'bar': 1\}: timm cannot build 'vit_tiny_patch16_224' with it \(.*"
+        r"unexpected keyword argument 'foo'\)",
     ):
         build_model(m, 10)
 

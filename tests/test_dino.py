@@ -282,7 +282,7 @@ def test_probe_and_pca_clis_on_a_run(trained_run, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# greyscale models and training subsets (issue 15, item 4): the same options as classify
+# greyscale models and training subsets: the same options as classify
 DINO_DIGITS = str(CONFIG_DIR / "dino" / "digits.yaml")
 
 

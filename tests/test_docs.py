@@ -101,7 +101,7 @@ def test_python_block_runs(path, line, source, tmp_path, monkeypatch):
 _MD_LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _HTML_LINK = re.compile(r"""(?:href|src)\s*=\s*["']([^"']+)["']""")
 # a repository path: starts with a top-level folder of the repository, or is a top-level file
-_TOP_DIRS = ("src", "recipes", "benchmarks", "tests", "studies", "docs", ".ci")
+_TOP_DIRS = ("src", "recipes", "benchmarks", "tests", "studies", "docs", "tools", ".ci")
 _TOP_FILES = (
     "README.md",
     "CHANGELOG.md",

@@ -170,6 +170,48 @@ def test_exact_resume_after_crash(tmp_path):
     assert (crashed / "tb").is_dir() and (crashed / "meta.json").is_file()
 
 
+class _BatchNormToy(ToyTask):
+    """The toy with a BatchNorm (float running statistics, an integer batch counter) whose weights
+    after every optimizer step are recorded in float64."""
+
+    def __init__(self, cfg, info=None):
+        super().__init__(cfg, info)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 1))
+        self.seen = [self._weights()]
+
+    def _weights(self):
+        return {k: v.double() if v.is_floating_point() else v.clone() for k, v in self.model.state_dict().items()}
+
+    def after_optimizer_step(self, step, total):
+        self.seen.append(self._weights())
+
+
+def test_ema_of_weights_and_buffers_matches_the_recurrence(tmp_path):
+    """final/ema.safetensors is e_0 = the initial weights, e_t = d * e_(t-1) + (1 - d) * w_t over every
+    optimizer step, for parameters and float buffers; integer buffers are the model's own."""
+    decay = 0.8
+    tasks = []
+
+    def build(c, info):
+        tasks.append(_BatchNormToy(c, info))
+        return tasks[-1]
+
+    launch("toy", _cfg(max_steps=9, ckpt_every=0, ema_decay=decay), build, str(tmp_path / "run"))
+    seen = tasks[0].seen
+    assert len(seen) == 10
+    ema = load_tensors(tmp_path / "run" / "final" / "ema.safetensors")
+    assert ema.keys() == seen[0].keys()
+    for k, first in seen[0].items():
+        if not first.is_floating_point():
+            assert torch.equal(ema[k], seen[-1][k]) and int(ema[k]) == 9 * 2, k  # 2 micro-batches a step
+            continue
+        want = first
+        for w in seen[1:]:
+            want = decay * want + (1 - decay) * w[k]
+        assert not torch.allclose(want, seen[-1][k]), k  # the average differs from the last weights
+        torch.testing.assert_close(ema[k].double(), want, rtol=0, atol=1e-6, msg=k)
+
+
 def test_run_dir_is_never_overwritten(tmp_path):
     out = tmp_path / "run"
     _run(out, _cfg(max_steps=2, ckpt_every=0))
@@ -418,16 +460,14 @@ def test_a_start_killed_before_its_config_was_complete_is_not_a_run(tmp_path):
         _run(out, _cfg(max_steps=2, ckpt_every=0), resume=resume)
         assert (out / "final" / "model.json").is_file()
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
-    # a directory with files of its own is not taken over without --overwrite
+    # a directory with files of its own is never taken over: --overwrite deletes only a run
     other = tmp_path / "notes"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    for resume in (False, True):
+    for resume, overwrite in ((False, False), (True, False), (False, True)):
         with pytest.raises(CheckpointError, match="no config.yaml"):
-            _run(other, _cfg(max_steps=2, ckpt_every=0), resume=resume)
+            _run(other, _cfg(max_steps=2, ckpt_every=0), resume=resume, overwrite=overwrite)
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
-    _run(other, _cfg(max_steps=2, ckpt_every=0), overwrite=True)
-    assert not (other / "notes.txt").exists() and (other / "final" / "model.json").is_file()
     # --resume of a directory that does not exist is a mistake (a typo), not a fresh start
     with pytest.raises(CheckpointError, match="not a run directory"):
         _run(tmp_path / "missing" / "run", _cfg(max_steps=2), resume=True)
@@ -466,7 +506,7 @@ def test_a_resumed_event_file_sorts_after_the_killed_attempts(tmp_path, monkeypa
     counter as strings ("...10" < "...9"), so a resume waits for the next second (it once lost steps 1-10)."""
     import time
 
-    from lapheads.engine.trainer import _after_earlier_event_files
+    from lapheads.engine.trackers import _after_earlier_event_files
 
     now = int(time.time())
     (tmp_path / f"events.out.tfevents.{now}.host.4242.9").write_bytes(b"")
@@ -475,9 +515,9 @@ def test_a_resumed_event_file_sorts_after_the_killed_attempts(tmp_path, monkeypa
     other = tmp_path / "other"
     other.mkdir()
     (other / "events.out.tfevents.notanumber.host.1.1").write_bytes(b"")  # not TensorBoard's layout: ignored
-    from lapheads.engine import trainer
+    from lapheads.engine import trackers
 
     sleeps: list[float] = []
-    monkeypatch.setattr(trainer.time, "sleep", sleeps.append)
+    monkeypatch.setattr(trackers.time, "sleep", sleeps.append)
     _after_earlier_event_files(other)
     assert sleeps == []  # nothing to wait for: no sleep at all

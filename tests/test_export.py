@@ -156,7 +156,7 @@ def test_torch_export_vit_with_a_dynamic_batch():
         torch.testing.assert_close(program.module()(x), model(x), atol=ATOL, rtol=1e-4)
 
 
-# ----------------------------------------------------------------------------- learnable mixing (issue 13)
+# ----------------------------------------------------------------------------- learnable mixing
 LEARN_CASES = {
     "vit-fused": (lambda: _vit("learn:2", fused=True), CASES["vit-fused"][1]),
     "vit-eager": (lambda: _vit("learn:2", fused=False), CASES["vit-eager"][1]),

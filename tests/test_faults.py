@@ -302,7 +302,7 @@ def test_the_run_lock_on_a_full_disk_is_one_line(reference, small_disk, capsys):
 
 
 def test_tokenised_shards_on_a_full_disk(small_disk):
-    from lapheads.data.text import _atomic_write_bytes
+    from lapheads.data.shards import _atomic_write_bytes
 
     disk = small_disk(64 * 1024)
     with pytest.raises(DiskFullError) as e:

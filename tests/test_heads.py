@@ -63,7 +63,12 @@ def test_copy_label_config_roundtrip():
         assert LaplacianHeads(lh) == lh
         assert LaplacianHeads(lh.to_config()) == lh
         assert isinstance(lh.label(), str) and lh.label()
-        assert hash(LaplacianHeads(lh.to_config())) == hash(lh)
+        # the saved form rebuilds the same heads: compared on the resolved flags, not on __eq__/__hash__
+        assert LaplacianHeads(lh.to_config()).resolve(2, 4) == lh.resolve(2, 4)
+    assert LaplacianHeads(LaplacianHeads([1, 2]).to_config()).resolve(2, 4) == [
+        LayerHeads((False, False, False, True)),
+        LayerHeads((False, False, True, True)),
+    ]
     assert LaplacianHeads(3).label() == "k=3"
     assert LaplacianHeads([[0], [1, 2]]).label() == "per-layer:1,2"
 
@@ -194,21 +199,22 @@ def test_errors_are_plain_value_errors_for_callers():
 
 
 # LayerHeads: one layer's resolved selection, the form the operator branches on
-def test_layer_heads_of_agrees_with_head_mask():
-    for spec in [
-        0,
-        2,
-        "all",
-        "none",
-        [0, 2],
-        (True, False, True, False),
-        LaplacianHeads(1),
-        torch.tensor([True, False, False, True]),
-        LayerHeads((True, False, False, False)),
+def test_layer_heads_of_every_form():
+    # each form with the flags written out by hand (the trailing-k convention: the LAST k heads)
+    for spec, want in [
+        (0, [False, False, False, False]),
+        (2, [False, False, True, True]),
+        ("all", [True, True, True, True]),
+        ("none", [False, False, False, False]),
+        ([0, 2], [True, False, True, False]),
+        ((True, False, True, False), [True, False, True, False]),
+        (LaplacianHeads(1), [False, False, False, True]),
+        (torch.tensor([True, False, False, True]), [True, False, False, True]),
+        (LayerHeads((True, False, False, False)), [True, False, False, False]),
     ]:
         sel = LayerHeads.of(spec, 4)
         assert isinstance(sel.flags, tuple) and all(type(f) is bool for f in sel.flags)
-        assert list(sel.flags) == head_mask(spec, 4).tolist()
+        assert list(sel.flags) == want, spec
     lh = LaplacianHeads([[1], [0, 2]])
     assert lh.resolve(2, 3) == [LayerHeads((False, True, False)), LayerHeads((True, False, True))]
     assert lh.layer_mask(1, 2, 3).tolist() == [True, False, True]

@@ -189,6 +189,21 @@ def test_imagefolder_single_root_split(tmp_path):
     assert ImageFolderDataset(tmp_path, "val").files == va.files  # deterministic
 
 
+def test_imagefolder_lists_nested_images_and_leaves_hidden_ones_out(tmp_path):
+    """The listing (torchvision's ImageFolder) against the files written: nested folders count,
+    hidden class folders and hidden files do not, other files are ignored."""
+    px = np.zeros((4, 4, 3), dtype=np.uint8)
+    for rel in ["a/x.png", "a/sub/y.png", "a/.hidden.png", ".cache/z.png", "b/z.jpg", "b/deeper/more/w.webp"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(px).save(tmp_path / rel)
+    (tmp_path / "b" / "notes.txt").write_text("not an image")
+    ds = ImageFolderDataset(tmp_path, "train", val_fraction=0.5)
+    va = ImageFolderDataset(tmp_path, "val", val_fraction=0.5)
+    assert ds.classes == ["a", "b"]
+    listed = sorted((p.relative_to(tmp_path).as_posix(), int(t)) for d in (ds, va) for p, t in zip(d.files, d.targets))
+    assert listed == [("a/sub/y.png", 0), ("a/x.png", 0), ("b/deeper/more/w.webp", 1), ("b/z.jpg", 1)]
+
+
 def test_imagefolder_bad_trees(tmp_path):
     write_png_tree(tmp_path / "t1" / "train", {"a": 1, "b": 1})
     write_png_tree(tmp_path / "t1" / "val", {"a": 1})

@@ -1,4 +1,4 @@
-"""Learnable head mixing ``a_h I + b_h P`` (issue 13): spec, operator, nn / timm / transformers,
+"""Learnable head mixing ``a_h I + b_h P``: spec, operator, nn / timm / transformers,
 optimizer groups, saving and loading, KV cache, logging and the suggested fixed selection."""
 
 from __future__ import annotations

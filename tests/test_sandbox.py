@@ -1,4 +1,4 @@
-"""Adversarial tests of the bubblewrap code sandbox (issue 12; earlier: issue 8 item 5, issue 4 item 6).
+"""Adversarial tests of the bubblewrap code sandbox.
 
 Every attack program is written so that it *passes* only if the attack succeeded; the sandbox
 must report it as a failed sample, the harm must not happen, and nothing of the run may be left

@@ -156,7 +156,7 @@ def test_launcher_flags_yaml_and_argv(tmp_path, capsys):
             "--sbatch",
             "qos=high",
             "--sbatch",
-            "exclusive",
+            "exclusive=",
         ]
     )
     opts = launcher_config(args)
@@ -200,6 +200,27 @@ def test_torch_distributed_env_from_a_slurm_job(monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_refused_submission_is_one_line_and_leaves_no_submission_files(cluster, tmp_path, monkeypatch, capsys):
+    # sbatch refuses an option it does not know: the line quotes it; submitit's job script and
+    # pickle, the sweep's record and its folders are removed; an earlier job's log folder stays
+    from _reliability_helpers import snapshot
+
+    monkeypatch.chdir(tmp_path)
+    logs = tmp_path / "runs" / "slurm_logs"
+    logs.mkdir(parents=True)
+    (logs / "keep.txt").write_text("an earlier job's")
+    before = snapshot(tmp_path)
+    bad = ["--launcher", "slurm", "--sbatch", "nosuchopt=1", "--no-wait"]
+    sweep = ["sweep", *TINY, "--laplacian-heads", "0", "--seeds", "0", "--out", str(tmp_path / "sw")]
+    for argv in (["train", "classify", *TINY, "--out", str(tmp_path / "runs" / "a")], sweep):
+        capsys.readouterr()
+        assert cli([*argv, *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert "sbatch refused the job" in err[0] and "unrecognized option '--nosuchopt=1'" in err[0], err
+        assert snapshot(tmp_path) == before
+
+
 def test_2x2_grid_as_an_array_job_to_a_report(cluster, tmp_path, capsys):
     out = tmp_path / "sweep"
     t0 = time.time()

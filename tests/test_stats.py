@@ -92,3 +92,40 @@ def test_plateau_flag():
     assert plateau(steps[:7], overfit).status == "no"
     stopped = plateau(steps[:7], overfit, stopped_at=700)
     assert stopped.status == "yes" and "700" in stopped.describe() and "train.until_plateau" in stopped.describe()
+
+
+def test_a_curve_that_never_moved_has_not_plateaued():
+    """Plateaued needs a move off the first value (in the metric's direction) and then a stop."""
+    steps = [2, 4, 6]
+    stuck = plateau(steps, [0.078, 0.078, 0.078], mode="max")  # a run at chance: still, but never learned
+    assert stuck.status == "no" and stuck.flat and "never moved off its first value, 0.078" in stuck.describe()
+    worse = plateau(steps, [0.156, 0.078, 0.078], mode="max")  # it moved, but only the wrong way
+    assert worse.status == "no" and worse.flat
+    assert plateau(steps, [0.156, 0.078, 0.078]).status == "yes"  # no direction given: any move counts
+    rose = plateau(steps, [0.1, 0.5, 0.5], mode="max")
+    assert rose.status == "yes" and not rose.flat
+    fell = plateau(steps, [2.3, 1.1, 1.1], mode="min")
+    assert fell.status == "yes" and not fell.flat
+    stopped = plateau(steps, [0.1, 0.1, 0.1], mode="max", stopped_at=6)  # until_plateau stopped a flat run
+    assert stopped.status == "no" and stopped.flat
+
+
+def test_at_chance_is_a_one_sided_binomial_test():
+    from scipy.stats import binom
+
+    from lapheads.stats import at_chance
+
+    # 7 of 64 right with 10 classes: P(X >= 7) under chance is well above 0.05
+    assert binom.sf(6, 64, 0.1) > 0.05 and at_chance(7 / 64, 0.1, True, 64)
+    # 14 of 64: P(X >= 14) < 0.05, above chance
+    assert binom.sf(13, 64, 0.1) < 0.05 and not at_chance(14 / 64, 0.1, True, 64)
+    assert at_chance(0.1, 0.1, True) and not at_chance(0.11, 0.1, True)  # no n: compared directly
+    assert at_chance(2.31, 2.30, False) and not at_chance(2.0, 2.30, False)  # a loss: lower is better
+
+
+def test_two_seeds_give_statistics_but_no_verdict():
+    c = compare("k=0", [0.50, 0.51], "all", [0.60, 0.61], want_lower=False)
+    assert c.p < 0.05 and c.verdict == "too few seeds" and c.t is not None
+    assert c.describe().endswith("n = 2 vs 2 seeds: no verdict, fewer than 3 seeds per setting")
+    three = compare("k=0", [0.50, 0.51, 0.52], "all", [0.60, 0.61, 0.62], want_lower=False)
+    assert three.verdict == "observed"

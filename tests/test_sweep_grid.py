@@ -312,3 +312,24 @@ def test_parallel_sweep_failure_names_the_run_and_its_log(tmp_path, monkeypatch,
         from lapheads.sweep import run_grid
 
         run_grid("classify", DIGITS, ["0"], [0], tmp_path / "z", jobs=0)
+
+
+def test_two_spellings_of_one_head_setting_are_one_setting():
+    # "none", None and 0 Laplacian heads build the same model (here: the same weights and outputs)
+    import torch
+
+    from lapheads import timm as lt
+    from lapheads.recipes import get_recipe
+
+    same = get_recipe("classify").same_setting
+    assert same("model.laplacian_heads", 0, "none") and same("model.laplacian_heads", None, 0)
+    assert same("model.laplacian_heads", "01", 1) and same("model.laplacian_heads", "ALL", "all")
+    assert not same("model.laplacian_heads", 0, 1) and not same("model.laplacian_heads", "all", "none")
+    assert not same("model.embed_dim", 0, None)
+    x = torch.randn(2, 3, 32, 32)
+    outs = []
+    for k in (0, "none"):
+        torch.manual_seed(0)
+        m = lt.create_model("vit_tiny_patch16_224", laplacian_heads=k, img_size=32, patch_size=8, num_classes=3)
+        outs.append(m.eval()(x))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""lapheads.data.text: corpus readers, token shards (split, resume, statistics), the sampler and the CLI."""
+"""lapheads.data.text and lapheads.data.shards: corpus readers, token shards (split, resume, statistics), the sampler and the CLI."""
 
 from __future__ import annotations
 
@@ -11,19 +11,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import lapheads.data.text as text_data
+import lapheads.data.shards as shards_data
 from lapheads import ConfigError, DataError
 from lapheads.cli import main as cli_main
+from lapheads.data.shards import TokenShards, read_index, tokenize_to_shards
 from lapheads.data.text import (
-    TokenShards,
     check_inputs,
     embedded_documents,
     is_validation_document,
     iter_documents,
-    read_index,
     read_jsonl,
     read_parquet,
-    tokenize_to_shards,
 )
 from lapheads.lm.tokenizer import tokenizer_hash, train_tokenizer
 
@@ -219,7 +217,7 @@ def test_resume_after_kill_matches_clean_run(tok, tmp_path, monkeypatch):
 
     # 2. killed between a shard's os.replace and the index update: the orphan shard is rewritten
     out2 = tmp_path / "killed2"
-    real = text_data._write_index
+    real = shards_data._write_index
     calls = {"n": 0}
 
     def dying(path, index):
@@ -228,10 +226,10 @@ def test_resume_after_kill_matches_clean_run(tok, tmp_path, monkeypatch):
             raise _Killed()
         real(path, index)
 
-    monkeypatch.setattr(text_data, "_write_index", dying)
+    monkeypatch.setattr(shards_data, "_write_index", dying)
     with pytest.raises(_Killed):
         tokenize_to_shards(CORPUS, tok, out2, **kw)
-    monkeypatch.setattr(text_data, "_write_index", real)
+    monkeypatch.setattr(shards_data, "_write_index", real)
     assert len(list(out2.glob("*.bin"))) > len(read_index(out2)["splits"]["train"]["shards"]) + len(
         read_index(out2)["splits"]["val"]["shards"]
     )

@@ -183,16 +183,21 @@ def test_backward_pass_with_dropouts(fused):
 
 
 def test_state_dict_round_trip_between_plain_and_converted():
+    """Stock weights load into a converted model (retrofitting); a converted state dict carries one
+    marker per layer (``lap_heads``) that a strict load into a stock model refuses."""
     plain = tiny_vit()
     conv = lt.convert(tiny_vit(), 2)
     torch.manual_seed(5)
     for p in conv.parameters():  # weights that differ from `plain`'s
         p.data.normal_()
     sd = conv.state_dict()
-    assert set(sd) == set(plain.state_dict())  # the selection is a plain attribute, not a buffer
-    plain.load_state_dict(sd, strict=True)
+    assert set(sd) - set(plain.state_dict()) == {f"blocks.{i}.attn.lap_heads" for i in range(3)}
+    assert sd["blocks.0.attn.lap_heads"].tolist() == [0, 0, 1, 1]
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"blocks.0.attn.lap_heads\""):
+        plain.load_state_dict(sd, strict=True)
+    plain.load_state_dict({k: v for k, v in sd.items() if not k.endswith("lap_heads")}, strict=True)
     back = lt.convert(tiny_vit(), 2)
-    back.load_state_dict(plain.state_dict(), strict=True)
+    back.load_state_dict(plain.state_dict(), strict=True)  # stock weights: no marker, any selection
     x = images()
     with torch.no_grad():
         torch.testing.assert_close(back(x), conv(x), atol=0, rtol=0)

@@ -154,9 +154,10 @@ def test_registration_names():
     # the fused twin's name claims no built-in backend, so transformers' SDPA-support check never sees it
     assert "sdpa" not in lt.FUSED_ATTN_IMPLEMENTATION and "flash" not in lt.FUSED_ATTN_IMPLEMENTATION
     assert AttentionInterface._global_mapping[lt.FUSED_ATTN_IMPLEMENTATION] is lt.laplacian_sdpa_attention_forward
-    # the name saved for a model that needs indexing is NOT registered: a plain load is refused, naming the fix
+    # the name saved for a model that needs indexing is registered too: a plain load refuses its first
+    # forward with one line naming the fix (tests/test_transformers_coverage.py), not transformers' list
     indexed = lt.ATTN_IMPLEMENTATION + lt.INDEXED_ATTN_IMPLEMENTATION_SUFFIX
-    assert indexed not in AttentionInterface._global_mapping and lt.is_laplacian_implementation(indexed)
+    assert indexed in AttentionInterface._global_mapping and lt.is_laplacian_implementation(indexed)
     assert "lapheads.transformers.from_pretrained" in indexed
 
 
@@ -182,7 +183,7 @@ def test_integration_equals_manual_reference(arch):
     real = am.bool()  # padded positions are garbage in every implementation; compare real tokens
     assert torch.allclose(got[real], want[real], atol=1e-10, rtol=0), (got - want)[real].abs().max()
     # ... and the Laplacian heads really changed the model (the check above can fail).
-    stock = _clone(model, "sdpa")(ids, attention_mask=am).logits
+    stock = _clone(model, "sdpa", heads=0)(ids, attention_mask=am).logits
     assert (got[real] - stock[real]).abs().max() > 1e-3
     # Gradients flow through the fused path.
     model.train()
@@ -211,7 +212,7 @@ def test_zero_heads_equals_stock_sdpa(arch):
     model = _model(arch, 0)
     assert model.config._attn_implementation == lt.ATTN_IMPLEMENTATION
     ids, am = _left_padded()
-    stock = _clone(model, "sdpa")
+    stock = _clone(model, "sdpa", heads=0)
     assert torch.equal(model(ids, attention_mask=am).logits, stock(ids, attention_mask=am).logits)
 
 
@@ -373,8 +374,10 @@ def test_config_json_names_the_laplacian_implementation(laplacian_checkpoint, tm
     assert saved["laplacian_heads"] == [1, 4]
     assert saved["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION
     assert "import lapheads.transformers" in lt.SAVED_ATTN_IMPLEMENTATION
-    # The eager twin is saved as eager; a model without Laplacian heads saves no implementation.
+    # The eager twin is saved as eager once it has run (set_attn_implementation is transformers' alone);
+    # a model without Laplacian heads saves no implementation.
     eager = _clone(model, lt.EAGER_ATTN_IMPLEMENTATION)
+    eager(torch.tensor([[1, 2, 3]]))
     assert eager.config.to_dict()["attn_implementation"] == lt.SAVED_EAGER_ATTN_IMPLEMENTATION
     plain = _model("nanochat")
     plain.save_pretrained(tmp_path / "plain")
@@ -384,9 +387,9 @@ def test_config_json_names_the_laplacian_implementation(laplacian_checkpoint, tm
 
 
 def test_marking_changes_one_config_not_transformers_classes(laplacian_checkpoint, tmp_path):
-    """No global to_dict patch: enable() marks its own config instance; a config of the same transformers
-    class built beside it saves no implementation key even with laplacian_heads set, and the class's
-    own to_dict is transformers' (so nothing else in the process changes)."""
+    """No patch: enable() marks its own config instance (a plain attribute, the config keeps its class);
+    a config of the same transformers class built beside it saves no implementation key even with
+    laplacian_heads set, and the class's own to_dict is transformers' (nothing else in the process changes)."""
     import copy
     import json
     import pickle
@@ -394,7 +397,8 @@ def test_marking_changes_one_config_not_transformers_classes(laplacian_checkpoin
     from transformers import PreTrainedConfig
 
     path, model, _ = laplacian_checkpoint
-    base = type(model.config).__mro__[1]
+    base = type(model.config)
+    assert base.__module__.startswith("transformers.") and base.__post_init__.__module__.startswith("transformers.")
     assert base.to_dict is PreTrainedConfig.to_dict or "lapheads" not in base.to_dict.__module__
     other = base(**{k: v for k, v in model.config.to_dict().items() if k != "attn_implementation"})
     assert type(other) is base and other.laplacian_heads == [1, 4]
@@ -427,7 +431,7 @@ def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpo
     assert torch.equal(auto(ids).logits, want)
     assert torch.equal(lt.from_pretrained(str(path), dtype=torch.float64).eval()(ids).logits, want)
     # sanity: the same weights as standard attention are a different model
-    assert not torch.allclose(_clone(model, "sdpa")(ids).logits, want, atol=1e-6)
+    assert not torch.allclose(_clone(model, "sdpa", heads=0)(ids).logits, want, atol=1e-6)
     pipe = pipeline("text-generation", model=str(path), dtype=torch.float64)
     assert torch.equal(pipe.model.eval()(ids).logits, want)
     text = pipe("the list type is", max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
@@ -446,9 +450,11 @@ def test_plain_auto_model_and_pipeline_get_the_laplacian_heads(laplacian_checkpo
     assert torch.equal(again(ids).logits, want)
 
 
-def test_a_plain_load_saved_again_before_any_forward_stays_laplacian(laplacian_checkpoint, tmp_path):
-    """Loaded by plain transformers and saved at once (no forward, no lapheads call): config.json
-    still names the implementation, so the copy loads Laplacian, not silently standard."""
+def test_a_plain_load_saved_again_stays_laplacian(laplacian_checkpoint, tmp_path):
+    """Loaded by plain transformers and saved again: config.json names the implementation once the model
+    has run (its attention function marks the config); before any forward transformers alone has run,
+    which never writes the key, so the copy keeps laplacian_heads and loads Laplacian through lapheads'
+    loader, and mark_config names the implementation again."""
     import json
 
     from transformers import AutoConfig
@@ -456,17 +462,32 @@ def test_a_plain_load_saved_again_before_any_forward_stays_laplacian(laplacian_c
     path, model, tok = laplacian_checkpoint
     ids = torch.tensor([tok.encode("a tuple is")])
     want = model(ids).logits
+    ran = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    ran(ids)
+    ran.save_pretrained(tmp_path / "ran")
     AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).save_pretrained(tmp_path / "copy")
-    AutoConfig.from_pretrained(path).save_pretrained(tmp_path / "config_only")
-    for d in ("copy", "config_only"):
+    config = AutoConfig.from_pretrained(path)
+    lt.mark_config(config).save_pretrained(tmp_path / "config_only")
+    for d in ("ran", "config_only"):
         saved = json.loads((tmp_path / d / "config.json").read_text())
         assert saved["attn_implementation"] == lt.SAVED_ATTN_IMPLEMENTATION and saved["laplacian_heads"] == [1, 4], d
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float64).eval()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ran", dtype=torch.float64).eval()
     assert torch.equal(again(ids).logits, want)
+    assert json.loads((tmp_path / "copy" / "config.json").read_text())["laplacian_heads"] == [1, 4]
+    copy = lt.from_pretrained(str(tmp_path / "copy"), dtype=torch.float64).eval()
+    assert torch.equal(copy(ids).logits, want)
+    # a plain load of that copy runs transformers' "sdpa", whose registered function refuses a config
+    # with Laplacian heads in one line instead of computing the standard model silently
+    plain_copy = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float64).eval()
+    assert plain_copy.config._attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="lapheads.transformers.from_pretrained") as refused:
+        plain_copy(ids)
+    assert "\n" not in str(refused.value) and "laplacian_heads=[1, 4]" in str(refused.value)
+    # the stock model itself (no Laplacian heads in its config) runs the stock function unchanged
+    plain_copy.config.laplacian_heads = 0
+    assert torch.equal(plain_copy(ids).logits, _clone(model, "sdpa", heads=0)(ids).logits)
     # a config that names no Laplacian implementation is not marked: its (stock) model is standard
-    stock = type(model.config).__mro__[1](
-        **{k: v for k, v in model.config.to_dict().items() if k != "attn_implementation"}
-    )
+    stock = type(model.config)(**{k: v for k, v in model.config.to_dict().items() if k != "attn_implementation"})
     assert "attn_implementation" not in stock.to_dict()
     # an explicit standard implementation wins over the file in transformers: nothing claims Laplacian heads
     std = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
@@ -483,7 +504,7 @@ def test_explicit_standard_implementation_is_refused(laplacian_checkpoint):
     ids = torch.tensor([tok.encode("a tuple")])
     std = lt.from_pretrained(str(path), laplacian_heads=0, attn_implementation="sdpa", dtype=torch.float64)
     assert std.config.laplacian_heads == 0
-    assert torch.equal(std.eval()(ids).logits, _clone(model, "sdpa")(ids).logits)
+    assert torch.equal(std.eval()(ids).logits, _clone(model, "sdpa", heads=0)(ids).logits)
 
 
 def test_plain_load_without_lapheads_fails_naming_the_fix(laplacian_checkpoint):

@@ -12,6 +12,10 @@ the non-finite guard (:class:`lapheads.errors.NonFiniteError`) is one line with 
 Ctrl-C and SIGTERM end a command with one line (for runs: the checkpoint and the command that
 resumes it) and status 130 / 143;
 ``--debug`` (anywhere on the line) shows the full traceback instead.
+
+When stderr is not a terminal (a log file, a pipe), the libraries' own progress bars, info logs
+and warnings are left out (:func:`quiet_libraries`); ``--verbose`` (anywhere on the line) or
+``LAPHEADS_VERBOSE=1`` keeps them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Optional, Sequence
 
 from . import __version__
@@ -88,12 +93,56 @@ def _sigterm_as_interrupt() -> Optional[object]:
     return signal.signal(signal.SIGTERM, _raise)
 
 
+# what quiets the libraries, set only where the user has not set it: huggingface_hub, transformers
+# and datasets read these when they are imported; tqdm reads TQDM_* as the defaults of every bar
+_QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TQDM_DISABLE": "1",
+}
+
+
+def quiet_libraries(verbose: bool, interactive: bool) -> None:
+    """Keep the libraries' progress bars, info logs and warnings out of log files and pipes.
+
+    Not ``interactive`` (stderr is no terminal) and not ``verbose``: the variables of
+    :data:`_QUIET_ENV` are set (child processes, such as sweep workers, inherit them) and warnings
+    raised outside lapheads are ignored; lapheads' own warnings and errors still print. ``verbose``
+    is handed to child processes as ``LAPHEADS_VERBOSE=1``.
+    """
+    if verbose:
+        os.environ["LAPHEADS_VERBOSE"] = "1"
+        return
+    if interactive:
+        return
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    warnings.filterwarnings("ignore", module=r"(?!lapheads(\.|$))")
+
+
 def _usage() -> str:
     width = max(len(" ".join(k)) for k in COMMANDS)
     lines = ["usage: lapheads <command> [options]   (add --help after a command for its options)", "", "commands:"]
     for words, (_, help_) in COMMANDS.items():
         lines.append(f"  {' '.join(words):<{width}}  {help_}")
-    lines += ["", "global options:", "  --debug     show full tracebacks", "  --version   print the version"]
+    lines += [
+        "",
+        "global options:",
+        "  --debug     show full tracebacks",
+        "  --verbose   keep the libraries' progress bars and warnings in log files and pipes too",
+        "  --version   print the version",
+    ]
+    return "\n".join(lines)
+
+
+def _group_usage(group: str) -> str:
+    """The help of a command group (``lapheads train --help``): its commands, one line each."""
+    words = [k for k in COMMANDS if len(k) == 2 and k[0] == group]
+    width = max(len(k[1]) for k in words)
+    lines = [f"usage: lapheads {group} <{'|'.join(k[1] for k in words)}> [options]", "", "commands:"]
+    lines += [f"  {k[1]:<{width}}  {COMMANDS[k][1]}" for k in words]
+    lines += ["", f"add --help after one for its options (lapheads {group} {words[0][1]} --help)"]
     return "\n".join(lines)
 
 
@@ -118,7 +167,7 @@ def _out_arg(args: Sequence[str]) -> Optional[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LAPHEADS_DEBUG") == "1"
-    argv = [a for a in argv if a != "--debug"]
+    argv = [a for a in argv if a not in ("--debug", "--verbose")]  # --verbose: read by entry()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -127,10 +176,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     key, rest = _find(argv)
     if key is None:
-        groups = sorted({k[0] for k in COMMANDS if len(k) == 2 and k[0] == argv[0]})
-        if groups:
-            subs = ", ".join(k[1] for k in COMMANDS if k[0] == argv[0])
-            print(f"lapheads: error: '{argv[0]}' needs one of: {subs}", file=sys.stderr)
+        group = [k for k in COMMANDS if len(k) == 2 and k[0] == argv[0]]
+        if group and argv[1:2] and argv[1] in ("-h", "--help", "help"):
+            print(_group_usage(argv[0]))
+            return 0
+        if group:
+            subs = ", ".join(k[1] for k in group)
+            print(
+                f"lapheads: error: '{argv[0]}' needs one of: {subs} (see 'lapheads {argv[0]} --help')", file=sys.stderr
+            )
         else:
             print(f"lapheads: error: unknown command {argv[0]!r}; run 'lapheads --help' for the list", file=sys.stderr)
         return 2
@@ -199,7 +253,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def entry() -> int:
-    """Console-script entry: ``main`` plus a quiet exit when the output pipe closes (``| head``)."""
+    """Console-script entry: ``main`` with the libraries quiet in logs and pipes (:func:`quiet_libraries`),
+    plus a quiet exit when the output pipe closes (``| head``)."""
+    verbose = "--verbose" in sys.argv[1:] or os.environ.get("LAPHEADS_VERBOSE") == "1"
+    quiet_libraries(verbose, interactive=sys.stderr.isatty())
     try:
         return main()
     except BrokenPipeError:

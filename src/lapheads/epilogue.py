@@ -11,9 +11,9 @@ counts it):
 * Forward: ONE fresh output buffer, written once. Runs of standard heads are copied, runs of
   Laplacian heads are ``v_self - pv`` written straight into their part of the buffer (``out=``):
   no ``cat``, no slices that autograd would scatter back. The buffer is laid out ``(..., T, H,
-  D)`` in memory (a ``(..., H, T, D)`` view of it is returned), which is the layout every
-  attention layer wants next (``out.transpose(1, 2).reshape(B, T, H * D)``), so that reshape is a
-  view and the copy it costs after plain SDPA is saved.
+  D)`` in memory (a ``(..., H, T, D)`` view of it is returned), the layout SDPA's fused kernels
+  give and the one every attention layer wants next (``out.transpose(1, 2).reshape(B, T, H * D)``
+  is then a view, as after plain SDPA).
 * Grouped-query attention by broadcasting: ``pv`` viewed as ``(..., H_kv, G, T, D)`` against
   ``v_self`` as ``(..., H_kv, 1, T, D)``; ``v`` is never repeated.
 * Backward: ``d_pv`` written once (``-dy`` on Laplacian runs, ``dy`` on standard runs). The
@@ -39,6 +39,7 @@ no graph break, learnable included), while exporting or tracing (``torch.export`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Union
 
 import torch
@@ -97,6 +98,12 @@ Coefs = Union[Runs, tuple[torch.Tensor, torch.Tensor]]
 def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
     """``(..., H, T, D)`` -> ``(..., H_kv, G, T, D)`` (a view)."""
     return x.unflatten(-3, (hkv, x.shape[-3] // hkv))
+
+
+@functools.lru_cache(maxsize=4096)
+def _run_blocks(runs: Runs, group: int) -> tuple[tuple[int, int, int, int, float, float], ...]:
+    """Every run of ``runs`` as rectangles ``(g0, g1, j0, j1, a, b)`` of the ``(H_kv, G)`` grid (cached)."""
+    return tuple((*blk, a, b) for start, end, a, b in runs.runs for blk in _blocks(start, end, group))
 
 
 def _blocks(start: int, end: int, group: int) -> list[tuple[int, int, int, int]]:
@@ -224,9 +231,8 @@ def _fixed_forward(pv: torch.Tensor, vs: torch.Tensor, runs: Runs) -> torch.Tens
     group = pv.shape[-3] // hkv
     out = _fresh_like(pv, vs)
     o5, p5, s5 = _grouped(out, hkv), _grouped(pv, hkv), vs.unsqueeze(-3)
-    for start, end, a, b in runs.runs:
-        for g0, g1, j0, j1 in _blocks(start, end, group):
-            _write(o5[..., g0:g1, j0:j1, :, :], p5[..., g0:g1, j0:j1, :, :], s5[..., g0:g1, :, :, :], a, b)
+    for g0, g1, j0, j1, a, b in _run_blocks(runs, group):
+        _write(o5[..., g0:g1, j0:j1, :, :], p5[..., g0:g1, j0:j1, :, :], s5[..., g0:g1, :, :, :], a, b)
     return out
 
 
@@ -236,13 +242,12 @@ def _fixed_backward(dy: torch.Tensor, runs: Runs, hkv: int) -> tuple[torch.Tenso
     d_pv = torch.empty_like(dy)
     d5, y5 = _grouped(d_pv, hkv), _grouped(dy, hkv)
     blocks: list[_Block] = []
-    for start, end, a, b in runs.runs:
-        for g0, g1, j0, j1 in _blocks(start, end, group):
-            y = y5[..., g0:g1, j0:j1, :, :]
-            _write(d5[..., g0:g1, j0:j1, :, :], y, y, 0.0, b)
-            if a != 0:
-                t = y.squeeze(-3) if j1 - j0 == 1 else y.sum(-3)
-                blocks.append((g0, g1, t if a == 1 else t * a, None))
+    for g0, g1, j0, j1, a, b in _run_blocks(runs, group):
+        y = y5[..., g0:g1, j0:j1, :, :]
+        _write(d5[..., g0:g1, j0:j1, :, :], y, y, 0.0, b)
+        if a != 0:
+            t = y.squeeze(-3) if j1 - j0 == 1 else y.sum(-3)
+            blocks.append((g0, g1, t if a == 1 else t * a, None))
     return d_pv, blocks
 
 

@@ -20,7 +20,7 @@ of a layer, and the same k is used in every layer. The LM code also takes a per-
 ``LaplacianHeads("mix(0.5,-1):2")``    ablation: the trailing 2 heads apply ``0.5 I - P``
 =====================================  ============================================
 
-Learnable mixing (issue 13): a head's operator generalises to ``a_h I + b_h P`` with two learned
+Learnable mixing: a head's operator generalises to ``a_h I + b_h P`` with two learned
 numbers per head per layer (a standard head is ``a=0, b=1``, a Laplacian head ``a=1, b=-1``). A
 learnable selection is not a fixed set of heads: :meth:`LaplacianHeads.resolve` refuses it,
 :meth:`LaplacianHeads.init_selection` gives the heads that START Laplacian, and the modules that
@@ -52,7 +52,7 @@ import dataclasses
 import math
 import re
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union, cast
 
 import torch
 
@@ -170,25 +170,30 @@ def is_count(spec: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LayerHeads:
-    """The resolved selection of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
+    """The fixed head operator of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
 
-    Why Python bools and not a tensor: the operator branches on the selection (no Laplacian head:
-    plain SDPA; every head: one subtraction; a mix: slices of runs of heads). Branching on a
-    device tensor would read it back to the host (a sync per layer per call on a GPU), is a
-    data-dependent graph break under ``torch.compile``, and ``torch.jit.trace`` / ``torch.export``
-    / the ONNX exporters would not record it as a constant. A tuple of bools is free to branch on
-    and a constant for every tracer. So every integration resolves its selection once (when the
-    layer is built or converted, or when ``config.laplacian_heads`` changes), stores it on the
-    attention module as ``laplacian_selection``, and hands it to
-    :func:`lapheads.laplacian_attention`, which trusts it (no validation per call). Where an op
-    needs the selection as a tensor (the eager ``torch.where``), :meth:`mask` gives one, cached per
-    device.
+    Every head applies ``a I + b P``: a flagged head ``coef`` (``(1, -1)``, Laplacian, unless an
+    ablation gives another), the others ``(0, 1)`` (standard). :meth:`apply` finishes the layer
+    after SDPA, :meth:`operator` gives the explicit matrix; :class:`HeadMix` offers the same for
+    learnable ``(a, b)``, so the two differ only in where the coefficients come from.
 
-    Frozen (hashable, equal when the flags are equal) so it can be shared and compared; build one
-    with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
+    Why Python values and not a tensor: the operator branches on the selection (no Laplacian head:
+    plain SDPA; otherwise one pass over runs of heads). Branching on a device tensor would read it
+    back to the host (a sync per layer per call on a GPU), is a data-dependent graph break under
+    ``torch.compile``, and ``torch.jit.trace`` / ``torch.export`` / the ONNX exporters would not
+    record it as a constant. A tuple of bools is free to branch on and a constant for every
+    tracer. So every integration resolves its selection once (when the layer is built or
+    converted, or when ``config.laplacian_heads`` changes), stores it on the attention module as
+    ``laplacian_selection``, and hands it to :func:`lapheads.laplacian_attention`, which trusts it
+    (no validation per call). Where the selection is wanted as a tensor, :meth:`mask` gives one,
+    cached per device.
+
+    Frozen (hashable, equal when the flags and coefficients are equal) so it can be shared and
+    compared; build one with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
 
     Args:
         flags: one bool per head (a list is turned into a tuple); at least one head.
+        coef: ``(a, b)`` of the flagged heads, default ``(1, -1)``.
     """
 
     flags: tuple[bool, ...]
@@ -642,8 +647,30 @@ def layer_operator(module: torch.nn.Module) -> HeadOperator:
     b = module._parameters.get(MIX_PARAM_SUFFIXES[1])
     if a is not None and b is not None:
         return HeadMix(a, b)
-    selection: LayerHeads = module.laplacian_selection
-    return selection
+    return cast(LayerHeads, cast(Any, module).laplacian_selection)
+
+
+def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOperator:
+    """Give one attention module the heads of ``spec`` and return its operator.
+
+    ``spec`` is anything one layer takes: an int k, ``"all"``, ``"none"``, head indices, a boolean
+    mask, a :class:`LayerHeads`, an ablation (``"identity:K"``, ...), or learnable mixing
+    (``"learn..."``). The module gets ``laplacian_selection`` (the fixed selection, or the heads a
+    learnable layer starts Laplacian) and ``laplacian_learnable``; a learnable spec (re)creates
+    ``lap_mix_a`` / ``lap_mix_b`` at their initialisation, a fixed one removes them.
+    """
+    learn = learnable_spec(spec)
+    if learn is not None:
+        selection = learn.init_selection(1, n_heads)[0]
+        register_mix(module, selection)
+    else:
+        selection = LayerHeads.of(spec, n_heads)
+        remove_mix(module)
+    # Plain attributes (not parameters or buffers): the state_dict keys stay the host library's.
+    target = cast(Any, module)
+    target.laplacian_selection = selection
+    target.laplacian_learnable = learn is not None
+    return layer_operator(module)
 
 
 # ---------------------------------------------------------------------- learnable mixing
@@ -711,7 +738,8 @@ def param_groups(
     """
     if isinstance(mix_lr_scale, bool) or not isinstance(mix_lr_scale, (int, float)) or not 0 < mix_lr_scale < math.inf:
         raise ConfigError(f"mix_lr_scale={mix_lr_scale!r} must be a finite number > 0")
-    mix, other = [], []
+    mix: list[torch.nn.Parameter] = []
+    other: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (mix if is_mix_param(name) else other).append(p)

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import ConfigError
-from .heads import LayerHeads, layer_operator, learnable_spec, register_mix
+from .heads import LayerHeads, layer_operator, learnable_spec, set_layer_heads
 from .ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 
 __all__ = ["MultiheadAttention"]
@@ -147,15 +147,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             device=device,
             dtype=dtype,
         )
-        self.laplacian_heads = laplacian_heads
-        #: this layer's resolved selection (a plain attribute, not a buffer: state_dict keys stay
-        #: exactly torch's); the operator takes it as is.
+        self.laplacian_heads = learn.spec if learn is not None else laplacian_heads
+        #: ``laplacian_selection``: this layer's resolved selection (a plain attribute, not a buffer:
+        #: state_dict keys stay exactly torch's), the operator takes it as is; ``laplacian_learnable``:
+        #: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
         self.laplacian_selection: LayerHeads = selection
-        #: learnable mixing: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
         self.laplacian_learnable = learn is not None
-        if learn is not None:
-            self.laplacian_heads = learn.spec
-            register_mix(self, selection)
+        set_layer_heads(self, selection if learn is None else learn, num_heads)
         # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
         # the module docstring. A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)

@@ -15,8 +15,15 @@ Design choices:
   a directory the command created is removed when the block raises; in a directory that already
   existed, the entries the block added are removed (files it rewrote stay rewritten). An
   interrupt (Ctrl-C, ``KeyboardInterrupt``) keeps everything, so resumable work survives it.
-* :func:`read_json` reads the small JSON files that rebuild a model (``final/model.json``) with a
-  one-line error naming the file, instead of a ``JSONDecodeError`` traceback.
+* :func:`atomic_write` is the one way a file of a run, a sweep or a data set is written: into a
+  temporary file beside it (``.NAME.tmp-PID``), fsynced, renamed over ``NAME`` (``os.replace``),
+  then the directory fsynced, so that a reader, or the next start after a crash or a power cut,
+  sees the old or the new content, never a mix or nothing. A full disk is one
+  :class:`~lapheads.errors.DiskFullError` line, and the temporary file is removed on any failure
+  (a signal included). :func:`write_json` writes JSON with it.
+* :func:`read_json` reads the small JSON files of runs and sweeps (``final/model.json``,
+  ``meta.json``, SLURM records) with a one-line error naming the file, instead of a
+  ``JSONDecodeError`` traceback; ``missing=`` is what a file that does not exist (yet) reads as.
 """
 
 from __future__ import annotations
@@ -29,9 +36,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
 
-__all__ = ["check_out_dir", "check_out_file", "removed_on_failure", "read_json"]
+__all__ = [
+    "check_out_dir",
+    "check_out_file",
+    "removed_on_failure",
+    "atomic_write",
+    "write_json",
+    "read_json",
+    "fsync_dir",
+]
+_RAISE: Any = object()  # read_json: a missing file is an error
 
 
 def _nearest_existing(p: Path) -> Path:
@@ -127,15 +143,63 @@ def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = Tr
         raise
 
 
-def read_json(path: str | os.PathLike, what: str = "") -> Any:
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the entries of directory ``path`` durable (a rename in it survives a crash); a file
+    system that cannot fsync a directory is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` so that readers see the old or the new content,
+    never a mix, also after a crash (see the module docstring).
+
+    Raises:
+        DiskFullError: the disk is full or the quota used up (the temporary file is removed).
+    """
+    p = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException as e:  # a signal too: no temporary file is left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if is_disk_full(e) and not isinstance(e, DiskFullError):
+            raise DiskFullError(p.parent, len(raw), what=f"writing {p.name}") from None
+        raise
+    fsync_dir(p.parent)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """``data`` as indented JSON in ``path``, written with :func:`atomic_write`."""
+    atomic_write(path, json.dumps(data, indent=1) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "", *, missing: Any = _RAISE) -> Any:
     """``json.loads`` of a file, with a one-line :class:`CheckpointError` naming it on failure.
 
     Args:
         path: the JSON file.
         what: what the file should be, for the message (``"the model description of a run"``).
+        missing: returned when the file does not exist (by default that is an error too).
     """
     p = Path(path)
     hint = f" ({what})" if what else ""
+    if missing is not _RAISE and not p.exists() and not p.is_symlink():
+        return missing
     if not p.is_file():
         raise CheckpointError(f"{p} does not exist{hint}" if not p.exists() else f"{p} is not a file{hint}")
     try:

@@ -1,8 +1,9 @@
 """``lapheads quickstart``: baseline vs Laplacian heads on data that needs no download, with a report.
 
-An honest small experiment, not a demo: every setting has 3 seeds, every run is trained until
-its validation metric stops moving, and the report gives each difference from k=0 with its 95%
-confidence interval, Welch's t and p, plus a plateau flag per run.
+An honest small experiment, not a demo: the full plan gives every setting 3 seeds and trains every
+run until its validation metric stops moving, and the report gives each difference from k=0 with
+its 95% confidence interval, Welch's t and p, plus a plateau flag per run. The report states what
+was run from the runs themselves (``--tiny``: 2 seeds and a few steps, so no verdicts).
 
 1. Vision: the digits recipe (the shipped ``classify/digits`` config: a 4-layer, 4-head, 64-wide ViT on
    scikit-learn's embedded 8x8 digits) for k = 0 and k = all Laplacian heads per layer, 3 seeds
@@ -67,17 +68,18 @@ PLAN = {
 }
 
 SCOPE = (
-    "**What this can and cannot say.** Each setting has 3 seeds, each run was trained until its "
-    "validation metric stopped moving (see the plateau column), and every difference from k=0 comes "
-    "with its 95% confidence interval and Welch's p. So the numbers are trustworthy for these models "
-    "on these data: a 4-layer, 64-wide ViT on 1,438 training images of 8x8 digits and a 2-layer, "
-    "64-wide language model on 0.46 M characters of Python documentation. With 3 seeds only "
-    'differences of roughly two standard deviations or more are resolved; "not resolved" means '
-    'exactly that, not "no effect". They cannot say what the paper\'s claims rest on: ViTs and LMs '
-    "of tens of millions of parameters or more trained on ImageNet or billions of tokens, where "
-    "width, depth, data and training length change token geometry in ways runs this small do not "
-    "show. A gap here, or its absence, is not evidence for or against Laplacian heads at scale; "
-    "`studies/scaling/` measures how it moves with width and training length at toy scale."
+    "**What this can and cannot say.** Each section below states what was run, from the runs "
+    "themselves: the seeds per setting, the optimizer steps, and which runs plateaued or stayed at "
+    "chance. A comparison with k=0 gives an observed / opposite verdict only where each setting has "
+    "at least 3 seeds and no compared run is at chance; every difference comes with its 95% "
+    'confidence interval and Welch\'s p, and "not resolved" means exactly that, not "no '
+    'effect". Where runs plateaued above chance the numbers hold for these models on these data '
+    "only: a 4-layer, 64-wide ViT on 8x8 digits and a 2-layer, 64-wide language model on 0.46 M "
+    "characters of Python documentation. They cannot say what the paper's claims rest on: ViTs "
+    "and LMs of tens of millions of parameters or more trained on ImageNet or billions of tokens, "
+    "where width, depth, data and training length change token geometry in ways runs this small "
+    "do not show. A gap here, or its absence, is not evidence for or against Laplacian heads at "
+    "scale; `studies/scaling/` measures how it moves with width and training length at toy scale."
 )
 
 

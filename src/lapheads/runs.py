@@ -28,7 +28,6 @@ Results go to ``RUN/geometry/geometry.json`` (and figures next to it); the repor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -174,8 +173,7 @@ def analyze_run(
 
 
 def load_geometry(run_dir: str | Path) -> Optional[dict[str, Any]]:
-    p = Path(run_dir) / "geometry" / "geometry.json"
-    return json.loads(p.read_text()) if p.is_file() else None
+    return RunDir(run_dir).read_json("geometry/geometry.json", "the geometry of a run", missing=None)
 
 
 def load_backbone(
@@ -202,7 +200,7 @@ def load_backbone(
             model, weights=weights, laplacian_heads=laplacian_heads, img_size=img_size, device=device, **timm_kwargs
         )
     path = Path(run)
-    if not (path / "config.yaml").is_file():
+    if not RunDir(path).exists():
         # an exported backbone directory (final/model.json in DINO's layout, with its weights) is read as
         # a DINO run's; the DINO loader says what is missing otherwise
         return get_recipe("dino").load_backbone(path, device=device)

@@ -5,12 +5,17 @@ Design choices:
 
 * A comparison is one setting against the baseline, one number per seed (a run). The difference
   is ``mean(other) - mean(baseline)``; its 95% confidence interval is Welch's: ``diff +- t_{0.975,
-  df} * se`` with ``se = sqrt(s0^2/n0 + s1^2/n1)`` and the Welch-Satterthwaite ``df``. The
-  t statistic and the two-sided p-value are :func:`scipy.stats.ttest_ind` with ``equal_var=False``
-  (the same numbers; the CI is computed here from the same ``se``/``df``).
+  df} * se`` with ``se = sqrt(s0^2/n0 + s1^2/n1)`` and the Welch-Satterthwaite ``df``;
+  ``t = diff / se`` and the two-sided p-value is ``2 P(T_df > |t|)``: the numbers of
+  :func:`scipy.stats.ttest_ind` with ``equal_var=False``, computed here from the same ``se`` and
+  ``df``, so seeds that agree exactly raise no precision warning.
 * Verdicts: ``"observed"`` (p < alpha and the difference in the claimed direction),
   ``"opposite"`` (p < alpha, the other direction), ``"not resolved"`` (p >= alpha), or
-  ``"single run"`` when either setting has fewer than two seeds (no spread, so no test). When both
+  ``"single run"`` when either setting has fewer than two seeds (no spread, so no test). With two
+  seeds in a setting the test is computed and shown but gives no verdict: ``"too few seeds"``
+  (at least :data:`MIN_SEEDS` per setting; a t-test on 2 vs 2 values has 1-2 degrees of freedom,
+  and its p-value rests on two spreads each estimated from two numbers). A caller withholds the
+  verdict of runs that learned nothing with ``"at chance"`` (:meth:`Comparison.withhold`). When both
   settings have zero spread the test degenerates: equal means are "not resolved" (p = 1), different
   means are a difference with no noise (t = +-inf, p = 0).
 * Seeds needed (:func:`seeds_needed`): the smallest number of seeds per setting for which a
@@ -20,7 +25,12 @@ Design choices:
   ``P(|T| > t_{1-alpha/2, 2n-2})`` with ``T`` noncentral t, ``df = 2n - 2``, noncentrality
   ``d * sqrt(n / 2)`` (Cohen's classic table: d = 0.5 needs 64, d = 0.8 needs 26). The observed
   effect is itself noisy, so this is a planning figure, not a promise.
-* Plateau (:func:`plateau`): over the eval points whose step lies in the last ``window`` fraction
+* At chance (:func:`at_chance`): an accuracy measured on ``n`` items is at chance when a one-sided
+  binomial test (:func:`scipy.stats.binomtest`) does not put it above the chance level at alpha;
+  without ``n``, or for a loss, when it is no better than the chance level.
+* Plateau (:func:`plateau`): a curve that never moved off its first value in the better
+  direction by more than ``tol`` (relative) has not plateaued (``"no"``, ``flat``), however still
+  it ends (a run stuck at chance). Otherwise, over the eval points whose step lies in the last ``window`` fraction
   of training (at least the last two points), the relative change ``|v_end - v_start| /
   |v_start|`` of the validation metric; below ``tol`` the run counts as plateaued. Fewer than three
   eval points (a run evaluated only at the end) is "unknown". A run that ``train.until_plateau``
@@ -44,11 +54,14 @@ import numpy as np
 
 ALPHA = 0.05
 POWER = 0.8
+MIN_SEEDS = 3  # per setting, for an observed / opposite verdict
 MAX_SEEDS = 10_000  # seeds_needed() gives up beyond this (reported as "more than ...")
 
 __all__ = [
     "ALPHA",
     "POWER",
+    "MIN_SEEDS",
+    "at_chance",
     "Comparison",
     "compare",
     "welch",
@@ -99,15 +112,15 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
             "se": 0.0,
         }
     df = float((va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)))
-    res = stats.ttest_ind(b, a, equal_var=False)
+    t = diff / se
     half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
     return {
         "diff": diff,
         "ci_low": diff - half,
         "ci_high": diff + half,
-        "t": float(res.statistic),
+        "t": t,
         "df": df,
-        "p": float(res.pvalue),
+        "p": float(2 * stats.t.sf(abs(t), df)),
         "se": se,
     }
 
@@ -158,14 +171,21 @@ class Comparison:
     std_baseline: float
     std_other: float
     diff: float
-    verdict: str  # "observed" | "opposite" | "not resolved" | "single run" | "no data"
+    verdict: str  # "observed" | "opposite" | "not resolved" | "too few seeds" | "at chance" | "single run" | "no data"
     ci_low: Optional[float] = None
     ci_high: Optional[float] = None
     t: Optional[float] = None
     df: Optional[float] = None
     p: Optional[float] = None
     effect_size: Optional[float] = None  # |diff| / pooled std
-    seeds_needed: Optional[int] = None  # per setting, for a "not resolved" difference
+    seeds_needed: Optional[int] = None  # per setting, for a difference not significant at alpha
+    withheld: Optional[str] = None  # why a computed test gives no verdict ("too few seeds", "at chance")
+
+    def withhold(self, verdict: str, why: str) -> None:
+        """Give no observed / opposite / not resolved verdict, for the reason ``why`` (a clause)."""
+        if self.verdict in ("no data", "single run"):
+            return
+        self.verdict, self.withheld = verdict, why
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (strict JSON has no inf/nan: those become None)."""
@@ -187,9 +207,9 @@ class Comparison:
         t = "inf" if math.isinf(self.t) else f"{self.t:.2f}"
         text = (
             f"{head} [95% CI {f(self.ci_low)}, {f(self.ci_high)}], Welch t = {t} (df {self.df:.1f}), "
-            f"p = {self.p:.3g}, {n}: {self.verdict}"
+            f"p = {self.p:.3g}, {n}: " + (f"no verdict, {self.withheld}" if self.withheld else self.verdict)
         )
-        if self.verdict == "not resolved":
+        if self.p >= ALPHA and self.verdict != "at chance":
             if self.seeds_needed is not None:
                 text += (
                     f" (about {self.seeds_needed} seeds per setting would resolve a difference this size "
@@ -209,9 +229,11 @@ def compare(
     other: Sequence[Optional[float]],
     want_lower: bool,
     alpha: float = ALPHA,
+    min_seeds: int = MIN_SEEDS,
 ) -> Comparison:
     """Compare per-seed values of ``other`` with ``baseline``; ``want_lower``: the claim predicts a
-    lower value for ``other``."""
+    lower value for ``other``. With fewer than ``min_seeds`` seeds in a setting the test is
+    computed but the verdict is ``"too few seeds"``."""
     a, b = _finite(baseline), _finite(other)
     m0 = float(a.mean()) if a.size else math.nan
     m1 = float(b.mean()) if b.size else math.nan
@@ -233,7 +255,28 @@ def compare(
     else:
         c.verdict = "not resolved"
         c.seeds_needed = seeds_needed(c.effect_size, alpha) if math.isfinite(c.effect_size) else None
+    if min(a.size, b.size) < min_seeds:
+        c.withhold("too few seeds", f"fewer than {min_seeds} seeds per setting")
     return c
+
+
+def at_chance(
+    value: float, chance: float, higher_is_better: bool, n: Optional[int] = None, alpha: float = ALPHA
+) -> bool:
+    """Whether a metric is no better than a model that guesses (see the module docstring).
+
+    Args:
+        value: the run's value (an accuracy in [0, 1] when ``n`` is given).
+        chance: the value of a guess (``1 / classes`` for top-1).
+        higher_is_better: the metric's direction.
+        n: items the accuracy was measured on (enables the binomial test).
+    """
+    if n and higher_is_better and 0.0 <= value <= 1.0 and 0.0 < chance < 1.0:
+        from scipy import stats  # lazy: ~0.7 s to import, reports only
+
+        hits = int(round(value * n))
+        return bool(stats.binomtest(hits, n, chance, alternative="greater").pvalue >= alpha)
+    return value <= chance if higher_is_better else value >= chance
 
 
 @dataclass
@@ -245,8 +288,13 @@ class Plateau:
     points: int  # eval points in the curve
     window_start: Optional[int] = None  # step where the window starts
     stopped_at: Optional[int] = None  # step where train.until_plateau stopped the run (then status "yes")
+    first: Optional[float] = None  # the first eval's value
+    tol: float = 0.01
+    flat: bool = False  # "no" because the curve never moved off its first value
 
     def describe(self) -> str:
+        if self.flat:
+            return f"no (never moved off its first value, {self.first:.4g}, by {100 * self.tol:g}% or more)"
         if self.stopped_at is not None:
             return f"yes (stopped by train.until_plateau at step {self.stopped_at})"
         if self.status == "unknown":
@@ -260,6 +308,7 @@ def plateau(
     window: float = 0.2,
     tol: float = 0.01,
     stopped_at: Optional[int] = None,
+    mode: Optional[str] = None,
 ) -> Plateau:
     """Plateau flag of one validation curve (see the module docstring).
 
@@ -269,14 +318,23 @@ def plateau(
         window: fraction of training (by step) at the end over which the change is measured.
         tol: largest relative change that still counts as a plateau.
         stopped_at: the step where ``train.until_plateau`` stopped the run, if it did.
+        mode: ``"max"`` / ``"min"``: the curve must have moved off its first value in that
+            direction; None: in either.
     """
     if not 0.0 < window <= 1.0:
         raise ValueError(f"window={window} must be in (0, 1]")
     if tol < 0:
         raise ValueError(f"tol={tol} must be >= 0")
+    if mode not in (None, "min", "max"):
+        raise ValueError(f"mode={mode!r} must be 'min', 'max' or None")
     pts = sorted((int(s), float(v)) for s, v in zip(steps, values) if v is not None and math.isfinite(float(v)))
+    first = pts[0][1] if pts else None
     if len(pts) < 3:
-        return Plateau("yes" if stopped_at is not None else "unknown", None, len(pts), None, stopped_at)
+        return Plateau("yes" if stopped_at is not None else "unknown", None, len(pts), None, stopped_at, first, tol)
+    vals = np.asarray([v for _, v in pts])
+    moves = {"max": vals.max() - vals[0], "min": vals[0] - vals.min(), None: np.abs(vals - vals[0]).max()}[mode]
+    if not moves > tol * abs(vals[0]):
+        return Plateau("no", None, len(pts), None, stopped_at, first, tol, flat=True)
     last = pts[-1][0]
     start = last * (1.0 - window)  # training starts at step 0
     inside = [i for i, (s, _) in enumerate(pts) if s >= start]
@@ -284,7 +342,8 @@ def plateau(
     s0, v0 = pts[i0]
     v1 = pts[-1][1]
     rel = abs(v1 - v0) / abs(v0) if v0 != 0 else (0.0 if v1 == v0 else math.inf)
-    return Plateau("yes" if rel < tol or stopped_at is not None else "no", rel, len(pts), s0, stopped_at)
+    status = "yes" if rel < tol or stopped_at is not None else "no"
+    return Plateau(status, rel, len(pts), s0, stopped_at, first, tol)
 
 
 def evals_without_improvement(values: Sequence[float], mode: str, min_rel_delta: float = 0.0) -> int:

@@ -68,7 +68,7 @@ from typing import Callable, Optional, Sequence
 from tqdm.auto import tqdm
 
 from .engine.config import load_config, to_dict
-from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, clear_dir, config_changes, describe_changes, lock_dir
+from .engine.run import FINISHED_MUTABLE, RESUME_MUTABLE, RunDir, config_changes, describe_changes, lock_dir
 from .engine.slurm import LauncherConfig, submit_sweep
 from .engine.threads import available_cpus
 from .errors import ConfigError, DiskFullError, RunFailed, is_disk_full
@@ -185,6 +185,12 @@ def design_points(
 
 
 def parse_heads_list(text: str) -> list[str]:
+    """``"0,2,all"`` -> ``["0", "2", "all"]``, each a valid head setting given once.
+
+    Raises:
+        ConfigError: an invalid setting, or two spellings of one setting (``0,none``: one run, so the
+            sweep would train it twice or stop half-way on its own directory).
+    """
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise ConfigError(f"--laplacian-heads {text!r} is empty; give e.g. 0,3,all")
@@ -193,23 +199,37 @@ def parse_heads_list(text: str) -> list[str]:
     return items
 
 
+def check_distinct_heads(heads: Sequence[str], same: Callable[[str, object, object], bool]) -> None:
+    """Refuse two spellings of one head setting in a sweep (``0,none``, ``1,01``, ``0,0``): they are one
+    run (``same``: the recipe's :meth:`~lapheads.recipes.base.Recipe.same_setting`), which the sweep
+    would train twice under two names.
+
+    Raises:
+        ConfigError: one line naming both spellings.
+    """
+    for i, a in enumerate(heads):
+        for b in heads[:i]:
+            if same("model.laplacian_heads", LaplacianHeads(b).to_config(), LaplacianHeads(a).to_config()):
+                what = f"{b!r} is given twice" if a == b else f"{b!r} and {a!r} are the same setting"
+                raise ConfigError(f"--laplacian-heads {','.join(heads)!r}: {what} (one run); give each setting once")
+
+
 def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``, each seed once.
+
+    Raises:
+        ConfigError: not integers, empty, or a seed given twice (``0,0``: one run).
+    """
     try:
         seeds = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ConfigError(f"--seeds {text!r} must be comma-separated integers, e.g. 0,1,2") from None
     if not seeds:
         raise ConfigError("--seeds is empty")
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"--seeds {text!r} gives seed {twice[0]} twice (one run); give each seed once")
     return seeds
-
-
-def run_state(run_dir: Path) -> str:
-    """``done`` (final model written), ``partial`` (started, resumable) or ``new``."""
-    if (run_dir / "final" / "model.json").is_file():
-        return "done"
-    if (run_dir / "config.yaml").is_file():
-        return "partial"
-    return "new"
 
 
 @dataclass
@@ -218,7 +238,7 @@ class GridRun:
 
     path: Path
     sets: list[str]
-    state: str  # run_state()
+    state: str  # RunDir.state(): done, partial or new
     resolved: dict = field(default_factory=dict)  # the config this sweep would write
     existing: dict = field(default_factory=dict)  # the config.yaml already there
     changes: list[str] = field(default_factory=list)  # keys that differ beyond what may differ
@@ -239,6 +259,7 @@ def plan_grid(
         ConfigError: a design point's config does not load (unknown key, bad value), before anything runs.
     """
     cfg_cls = get_recipe(recipe).config_type
+    check_distinct_heads(heads, get_recipe(recipe).same_setting)
     short = axis_names(sorted({k for p in design for k in p}))
     defaults = to_dict(cfg_cls())
     plan = []
@@ -253,7 +274,7 @@ def plan_grid(
             for seed in seeds:
                 sets = [f"model.laplacian_heads={k}", f"train.seed={seed}", *point_sets, *overrides]
                 path = out / run_name(k, seed, point, short)
-                run = GridRun(path, sets, run_state(path))
+                run = GridRun(path, sets, RunDir(path).state())
                 if run.state != "new":
                     run.resolved = {"recipe": recipe, **to_dict(load_config(cfg_cls, config, sets, recipe=recipe))}
                     run.existing = RunDir(run.path).read_config()
@@ -283,15 +304,46 @@ def refuse_changed(plan: Sequence[GridRun], out: Path, hint: str = SWEEP_HINT) -
     )
 
 
-def _restart(run: GridRun) -> None:
-    """Delete a grid run (under its lock, so never under a live writer)."""
-    with lock_dir(run.path):
-        clear_dir(run.path)
-    try:
-        run.path.rmdir()
-    except OSError:
-        pass
-    run.state = "new"
+def check_plan(
+    plan: Sequence[GridRun],
+    out: Path,
+    config: Optional[str],
+    *,
+    overwrite: bool = False,
+    restart_changed: bool = False,
+    hint: str = SWEEP_HINT,
+) -> list[GridRun]:
+    """The runs of ``plan`` to delete and train afresh, every one checked before the first goes.
+
+    Raises:
+        ConfigError: existing runs were made with other settings and neither flag is given
+            (:func:`refuse_changed`).
+        CheckpointError: a run to delete holds files that are not the run's own, the working directory
+            or the ``config`` (:meth:`~lapheads.engine.run.RunDir.check_overwrite`).
+    """
+    if not (overwrite or restart_changed):
+        refuse_changed(plan, out, hint)
+    restart = [r for r in plan if r.state != "new" and (overwrite or r.changes)]
+    for r in restart:
+        flag = "--overwrite" if overwrite else "--restart-changed"
+        RunDir(r.path).check_overwrite(keep=[config] if config else [], flag=flag)
+    return restart
+
+
+def delete_runs(runs: Sequence[GridRun], quiet: bool = False) -> None:
+    """Delete the files of the grid runs :func:`check_plan` returned, each under its lock (so never
+    under a live writer); nothing but the runs' own files goes (engine.run.RunDir.clear)."""
+    for r in runs:
+        if not quiet:
+            why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"
+            print(f"[sweep] {r.path.name}: deleted to start afresh ({why})")
+        with lock_dir(r.path):
+            RunDir(r.path).clear()
+        try:
+            r.path.rmdir()
+        except OSError:
+            pass
+        r.state = "new"
 
 
 def run_grid(
@@ -328,16 +380,10 @@ def run_grid(
     rec = get_recipe(recipe)
     with lock_dir(out):
         plan = plan_grid(recipe, config, heads, seeds, out, overrides, design)
-        if not (overwrite or restart_changed):
-            refuse_changed(plan, out, hint)
+        restart = check_plan(plan, out, config, overwrite=overwrite, restart_changed=restart_changed, hint=hint)
         if on_start is not None:
             on_start()
-        for r in plan:
-            if r.state != "new" and (overwrite or r.changes):
-                if not quiet:
-                    why = f"settings changed: {', '.join(r.changes)}" if r.changes else "--overwrite"
-                    print(f"[sweep] {r.path.name}: deleted to start afresh ({why})")
-                _restart(r)
+        delete_runs(restart, quiet)
         todo = []
         for r in plan:
             if r.state == "done":

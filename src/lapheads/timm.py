@@ -9,7 +9,8 @@ What this module gives:
   Laplacian twin IN PLACE, by swapping the instance's class: no parameter is created, copied or
   re-initialised, so pretrained weights, optimizer references and ``state_dict`` keys are all
   unchanged.
-* :func:`create_model` = ``timm.create_model`` + :func:`convert`, for any timm name it converts.
+* :func:`create_model` = ``timm.create_model`` + :func:`convert`, for any timm name it converts,
+  and the loader of saved Laplacian models (a file, ``local-dir:``, ``hf-hub:``).
 * Registered timm names for the paper's variants (see "Naming scheme" below), created by
   ``timm.create_model`` once ``lapheads.timm`` has been imported.
 
@@ -45,14 +46,28 @@ Design choices:
 
 * A layer's selection is ``laplacian_selection``, a :class:`lapheads.heads.LayerHeads` (Python
   bools, resolved once; see its docstring for why not a tensor), set by
-  :meth:`LaplacianLayer.set_laplacian_heads`. It is a plain attribute, neither a parameter nor
-  a buffer, so the ``state_dict`` keys are timm's: timm checkpoints load into converted models and
-  converted checkpoints load into plain timm models. ``forward`` picks its code path from it, hands
-  it to :func:`lapheads.laplacian_attention` (fused path) or
+  :meth:`LaplacianLayer.set_laplacian_heads`, a plain attribute. ``forward`` picks its code path
+  from it, hands it to :func:`lapheads.laplacian_attention` (fused path) or
   :func:`lapheads.laplacian_attention_reference` (eager path) as is, so the fused path never touches
   a device mask and ``torch.compile(fullgraph=True)`` works. The selection that rebuilds the model is stored as
   ``model.laplacian_heads`` (a :class:`lapheads.LaplacianHeads`) and
   ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON); a saved run records it in its config.
+* Checkpoints. Every converted layer has one persistent buffer, the marker ``lap_heads``
+  (``blocks.<i>.attn.lap_heads``: one int8 per head, 0 standard, 1 Laplacian, 2 learnable
+  mixing), written from the selection whenever a state dict is taken. It is the only key a
+  converted model adds to timm's (besides learnable mixing), and it is what keeps a Laplacian
+  checkpoint from loading silently standard: a strict load into a stock timm model (torch's
+  default, timm's ``pretrained=True`` when the class count is the file's, ``checkpoint_path``)
+  refuses the unexpected key; timm's non-strict load (another class count, a new head) warns
+  naming it. Into a converted layer a marker must equal the layer's heads (else the load fails,
+  strict or not); a checkpoint without markers (stock timm weights, the paper authors'
+  ``MixedAttention`` checkpoints, which have timm's keys) loads into any selection: that is
+  retrofitting. :func:`create_model` reads the weights a caller names (``pretrained_cfg_overlay``
+  ``file``, ``checkpoint_path``, a ``local-dir:`` / ``hf-hub:`` model saved with
+  ``timm.models.save_for_hf``) with timm's own loaders, lets timm load their stock part into the
+  stock model (timm's filters and class-count rules apply), converts the model to the
+  checkpoint's heads (the saved ``pretrained_cfg`` entry, else the markers) unless a selection is
+  given, then loads the markers and mixing into the converted model.
 * A layer with no Laplacian head runs timm's own ``forward`` unchanged, so the k = 0 model is
   bit-identical to timm on every path of every converted family and costs nothing extra.
 * A Laplacian layer's ``forward`` computes q, k and v the way timm's forward does, from the
@@ -87,7 +102,7 @@ Design choices:
   ``LaplacianAttention.with_heads(k)`` (a cached subclass whose default is k) as ``attn_layer``, or
   build the model plainly and call :func:`convert`, which also takes per-layer selections (one
   entry per converted layer, in :func:`laplacian_attention_layers` order).
-* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``, issue 13): every
+* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``): every
   converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
   head h applies ``a_h I + b_h P`` on both paths (:class:`lapheads.HeadMix`, given to the fused
   operator or to the eager reference by :func:`lapheads.heads.layer_operator`). Unlike a fixed selection these ARE in the
@@ -108,7 +123,9 @@ patch 16 / 224 px and every k from 1 to the number of heads:
 
 The baseline (k = 0) is the plain timm name. A dotted name such as ``deit3_base_patch16_224.lap12``
 is deliberately NOT used: timm reads the part after the dot as a pretrained-weight tag. No weights
-exist for these variants, so ``pretrained=True`` raises a :class:`ConfigError`; to start from
+exist for these variants, so ``pretrained=True`` raises a :class:`ConfigError` unless a saved
+checkpoint is named (``local-dir:`` / ``hf-hub:`` of a saved variant, which plain
+``timm.create_model`` reloads too, or ``pretrained_cfg_overlay=dict(file=...)``); to start from
 DeiT-3 weights use ``create_model("deit3_base_patch16_224", pretrained=True, laplacian_heads=12)``.
 Other image sizes / class counts are timm keyword arguments (``img_size=192, num_classes=100``).
 """
@@ -154,10 +171,8 @@ from .heads import (
     LayerHeads,
     laplacianness,
     layer_operator,
-    learnable_spec,
     nearer_laplacian,
-    register_mix,
-    remove_mix,
+    set_layer_heads,
 )
 from .ops import laplacian_attention, laplacian_attention_reference
 
@@ -201,6 +216,21 @@ _LAP_NAME = re.compile(r"^(?P<base>.+)_lap(?P<k>\d+)$")
 LAPLACIAN_CLASSES: dict[type, type["LaplacianLayer"]] = {}
 
 
+#: name of the marker buffer of every converted layer: one int8 per head, the codes below.
+MARKER = "lap_heads"
+MIX_STANDARD, MIX_LAPLACIAN, MIX_LEARNABLE = 0, 1, 2
+#: state-dict keys a stock timm model does not have (the marker, learnable mixing parameters).
+_LAPLACIAN_KEY = re.compile(rf"(?:^|\.)(?:{MARKER}|lap_mix_a|lap_mix_b)$")
+
+
+def describe_codes(codes: list[int]) -> str:
+    """A marker's codes in words: ``Laplacian heads [4, 5] of 6``, ``learnable mixing``, ``no Laplacian head``."""
+    if codes and all(c == MIX_LEARNABLE for c in codes):
+        return f"learnable mixing of {len(codes)} heads"
+    lap = [h for h, c in enumerate(codes) if c == MIX_LAPLACIAN]
+    return f"Laplacian heads {lap} of {len(codes)}" if lap else f"no Laplacian head of {len(codes)}"
+
+
 def _converts(stock: type) -> Callable[[type[_L]], type[_L]]:
     """Class decorator: register ``cls`` as the Laplacian twin of the timm class ``stock``."""
 
@@ -222,7 +252,8 @@ class LaplacianLayer(nn.Module):
     """Base of every Laplacian timm attention class: the head selection and the Laplacian core.
 
     A Laplacian class is ``class LaplacianX(LaplacianLayer, X)`` for a timm class X (this class
-    adds no parameter, buffer or ``__init__``, so :func:`convert` can swap a module's class); its
+    adds no parameter and no ``__init__``, only the marker buffer, so :func:`convert` can swap a
+    module's class); its
     ``forward`` calls ``X.forward`` when no head is Laplacian (:attr:`laplacian_active` is False)
     and otherwise computes q, k, v and the additive mask as X does and calls
     :meth:`_laplacian_attend`.
@@ -249,6 +280,7 @@ class LaplacianLayer(nn.Module):
         self.laplacian_selection = LayerHeads((False,) * _heads_of(self))
         #: learnable mixing: lap_mix_a / lap_mix_b exist and drive the forward pass.
         self.laplacian_learnable = False
+        self._register_marker()
         self.set_laplacian_heads(spec)
 
     def set_laplacian_heads(self, spec: Any) -> None:
@@ -257,22 +289,13 @@ class LaplacianLayer(nn.Module):
         A learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b`` at their initialisation; a fixed
         one removes them.
         """
-        n_heads = _heads_of(self)
-        learn = learnable_spec(spec)
-        if learn is not None:
-            selection = learn.init_selection(1, n_heads)[0]
-            register_mix(self, selection)
-            self.laplacian_selection, self.laplacian_learnable = selection, True
-            return
-        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none", "ablation"):
+        if isinstance(spec, LaplacianHeads) and spec.kind not in ("k", "all", "none", "ablation", "learn"):
             raise ConfigError(
                 f"{spec!r} is per-layer; a single {type(self).__name__} layer needs one layer's selection. "
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model"
             )
-        # Validate and resolve once (a tensor spec is read back here, once, not per call).
-        selection = LayerHeads.of(spec, n_heads)
-        remove_mix(self)
-        self.laplacian_selection, self.laplacian_learnable = selection, False
+        # Validated and resolved once (a tensor spec is read back here, once, not per call).
+        set_layer_heads(self, spec, _heads_of(self))
 
     @property
     def num_laplacian_heads(self) -> int:
@@ -288,6 +311,66 @@ class LaplacianLayer(nn.Module):
     def laplacian_active(self) -> bool:
         """True when the forward pass is Laplacian (a Laplacian head, or learnable mixing)."""
         return self.laplacian_learnable or self.laplacian_selection.any
+
+    # ------------------------------------------------------------------ checkpoint marker
+    def laplacian_codes(self) -> list[int]:
+        """This layer's heads as the marker stores them: per head 0 standard, 1 Laplacian, 2 learnable mixing."""
+        if self.laplacian_learnable:
+            return [MIX_LEARNABLE] * _heads_of(self)
+        return [MIX_LAPLACIAN if f else MIX_STANDARD for f in self.laplacian_selection.flags]
+
+    def _register_marker(self) -> None:
+        # A persistent buffer, so the key is in every state dict (torch.save, safetensors,
+        # save_for_hf, distributed checkpoints) and a strict load into a stock timm layer refuses it.
+        if MARKER not in self._buffers:
+            device = next(self.parameters(), torch.empty(0)).device
+            self.register_buffer(MARKER, torch.zeros(_heads_of(self), dtype=torch.int8, device=device))
+
+    def _sync_marker(self) -> None:
+        """Write the current selection into the marker (the selection itself is a Python attribute).
+
+        A new tensor, and only when the marker holds other codes: no in-place write (inference
+        mode), the same tensor object while the selection is unchanged.
+        """
+        codes = self.laplacian_codes()
+        old = self._buffers[MARKER]
+        assert old is not None
+        if old.is_meta or old.tolist() != codes:
+            self._buffers[MARKER] = torch.tensor(codes, dtype=torch.int8, device=old.device)
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        self._sync_marker()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # No marker: stock timm weights, the paper authors' checkpoints, files saved before the
+        # marker existed: they load into any selection (retrofitting). A marker must match.
+        key = prefix + MARKER
+        saved = state_dict.get(key)
+        own = self.laplacian_codes()
+        if isinstance(saved, torch.Tensor) and not saved.is_meta and saved.shape == (len(own),):
+            codes = [int(c) for c in saved.tolist()]
+            if codes != own:
+                error_msgs.append(
+                    f"{prefix[:-1] or type(self).__name__}: the checkpoint has {describe_codes(codes)} but this "
+                    f"layer has {describe_codes(own)}; load it into a model with the same heads "
+                    "(lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if saved is None and key in missing_keys:
+            missing_keys.remove(key)
+        self._sync_marker()  # the buffer follows the selection, never the file
 
     # ------------------------------------------------------------------ the Laplacian core
     def _laplacian_attend(
@@ -919,22 +1002,47 @@ def _unknown_model(name: str) -> ConfigError:
 
 
 def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any) -> nn.Module:
-    """Create a timm model with Laplacian heads.
+    """Create a timm model with Laplacian heads, or reload a saved one.
 
     Args:
         name: any timm model name with attention :func:`convert` converts (``vit_small_patch16_224``,
             ``deit3_base_patch16_224.fb_in1k``, ``eva02_small_patch14_224``, ``vit_small_patch16_dinov3``,
-            ``swin_tiny_patch4_window7_224``, ``beit_base_patch16_224``, ...), or a registered
-            variant ``<base>_lap<k>`` (k then comes from the name).
-        laplacian_heads: the selection (see :func:`convert`); ``None`` = none, or k from a
-            ``_lap<k>`` name. Giving both a ``_lap<k>`` name and a different selection is an error.
-        **timm_kwargs: passed to ``timm.create_model`` (``pretrained``, ``num_classes``,
-            ``img_size``, ``patch_size``, ``embed_dim``, ``depth``, ``num_heads``, ``qk_norm``,
-            ``drop_path_rate``, ``init_values``, ...).
+            ``swin_tiny_patch4_window7_224``, ``beit_base_patch16_224``, ...), a registered
+            variant ``<base>_lap<k>`` (k then comes from the name), or a model saved with
+            ``timm.models.save_for_hf`` / ``push_to_hf_hub``: ``local-dir:PATH`` or ``hf-hub:REPO``
+            (its ``config.json`` gives the architecture, and the weights load by default).
+        laplacian_heads: the selection (see :func:`convert`). ``None`` = the checkpoint's heads
+            when weights are loaded from a Laplacian checkpoint (its markers, or the saved
+            ``pretrained_cfg``), else none, or k from a ``_lap<k>`` name. A selection given
+            with a Laplacian checkpoint replaces its heads on purpose (retrofitting). Giving both
+            a ``_lap<k>`` name and a different selection is an error.
+        **timm_kwargs: passed to ``timm.create_model`` (``pretrained``, ``pretrained_cfg_overlay``,
+            ``checkpoint_path``, ``num_classes``, ``img_size``, ``patch_size``, ``embed_dim``,
+            ``depth``, ``num_heads``, ``qk_norm``, ``drop_path_rate``, ``init_values``, ...).
 
     Returns:
         the converted model; ``model.laplacian_heads`` holds the selection.
+
+    Raises:
+        ConfigError: an unknown name, a selection that does not fit, a ``_lap<k>`` name with
+            ``pretrained=True`` and no checkpoint to load.
+        RuntimeError: timm's strict load: weights of another architecture.
     """
+    saved = _saved_model_config(name, timm_kwargs.get("cache_dir"))
+    if saved is not None:
+        cfg, name, model_args = saved
+        if timm_kwargs.get("pretrained_cfg") is not None:
+            raise ConfigError(
+                "pretrained_cfg cannot be given with a local-dir: or hf-hub: name: its config.json is the "
+                "pretrained_cfg (use pretrained_cfg_overlay to change entries)"
+            )
+        timm_kwargs["pretrained_cfg"] = cfg
+        timm_kwargs.setdefault("pretrained", True)
+        for key, value in model_args.items():
+            timm_kwargs.setdefault(key, value)
+        if model_args and _TIMM_TAKES_MODEL_ARGS:
+            timm_kwargs.setdefault("pretrained_model_args", dict(model_args))
+    replaces = laplacian_heads is not None  # the caller's heads replace a checkpoint's on purpose
     base, k = _split_lap_name(name)
     if k is not None:
         if laplacian_heads is not None and LaplacianHeads(laplacian_heads) != LaplacianHeads(k):
@@ -943,23 +1051,190 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
                 f"also given; use the base name {base!r} with laplacian_heads, or drop laplacian_heads"
             )
         laplacian_heads = k
-        if timm_kwargs.get("pretrained"):
-            raise _no_pretrained(name, base, k)
-    spec = LaplacianHeads(laplacian_heads)  # validate the type before building anything
+    LaplacianHeads(laplacian_heads)  # validate the type before building anything
     if not timm.is_model(base):
         raise _unknown_model(name)
-    model = timm.create_model(base, **timm_kwargs)
+    return _create(name, base, laplacian_heads, timm_kwargs, replaces=replaces)
+
+
+# ---------------------------------------------------------------------- checkpoints
+_TIMM_TAKES_MODEL_ARGS = "pretrained_model_args" in inspect.signature(timm.models.build_model_with_cfg).parameters
+_WEIGHT_SOURCE_KEYS = ("state_dict", "source", "file", "url", "hf_hub_id", "hf_hub_filename")
+
+
+def _saved_model_config(name: str, cache_dir: Any = None) -> Optional[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """``local-dir:PATH`` / ``hf-hub:REPO`` -> (pretrained_cfg, architecture, model_args) of its
+    ``config.json``, read by timm's own functions; any other name -> None."""
+    if not name.startswith(("local-dir:", "hf-hub:", "hf_hub:")):
+        return None
+    source, ident = timm.models.parse_model_name(name)
+    if source == "local-dir":
+        from timm.models._hub import load_model_config_from_path  # not re-exported by timm.models
+
+        try:
+            return load_model_config_from_path(ident)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{name!r}: {e}; save a model there with timm.models.save_for_hf(model, PATH)") from None
+    if source == "hf-hub":
+        return timm.models.load_model_config_from_hf(ident, **_cache(cache_dir))
+    return None
+
+
+def _cache(cache_dir: Any) -> dict[str, Any]:
+    """timm's ``cache_dir`` keyword, passed on only when given."""
+    return {} if cache_dir is None else {"cache_dir": cache_dir}
+
+
+def _named_weights(cfg: dict[str, Any], cache_dir: Any = None) -> Optional[dict[str, torch.Tensor]]:
+    """The state dict ``cfg`` (a saved model's ``pretrained_cfg`` with the caller's overlay) points
+    timm to, read by timm's own loaders: an in-memory ``state_dict``, a ``local-dir`` / ``hf-hub``
+    source, a ``file``. None when it names none (timm's registry weights: stock, never Laplacian)."""
+    if cfg.get("state_dict") is not None:
+        return dict(cfg["state_dict"])
+    if cfg.get("source") == "local-dir":
+        from timm.models._hub import load_state_dict_from_path  # not re-exported by timm.models
+
+        return load_state_dict_from_path(cfg["file"])
+    if cfg.get("source") == "hf-hub":
+        extra = [cfg["hf_hub_filename"]] if cfg.get("hf_hub_filename") else []
+        return timm.models.load_state_dict_from_hf(cfg["hf_hub_id"], *extra, **_cache(cache_dir))
+    if cfg.get("file"):
+        return timm.models.load_state_dict(str(cfg["file"]))
+    return None
+
+
+def _markers(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Layer name -> marker codes of every marked layer of a state dict."""
+    return {
+        k[: -len(MARKER)].rstrip("."): [int(c) for c in v.tolist()]
+        for k, v in state.items()
+        if (k == MARKER or k.endswith("." + MARKER)) and isinstance(v, torch.Tensor)
+    }
+
+
+def _layer_codes(model: nn.Module) -> dict[str, list[int]]:
+    return {n: m.laplacian_codes() for n, m in laplacian_attention_layers(model) if isinstance(m, LaplacianLayer)}
+
+
+def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> Any:
+    """The selection that gives ``model``'s layers the checkpoint's heads: an int k when every layer
+    has its trailing k heads Laplacian, ``"learn"`` for learnable mixing, else per-layer indices."""
+    layers = laplacian_attention_layers(model)
+    unknown = sorted(set(markers) - {n for n, _ in layers})
+    if unknown:
+        raise ConfigError(
+            f"the checkpoint marks Laplacian layers this model does not have ({', '.join(unknown[:3])}); "
+            "build the architecture it was saved from"
+        )
+    codes = [markers.get(n, [MIX_STANDARD] * _heads_of(m)) for n, m in layers]
+    learn = [all(c == MIX_LEARNABLE for c in cs) for cs in codes]
+    if all(learn):
+        return "learn"
+    if any(learn):
+        raise ConfigError(
+            "the checkpoint has learnable mixing in some layers and fixed heads in others, which no "
+            "laplacian_heads setting rebuilds; give laplacian_heads and load its mixing yourself"
+        )
+    indices = [[h for h, c in enumerate(cs) if c == MIX_LAPLACIAN] for cs in codes]
+    ks = {len(i) for i in indices}
+    if len(ks) == 1 and all(i == list(range(len(cs) - len(i), len(cs))) for i, cs in zip(indices, codes)):
+        return ks.pop()
+    return indices
+
+
+def _pretrained_cfg(model: nn.Module) -> dict[str, Any]:
+    return dict(model.__dict__.get("pretrained_cfg") or {})
+
+
+def _set_pretrained_cfg(model: nn.Module, cfg: dict[str, Any]) -> None:
+    """timm's ``pretrained_cfg`` and its alias ``default_cfg``: plain attributes, not submodules."""
+    object.__setattr__(model, "pretrained_cfg", cfg)
+    object.__setattr__(model, "default_cfg", cfg)
+
+
+def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(what a stock timm model has, the Laplacian part: markers and learnable mixing)."""
+    stock = {k: v for k, v in state.items() if not _LAPLACIAN_KEY.search(k)}
+    return stock, {k: v for k, v in state.items() if _LAPLACIAN_KEY.search(k)}
+
+
+def _create(
+    name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[str, Any], *, replaces: bool
+) -> nn.Module:
+    """timm builds the stock model and loads the stock part of the weights (its filters and its
+    class-count and channel rules apply); the model is converted to the selection; then the
+    Laplacian part of the weights (markers, learnable mixing) loads into the converted model.
+
+    ``laplacian_heads`` None: the checkpoint's heads (the saved ``pretrained_cfg`` entry, else its
+    markers). Given with ``replaces``: those heads, the checkpoint's markers dropped (retrofitting).
+    Given without (a ``_lap<k>`` name): those heads, and the checkpoint's markers must agree.
+    """
+    kw = dict(timm_kwargs)
+    pretrained = bool(kw.pop("pretrained", False))
+    cfg_arg, overlay = kw.pop("pretrained_cfg", None), kw.pop("pretrained_cfg_overlay", None)
+    checkpoint_path = kw.pop("checkpoint_path", None)
+    user_cfg = dict(cfg_arg) if isinstance(cfg_arg, dict) else {}
+    saved_spec = user_cfg.pop("laplacian_heads", None)
+    named = {**user_cfg, **(overlay or {})}
+    state = _named_weights(named, kw.get("cache_dir")) if pretrained else None
+    _, k = _split_lap_name(name)
+    if pretrained and state is None and k is not None:
+        raise _no_pretrained(name, base, k)
+    lap: dict[str, torch.Tensor] = {}
+    if state is not None:
+        stock, lap = _split_state(state)
+        overlay = {**(overlay or {}), **dict.fromkeys(_WEIGHT_SOURCE_KEYS), "state_dict": stock}
+    model = timm.create_model(
+        base,
+        pretrained=pretrained,
+        pretrained_cfg=user_cfg if isinstance(cfg_arg, dict) else cfg_arg,
+        pretrained_cfg_overlay=overlay,
+        **kw,
+    )
+    if state is not None:  # the weights' source as the caller named it, not the in-memory copy
+        cfg = {k: v for k, v in _pretrained_cfg(model).items() if k not in _WEIGHT_SOURCE_KEYS}
+        cfg.update({k: named[k] for k in _WEIGHT_SOURCE_KEYS if k != "state_dict" and named.get(k) is not None})
+        _set_pretrained_cfg(model, cfg)
+    if k is not None:  # a registered variant: its own name, whatever timm built it from
+        _set_pretrained_cfg(model, dict(_pretrained_cfg(model), architecture=name))
+    loaded = timm.models.load_state_dict(str(checkpoint_path)) if checkpoint_path else None
+    markers = _markers(loaded if loaded is not None else lap)
+    spec: Any = laplacian_heads if laplacian_heads is not None else saved_spec
     try:
-        return convert(model, spec)
+        convert(model, spec)
+        if laplacian_heads is None and markers and any(_layer_codes(model).get(n) != c for n, c in markers.items()):
+            convert(model, _selection_from_markers(model, markers))
     except ConfigError as e:
         raise ConfigError(f"model {name!r}: {e}") from None
+    own = model.state_dict()
+    keep = not replaces
+    if lap:
+        part = {k: v for k, v in lap.items() if k in own and (keep or not k.endswith(MARKER))}
+        left = sorted(set(lap) - set(own))
+        if keep and left:
+            raise ConfigError(
+                f"model {name!r}: the checkpoint has Laplacian entries this model has no place for "
+                f"({', '.join(left[:3])}); build the architecture it was saved from"
+            )
+        model.load_state_dict(part, strict=False)
+    if loaded is not None:  # timm.models.load_checkpoint's strict load, into the converted model
+        model.load_state_dict(
+            {
+                k: v
+                for k, v in loaded.items()
+                if keep or not _LAPLACIAN_KEY.search(k) or (k in own and not k.endswith(MARKER))
+            },
+            strict=True,
+        )
+    return model
 
 
 # ---------------------------------------------------------------------- timm registration
 def _no_pretrained(name: str, base: str, k: int) -> ConfigError:
     return ConfigError(
         f"no pretrained weights exist for {name!r}; use pretrained=False, or start from the baseline weights "
-        f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k})"
+        f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k}), or load a saved "
+        f"checkpoint with pretrained_cfg_overlay=dict(file=PATH) or a local-dir: / hf-hub: name"
     )
 
 
@@ -967,22 +1242,23 @@ def _make_entrypoint(base: str, k: int):
     name = f"{base}_lap{k}"
 
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-        if pretrained:
-            raise _no_pretrained(name, base, k)
-        # timm.create_model hands these to every entrypoint; they describe weights we do not have.
-        for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
-            kwargs.pop(key, None)
-        model = timm.models.model_entrypoint(base)(pretrained=False, **kwargs)
-        convert(model, k)
-        model.pretrained_cfg = dict(
-            model.pretrained_cfg, architecture=name, tag=None, hf_hub_id=None, url="", file=None, laplacian_heads=k
-        )
+        # timm.create_model hands pretrained_cfg / overlay / cache_dir to every entrypoint; a
+        # pretrained_cfg read from a saved model (local-dir:, hf-hub:) or an overlay naming a file
+        # points at Laplacian weights, which load; without such a source there are no weights.
+        if not pretrained:
+            for key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir", "pretrained_model_args"):
+                kwargs.pop(key, None)
+        model = _create(name, base, k, dict(kwargs, pretrained=pretrained), replaces=False)
+        if not pretrained:
+            _set_pretrained_cfg(model, dict(_pretrained_cfg(model), tag=None, hf_hub_id=None, url="", file=None))
         return model
 
     entrypoint.__name__ = name
     entrypoint.__qualname__ = name
     entrypoint.__module__ = __name__
-    entrypoint.__doc__ = f"timm {base} with the trailing {k} heads of every layer Laplacian (no pretrained weights)."
+    entrypoint.__doc__ = (
+        f"timm {base} with the trailing {k} heads of every layer Laplacian (pretrained: only from a saved checkpoint)."
+    )
     return entrypoint
 
 

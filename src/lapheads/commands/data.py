@@ -12,15 +12,13 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from ..data import text as text_data
+from ..data.shards import INDEX_NAME, SPLITS, tokenize_to_shards
 from ..data.text import (
-    _SPLITS,
-    INDEX_NAME,
     check_inputs,
     check_split_mode,
     embedded_documents,
     iter_documents,
     split_documents,
-    tokenize_to_shards,
 )
 from ..engine.config import number_arg
 from ..errors import ConfigError
@@ -204,7 +202,7 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
             progress=not args.no_progress,
             val_by=args.val_by,
         )
-    for s in _SPLITS:
+    for s in SPLITS:
         sp = index["splits"][s]
         bpt = sp["bytes_per_token"]
         print(

@@ -9,13 +9,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..engine.checkpoint import atomic_write_text
 from ..engine.config import number_arg
 from ..engine.run import RunDir, lock_enclosing_run
 from ..errors import ConfigError
 from ..lm import evaluate as lm_evaluate  # called through the module (tests replace its functions)
 from ..lm.evaluate import LM_EVAL_BOOTSTRAP_ITERS, check_chat_tasks, parse_tasks, run_chat_tasks, run_lm_eval
-from ..outputs import check_out_file
+from ..outputs import atomic_write, check_out_file
 from ..recipes import lm as lm_recipe  # called through the module (tests replace load_model)
 from ..recipes import recipe_of_run
 from ..recipes.classify import RECIPE as CLASSIFY
@@ -107,7 +106,7 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     # eval.json goes into a run directory: one writer at a time, checked before the model loads
     with lock_enclosing_run(out):
         report = _evaluate(args, chat_tasks, sources, lm_tasks, tm)
-        atomic_write_text(out, json.dumps(report, indent=1, default=str))
+        atomic_write(out, json.dumps(report, indent=1, default=str))
     print(f"-> {out}")
     return 0
 
@@ -199,7 +198,7 @@ def _eval_classify(args: argparse.Namespace, run: RunDir, out: Path) -> int:
     if ds.num_classes != n_cls:
         raise ConfigError(f"--data {spec} has {ds.num_classes} classes but the model predicts {n_cls}")
     res = evaluate_classifier(model, ds, loaded.transform, n_cls, args.batch_size, torch.device("cpu"))
-    atomic_write_text(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
+    atomic_write(out, json.dumps({"data": spec, "weights": args.weights, **res}, indent=1))
     print(
         f"top1={res['top1']:.4f} top5={res['top5']:.4f} mean_class_acc={res['mean_class_acc']:.4f} "
         f"loss={res['loss']:.4f} (n={res['n']}) -> {out}"

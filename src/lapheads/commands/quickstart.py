@@ -9,13 +9,13 @@ from typing import Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from ..engine.run import clear_dir, lock_dir
+from ..engine.run import lock_dir
 from ..engine.threads import available_cpus
 from ..errors import ConfigError
 from ..quickstart import PLAN, SCOPE, recipes_dir
 from ..report import build_report
 from ..runs import analyze_run
-from ..sweep import plan_grid, refuse_changed, run_grid
+from ..sweep import check_plan, delete_runs, plan_grid, run_grid
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -27,7 +27,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--out", default="runs/quickstart", help="output directory (resumable)")
     p.add_argument("--tiny", action="store_true", help="a few steps per run (pipeline check, < 1 minute)")
-    p.add_argument("--overwrite", action="store_true", help="delete --out first instead of resuming")
+    p.add_argument(
+        "--overwrite", action="store_true", help="train every run afresh (deletes those runs, nothing else in --out)"
+    )
     p.add_argument("--no-lm", action="store_true", help="skip the language-model part")
     p.add_argument("--no-vision", action="store_true", help="skip the vision part")
     p.add_argument(
@@ -58,11 +60,11 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     if not parts:
         raise ConfigError("--no-lm and --no-vision leave nothing to run")
     hint = f"pass --overwrite to start {out} afresh, or choose another --out"
-    if args.overwrite:
-        clear_dir(out)
-    else:  # every part is checked before the first one trains
-        for name, recipe, cfg, heads, seeds, overrides in parts:
-            refuse_changed(plan_grid(recipe, str(cfg), heads, seeds, out / name, overrides), out / name, hint)
+    restart = []  # every part is checked, and --overwrite deletes its runs, before the first one trains
+    for name, recipe, cfg, heads, seeds, overrides in parts:
+        grid = plan_grid(recipe, str(cfg), heads, seeds, out / name, overrides)
+        restart += check_plan(grid, out / name, str(cfg), overwrite=args.overwrite, hint=hint)
+    delete_runs(restart)
     dirs: list[Path] = []
     for name, recipe, cfg, heads, seeds, overrides in parts:
         print(
@@ -79,7 +81,7 @@ def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:
     intro = (
         "Baseline (k=0) against Laplacian heads on embedded data: a tiny ViT on scikit-learn's "
         "digits and a tiny NanoChat-style LM on Python's pydoc topics (k = 0 and all heads of every "
-        "layer Laplacian), 3 seeds each, every run trained to a plateau on a CPU.\n\n"
+        "layer Laplacian), trained on a CPU.\n\n"
         + SCOPE
         + ("\n\nThis is a --tiny run (a few steps per model): its numbers mean nothing." if args.tiny else "")
     )

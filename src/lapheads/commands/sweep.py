@@ -8,15 +8,20 @@ its points and ``lapheads sweep --resume --out OUT`` continues it without repeat
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..engine.checkpoint import atomic_write_text
 from ..engine.config import read_yaml
 from ..engine.run import lock_dir
-from ..engine.slurm import add_launcher_args, launcher_config, print_status
+from ..engine.slurm import (
+    SubmissionFailed,
+    add_launcher_args,
+    check_controller,
+    launcher_config,
+    print_status,
+)
 from ..errors import ConfigError
+from ..outputs import read_json, write_json
 from ..recipes.shipped import resolve_any
 from ..report import build_report
 from ..runs import analyze_run
@@ -127,31 +132,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.recipe and recipe != args.recipe:
         raise ConfigError(f"{args.config} is a {recipe!r} recipe but --recipe says {args.recipe!r}")
     out = Path(args.out)
+    if slurm is not None:  # an unreachable controller: one line, before anything is written
+        check_controller()
     with lock_dir(out):
         record = [a for a in argv if a not in ("--overwrite", "--restart-changed", "--resume", "--no-wait")]
         config = str(Path(args.config).absolute()) if Path(args.config).is_file() else args.config
+        recorded = (out / COMMAND_FILE).exists()
 
         def write_command() -> None:  # once the sweep is sure to run: a refused one changes nothing in OUT
-            atomic_write_text(
-                out / COMMAND_FILE, json.dumps({"argv": record, "config": config, "cwd": str(Path.cwd())}, indent=1)
-            )
+            write_json(out / COMMAND_FILE, {"argv": record, "config": config, "cwd": str(Path.cwd())})
 
-        dirs = run_grid(
-            recipe,
-            args.config,
-            heads,
-            seeds,
-            out,
-            args.overrides,
-            overwrite=args.overwrite,
-            restart_changed=args.restart_changed,
-            design=design,
-            jobs=args.jobs,
-            launcher=slurm,
-            slurm_folder=args.slurm_folder,
-            wait=not args.no_wait,
-            on_start=write_command,
-        )
+        try:
+            dirs = run_grid(
+                recipe,
+                args.config,
+                heads,
+                seeds,
+                out,
+                args.overrides,
+                overwrite=args.overwrite,
+                restart_changed=args.restart_changed,
+                design=design,
+                jobs=args.jobs,
+                launcher=slurm,
+                slurm_folder=args.slurm_folder,
+                wait=not args.no_wait,
+                on_start=write_command,
+            )
+        except SubmissionFailed:  # sbatch refused it: a new sweep leaves no record of a sweep that never ran
+            if not recorded:
+                (out / COMMAND_FILE).unlink(missing_ok=True)
+            raise
         if slurm is not None and args.no_wait:
             print(
                 f"[sweep] not waiting; `lapheads sweep --status {out}` shows the points, and "
@@ -192,15 +203,12 @@ def _recorded(out: Path, given: Sequence[str]) -> list[str]:
 
 def _read_command(out: Path) -> dict:
     path = out / COMMAND_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data.get("argv"), list):
-            raise ValueError
-        return data
-    except FileNotFoundError:
-        raise ConfigError(f"{out} holds no sweep ({path} is missing); pass the sweep's flags") from None
-    except (OSError, ValueError, AttributeError):
-        raise ConfigError(f"{path} is not a sweep's record; pass the sweep's flags") from None
+    if not path.exists():
+        raise ConfigError(f"{out} holds no sweep ({path} is missing); pass the sweep's flags")
+    data = read_json(path, "a sweep's record")
+    if not isinstance(data, dict) or not isinstance(data.get("argv"), list):
+        raise ConfigError(f"{path} is not a sweep's record; pass the sweep's flags")
+    return data
 
 
 def point_names(argv: Sequence[str]) -> list[str]:

@@ -4,7 +4,11 @@ Every recipe shares the flags of :func:`lapheads.engine.run.add_train_args` (``-
 ``--out``, ``--resume``, ``--overwrite``, ``--set KEY=VALUE``); the recipe's config type checks
 every value before anything runs (:func:`lapheads.engine.config.load_config`). ``--launcher slurm``
 (:mod:`lapheads.engine.slurm`) submits the same command as a SLURM job instead, after that check.
-``--resume`` without ``--config`` continues with the run directory's saved ``config.yaml``.
+``--resume`` without ``--config`` continues with the run directory's saved ``config.yaml``; the
+trainer says which step it resumes from. ``--resume`` of a run that has finished (its ``final/``
+written, the config the same up to keys that do not change the trained model) says so, prints its
+final metrics and exits 0 without loading anything; ``--reevaluate`` evaluates its final model
+again instead. ``--help`` lists the recipe's evaluation metrics (:attr:`lapheads.recipes.Recipe.metrics`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from ..engine.config import load_config
-from ..engine.run import add_train_args, resume_config
+from ..engine.config import load_config, to_dict
+from ..engine.run import FINISHED_MUTABLE, RESUME_WARN, RunDir, add_train_args, config_changes, resume_config
 from ..engine.slurm import add_launcher_args, launcher_config, split_launcher_argv, submit_train
 from ..engine.trackers import add_final_files
-from ..recipes import get_recipe
+from ..outputs import read_json
+from ..recipes import Recipe, get_recipe
 from ..recipes.shipped import resolve_config
 
 
@@ -32,14 +37,33 @@ def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
     """``lapheads train RECIPE_NAME ARGV...``."""
     recipe = get_recipe(recipe_name)
     p = argparse.ArgumentParser(
-        prog=f"lapheads train {recipe.name}", description=recipe.description, allow_abbrev=False
+        prog=f"lapheads train {recipe.name}",
+        description=recipe.description,
+        allow_abbrev=False,
+        epilog=(
+            "evaluation metrics (train.until_plateau.metric takes one): "
+            + "; ".join(m.describe() for m in recipe.metrics)
+            if recipe.metrics
+            else None
+        ),
     )
     add_train_args(p, None)  # no --config given: the recipe's default, or on --resume the run's saved config
+    p.add_argument(
+        "--reevaluate",
+        action="store_true",
+        help="with --resume of a finished run: evaluate its final model again and rewrite final/ "
+        "(without it such a run is reported as finished and nothing is recomputed)",
+    )
     add_launcher_args(p)
     args = p.parse_args(list(argv or []))
     slurm = launcher_config(args)  # --launcher slurm: its options (None: train here)
     args.config = args.config or resume_config(args.out, args.resume) or recipe.default_config
-    cfg = load_config(recipe.config_type, resolve_config(recipe.name, args.config), args.overrides, recipe=recipe.name)
+    config = resolve_config(recipe.name, args.config)
+    if args.overwrite and not args.resume:  # before anything is loaded: --overwrite deletes a run, nothing else
+        RunDir(args.out).check_overwrite(keep=[config] if config else [])
+    cfg = load_config(recipe.config_type, config, args.overrides, recipe=recipe.name)
+    if args.resume and not (args.overwrite or args.reevaluate) and _finished(recipe, cfg, Path(args.out)):
+        return 0
     if slurm is not None:  # the config loaded above; the job runs this same command without the launcher flags
         submit_train(
             recipe.name,
@@ -51,11 +75,36 @@ def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
         )
         return 0
     add_final_files(_report_figures)  # the run's own report figures go to its trackers (the engine knows no report)
-    result = recipe.train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
+    result = recipe.train(cfg, args.out, resume=args.resume, overwrite=args.overwrite, reevaluate=args.reevaluate)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report per job, not one per process
         for line in recipe.result_lines(result, args.out):
             print(line)
     return 0
+
+
+def _finished(recipe: Recipe, cfg: Any, out: Path) -> bool:
+    """Whether ``--resume`` of ``out`` has nothing to do; if so, says so with the run's final metrics.
+
+    Finished: the recipe's runs wrote ``final/`` (:meth:`Recipe.finished`) and the config differs
+    from the saved one at most in keys that leave the trained model as it is (a larger
+    ``train.max_steps`` is a run to continue: the trainer takes it from there).
+    """
+    run = RunDir(out)
+    if not run.exists() or not recipe.finished(cfg, out):
+        return False
+    new = {"recipe": recipe.name, **to_dict(cfg)}
+    allowed = FINISHED_MUTABLE | RESUME_WARN | (cfg.resume_mutable() if hasattr(cfg, "resume_mutable") else set())
+    defaults = {"recipe": recipe.name, **to_dict(type(cfg)())}
+    if config_changes(run.read_config(), new, allowed, defaults, same=recipe.same_setting):
+        return False  # the trainer refuses the change, or continues a longer run
+    final = read_json(run.final_dir / "model.json", "the final model of a run")
+    print(
+        f"--resume: {out} finished at step {final.get('step', '?')}; nothing to resume or recompute "
+        f"(pass --reevaluate to evaluate its final model again)"
+    )
+    for line in recipe.result_lines(recipe.final_result(out), out):
+        print(line)
+    return True
 
 
 def classify(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,1 +1,1 @@
-"""Data loaders: images (CIFAR, ImageFolder, idx, digits), text and token shards, tasks, segmentation."""
+"""Data loaders: images (CIFAR, ImageFolder, idx, digits), text readers, token shards, benchmark files, segmentation."""

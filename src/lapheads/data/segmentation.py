@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from ..errors import ConfigError, DataError
-from .images import IMAGE_EXTS
+from .image_dataset import IMAGE_EXTENSIONS
 
 __all__ = [
     "SegmentationDataset",
@@ -181,10 +181,10 @@ def _pair_up(img_dir: Path, mask_dir: Path, where: str) -> list[tuple[Path, Path
         raise DataError(f"{img_dir}: image folder not found ({where})")
     if not mask_dir.is_dir():
         raise DataError(f"{mask_dir}: mask folder not found ({where})")
-    imgs = _files(img_dir, IMAGE_EXTS)
+    imgs = _files(img_dir, IMAGE_EXTENSIONS)
     masks = _files(mask_dir, (".png",))
     if not imgs:
-        raise DataError(f"{img_dir}: empty folder, no images ({', '.join(IMAGE_EXTS)}) found")
+        raise DataError(f"{img_dir}: empty folder, no images ({', '.join(IMAGE_EXTENSIONS)}) found")
     for stem, p in imgs.items():
         if stem not in masks:
             raise DataError(f"{p}: image has no mask {mask_dir / (stem + '.png')}")

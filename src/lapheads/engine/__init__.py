@@ -5,13 +5,17 @@
 - ``checkpoint``: atomic, code-free checkpoints (safetensors + weights-only state).
 - ``dist``: torchrun process groups (gloo on CPU, nccl on GPU).
 - ``data``: deterministic, resumable batching for map-style data sets.
-- ``trainer``: ``Task`` (what a recipe provides) and ``Trainer`` (the loop).
+- ``train_task``: ``TrainTask``, what a recipe hands to the trainer.
+- ``trainer``: ``Trainer``, the loop, and its ``TrainConfig``.
+- ``train_state``: what a checkpoint of a run holds; save, resume with fallback, ``final/``.
+- ``signals``: SIGINT / SIGTERM / SIGUSR1 stop the loop at a step boundary.
 """
 
 from .config import from_dict, load_config, parse_overrides, save_config, to_dict
 from .dist import DistInfo, init_distributed
 from .run import RunDir, add_train_args
-from .trainer import ModelEma, Task, TrainConfig, Trainer, lr_factor
+from .train_task import Task, TrainTask
+from .trainer import TrainConfig, Trainer, lr_factor
 
 __all__ = [
     "load_config",
@@ -21,11 +25,11 @@ __all__ = [
     "parse_overrides",
     "RunDir",
     "add_train_args",
+    "TrainTask",
     "Task",
     "Trainer",
     "TrainConfig",
     "lr_factor",
-    "ModelEma",
     "DistInfo",
     "init_distributed",
 ]

@@ -56,22 +56,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, DiskFullError, free_bytes, is_disk_full
+from ..outputs import atomic_write
+from ..outputs import fsync_dir as _fsync_dir  # the name the fault-injection tests slow down
 
 LATEST = "latest"
 STATE_JSON = "state.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
@@ -96,23 +85,6 @@ def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[i
         if is_disk_full(e):
             raise DiskFullError(directory, needed, what=what) from None
         raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a mix.
-
-    A full disk raises :class:`DiskFullError`; the temporary file is removed on any failure.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    data = text.encode("utf-8")
-    with removed_on_failure(tmp, path.parent, f"writing {path.name}", len(data)):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _contiguous(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -175,7 +147,13 @@ def safe_torch_load(path: Path) -> Any:
 def load_weights(
     module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint", strict: bool = True
 ) -> None:
-    """``load_state_dict`` with an error listing every mismatched key (wrong architecture)."""
+    """``load_state_dict`` with an error listing every mismatched key (wrong architecture).
+
+    A key of the model that the checkpoint lacks is missing only when torch's load says so: a
+    module may supply such a key itself (a Laplacian timm layer's ``lap_heads`` marker, absent
+    from stock timm weights). When only such keys are reported the module has been loaded
+    before the error; discard it.
+    """
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -184,8 +162,8 @@ def load_weights(
         for k in own
         if k in state and tuple(state[k].shape) != tuple(own[k].shape)
     ]
-    if strict and (missing or unexpected or shapes):
 
+    def refuse(missing: list[str]) -> CheckpointError:
         def _fmt(xs: list[str]) -> str:
             return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
 
@@ -196,8 +174,16 @@ def load_weights(
             parts.append(f"unexpected keys: {_fmt(unexpected)}")
         if shapes:
             parts.append(f"shape mismatches: {_fmt(shapes)}")
-        raise CheckpointError(f"{source} does not fit this model architecture; " + "; ".join(parts))
-    module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=strict)
+        return CheckpointError(f"{source} does not fit this model architecture; " + "; ".join(parts))
+
+    if strict and (unexpected or shapes):
+        raise refuse(missing)
+    try:
+        result = module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    except RuntimeError as e:  # a module refused its entries (e.g. a Laplacian layer with other heads)
+        raise CheckpointError(f"{source} does not fit this model: {' '.join(str(e).split())}") from None
+    if strict and result.missing_keys:
+        raise refuse(list(result.missing_keys))
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
@@ -360,7 +346,7 @@ def commit_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_dir)
-    atomic_write_text(ckpt_dir / LATEST, name)
+    atomic_write(ckpt_dir / LATEST, name)
     for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in ckpt_dir.glob(".tmp-*"):  # partial writes of killed processes

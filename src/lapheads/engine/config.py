@@ -23,8 +23,9 @@ Design choices:
   project reads (:func:`load_yaml`). A float refuses NaN and +-inf (``--set train.clip_grad=nan``
   would otherwise turn clipping off; ``0`` is every field's "off" value, and
   :data:`FloatOrInf` is there for a field that someday takes infinity, never NaN), an int refuses
-  values beyond 64 bits, an unknown key is an error that lists the allowed keys, all when the config
-  is parsed. Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
+  values beyond 64 bits, an unknown key is an error that suggests the closest keys (``difflib``; a
+  key that exists under another section is named there: ``train.lr`` -> ``optim.lr``) and lists the
+  allowed ones, all when the config is parsed. Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
 * One error, one line: pydantic's ``ValidationError`` becomes a :class:`~lapheads.errors.ConfigError`
   (:func:`config_error`, its first error) that names the key by its full dotted path (``optim.betas[1]``,
   ``model.laplacian_heads``), the value and what is allowed, prefixed with the file it came from
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -340,6 +342,36 @@ def _field_names(tp: Any) -> list[str]:
     return []
 
 
+def _key_paths(tp: Any, prefix: str = "", depth: int = 0) -> list[str]:
+    """Every dotted key of config type ``tp``, sections and their fields (``train``, ``train.seed``)."""
+    out: list[str] = []
+    for name in _field_names(tp):
+        out.append(prefix + name)
+        if depth < 8:  # configs nest a few levels; the bound only guards a self-referencing type
+            out += _key_paths(_child(tp, name)[0], f"{prefix}{name}.", depth + 1)
+    return out
+
+
+def suggest_keys(root: Any, key: str) -> list[str]:
+    """The keys of config type ``root`` a user most likely meant by the unknown dotted ``key``.
+
+    In this order, at most three: keys with the same name under another section (``train.lr`` ->
+    ``optim.lr``), then keys of the same section whose name is close (``train.max_step`` ->
+    ``train.max_steps``, :func:`difflib.get_close_matches`); close names under other sections only
+    when neither gave one (``optim.lr_schedule`` -> ``train.schedule``).
+    """
+    paths = _key_paths(root)
+    section, _, leaf = key.rpartition(".")
+    by_leaf: dict[str, list[str]] = {}
+    for p in paths:
+        by_leaf.setdefault(p.rpartition(".")[2], []).append(p)
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=6, cutoff=0.8)
+    same_name = [p for p in by_leaf.get(leaf, []) if p != key]
+    near = [p for name in close for p in by_leaf[name] if p != key]
+    same_section = [p for p in near if p.rpartition(".")[0] == section]
+    return list(dict.fromkeys(same_name + same_section or near))[:3]
+
+
 def _constraints(meta: Iterable[Any]) -> dict[str, Any]:
     """``ge`` / ``gt`` / ``le`` / ``lt`` / ``min_length`` / ``max_length`` found in field metadata."""
     out: dict[str, Any] = {}
@@ -451,8 +483,20 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
 
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         parent = _dotted(keys, loc[:-1])
+        hints = [
+            keys
+            + k
+            + (
+                f" (under {k.rpartition('.')[0] or 'the top level'}, not {parent or 'the top level'})"
+                if k.endswith(f".{loc[-1]}")
+                else ""
+            )
+            for k in suggest_keys(root, _dotted("", loc))
+        ]
+        meant = f"did you mean {' or '.join(hints)}? " if hints else ""  # the closest keys first
         body = (
-            f"unknown config key {where}; allowed keys under {parent or 'the top level'}: {_field_names(steps[-2][0])}"
+            f"unknown config key {where}; {meant}allowed keys under {parent or 'the top level'}: "
+            f"{_field_names(steps[-2][0])}"
         )
     elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
         n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None

@@ -1,6 +1,6 @@
 """Deterministic, resumable batching for map-style data sets.
 
-The engine asks a task for micro-batches starting at any micro step (``Task.batches``). For a
+The engine asks a task for micro-batches starting at any micro step (``TrainTask.batches``). For a
 map-style data set the order must therefore be a pure function of ``(seed, epoch)`` and random
 augmentation a pure function of ``(seed, epoch, index)``, whatever the number of DataLoader
 workers: :class:`SeededTransform` re-seeds torch and ``random`` for every item (inside

@@ -7,7 +7,7 @@ parameters.
 
 Design choices:
 
-* Per-block sharding: each block the task names (:meth:`Task.fsdp_blocks`, for transformers
+* Per-block sharding: each block the task names (:meth:`TrainTask.fsdp_blocks`, for transformers
   models the classes in ``_no_split_modules``, e.g. ``NanoChatDecoderLayer``) is one FSDP unit,
   then the root takes what is left (embedding, final norm, lm_head: tied weights stay in one
   unit). Blocks are resharded after forward (ZeRO-3).
@@ -32,7 +32,7 @@ Design choices:
 * Sharded checkpoints (``torch.distributed.checkpoint``, DCP): model and optimizer state dicts
   keyed by parameter name (``get_state_dict``), every rank writes its own shard into the
   checkpoint's temporary directory, and rank 0 publishes it only after all ranks finished (see
-  :meth:`Trainer.save_checkpoint` and ``engine.checkpoint.begin_checkpoint``). DCP re-shards on
+  :meth:`Checkpointer.save` (engine.train_state) and ``engine.checkpoint.begin_checkpoint``). DCP re-shards on
   load, so a checkpoint written by N processes loads into M (also into an unsharded model).
   DCP's ``.metadata`` file is a pickle (unlike the single-file checkpoints, which are code-free):
   load sharded checkpoints only from runs you trust.

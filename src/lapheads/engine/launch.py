@@ -34,8 +34,11 @@ from ..errors import DiskFullError, is_disk_full
 from . import dist as D
 from .checkpoint import last_good_step, latest_checkpoint
 from .run import RunDir, SameValue
+from .signals import RunInterrupted
 from .threads import configure_threads
-from .trainer import RunInterrupted, Task, Trainer, seed_everything
+from .train_state import seed_everything
+from .train_task import TrainTask
+from .trainer import Trainer
 
 
 def _agree(info: D.DistInfo, outcome: Any) -> Any:
@@ -52,16 +55,18 @@ def _agree(info: D.DistInfo, outcome: Any) -> Any:
 def launch(
     recipe: str,
     cfg: Any,
-    build_task: Callable[[Any, D.DistInfo], Task],
+    build_task: Callable[[Any, D.DistInfo], TrainTask],
     out: str,
     *,
     resume: bool = False,
     overwrite: bool = False,
     same: Optional[SameValue] = None,
+    reevaluate: bool = False,
 ) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``.
 
-    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`).
+    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`);
+    ``reevaluate``: a resumed run that had finished evaluates its final model again.
     """
     info = D.init_distributed(cfg.train.device)
     threads, why = configure_threads(cfg.train.threads)  # before any tensor work (engine/threads.py)
@@ -90,14 +95,14 @@ def launch(
         if info.is_main:
             run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True, same=same)
         D.barrier()
-        return trainer.fit(resume=resume)
+        return trainer.fit(resume=resume, reevaluate=reevaluate)
     except RunInterrupted:
         raise
     except (DiskFullError, OSError) as e:
         if not is_disk_full(e):
             raise
         # the trainer knows the checkpoint it wrote or resumed from (latest may name a damaged one it skipped)
-        last: Any = "pointer" if trainer is None else (trainer._ckpt_step if trainer._ckpt_step >= 0 else None)
+        last: Any = "pointer" if trainer is None else trainer.checkpoints.last_step
         raise disk_full_in_run(e, recipe, run.path, last) from None
     except KeyboardInterrupt as e:  # outside the loop: Ctrl-C, or SIGTERM via the CLI's handler
         signum = getattr(e, "signum", signal.SIGINT)

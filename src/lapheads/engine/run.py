@@ -26,9 +26,15 @@ Design choices:
   checkpoint copied in from another run is recognised on resume (engine.checkpoint).
 * ``config.yaml`` is what makes a directory a run. A directory that holds nothing but the
   leftovers of a start killed before ``config.yaml`` was complete (its temporary file, a stale
-  lock file) is not a run: a plain start cleans it up and proceeds, and so does ``--resume``
-  (there is nothing to resume, the run starts at step 0). A directory that holds other files but
-  no ``config.yaml`` is refused unless ``--overwrite`` is given.
+  lock file) is not a run: a plain start cleans it up and proceeds, and so does ``--resume`` with
+  a ``--config`` (there is nothing to resume, the run starts at step 0). A directory that holds
+  other files but no ``config.yaml`` is refused, with or without ``--overwrite``.
+* ``--overwrite`` deletes a run, never anything else (:meth:`RunDir.check_overwrite`): only a
+  directory holding a run's ``config.yaml``, and only when every entry at its top level is one
+  that lapheads writes there (:data:`RUN_ENTRIES`: the training files, and what the analysis, a
+  SLURM job and the trackers add). It refuses the current directory and its ancestors, a
+  directory holding the ``--config`` being read, a sweep directory, and a directory with a file
+  not one of the run's own (naming it), before anything is deleted.
 * One writer at a time: every command that writes into a run directory holds :class:`RunLock`,
   an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` that the kernel releases when the process
   dies, whatever kills it. The holder writes its PID and host into the file so that a second
@@ -51,6 +57,7 @@ import fcntl
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -58,17 +65,41 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import yaml
 
 from ..errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
-from ..outputs import check_out_dir
-from .checkpoint import atomic_write_text
+from ..outputs import atomic_write, check_out_dir, read_json, write_json
 from .config import load_yaml, to_dict
+from .trackers import STATE_FILE as TRACKERS_FILE
 
 LOCK_NAME = ".lock"
+SWEEP_RECORD = "sweep_command.json"  # what makes a directory a sweep (lapheads sweep writes it)
+# The top-level entries lapheads writes into a run directory: the training files (module docstring),
+# engine.slurm's record of the SLURM attempts, engine.trackers' ids and W&B's offline folder, the
+# analysis of ``lapheads.runs.analyze_run`` and a retrofit's comparison. --overwrite deletes these and
+# refuses anything else.
+RUN_ENTRIES = frozenset(
+    {
+        "config.yaml",
+        "meta.json",
+        "metrics.jsonl",
+        "samples.jsonl",
+        "tb",
+        "checkpoints",
+        "final",
+        LOCK_NAME,
+        "slurm.json",
+        TRACKERS_FILE,
+        "wandb",
+        "geometry",
+        "retrofit.json",
+    }
+)
+NESTED_RUNS = frozenset({"baseline"})  # runs inside a run: a retrofit's baseline (its own entries checked too)
+_TMP = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # outputs.atomic_write's temporary file of NAME
 
 
 def git_revision() -> Optional[str]:
@@ -115,9 +146,21 @@ def add_train_args(p: argparse.ArgumentParser, default_config: Optional[str] = N
 
 def resume_config(out: str | Path, resume: bool) -> Optional[str]:
     """The config a ``--resume`` without ``--config`` continues with: ``OUT/config.yaml`` (None when
-    not resuming or ``OUT`` holds no run; the recipe's default config applies then)."""
+    not resuming).
+
+    Raises:
+        CheckpointError: ``OUT`` holds no run (missing, empty, or without ``config.yaml``): there is
+            no config to continue with, and the recipe's default would silently start another run.
+    """
+    if not resume:
+        return None
     saved = Path(out) / "config.yaml"
-    return str(saved) if resume and saved.is_file() else None
+    if not saved.is_file():
+        raise CheckpointError(
+            f"--resume: {out} is not a run directory (no config.yaml), so there is no config to continue "
+            f"with; start a run there with --config and without --resume"
+        )
+    return str(saved)
 
 
 # Keys that may differ between the original run and a --resume (they do not change the math).
@@ -341,15 +384,26 @@ def lock_enclosing_run(path: str | Path) -> Iterator[None]:
         yield
 
 
-def clear_dir(path: Path) -> None:
-    """Delete everything in ``path`` except its lock file (which the caller holds)."""
-    for child in Path(path).iterdir():
-        if child.name == LOCK_NAME:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
+def _written_by_lapheads(name: str) -> bool:
+    """Whether a top-level entry of a run directory is one lapheads writes (:data:`RUN_ENTRIES`, or the
+    temporary file of one that a killed write left)."""
+    tmp = _TMP.fullmatch(name)
+    return (tmp.group("name") if tmp else name) in RUN_ENTRIES
+
+
+def _foreign_entries(run: Path) -> list[str]:
+    """The entries of the run directory ``run`` that are not its own (sorted; nested runs' as ``baseline/x``)."""
+    out = []
+    for c in sorted(run.iterdir(), key=lambda c: c.name):
+        if c.name in NESTED_RUNS and c.is_dir() and not c.is_symlink() and (c / "config.yaml").is_file():
+            out += [f"{c.name}/{n}" for n in _foreign_entries(c)]
+        elif not _written_by_lapheads(c.name):
+            out.append(c.name)
+    return out
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
 
 
 def _is_start_leftover(name: str) -> bool:
@@ -374,6 +428,21 @@ class RunDir:
     def exists(self) -> bool:
         return self.config_path.is_file()
 
+    def state(self) -> str:
+        """``done`` (the final model is written), ``partial`` (started: resumable) or ``new``."""
+        if (self.final_dir / "model.json").is_file():
+            return "done"
+        return "partial" if self.exists() else "new"
+
+    def read_json(self, name: str, what: str = "", *, missing: Any = None) -> Any:
+        """The JSON file ``name`` of the run (``meta.json``, ``slurm.json``, ``final/model.json``);
+        ``missing`` when it does not exist; one :class:`CheckpointError` line when it is corrupt."""
+        return read_json(self.path / name, what or f"a file of the run {self.path}", missing=missing)
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write the JSON file ``name`` of the run atomically (:func:`lapheads.outputs.atomic_write`)."""
+        write_json(self.path / name, data)
+
     def lock(self) -> RunLock:
         """Take the writer lock (before anything is checked, written or cleaned up)."""
         if self._lock is None:
@@ -388,6 +457,60 @@ class RunDir:
     def _only_leftovers(self) -> bool:
         return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
 
+    def check_overwrite(self, keep: Sequence[str | Path] = (), flag: str = "--overwrite") -> None:
+        """Refuse, before anything is deleted, an ``--overwrite`` that would delete more than a run.
+
+        A missing directory, or one holding only the leftovers of a killed start, passes (there is
+        nothing to delete). Otherwise the directory must hold a run (``config.yaml``) and only
+        entries lapheads writes (:data:`RUN_ENTRIES`), must not be the working directory or one of
+        its ancestors, and must not hold any of the ``keep`` paths (the ``--config`` being read).
+        ``flag`` is the option that asked for the deletion, for the message.
+
+        Raises:
+            CheckpointError: one line naming the directory, what is in the way, and what to do.
+        """
+        if not self.path.is_dir() or self._only_leftovers():
+            return
+        where = self.path.resolve()
+        cwd = Path.cwd().resolve()
+        if _inside(cwd, where):
+            what = "the current directory" if where == cwd else f"an ancestor of the current directory {cwd}"
+            raise CheckpointError(
+                f"{flag} would delete {self.path}, {what}; {flag} only replaces a run directory "
+                f"below the one you are in: choose another --out"
+            )
+        for k in keep:
+            if _inside(Path(k).resolve(), where):
+                raise CheckpointError(
+                    f"{flag} would delete {k}, which this command reads, with {self.path}: move it out of "
+                    f"{self.path} first or choose another --out"
+                )
+        if not self.exists():
+            kind = "a sweep directory" if (self.path / SWEEP_RECORD).is_file() else "not a run directory"
+            raise CheckpointError(
+                f"{flag} refuses {self.path}: it is {kind} (no config.yaml), and {flag} deletes "
+                f"only a run; choose another --out, or delete its files yourself"
+            )
+        foreign = _foreign_entries(self.path)
+        if foreign:
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            raise CheckpointError(
+                f"{flag} refuses {self.path}: it holds {foreign[0]}{more}, which is not one of the run's own "
+                f"files ({flag} deletes only those); move it elsewhere or choose another --out"
+            )
+
+    def clear(self) -> None:
+        """Delete the run's files (:data:`RUN_ENTRIES`, :data:`NESTED_RUNS`; the lock file, which the
+        caller holds, stays), after :meth:`check_overwrite`: nothing else is ever deleted."""
+        self.check_overwrite()
+        for child in self.path.iterdir():
+            if child.name == LOCK_NAME or not (_written_by_lapheads(child.name) or child.name in NESTED_RUNS):
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
     def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, same: Optional[SameValue] = None) -> bool:
         """Check that the run can start here; returns whether it resumes an existing run.
 
@@ -398,6 +521,8 @@ class RunDir:
         """
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
+        if overwrite:
+            self.check_overwrite()
         if resume:
             missing = not self.path.is_dir() or (self._lock is not None and self._lock.created_dir)
             if not self.exists():
@@ -463,12 +588,11 @@ class RunDir:
         if not is_main or not write:
             return resume
         if not resume and self.path.is_dir():  # --overwrite, or leftovers of a killed start
-            clear_dir(self.path)
+            self.clear()
         self.path.mkdir(parents=True, exist_ok=True)
         resolved = {"recipe": recipe, **to_dict(cfg)}
-        atomic_write_text(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
-        meta_path = self.path / "meta.json"
-        meta = json.loads(meta_path.read_text()) if (resume and meta_path.is_file()) else {}
+        atomic_write(self.config_path, yaml.safe_dump(resolved, sort_keys=False))
+        meta = (self.read_json("meta.json", missing={}) if resume else None) or {}
         meta.setdefault("starts", []).append(
             {
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -484,14 +608,14 @@ class RunDir:
         meta["recipe"] = recipe
         meta.setdefault("run_id", uuid.uuid4().hex[:16])  # recorded in every checkpoint (engine.checkpoint)
         meta["git_revision"] = meta["starts"][0]["git_revision"]
-        atomic_write_text(meta_path, json.dumps(meta, indent=1))
+        self.write_json("meta.json", meta)
         return resume
 
     def run_id(self) -> Optional[str]:
         """The run's id from ``meta.json`` (None for runs started before ids were recorded)."""
         try:
-            rid = json.loads((self.path / "meta.json").read_text(encoding="utf-8")).get("run_id")
-        except (OSError, ValueError, AttributeError):
+            rid = self.read_json("meta.json", missing={}).get("run_id")
+        except (CheckpointError, AttributeError):
             return None
         return rid if isinstance(rid, str) else None
 
@@ -516,7 +640,7 @@ class RunDir:
         checkpoint) and torn lines from every per-step log; records without a step are kept."""
         for path in self.step_logs():
             keep = [r for r in _read_jsonl(path) if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+            atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _read_jsonl(path: Path) -> list[dict]:

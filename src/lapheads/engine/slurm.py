@@ -41,21 +41,25 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import json
+import io
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pydantic import Field
 
-from ..errors import ConfigError, RunFailed
+from ..errors import ConfigError, LapheadsError, RunFailed
+from ..outputs import read_json, removed_on_failure, write_json
 from .config import ConfigModel, Float, Int, Str, from_dict, read_yaml
+from .run import RunDir
 
 PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
 JOBS_FILE = "jobs.json"  # in a sweep's slurm/ folder
@@ -105,6 +109,7 @@ class LauncherConfig(ConfigModel):
 
 
 # ----------------------------------------------------------------------------- flags
+_SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # an sbatch long option's name (account, gres, ...)
 _FLAGS = {  # flag -> (LauncherConfig key, type)
     "--partition": ("partition", str),
     "--nodes": ("nodes", int),
@@ -199,9 +204,13 @@ def launcher_config(args: argparse.Namespace) -> Optional[LauncherConfig]:
     extra = dict(data.get("sbatch") or {})
     for item in args.slurm_sbatch:
         key, sep, value = item.partition("=")
-        if not key.strip():
-            raise ConfigError(f"--sbatch {item!r} must look like KEY=VALUE (e.g. account=abc) or KEY")
-        extra[key.strip().lstrip("-")] = value.strip() if sep else ""
+        key = key.strip().lstrip("-")
+        if not sep or not _SBATCH_KEY.fullmatch(key):
+            raise ConfigError(
+                f"--sbatch {item!r} must look like KEY=VALUE, KEY an sbatch option without its dashes "
+                f"(e.g. --sbatch account=abc; an option without a value as KEY=, e.g. --sbatch exclusive=)"
+            )
+        extra[key] = value.strip()
     if extra:
         data["sbatch"] = extra
     return from_dict(LauncherConfig, data, prefix)
@@ -225,6 +234,54 @@ def _submitit() -> Any:
         raise ConfigError("--launcher slurm needs submitit: pip install 'submitit>=1.5'") from None
     submitit.JobEnvironment.USR_SIG = PREEMPT_SIGNAL  # also when submitit was imported before
     return submitit
+
+
+class SubmissionFailed(RunFailed):
+    """``sbatch`` refused the submission; nothing was submitted and submitit's files are removed."""
+
+
+def check_controller() -> None:
+    """Make sure the SLURM controller answers (``sinfo``) before anything is written or submitted.
+
+    Raises:
+        RunFailed: one line with ``sinfo``'s own message (no client tools, an unreachable controller).
+    """
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise RunFailed(
+            "--launcher slurm: the SLURM client tools (sinfo, sbatch) are not installed here; submit from "
+            "a host of the cluster"
+        ) from None
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RunFailed(f"--launcher slurm: sinfo failed ({e}); nothing was submitted") from None
+    if r.returncode != 0:
+        said = [t.strip() for t in (r.stderr or r.stdout).splitlines() if t.strip()]
+        why = said[-1] if said else f"sinfo exit status {r.returncode}"
+        conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+        raise RunFailed(
+            f"--launcher slurm: the SLURM controller cannot be reached ({why}); nothing was submitted: "
+            f"check the cluster (SLURM_CONF={conf}) and run the command again"
+        )
+
+
+@contextlib.contextmanager
+def _submission(folder: Path) -> Iterator[None]:
+    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line with its message,
+    and the files submitit wrote for it (job scripts, pickles; ``folder`` itself when it made it) removed.
+    submitit prints sbatch's stderr before it raises; the line quotes it instead."""
+    try:
+        with removed_on_failure(folder), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except LapheadsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - submitit's FailedJobError, an sbatch that cannot run
+        said = [t.strip() for t in str(e).splitlines() if t.strip()]
+        sbatch = [t for t in said if t.startswith("sbatch:")]
+        raise SubmissionFailed(
+            f"--launcher slurm: sbatch refused the job ({(sbatch or said or [type(e).__name__])[-1]}); "
+            f"nothing was submitted"
+        ) from None
 
 
 def make_executor(opts: LauncherConfig, folder: Path, name: str) -> Any:
@@ -259,28 +316,7 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def _atomic_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARGV]) -> exit status``
-
-
-def run_state(run_dir: Path) -> str:
-    """``done`` (final model written), ``partial`` (started, resumable) or ``new`` (as lapheads.sweep)."""
-    if (Path(run_dir) / "final" / "model.json").is_file():
-        return "done"
-    return "partial" if (Path(run_dir) / "config.yaml").is_file() else "new"
 
 
 class TrainJob:
@@ -296,8 +332,6 @@ class TrainJob:
 
     def command(self) -> list[str]:
         """The argv of this attempt: a requeued one drops ``--overwrite`` and resumes the run if it started."""
-        from .run import RunDir  # noqa: PLC0415 - light, but keep this module's import cheap
-
         argv = list(self.argv)
         restarted = self.resume or int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
         if restarted:
@@ -355,14 +389,15 @@ class TrainJob:
     def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
         """Append this attempt to ``RUN_DIR/slurm.json`` (only once the directory holds a run: a fresh
         start needs an empty directory)."""
-        from .run import RunDir
-
         run = RunDir(self.out)
         if not run.exists():
             return
-        path = run.path / RUN_RECORD
-        data = read_json(path) or {"attempts": []}
         paths = job.paths
+        try:
+            data = run.read_json(RUN_RECORD, "the SLURM attempts of the run", missing={"attempts": []})
+        except LapheadsError as e:  # a record must never fail the run
+            print(f"[slurm] {e}; not recording this attempt", file=sys.stderr)
+            return
         data["attempts"].append(
             {
                 "event": event,
@@ -379,9 +414,9 @@ class TrainJob:
             }
         )
         try:
-            _atomic_json(path, data)
-        except OSError as e:  # a record must never fail the run
-            print(f"[slurm] could not write {path}: {e}", file=sys.stderr)
+            run.write_json(RUN_RECORD, data)
+        except (OSError, LapheadsError) as e:  # a record must never fail the run
+            print(f"[slurm] could not write {run.path / RUN_RECORD}: {e}", file=sys.stderr)
 
 
 class JobFailed(RuntimeError):
@@ -465,18 +500,22 @@ def submit_train(
     """Submit ``lapheads train RECIPE ARGV`` as one job; with ``wait``, until it ends.
 
     Raises:
-        RunFailed: the job failed (its error line and log named).
+        RunFailed: the controller cannot be reached (:func:`check_controller`), or the job failed
+            (its error line and log named).
+        SubmissionFailed: sbatch refused the job (its message; no file of the submission is left).
     """
     out = Path(out)
     folder = Path(folder) if folder else out.absolute().parent / "slurm_logs"
-    ex = make_executor(opts, folder, f"lapheads-{recipe}")
-    job = ex.submit(TrainJob(recipe, argv, out.absolute()))
+    check_controller()
+    with _submission(folder):
+        ex = make_executor(opts, folder, f"lapheads-{recipe}")
+        job = ex.submit(TrainJob(recipe, argv, out.absolute()))
     print(
         f"[slurm] submitted job {job.job_id} ({opts.nodes} node(s) x {opts.ntasks_per_node} task(s)): "
         f"{out}; log: {job.paths.stdout} (stderr: {job.paths.stderr})",
         flush=True,
     )
-    _atomic_json(
+    write_json(
         folder / f"{job.job_id}_lapheads.json",
         {
             "job_id": job.job_id,
@@ -493,9 +532,7 @@ def submit_train(
         return job
     while job_state(job.job_id, queue_states()) is not None:
         time.sleep(opts.poll_s)
-    from .run import RunDir
-
-    if not (RunDir(out).final_dir / "model.json").is_file():
+    if RunDir(out).state() != "done":
         tail = log_tail(job.paths.stderr) or log_tail(job.paths.stdout)
         raise RunFailed(
             f"job {job.job_id} ended without finishing {out}: {tail[-1] if tail else 'no log'} "
@@ -515,12 +552,13 @@ class SweepJobs:
         self.out = Path(out)
         self.folder = Path(folder) if folder else self.out / "slurm"
         self.path = self.out / "slurm" / JOBS_FILE
-        data = read_json(self.path) or {}
+        data = read_json(self.path, "the SLURM jobs of a sweep", missing={})
         self.points: dict[str, dict] = data.get("points", {})
         self.history: list[dict] = data.get("history", [])
 
     def save(self) -> None:
-        _atomic_json(self.path, {"points": self.points, "history": self.history})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"points": self.points, "history": self.history})
 
     def queued(self, queue: dict[str, str]) -> dict[str, str]:
         """``{point: state}`` of the points whose current job is still in the queue."""
@@ -549,6 +587,7 @@ def submit_sweep(
 
     Raises:
         RunFailed: some points did not finish (the first one's last log line and log named).
+        SubmissionFailed: sbatch refused the array job (its message; no file of the submission is left).
     """
     records = SweepJobs(out, Path(folder) if folder else None)
     queue = queue_states()
@@ -561,11 +600,12 @@ def submit_sweep(
                 f"{records.points[path.name]['job_id']}; not submitted again"
             )
     if submit:
-        ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
         jobs = []
-        with ex.batch():
-            for path, argv, _ in submit:
-                jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
+        with _submission(records.folder):
+            ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
+            with ex.batch():
+                for path, argv, _ in submit:
+                    jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
         stamp = _now()
         for (path, _, resume), job in zip(submit, jobs):
             rec = {
@@ -594,7 +634,7 @@ def submit_sweep(
         live = {n: s for n, s in records.queued(queue).items() if n in names}
         if not quiet:
             for n in names:
-                now = "done" if run_state(out / n) == "done" else live.get(n, "ended").lower()
+                now = "done" if RunDir(out / n).state() == "done" else live.get(n, "ended").lower()
                 if seen.get(n) != now:
                     seen[n] = now
                     jid = records.points.get(n, {}).get("job_id", "?")
@@ -602,7 +642,7 @@ def submit_sweep(
         if not live:
             break
         time.sleep(opts.poll_s)
-    failed = [path for path, _, _ in todo if run_state(path) != "done"]
+    failed = [path for path, _, _ in todo if RunDir(path).state() != "done"]
     if failed:
         first = records.points.get(failed[0].name, {})
         tail = log_tail(first.get("stderr")) or log_tail(first.get("stdout"))
@@ -628,16 +668,16 @@ def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
         rec = records.points.get(name, {})
         jid = rec.get("job_id")
         state = job_state(jid, queue) if jid else None
-        run = out / name
+        run = RunDir(out / name).state()
         row: dict[str, Any] = {"point": name, "job_id": jid, "log": rec.get("stderr")}
-        if run_state(run) == "done":
+        if run == "done":
             row["state"] = "done"
         elif state in ACTIVE:
             row["state"] = "running"
         elif state is not None:
             row["state"] = "pending"
         elif jid is None:
-            row["state"] = "not started" if run_state(run) == "new" else "stopped"
+            row["state"] = "not started" if run == "new" else "stopped"
         elif unreachable:
             row["state"] = "unknown"
             row["tail"] = [unreachable]
@@ -645,7 +685,7 @@ def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
             tail = log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
             row["state"] = "failed"
             row["tail"] = tail
-            row["resumable"] = run_state(run) == "partial"
+            row["resumable"] = run == "partial"
         rows.append(row)
     return rows
 
@@ -677,6 +717,8 @@ __all__ = [
     "LauncherConfig",
     "TrainJob",
     "JobFailed",
+    "SubmissionFailed",
+    "check_controller",
     "add_launcher_args",
     "launcher_config",
     "split_launcher_argv",

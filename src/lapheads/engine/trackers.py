@@ -9,7 +9,8 @@ the engine's behaviour before trackers existed. Every tracker is a :class:`Track
 ``log(record)``
     one record of ``metrics.jsonl`` (already plain JSON values): its numbers as scalars under
     ``<split>/<key>`` (split ``train`` for records without one) at ``record["step"]``, and the
-    learnable head-mixing table ``lap_mix`` of an evaluation as a table;
+    values that the task declares tables (:meth:`lapheads.engine.Task.tables`: a recipe's
+    per-layer table of learned parameters) as tables;
 ``log_artifact(path, name)``
     a file (the final metrics, the figures of the run's final report);
 ``finish(status)``
@@ -33,15 +34,26 @@ Design choices:
   resumed attempt logs those steps again, so the newest value at a step is the one of the run
   that went on. W&B's own step counter must grow, so every metric is plotted against the logged
   ``step`` (``define_metric(..., step_metric="step")``), never against W&B's counter.
-* Where the runs go is each tool's own configuration: ``WANDB_MODE`` (``offline`` writes
-  ``wandb/offline-run-*`` under ``train.tracker_dir`` or the run directory, synced later with
-  ``wandb sync``), ``WANDB_ENTITY`` and W&B's login; ``train.mlflow_tracking_uri`` or else
-  ``MLFLOW_TRACKING_URI`` and MLflow's default. ``train.tracker_project`` names the W&B project
-  and the MLflow experiment, ``train.tracker_run_name`` the run (default: the run directory's
-  name).
-* The packages are optional: a tracker whose package is missing is one
-  :class:`~lapheads.errors.ConfigError` line when the trainer is built, naming the package and
-  the extra that installs it (``pip install 'lapheads[trackers]'``), before anything is trained.
+* Where the runs go is each tool's own configuration, and a ``train.*`` key set in the config
+  wins over it. W&B reads its ``WANDB_*`` variables (``WANDB_MODE``, ``WANDB_DIR``,
+  ``WANDB_PROJECT``, ``WANDB_NAME``, ``WANDB_ENTITY``, ``WANDB_CONSOLE``, ...) and its login; the
+  defaults below replace only what the user left unset (:data:`WANDB_DEFAULTS`): the files go
+  to ``wandb/`` under ``train.tracker_dir``, else ``WANDB_DIR``, else the run directory
+  (``WANDB_MODE=offline`` writes ``wandb/offline-run-*`` there, synced later with ``wandb
+  sync``). MLflow logs to ``train.mlflow_tracking_uri``, else (on a resume) the store the run
+  started in, else ``MLFLOW_TRACKING_URI``, else MLflow's default: ``sqlite:///mlflow.db``, a
+  database in the working directory (its artifacts in ``mlruns/`` beside it), where ``mlflow
+  ui`` started in that directory finds the runs. ``train.tracker_project`` names the W&B
+  project and the MLflow experiment (empty: ``WANDB_PROJECT`` / ``MLFLOW_EXPERIMENT_NAME``, else
+  ``lapheads``), ``train.tracker_run_name`` the run (empty: ``WANDB_NAME`` for W&B, else the run
+  directory's name).
+* Before anything is trained (:func:`check_trackers`, one :class:`~lapheads.errors.ConfigError`
+  line each): a tracker whose package is missing (naming the package and the extra that
+  installs it, ``pip install 'lapheads[trackers]'``); an MLflow store the installed MLflow cannot
+  open: a database without SQLAlchemy and Alembic (``mlflow-skinny`` alone), or a ``file:``
+  store, which recent MLflow releases refuse unless ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow's own
+  opt-out, honoured); a W&B directory that cannot be created or written (W&B would otherwise
+  write to a temporary directory).
 * A tracker that fails while logging (a network hiccup, a full disk) does not stop training:
   the first failure of each tracker is printed as one line on stderr and the tracker is dropped
   for the rest of the attempt. ``metrics.jsonl`` stays the record of truth.
@@ -50,16 +62,18 @@ Design choices:
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import secrets
+import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from urllib.parse import urlparse
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LapheadsError
+from ..outputs import read_json, write_json
 
 __all__ = [
     "TRACKERS",
@@ -71,6 +85,8 @@ __all__ = [
     "check_trackers",
     "TrackerGroup",
     "STATE_FILE",
+    "Table",
+    "WANDB_DEFAULTS",
     "log_final",
 ]
 
@@ -82,14 +98,41 @@ TRACKERS: dict[str, tuple[str, str, str]] = {
 }
 #: file in the run directory that keeps each tracker's run id (what a resume reopens)
 STATE_FILE = "trackers.json"
+#: the SQLAlchemy dialects of MLflow's database stores (``sqlite:///...``, ``postgresql://...``)
+_MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
+#: W&B settings that lapheads sets only when the user has not: each with the ``WANDB_*``
+#: variables (W&B's names) that set it instead. Where the files go, the project and the run's
+#: name follow ``train.*`` first, then ``WANDB_DIR``, ``WANDB_PROJECT`` and ``WANDB_NAME``.
+WANDB_DEFAULTS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "resume": ("allow", ("WANDB_RESUME",)),  # a resumed lapheads run continues its W&B run
+    "console": ("off", ("WANDB_CONSOLE",)),  # the run's stdout stays the user's
+    "silent": (True, ("WANDB_SILENT",)),
+    "x_disable_stats": (True, ("WANDB_X_DISABLE_STATS", "WANDB__DISABLE_STATS")),  # no system metrics
+}
 
 
-def check_trackers(names: Sequence[str]) -> None:
-    """Raise one ConfigError line when the package of a chosen tracker is not installed.
+class Table(NamedTuple):
+    """A record value that the trackers log as a table (:meth:`lapheads.engine.Task.tables`)."""
+
+    columns: list[str]
+    rows: Callable[[Any], list[list[Any]]]  # the value -> its rows, each in the order of columns
+
+
+def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
+    """Raise one ConfigError line when a chosen tracker could not log (module docstring).
+
+    Args:
+        names: the trackers of ``train.trackers`` to check (the callers leave ``tensorboard`` out:
+            a dependency of ``lapheads[train]``, tolerated missing).
+        mlflow_tracking_uri: ``train.mlflow_tracking_uri`` (empty: ``MLFLOW_TRACKING_URI``, else
+            MLflow's default).
+        tracker_dir: ``train.tracker_dir`` (empty: ``WANDB_DIR``, else the run directory, which the
+            run makes).
 
     Raises:
         ConfigError: ``train.trackers`` names a tracker whose package is missing (the message names
-            the package and the extra), or an unknown one.
+            the package and the extra), or an unknown one; MLflow's store needs SQLAlchemy and
+            Alembic, or is a file store that MLflow refuses; W&B's directory cannot be written.
     """
     for name in names:
         if name not in TRACKERS:
@@ -101,6 +144,77 @@ def check_trackers(names: Sequence[str]) -> None:
                 f"{module!r}); install it with pip install {package} (or pip install "
                 f"'lapheads[{extra}]')"
             )
+    if "mlflow" in names:
+        _check_mlflow_store(mlflow_tracking_uri)
+    if "wandb" in names and (tracker_dir or os.environ.get("WANDB_DIR")):
+        key = "train.tracker_dir" if tracker_dir else "WANDB_DIR"
+        _check_writable(tracker_dir or os.environ["WANDB_DIR"], key)
+
+
+def _mlflow_uri(configured: str) -> tuple[str, str]:
+    """``(tracking URI, where it comes from)``: ``configured``, else MLflow's own choice."""
+    if configured:
+        return configured, "train.mlflow_tracking_uri"
+    import mlflow
+
+    source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's default"
+    return mlflow.get_tracking_uri(), source
+
+
+def _check_mlflow_store(configured: str) -> None:
+    """One ConfigError line when the installed MLflow cannot open the store it would log to."""
+    uri, source = _mlflow_uri(configured)
+    scheme = urlparse(uri).scheme.split("+")[0].lower()
+    if scheme in _MLFLOW_DATABASES:
+        missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(
+                f"train.trackers includes 'mlflow' and its store {uri} ({source}) is a database, which "
+                f"MLflow opens with SQLAlchemy and Alembic (no module named {missing[0]!r}); install them "
+                "with pip install sqlalchemy alembic (or pip install 'lapheads[trackers]')"
+            )
+    elif scheme in ("", "file"):
+        import mlflow
+        import mlflow.environment_variables as mlflow_env
+
+        opt_out = getattr(mlflow_env, "MLFLOW_ALLOW_FILE_STORE", None)  # only in the releases that refuse it
+        if opt_out is not None and not opt_out.get():
+            raise ConfigError(
+                f"train.trackers includes 'mlflow' and its store {uri} ({source}) is MLflow's file store, "
+                f"which MLflow {mlflow.__version__} refuses; set MLFLOW_ALLOW_FILE_STORE=true (MLflow's "
+                "opt-out) or use a database, e.g. MLflow's default sqlite:///mlflow.db (leave "
+                "train.mlflow_tracking_uri and MLFLOW_TRACKING_URI unset)"
+            )
+
+
+def _check_writable(path: str, key: str) -> None:
+    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in;
+    the folders made to find out are removed again."""
+    target = Path(path).expanduser().absolute()
+    missing = []
+    top = target
+    while not top.exists() and top.parent != top:
+        missing.append(top)
+        top = top.parent
+    made: list[Path] = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            made.append(d)
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        raise ConfigError(
+            f"{key}={path}: W&B cannot write its files there ({why}); set {key} to a writable directory "
+            f"or unset it (then they go to the run directory)"
+        ) from None
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
 
 
 def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
@@ -116,31 +230,33 @@ def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
     return prefix, step, out
 
 
-def mixing_rows(table: Any) -> list[list[Any]]:
-    """The rows ``[layer, head, a, b, laplacianness]`` of a ``lap_mix`` table (:func:`lapheads.heads.mixing_table`)."""
-    rows = []
-    for row in table if isinstance(table, list) else []:
-        if not isinstance(row, dict):
-            continue
-        lap = row.get("laplacianness") or [None] * len(row.get("a", []))
-        for h, (a, b, ln) in enumerate(zip(row.get("a", []), row.get("b", []), lap)):
-            rows.append([str(row.get("layer", "")), h, float(a), float(b), None if ln is None else float(ln)])
-    return rows
-
-
-MIXING_COLUMNS = ["layer", "head", "a", "b", "laplacianness"]
-
-
 class Tracker:
     """One experiment tracker (see the module docstring for the four calls)."""
 
     name = "tracker"
 
-    def __init__(self, run_dir: Path, options: dict[str, Any], config: dict[str, Any], state: dict[str, Any]):
+    def __init__(
+        self,
+        run_dir: Path,
+        options: dict[str, Any],
+        config: dict[str, Any],
+        state: dict[str, Any],
+        tables: Optional[dict[str, Table]] = None,
+    ):
         self.run_dir = Path(run_dir)
-        self.options = options  # project, run_name, dir, mlflow_tracking_uri
+        self.options = options  # project, run_name, dir, mlflow_tracking_uri (empty: see the module docstring)
         self.config = config  # the run's resolved config (config.yaml), nested
         self.state = state  # this tracker's entry of trackers.json (read, and filled by start())
+        self.tables = tables or {}  # record key -> Table (Task.tables)
+
+    def _tables(self, record: dict[str, Any]) -> dict[str, tuple[list[Any], list[list[Any]]]]:
+        """``{key: (columns, rows)}`` of the record's values that the task declared tables (not empty)."""
+        out = {}
+        for key, table in self.tables.items():
+            rows = table.rows(record[key]) if record.get(key) else []
+            if rows:
+                out[key] = (list(table.columns), rows)
+        return out
 
     def start(self, resume_step: Optional[int]) -> None:
         """Open the tracker's run; ``resume_step``: the checkpoint's step on a resume, else None."""
@@ -157,6 +273,24 @@ class Tracker:
         """Close the run (``status``: finished, failed or interrupted)."""
 
 
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
+
+    TensorBoard reads a run's event files in name order, and a name is
+    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: two files made in the same second
+    compare by pid and counter as strings ("...10" < "...9"), so a resumed attempt's file could be read
+    before the killed attempt's, and its purge marker would then erase the earlier steps instead of
+    the orphaned ones. A resume is rare; waiting for the next second makes the order certain.
+    """
+    stamps = []
+    for f in Path(tb_dir).glob("events.out.tfevents.*"):
+        parts = f.name.split(".")
+        if len(parts) > 3 and parts[3].isdigit():
+            stamps.append(int(parts[3]))
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
+
+
 class TensorBoardTracker(Tracker):
     """``RUN_DIR/tb`` event files; after a resume the events past the checkpoint are purged."""
 
@@ -169,8 +303,6 @@ class TensorBoardTracker(Tracker):
         tb_dir = self.run_dir / "tb"
         purge = None if resume_step is None else resume_step + 1
         if purge is not None:
-            from .trainer import _after_earlier_event_files
-
             _after_earlier_event_files(tb_dir)
         self.writer = SummaryWriter(str(tb_dir), purge_step=purge)
 
@@ -191,30 +323,34 @@ class WandbTracker(Tracker):
     def start(self, resume_step: Optional[int]) -> None:
         import wandb
 
-        run_id = self.state.get("run_id") or secrets.token_hex(6)
-        where = Path(self.options.get("dir") or self.run_dir)
+        env = os.environ
+        where = Path(self.options.get("dir") or env.get("WANDB_DIR") or self.run_dir)
         where.mkdir(parents=True, exist_ok=True)
+        project = self.options.get("project") or env.get("WANDB_PROJECT") or "lapheads"
+        name = self.options.get("run_name") or env.get("WANDB_NAME") or self.run_dir.resolve().name
+        unset = {k: v for k, (v, names) in WANDB_DEFAULTS.items() if not any(env.get(n) for n in names)}
+        resume = {"resume": unset.pop("resume")} if "resume" in unset else {}
+        run_id = {"id": self.state["run_id"]} if self.state.get("run_id") else {}  # else W&B's (or WANDB_RUN_ID)
         self.run = wandb.init(
-            project=self.options["project"],
-            name=self.options["run_name"],
-            id=run_id,
-            resume="allow",
+            project=project,
+            name=name,
             dir=str(where),
             config=self.config,
-            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+            settings=wandb.Settings(**unset),
+            **resume,
+            **run_id,
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
-        self.state.update(run_id=self.run.id, project=self.options["project"])
+        self.state.update(run_id=self.run.id, project=project)
 
     def log(self, record: dict[str, Any]) -> None:
         import wandb
 
         prefix, step, values = _scalars(record)
         payload: dict[str, Any] = {"step": step, **values}
-        rows = mixing_rows(record.get("lap_mix"))
-        if rows:
-            payload[f"{prefix}/lap_mix"] = wandb.Table(columns=list[Any](MIXING_COLUMNS), data=rows)
+        for key, (columns, rows) in self._tables(record).items():
+            payload[f"{prefix}/{key}"] = wandb.Table(columns=columns, data=rows)
         self.run.log(payload)
 
     def log_artifact(self, path: Path, name: Optional[str] = None) -> None:
@@ -235,7 +371,7 @@ class WandbTracker(Tracker):
 
 
 class MlflowTracker(Tracker):
-    """An MLflow run: params = the flattened config, metrics by step, ``lap_mix`` as JSON artifacts."""
+    """An MLflow run: params = the flattened config, metrics by step, tables as JSON artifacts."""
 
     name = "mlflow"
 
@@ -244,17 +380,20 @@ class MlflowTracker(Tracker):
 
         from .run import flatten_config
 
-        uri = self.options.get("mlflow_tracking_uri") or None
+        # a resume continues in the store its run started in, unless train.mlflow_tracking_uri names one
+        uri = self.options.get("mlflow_tracking_uri") or self.state.get("tracking_uri") or None
         self.client = MlflowClient(tracking_uri=uri)
         run_id = self.state.get("run_id")
         if run_id:
             self.client.update_run(run_id, status="RUNNING")
         else:
-            project = self.options["project"]
+            project = self.options.get("project") or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "lapheads"
             exp = self.client.get_experiment_by_name(project)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(project)
             run = self.client.create_run(
-                exp_id, run_name=self.options["run_name"], tags={"lapheads.run_dir": str(self.run_dir.resolve())}
+                exp_id,
+                run_name=self.options.get("run_name") or self.run_dir.resolve().name,
+                tags={"lapheads.run_dir": str(self.run_dir.resolve())},
             )
             run_id = run.info.run_id
             from mlflow.entities import Param
@@ -267,8 +406,6 @@ class MlflowTracker(Tracker):
         self.state.update(run_id=run_id, tracking_uri=self.client.tracking_uri)
 
     def log(self, record: dict[str, Any]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         prefix, step, values = _scalars(record)
@@ -276,11 +413,9 @@ class MlflowTracker(Tracker):
         metrics = [Metric(k, v, now, step) for k, v in values.items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
-        if isinstance(record.get("lap_mix"), list) and record["lap_mix"]:
+        for key, (columns, rows) in self._tables(record).items():
             self.client.log_dict(
-                self.run_id,
-                {"step": step, "columns": MIXING_COLUMNS, "rows": mixing_rows(record["lap_mix"])},
-                f"lap_mix/{prefix}_step_{step:08d}.json",
+                self.run_id, {"step": step, "columns": columns, "rows": rows}, f"{key}/{prefix}_step_{step:08d}.json"
             )
 
     def log_artifact(self, path: Path, name: Optional[str] = None) -> None:
@@ -297,10 +432,9 @@ _CLASSES: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb"
 
 
 def _read_state(run_dir: Path) -> dict[str, Any]:
-    p = Path(run_dir) / STATE_FILE
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(Path(run_dir) / STATE_FILE, missing={})
+    except LapheadsError:  # a damaged record: the trackers start new runs
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -346,9 +480,7 @@ class TrackerGroup:
         self._each("start", resume_step)
         ids = {k: v for k, v in self.state.items() if v}
         if ids:
-            from .checkpoint import atomic_write_text
-
-            atomic_write_text(self.run_dir / STATE_FILE, json.dumps(ids, indent=1))
+            write_json(self.run_dir / STATE_FILE, ids)
 
     def log(self, record: dict[str, Any]) -> None:
         self._each("log", record)
@@ -361,27 +493,33 @@ class TrackerGroup:
         self.trackers = []
 
 
-def build_trackers(names: Sequence[str], run_dir: Path, options: dict[str, Any]) -> TrackerGroup:
+def build_trackers(
+    names: Sequence[str], run_dir: Path, options: dict[str, Any], tables: Optional[dict[str, Table]] = None
+) -> TrackerGroup:
     """The :class:`TrackerGroup` of ``names`` for ``run_dir`` (not started; :meth:`TrackerGroup.start`).
 
     Args:
         names: ``train.trackers``.
         run_dir: the run directory (its ``config.yaml`` is the logged config, its ``trackers.json``
             the run ids a resume continues).
-        options: ``project``, ``run_name`` (empty: the run directory's name), ``dir`` (W&B's
-            files; empty: the run directory) and ``mlflow_tracking_uri``.
+        options: ``project``, ``run_name``, ``dir`` (W&B's files) and ``mlflow_tracking_uri``, as
+            in ``train.*`` (empty: the tool's own variables or a default, module docstring).
+        tables: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`).
     """
-    check_trackers([n for n in names if n != "tensorboard"])
+    check_trackers(
+        [n for n in names if n != "tensorboard"],
+        mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "",
+        tracker_dir=options.get("dir") or "",
+    )
     if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
         names = [n for n in names if n != "tensorboard"]  # a dependency of lapheads[train]; tolerated missing
     run_dir = Path(run_dir)
-    opts = {**options, "run_name": options.get("run_name") or run_dir.resolve().name}
     state = _read_state(run_dir)
     config = _read_config(run_dir)
     trackers = []
     for name in dict.fromkeys(names):
         entry = state.setdefault(name, {}) if name != "tensorboard" else {}
-        trackers.append(_CLASSES[name](run_dir, opts, config, entry))
+        trackers.append(_CLASSES[name](run_dir, options, config, entry, tables))
     return TrackerGroup(trackers, run_dir, state)
 
 

@@ -1,28 +1,28 @@
 """The one training loop every recipe runs on.
 
-A recipe describes WHAT to train as a :class:`Task` (model, optimizers, batches, loss,
+A recipe describes WHAT to train as a :class:`TrainTask` (model, optimizers, batches, loss,
 evaluation, extra state); :class:`Trainer` owns HOW: torchrun/DDP, bf16 autocast where the device
-has it, gradient accumulation and clipping, learning-rate schedules, EMA of weights, crash-safe
-checkpoints with exact resume, the NaN/Inf guard, tqdm progress, TensorBoard and JSONL metrics,
-and the final export.
+has it, gradient accumulation and clipping, learning-rate schedules, EMA of weights, the NaN/Inf
+guard, early stopping, tqdm progress and metrics (``metrics.jsonl`` and the trackers). Beside it:
+checkpoints, exact resume and ``final/`` (engine.train_state, on engine.checkpoint), stopping on
+signals (engine.signals), multi-GPU (engine.dist, engine.fsdp) and tracking (engine.trackers).
 
 Design choices:
 
 * The learning rate is a pure function of the step (``lr = base_lr * lr_factor(step)``), so
   resuming needs no scheduler state. Every param group's ``base_lr`` is its ``lr`` at build time.
 * Data order is the task's business but must be a pure function of ``(seed, micro_step)``:
-  ``Task.batches(start_micro_step)`` starts exactly where a resumed run left off. Together with
-  the saved RNG states (torch, numpy, python; one per rank) a resumed run is bit-identical to an
-  uninterrupted one on the CPU.
+  ``TrainTask.batches(start_micro_step)`` starts exactly where a resumed run left off. Together with
+  the saved RNG states (engine.train_state) a resumed run is bit-identical to an uninterrupted one
+  on the CPU.
 * The non-finite guard checks the global gradient norm after the (all-reduced) backward pass, so
   every rank takes the same decision; the message names the step and the first non-finite tensor
   (the loss, or the first parameter whose gradient is not finite).
-* Checkpoints are written by rank 0 only, atomically (engine.checkpoint), every ``ckpt_every``
-  optimizer steps and at the end.
+* ``train.ema_decay`` > 0 keeps an EMA of the weights and buffers with ``timm.utils.ModelEmaV3``
+  (a constant decay, updated after every optimizer step; integer buffers are copied), saved in
+  checkpoints and in ``final/ema.safetensors`` and handed to :meth:`TrainTask.evaluate`.
 * ``train.parallel``: ``ddp`` (default) replicates the model on every rank; ``fsdp`` shards each
-  block with FSDP2 (engine.fsdp) before the recipe builds its optimizers, and checkpoints become
-  DCP shards that every rank writes into rank 0's temporary directory; rank 0 publishes the
-  checkpoint after a barrier. ``final/`` is the same single-file export either way.
+  block with FSDP2 (engine.fsdp) before the recipe builds its optimizers.
 * ``train.until_plateau`` (``patience`` > 0): after each ``eval_every`` evaluation, stop once
   ``patience`` evals in a row did not improve ``metric`` by more than ``min_rel_delta`` (relative
   to the best so far; :func:`lapheads.stats.evals_without_improvement`). The same rule for every
@@ -31,12 +31,8 @@ Design choices:
   decides from the logged validation values (``metrics.jsonl``, trimmed to the checkpoint on
   resume) and every rank follows, so a resumed run stops at the same step as an uninterrupted one.
   The stop writes a checkpoint and ``final/`` at that step.
-* SIGINT and SIGTERM (what schedulers send before they kill) do not stop the loop mid-step: the
-  handler only records the signal, the loop finishes the current optimizer step, writes a
-  checkpoint (unless one of that step exists) and raises :class:`RunInterrupted` (a
-  ``KeyboardInterrupt``), which the CLI turns into one line with the resume command and exit
-  status 128 + signal (130 / 143). Under torchrun the ranks agree on the stop (one all-reduce
-  of the flag per step), so they checkpoint the same step. A second signal acts at once.
+* SIGINT, SIGTERM and SLURM's SIGUSR1 stop the loop at a step boundary after a checkpoint
+  (engine.signals: :class:`~lapheads.engine.signals.RunInterrupted`).
 * On resume every per-step log (``metrics.jsonl``, ``samples.jsonl``) is trimmed to the
   checkpoint's step and TensorBoard's writer purges the later events (``purge_step``), so a run
   shows one curve whatever was killed on the way.
@@ -45,20 +41,11 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
-import os
-import random
-import shutil
-import signal
-import sys
-import threading
 import time
-from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, cast
+from typing import Any, Literal, Optional, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import Field
@@ -66,31 +53,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
-from ..errors import CheckpointError, ConfigError, DiskFullError, LapheadsError, NonFiniteError
+from ..errors import ConfigError, LapheadsError, NonFiniteError
 from ..stats import evals_without_improvement
 from . import dist as D
 from . import fsdp as F
 from .callbacks import active_callbacks
-from .checkpoint import (
-    begin_checkpoint,
-    commit_checkpoint,
-    estimate_bytes,
-    latest_checkpoint,
-    list_checkpoints,
-    load_tensors,
-    load_weights,
-    make_room,
-    removed_on_failure,
-    resumable_checkpoint,
-    safe_torch_load,
-    save_tensors,
-    write_checkpoint,
-    write_files,
-)
+from .checkpoint import latest_checkpoint
 from .config import ConfigModel, Float, Int, Str, rule, run_rule
-from .fsdp import enable_activation_checkpointing, full_state_dict, is_sharded_checkpoint, materialize, plain_norm
+from .fsdp import enable_activation_checkpointing, plain_norm
 from .run import RunDir
+from .signals import RunInterrupted, StopSignals
 from .trackers import build_trackers, check_trackers, log_final
+from .train_state import Checkpointer, seed_everything
+from .train_task import Task, TrainTask  # noqa: F401  (Task: the public name lapheads.engine.Task)
 
 
 class UntilPlateau(ConfigModel):
@@ -100,7 +75,7 @@ class UntilPlateau(ConfigModel):
     min_rel_delta: Float = Field(0.0, ge=0.0, description="an improvement must exceed this fraction of |best|")
     metric: Str = Field(
         "",
-        description="a key of the recipe's evaluation (classify: top1, lm: val_bpb, sft: val_loss, dino: knn_k20_top1)",
+        description="a key of the recipe's evaluation (`lapheads train RECIPE --help` lists them)",
     )
     mode: Literal["", "min", "max"] = Field(
         "", description="max: higher is better (accuracy); min: lower (loss, bits per byte)"
@@ -128,7 +103,9 @@ class TrainConfig(ConfigModel):
     )
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final lr as a fraction of the base lr")
     precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="auto = bf16 autocast on GPUs that have it")
-    ema_decay: Float = Field(0.0, ge=0.0, lt=1.0, description="decay of the EMA of weights; 0 = no EMA")
+    ema_decay: Float = Field(
+        0.0, ge=0.0, lt=1.0, description="decay of the EMA of weights and buffers (timm ModelEmaV3); 0 = no EMA"
+    )
     ckpt_every: Int = Field(0, ge=0, description="optimizer steps between checkpoints; 0 = only at the end")
     keep_checkpoints: Int = Field(2, ge=0, description="checkpoints kept; 0 = keep all")
     eval_every: Int = Field(0, ge=0, description="optimizer steps between evaluations; 0 = only at the end")
@@ -156,9 +133,17 @@ class TrainConfig(ConfigModel):
         description="experiment trackers besides metrics.jsonl (always written): any of "
         "tensorboard, wandb, mlflow (engine/trackers.py)",
     )
-    tracker_project: Str = Field("lapheads", description="wandb: the project; mlflow: the experiment")
-    tracker_run_name: Str = Field("", description="the tracker run's name; empty = the run directory's name")
-    tracker_dir: Str = Field("", description="wandb: where its files go (wandb/ below it); empty = the run directory")
+    tracker_project: Str = Field(
+        "",
+        description="wandb: the project; mlflow: the experiment; "
+        "empty = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else lapheads",
+    )
+    tracker_run_name: Str = Field(
+        "", description="the tracker run's name; empty = WANDB_NAME (wandb), else the run directory's name"
+    )
+    tracker_dir: Str = Field(
+        "", description="wandb: where its files go (wandb/ below it); empty = WANDB_DIR, else the run directory"
+    )
     mlflow_tracking_uri: Str = Field(
         "",
         description="mlflow: tracking URI (sqlite:///mlflow.db, http://...); "
@@ -173,7 +158,11 @@ class TrainConfig(ConfigModel):
 
     @run_rule
     def _trackers_installed(self) -> None:
-        check_trackers([t for t in self.trackers if t != "tensorboard"])  # one line naming package and extra
+        check_trackers(  # one line naming the package and extra, the store or the directory
+            [t for t in self.trackers if t != "tensorboard"],
+            mlflow_tracking_uri=self.mlflow_tracking_uri,
+            tracker_dir=self.tracker_dir,
+        )
 
     @rule
     def _until_plateau(self) -> None:
@@ -215,187 +204,16 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-class Task:
-    """What a recipe hands to the :class:`Trainer`. Override what applies.
-
-    Attributes:
-        name: recipe name (``classify``, ``lm``, ``sft``, ``dino``).
-        model: the module whose parameters are trained (DDP wraps it).
-    """
-
-    name: str = "task"
-    model: nn.Module
-    sharded: bool = False  # set by the Trainer under FSDP: a forward is a collective (see engine.fsdp.lockstep)
-
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        raise TypeError(f"{type(self).__name__} must override Task.optimizers()")
-
-    def fsdp_blocks(self) -> list[nn.Module]:
-        """The modules FSDP shards one by one (``train.parallel: fsdp``); recipes that support it override."""
-        raise ConfigError(f"train.parallel=fsdp is not supported by the {self.name} recipe (use train.parallel=ddp)")
-
-    def total_steps(self) -> int:
-        """Optimizer steps of the whole run when ``train.max_steps`` is 0."""
-        raise ConfigError("set train.max_steps (this recipe has no epoch-based default)")
-
-    def batches(self, start_micro_step: int) -> Iterator[Any]:
-        """Micro-batches from ``start_micro_step`` on; a pure function of (seed, micro step)."""
-        raise TypeError(f"{type(self).__name__} must override Task.batches()")
-
-    def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
-        raise TypeError(f"{type(self).__name__} must override Task.loss()")
-
-    def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
-        return {}
-
-    def extra_metrics(self, model: nn.Module) -> dict[str, Any]:
-        """Logged with every evaluation besides :meth:`evaluate`'s metrics (JSON-serialisable
-        values, e.g. a recipe's per-layer table of learned parameters)."""
-        return {}
-
-    def on_step_start(self, step: int, total: int) -> None:
-        """Before the micro-batches of a step (e.g. weight-decay or momentum schedules)."""
-
-    def before_optimizer_step(self, step: int) -> None:
-        """After backward, before clipping (e.g. cancel gradients of a frozen layer)."""
-
-    def after_optimizer_step(self, step: int, total: int) -> None:
-        """After the optimizer step (e.g. the DINO teacher's EMA update)."""
-
-    def extra_state(self) -> dict[str, torch.Tensor]:
-        """Tensors to checkpoint besides model, EMA and optimizers (e.g. DINO's teacher, center)."""
-        return {}
-
-    def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
-        pass
-
-    def model_spec(self) -> dict:
-        """JSON-serialisable description that rebuilds the model (written to final/model.json)."""
-        return {}
-
-    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
-        """Extra files in ``final/`` (e.g. a transformers ``save_pretrained`` directory)."""
-
-
-def _after_earlier_event_files(tb_dir: Path) -> None:
-    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
-
-    TensorBoard reads a run's event files in name order, and a name is
-    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: two files made in the same second
-    compare by pid and counter as strings ("...10" < "...9"), so a resumed attempt's file could be read
-    before the killed attempt's, and its purge marker would then erase the earlier steps instead of
-    the orphaned ones. A resume is rare; waiting for the next second makes the order certain.
-    """
-    stamps = []
-    for f in Path(tb_dir).glob("events.out.tfevents.*"):
-        parts = f.name.split(".")
-        if len(parts) > 3 and parts[3].isdigit():
-            stamps.append(int(parts[3]))
-    while stamps and int(time.time()) <= max(stamps):
-        time.sleep(0.05)
-
-
-class ModelEma:
-    """Exponential moving average of a module's parameters and buffers (float copies)."""
-
-    def __init__(self, model: nn.Module, decay: float):
-        self.decay = decay
-        self.module = copy.deepcopy(model).eval()
-        for p in self.module.parameters():
-            p.requires_grad_(False)
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        ema_sd = self.module.state_dict()
-        for k, v in model.state_dict().items():
-            e = ema_sd[k]
-            if e.dtype.is_floating_point:
-                e.mul_(self.decay).add_(v.detach(), alpha=1.0 - self.decay)
-            else:
-                e.copy_(v)
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    np_state: Any = np.random.get_state()
-    py_state = random.getstate()
-    st = {
-        "torch": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_meta": [int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": torch.tensor(py_state[1], dtype=torch.int64),
-        "python_gauss": [py_state[0], py_state[2] if py_state[2] is not None else "none"],
-    }
-    if device.type == "cuda":
-        st["cuda"] = torch.cuda.get_rng_state(device)
-    return st
-
-
-def _set_rng_state(st: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(st["torch"])
-    meta = st["numpy_meta"]
-    np.random.set_state(("MT19937", st["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1], meta[2]))
-    gauss = st["python_gauss"]
-    random.setstate((gauss[0], tuple(int(x) for x in st["python"].tolist()), None if gauss[1] == "none" else gauss[1]))
-    if device.type == "cuda" and "cuda" in st:
-        torch.cuda.set_rng_state(st["cuda"], device)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
 def _to_float(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return float(v.detach().float().mean()) if v.numel() else float("nan")
     return v
 
 
-class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT / SIGTERM at a step boundary (or before / after training).
-
-    Attributes:
-        signum: the signal (``signal.SIGINT`` or ``signal.SIGTERM``).
-        run_dir: the run directory.
-        step: the optimizer step the run stopped after (None: it stopped outside the loop).
-        checkpoint: the newest complete checkpoint (None when there is none yet).
-        started: whether this attempt wrote the run's ``config.yaml`` (False: rerun the original
-            command, not ``--resume``).
-        finished: whether the run had already written ``final/`` when it stopped.
-    """
-
-    def __init__(
-        self,
-        signum: int,
-        run_dir: Path,
-        step: Optional[int],
-        checkpoint: Optional[Path],
-        started: bool = True,
-        finished: bool = False,
-    ):
-        self.signum, self.run_dir, self.step = int(signum), Path(run_dir), step
-        self.checkpoint, self.started, self.finished = checkpoint, started, finished
-        super().__init__(self.describe())
-
-    def describe(self) -> str:
-        if not self.started:
-            return f"before training started, nothing was written to {self.run_dir}"
-        where = f"after step {self.step} of {self.run_dir}" if self.step is not None else f"in {self.run_dir}"
-        if self.finished:
-            where += " (the run had finished)"
-        ck = (
-            f"checkpoint {self.checkpoint} is complete"
-            if self.checkpoint is not None
-            else "no checkpoint yet, it restarts at step 0"
-        )
-        return f"{where}; {ck}"
-
-
 class Trainer:
-    """Runs a :class:`Task` under a :class:`TrainConfig` in a :class:`RunDir`."""
+    """Runs a :class:`TrainTask` under a :class:`TrainConfig` in a :class:`RunDir`."""
 
-    def __init__(self, task: Task, cfg: TrainConfig, run: RunDir, info: Optional[D.DistInfo] = None):
+    def __init__(self, task: TrainTask, cfg: TrainConfig, run: RunDir, info: Optional[D.DistInfo] = None):
         self.task, self.cfg, self.run = task, cfg, run
         self.callbacks = active_callbacks()  # read once: a step loop never re-reads the environment
         self.info = info or D.DistInfo()
@@ -408,11 +226,15 @@ class Trainer:
         )
         self.model = task.model
         self.sharded = False  # FSDP2 applied (parallel: fsdp with more than one process)
-        self._export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
+        export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        if cfg.parallel == "fsdp":
-            self._shard()  # before the optimizers: they must hold the sharded parameters
+        if cfg.parallel == "fsdp":  # before the optimizers: they must hold the sharded parameters
+            blocks = task.fsdp_blocks()  # also checks that the recipe supports FSDP
+            if self.info.distributed:
+                export_skeleton = F.meta_copy(self.model) if self.info.is_main else None
+                F.shard_model(self.model, blocks, self.device, bf16=self.use_bf16, world_size=self.info.world_size)
+                self.sharded = task.sharded = True
         try:
             self.optims = task.optimizers()
         except LapheadsError:
@@ -428,7 +250,12 @@ class Trainer:
                         f"learning rate {float(g['base_lr']):g} of {type(opt).__name__} must be a "
                         f"finite number >= 0 (check the optim section)"
                     )
-        self.ema = ModelEma(self.model, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        self.ema: Any = None
+        if cfg.ema_decay > 0:
+            from timm.utils import ModelEmaV3  # timm takes ~1.5 s to import: only runs with an EMA pay it
+
+            # stochastic rounding of bf16 weights draws from a generator no checkpoint holds: off, for exact resume
+            self.ema = ModelEmaV3(self.model, decay=cfg.ema_decay, stochastic_rounding=False).requires_grad_(False)
         self.ddp_model: nn.Module = self.model
         if self.info.distributed and cfg.parallel == "ddp":
             self.ddp_model = DDP(
@@ -436,226 +263,52 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=cfg.find_unused_parameters,
             )
+        self.checkpoints = Checkpointer(
+            task,
+            run,
+            self.info,
+            self.model,
+            self.optims,
+            self.ema,
+            keep=cfg.keep_checkpoints,
+            seed=cfg.seed,
+            fsdp=cfg.parallel == "fsdp",
+            sharded=self.sharded,
+            export_skeleton=export_skeleton,
+        )
+        self.signals = StopSignals()
         self.step = 0
         self.skipped = 0
         self._restored = False
         self._tb: Any = None  # the trackers of train.trackers (engine.trackers), started by the first _log
         self._tb_purge_step: Optional[int] = None  # on resume: the checkpoint's step + 1 (see _trim_logs)
         if self.info.is_main:
-            check_trackers([t for t in cfg.trackers if t != "tensorboard"])  # a missing package: one line, now
-        self._ckpt_step = -1  # step of the newest checkpoint written or loaded
-        self._stop_signal = 0  # set by the SIGINT / SIGTERM handler during fit()
+            check_trackers(  # a missing package, a store MLflow cannot open: one line, now
+                [t for t in cfg.trackers if t != "tensorboard"],
+                mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+                tracker_dir=cfg.tracker_dir,
+            )
 
-    def _shard(self) -> None:
-        """FSDP2 on the task's blocks (engine.fsdp); one process keeps the model whole."""
-        blocks = self.task.fsdp_blocks()  # also checks that the recipe supports FSDP
-        if not self.info.distributed:
-            return
-        if self.info.is_main:
-            self._export_skeleton = F.meta_copy(self.model)
-        F.shard_model(self.model, blocks, self.device, bf16=self.use_bf16, world_size=self.info.world_size)
-        self.sharded = True
-        self.task.sharded = True
+    # ------------------------------------------------------------------ checkpoints
+    def restore(self) -> None:
+        """Seed, then load the newest intact checkpoint (engine.train_state; none yet: step 0).
 
-    # ------------------------------------------------------------------ state
-    def _param_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.model.named_parameters()}
-
-    def state_files(self) -> dict[str, Any]:
-        files: dict[str, Any] = {"model.safetensors": self.model.state_dict()}
-        if self.ema is not None:
-            files["ema.safetensors"] = self.ema.module.state_dict()
-        extra = self.task.extra_state()
-        if extra:
-            files["extra.safetensors"] = extra
-        rng = _rng_state(self.device)
-        if self.info.distributed:
-            gathered: list[Any] = [None] * self.info.world_size
-            dist.all_gather_object(gathered, rng)
-            rngs = gathered
-        else:
-            rngs = [rng]
-        files["state.pt"] = {
-            "step": self.step,
-            "skipped": self.skipped,
-            "optimizers": [o.state_dict() for o in self.optims],
-            "rng": rngs,
-        }
-        return files
-
-    def _gather_rngs(self) -> list[Any]:
-        rng = _rng_state(self.device)
-        if not self.info.distributed:
-            return [rng]
-        gathered: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(gathered, rng)
-        return gathered
-
-    def _weights_nonfinite(self) -> Optional[str]:
-        """Name of the first weight with a NaN/Inf in this rank's (shard of the) model, else None."""
-        for name, t in self.model.state_dict().items():
-            local = t.to_local() if hasattr(t, "to_local") else t
-            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-                return name
-        return None
+        ``launch`` calls this before it rewrites ``config.yaml``/``meta.json``, so a resume that
+        fails on a bad checkpoint leaves the run directory exactly as it was.
+        """
+        seed_everything(self.cfg.seed + self.info.rank)
+        self.step, self.skipped = self.checkpoints.restore()
+        self._restored = True
 
     def save_checkpoint(self) -> None:
-        if self.cfg.parallel == "fsdp":
-            self._save_sharded_checkpoint()
-            return
-        files = self.state_files()  # every rank takes part in the RNG gather
-        # The guard checks loss and gradients each step; an update can still overflow the weights
-        # with finite gradients, so never let such weights replace the last good checkpoint.
-        for name, t in files["model.safetensors"].items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
-                raise NonFiniteError(
-                    f"non-finite value at step {self.step}: weight {name} is NaN/Inf after the optimizer "
-                    f"step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})"
-                )
-        if self.info.is_main:
-            write_checkpoint(
-                self.run.ckpt_dir,
-                self.step,
-                files,
-                keep=self.cfg.keep_checkpoints,
-                run_id=self.run.run_id(),
-                protect=self.last_good_checkpoint(),
-            )
-        self._ckpt_step = self.step
-        D.barrier()
+        self.checkpoints.save(self.step, self.skipped)
 
-    def last_good_checkpoint(self) -> Optional[str]:
-        """Name of the newest checkpoint this run wrote or resumed from (None: none yet)."""
-        return f"step_{self._ckpt_step:08d}" if self._ckpt_step >= 0 else None
-
-    def check_checkpoint_space(self) -> None:
-        """Before the first checkpoint: refuse early when the disk cannot hold one (weights + optimizer
-        state, known after the first step), naming both figures (engine.checkpoint.make_room).
-
-        Rank 0 decides and every rank raises the same :class:`DiskFullError`.
-        """
-        err: Optional[BaseException] = None
-        if self.info.is_main and not list_checkpoints(self.run.ckpt_dir):
-            files: dict[str, Any] = {
-                "model.safetensors": self.model.state_dict(),
-                "state.pt": [o.state_dict() for o in self.optims],
-            }
-            if self.ema is not None:
-                files["ema.safetensors"] = self.ema.module.state_dict()
-            extra = self.task.extra_state()
-            if extra:
-                files["extra.safetensors"] = extra
-            needed = estimate_bytes(files)
-            if self.sharded:  # the shards of the other ranks land in the same directory
-                needed *= self.info.world_size
-            try:
-                make_room(
-                    self.run.ckpt_dir,
-                    needed,
-                    self.cfg.keep_checkpoints,
-                    "a checkpoint of this run (weights + optimizer state)",
-                )
-            except DiskFullError as e:
-                err = e
-        if self.info.distributed:
-            box = [err]
-            dist.broadcast_object_list(box, src=0)
-            err = box[0]
-        if err is not None:
-            raise err
-
-    def _save_sharded_checkpoint(self) -> None:
-        """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
-        bad = self._weights_nonfinite()
-        if F.nonfinite_anywhere(bad is not None, self.device):  # every rank stops, none writes
-            ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
-            raise NonFiniteError(
-                f"non-finite value at step {self.step}: weight {bad or '(on another rank)'} is NaN/Inf after the "
-                f"optimizer step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})"
-            )
-        rngs = self._gather_rngs()
-        extra = self.task.extra_state()
-        box: list[Any] = [begin_checkpoint(self.run.ckpt_dir, self.step) if self.info.is_main else None]
-        if self.info.distributed:
-            dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
-        F.save_sharded(tmp, self.model, self.optims)  # collective; each rank fsyncs its own files
-        D.barrier()
-        if self.info.is_main:
-            files: dict[str, Any] = {
-                "state.pt": {
-                    "step": self.step,
-                    "skipped": self.skipped,
-                    "rng": rngs,
-                    "world_size": self.info.world_size,
-                }
-            }
-            if extra:
-                files["extra.safetensors"] = extra
-            with removed_on_failure(tmp, self.run.ckpt_dir, f"the checkpoint of step {self.step}"):
-                write_files(tmp, files)
-                commit_checkpoint(
-                    self.run.ckpt_dir, tmp, self.step, keep=self.cfg.keep_checkpoints, run_id=self.run.run_id()
-                )
-        self._ckpt_step = self.step
-        D.barrier()
-
-    def _load_sharded_checkpoint(self, path: Path) -> None:
-        F.load_sharded(path, self.model, self.optims)
-        if (path / "extra.safetensors").is_file():
-            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
-        st = safe_torch_load(path / "state.pt")
-        self.step = int(st["step"])
-        self._ckpt_step = self.step
-        self.skipped = int(st.get("skipped", 0))
-        rngs = st["rng"]
-        if len(rngs) == self.info.world_size:
-            _set_rng_state(rngs[self.info.rank], self.device)
-            return
-        # re-sharded onto another number of processes: weights and optimizer states are exact,
-        # the random streams and each rank's data order cannot be
-        seed_everything(self.cfg.seed + self.info.rank + 1_000_003 * self.step)
-        if self.info.is_main:
-            print(
-                f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
-                "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
-                "run",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def load_checkpoint(self, path: Path) -> None:
-        if self.cfg.parallel == "fsdp" or is_sharded_checkpoint(path):
-            if not is_sharded_checkpoint(path):
-                raise ConfigError(
-                    f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with train.parallel=ddp"
-                )
-            self._load_sharded_checkpoint(path)
-            return
-        load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
-        if self.ema is not None:
-            load_weights(self.ema.module, load_tensors(path / "ema.safetensors"), source=str(path / "ema.safetensors"))
-        if (path / "extra.safetensors").is_file():
-            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
-        st = safe_torch_load(path / "state.pt")
-        if len(st["optimizers"]) != len(self.optims):
-            raise ConfigError(
-                f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}"
-            )
-        for opt, sd in zip(self.optims, st["optimizers"]):
-            opt.load_state_dict(sd)
-        self.step = int(st["step"])
-        self._ckpt_step = self.step
-        self.skipped = int(st.get("skipped", 0))
-        rngs = st["rng"]
-        if len(rngs) != self.info.world_size:
-            raise ConfigError(
-                f"{path} was written by {len(rngs)} processes but this run has {self.info.world_size}; "
-                f"exact resume needs the same world size: resume it on {len(rngs)} processes (torchrun); "
-                "checkpoints of train.parallel=fsdp also resume on another number"
-            )
-        _set_rng_state(rngs[self.info.rank], self.device)
+    def _interrupted(self, signum: int, finished: bool = False) -> RunInterrupted:
+        """Checkpoint this step (unless that is done) and describe the stop."""
+        if self.checkpoints.last_step != self.step:
+            self.save_checkpoint()
+        ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
+        return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
 
     # ------------------------------------------------------------------ logging
     def _log(self, record: dict[str, Any]) -> None:
@@ -681,6 +334,7 @@ class Trainer:
                     "dir": cfg.tracker_dir,
                     "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
                 },
+                self.task.tables(),
             )
             self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
 
@@ -690,56 +344,9 @@ class Trainer:
             self.run.trim_step_logs(step)
         self._tb_purge_step = step + 1
 
-    # ------------------------------------------------------------------ signals
-    @contextlib.contextmanager
-    def _stop_signals(self) -> Iterator[None]:
-        """SIGINT / SIGTERM / SIGUSR1 only set ``_stop_signal`` (the loop stops at the step boundary);
-        the previous handlers come back after the first signal (a second one acts at once) and on exit.
-        SIGUSR1 is SLURM's warning before a time limit or preemption (``--launcher slurm``, engine.slurm:
-        the job then requeues itself and resumes from this checkpoint); its handler stays until the
-        loop ends, as SLURM can send it more than once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        # a signal the process was started to ignore (``cmd &`` in a script ignores SIGINT) stays
-        # ignored, and one handled outside Python (getsignal() is None) is left alone
-        sigs = [
-            s
-            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-            if signal.getsignal(s) not in (signal.SIG_IGN, None)
-        ]
-        previous: dict[int, Any] = {s: signal.getsignal(s) for s in sigs}
-
-        def handler(signum: int, frame: Any) -> None:
-            self._stop_signal = self._stop_signal or signum
-            if signum != signal.SIGUSR1:  # SLURM may deliver its warning twice (srun forwards it too)
-                signal.signal(signum, previous[signum])
-
-        for s in sigs:
-            signal.signal(s, handler)
-        try:
-            yield
-        finally:
-            for s in sigs:
-                signal.signal(s, previous[s])
-
-    def _stop_requested(self) -> int:
-        """The signal every rank agrees to stop on (0: none); one small all-reduce under DDP."""
-        if not self.info.distributed:
-            return self._stop_signal
-        flag = torch.tensor([self._stop_signal], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-    def _interrupted(self, signum: int, finished: bool = False) -> RunInterrupted:
-        if self._ckpt_step != self.step:
-            self.save_checkpoint()
-        ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
-        return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
-
     # ------------------------------------------------------------------ guard
     def _first_nonfinite_grad(self) -> str:
-        names = self._param_names()
+        names = {id(p): n for n, p in self.model.named_parameters()}
         for p in self.model.parameters():
             # a sharded gradient is gathered, so every rank names the same parameter
             g = p.grad.full_tensor() if p.grad is not None and hasattr(p.grad, "full_tensor") else p.grad
@@ -748,65 +355,16 @@ class Trainer:
         return "the gradient norm"
 
     # ------------------------------------------------------------------ main loop
-    def restore(self) -> None:
-        """Seed, then load the newest complete checkpoint (none yet: start from step 0).
-
-        ``launch`` calls this before it rewrites ``config.yaml``/``meta.json``, so a resume that
-        fails on a bad checkpoint leaves the run directory exactly as it was.
-        """
-        seed_everything(self.cfg.seed + self.info.rank)
-        self.load_checkpoint_with_fallback()
-        self._restored = True
-
-    def load_checkpoint_with_fallback(self) -> Optional[Path]:
-        """Load the newest intact checkpoint; returns it (None: there is none yet, step 0).
-
-        Each checkpoint is verified first (sizes and checksums, the run's id:
-        engine.checkpoint.resumable_checkpoint) and one that does not load into this model is
-        skipped too; one line on stderr names what was skipped and why. Nothing is deleted.
-
-        Raises:
-            CheckpointError: checkpoints exist but none is intact (each is named with its reason).
-        """
-        notes: list[str] = []
-        run_id = self.run.run_id()
-        tried: set[Path] = set()
-        while True:
-            ck, found = resumable_checkpoint(self.run.ckpt_dir, run_id, skip=tried)
-            notes += [n for n in found if n not in notes]
-            if ck is None:
-                break
-            try:
-                self.load_checkpoint(ck)
-            except CheckpointError as e:  # a damaged file the checksum could not see, another architecture
-                tried.add(ck)
-                notes.append(f"skipped {ck.name}: {' '.join(str(e).split())[:300]}")
-                continue
-            if notes and self.info.is_main:
-                kept = "; nothing was deleted" if any(n.startswith("skipped ") for n in notes) else ""
-                print(
-                    f"--resume: {'; '.join(notes)}; resuming from {ck} (step {self.step}){kept}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return ck
-        if notes:  # checkpoints were written (skipped ones, or a latest that names a missing step)
-            raise CheckpointError(
-                f"--resume: no intact checkpoint in {self.run.ckpt_dir}: {'; '.join(notes)}; "
-                f"nothing was deleted; restore a checkpoint from a copy, or start afresh "
-                f"with --overwrite"
-            )
-        return None
-
-    def fit(self, resume: bool = False) -> dict[str, Any]:
-        """Train to ``total`` steps, evaluate, checkpoint and export ``final/``.
+    def fit(self, resume: bool = False, reevaluate: bool = False) -> dict[str, Any]:
+        """Train to ``total`` steps, evaluate, checkpoint and export ``final/`` (``reevaluate``: a
+        resumed run that had finished evaluates again instead of reusing its logged evaluation).
 
         Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
         """
-        with self._stop_signals():
+        with self.signals:
             status = "failed"
             try:
-                result = self._fit(resume)
+                result = self._fit(resume, reevaluate)
                 status = "finished"
                 if self.info.is_main and self._tb is not None:
                     log_final(self._tb, self.run.path)  # final metrics and the run's report figures
@@ -819,7 +377,7 @@ class Trainer:
                     self._tb.finish(status)
                 self._tb = None
 
-    def _fit(self, resume: bool) -> dict[str, Any]:
+    def _fit(self, resume: bool, reevaluate: bool = False) -> dict[str, Any]:
         # The step loop in one piece on purpose: accumulate, non-finite guard, clip, step, hooks, log, evaluate,
         # checkpoint, stop. The order of these is what exact resume depends on; it reads top to bottom here.
         cfg = self.cfg
@@ -847,7 +405,7 @@ class Trainer:
         stopped = resume and self._plateau_reached()  # a resumed run that had already stopped
         space_checked = False
         while self.step < self.total and not stopped:
-            signum = self._stop_requested()  # at a step boundary, never mid-step
+            signum = self.signals.requested(self.info, self.device)  # at a step boundary, never mid-step
             if signum:
                 bar.close()
                 raise self._interrupted(signum)
@@ -910,7 +468,7 @@ class Trainer:
             bar.update(1)
             if not space_checked:  # the optimizer state exists now: will a checkpoint fit on the disk?
                 space_checked = True
-                self.check_checkpoint_space()
+                self.checkpoints.check_space()
             if self.step % max(1, cfg.log_every) == 0 or self.step == self.total:
                 loss_val = float(D.all_reduce_mean(loss_sum))
                 now = time.time()
@@ -946,7 +504,7 @@ class Trainer:
         bar.close()
         done_before = (
             [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step]
-            if resume and self.info.is_main
+            if resume and self.info.is_main and not reevaluate
             else []
         )
         if stopped and last_eval:  # stopped at a plateau: the evaluation of this step is the final one
@@ -956,8 +514,8 @@ class Trainer:
         else:
             last_eval = self._evaluate()
         self.save_checkpoint()
-        self._export_final(last_eval)
-        signum = self._stop_requested()
+        self.checkpoints.export_final(self.step, {k: _to_float(v) for k, v in last_eval.items()})
+        signum = self.signals.requested(self.info, self.device)
         if signum:  # the signal came during the final evaluation / export, which completed
             raise self._interrupted(signum, finished=True)
         return last_eval
@@ -994,43 +552,3 @@ class Trainer:
         if res:
             self._log({"step": self.step, "split": "val", **res})
         return res
-
-    def _export_model(self) -> Optional[nn.Module]:
-        """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
-        if not self.sharded:
-            return self.model if self.info.is_main else None
-        state = full_state_dict(self.model)  # collective: every rank takes part
-        if not self.info.is_main:
-            return None
-        assert self._export_skeleton is not None
-        return materialize(self._export_skeleton, state)
-
-    def _export_final(self, last_eval: dict[str, Any]) -> None:
-        model = self._export_model()
-        if self.info.is_main:
-            assert model is not None
-            final = self.run.final_dir
-            tmp = final.with_name(".final.tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            needed = estimate_bytes(
-                {
-                    "model.safetensors": model.state_dict(),
-                    **({"ema.safetensors": self.ema.module.state_dict()} if self.ema else {}),
-                }
-            )
-            with removed_on_failure(tmp, self.run.path, "final/ (the exported model)", needed):
-                tmp.mkdir(parents=True)
-                save_tensors(tmp / "model.safetensors", model.state_dict())
-                if self.ema is not None:
-                    save_tensors(tmp / "ema.safetensors", self.ema.module.state_dict())
-                spec = {"recipe": self.task.name, "step": self.step, **self.task.model_spec()}
-                (tmp / "model.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
-                (tmp / "metrics.json").write_text(
-                    json.dumps({k: _to_float(v) for k, v in last_eval.items()}, indent=1), encoding="utf-8"
-                )
-                self.task.export_final(tmp, model, self.ema.module if self.ema else None)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-        D.barrier()

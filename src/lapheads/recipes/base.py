@@ -7,13 +7,17 @@ through ``if recipe == ...`` chains:
 
 ==================  ===========================================================================
 ``name``            the recipe's name (``lapheads train <name>``, ``recipe:`` in config.yaml)
+``metrics``         the keys its evaluation logs that the report compares (:class:`Metric`; the first
+                    is the main one: curves, plateau flags); ``chance`` their values for a model
+                    that guesses, where a run directory tells them
 ``config_type``     its config, a pydantic model (:class:`lapheads.engine.config.ConfigModel`: types, ranges,
                     defaults, descriptions; parsed and validated by
                     :func:`lapheads.engine.config.load_config`, its JSON schema by ``lapheads config schema``;
                     an optional ``resume_mutable()`` method names keys a ``--resume`` may change)
 ``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
-``build_task``      the engine :class:`~lapheads.engine.Task` for a config (a :class:`HeadsTask`: its
-                    evaluations also log the learned head mixing, ``lap_mix``)
+``build_task``      the engine :class:`~lapheads.engine.TrainTask` for a config (a :class:`HeadsTask`: its
+                    evaluations also log the learned head mixing, ``lap_mix``, which the
+                    experiment trackers get as a table, one row per head)
 ``same_setting``    the run-equality rule of ``--resume`` and sweeps (two spellings of one head
                     setting are the same run)
 ``train``           run it into a directory (default: one engine launch)
@@ -30,17 +34,37 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from ..engine import DistInfo, Task
+from ..engine import DistInfo, TrainTask
 from ..engine.config import from_dict
 from ..engine.launch import launch
 from ..engine.run import RunDir
+from ..engine.trackers import Table
 from ..errors import CheckpointError, LapheadsError
 from ..heads import LaplacianHeads, mixing_table
+from ..outputs import read_json
+
+
+class Metric(NamedTuple):
+    """A number a recipe's evaluation logs (``final/metrics.json``, ``metrics.jsonl``); unpacks as
+    ``key, label, higher_is_better``.
+
+    Attributes:
+        key: its key in the logged records (``top1``, ``val_bpb``).
+        label: how the report and the help name it (``top-1 acc``).
+        higher_is_better: its direction (accuracy: True; loss, bits per byte: False).
+    """
+
+    key: str
+    label: str
+    higher_is_better: bool
+
+    def describe(self) -> str:
+        return f"{self.key} ({self.label}, {'higher' if self.higher_is_better else 'lower'} is better)"
 
 
 @dataclass
@@ -86,14 +110,27 @@ def vision_batches(dataset: Any, transform: Any, batch_size: int, max_items: int
     return batches
 
 
-class HeadsTask(Task):
-    """The engine :class:`~lapheads.engine.Task` of a recipe whose models carry Laplacian heads: with
+class HeadsTask(TrainTask):
+    """The engine :class:`~lapheads.engine.TrainTask` of a recipe whose models carry Laplacian heads: with
     learnable mixing, every evaluation also logs ``lap_mix`` (per layer: ``a``, ``b`` and the
     Laplacian-ness of each head, :func:`lapheads.heads.mixing_table`), which the report plots."""
 
     def extra_metrics(self, model: nn.Module) -> dict[str, Any]:
         mix = mixing_table(model)
         return {"lap_mix": mix} if mix else {}
+
+    def tables(self) -> dict[str, Table]:
+        return {"lap_mix": Table(["layer", "head", "a", "b", "laplacianness"], mixing_rows)}
+
+
+def mixing_rows(table: list[dict[str, Any]]) -> list[list[Any]]:
+    """The rows ``[layer, head, a, b, laplacianness]`` of a ``lap_mix`` table (:func:`lapheads.heads.mixing_table`)."""
+    rows = []
+    for row in table:
+        lap = row.get("laplacianness") or [None] * len(row["a"])
+        for h, (a, b, ln) in enumerate(zip(row["a"], row["b"], lap)):
+            rows.append([row["layer"], h, a, b, ln])
+    return rows
 
 
 class Recipe(ABC):
@@ -104,14 +141,24 @@ class Recipe(ABC):
     kind: ClassVar[str]
     description: ClassVar[str] = ""
     default_config: ClassVar[Optional[str]] = None
+    metrics: ClassVar[tuple[Metric, ...]] = ()  # the first is the main metric
+
+    def chance(self, run_dir: str | Path) -> dict[str, float]:
+        """``{metric key: value of a model that guesses}`` for the finished run in ``run_dir``
+        (classify: ``1 / classes`` top-1); empty where the recipe defines no chance level."""
+        return {}
 
     # ------------------------------------------------------------------ training
     @abstractmethod
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
         """The engine task for ``cfg`` (``run_dir``: where the run writes, for tasks that log files)."""
 
-    def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
-        """Train ``cfg`` into run directory ``out``; returns the final metrics."""
+    def train(
+        self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False, reevaluate: bool = False
+    ) -> dict:
+        """Train ``cfg`` into run directory ``out``; returns the final metrics (``reevaluate``: a
+        resumed run that had finished evaluates its final model again instead of reusing the logged
+        evaluation)."""
         return launch(
             self.name,
             cfg,
@@ -120,7 +167,17 @@ class Recipe(ABC):
             resume=resume,
             overwrite=overwrite,
             same=self.same_setting,
+            reevaluate=reevaluate,
         )
+
+    def finished(self, cfg: Any, out: str | Path) -> bool:
+        """Whether training ``cfg`` into ``out`` has nothing left to do: the run wrote ``final/``."""
+        return (RunDir(out).final_dir / "model.json").is_file()
+
+    def final_result(self, out: str | Path) -> dict:
+        """What :meth:`train` returned for the finished run in ``out``: its final metrics."""
+        path = RunDir(out).final_dir / "metrics.json"
+        return read_json(path, "the final metrics of a run") if path.is_file() else {}
 
     def same_setting(self, key: str, old: Any, new: Any) -> bool:
         """The run-equality rule (``--resume``, sweeps): equal values, and for a ``laplacian_heads``
@@ -130,9 +187,11 @@ class Recipe(ABC):
         if key.rsplit(".", 1)[-1] != "laplacian_heads":
             return False
         try:
-            return LaplacianHeads(old).label() == LaplacianHeads(new).label()
+            a, b = LaplacianHeads(old), LaplacianHeads(new)
         except LapheadsError:
             return False
+        no_heads = [h.kind == "none" or (h.kind == "k" and h.spec == 0) for h in (a, b)]
+        return a == b or all(no_heads)
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         """What ``lapheads train <name>`` prints when :meth:`train` returns ``result``."""

@@ -23,7 +23,7 @@ Design choices:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 import timm
 import torch
@@ -47,12 +47,12 @@ from ..outputs import read_json
 from ..variants import Attention as VariantName
 from ..variants import check_attention
 from ..vision.attention import attn_layer
-from ..vision.backbones import frozen
+from ..vision.backbones import build_with_user_kwargs, check_user_kwargs, frozen
 
 # check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
 # here also so that `from lapheads.recipes.classify import check_channels` keeps working
 from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 #: the normalisation of one channel: a positive standard deviation
 _Std = Annotated[Float, Field(gt=0.0)]
@@ -80,6 +80,10 @@ class ModelConfig(ConfigModel):
     )
     qk_norm: bool = Field(False, description="normalise queries and keys (timm qk_norm)")
     extra: dict[Str, Any] = Field({}, description="any other timm keyword argument")
+
+    @rule
+    def _extra(self) -> None:
+        check_user_kwargs(self.extra, "model.extra")
 
 
 class DataConfig(ConfigModel):
@@ -188,15 +192,16 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
     Raises:
         ConfigError: timm refuses the keyword arguments (e.g. an unknown key in ``model.extra``).
     """
-    try:
+    base = timm_kwargs(m.model_copy(update={"extra": {}}), num_classes)
+
+    def build(extra: Mapping[str, Any]) -> nn.Module:
         if m.attention in ("diff", "xsa"):  # another attention in every layer: timm builds it, nothing to convert
             check_attention(m.attention, m.laplacian_heads)
-            return timm.create_model(
-                m.name, pretrained=False, attn_layer=attn_layer(m.attention), **timm_kwargs(m, num_classes)
-            )
-        return lap_timm.create_model(
-            m.name, laplacian_heads=m.laplacian_heads, pretrained=False, **timm_kwargs(m, num_classes)
-        )
+            return timm.create_model(m.name, pretrained=False, attn_layer=attn_layer(m.attention), **base, **extra)
+        return lap_timm.create_model(m.name, laplacian_heads=m.laplacian_heads, pretrained=False, **base, **extra)
+
+    try:
+        return build_with_user_kwargs(build, m.extra, "model.extra", m.name)
     except TypeError as e:  # every keyword comes from the config: a wrong one is the user's to fix
         extra = f"; model.extra holds {sorted(m.extra)}" if m.extra else ""
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e}){extra}") from None
@@ -394,10 +399,9 @@ def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
     return ClassifyTask(cfg, info)
 
 
-def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
-    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
-    final = Path(run_dir) / "final"
-    spec_path = final / "model.json"
+def model_spec(run_dir: str | Path) -> dict:
+    """``final/model.json`` of a classify run, checked: ``model`` (a mapping) and ``num_classes``."""
+    spec_path = Path(run_dir) / "final" / "model.json"
     if not spec_path.is_file():
         raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
     spec = read_json(spec_path, "the model description of a classify run")
@@ -411,6 +415,14 @@ def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
             f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
             f"integer); the file is damaged or not from `lapheads train classify`"
         )
+    return spec
+
+
+def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
+    """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
+    final = Path(run_dir) / "final"
+    spec_path = final / "model.json"
+    spec = model_spec(run_dir)
     model = build_model(from_dict(ModelConfig, spec["model"], prefix=f"{spec_path}: model."), spec["num_classes"])
     path = final / f"{weights}.safetensors"
     load_weights(model, load_tensors(path), source=str(path))
@@ -434,6 +446,17 @@ class ClassifyRecipe(Recipe):
     config_type = ClassifyConfig
     kind = "vit"
     description = "DeiT-3 supervised classification with k Laplacian heads per layer."
+    metrics = (
+        Metric("top1", "top-1 acc", True),
+        Metric("top5", "top-5 acc", True),
+        Metric("mean_class_acc", "mean class acc", True),
+        Metric("loss", "val loss", False),
+    )
+
+    def chance(self, run_dir: str | Path) -> dict[str, float]:
+        """Accuracies of a uniform guess over the run's classes (``final/model.json``: ``num_classes``)."""
+        n = model_spec(run_dir)["num_classes"]
+        return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n} if n > 0 else {}
 
     def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
         return build_task(cfg, info)

@@ -79,7 +79,7 @@ from ..errors import CheckpointError, ConfigError, DataError
 from ..heads import LaplacianHeads
 from ..heads_config import HeadsSetting, heads_field
 from ..outputs import read_json
-from ..vision.backbones import create_backbone, frozen, load_backbone_weights
+from ..vision.backbones import build_with_user_kwargs, check_user_kwargs, create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
 from ..vision.transforms import (
     IMAGENET_MEAN,
@@ -89,7 +89,7 @@ from ..vision.transforms import (
     check_channels,
     in_chans_of,
 )
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 # ---------------------------------------------------------------------------------------------
 # config
@@ -111,6 +111,10 @@ class DinoModelConfig(ConfigModel):
     kwargs: dict[Str, Any] = Field(
         {}, description="timm kwargs: img_size, patch_size, embed_dim, depth, num_heads, ..."
     )
+
+    @rule
+    def _kwargs(self) -> None:
+        check_user_kwargs(self.kwargs, "model.kwargs")
 
 
 class DinoHeadConfig(ConfigModel):
@@ -379,7 +383,7 @@ def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] =
 
 
 class DinoTask(HeadsTask):
-    """DINO as a :class:`lapheads.engine.Task` (see the module docstring)."""
+    """DINO as a :class:`lapheads.engine.TrainTask` (see the module docstring)."""
 
     name = "dino"
 
@@ -405,7 +409,13 @@ class DinoTask(HeadsTask):
         self.steps_per_epoch = self.spe // cfg.train.grad_accum
 
         m = cfg.model
-        student_bb = create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **backbone_kwargs(m))
+        base = {k: v for k, v in backbone_kwargs(m).items() if k not in m.kwargs}
+        student_bb = build_with_user_kwargs(
+            lambda kw: create_backbone(m.name, m.laplacian_heads, m.drop_path_rate, **base, **kw),
+            m.kwargs,
+            "model.kwargs",
+            m.name,
+        )
         teacher_bb = create_backbone(m.name, m.laplacian_heads, 0.0, **backbone_kwargs(m))
         dim = student_bb.num_features
         h = cfg.head
@@ -579,6 +589,8 @@ class DinoRecipe(Recipe):
     name = "dino"
     config_type = DinoConfig
     kind = "vit"
+    # the keys its evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
+    metrics = (Metric("knn_k20_top1", "20-NN top-1", True), Metric("knn_k10_top1", "10-NN top-1", True))
     description = (
         "DINO self-supervised pretraining of a timm ViT with Laplacian heads. "
         "Try: --config digits (CPU, minutes); "

@@ -58,9 +58,10 @@ from pydantic import Field
 from torch import nn
 
 from .. import transformers as lap_tf
+from ..data import shards as S
 from ..data import text as T
-from ..data.text import TokenShards
-from ..engine import Task, TrainConfig
+from ..data.shards import TokenShards
+from ..engine import TrainConfig, TrainTask
 from ..engine import dist as D
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule, to_dict
 from ..engine.data import _mix
@@ -78,7 +79,7 @@ from ..lm.model import (
     muon_momentum,
 )
 from ..lm.tokenizer import load_tokenizer, stop_token_ids, tokenizer_hash, train_tokenizer
-from .base import HeadsTask, LoadedRun, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe
 
 __all__ = [
     "LMDataConfig",
@@ -312,7 +313,7 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
                 "were made with (not 'train')"
             )
         tok = load_tokenizer(d.tokenizer)
-        T.TokenShards(d.shards, "train", tokenizer=tok)  # raises on a tokenizer/shard mismatch
+        S.TokenShards(d.shards, "train", tokenizer=tok)  # raises on a tokenizer/shard mismatch
         return tok, Path(d.shards)
     if not 0 < d.val_fraction < 1:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1) to hold out validation documents")
@@ -363,7 +364,7 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
                 tok = train_tokenizer(docs, d.vocab_size, tmp / "tokenizer")
             else:
                 tok = given_tok
-            T.tokenize_to_shards(
+            S.tokenize_to_shards(
                 _documents(paths, d.text_field, d.split_documents, hf),
                 tok,
                 tmp / "shards",
@@ -403,7 +404,7 @@ def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
 
 # --------------------------------------------------------------------------- the task
 class LMTask(HeadsTask):
-    """Pretraining as an engine :class:`Task` (see the module docstring)."""
+    """Pretraining as an engine :class:`~lapheads.engine.TrainTask` (see the module docstring)."""
 
     name = "lm"
 
@@ -617,12 +618,13 @@ class LMRecipe(Recipe):
     name = "lm"
     config_type = LMConfig
     kind = "hf"
+    metrics = (Metric("val_bpb", "val bits/byte", False), Metric("val_loss", "val loss", False))
     description = (
         "NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
         "validation bits per byte) with k Laplacian heads per layer."
     )
 
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
         return LMTask(cfg, info, run_dir=run_dir)
 
     def text_config(self, run: LoadedRun) -> LMDataConfig:

@@ -453,7 +453,9 @@ class RetrofitRuns:
         """The heads of an unfinished run (from its ``config.yaml``, as written)."""
         return raw.get("laplacian_heads", KEEP)
 
-    def train(self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False) -> dict:
+    def train(
+        self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False, reevaluate: bool = False
+    ) -> dict:
         """The retrofit run in ``out``, then (``baseline``) the unconverted model for the same steps in
         ``out/baseline``; returns the comparison (:func:`summarize`)."""
         runs = [(cfg, str(out))]
@@ -467,9 +469,18 @@ class RetrofitRuns:
                 o,
                 resume=resume and (i == 0 or Path(o).exists()),  # type: ignore[misc]
                 overwrite=overwrite,
+                reevaluate=reevaluate,
             )
         # rank 0 writes retrofit.json
         return summarize(out, self.summary_keys) if int(os.environ.get("RANK", "0")) == 0 else {}
+
+    def final_result(self, out: str | Path) -> dict:
+        return summarize(out, self.summary_keys)
+
+    def finished(self, cfg: Any, out: str | Path) -> bool:
+        """The retrofit run and, with ``baseline``, its baseline run wrote ``final/``."""
+        runs = [Path(out)] + ([Path(out) / "baseline"] if cfg.baseline else [])
+        return all(super().finished(cfg, r) for r in runs)  # type: ignore[misc]
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         lines = [

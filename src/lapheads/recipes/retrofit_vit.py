@@ -36,7 +36,7 @@ Design choices:
   ``lora.target_modules`` (default ``qkv`` and ``proj``: the attention's input and output
   projections; the patch-embedding convolution, also called ``proj`` in timm, is left alone).
   Only the adapters train; the classifier head stays as loaded.
-* ``final/`` has the classify layout: ``model.safetensors`` holds plain timm weights (a LoRA run is
+* ``final/`` has the classify layout: ``model.safetensors`` holds timm weights (a LoRA run is
   merged into a copy first; the adapter alone is in ``final/adapter``) and ``model.json`` the
   ``model`` section with the heads after conversion, so :func:`lapheads.recipes.classify.load_model`
   rebuilds the Laplacian model. ``model.json`` also holds the retrofit's record (``before``,
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import timm
 import torch
@@ -65,7 +65,7 @@ from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
 from ..heads import LaplacianHeads, is_count, learnable_spec
 from ..outputs import read_json
-from ..vision.backbones import frozen
+from ..vision.backbones import build_with_user_kwargs, frozen
 from .base import vision_batches
 from .classify import (
     AugConfig,
@@ -223,14 +223,16 @@ def pretrained_model(cfg: RetrofitViTConfig, num_classes: int) -> nn.Module:
     head = head[0] if isinstance(head, (tuple, list)) else head
     # timm keeps the file's head only when its class count matches num_classes (then it drops it)
     overlay = {"file": str(src), "source": "", "num_classes": checkpoint_classes(src, head)}
-    try:
+    base = timm_kwargs(m.model_copy(update={"extra": {}}), num_classes)
+
+    def build(extra: Mapping[str, Any], pretrained: bool = True) -> nn.Module:
+        pre: dict[str, Any] = {"pretrained_cfg_overlay": overlay} if pretrained else {}
         return lap_timm.create_model(
-            m.name,
-            laplacian_heads=m.laplacian_heads,
-            pretrained=True,
-            pretrained_cfg_overlay=overlay,
-            **timm_kwargs(m, num_classes),
+            m.name, laplacian_heads=m.laplacian_heads, pretrained=pretrained, **pre, **base, **extra
         )
+
+    try:
+        return build_with_user_kwargs(build, m.extra, "model.extra", m.name, trial=lambda kw: build(kw, False))
     except TypeError as e:
         raise ConfigError(f"model: timm cannot build {m.name!r} with these settings ({e})") from None
     except RuntimeError as e:  # load_state_dict: missing / unexpected keys or shapes
@@ -337,7 +339,7 @@ class RetrofitViTTask(ClassifyTask):
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         if self.cfg.method != "lora":
             return
-        # the classify layout holds plain timm weights: merge a copy (the trained model is untouched)
+        # the classify layout holds timm weights, no adapters: merge a copy (the trained model is untouched)
         model.save_pretrained(str(final_dir / "adapter"))  # the adapter alone (PEFT layout)
         save_tensors(final_dir / "model.safetensors", copy.deepcopy(model).merge_and_unload().state_dict())
         if ema_model is not None:

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..data.jsonl import iter_jsonl
 from ..data.text import is_validation_document
-from ..engine import Task, TrainConfig
+from ..engine import TrainConfig, TrainTask
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule
 from ..engine.data import _mix
 from ..engine.dist import DistInfo
@@ -58,7 +58,7 @@ from ..engine.run import RunDir
 from ..errors import ConfigError, DataError
 from ..lm.model import LMOptimConfig, build_optimizers, count_params
 from ..lm.tokenizer import render_chat, tokenizer_hash
-from .base import HeadsTask, LoadedRun
+from .base import HeadsTask, LoadedRun, Metric
 from .lm import RECIPE as LM_RECIPE
 from .lm import LMDataConfig, LMRecipe, export_hf, load_model
 
@@ -300,7 +300,7 @@ def pack_rows(convs: Sequence[tuple[list[int], list[int]]], row_tokens: int) -> 
 
 # --------------------------------------------------------------------------- the task
 class SFTTask(HeadsTask):
-    """SFT as an engine :class:`Task` (see the module docstring)."""
+    """SFT as an engine :class:`~lapheads.engine.TrainTask` (see the module docstring)."""
 
     name = "sft"
 
@@ -445,12 +445,13 @@ def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
 class SFTRecipe(LMRecipe):
     name = "sft"
     config_type = SFTConfig
+    metrics = (Metric("val_loss", "val loss (assistant tokens)", False),)
     description = (
         "Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
         "(loss on assistant tokens only, mixture of sources)."
     )
 
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> Task:
+    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
         return SFTTask(cfg, info)
 
     def heads(self, run_dir: str | Path) -> Any:

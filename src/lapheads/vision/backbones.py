@@ -9,20 +9,114 @@ together with a ``meta`` dict: ``source``, ``timm_name``, ``laplacian_heads``, `
 Backbones of finished runs are loaded by their recipe (``lapheads.recipes``, ``load_backbone``
 of the classify and dino recipes); this module holds what both need and the loader for a timm
 name (``--model NAME [--weights FILE]``).
+
+Timm keyword arguments the user writes (classify's ``model.extra``, dino's ``model.kwargs``) are
+passed on as they are, since timm, not lapheads, knows their types; but they follow the rules of
+every config value. :func:`check_user_kwargs` refuses a NaN or infinite float and an int beyond
+64 bits when the config is read, and :func:`build_with_user_kwargs` turns timm's error about one
+of them (a negative size, a string where a number belongs) into one line naming ``model.extra.KEY``:
+it builds the model again on the meta device (no memory, no time) with each key alone to find it.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 from torch import nn
 
 from .. import timm as lt
 from ..engine.checkpoint import load_tensors, load_weights
-from ..errors import ConfigError
+from ..engine.config import INT64_MAX, INT64_MIN
+from ..errors import ConfigError, LapheadsError
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
+
+T = TypeVar("T")
+
+
+def check_user_kwargs(kwargs: Mapping[str, Any], where: str) -> None:
+    """Refuse, in timm keyword arguments the user wrote (``kwargs`` at config key ``where``), a NaN
+    or infinite float and an int beyond 64 bits, nested lists and mappings included, as every float
+    and int field of a config is refused.
+
+    Raises:
+        ConfigError: ``model.extra.mlp_ratio=nan must be a finite number (NaN and infinity are refused)``.
+    """
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number (NaN and infinity are refused)")
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(f"{key} does not fit in 64 bits (must be between {INT64_MIN} and {INT64_MAX})")
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+
+    for k, v in kwargs.items():
+        walk(v, f"{where}.{k}")
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception's text as one short line (C++ errors of torch append their frames; long
+    values, e.g. a string multiplied by a size, are cut)."""
+    text = str(e).split("Exception raised from")[0].strip().splitlines()
+    line = text[0].strip() if text else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def build_with_user_kwargs(
+    build: Callable[[Mapping[str, Any]], T],
+    user: Mapping[str, Any],
+    where: str,
+    name: str,
+    trial: Optional[Callable[[Mapping[str, Any]], Any]] = None,
+) -> T:
+    """``build(user)``, where ``user`` are the timm kwargs the user wrote at config key ``where``.
+
+    When it fails, and ``trial`` (by default ``build``) on the meta device builds the model without
+    them but not with them, the error is one line naming the key that breaks it (each key tried
+    alone; all of them when only their combination fails), its value and timm's message. Any other
+    failure (a checkpoint that does not fit, say, when ``build`` also loads one) is raised unchanged.
+
+    Raises:
+        ConfigError: ``model.extra.mlp_ratio=-2: timm cannot build 'vit_tiny_patch16_224' with it
+            (Trying to create tensor with negative dimension -128: [-128, 64]); ...``.
+    """
+    try:
+        return build(user)
+    except LapheadsError:
+        raise
+    except Exception as e:  # noqa: BLE001 - attributed to a key below, or raised unchanged
+        if not user:
+            raise
+
+        def fails(kw: Mapping[str, Any]) -> bool:
+            try:
+                with torch.device("meta"):
+                    (trial or build)(kw)
+            except Exception:  # noqa: BLE001 - any failure counts
+                return True
+            return False
+
+        if fails({}) or not fails(user):  # not theirs: the model fails without them, or builds with them
+            raise
+        bad = [k for k in user if fails({k: user[k]})] or list(user)
+        first = bad[0]
+        value = user[first]
+        kind = " (a string)" if isinstance(value, str) else ""
+        if len(bad) == 1:
+            what, it = f"{where}.{first}={value!r}{kind}", "it"
+        else:
+            what, it = f"{where}.{{{', '.join(bad)}}}", "them together"
+        raise ConfigError(
+            f"{what}: timm cannot build {name!r} with {it} ({_first_line(e)}); give a value this model "
+            f"accepts, or remove the key"
+        ) from None
 
 
 def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0, **kwargs: Any) -> nn.Module:

@@ -27,7 +27,7 @@ Design choices:
   ``<|assistant_start|>`` (``target_delimiter: ""``), and lm-eval's ``acc`` is the argmax of their
   log-likelihoods. A letter is one token, so that is the argmax of the next-token logits over the
   letters. Both ARC layouts and MMLU's (answer index or letter) are read by
-  :mod:`lapheads.data.tasks`, so choices are lettered by position whatever their labels.
+  :mod:`lapheads.data.benchmarks`, so choices are lettered by position whatever their labels.
 * **GSM8K** is generated (greedy unless the caller asks for sampling) up to ``<|assistant_end|>``;
   the ``final_number`` filter takes the number after the last ``####``, else the last number, with
   commas and ``$`` removed (:func:`extract_answer`), and lm-eval's ``exact_match`` compares it with
@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from ...data.tasks import _PARSERS, LETTERS, TaskItem, canonical_name, normalize_number
+from ...data.benchmarks import LETTERS, BenchmarkItem, canonical_name, normalize_number, parse_row
 from ...sandbox import build_humaneval_program, require_sandbox, run_many
 
 __all__ = [
@@ -94,18 +94,17 @@ def chat_prompt(user: str) -> str:
     return f"<|bos|><|user_start|>{user}<|user_end|><|assistant_start|>"
 
 
-def _item(name: str, doc: dict) -> TaskItem:
-    """An lm-eval document as a :class:`TaskItem` (the public layouts of :mod:`lapheads.data.tasks`)."""
-    key = canonical_name(name)
-    return _PARSERS[key](key, "document", 0, dict(doc))
+def _item(name: str, doc: dict) -> BenchmarkItem:
+    """An lm-eval document as a :class:`BenchmarkItem` (the public layouts of :mod:`lapheads.data.benchmarks`)."""
+    return parse_row(name, doc)
 
 
-def _choice_item(doc: dict) -> TaskItem:
+def _choice_item(doc: dict) -> BenchmarkItem:
     # ARC rows have answerKey, MMLU rows an answer: one set of functions serves the three tasks
     return _item("arc_easy" if "answerKey" in doc else "mmlu", doc)
 
 
-def render_multiple_choice(item: TaskItem) -> str:
+def render_multiple_choice(item: BenchmarkItem) -> str:
     """nanochat's multiple-choice user message: the letter follows its choice, with no space."""
     assert item.choices is not None
     lines = [f"Multiple Choice question: {item.question}"]
@@ -229,7 +228,7 @@ def _prompt_imports(prompt: str) -> str:
     return "\n".join(lines)
 
 
-def humaneval_program(item: TaskItem, completion: str) -> tuple[str, str]:
+def humaneval_program(item: BenchmarkItem, completion: str) -> tuple[str, str]:
     """``(prefix, body)`` to run for a completion.
 
     A completion that defines ``def <entry_point>(`` is a whole function (chat style): it runs
@@ -319,7 +318,7 @@ def chat_task_config(name: str, path: Optional[str] = None, repeats: Optional[in
     """The lm-eval config of chat task ``name`` (``arc_easy`` ... ``humaneval``), optionally on local data.
 
     The task's own YAML; with ``path``, its data set is that local JSONL (``.jsonl`` or
-    ``.jsonl.gz``, in the public layouts :mod:`lapheads.data.tasks` reads) as the test split instead
+    ``.jsonl.gz``, in the public layouts :mod:`lapheads.data.benchmarks` reads) as the test split instead
     of the Hub data set. ``repeats`` sets the samples per problem. The dictionary is what lm-eval's
     ``simple_evaluate(tasks=[...])`` takes.
 

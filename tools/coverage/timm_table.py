@@ -12,8 +12,12 @@ converts it with :func:`lapheads.timm.convert` and classifies it:
   message (the attention classes and why each is refused) is the row's reason.
 * **failed**: anything else (a crash, a k = 0 model that is not the stock one, a conversion that
   changes nothing, a mismatch with the reference). The test of the committed table fails on any.
-* **unverified**: a family without a curated tiny configuration that converts (a family new in
-  timm): it is classified on the meta device only and needs an entry in :data:`FAMILIES`.
+* **not built**: a family without a curated tiny configuration that converts (a family new in
+  timm): it is classified on the meta device only and needs an entry in :data:`FAMILIES`; the
+  test fails on it too.
+
+The row, the status words, the comparison of outputs and the Markdown are
+:mod:`tools.coverage.table`'s, shared with the transformers table.
 
 Design choices:
 
@@ -41,17 +45,14 @@ Design choices:
   attention: ``caformer_s18`` for MetaFormer, ``fastvit_sa12`` for FastViT). ``eva`` and
   ``maxxvit`` get several rows (EVA-02, DINOv3, RoPE-ViT; MaxViT, CoAtNet); a family counts as
   supported when all its rows are.
-* The Markdown (``python -m lapheads.timm_coverage --write docs/coverage-timm.md``) holds no
+* The Markdown (``python -m tools.coverage timm --write docs/coverage-timm.md``) holds no
   timing or machine-dependent number, so regenerating it on any machine gives the same file.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
-import dataclasses
-import sys
 import time
 import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -61,10 +62,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import timm as lt
-from .errors import ConfigError
+import lapheads.timm as lt
+from lapheads.errors import ConfigError
 
-__all__ = ["FAMILIES", "Row", "timm_coverage", "classify", "reference_forward", "to_markdown", "main"]
+from .table import Row, equal, markdown, max_diff, scale
+
+__all__ = ["FAMILIES", "families", "timm_coverage", "classify", "reference_forward", "timm_markdown"]
 
 _TINY_VIT = dict(embed_dim=32, depth=2, num_heads=2, num_classes=8)
 
@@ -237,32 +240,6 @@ FAMILIES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
     "xcit": [("", "xcit_nano_12_p8_224", {})],
 }
 
-_STATUSES = ("supported", "refused", "failed", "unverified")
-
-
-@dataclasses.dataclass
-class Row:
-    """One representative's result.
-
-    Attributes:
-        family: the timm module (``eva``, ``swin_transformer``, ...).
-        label: the variant within the family (``EVA-02``), or ``""``.
-        model: the timm model name.
-        kwargs: the tiny keyword arguments it was built with (``{}``: default, on the meta device).
-        status: ``supported``, ``refused``, ``failed`` or ``unverified``.
-        detail: what was converted and checked, or the reason.
-        seconds: wall time of the row (printed, never written to the table).
-    """
-
-    family: str
-    label: str
-    model: str
-    kwargs: dict[str, Any]
-    status: str
-    detail: str
-    seconds: float = 0.0
-
-
 # ---------------------------------------------------------------------- the independent reference
 _SOFTMAXES = (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax)
 
@@ -358,29 +335,6 @@ def _reference(model: nn.Module, x: torch.Tensor) -> tuple[Any, Optional[int]]:
 
 
 # ---------------------------------------------------------------------- classification
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    return []
-
-
-def _equal(a: Any, b: Any) -> bool:
-    ta, tb = _tensors(a), _tensors(b)
-    return len(ta) == len(tb) > 0 and all(torch.equal(x, y) for x, y in zip(ta, tb))
-
-
-def _max_diff(a: Any, b: Any) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(_tensors(a), _tensors(b)))
-
-
-def _scale(a: Any) -> float:
-    return max(float(t.abs().max()) for t in _tensors(a))
-
-
 def _input_size(model: nn.Module, kwargs: dict[str, Any]) -> tuple[int, int]:
     """(H, W) of the test images: the ``img_size`` the model was built with, else its pretrained config's."""
     size = kwargs.get("img_size")
@@ -414,22 +368,22 @@ def _check(name: str, kwargs: dict[str, Any]) -> tuple[str, str]:
     with torch.no_grad():
         stock = model(x)
         lt.convert(model, 0)
-        if not _equal(model(x), stock):
-            diff = _max_diff(model(x), stock)
+        if not equal(model(x), stock):
+            diff = max_diff(model(x), stock)
             return "failed", f"k = 0 is not bit-identical to the stock model (max diff {diff:.3g})"
         lt.convert(model, 1)
         summary = _summary(model)
         lap = model(x)
-        tol = 1e-9 * (1.0 + _scale(stock))
-        if _max_diff(lap, stock) <= 1e-6 * (1.0 + _scale(stock)):
+        tol = 1e-9 * (1.0 + scale(stock))
+        if max_diff(lap, stock) <= 1e-6 * (1.0 + scale(stock)):
             return "failed", f"silently standard: the Laplacian output equals the stock one ({summary})"
         ref, min_keys = _reference(model, x)
         if min_keys is None or min_keys < 2:
             return "failed", f"degenerate check: a converted layer attends over {min_keys} key(s) ({summary})"
         for path in ("fused", "eager"):
             out = _forward_on_path(model, x, fused=path == "fused")
-            if _max_diff(out, ref) > tol:
-                return "failed", f"{path} path differs from the reference by {_max_diff(out, ref):.3g} ({summary})"
+            if max_diff(out, ref) > tol:
+                return "failed", f"{path} path differs from the reference by {max_diff(out, ref):.3g} ({summary})"
     return "supported", summary + "; k = 0 bit-identical, Laplacian = reference (fused and eager)"
 
 
@@ -453,12 +407,23 @@ def _forward_on_path(model: nn.Module, x: torch.Tensor, *, fused: bool) -> Any:
                 m.fused_attn = value
 
 
-def classify(family: str, label: str, name: str, kwargs: dict[str, Any], curated: bool = True) -> Row:
+def classify(
+    family: str, label: str, name: str, kwargs: dict[str, Any], members: Sequence[str] = (), curated: bool = True
+) -> Row:
     """Classify one representative (see the module docstring); never raises."""
     start = time.perf_counter()
 
     def row(status: str, detail: str) -> Row:
-        return Row(family, label, name, kwargs, status, " ".join(detail.split()), time.perf_counter() - start)
+        return Row(
+            family,
+            label,
+            name,
+            _kwargs_text(kwargs),
+            sorted(members),
+            status,
+            " ".join(detail.split()),
+            time.perf_counter() - start,
+        )
 
     try:
         with warnings.catch_warnings():
@@ -471,9 +436,9 @@ def classify(family: str, label: str, name: str, kwargs: dict[str, Any], curated
                 return row("refused", str(e))
             if not curated or not kwargs:
                 return row(
-                    "unverified",
+                    "not built",
                     "converts, but has no tiny configuration to check it numerically "
-                    "(add one to lapheads.timm_coverage.FAMILIES)",
+                    "(add one to FAMILIES in tools/coverage/timm_table.py)",
                 )
             return row(*_check(name, kwargs))
     except Exception as e:  # a crash is a result here: the table must show it, not stop
@@ -495,77 +460,31 @@ def timm_coverage(only: Optional[Sequence[str]] = None) -> list[Row]:
             continue
         reps = FAMILIES.get(family)
         if reps is None:  # a family this table does not know yet: its shortest name, on meta only
-            rows.append(classify(family, "", min(names, key=lambda n: (len(n), n)), {}, curated=False))
+            rows.append(classify(family, "", min(names, key=lambda n: (len(n), n)), {}, names, curated=False))
             continue
-        rows.extend(classify(family, label, name, kwargs) for label, name, kwargs in reps)
+        rows.extend(classify(family, label, name, kwargs, names) for label, name, kwargs in reps)
     return rows
-
-
-def family_counts(rows: Sequence[Row]) -> dict[str, int]:
-    """Families per status (a family with several rows takes the worst: failed > unverified > refused > supported)."""
-    worst: dict[str, str] = {}
-    rank = {"supported": 0, "refused": 1, "unverified": 2, "failed": 3}
-    for r in rows:
-        if r.family not in worst or rank[r.status] > rank[worst[r.family]]:
-            worst[r.family] = r.status
-    counts = {s: 0 for s in _STATUSES}
-    for s in worst.values():
-        counts[s] += 1
-    counts["total"] = len(worst)
-    return counts
 
 
 def _kwargs_text(kwargs: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) if kwargs else "defaults, meta device"
 
 
-def to_markdown(rows: Sequence[Row]) -> str:
-    """The table as Markdown (deterministic: no timing, no machine-dependent number)."""
-    c = family_counts(rows)
-    lines = [
-        "# timm coverage of Laplacian heads",
-        "",
-        "Generated by `python -m lapheads.timm_coverage --write docs/coverage-timm.md` "
-        f"(timm {timm.__version__}); `tests/test_timm_coverage.py` regenerates it and fails when this file differs. "
-        "One small representative per architecture family of `timm.list_models()`, converted with "
-        "`lapheads.timm.convert`. **supported**: k = 0 is bit-identical to the stock model, and with the trailing "
-        "head of every converted layer Laplacian the output differs from the stock one and equals an independent "
-        "reference (timm's own eager attention with the explicit operator I - P in place of P) on both paths, in "
-        "float64. **refused**: `convert` raises a ConfigError with the reason shown.",
-        "",
-        f"Families: {c['supported']} supported, {c['refused']} refused, {c['failed']} failed, "
-        f"{c['unverified']} unverified, {c['total']} in all.",
-        "",
-        "| family | representative | built with | result | detail |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        fam = f"{r.family} ({r.label})" if r.label else r.family
-        detail = r.detail.replace("|", "\\|")
-        lines.append(f"| {fam} | `{r.model}` | {_kwargs_text(r.kwargs)} | {r.status} | {detail} |")
-    return "\n".join(lines) + "\n"
+INTRO = """
+Generated by `python -m tools.coverage timm --write docs/coverage-timm.md`
+(`tools/coverage/timm_table.py`); `tests/test_timm_coverage.py` regenerates it and fails when
+this file differs. One small representative per architecture family of `timm.list_models()`
+(the module that registers the model), converted with `lapheads.timm.convert`. **supported**:
+k = 0 is bit-identical to the stock model, and with the trailing head of every converted layer
+Laplacian the output differs from the stock one and equals an independent reference (timm's own
+eager attention with the explicit operator I - P in place of P) on both paths, in float64.
+**refused**: `convert` raises a ConfigError with the reason shown. **not built**: the family
+converts but has no tiny configuration to check; **failed**: a crash or a mismatch (the test
+accepts neither). A family with several rows (EVA, MaxxViT) takes its worst status.
+"""
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lapheads.timm_coverage [--write PATH] [--family NAME ...]``: print (and write) the table."""
-    parser = argparse.ArgumentParser(prog="python -m lapheads.timm_coverage", description=main.__doc__)
-    parser.add_argument("--write", metavar="PATH", help="write the Markdown table to PATH")
-    parser.add_argument("--family", action="append", help="only these families (repeatable)")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    rows = timm_coverage(args.family)
-    for r in rows:
-        print(f"{r.seconds:6.2f}s  {r.status:10s} {r.family:26s} {r.model:30s} {r.detail[:110]}", file=sys.stderr)
-    c = family_counts(rows)
-    print(f"{time.perf_counter() - start:.1f}s: " + ", ".join(f"{k} {v}" for k, v in c.items()), file=sys.stderr)
-    text = to_markdown(rows)
-    if args.write:
-        with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return 1 if c["failed"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def timm_markdown(rows: Sequence[Row]) -> str:
+    """The timm table as Markdown (:func:`tools.coverage.table.markdown`), with the library versions."""
+    versions = f"timm {timm.__version__}, torch {torch.__version__.split('+')[0]}."
+    return markdown("Laplacian heads in timm: coverage", INTRO + "\n" + versions + "\n", rows)

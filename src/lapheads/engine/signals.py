@@ -1,0 +1,108 @@
+"""Stopping a run cleanly on SIGINT, SIGTERM and SLURM's SIGUSR1.
+
+A signal does not stop the loop mid-step: :class:`StopSignals` only records it, the trainer
+asks at each step boundary (:meth:`StopSignals.requested`), finishes the current optimizer step,
+writes a checkpoint (unless one of that step exists) and raises :class:`RunInterrupted` (a
+``KeyboardInterrupt``), which the CLI turns into one line with the resume command and exit status
+128 + signal (130 / 143).
+
+* Under torchrun the ranks agree on the stop (one all-reduce of the flag per step), so they
+  checkpoint the same step.
+* The previous handler of SIGINT / SIGTERM comes back after the first signal, so a second one
+  acts at once.
+* SIGUSR1 is SLURM's warning before a time limit or preemption (``--launcher slurm``,
+  engine.slurm: the job then requeues itself and resumes from this checkpoint); its handler stays
+  until the loop ends, as SLURM can send it more than once (srun forwards it too).
+* A signal the process was started to ignore (``cmd &`` in a script ignores SIGINT) stays
+  ignored, and one handled outside Python (``getsignal()`` is None) is left alone. Outside the
+  main thread (where Python cannot set handlers) nothing is installed.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .dist import DistInfo
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT / SIGTERM at a step boundary (or before / after training).
+
+    Attributes:
+        signum: the signal (``signal.SIGINT`` or ``signal.SIGTERM``).
+        run_dir: the run directory.
+        step: the optimizer step the run stopped after (None: it stopped outside the loop).
+        checkpoint: the newest complete checkpoint (None when there is none yet).
+        started: whether this attempt wrote the run's ``config.yaml`` (False: rerun the original
+            command, not ``--resume``).
+        finished: whether the run had already written ``final/`` when it stopped.
+    """
+
+    def __init__(
+        self,
+        signum: int,
+        run_dir: Path,
+        step: Optional[int],
+        checkpoint: Optional[Path],
+        started: bool = True,
+        finished: bool = False,
+    ):
+        self.signum, self.run_dir, self.step = int(signum), Path(run_dir), step
+        self.checkpoint, self.started, self.finished = checkpoint, started, finished
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        if not self.started:
+            return f"before training started, nothing was written to {self.run_dir}"
+        where = f"after step {self.step} of {self.run_dir}" if self.step is not None else f"in {self.run_dir}"
+        if self.finished:
+            where += " (the run had finished)"
+        ck = (
+            f"checkpoint {self.checkpoint} is complete"
+            if self.checkpoint is not None
+            else "no checkpoint yet, it restarts at step 0"
+        )
+        return f"{where}; {ck}"
+
+
+class StopSignals:
+    """While entered, SIGINT / SIGTERM / SIGUSR1 only record themselves in :attr:`signum`."""
+
+    def __init__(self) -> None:
+        self.signum = 0  # the first signal received (0: none)
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        if signum != signal.SIGUSR1:  # SIGUSR1 may come twice; a second SIGINT / SIGTERM acts at once
+            signal.signal(signum, self._previous[signum])
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+            self._previous = {s: signal.getsignal(s) for s in sigs if signal.getsignal(s) not in (signal.SIG_IGN, None)}
+            for s in self._previous:
+                signal.signal(s, self._handler)
+        return self
+
+    def __exit__(
+        self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        self._previous = {}
+
+    def requested(self, info: DistInfo, device: torch.device) -> int:
+        """The signal every rank agrees to stop on (0: none); one small all-reduce under torchrun."""
+        if not info.distributed:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())

@@ -1,0 +1,383 @@
+"""What a checkpoint of a training run holds, and how the trainer saves, restores and exports it.
+
+The files and their atomic, verified writing are engine.checkpoint's; this module decides what
+goes in them. A checkpoint holds the trained model, the EMA weights (``train.ema_decay``), the
+task's extra tensors (:meth:`TrainTask.extra_state`), the optimizer states, the step, the number of
+skipped non-finite steps and the RNG states (torch, numpy, python, CUDA; one per rank), so a
+resumed run is bit-identical to an uninterrupted one on the CPU.
+
+* Rank 0 writes, every ``ckpt_every`` optimizer steps and at the end. Under ``train.parallel:
+  fsdp`` model and optimizer states are DCP shards that every rank writes into rank 0's temporary
+  directory; rank 0 publishes the checkpoint after a barrier (engine.fsdp).
+* Weights with a NaN/Inf never replace the last good checkpoint: the write is refused with
+  :class:`~lapheads.errors.NonFiniteError` (an update can overflow the weights with finite
+  gradients, which the loop's guard does not see).
+* ``--resume`` loads the newest intact checkpoint (:meth:`Checkpointer.restore`): each is verified
+  (sizes, checksums, the run's id) and one that does not load into this model is skipped too, with
+  one line on stderr; nothing is deleted.
+* ``final/`` is the same single-file export with either ``train.parallel`` (the shards are
+  gathered): ``model.safetensors``, ``ema.safetensors``, ``model.json`` (the recipe and
+  :meth:`TrainTask.model_spec`), ``metrics.json`` and the task's own files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError, DiskFullError, NonFiniteError
+from . import dist as D
+from . import fsdp as F
+from .checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
+    estimate_bytes,
+    latest_checkpoint,
+    list_checkpoints,
+    load_tensors,
+    load_weights,
+    make_room,
+    removed_on_failure,
+    resumable_checkpoint,
+    safe_torch_load,
+    save_tensors,
+    write_checkpoint,
+    write_files,
+)
+from .run import RunDir
+from .train_task import TrainTask
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global random streams."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random streams as tensors and plain values (loadable with ``weights_only``)."""
+    np_state: Any = np.random.get_state()
+    py_state = random.getstate()
+    st = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_meta": [int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": torch.tensor(py_state[1], dtype=torch.int64),
+        "python_gauss": [py_state[0], py_state[2] if py_state[2] is not None else "none"],
+    }
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def set_rng_state(st: dict[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(st["torch"])
+    meta = st["numpy_meta"]
+    np.random.set_state(("MT19937", st["numpy_keys"].numpy().astype(np.uint32), meta[0], meta[1], meta[2]))
+    gauss = st["python_gauss"]
+    random.setstate((gauss[0], tuple(int(x) for x in st["python"].tolist()), None if gauss[1] == "none" else gauss[1]))
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+
+
+class Checkpointer:
+    """Saves, restores and exports the state of one run's trainer.
+
+    Args:
+        task: the run's task (its extra state, model spec and final files).
+        run: the run directory.
+        info: this process in the torchrun job.
+        model: the trained module (sharded under FSDP).
+        optims: the task's optimizers.
+        ema: the EMA of the weights (``timm.utils.ModelEmaV3``; its ``module`` is saved), or None.
+        keep: checkpoints kept (``train.keep_checkpoints``; 0 = all).
+        seed: ``train.seed`` (re-seeds the streams of a checkpoint resumed on another world size).
+        fsdp: ``train.parallel == "fsdp"``: checkpoints are DCP shards.
+        sharded: the model's parameters are FSDP2 shards (``fsdp`` with more than one process).
+        export_skeleton: under FSDP on rank 0, a parameter-free copy of the model that the final
+            export fills with the gathered weights.
+    """
+
+    def __init__(
+        self,
+        task: TrainTask,
+        run: RunDir,
+        info: D.DistInfo,
+        model: nn.Module,
+        optims: Sequence[torch.optim.Optimizer],
+        ema: Any,
+        keep: int,
+        seed: int,
+        fsdp: bool = False,
+        sharded: bool = False,
+        export_skeleton: Optional[nn.Module] = None,
+    ):
+        self.task, self.run, self.info, self.device = task, run, info, info.device
+        self.model, self.optims, self.ema = model, list(optims), ema
+        self.keep, self.seed, self.fsdp, self.sharded = keep, seed, fsdp, sharded
+        self.export_skeleton = export_skeleton
+        self.last_step: Optional[int] = None  # step of the newest checkpoint written or loaded
+
+    # ------------------------------------------------------------------ save
+    def _gather_rngs(self) -> list[Any]:
+        rng = rng_state(self.device)
+        if not self.info.distributed:
+            return [rng]
+        gathered: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(gathered, rng)
+        return gathered
+
+    def _tensor_files(self) -> dict[str, Any]:
+        files: dict[str, Any] = {"model.safetensors": self.model.state_dict()}
+        if self.ema is not None:
+            files["ema.safetensors"] = self.ema.module.state_dict()
+        extra = self.task.extra_state()
+        if extra:
+            files["extra.safetensors"] = extra
+        return files
+
+    def files(self, step: int, skipped: int) -> dict[str, Any]:
+        """The files of a single-file checkpoint (name -> content, as engine.checkpoint writes them)."""
+        return {
+            **self._tensor_files(),
+            "state.pt": {
+                "step": step,
+                "skipped": skipped,
+                "optimizers": [o.state_dict() for o in self.optims],
+                "rng": self._gather_rngs(),  # every rank takes part
+            },
+        }
+
+    def _refuse_nonfinite(self, step: int, name: Optional[str]) -> None:
+        ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
+        raise NonFiniteError(
+            f"non-finite value at step {step}: weight {name} is NaN/Inf after the optimizer "
+            f"step; the checkpoint was not written (last good checkpoint: {ck if ck else 'none'})"
+        )
+
+    def save(self, step: int, skipped: int) -> None:
+        """Write the checkpoint of ``step`` (every rank calls this)."""
+        if self.fsdp:
+            self._save_sharded(step, skipped)
+            return
+        files = self.files(step, skipped)
+        for name, t in files["model.safetensors"].items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                self._refuse_nonfinite(step, name)
+        if self.info.is_main:
+            write_checkpoint(
+                self.run.ckpt_dir,
+                step,
+                files,
+                keep=self.keep,
+                run_id=self.run.run_id(),
+                protect=None if self.last_step is None else f"step_{self.last_step:08d}",
+            )
+        self.last_step = step
+        D.barrier()
+
+    def _local_nonfinite(self) -> Optional[str]:
+        """Name of the first weight with a NaN/Inf in this rank's shard of the model, else None."""
+        for name, t in self.model.state_dict().items():
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                return name
+        return None
+
+    def _save_sharded(self, step: int, skipped: int) -> None:
+        """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
+        bad = self._local_nonfinite()
+        if F.nonfinite_anywhere(bad is not None, self.device):  # every rank stops, none writes
+            self._refuse_nonfinite(step, bad or "(on another rank)")
+        rngs = self._gather_rngs()
+        extra = self.task.extra_state()
+        box: list[Any] = [begin_checkpoint(self.run.ckpt_dir, step) if self.info.is_main else None]
+        if self.info.distributed:
+            dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        F.save_sharded(tmp, self.model, self.optims)  # collective; each rank fsyncs its own files
+        D.barrier()
+        if self.info.is_main:
+            files: dict[str, Any] = {
+                "state.pt": {"step": step, "skipped": skipped, "rng": rngs, "world_size": self.info.world_size}
+            }
+            if extra:
+                files["extra.safetensors"] = extra
+            with removed_on_failure(tmp, self.run.ckpt_dir, f"the checkpoint of step {step}"):
+                write_files(tmp, files)
+                commit_checkpoint(self.run.ckpt_dir, tmp, step, keep=self.keep, run_id=self.run.run_id())
+        self.last_step = step
+        D.barrier()
+
+    def check_space(self) -> None:
+        """Before the first checkpoint: refuse early when the disk cannot hold one (weights + optimizer
+        state, known after the first step), naming both figures (engine.checkpoint.make_room).
+
+        Rank 0 decides and every rank raises the same :class:`DiskFullError`.
+        """
+        err: Optional[BaseException] = None
+        if self.info.is_main and not list_checkpoints(self.run.ckpt_dir):
+            files = {**self._tensor_files(), "state.pt": [o.state_dict() for o in self.optims]}
+            needed = estimate_bytes(files)
+            if self.sharded:  # the shards of the other ranks land in the same directory
+                needed *= self.info.world_size
+            try:
+                make_room(self.run.ckpt_dir, needed, self.keep, "a checkpoint of this run (weights + optimizer state)")
+            except DiskFullError as e:
+                err = e
+        if self.info.distributed:
+            box = [err]
+            dist.broadcast_object_list(box, src=0)
+            err = box[0]
+        if err is not None:
+            raise err
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: Path) -> tuple[int, int]:
+        """Load the checkpoint ``path``; returns its ``(step, skipped steps)``."""
+        if self.fsdp or F.is_sharded_checkpoint(path):
+            if not F.is_sharded_checkpoint(path):
+                raise ConfigError(
+                    f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with train.parallel=ddp"
+                )
+            return self._load_sharded(path)
+        load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
+        if self.ema is not None:
+            load_weights(self.ema.module, load_tensors(path / "ema.safetensors"), source=str(path / "ema.safetensors"))
+        if (path / "extra.safetensors").is_file():
+            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
+        st = safe_torch_load(path / "state.pt")
+        if len(st["optimizers"]) != len(self.optims):
+            raise ConfigError(
+                f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}"
+            )
+        for opt, sd in zip(self.optims, st["optimizers"]):
+            opt.load_state_dict(sd)
+        rngs = st["rng"]
+        if len(rngs) != self.info.world_size:
+            raise ConfigError(
+                f"{path} was written by {len(rngs)} processes but this run has {self.info.world_size}; "
+                f"exact resume needs the same world size: resume it on {len(rngs)} processes (torchrun); "
+                "checkpoints of train.parallel=fsdp also resume on another number"
+            )
+        set_rng_state(rngs[self.info.rank], self.device)
+        self.last_step = int(st["step"])
+        return self.last_step, int(st.get("skipped", 0))
+
+    def _load_sharded(self, path: Path) -> tuple[int, int]:
+        F.load_sharded(path, self.model, self.optims)
+        if (path / "extra.safetensors").is_file():
+            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
+        st = safe_torch_load(path / "state.pt")
+        step, skipped = int(st["step"]), int(st.get("skipped", 0))
+        self.last_step = step
+        rngs = st["rng"]
+        if len(rngs) == self.info.world_size:
+            set_rng_state(rngs[self.info.rank], self.device)
+            return step, skipped
+        # re-sharded onto another number of processes: weights and optimizer states are exact,
+        # the random streams and each rank's data order cannot be
+        seed_everything(self.seed + self.info.rank + 1_000_003 * step)
+        if self.info.is_main:
+            print(
+                f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
+                "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
+                "run",
+                file=sys.stderr,
+                flush=True,
+            )
+        return step, skipped
+
+    def restore(self) -> tuple[int, int]:
+        """Load the newest intact checkpoint; returns its ``(step, skipped steps)``, ``(0, 0)`` when
+        there is none yet.
+
+        Each checkpoint is verified first (sizes and checksums, the run's id:
+        engine.checkpoint.resumable_checkpoint) and one that does not load into this model is
+        skipped too; one line on stderr names what was skipped and why. Nothing is deleted.
+
+        Raises:
+            CheckpointError: checkpoints exist but none is intact (each is named with its reason).
+        """
+        notes: list[str] = []
+        run_id = self.run.run_id()
+        tried: set[Path] = set()
+        while True:
+            ck, found = resumable_checkpoint(self.run.ckpt_dir, run_id, skip=tried)
+            notes += [n for n in found if n not in notes]
+            if ck is None:
+                break
+            try:
+                step, skipped = self.load(ck)
+            except CheckpointError as e:  # a damaged file the checksum could not see, another architecture
+                tried.add(ck)
+                notes.append(f"skipped {ck.name}: {' '.join(str(e).split())[:300]}")
+                continue
+            if self.info.is_main:
+                kept = "; nothing was deleted" if any(n.startswith("skipped ") for n in notes) else ""
+                print(
+                    f"--resume: {''.join(n + '; ' for n in notes)}resuming {self.run.path} from step {step} "
+                    f"({ck.name}){kept}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return step, skipped
+        if not notes and self.info.is_main:
+            print(f"--resume: {self.run.path} has no checkpoint yet; starting at step 0", file=sys.stderr, flush=True)
+        if notes:  # checkpoints were written (skipped ones, or a latest that names a missing step)
+            raise CheckpointError(
+                f"--resume: no intact checkpoint in {self.run.ckpt_dir}: {'; '.join(notes)}; "
+                f"nothing was deleted; restore a checkpoint from a copy, or start afresh "
+                f"with --overwrite"
+            )
+        return 0, 0
+
+    # ------------------------------------------------------------------ final/
+    def _export_model(self) -> Optional[nn.Module]:
+        """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
+        if not self.sharded:
+            return self.model if self.info.is_main else None
+        state = F.full_state_dict(self.model)  # collective: every rank takes part
+        if not self.info.is_main:
+            return None
+        assert self.export_skeleton is not None
+        return F.materialize(self.export_skeleton, state)
+
+    def export_final(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write ``final/`` (every rank calls this; rank 0 writes): weights, EMA weights,
+        ``model.json``, ``metrics.json`` (the last evaluation, plain numbers) and the task's files."""
+        model = self._export_model()
+        if self.info.is_main:
+            assert model is not None
+            ema = self.ema.module if self.ema is not None else None
+            final = self.run.final_dir
+            tmp = final.with_name(".final.tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tensors = {"model.safetensors": model.state_dict()}
+            if ema is not None:
+                tensors["ema.safetensors"] = ema.state_dict()
+            with removed_on_failure(tmp, self.run.path, "final/ (the exported model)", estimate_bytes(tensors)):
+                tmp.mkdir(parents=True)
+                for name, sd in tensors.items():
+                    save_tensors(tmp / name, sd)
+                spec = {"recipe": self.task.name, "step": step, **self.task.model_spec()}
+                (tmp / "model.json").write_text(json.dumps(spec, indent=1), encoding="utf-8")
+                (tmp / "metrics.json").write_text(json.dumps(metrics, indent=1), encoding="utf-8")
+                self.task.export_final(tmp, model, ema)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+        D.barrier()

@@ -1,0 +1,210 @@
+"""Configs: where the spec lives, how it resolves per layer, and what ``config.json`` says.
+
+``config.laplacian_heads`` is a plain config attribute, so transformers writes it to
+``config.json`` and reads it back like any other field. The attention implementation is the
+other half: transformers reads an ``"attn_implementation"`` key of ``config.json``
+(``PreTrainedConfig.__post_init__`` pops it into ``config._attn_implementation``) but never writes
+one. :func:`mark_config` therefore stores the name as a plain attribute of the config instance,
+``config.attn_implementation``, which ``to_dict`` serialises like ``laplacian_heads``; transformers
+itself reads nothing under that name at run time. Nothing of transformers is changed: no class
+attribute is assigned and no config changes class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from ..errors import ConfigError
+from ..heads import LaplacianHeads, LayerHeads, learnable_spec
+from ._names import (
+    ATTN_IMPLEMENTATION,
+    BASE,
+    EAGER_ATTN_IMPLEMENTATION,
+    FUSED_ATTN_IMPLEMENTATION,
+    INDEXED_ATTN_IMPLEMENTATION_SUFFIX,
+    is_laplacian_implementation,
+    saved_name,
+)
+
+#: the config attribute that ``config.json`` serialises as ``"attn_implementation"``
+SAVED_KEY = "attn_implementation"
+
+
+def config_spec(config: Any) -> Any:
+    return getattr(config, "laplacian_heads", None)
+
+
+def config_tree(config: Any) -> list[tuple[str, Any]]:
+    """``[(path, config)]``: the config (path ``""``) and its sub-configs at any depth (dotted paths)."""
+    out: list[tuple[str, Any]] = []
+    todo = [("", config)]
+    seen: set[int] = set()
+    while todo:
+        path, c = todo.pop(0)
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        out.append((path, c))
+        for key in getattr(c, "sub_configs", None) or {}:
+            child = getattr(c, key, None)
+            if isinstance(child, PreTrainedConfig):
+                todo.append((f"{path}.{key}" if path else key, child))
+    return out
+
+
+def layer_selections(config: Any, n_heads: Optional[int] = None, n_layers: Optional[int] = None) -> list[LayerHeads]:
+    """Resolve ``config.laplacian_heads`` to one :class:`lapheads.heads.LayerHeads` per layer.
+
+    Args:
+        config: a transformers config with ``num_hidden_layers`` / ``num_attention_heads``.
+        n_heads: number of query heads, default ``config.num_attention_heads``.
+        n_layers: number of layers, default ``config.num_hidden_layers`` (an indexed stack passes its size).
+
+    Raises:
+        ConfigError: the spec is invalid or does not fit the model (e.g. more heads than a layer has).
+    """
+    n_layers = n_layers if n_layers is not None else getattr(config, "num_hidden_layers", None)
+    n_heads = n_heads if n_heads is not None else getattr(config, "num_attention_heads", None)
+    if not isinstance(n_layers, int) or not isinstance(n_heads, int):
+        raise ConfigError(
+            f"{type(config).__name__} has no integer num_hidden_layers / num_attention_heads "
+            f"(got {n_layers!r} / {n_heads!r}); Laplacian heads cannot be resolved per layer"
+        )
+    # A learnable spec resolves to the heads that START Laplacian (its initialisation).
+    return LaplacianHeads(config_spec(config)).init_selection(n_layers, n_heads)
+
+
+def learnable(config: Any) -> bool:
+    try:
+        return learnable_spec(config_spec(config)) is not None
+    except ConfigError:
+        return False
+
+
+def any_laplacian(config: Any) -> bool:
+    spec = config_spec(config)
+    return spec is not None and not LaplacianHeads(spec).is_none()
+
+
+def tree_any_laplacian(config: Any) -> bool:
+    return any(any_laplacian(c) for _, c in config_tree(config))
+
+
+def tree_has_spec(config: Any) -> bool:
+    return any(config_spec(c) is not None for _, c in config_tree(config))
+
+
+def stock_name(model: PreTrainedModel) -> str:
+    """The stock implementation of a model's layers without Laplacian heads: SDPA where every class supports it."""
+    ok = all(getattr(m, "_supports_sdpa", True) for m in model.modules() if isinstance(m, PreTrainedModel))
+    return "sdpa" if ok else "eager"
+
+
+def fused_implementation(model_or_config: Any) -> str:
+    """The fused implementation's name for a model (or config): :data:`ATTN_IMPLEMENTATION`, or
+    :data:`FUSED_ATTN_IMPLEMENTATION` when one of its model classes does not support SDPA."""
+    if isinstance(model_or_config, PreTrainedModel):
+        return ATTN_IMPLEMENTATION if stock_name(model_or_config) == "sdpa" else FUSED_ATTN_IMPLEMENTATION
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    for _, c in config_tree(model_or_config):
+        try:
+            cls = MODEL_MAPPING[type(c)]
+        except Exception:  # noqa: BLE001 - a config without a base model class: nothing to ask
+            continue
+        if not getattr(cls, "_supports_sdpa", True):
+            return FUSED_ATTN_IMPLEMENTATION
+    return ATTN_IMPLEMENTATION
+
+
+def model_class_supports_sdpa(model_class: Any, config: Any) -> bool:
+    cls = model_class
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None:
+        try:
+            cls = mapping[type(config)]
+        except Exception:  # noqa: BLE001 - unknown to the auto class: let transformers report it
+            return fused_implementation(config) == ATTN_IMPLEMENTATION
+    if not getattr(cls, "_supports_sdpa", True):
+        return False
+    return fused_implementation(config) == ATTN_IMPLEMENTATION
+
+
+# --------------------------------------------------------------------------- what config.json says
+def _saved_implementation(config: Any, needs_index: Optional[bool], fused: Optional[str]) -> Optional[str]:
+    """The ``attn_implementation`` to write to ``config.json`` for ``config`` (None: write nothing).
+
+    A config with at least one Laplacian head (itself or in a sub-config) is saved with the
+    Laplacian implementation it runs (the eager one stays eager); with anything else (None before a
+    model was built, or a standard implementation set by hand) the fused one, since
+    ``laplacian_heads`` in the file states what the weights were trained with. ``needs_index`` and
+    ``fused`` default to what the config's current saved name says. An invalid spec is left for the
+    model to report.
+    """
+    try:
+        if not tree_any_laplacian(config):
+            return None
+    except ConfigError:
+        return None
+    current = config.__dict__.get(SAVED_KEY)
+    current = current if is_laplacian_implementation(current) else None
+    if needs_index is None:
+        needs_index = current is not None and current.endswith(INDEXED_ATTN_IMPLEMENTATION_SUFFIX)
+    base = BASE.get(getattr(config, "_attn_implementation", None) or "")
+    if base is None:
+        previous = BASE.get(current or "")
+        base = fused or (previous if previous != EAGER_ATTN_IMPLEMENTATION else None) or fused_implementation(config)
+    return saved_name(base, needs_index)
+
+
+def mark_config(
+    config: PreTrainedConfig, needs_index: Optional[bool] = None, fused: Optional[str] = None
+) -> PreTrainedConfig:
+    """Make THIS config write the Laplacian ``attn_implementation`` to ``config.json``, or none.
+
+    Sets the plain attribute ``config.attn_implementation`` (which transformers' ``to_dict``
+    serialises like any attribute, and reads back as the implementation) to the saved name of the
+    implementation the config runs, or removes it when the config (with its sub-configs) has no
+    Laplacian heads. Called by :func:`lapheads.transformers.enable`,
+    :func:`lapheads.transformers.from_pretrained` and at a model's first forward with a Laplacian
+    implementation (again whenever the spec or the implementation changed). Idempotent; returns
+    ``config``.
+
+    Args:
+        config: a transformers config (anything else is returned untouched).
+        needs_index: whether plain loading cannot reproduce the model (the name then says to load
+            it with :func:`lapheads.transformers.from_pretrained`); default: what the config's saved
+            name says.
+        fused: the fused name of the model (:func:`fused_implementation`); default: the saved one,
+            else the config's own.
+    """
+    if not isinstance(config, PreTrainedConfig):  # a stand-in config (a test's namespace): nothing to save
+        return config
+    name = _saved_implementation(config, needs_index, fused)
+    if name is None:
+        config.__dict__.pop(SAVED_KEY, None)
+    elif config.__dict__.get(SAVED_KEY) != name:
+        setattr(config, SAVED_KEY, name)
+    return config
+
+
+def check_implementation(config: Any, attn_implementation: Optional[str]) -> None:
+    """Refuse to run a config with Laplacian heads through a standard attention implementation.
+
+    Raises:
+        ConfigError: ``config`` (or one of its sub-configs) has Laplacian heads and
+            ``attn_implementation`` is not one of ours (e.g. an explicit ``"sdpa"``, which
+            transformers would honour and so compute a different model from the checkpoint's weights).
+    """
+    if attn_implementation is None or is_laplacian_implementation(attn_implementation):
+        return
+    if tree_any_laplacian(config):
+        spec = next(config_spec(c) for _, c in config_tree(config) if any_laplacian(c))
+        raise ConfigError(
+            f"attn_implementation={attn_implementation!r} would run a model with laplacian_heads="
+            f"{spec!r} as standard attention (a different model from its weights); "
+            f"use {ATTN_IMPLEMENTATION!r} / {EAGER_ATTN_IMPLEMENTATION!r}, or load it with "
+            "laplacian_heads=0 to ask for the standard model on purpose"
+        )
