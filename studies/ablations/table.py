@@ -9,9 +9,11 @@ labels a run by its head setting, or ``diff`` / ``xsa`` for the other attentions
 * the headline table: per setting the runs, plateaued runs, the task metric, k99, the
   within-sequence share of the token variance and the token CDNV of the last block (mean ± std),
   each with its difference from ``k=0`` and the Welch p;
-* the contrasts that say which part of ``V - P V`` matters, on the task metric: each fixed
-  ablation against the Laplacian setting with the same heads (``identity:K`` and ``negated:K``
-  against ``k=K``), and against ``k=0``;
+* the contrasts, on the task metric: the Laplacian settings against ``k=0``, and what says which
+  part of ``V - P V`` matters, each fixed ablation against the Laplacian setting with the same
+  heads (``identity:K`` and ``negated:K`` against ``k=K``) and against ``k=0``; each by Welch's
+  test and, since a seed fixes the initialisation stream and the data order of every setting, by
+  the paired t-test over seeds too;
 * a figure: one panel per quantity, every seed a dot and the mean a bar, per setting.
 
 Usage, from the repository root::
@@ -108,8 +110,11 @@ def contrasts(runs: list[dict]) -> str:
     """Markdown: each fixed ablation against the Laplacian setting of the same heads, on the task metric."""
     key, name, higher = main_metric(runs[0]["recipe"])
     groups = _groups(runs)
-    lines = [f"| ablation | against | {name}: Δ [95% CI], Welch p |", "|---|---|---|"]
-    pairs = []
+    lines = [
+        f"| ablation | against | {name}: Δ [95% CI], Welch p | paired by seed: mean Δ, p (seeds) |",
+        "|---|---|---|---|",
+    ]
+    pairs = [(lb, "k=0") for lb in order(list(groups)) if lb.startswith("k=") and lb != "k=0"] + [("all", "k=0")]
     for label in order(list(groups)):
         spec = LaplacianHeads(label) if label.split(":")[0] in ("identity", "negated") else None
         if spec is None:
@@ -133,8 +138,26 @@ def contrasts(runs: list[dict]) -> str:
             if c.p is not None
             else f"{c.diff:+.4f} ({c.verdict})"
         )
-        lines.append(f"| {other} | {base} | {cell} |")
+        lines.append(f"| {other} | {base} | {cell} | {_paired(groups[base], groups[other], key)} |")
     return "\n".join(lines)
+
+
+def _paired(base: list[dict], other: list[dict], key: str) -> str:
+    """Mean difference over the seeds both settings ran and the paired t-test's p (scipy's
+    ``ttest_rel``). A seed fixes the initialisation stream and the data order, so runs of one seed
+    share them; the paired test removes that shared part of the spread, which Welch's test keeps."""
+    from scipy import stats
+
+    a = {r["seed"]: run_value(r, key) for r in base}
+    b = {r["seed"]: run_value(r, key) for r in other}
+    seeds = sorted(s for s in a.keys() & b.keys() if a[s] is not None and b[s] is not None)
+    if len(seeds) < 2:
+        return "—"
+    d = [b[s] - a[s] for s in seeds]
+    if all(x == d[0] for x in d):  # identical differences (e.g. all 0: the same runs bit for bit)
+        return f"{d[0]:+.4f} every seed ({len(seeds)})"
+    p = stats.ttest_rel([b[s] for s in seeds], [a[s] for s in seeds]).pvalue
+    return f"{statistics.fmean(d):+.4f}, p={p:.2g} ({len(seeds)})"
 
 
 def runs_table(runs: list[dict]) -> str:
@@ -153,6 +176,23 @@ def runs_table(runs: list[dict]) -> str:
             cells.append("—" if v is None else f"{v:.4f} ({run_plateau(r).describe()})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _zoom(ax: Any, labels: list[str], values: list[list[Optional[float]]], groups: dict) -> None:
+    """Zoom the metric's axis on the settings within 20% of k=0's mean; the others get their mean
+    written at the edge (the identity-only model sits at chance, far below the rest)."""
+    means = {lb: statistics.fmean([v for v in vs if v is not None]) for lb, vs in zip(labels, values) if any(vs)}
+    ref = means.get("k=0", statistics.median(means.values()))
+    near = [v for lb, vs in zip(labels, values) if abs(means.get(lb, ref) - ref) <= 0.2 * abs(ref) for v in vs if v]
+    lo, hi = min(near), max(near)
+    pad = 0.15 * (hi - lo + 1e-9)
+    ax.set_ylim(lo - pad, hi + pad)
+    for i, lb in enumerate(labels):
+        if lb in means and not lo - pad <= means[lb] <= hi + pad:
+            edge = lo - pad if means[lb] < lo else hi + pad
+            ax.annotate(
+                f"{means[lb]:.3g}", (i, edge), ha="center", va="bottom" if means[lb] < lo else "top", fontsize=7
+            )
 
 
 def figure(runs: list[dict], path: Path, title: str) -> None:
@@ -178,10 +218,10 @@ def figure(runs: list[dict], path: Path, title: str) -> None:
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
         ax.set_title(n, fontsize=10)
-        if k == key:  # the metric's spread is what matters: start the axis near the data
-            vals = [v for r in runs if (v := run_value(r, k)) is not None]
-            lo, hi = min(vals), max(vals)
-            ax.set_ylim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
+        if k == key:
+            _zoom(ax, labels, [[run_value(r, k) for r in groups[lb]] for lb in labels], groups)
+        elif k == "nc_tokens.cdnv":
+            ax.set_yscale("log")  # a degenerate setting (identity on every head) sits decades away
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
