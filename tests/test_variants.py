@@ -258,9 +258,13 @@ def test_report_groups_runs_by_variant(tmp_path):
             == 0
         )
         runs.append(str(out))
-    assert cli(["report", *runs, "--out", str(tmp_path / "report")]) == 0
+    assert cli(["report", *runs, "--analyze", "--out", str(tmp_path / "report")]) == 0
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
     assert set(summary["classify"]) >= {"k=0", "xsa", "diff"}
+    for run in runs:  # the geometry of every variant was measured (the capture reads the blocks' outputs)
+        geo = json.loads((tmp_path / run.rsplit("/", 1)[-1] / "geometry" / "geometry.json").read_text())
+        last = [n for n in geo["layers"] if n != "pre_logits"][-1]
+        assert geo["layers"][last]["spectra"]["k_mean"] > 0
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| xsa |" in md and "| diff |" in md
 
