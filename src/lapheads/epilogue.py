@@ -1,39 +1,11 @@
-"""The head operator after SDPA: ``out_h = a_h v_self + b_h (P V)_h``, in one pass, at the limit.
+"""The head operator after SDPA: ``out_h = a_h v_self + b_h (P V)_h`` for every head, in one pass.
 
 Every head applies ``a I + b P``: standard ``(0, 1)``, Laplacian ``(1, -1)``, learnable ``(a, b)``
-parameters. SDPA computes ``P V`` for all heads at once; this module finishes the layer. It knows
-two kinds of coefficients, :class:`Runs` (fixed Python numbers, as runs of consecutive heads that
-share them) and a pair of ``(H,)`` tensors (learnable), and computes the same thing for both.
-
-What "at the limit" means here, per layer, forward and backward (``benchmarks/epilogue.py``
-counts it):
-
-* Forward: ONE fresh output buffer, written once. Runs of standard heads are copied, runs of
-  Laplacian heads are ``v_self - pv`` written straight into their part of the buffer (``out=``):
-  no ``cat``, no slices that autograd would scatter back. The buffer is laid out ``(..., T, H,
-  D)`` in memory (a ``(..., H, T, D)`` view of it is returned), the layout SDPA's fused kernels
-  give and the one every attention layer wants next (``out.transpose(1, 2).reshape(B, T, H * D)``
-  is then a view, as after plain SDPA).
-* Grouped-query attention by broadcasting: ``pv`` viewed as ``(..., H_kv, G, T, D)`` against
-  ``v_self`` as ``(..., H_kv, 1, T, D)``; ``v`` is never repeated.
-* Backward: ``d_pv`` written once (``-dy`` on Laplacian runs, ``dy`` on standard runs). The
-  gradient that reaches ``v`` through ``v_self`` (``a dy``, summed over the GQA group) is not
-  returned as a separate ``v``-sized tensor that autograd then adds to SDPA's ``dv`` (that would
-  be two more passes for a mixed layer); it is added in place into SDPA's ``dv``, on the heads
-  that have an identity term only, by a :class:`Tape`: ``v`` enters SDPA through
-  :func:`tap`, whose backward runs right after SDPA's and adds what the epilogue's backward left
-  on the tape. So a mixed layer costs less than an all-Laplacian one, and fixed heads save
-  nothing for backward (the coefficients are Python numbers).
-* Learnable ``(a, b)``: the forward is two passes (``b pv``, then ``+= a v_self``); the backward
-  writes ``d_pv`` once, adds ``a dy`` into ``dv`` in place, and reduces ``sum(dy * v_self)`` and
-  ``sum(dy * pv)`` per head (the gradients of ``a`` and ``b``). It saves ``pv`` (which SDPA saves
-  anyway) and ``a``, ``b``.
-
-Where this machinery cannot run, the same formula runs as plain differentiable aten ops with no
-``cat`` and no ``out=``: under ``torch.compile`` (Inductor fuses it into the neighbouring kernels;
-no graph break, learnable included), while exporting or tracing (``torch.export``,
-``torch.jit.trace``, both ONNX exporters record ordinary ops), and with ``create_graph=True``
-(second derivatives).
+parameters. SDPA computes ``P V`` for all heads at once; this module finishes the layer, for fixed
+coefficients (:class:`Runs`, runs of consecutive heads that share them) and for a pair of ``(H,)``
+tensors (learnable) alike. :func:`lapheads.laplacian_attention` calls it; a model never needs to.
+What it writes and saves per pass, forward and backward, and where it falls back to plain aten ops
+(``torch.compile``, export, second derivatives): docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -20,30 +20,20 @@ of a layer, and the same k is used in every layer. The LM code also takes a per-
 ``LaplacianHeads("mix(0.5,-1):2")``    ablation: the trailing 2 heads apply ``0.5 I - P``
 =====================================  ============================================
 
-Learnable mixing: a head's operator generalises to ``a_h I + b_h P`` with two learned
-numbers per head per layer (a standard head is ``a=0, b=1``, a Laplacian head ``a=1, b=-1``). A
-learnable selection is not a fixed set of heads: :meth:`LaplacianHeads.resolve` refuses it,
-:meth:`LaplacianHeads.init_selection` gives the heads that START Laplacian, and the modules that
+Learnable mixing: a head's operator generalises to ``a_h I + b_h P`` with two learned numbers per
+head per layer (a standard head is ``a=0, b=1``, a Laplacian head ``a=1, b=-1``). The modules that
 accept it (:mod:`lapheads.nn`, :mod:`lapheads.timm`, :mod:`lapheads.transformers`) register the
-parameters ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``) on each attention layer. The
-stateless operator takes them as a :class:`HeadMix`. Names end in ``lap_mix_a`` / ``lap_mix_b``
-(:data:`MIX_PARAM_SUFFIXES`) so optimizers can exclude them from weight decay and from Muon.
-:func:`mixing_table` reads them back from any model, :func:`suggest_selection` turns them into a
-fixed selection (each head takes the nearer of the two fixed operators in the ``(a, b)`` plane).
+parameters ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``, names in
+:data:`MIX_PARAM_SUFFIXES`) on each attention layer; the stateless operator takes them as a
+:class:`HeadMix`. :func:`mixing_table` reads them back from any model, :func:`suggest_selection`
+turns them into a fixed selection (each head takes the nearer of the two fixed operators).
 
-``resolve(n_layers, n_heads)`` returns one :class:`LayerHeads` per layer: that layer's selection
-as a frozen tuple of Python bools (why bools and not a tensor: see :class:`LayerHeads`). Every
-integration resolves once and stores the result on the attention module as
-``laplacian_selection``; :func:`lapheads.laplacian_attention` takes it as is. Every invalid value
-raises :class:`lapheads.errors.ConfigError` (a ``ValueError``) that says what was given and what
-is allowed.
-
-Recipe configs declare the field as ``laplacian_heads: HeadsSetting = heads_field()``
-(:mod:`lapheads.heads_config`: one type and one default, :data:`DEFAULT_LAPLACIAN_HEADS`), so a bad
-value is refused when the config is parsed, with the key in the message. That binding to pydantic
-lives apart from this module, which needs nothing but torch.
-:meth:`LaplacianHeads.sort_key` orders settings for tables: none < 1 < 2 < ... < all <
-per-layer lists < learnable mixing.
+``LaplacianHeads(spec).resolve(n_layers, n_heads)`` gives one :class:`LayerHeads` per layer, the
+form every integration stores and :func:`lapheads.laplacian_attention` takes (a learnable setting
+is refused there; :meth:`LaplacianHeads.init_selection` gives the heads that start Laplacian).
+Every invalid value raises :class:`lapheads.errors.ConfigError` saying what was given and what is
+allowed. Recipe configs declare the field with :mod:`lapheads.heads_config`. Why a selection is
+Python bools and not a tensor: docs/architecture.md.
 """
 
 from __future__ import annotations

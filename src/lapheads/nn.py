@@ -4,52 +4,24 @@
 same ``forward`` signature and return values, same parameters and ``state_dict`` keys (so torch's
 weights load with ``load_state_dict`` and back), plus one keyword, ``laplacian_heads``, that
 turns the selected heads into Laplacian heads (output ``V - P V``, :mod:`lapheads.ops`).
-Design choices:
+:meth:`MultiheadAttention.from_torch` converts an existing module, weights kept, for example
+``layer.self_attn`` of a ``torch.nn.TransformerEncoderLayer``.
 
-* It subclasses the torch module, so parameters, initialisation, ``state_dict`` keys,
-  ``_qkv_same_embed_dim`` and pickling are torch's own; only ``forward`` is replaced.
-* ``forward`` always runs our own path, also with no Laplacian head (torch's C++ inference fast
-  path is not used). That path is tested against torch's module for many configurations, so the
-  baseline is torch's result, not an approximation of it.
-* Inside ``torch.nn.TransformerEncoderLayer`` (as ``self_attn``), torch's fused inference path
-  (eval + ``no_grad`` / ``inference_mode``) would read the projection weights itself and never
-  call ``forward``, silently computing standard attention. torch skips that path when the layer or
-  any submodule has a forward hook, so every instance registers a no-op forward pre-hook
-  (:func:`_keep_torch_off_its_fast_path`, named in ``_forward_pre_hooks``): our ``forward`` runs in
-  train, eval, ``no_grad``, ``inference_mode`` and under ``torch.compile``. Do not clear the
-  module's pre-hooks. (``TransformerDecoderLayer`` has no fused path and always calls ``forward``.)
-* Nested tensors: ``torch.nn.TransformerEncoder`` (``enable_nested_tensor=True``, eval, no grad,
-  with ``src_key_padding_mask``) packs the batch into a nested tensor before the layers. A nested
-  self-attention input (``batch_first=True``, ``query is key is value``, no mask) is padded here,
-  attended with the padding as ``key_padding_mask``, and returned as a nested tensor of the same
-  layout, so the padded positions never influence the real ones.
-* ``need_weights=False`` calls the fused :func:`lapheads.laplacian_attention` (SDPA plus one
-  subtraction, no T x T matrix). ``need_weights=True`` calls the eager
-  :func:`lapheads.laplacian_attention_reference` and returns the operator actually applied to V:
-  ``P`` for a standard head, ``I - P`` for a Laplacian head, averaged over heads when
-  ``average_attn_weights`` (torch returns P, so the two agree when no head is Laplacian).
-* Masks follow torch, not SDPA: in a boolean ``attn_mask`` or ``key_padding_mask`` ``True``
-  means NOT allowed; float masks are added to the scores. Both are merged into one additive mask.
-* ``add_bias_kv`` / ``add_zero_attn`` add key/value positions that are no token's "own"
-  position. They are placed in FRONT of the keys internally (attention does not depend on the
-  order of keys), so the operator's identity term still picks the last ``Tq`` real values; the
-  returned weights are put back in torch's order (extra columns last).
-* Identity term: for self-attention query i uses value i. For cross-attention with ``Tq <= Tk``
-  it uses the LAST ``Tq`` value positions (the operator's KV-cache convention); with ``Tq > Tk``
-  a layer that has Laplacian heads raises :class:`lapheads.ConfigError` (a ``ValueError``).
-* ``is_causal`` is torch's hint: when ``attn_mask`` is given it is used as is. Unlike torch,
-  ``is_causal=True`` without a mask is accepted and builds the causal mask (lower-right aligned,
-  the same as torch's for ``Tq == Tk``).
-* Dropout (training only) acts on P, never on the identity term.
-* Learnable mixing (``laplacian_heads="learn"``, ``"learn:laplacian"``, ``"learn:<k>"`` or
-  ``LaplacianHeads.learn(...)``): the module gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of
-  shape ``(num_heads,)`` and head h applies ``a_h I + b_h P`` (:class:`lapheads.HeadMix`). They
-  are in ``state_dict`` (so torch's own module does not load such a checkpoint with
-  ``strict=True``); :meth:`MultiheadAttention.from_torch` initialises them from the spec. With a
-  fixed selection the module has exactly torch's parameters.
-* A query whose masks hide every key has ``P = 0`` on both paths (the operator's rule, see
-  :mod:`lapheads.ops`): its standard heads output 0 and its Laplacian heads its own value, before
-  ``out_proj``. (torch's module gives 0 with ``need_weights=False`` and NaN with ``need_weights=True``.)
+* ``need_weights=False`` runs the fused operator; ``need_weights=True`` runs the eager reference
+  and returns the operator actually applied to V (``P`` for a standard head, ``I - P`` for a
+  Laplacian head).
+* Masks follow torch, not SDPA (in a boolean mask ``True`` means NOT allowed); ``is_causal=True``
+  without a mask builds the causal mask.
+* The heads stay active inside ``TransformerEncoderLayer`` in every mode (eval, ``no_grad``,
+  ``inference_mode``, ``torch.compile``): each instance carries a no-op forward pre-hook that keeps
+  torch off its fused inference kernel, so do not clear the module's pre-hooks.
+* Cross-attention with ``Tq <= Tk`` uses the last ``Tq`` values as the identity term; with
+  ``Tq > Tk`` a layer with Laplacian heads raises :class:`lapheads.errors.ConfigError`.
+* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``) adds the parameters
+  ``lap_mix_a`` / ``lap_mix_b`` (shape ``(num_heads,)``); with a fixed selection the module has
+  exactly torch's parameters.
+
+How it is built (the pre-hook, nested tensors, ``add_bias_kv``): docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -299,7 +271,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         v = v.view(n, s, h, hd).transpose(1, 2)
         extra = 0
         if self.bias_k is not None and self.bias_v is not None:
-            # In front (see module docstring): the last Tq positions stay the real tokens.
+            # In front (the order of keys does not matter): the last Tq positions stay the real tokens.
             bk = self.bias_k.view(1, h, 1, hd).expand(n, h, 1, hd).to(k.dtype)
             bv = self.bias_v.view(1, h, 1, hd).expand(n, h, 1, hd).to(v.dtype)
             k, v = torch.cat([bk, k], dim=2), torch.cat([bv, v], dim=2)

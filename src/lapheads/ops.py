@@ -1,55 +1,17 @@
 """The Laplacian attention operator.
 
-A standard head outputs ``P V`` with ``P = softmax(Q K^T * scale + mask)``; a Laplacian head outputs
-``(I - P) V = V - P V``. Design choices:
+:func:`laplacian_attention` is a drop-in for ``F.scaled_dot_product_attention`` (the same shapes,
+``(batch, heads, tokens, dim)``, and options) in which the selected heads output ``V - P V``
+instead of ``P V``, with ``P = softmax(Q K^T * scale + mask)``. ``laplacian_heads`` takes any head
+setting (``3``, ``"all"``, a :class:`lapheads.heads.LayerHeads`, ...) or learnable coefficients
+(:class:`lapheads.heads.HeadMix`). :func:`laplacian_attention_reference` is its eager twin: it
+builds the explicit operator (``P``, ``I - P`` or ``a I + b P`` per head) and returns it with the
+output, for tests and plots.
 
-* Every head applies ``a I + b P``: standard ``(0, 1)``, Laplacian ``(1, -1)``, learnable ``(a, b)``.
-  The fused path calls ``F.scaled_dot_product_attention`` once for all heads and then the head
-  operator (:meth:`lapheads.heads.LayerHeads.apply` / :meth:`lapheads.heads.HeadMix.apply`, written
-  in :mod:`lapheads.epilogue`): one fresh output written in one pass, grouped-query attention by
-  broadcast, and the gradient through ``v_self`` added into SDPA's ``dv`` in place. No T x T matrix
-  is ever built, so speed and memory are those of SDPA plus that pass. With no Laplacian head the
-  result is SDPA's own output, untouched.
-* ``v_self`` is the value at the query's own position: the LAST ``Tq`` positions of ``v``. For a
-  full forward pass that is all of ``v``; for a KV-cache chunk (``Tq < Tk``) it is the new tokens.
-* ``is_causal`` with ``Tq != Tk`` is aligned to the lower right (query i sits at key position
-  ``Tk - Tq + i``), the KV-cache convention, for every head. (Plain SDPA aligns it to the upper
-  left, which is never what a cache wants.)
-* Grouped-query attention (``enable_gqa=True``, fewer KV heads than query heads): query head h
-  uses KV head ``h // (H // H_kv)``, exactly as SDPA does; the identity term uses that KV head's
-  values and the subtraction is per query head.
-* Dropout (``dropout_p``) acts on P only; the identity term is never dropped.
-
-Edge cases, the same on both paths (and in :mod:`lapheads.nn` / :mod:`lapheads.timm`):
-
-* A key is masked when a boolean mask holds False there or an additive mask holds ``-inf``.
-  A query row whose mask hides EVERY key has ``P = 0`` (SDPA's behaviour in torch 2.14): a
-  standard head outputs 0 and a Laplacian head outputs ``v_self`` (``I - P = I``). The fused path
-  zeroes such rows of the SDPA output explicitly, so the result does not depend on the kernel or
-  exporter SDPA runs as. (An additive mask of large finite negatives, such as transformers'
-  ``finfo.min``, hides nothing: the row gets a softmax over its scores like any other.)
-* The reference computes the scores and softmax in float32 (float64 for float64 inputs), with
-  the row maximum subtracted, then casts back: half-precision inputs whose logits overflow
-  float16 give the same finite result as the fused path, not NaN.
-* ``scale`` must be None or a finite number >= 0, ``dropout_p`` a number in [0, 1], q / k / v
-  floating-point tensors of one dtype (outside autocast), k and v of the same length, and a
-  float mask must have the dtype of ``q`` (SDPA's rule); anything else is a ConfigError.
-* Head counts are read as Python ints and the selection is a :class:`lapheads.heads.LayerHeads`
-  (Python bools, see its docstring for why), so ``torch.jit.trace``, ``torch.export`` and both
-  ONNX exporters record the head selection as constants. A ``LayerHeads`` is taken as is (the
-  integrations resolve it once); any other form is resolved on each call.
-
-Learnable mixing (``laplacian_heads=HeadMix(a, b)``, ``a`` and ``b`` of shape ``(H,)``): head h
-outputs ``a_h v_self + b_h P V``, i.e. the operator ``a_h I + b_h P``. Same single SDPA call, then
-the same epilogue with ``(a, b)`` tensors in place of Python numbers (see :mod:`lapheads.epilogue`
-for what it writes and saves). The identity term is always present, so ``Tq <= Tk`` is required as
-for a Laplacian head.
-
-The eager twin :func:`laplacian_attention_reference` builds the explicit operator (``P`` for a
-standard head, ``I - P`` for a Laplacian head, ``a I + b P`` in general) and returns it alongside
-the output; it also takes the soft-capping, attention sinks and position bias some models add to
-the scores. timm's eager path and :mod:`lapheads.nn` call it for their explicit form; the
-transformers integration has the same semantics. Tests check the fused path against it; plots show it.
+The identity term is the value at the query's own position, the last ``Tq`` positions of ``v``,
+so a KV-cache chunk works; ``is_causal`` with ``Tq < Tk`` is aligned to the lower right; dropout
+acts on ``P`` only; a query whose mask hides every key has ``P = 0``. Invalid arguments raise
+:class:`lapheads.errors.ConfigError`. How the fused path is built: docs/architecture.md.
 """
 
 from __future__ import annotations

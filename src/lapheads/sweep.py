@@ -6,36 +6,13 @@
         --out runs/digits_sweep [--set data.epochs=5] [--analyze] \\
         [--grid model.embed_dim=32,64 --grid data.fraction=0.25,1] [--point model.depth=2,train.max_steps=50]
 
-Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` made by the recipe's own
-``lapheads train`` command (same flags, same layout). Design choices:
+Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` (``<axis>=<value>__...__lap<k>_seed<s>``
+with config axes) made by the recipe's own ``lapheads train`` command (same flags, same layout).
+The sweep is resumable, never mixes runs made with other settings (it stops before anything
+trains, naming the runs and keys; ``--restart-changed`` / ``--overwrite`` retrain them), and holds
+the lock of ``OUT`` throughout. The design (``--grid`` crossed, ``--point`` added), the run names
+and which config keys may differ from an existing run: docs/reports.md.
 
-* Config axes: ``--grid KEY=V1,V2,...`` (repeatable) crosses its values with every other
-  ``--grid``; ``--point KEY=V,KEY2=V2`` (repeatable) adds one explicit design point, for uneven
-  designs (e.g. longer training only for the wider model). The design is the cross product of the
-  grids plus the points (duplicates once), each crossed with every k and seed. Values are YAML,
-  as for ``--set``; commas inside brackets (``data.mean=[0.5],[0.4]``) do not separate values.
-  ``model.laplacian_heads`` and ``train.seed`` are the ``--laplacian-heads`` / ``--seeds`` axes,
-  and a key may not be both an axis and a ``--set``. Every design point is checked by loading its
-  config before anything runs.
-* Stable, readable names: a design point's directory is ``<axis>=<value>__...__lap<k>_seed<s>``,
-  axes sorted by key and named by their last component (the full dotted key when two axes share
-  it), e.g. ``embed_dim=64__fraction=0.25__lap0_seed1``; a value with characters unsafe in a file
-  name is written with them replaced and a short hash of the exact value appended. Without
-  ``--grid``/``--point`` the names stay ``lap<k>_seed<s>``.
-
-* Resumable: a finished run (``final/model.json`` exists) is skipped, an interrupted one
-  continues with ``--resume`` from its newest checkpoint, a missing one starts (so does a
-  directory left by a start killed before its ``config.yaml`` was complete).
-* Never mixes settings: before anything runs, every existing run's ``config.yaml`` is compared
-  with the config this sweep would write (engine.run.config_changes). Keys that never change
-  the math (logging, evaluation and checkpoint cadence, progress bar, workers, device) may
-  differ; ``train.max_steps`` may differ for an unfinished run (it resumes to the new length),
-  not for a finished one. Any other difference stops the sweep with one line listing the runs
-  and keys; ``--restart-changed`` trains those runs afresh instead and ``--overwrite`` (as for
-  ``lapheads train``) restarts every run. Deletions happen before the first run trains, so an
-  interrupted sweep resumes with the same command without those flags.
-* One writer: the sweep holds the lock of ``OUT`` (engine.run.RunLock) for its whole duration,
-  each run the lock of its own directory.
 * Parallel runs (``--jobs N``, default 1): up to N runs train at once, each a ``lapheads train``
   subprocess with ``OMP_NUM_THREADS`` = the usable cores // N (tiny CPU models gain more from
   running side by side than from more threads each). Each writes ``OUT/logs/<run>.log`` (its

@@ -1,133 +1,51 @@
 """Laplacian heads in timm models (timm >= 1.0.23, unmodified).
 
-What this module gives:
-
-* :class:`LaplacianAttention`, a subclass of ``timm.layers.Attention`` usable as ``attn_layer=`` of
-  timm's ``VisionTransformer`` / ``Block``. The selected heads output ``V - P V`` instead of
-  ``P V`` (:mod:`lapheads.ops`).
-* :func:`convert` turns every convertible attention module of an existing model into its
-  Laplacian twin IN PLACE, by swapping the instance's class: no parameter is created, copied or
-  re-initialised, so pretrained weights, optimizer references and ``state_dict`` keys are all
-  unchanged.
 * :func:`create_model` = ``timm.create_model`` + :func:`convert`, for any timm name it converts,
-  and the loader of saved Laplacian models (a file, ``local-dir:``, ``hf-hub:``).
-* Registered timm names for the paper's variants (see "Naming scheme" below), created by
-  ``timm.create_model`` once ``lapheads.timm`` has been imported.
+  and the loader of saved Laplacian models (a file, ``local-dir:``, ``hf-hub:``): it takes the
+  heads from the checkpoint.
+* :func:`convert` turns every convertible attention module of an existing model into its
+  Laplacian twin IN PLACE: no parameter is created, copied or re-initialised, so pretrained
+  weights, optimizer references and ``state_dict`` keys are unchanged (each converted layer adds
+  one marker buffer, ``lap_heads``). It takes per-layer settings; :func:`laplacian_head_counts`
+  reads them back and :func:`skipped_attention_layers` lists the layers left standard, with the
+  reason. A model none of whose layers converts is refused with a :class:`ConfigError`.
+* :class:`LaplacianAttention`, a subclass of ``timm.layers.Attention`` usable as ``attn_layer=``
+  of timm's ``VisionTransformer`` / ``Block``; ``LaplacianAttention.with_heads(k)`` carries one
+  setting for every layer.
+* Registered names for the paper's variants, created by ``timm.create_model`` once
+  ``lapheads.timm`` has been imported: ``<timm name>_lap<k>`` is the model with the trailing k
+  heads of every layer Laplacian, for ``deit3_small_patch16_224`` (k = 1..6; the paper's
+  "ViT-S-5L" is ``_lap5``), ``deit3_base_patch16_224`` (1..12; "ViT-B-12L" is ``_lap12``) and
+  ``deit3_large_patch16_224`` (1..16). The baseline is the plain timm name. No weights exist for
+  them: to start from DeiT-3 weights use
+  ``create_model("deit3_base_patch16_224", pretrained=True, laplacian_heads=12)``.
 
-Converted attention families (:data:`LAPLACIAN_CLASSES`, timm class -> Laplacian class):
+Converted attention families (:data:`LAPLACIAN_CLASSES`, timm class: the models that use it):
 
-==========================================  =====================================================
-``timm.layers.Attention``                   ViT, DeiT, DeiT-3, DINOv2, CLIP, SigLIP, NaFlexViT, PiT,
-                                            MobileViT, CrossViT's branches, ...
-``timm.models.eva.EvaAttention``            EVA, EVA-02, DINOv3 (``vit_*_dinov3``), timm's RoPE ViTs
-                                            (``vit_*_rope_reg*_gap_256``): RoPE after the prefix
-                                            tokens, fused or separate q/k/v, q/v biases, sub-LN
-                                            (``norm``), gate
-``timm.layers.AttentionRope``               the RoPE-ViTs (``vit_*_patch16_rope[_mixed]_224``, EVA's
-                                            ``attn_type='rope'``), Qwen3 / DeepSeek ViT (grouped-query
-                                            K/V too)
-``timm.models.beit.Attention``              BEiT / BEiT v2: q/v biases, (shared) relative position bias
-``timm.models.swin_transformer``            Swin: attention per window, the shifted windows' mask,
-``.WindowAttention``                        relative position bias
-``timm.models.swin_transformer_v2``         Swin v2: cosine attention with the clamped logit scale,
-``.WindowAttention``                        continuous position bias (``16 sigmoid(cpb_mlp)``)
-``timm.models.vision_transformer_relpos``   RelPos ViT: ``rel_pos.get_bias()`` or the shared bias
-``.RelPosAttention``
-``timm.models.hiera.MaskUnitAttention``     Hiera: mask-unit (windowed) and global attention, the
-                                            layers that do not pool their queries
-``timm.models.levit.Attention``             LeViT: attention biases, linear or conv layout
-``timm.models.maxxvit.Attention2d`` /       MaxViT, CoAtNet, MaxxViT: block / grid partitions and
-``AttentionCl``                             2-d layers, relative position bias
-``timm.models.metaformer.Attention``        CAFormer's attention stages
-``timm.models.davit.WindowAttention``       DaViT's spatial (window) blocks
-==========================================  =====================================================
+* ``timm.layers.Attention``: ViT, DeiT, DeiT-3, DINOv2, CLIP, SigLIP, NaFlexViT, PiT, MobileViT,
+  CrossViT's branches, ...
+* ``timm.models.eva.EvaAttention``: EVA, EVA-02, DINOv3 (``vit_*_dinov3``), timm's RoPE ViTs
+  (``vit_*_rope_reg*_gap_256``): RoPE after the prefix tokens, fused or separate q/k/v, q/v biases,
+  sub-LN (``norm``), gate.
+* ``timm.layers.AttentionRope``: the RoPE-ViTs (``vit_*_patch16_rope[_mixed]_224``, EVA's
+  ``attn_type='rope'``), Qwen3 / DeepSeek ViT (grouped-query K/V too).
+* ``timm.models.beit.Attention``: BEiT / BEiT v2: q/v biases, (shared) relative position bias.
+* ``timm.models.swin_transformer.WindowAttention``: Swin: attention per window, the shifted
+  windows' mask, relative position bias.
+* ``timm.models.swin_transformer_v2.WindowAttention``: Swin v2: cosine attention with the clamped
+  logit scale, continuous position bias (``16 sigmoid(cpb_mlp)``).
+* ``timm.models.vision_transformer_relpos.RelPosAttention``: RelPos ViT: ``rel_pos.get_bias()`` or
+  the shared bias.
+* ``timm.models.hiera.MaskUnitAttention``: Hiera: mask-unit (windowed) and global attention, the
+  layers that do not pool their queries.
+* ``timm.models.levit.Attention``: LeViT: attention biases, linear or conv layout.
+* ``timm.models.maxxvit.Attention2d`` / ``AttentionCl``: MaxViT, CoAtNet, MaxxViT: block / grid
+  partitions and 2-d layers, relative position bias.
+* ``timm.models.metaformer.Attention``: CAFormer's attention stages.
+* ``timm.models.davit.WindowAttention``: DaViT's spatial (window) blocks.
 
-Design choices:
-
-* A layer's selection is ``laplacian_selection``, a :class:`lapheads.heads.LayerHeads` (Python
-  bools, resolved once; see its docstring for why not a tensor), set by
-  :meth:`LaplacianLayer.set_laplacian_heads`, a plain attribute. ``forward`` picks its code path
-  from it, hands it to :func:`lapheads.laplacian_attention` (fused path) or
-  :func:`lapheads.laplacian_attention_reference` (eager path) as is, so the fused path never touches
-  a device mask and ``torch.compile(fullgraph=True)`` works. The selection that rebuilds the model is stored as
-  ``model.laplacian_heads`` (a :class:`lapheads.LaplacianHeads`) and
-  ``model.pretrained_cfg["laplacian_heads"]`` (plain JSON); a saved run records it in its config.
-* Checkpoints. Every converted layer has one persistent buffer, the marker ``lap_heads``
-  (``blocks.<i>.attn.lap_heads``: one int8 per head, 0 standard, 1 Laplacian, 2 learnable
-  mixing), written from the selection whenever a state dict is taken. It is the only key a
-  converted model adds to timm's (besides learnable mixing), and it is what keeps a Laplacian
-  checkpoint from loading silently standard: a strict load into a stock timm model (torch's
-  default, timm's ``pretrained=True`` when the class count is the file's, ``checkpoint_path``)
-  refuses the unexpected key; timm's non-strict load (another class count, a new head) warns
-  naming it. Into a converted layer a marker must equal the layer's heads (else the load fails,
-  strict or not); a checkpoint without markers (stock timm weights, the paper authors'
-  ``MixedAttention`` checkpoints, which have timm's keys) loads into any selection: that is
-  retrofitting. :func:`create_model` reads the weights a caller names (``pretrained_cfg_overlay``
-  ``file``, ``checkpoint_path``, a ``local-dir:`` / ``hf-hub:`` model saved with
-  ``timm.models.save_for_hf``) with timm's own loaders, lets timm load their stock part into the
-  stock model (timm's filters and class-count rules apply), converts the model to the
-  checkpoint's heads (the saved ``pretrained_cfg`` entry, else the markers) unless a selection is
-  given, then loads the markers and mixing into the converted model.
-* A layer with no Laplacian head runs timm's own ``forward`` unchanged, so the k = 0 model is
-  bit-identical to timm on every path of every converted family and costs nothing extra.
-* A Laplacian layer's ``forward`` computes q, k and v the way timm's forward does, from the
-  module's own pieces (its projections, ``q_norm`` / ``k_norm``, timm's ``apply_rot_embed_cat``,
-  ``_get_rel_pos_bias``, ``rel_pos.get_bias``, ``get_attention_biases``), folds every position
-  bias and window mask into ONE additive float mask, and calls the operator once
-  (:meth:`LaplacianLayer._laplacian_attend`); then it finishes as timm does (sub-LN ``norm``,
-  gate, ``proj``). Swin's shifted-window mask is added to the bias per window exactly as timm's
-  fused branch does; Swin v2's cosine attention is ``normalize(q) * logit_scale`` against
-  ``normalize(k)`` at scale 1, so it runs through SDPA too (timm has only an eager branch there).
-* Fused path (``fused_attn=True``, or a module without that switch: Swin v2, LeViT):
-  :func:`lapheads.laplacian_attention` (one SDPA call, then ``v - out`` on the selected heads).
-  Eager path (``fused_attn=False``, e.g. Swin v1's default): the explicit operator
-  (:func:`lapheads.laplacian_attention_reference`: scores and softmax in float32, the same mask,
-  ``attn_drop``'s rate applied to P only, the identity term never dropped). On both paths a query
-  row whose mask hides every key has ``P = 0`` (the operator's rule, :mod:`lapheads.ops`), so its
-  Laplacian heads output ``v``. A layer with no Laplacian head is
-  timm's own code, where such a row is NaN on the eager path. ``qk_norm``, ``scale_norm``
-  (``self.norm``), timm's output gate (``gated=True``), ``attn_mask`` and ``is_causal`` behave
-  exactly as in timm.
-* A layer is converted only where a query's own value is among its keys (``I - P`` needs the
-  query's own position). Left standard, and listed with the reason by
-  :func:`skipped_attention_layers`: attention that pools or subsamples its queries (Hiera's
-  stage transitions, LeViT's ``AttentionDownsample``), spatial-reduction attention (PVT v2,
-  Twins' global sub-sampling, Next-ViT), cross-covariance / channel attention (XCiT, EdgeNeXt,
-  DaViT's channel blocks), class attention and latent-query pooling (CaiT, XCiT, VOLO, timm's
-  ``AttentionPoolLatent``), cross-attention (CrossViT), and attention without a token-to-token
-  softmax (linear, additive, factorized, talking-heads, outlook). A model none of whose layers
-  converts is refused with a :class:`ConfigError` naming those classes and reasons.
-* timm builds every block's ``attn_layer`` with the same keyword arguments and never tells it its
-  depth, so a class can only carry a selection that is the same in every layer: use
-  ``LaplacianAttention.with_heads(k)`` (a cached subclass whose default is k) as ``attn_layer``, or
-  build the model plainly and call :func:`convert`, which also takes per-layer selections (one
-  entry per converted layer, in :func:`laplacian_attention_layers` order).
-* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``): every
-  converted layer gets two parameters ``lap_mix_a`` / ``lap_mix_b`` of shape ``(num_heads,)`` and
-  head h applies ``a_h I + b_h P`` on both paths (:class:`lapheads.HeadMix`, given to the fused
-  operator or to the eager reference by :func:`lapheads.heads.layer_operator`). Unlike a fixed selection these ARE in the
-  ``state_dict`` (``blocks.<i>.attn.lap_mix_a``), so a learnable model saves and restores its mixing;
-  loading a plain timm checkpoint into it needs ``strict=False`` (the mixing keeps its
-  initialisation). Switching a layer back to a fixed selection removes the parameters.
-* Only modules whose class is EXACTLY one of :data:`LAPLACIAN_CLASSES`' keys (or already
-  Laplacian) are converted: a timm subclass may change the forward in ways the Laplacian twin
-  does not know.
-
-Naming scheme of the registered variants: ``<timm base name>_lap<k>`` = the timm model with the
-TRAILING k heads of EVERY layer Laplacian (the authors' convention), for the DeiT-3 ViT-S/B/L at
-patch 16 / 224 px and every k from 1 to the number of heads:
-
-    deit3_small_patch16_224_lap1 .. _lap6     (ViT-S, 6 heads; the paper's "ViT-S-5L" is _lap5)
-    deit3_base_patch16_224_lap1  .. _lap12    (ViT-B, 12 heads; "ViT-B-12L" is _lap12)
-    deit3_large_patch16_224_lap1 .. _lap16    (ViT-L, 16 heads)
-
-The baseline (k = 0) is the plain timm name. A dotted name such as ``deit3_base_patch16_224.lap12``
-is deliberately NOT used: timm reads the part after the dot as a pretrained-weight tag. No weights
-exist for these variants, so ``pretrained=True`` raises a :class:`ConfigError` unless a saved
-checkpoint is named (``local-dir:`` / ``hf-hub:`` of a saved variant, which plain
-``timm.create_model`` reloads too, or ``pretrained_cfg_overlay=dict(file=...)``); to start from
-DeiT-3 weights use ``create_model("deit3_base_patch16_224", pretrained=True, laplacian_heads=12)``.
-Other image sizes / class counts are timm keyword arguments (``img_size=192, num_classes=100``).
+Which timm families pass is measured by the test suite (the timm coverage table of the docs). How
+the conversion and the checkpoints work: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,31 @@
 """Laplacian heads for Hugging Face ``transformers`` (5.x) models, with no fork of the model code.
 
-``import lapheads.transformers`` registers three attention implementations, each with its mask
-function, in transformers' global ``AttentionInterface`` / ``AttentionMaskInterface`` (the
-extension point transformers offers for attention functions; nothing of transformers is patched):
-
-* ``"laplacian_sdpa"`` (:data:`ATTN_IMPLEMENTATION`): the fused path, one SDPA call per layer
-  and ``v_self - out`` for the Laplacian heads (:func:`lapheads.laplacian_attention`).
-* ``"laplacian_fused"`` (:data:`FUSED_ATTN_IMPLEMENTATION`): the same function for model classes
-  that declare ``_supports_sdpa = False`` (Gemma 2, GPT-OSS): transformers sends every name that
-  contains "sdpa" through its SDPA-support check, whatever function the name is registered to.
-* ``"laplacian_eager"`` (:data:`EAGER_ATTN_IMPLEMENTATION`): the readable path that materialises
-  the operator and returns it as the attention weights (``P`` for a standard head, ``I - P`` for a
-  Laplacian head), so ``output_attentions=True`` shows what each head applied to V.
+``import lapheads.transformers`` registers three attention implementations in transformers'
+``AttentionInterface``: ``"laplacian_sdpa"`` (:data:`ATTN_IMPLEMENTATION`, fused: one SDPA call
+per layer, then the subtraction), ``"laplacian_fused"`` (:data:`FUSED_ATTN_IMPLEMENTATION`, the
+same for model classes without SDPA support: Gemma 2, GPT-OSS) and ``"laplacian_eager"``
+(:data:`EAGER_ATTN_IMPLEMENTATION`, which materialises the operator and returns it as the
+attention weights: ``P`` for a standard head, ``I - P`` for a Laplacian head).
 
 Every model whose attention modules dispatch through the interface gets Laplacian heads:
 decoders (NanoChat, Llama, Qwen3, GPT-2, Mistral, Gemma 2, GPT-OSS, ...), encoders and vision
-towers (BERT, ViT, DeiT, DINOv2, BEiT, CLIP and SigLIP towers), encoder-decoders (T5, BART).
-The table of what is covered, measured per attention family, is ``docs/coverage-transformers.md``
-(written by ``tools/coverage``).
+towers (BERT, ViT, DeiT, DINOv2, BEiT, CLIP and SigLIP towers), encoder-decoders (T5, BART); the
+transformers coverage table of the docs lists every family, measured.
 
-* Heads per layer come from ``config.laplacian_heads`` (anything :class:`lapheads.LaplacianHeads`
-  accepts), a plain config attribute that ``save_pretrained`` writes and ``from_pretrained`` reads.
-  The layer's resolved :class:`lapheads.heads.LayerHeads` is stored on the module as
-  ``laplacian_selection`` and resolved again when the spec changes. Composite configs (CLIP,
-  SigLIP, LLaVA-style models) hold the spec on the sub-config each tower's modules see, so a tower
-  loaded alone reads it; ``enable(model, {"vision_config": 2, "text_config": 0})`` gives each its own.
-* :func:`enable` and :func:`from_pretrained` INDEX the model (which module is which layer of
-  which stack; see :func:`attention_modules`), since encoders and towers carry no ``layer_idx``.
-* A checkpoint with Laplacian heads never loads as a standard model: its ``config.json`` names the
-  implementation (``"attn_implementation"``, written by :func:`mark_config`), under a name that is
-  registered only while lapheads is imported. A model that plain loading reproduces (the decoders)
-  saves :data:`SAVED_ATTN_IMPLEMENTATION`, so a plain ``from_pretrained``, ``pipeline(...)`` or
-  lm-eval's ``HFLM`` gets the Laplacian heads after ``import lapheads.transformers``, and transformers
-  refuses it without that import, naming the fix. A model that needs indexing saves the name with
-  :data:`INDEXED_ATTN_IMPLEMENTATION_SUFFIX`: a plain load of it refuses its first forward with
-  one line naming :func:`from_pretrained`, which loads it.
-* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``): :func:`enable` registers
-  ``lap_mix_a`` / ``lap_mix_b`` on every self-attention module (:func:`mixing_modules`);
-  ``save_pretrained`` writes them and :func:`from_pretrained` reads them back (a plain load drops
-  them, so its first forward is refused with the fix).
+* :func:`enable` sets ``config.laplacian_heads`` (anything :class:`lapheads.LaplacianHeads`
+  accepts; for CLIP / SigLIP a dict per tower, ``{"vision_config": 2, "text_config": 0}``),
+  indexes the model's attention modules and switches its attention implementation. Call it
+  before building the optimizer when the setting is learnable.
+* ``model.save_pretrained(path)`` writes the heads and the implementation into ``config.json``
+  (and the mixing parameters of a learnable setting); :func:`from_pretrained` loads any model
+  class with its heads. A decoder with fixed heads also loads with plain transformers after
+  ``import lapheads.transformers``; a checkpoint with Laplacian heads never loads silently as a
+  standard model.
+* Generation with the dynamic KV cache is exact; a static cache is refused. Cross-attention
+  modules always use standard attention.
 
-``docs/integrations.md`` shows how to save and reload, and how each of these works.
+How to save and reload, and how each of these works: docs/integrations.md and
+docs/architecture.md.
 """
 
 from __future__ import annotations
