@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -214,6 +216,21 @@ def test_lm_variant_survives_save_and_load(tmp_path):
     back = lap_tf.from_pretrained(str(tmp_path / "hf")).double().eval()
     assert apply_variant(back) == "xsa" and back.config._attn_implementation == XSA_IMPLEMENTATION
     torch.testing.assert_close(back(ids).logits, want, atol=1e-12, rtol=0)
+    # a plain load builds XSA too (the implementation name is in config.json) ...
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).double().eval()
+    assert plain.config._attn_implementation == XSA_IMPLEMENTATION
+    torch.testing.assert_close(plain(ids).logits, want, atol=1e-12, rtol=0)
+    # ... and an interpreter without lapheads refuses it at load instead of building standard attention
+    code = (
+        "import sys; from transformers import AutoModelForCausalLM\n"
+        "try:\n    AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "except ValueError as e:\n    print('refused:', e); sys.exit(0)\n"
+        "sys.exit('loaded')"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], capture_output=True, text=True)
+    assert r.returncode == 0 and "lapheads_xsa" in r.stdout, (r.stdout, r.stderr[-2000:])
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     cfg["lapheads_attention"] = "neutreno"
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))

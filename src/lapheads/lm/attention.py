@@ -3,9 +3,11 @@
 ``xsa`` is transformers' own SDPA attention function followed by :func:`lapheads.variants.xsa`,
 registered in transformers' ``AttentionInterface`` (and its mask in ``AttentionMaskInterface``)
 as :data:`XSA_IMPLEMENTATION`, so NanoChat's attention module calls it in place of SDPA. The
-model's config records the variant as ``lapheads_attention`` (written to ``config.json``), and
-:func:`apply_variant` sets the implementation again when a run is loaded
-(``lapheads.recipes.lm.load_model``).
+model's config records the variant as ``lapheads_attention`` and the implementation as
+``attn_implementation`` (both written to ``config.json``): :func:`apply_variant` sets the
+implementation again when a run is loaded (``lapheads.recipes.lm.load_model``), a plain
+``AutoModelForCausalLM.from_pretrained`` after ``import lapheads.lm.attention`` builds XSA, and
+without that import transformers refuses the unknown implementation name.
 
 ``diff`` is not offered for the LM: transformers' differential attention lives in
 ``DiffLlamaAttention``, a whole attention module with its own projections and head layout and
@@ -71,6 +73,10 @@ def set_variant(model: torch.nn.Module, attention: str) -> None:
     """Make ``model`` (a transformers model) use ``attention`` and record it in its config."""
     if attention == "xsa":
         model.set_attn_implementation(XSA_IMPLEMENTATION)
+        # transformers reads config.json's "attn_implementation" but never writes it: stored as a plain
+        # attribute it is saved, so a plain load needs this module imported (the name registered
+        # here) and is refused by transformers without it, instead of building standard attention.
+        model.config.attn_implementation = XSA_IMPLEMENTATION
     if attention != "laplacian":
         setattr(model.config, CONFIG_KEY, attention)
 
