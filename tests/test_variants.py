@@ -112,6 +112,34 @@ def test_classify_xsa_layer_matches_the_formula():
     torch.testing.assert_close(attn(x), want, atol=1e-12, rtol=0)
 
 
+def test_classify_xsa_state_dict_never_loads_silently_into_stock_attention():
+    """An XSA model's state dict has one marker per layer: a strict load into the stock timm model
+    refuses it; stock weights (no marker) load into the XSA model, whose output then differs."""
+    import timm
+
+    model = _classify_model("xsa")
+    sd = model.state_dict()
+    assert [k for k in sd if k.endswith(".attn.xsa")] == ["blocks.0.attn.xsa", "blocks.1.attn.xsa"]
+    from lapheads.recipes.classify import ModelConfig, timm_kwargs
+
+    m = ModelConfig.model_validate(
+        {"name": "vit_tiny_patch16_224", "img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 2}
+        | {"num_heads": 4, "qk_norm": False}
+    )
+    torch.manual_seed(1)
+    stock = timm.create_model(m.name, pretrained=False, **timm_kwargs(m, 10)).double().eval()  # plain timm
+    assert type(stock.blocks[0].attn) is timm.layers.Attention
+    with pytest.raises(RuntimeError, match="Unexpected key.*blocks.0.attn.xsa"):
+        stock.load_state_dict(sd)
+    fresh = _classify_model("xsa")
+    fresh.load_state_dict(stock.state_dict())  # stock weights into XSA layers: strict, accepted
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    assert float((fresh(x) - stock(x)).abs().max()) > 1e-6
+    again = _classify_model("xsa")
+    again.load_state_dict(sd)
+    torch.testing.assert_close(again(x), model(x), atol=0, rtol=0)
+
+
 def test_classify_diff_is_timms_diffattention_and_matches_the_paper():
     from timm.layers.diff_attention import DiffAttention
 

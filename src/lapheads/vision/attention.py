@@ -3,6 +3,11 @@
 timm's ``VisionTransformer`` takes its attention class as ``attn_layer``: ``"diff"`` is timm's own
 ``DiffAttention`` (differential attention, used as timm ships it), and :class:`XSAAttention` is
 timm's ``Attention`` with exclusive self-attention after SDPA (:func:`lapheads.variants.xsa`).
+
+An XSA layer has the parameters of timm's ``Attention``, so it carries a persistent marker
+(:data:`MARKER`, one element) that a strict load into a stock timm layer refuses as an unexpected
+key: its state dict never loads silently as standard attention. Stock weights (no marker) still
+load into it, for training XSA from a pretrained standard model.
 """
 
 from __future__ import annotations
@@ -15,11 +20,36 @@ from timm.layers import Attention
 
 from ..variants import xsa
 
-__all__ = ["XSAAttention", "attn_layer"]
+__all__ = ["XSAAttention", "attn_layer", "MARKER"]
+
+#: The persistent buffer that marks an XSA layer in a state dict.
+MARKER = "xsa"
 
 
 class XSAAttention(Attention):
     """timm's ``Attention`` whose heads output ``y - (y . v_hat) v_hat`` (``y`` = SDPA's ``P V``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer(MARKER, torch.ones(1, dtype=torch.int8))
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + MARKER
+        absent = key not in state_dict  # stock timm weights: they load into an XSA layer
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if absent and key in missing_keys:
+            missing_keys.remove(key)
 
     def forward(
         self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
