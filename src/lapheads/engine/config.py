@@ -860,3 +860,13 @@ def number_arg(
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def flatten_config(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a nested config as dotted keys."""
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}

@@ -72,7 +72,7 @@ import yaml
 
 from ..errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
 from ..outputs import atomic_write, check_out_dir, read_json, write_json
-from .config import load_yaml, to_dict
+from .config import flatten_config, load_yaml, to_dict
 from .trackers import STATE_FILE as TRACKERS_FILE
 
 LOCK_NAME = ".lock"
@@ -185,16 +185,6 @@ RESUME_WARN = {"train.threads"}
 # Keys that may differ for a FINISHED run that is reused as is (e.g. by a sweep): the run length
 # decides the final model, so it is not among them.
 FINISHED_MUTABLE = RESUME_MUTABLE - {"train.max_steps"}
-
-
-def flatten_config(d: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a nested config as dotted keys."""
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flatten_config(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): d}
 
 
 SameValue = Callable[[str, Any, Any], bool]

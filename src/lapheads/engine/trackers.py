@@ -378,7 +378,7 @@ class MlflowTracker(Tracker):
     def start(self, resume_step: Optional[int]) -> None:
         from mlflow.tracking import MlflowClient
 
-        from .run import flatten_config
+        from .config import flatten_config
 
         # a resume continues in the store its run started in, unless train.mlflow_tracking_uri names one
         uri = self.options.get("mlflow_tracking_uri") or self.state.get("tracking_uri") or None
