@@ -201,6 +201,14 @@ def _stock_attention(
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _mask_like(attention_mask: Optional[torch.Tensor], query: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float mask in the dtype of ``query``: eager_mask has the embeddings' dtype, while under
+    autocast the queries are bf16/fp16 and the operator takes a float mask only in the dtype of q."""
+    if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
+        return attention_mask.to(query.dtype)
+    return attention_mask
+
+
 # --------------------------------------------------------------------------- attention functions
 def laplacian_sdpa_attention_forward(
     module: torch.nn.Module,
@@ -239,8 +247,7 @@ def laplacian_sdpa_attention_forward(
     extras = _extras(module, kwargs)
     _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
-    if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
-        attention_mask = attention_mask.to(query.dtype)  # eager_mask has the embeddings' dtype (autocast)
+    attention_mask = _mask_like(attention_mask, query)
     if extras.any:
         out = fused_extras(query, key, value, heads, attention_mask, causal, scaling, dropout, extras)
     else:
@@ -294,10 +301,7 @@ def laplacian_eager_attention_forward(
     if any_lap:
         _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
-    if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
-        # eager_mask has the embeddings' dtype; under autocast the queries are bf16/fp16, and the
-        # operator takes a float mask only in the dtype of q.
-        attention_mask = attention_mask.to(query.dtype)
+    attention_mask = _mask_like(attention_mask, query)
     out, op = laplacian_attention_reference(
         query,
         key,
