@@ -1,22 +1,9 @@
-"""The interface every image classification data set of lapheads has, and its splits and subsets.
-
-* Every data set is map-style and returns ``(image, label)``: a PIL image passed through
-  ``transform`` when one is set, and an ``int`` label. Each has ``classes``, ``num_classes``,
-  ``targets`` (all labels, for per-class accuracy and samplers), ``channels`` and ``native_size``
-  (None when the sizes vary). The formats (CIFAR, folders, idx, digits, Hugging Face) and the
-  factory that picks one are :mod:`lapheads.data.images`.
-* A validation split carved out of one labelled set (a folder without ``train/`` and ``val/``,
-  digits, a Hugging Face set without a validation split) is :func:`stratified_split`:
-  deterministic, per class.
-* Subsets for data-size scaling (:func:`subset_indices`, :class:`SubsetImageDataset`): a
-  ``fraction`` and/or ``max_items`` of a labelled set, stratified (every class keeps the same
-  share, the per-class counts rounded so that the total is exact), deterministic
-  given a seed, and nested: with one seed, a smaller subset is contained in every larger one, so
-  a data-size sweep adds data rather than redrawing it.
-"""
+"""The interface of every image classification data set of lapheads, its splits and nested
+stratified subsets (design: docs/design/data.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -67,9 +54,14 @@ def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
 class ImageDataset(torch.utils.data.Dataset):
     """Common interface: ``(image, label)`` items plus class metadata.
 
+    Built directly, it is a file-backed set (an image folder): the images ``files`` (decoded as RGB
+    when read), labelled ``targets`` with ``classes``. The array-, subset- and Hugging Face-backed
+    sets subclass it.
+
     Attributes:
         classes: class names, index = label.
         targets: ``int64`` array of all labels.
+        files: the image files of a file-backed set.
         channels: 3 (RGB) or 1 (grayscale) in the source.
         native_size: side of the stored images in pixels, ``None`` when they vary.
         transform: applied to the PIL image in ``__getitem__`` when not ``None``.
@@ -78,12 +70,22 @@ class ImageDataset(torch.utils.data.Dataset):
 
     classes: list[str]
     targets: np.ndarray
+    files: list[Path]
     channels: int
     native_size: Optional[int]
     source: str
 
-    def __init__(self, transform: Optional[Callable] = None):
+    def __init__(
+        self,
+        transform: Optional[Callable] = None,
+        files: Sequence[Path] = (),
+        targets: Sequence[int] = (),
+        classes: Sequence[str] = (),
+        source: str = "",
+    ):
         self.transform = transform
+        self.files, self.targets, self.classes = list(files), np.asarray(targets, dtype=np.int64), list(classes)
+        self.channels, self.native_size, self.source = 3, None, source
 
     @property
     def num_classes(self) -> int:
@@ -94,8 +96,18 @@ class ImageDataset(torch.utils.data.Dataset):
         return np.bincount(self.targets, minlength=self.num_classes)
 
     def load_image(self, index: int) -> Image.Image:
-        """The decoded image at ``index``; every concrete data set (array- or file-backed) defines it."""
-        raise TypeError(f"{type(self).__name__} must define load_image()")
+        """The decoded image at ``index`` (here: file ``files[index]`` as RGB)."""
+        path = self.files[index]
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")  # convert() forces a full decode
+        except Exception as e:  # PIL raises many types for bad files
+            raise DataError(f"{path}: image does not decode ({type(e).__name__}: {e})") from None
+
+    def verify(self) -> None:
+        """Decode every image; raise :class:`DataError` naming the first that fails."""
+        for i in range(len(self)):
+            self.load_image(i)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -132,7 +144,6 @@ class ArrayImageDataset(ImageDataset):
         source: str,
         transform: Optional[Callable] = None,
     ):
-        super().__init__(transform)
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] != 3):
             raise DataError(
@@ -141,13 +152,11 @@ class ArrayImageDataset(ImageDataset):
         labels = np.asarray(labels, dtype=np.int64).reshape(-1)
         if len(labels) != len(images):
             raise DataError(f"{source}: {len(images)} images but {len(labels)} labels")
-        self.classes = [str(c) for c in classes]
+        super().__init__(transform, targets=labels, classes=[str(c) for c in classes], source=source)
         check_labels(labels, len(self.classes), source)
         self.images = images
-        self.targets = labels
         self.channels = 3 if images.ndim == 4 else 1
         self.native_size = int(images.shape[1]) if images.shape[1] == images.shape[2] else None
-        self.source = source
 
     def load_image(self, index: int) -> Image.Image:
         return Image.fromarray(self.images[index], mode=None)
@@ -218,14 +227,12 @@ class SubsetImageDataset(ImageDataset):
     """
 
     def __init__(self, base: ImageDataset, indices: Sequence[int], transform: Optional[Callable] = None):
-        super().__init__(transform)
         self.base = base
         self.indices = np.asarray(indices, dtype=np.int64)
-        self.classes = list(base.classes)
-        self.targets = np.asarray(base.targets)[self.indices]
+        source = f"{base.source}[{len(self.indices)} of {len(base)}]"
+        super().__init__(transform, targets=np.asarray(base.targets)[self.indices], classes=base.classes, source=source)
         self.channels = base.channels
         self.native_size = base.native_size
-        self.source = f"{base.source}[{len(self.indices)} of {len(base)}]"
 
     def load_image(self, index: int) -> Image.Image:
         return self.base.load_image(int(self.indices[index]))

@@ -1,19 +1,7 @@
 """Image classification data sets read from local files: CIFAR, image folders, idx, digits.
 
-The formats are described in :mod:`lapheads.data.images`, whose :func:`~lapheads.data.images.build_image_dataset`
-picks one from a data spec. Nothing is downloaded.
-
-* CIFAR archives are read member by member from the ``.tar.gz`` (no extraction to disk). The
-  pickles are loaded with a restricted unpickler that only accepts the builtin containers and
-  numpy arrays the official files contain, so a malicious "CIFAR" file cannot run code
-  (torchvision's CIFAR classes unpickle without that restriction).
-* Image folders are listed by ``torchvision.datasets.ImageFolder`` (its ``make_dataset``), with
-  the class folders taken from ``train/`` for both splits and every problem named in one line.
-* idx files are read here rather than by torchvision's MNIST reader, which reads neither ``.gz``
-  files nor reports what is wrong with a damaged one: every header field and the size are checked
-  against the file, and the error names the file and the field.
-* Array-backed sets (CIFAR, idx, digits) hold uint8 arrays in memory (CIFAR-100 train is 150 MB)
-  and pickle cheaply to DataLoader workers; folders hold only the file list.
+:func:`~lapheads.data.images.build_image_dataset` picks one from a data spec; nothing is
+downloaded. Which library reads what, and why: docs/design/data.md.
 """
 
 from __future__ import annotations
@@ -30,7 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
-from PIL import Image
 
 from ..errors import ConfigError, DataError
 from .image_dataset import (
@@ -44,7 +31,7 @@ from .image_dataset import (
 
 __all__ = [
     "CIFARDataset",
-    "ImageFolderDataset",
+    "image_folder",
     "IdxDataset",
     "read_idx",
     "DigitsDataset",
@@ -250,9 +237,17 @@ def _class_dirs(root: Path) -> list[str]:
     return sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
-class ImageFolderDataset(ImageDataset):
-    """``root/<class>/**/<image>`` trees, listed by ``torchvision.datasets.ImageFolder``; class =
-    folder name, classes sorted, hidden folders and files left out.
+def image_folder(
+    root: PathLike,
+    split: str = "train",
+    verify: Union[bool, str] = "auto",
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    transform: Optional[Callable] = None,
+) -> ImageDataset:
+    """A file-backed :class:`ImageDataset` of a ``root/<class>/**/<image>`` tree, listed by
+    ``torchvision.datasets.ImageFolder``; class = folder name, classes sorted, hidden folders and
+    files left out.
 
     Args:
         root: a folder with ``train/`` and ``val/`` sub-trees, or with class folders directly.
@@ -264,90 +259,61 @@ class ImageFolderDataset(ImageDataset):
         seed: seed of that split.
         transform: optional transform of the PIL image.
     """
+    from torchvision.datasets import ImageFolder  # optional dependency (lapheads[train]), imported when used
 
-    def __init__(
-        self,
-        root: PathLike,
-        split: str = "train",
-        verify: Union[bool, str] = "auto",
-        val_fraction: float = 0.2,
-        seed: int = 0,
-        transform: Optional[Callable] = None,
-    ):
-        from torchvision.datasets import ImageFolder  # optional dependency (lapheads[train]), imported when used
-
-        super().__init__(transform)
-        split = check_split(split)
-        root = Path(root)
-        if not root.is_dir():
-            raise DataError(f"{root}: image folder not found")
-        if (root / "train").is_dir():
-            train_dir = root / "train"
-            classes = _class_dirs(train_dir)
-            if not classes:
-                raise DataError(f"{train_dir}: no class folders (expected {train_dir}/<class>/<image files>)")
-            if split == "val":
-                val_dir = root / "val"
-                if not val_dir.is_dir():
-                    raise DataError(f"{val_dir}: missing; {root} has train/ so it needs val/ with the same classes")
-                val_classes = _class_dirs(val_dir)
-                missing = [c for c in classes if c not in val_classes]
-                if missing:
-                    raise DataError(
-                        f"{val_dir / missing[0]}: missing class folder (train/ has class {missing[0]!r};"
-                        f" {len(missing)} class folder(s) missing from val/ in all)"
-                    )
-                extra = [c for c in val_classes if c not in classes]
-                if extra:
-                    raise DataError(f"{val_dir / extra[0]}: class {extra[0]!r} is not in {train_dir}")
-            base, carve = root / split, False
-        else:
-            classes = _class_dirs(root)
-            if not classes:
+    split = check_split(split)
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"{root}: image folder not found")
+    if (root / "train").is_dir():
+        train_dir = root / "train"
+        classes = _class_dirs(train_dir)
+        if not classes:
+            raise DataError(f"{train_dir}: no class folders (expected {train_dir}/<class>/<image files>)")
+        if split == "val":
+            val_dir = root / "val"
+            if not val_dir.is_dir():
+                raise DataError(f"{val_dir}: missing; {root} has train/ so it needs val/ with the same classes")
+            val_classes = _class_dirs(val_dir)
+            missing = [c for c in classes if c not in val_classes]
+            if missing:
                 raise DataError(
-                    f"{root}: no class folders (expected {root}/<class>/<image files> or "
-                    f"{root}/train/<class>/... and {root}/val/<class>/...)"
+                    f"{val_dir / missing[0]}: missing class folder (train/ has class {missing[0]!r};"
+                    f" {len(missing)} class folder(s) missing from val/ in all)"
                 )
-            base, carve = root, True
-        samples = ImageFolder.make_dataset(
-            str(base), {c: i for i, c in enumerate(classes)}, is_valid_file=_is_image, allow_empty=True
-        )
-        targets = np.asarray([label for _, label in samples], dtype=np.int64)
-        empty = np.flatnonzero(np.bincount(targets, minlength=len(classes)) == 0)
-        if empty.size:
+            extra = [c for c in val_classes if c not in classes]
+            if extra:
+                raise DataError(f"{val_dir / extra[0]}: class {extra[0]!r} is not in {train_dir}")
+        base, carve = root / split, False
+    else:
+        classes = _class_dirs(root)
+        if not classes:
             raise DataError(
-                f"{base / classes[int(empty[0])]}: class folder has no image files ({', '.join(IMAGE_EXTENSIONS)})"
+                f"{root}: no class folders (expected {root}/<class>/<image files> or "
+                f"{root}/train/<class>/... and {root}/val/<class>/...)"
             )
-        files = [Path(path) for path, _ in samples]
-        if carve:
-            keep = stratified_split(targets, split, val_fraction, seed)
-            files = [files[i] for i in keep]
-            targets = targets[keep]
-        self.classes = classes
-        self.files = files
-        self.targets = targets
-        self.channels = 3
-        self.native_size = None
-        self.source = f"imagefolder:{root}:{split}"
-        if verify == "auto":
-            verify = len(files) <= _VERIFY_AUTO_LIMIT
-        elif not isinstance(verify, bool):
-            raise ConfigError(f"verify={verify!r}; expected True, False or 'auto'")
-        if verify:
-            self.verify()
-
-    def verify(self) -> None:
-        """Decode every image; raise :class:`DataError` naming the first that fails."""
-        for i in range(len(self.files)):
-            self.load_image(i)
-
-    def load_image(self, index: int) -> Image.Image:
-        path = self.files[index]
-        try:
-            with Image.open(path) as im:
-                return im.convert("RGB")  # convert() forces a full decode
-        except Exception as e:  # PIL raises many types for bad files
-            raise DataError(f"{path}: image does not decode ({type(e).__name__}: {e})") from None
+        base, carve = root, True
+    samples = ImageFolder.make_dataset(
+        str(base), {c: i for i, c in enumerate(classes)}, is_valid_file=_is_image, allow_empty=True
+    )
+    targets = np.asarray([label for _, label in samples], dtype=np.int64)
+    empty = np.flatnonzero(np.bincount(targets, minlength=len(classes)) == 0)
+    if empty.size:
+        raise DataError(
+            f"{base / classes[int(empty[0])]}: class folder has no image files ({', '.join(IMAGE_EXTENSIONS)})"
+        )
+    files = [Path(path) for path, _ in samples]
+    if carve:
+        keep = stratified_split(targets, split, val_fraction, seed)
+        files, targets = [files[i] for i in keep], targets[keep]
+    ds = ImageDataset(transform, files, targets, classes, source=f"imagefolder:{root}:{split}")
+    if verify == "auto":
+        verify = len(files) <= _VERIFY_AUTO_LIMIT
+    elif not isinstance(verify, bool):
+        raise ConfigError(f"verify={verify!r}; expected True, False or 'auto'")
+    if verify:
+        ds.verify()
+    return ds
 
 
 # ============================================================================ idx (MNIST)

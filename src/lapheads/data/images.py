@@ -60,7 +60,7 @@ from .image_files import (
     CIFARDataset,
     DigitsDataset,
     IdxDataset,
-    ImageFolderDataset,
+    image_folder,
     load_digits_arrays,
     read_idx,
 )
@@ -72,7 +72,7 @@ __all__ = [
     "subset_indices",
     "subset",
     "CIFARDataset",
-    "ImageFolderDataset",
+    "image_folder",
     "IdxDataset",
     "DigitsDataset",
     "HFImageDataset",
@@ -188,7 +188,7 @@ def build_image_dataset(
     if kind in ("cifar10", "cifar100", "cifar"):
         return CIFARDataset(path, split, kind=None if kind == "cifar" else kind, transform=transform, **options)
     if kind == "imagefolder":
-        return ImageFolderDataset(path, split, transform=transform, **options)
+        return image_folder(path, split, transform=transform, **options)
     if kind == "hf":
         return HFImageDataset(str(path), split, transform=transform, **options)
     return IdxDataset(path, split, transform=transform, **options)
