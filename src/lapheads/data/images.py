@@ -1,40 +1,10 @@
 """Image classification data sets read from local files (nothing is downloaded).
 
-Formats (docs/recipe-classify.md):
-
-* ``cifar10`` / ``cifar100``: the official python-pickle archives, either the ``.tar.gz`` as
-  downloaded (``cifar-10-python.tar.gz`` with ``cifar-10-batches-py/data_batch_1..5, test_batch,
-  batches.meta``; ``cifar-100-python.tar.gz`` with ``cifar-100-python/train, test, meta``) or the
-  extracted folder (the ``cifar-*-py*`` folder itself or the folder that contains it).
-* ``imagefolder``: ``root/<class>/<image>`` trees, ImageNet style. With ``root/train`` and
-  ``root/val`` the splits are those folders (val must have exactly train's classes); with class
-  folders directly under ``root`` the split is a deterministic stratified 80/20 split.
-* ``idx``: MNIST-style idx files (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
-  ``t10k-images-idx3-ubyte``, ``t10k-labels-idx1-ubyte``, each optionally ``.gz``); MNIST,
-  Fashion-MNIST, KMNIST and EMNIST all use it.
-* ``hf``: a Hugging Face ``datasets`` dataset, ``hf:<path or name>`` (a ``save_to_disk``
-  directory, parquet / JSON files, or a Hub name ``datasets`` resolves) with an image column and
-  a label column (:class:`HFImageDataset`); its ``validation`` / ``test`` split is ``val``, else a
-  deterministic stratified 80/20 split of ``train``.
-* ``digits``: the embedded default, scikit-learn's digits (``sklearn.datasets.load_digits``: 1797
-  8x8 images, 10 classes), scaled from 0..16 to 0..255, with a deterministic stratified 80/20 split.
-  The CSV that ships inside scikit-learn is read directly (:func:`load_digits_arrays`): importing
-  sklearn costs ~2.5 s per process, more than the whole tiny training runs that use digits.
-
-Design choices:
-
-* Every data set is an :class:`~lapheads.data.image_dataset.ImageDataset` of ``(PIL image, int
-  label)`` items: mode ``"RGB"`` for CIFAR and folders, ``"L"`` for idx and digits.
-* Everything that can be checked is checked when the data set is built, so a bad file fails
-  before training starts: archive readability, pickle contents, array shapes, idx magic numbers
-  and sizes, labels in ``0..num_classes-1``, class folders present and not empty, and (when
-  ``verify`` is on) that every image of a folder decodes. Each problem is a
-  :class:`lapheads.errors.DataError` naming the file and what is wrong.
-* The readers are :mod:`lapheads.data.image_files` (CIFAR with a code-free unpickler, folders
-  through torchvision's ``ImageFolder``, idx, digits) and :mod:`lapheads.data.hf_images`; the
-  interface, splits and nested stratified subsets for data-size scaling are
-  :mod:`lapheads.data.image_dataset`. This module picks a format from a data spec
-  (:func:`build_image_dataset`) and reads a few images for figures (:func:`load_images`).
+:func:`build_image_dataset` picks a format from a data spec: ``digits`` (embedded), CIFAR
+archives, image folders, MNIST-style idx files or ``hf:`` Hugging Face datasets
+(docs/recipe-classify.md); :func:`load_images` reads a few images for figures. The readers are
+:mod:`lapheads.data.image_files` and :mod:`lapheads.data.hf_images`; the interface, splits and
+subsets :mod:`lapheads.data.image_dataset`. Design: docs/design/data.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
-"""Semantic-segmentation data: ADE20K's folder layout, any folder of image / mask pairs, and a
-synthetic generator (shapes with known masks) for tests and CPU recipes.
+"""Semantic-segmentation data: ADE20K's folder layout, any folder of ``images/`` + ``masks/``
+pairs, and a synthetic generator (shapes with known masks) for tests and CPU recipes.
 
-Layouts:
-
-* ADE20K (``ADEChallengeData2016``, the folder itself or its parent)::
-
-      images/training/*.jpg        annotations/training/*.png
-      images/validation/*.jpg      annotations/validation/*.png
-
-  150 classes; mask value 0 = "other" is ignored (mmseg's ``reduce_zero_label``: ``v -> v - 1``,
-  ``0 -> 255``), so labels are 0..149 and 255 = ignore.
-* Any folder with ``images/`` and ``masks/`` (same stems; masks are single-channel PNGs holding
-  class indices, 255 = ignore), either with split subfolders (``images/train``, ``images/val``;
-  ``training`` / ``validation`` also accepted) or flat (then a deterministic split: every 5th
-  image by sorted stem goes to ``val``). The number of classes comes from ``num_classes``, else
-  from ``classes.txt`` in the root (one name per line), else max label + 1.
-
-Design choices:
-
-* Items are ``(PIL RGB image, LongTensor mask (H, W))`` at the original resolution; resizing is
-  the probe's business (it evaluates at the mask's own size).
-* Everything cheap is checked when the data set is built, before any model work: an empty folder,
-  an image without a mask (and a mask without an image), image / mask size mismatch (read from
-  the file headers), non-index (RGB) masks, and - with ``check_labels=True``, the default - every
-  mask's labels against the class range (this decodes every mask once: ~1 min for ADE20K train).
-  Each problem is a :class:`lapheads.errors.DataError` that names the file.
+Items are ``(PIL RGB image, LongTensor mask (H, W))``; labels ``0..C-1``, 255 = ignore. Layouts
+and checks: docs/design/data.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Documents -> token shards on disk, and a sampler over them for language-model training.
+"""Documents -> BOS-prefixed token shards on disk (resumable, validation by document or by
+tokens), and a sampler over them for language-model training.
 
-The documents come from :mod:`lapheads.data.text` (files, Hugging Face datasets, the embedded
-corpus), which also holds the rule that puts a document in the validation split.
-
-Design choices:
-
-* Shards are flat ``.bin`` files of token ids (``uint16`` when the vocabulary fits, else
-  ``uint32``), read back with ``numpy.memmap``. Every document is prefixed with BOS, as nanochat
-  does, so a random window can start anywhere and still sees document boundaries.
-* Validation by DOCUMENT (:func:`lapheads.data.text.is_validation_document`) by default.
-* Resumable: shards hold whole documents and are written atomically (tmp file + ``os.replace``),
-  then ``index.json`` is rewritten atomically. Each split records ``next_document``, the index of
-  the first input document not yet inside one of its complete shards; a restarted run skips the
-  input up to there (reading, not tokenising) and continues, overwriting any shard a killed run
-  wrote after its last index update. The settings (tokenizer hash, dtype, shard size, validation
-  fraction) must match the index, or resuming is refused.
-* Validation by TOKENS (``val_by="tokens"``) instead of by document: the last ``round(n f)``
-  tokens of every document (of ``n``) go to validation, each half with its own BOS, so even a
-  single document gives both splits; the UTF-8 bytes are divided at the same character (the
-  tokenizer's offsets), keeping bits per byte exact.
-* A share of the TRAINING documents (``train_fraction``, ``max_train_documents``, for data-size
-  scaling): training document ``j`` (counted among the training documents, or all documents
-  when validating by tokens) is kept when ``ceil((j + 1) g) > ceil(j g)`` and fewer than the cap
-  were kept before it; a pure function of ``j`` (spread evenly, resumable). Validation stays
-  whole, so runs on different fractions are measured on the same text.
-* ``index.json`` keeps, per split, tokens (BOS included), UTF-8 bytes of the text and
-  ``bytes_per_token = bytes / tokens``: a mean next-token loss ``L`` (nats, averaged over
-  every position of random windows) converts to bits per byte as ``L / ln 2 / bytes_per_token``.
+The documents come from :mod:`lapheads.data.text`. Design: docs/design/data.md.
 """
 
 from __future__ import annotations

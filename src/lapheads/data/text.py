@@ -1,28 +1,7 @@
-"""Text corpora read one document at a time, and the rules that cut and split them.
+"""Text corpora read one document at a time (text, JSONL, parquet, Hugging Face datasets, the
+embedded ``pydoc_data.topics``), and the rules that cut and split them.
 
-Token shards made from these documents, and the sampler over them, are :mod:`lapheads.data.shards`.
-
-Design choices:
-
-* Readers yield one document (a ``str``) at a time and never hold a corpus in memory:
-  plain text files (one document per file), JSONL (one document per line, key ``text`` by
-  default, ``.jsonl.gz`` too), parquet shards with a ``text`` column (FineWeb-Edu's layout, read
-  one row group at a time with pyarrow), and the embedded default, ``pydoc_data.topics``, which
-  ships with Python (79 documents, ~0.46M characters, sorted by topic name).
-* Hugging Face datasets (``hf:PATH_OR_NAME``, :func:`open_hf_dataset`): a ``save_to_disk``
-  directory, parquet / JSON / CSV files, or a name ``datasets`` resolves (the Hub, its cache);
-  one document per row of the text column, streamed (``streaming``) when the corpus is larger
-  than memory. A missing column is one DataError line listing the columns (:func:`check_hf_column`).
-* :func:`check_inputs` opens every file before any tokenisation starts, so a missing file, a
-  parquet file without the text column (the error lists the columns found) or a JSONL file whose
-  first line is not JSON fails in seconds.
-* Validation split by DOCUMENT, deterministic and spread evenly: input document ``i`` is
-  validation when ``ceil((i + 1) f) > ceil(i f)`` (exact rational arithmetic); with ``f > 0``
-  the first document is always validation, so even a tiny corpus has one.
-* One large text file (a book, a dump) is one document; ``split_documents`` cuts documents into
-  several: at blank lines (paragraphs), before chapter headings (``Chapter 12``, ``CHAPTER IV.``,
-  ``Book Two``, ``Part 3: ...`` on a line of their own), or into pieces of about N characters
-  (cut at the last whitespace of the second half of each piece, else exactly at N).
+Token shards made from these documents are :mod:`lapheads.data.shards`. Design: docs/design/data.md.
 """
 
 from __future__ import annotations

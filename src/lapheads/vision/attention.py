@@ -1,13 +1,7 @@
-"""The attention variants of :mod:`lapheads.variants` in timm ViTs (``model.attention`` of the classify recipe).
-
-timm's ``VisionTransformer`` takes its attention class as ``attn_layer``: ``"diff"`` is timm's own
-``DiffAttention`` (differential attention, used as timm ships it), and :class:`XSAAttention` is
-timm's ``Attention`` with exclusive self-attention after SDPA (:func:`lapheads.variants.xsa`).
-
-An XSA layer has the parameters of timm's ``Attention``, so it carries a persistent marker
-(:data:`MARKER`, one element) that a strict load into a stock timm layer refuses as an unexpected
-key: its state dict never loads silently as standard attention. Stock weights (no marker) still
-load into it, for training XSA from a pretrained standard model.
+"""The attention variants of :mod:`lapheads.variants` in timm ViTs (``model.attention`` of the
+classify recipe): ``"diff"`` is timm's ``DiffAttention``, :class:`XSAAttention` timm's ``Attention``
+with exclusive self-attention. An XSA state dict never loads silently into a stock layer
+(docs/design/data.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Frozen timm ViT backbones for the probes, PCA maps and geometry of vision runs.
-
-A backbone is a timm ViT created with ``num_classes=0`` (its output is the pooled, normalised CLS
-token) and ``dynamic_img_size=True`` (crops of any size share one interpolated positional
-embedding), with k Laplacian heads. Every loader returns it frozen (``eval()``, no gradients)
-together with a ``meta`` dict: ``source``, ``timm_name``, ``laplacian_heads``, ``img_size``,
-``mean``, ``std``, ``patch_size``, ``embed_dim``: what a probe needs to feed it images.
-
-Backbones of finished runs are loaded by their recipe (``lapheads.recipes``, ``load_backbone``
-of the classify and dino recipes); this module holds what both need and the loader for a timm
-name (``--model NAME [--weights FILE]``).
-
-Timm keyword arguments the user writes (classify's ``model.extra``, dino's ``model.kwargs``) are
-passed on as they are, since timm, not lapheads, knows their types; but they follow the rules of
-every config value. :func:`check_user_kwargs` refuses a NaN or infinite float and an int beyond
-64 bits when the config is read, and :func:`build_with_user_kwargs` turns timm's error about one
-of them (a negative size, a string where a number belongs) into one line naming ``model.extra.KEY``:
-it builds the model again on the meta device (no memory, no time) with each key alone to find it.
+"""Frozen timm ViT backbones (no classifier, dynamic image size, Laplacian heads) for the
+probes, PCA maps and geometry of vision runs, with their ``meta`` dict; and the checks of the timm
+keyword arguments a user writes (design: docs/design/data.md).
 """
 
 from __future__ import annotations

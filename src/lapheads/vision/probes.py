@@ -1,37 +1,8 @@
 """Probes on frozen features: weighted k-NN, linear probe, linear segmentation probe (mIoU).
 
-The functions here take a frozen backbone (:mod:`lapheads.vision.backbones`) and data sets; the
-commands ``lapheads eval knn|linear --run RUN --data digits`` and ``lapheads eval segment --run RUN
---data FOLDER`` (:mod:`lapheads.commands.probes`) load the backbone, call them, print the result
-and write it as JSON (``--json``, default ``RUN/eval_<probe>.json``).
-
-Design choices:
-
-* Backbone (loaded by the command): from a run directory (``final/model.json`` with ``timm_name``, ``timm_kwargs``,
-  ``laplacian_heads``, ``backbone_file``, ``img_size``, ``mean``, ``std``, as written by
-  ``lapheads train dino``; or a ``lapheads train classify`` run, whose ViT is used without its
-  classifier, normalised as in its training; an lm / sft run is refused: it has no images), or
-  from a timm name (``--model``, optionally ``--weights FILE.safetensors``;
-  keys prefixed ``backbone.`` are accepted, a classifier ``head.*`` is dropped). The backbone is
-  created with ``num_classes=0`` and ``dynamic_img_size=True``; it is never trained here.
-* k-NN (DINO's ``eval_knn``): L2-normalised CLS features (the backbone's pooled output), cosine
-  similarity, the k nearest train features vote with weight ``exp(sim / T)`` (T = 0.07), k = 10
-  and 20 by default; top-1 accuracy as a fraction.
-* Linear probe (DINO's ``eval_linear``): features = the normalised CLS tokens of the last
-  ``n_last_blocks`` blocks, concatenated, plus (``--avgpool``) the average patch token of the last
-  block. Features are extracted ONCE without augmentation and cached (the backbone is frozen, so
-  this is exact for unaugmented training and makes the probe cheap); a linear layer (init
-  N(0, 0.01), bias 0) is trained with SGD (momentum 0.9) or AdamW on a cosine schedule.
-* Segmentation probe: frozen patch tokens of one layer (default the last, after the final norm)
-  as a ``(D, h, w)`` map -> BatchNorm + 1x1 conv (a linear map per token; BN only rescales the
-  frozen features) -> logits upsampled bilinearly to the mask size -> cross-entropy with
-  ``ignore_index=255``. Training uses masks at the network's input size; evaluation upsamples the
-  logits to each image's ORIGINAL mask size. Patch features are cached when they fit in
-  ``cache_mb``; otherwise they are recomputed each epoch.
-* mIoU: torchmetrics ``MulticlassJaccardIndex(average="macro", ignore_index=255)``, which
-  averages over the classes present in the predictions or the targets (mmseg's convention:
-  classes with an empty union are left out). :func:`confusion_matrix` + :func:`miou_from_confusion`
-  are a brute-force count of the same number, reported next to it and used in the tests.
+They take a frozen backbone (:mod:`lapheads.vision.backbones`) and data sets; the commands
+``lapheads eval knn|linear|segment`` (:mod:`lapheads.commands.probes`) load the backbone, call
+them and write the result as JSON. Design: docs/design/data.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Image transforms of the vision recipes, on ONE torchvision API (``torchvision.transforms.v2``).
-
-* :func:`build_transforms`: DeiT-3's training transform ("3-Augment", Touvron et al., DeiT III,
-  2022, Sec. 3: random resized crop, horizontal flip, then ONE of grayscale / solarize / gaussian
-  blur chosen uniformly at random, colour jitter 0.3 by default, normalise) and its evaluation
-  transform (resize to ``img_size / crop_pct``, centre crop, normalise). PIL image in, float
-  tensor ``(in_chans, img_size, img_size)`` out.
-* :class:`MultiCropAugment`: DINO's multi-crop (2 global + N local crops) on float tensors.
-* :class:`EvalTransform`: the probes' view of an image (resize to a square, normalise), also used by
-  the DINO recipe, geometry of DINO runs and PCA maps.
-* :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD`: the normalisation defaults, defined here only.
-* :func:`check_channels` / :func:`in_chans_of`: the one check of a vision recipe's ``model.in_chans``
-  (1 = greyscale, 3 = RGB) against its one-value-per-channel ``mean`` / ``std`` (classify, DINO).
-
-Design choices:
-
-* The first step of :func:`build_transforms` converts the PIL image to the mode the model reads
-  (``"RGB"`` for ``in_chans=3``, ``"L"`` for ``in_chans=1``), so 1-channel sources (digits, MNIST)
-  feed a 3-channel ViT and vice versa, with no special case in the data sets.
-* Gaussian blur follows DeiT-3: a PIL blur whose radius is drawn from U(0.1, 2.0) pixels, so it
-  works on 8x8 digits and 224 px ImageNet alike (torchvision's ``GaussianBlur`` needs a fixed
-  kernel size). Every random draw uses torch's RNG (v2's ``RandomChoice`` included), which
-  DataLoader seeds per worker and the training engine saves for exact resume.
-* ``three_augment=False`` gives the plain crop + flip (+ jitter) pipeline, for ablations.
-* :class:`MultiCropAugment` and :class:`EvalTransform` give 1-channel tensors for a greyscale model
-  (RGB sources converted with the ITU-R 601 luma weights, as PIL's ``"L"`` mode) and 3-channel
-  tensors otherwise (1-channel sources repeated); :class:`EvalTransform` takes the channel count from
-  ``len(mean)``, so every loader that passes a run's saved mean / std gets the run's channels.
-* Mixup / CutMix act on batches and live in the classify recipe (timm's ``Mixup``), not here.
+"""Image transforms of the vision recipes on ``torchvision.transforms.v2``: DeiT-3's 3-Augment
+and evaluation transform (:func:`build_transforms`), DINO's multi-crop (:class:`MultiCropAugment`),
+the probes' view (:class:`EvalTransform`), the ImageNet statistics and the ``model.in_chans``
+check (:func:`check_channels`). Design: docs/design/data.md.
 """
 
 from __future__ import annotations
