@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from ..errors import DataError
 from .jsonl import iter_jsonl
@@ -120,8 +120,8 @@ def builtin_humaneval_path() -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
-def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    return iter_jsonl(path, "task file")
+def _id(row: dict, path: str, lineno: int) -> str:
+    return str(row.get("id", f"{os.path.basename(path)}:{lineno}"))
 
 
 def _need(row: dict, fields: tuple[str, ...], where: str, layout: str) -> None:
@@ -175,7 +175,7 @@ def _arc(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     return BenchmarkItem(
         benchmark,
         "choice",
-        str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+        _id(row, path, lineno),
         stem,
         choices=texts,
         answer_index=labels.index(key),
@@ -200,7 +200,7 @@ def _mmlu(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     return BenchmarkItem(
         benchmark,
         "choice",
-        str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+        _id(row, path, lineno),
         str(row["question"]),
         choices=choices,
         answer_index=idx,
@@ -221,7 +221,7 @@ def _gsm8k(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     return BenchmarkItem(
         benchmark,
         "math",
-        str(row.get("id", f"{os.path.basename(path)}:{lineno}")),
+        _id(row, path, lineno),
         str(row["question"]),
         target=target,
         solution=answer,
@@ -288,7 +288,7 @@ def load_benchmark(name: str, path: Optional[str] = None, max_items: Optional[in
                 "HumanEval.jsonl.gz) is not installed"
             )
     path = os.fspath(path)
-    items = [parse_row(key, row, path, lineno) for lineno, row in _read_jsonl(path)]
+    items = [parse_row(key, row, path, lineno) for lineno, row in iter_jsonl(path, "task file")]
     if not items:
         raise DataError(f"{path}: task file has no items")
     if max_items is not None:

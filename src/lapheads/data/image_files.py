@@ -48,11 +48,7 @@ PathLike = Union[str, os.PathLike]
 class _SafeUnpickler(pickle.Unpickler):
     """Only what the official CIFAR pickles contain: builtins and numpy arrays."""
 
-    _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
+    _ALLOWED = {(f"numpy.{core}.multiarray", f) for core in ("core", "_core") for f in ("_reconstruct", "scalar")} | {
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         ("_codecs", "encode"),

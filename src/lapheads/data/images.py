@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
-from PIL import Image
-
 from ..errors import ConfigError, DataError
 from .hf_images import HFImageDataset, hf_options
 from .image_dataset import (
@@ -196,18 +194,9 @@ def load_images(source: str, max_images: int = 16) -> list[Any]:
         )
         if not files:
             raise DataError(f"{p}: no image files ({', '.join(IMAGE_EXTENSIONS)}) found")
-        out = []
-        picked = spread_over_classes([str(f.parent) for f in files], max_images)
-        for f in (files[i] for i in picked):
-            try:
-                with Image.open(f) as im:
-                    out.append(im.convert("RGB"))
-            except OSError as e:
-                raise DataError(f"cannot decode image {f}: {e}") from None
-        return out
+        picked = ImageDataset(files=[files[i] for i in spread_over_classes([str(f.parent) for f in files], max_images)])
+        return [picked.load_image(i) for i in range(len(picked.files))]
     ds = build_image_dataset(source, "val")
     if len(ds) == 0:
         raise DataError(f"{source}: no images")
-    labels = getattr(ds, "targets", None)
-    idx = spread_over_classes(list(labels), max_images) if labels is not None else list(range(min(max_images, len(ds))))
-    return [ds[i][0] for i in idx]
+    return [ds[i][0] for i in spread_over_classes(list(ds.targets), max_images)]

@@ -41,10 +41,6 @@ _CLI_HINTS = {
 _SETTING_DEFAULTS = {"val_by": "documents", "train_fraction": "1", "max_train_documents": 0}
 
 
-def _dtype_for(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file; a full disk is one :class:`DiskFullError` line
     (the shards written before stay, listed in ``index.json``) and the temporary file is removed."""
@@ -209,7 +205,7 @@ def _shard_settings(
     bos = tokenizer.bos_token_id
     if bos is None:
         raise DataError("the tokenizer has no bos_token; every document is prefixed with BOS")
-    dtype = dtype or _dtype_for(vocab)
+    dtype = dtype or ("uint16" if vocab <= 2**16 else "uint32")
     if dtype not in ("uint16", "uint32"):
         raise ConfigError(f"dtype={dtype!r} must be 'uint16' or 'uint32'")
     if vocab > np.iinfo(dtype).max + 1:
@@ -235,10 +231,6 @@ def _shard_settings(
         "train_fraction": str(g),
         "max_train_documents": max_train_documents,
     }
-
-
-def _ceil(x: Fraction) -> int:
-    return -((-x.numerator) // x.denominator)  # exact ceil of a Fraction
 
 
 class _ShardWriter:
@@ -281,9 +273,9 @@ class _ShardWriter:
 
     def keep_train(self, i: int) -> bool:
         """Whether the training part of document ``i`` is kept (``train_fraction``, ``max_train_documents``)."""
-        j = i if self.by_tokens else i - _ceil(i * self.f)  # its position among the training documents
-        return _ceil((j + 1) * self.g) > _ceil(j * self.g) and (
-            not self.max_train or _ceil(j * self.g) < self.max_train
+        j = i if self.by_tokens else i - math.ceil(i * self.f)  # its position among the training documents
+        return math.ceil((j + 1) * self.g) > math.ceil(j * self.g) and (
+            not self.max_train or math.ceil(j * self.g) < self.max_train
         )
 
     def done_or_dropped(self, i: int) -> bool:

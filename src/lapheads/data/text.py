@@ -6,6 +6,7 @@ Token shards made from these documents are :mod:`lapheads.data.shards`. Design: 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from fractions import Fraction
@@ -261,15 +262,9 @@ def open_hf_dataset(
         raise DataError(f"{where}, split {split!r}, cannot be opened: {_one_line(e)}") from None
 
 
-def hf_columns(ds: Any) -> Optional[list[str]]:
-    """The column names of a (streaming) dataset, or None when a stream does not know them yet."""
-    names = getattr(ds, "column_names", None)
-    return list(names) if names is not None else None
-
-
 def check_hf_column(ds: Any, column: str, what: str, key: str) -> None:
     """Raise one DataError line naming ``key`` (the config key) when ``ds`` has no ``column``."""
-    names = hf_columns(ds)
+    names = getattr(ds, "column_names", None)
     if names is None:  # a stream of unknown features: look at its first row
         first = next(iter(ds), None)
         names = list(first) if isinstance(first, dict) else []
@@ -389,5 +384,4 @@ def check_val_fraction(val_fraction: float) -> Fraction:
 def is_validation_document(i: int, val_fraction: float | Fraction) -> bool:
     """Whether input document ``i`` belongs to the validation split (see the module docstring)."""
     f = val_fraction if isinstance(val_fraction, Fraction) else check_val_fraction(val_fraction)
-    ceil = lambda x: -((-x.numerator) // x.denominator)  # noqa: E731 - exact ceil of a Fraction
-    return ceil((i + 1) * f) > ceil(i * f)
+    return math.ceil((i + 1) * f) > math.ceil(i * f)  # exact: a Fraction's ceil
