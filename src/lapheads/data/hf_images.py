@@ -26,7 +26,6 @@ class HFImageDataset(ImageDataset):
     Args:
         source: a ``save_to_disk`` directory, parquet / JSON files, or a Hub name
             (:func:`lapheads.data.text.open_hf_dataset`).
-        split: ``"train"`` or ``"val"``.
         image_column: the column of images (``datasets.Image`` features decode to PIL images; arrays
             of uint8 pixels work too).
         label_column: the column of labels: a ``ClassLabel`` (its names are the classes), integers
@@ -37,7 +36,6 @@ class HFImageDataset(ImageDataset):
             stratified ``val_fraction`` of the train split (whose rest is then ``"train"``).
         name: the dataset's configuration name (Hub datasets with several).
         val_fraction, seed: that stratified split.
-        transform: optional transform of the PIL image.
 
     Raises:
         DataError: one line for a missing split or column (listing those present) or a bad label.

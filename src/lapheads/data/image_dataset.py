@@ -56,7 +56,8 @@ class ImageDataset(torch.utils.data.Dataset):
 
     Built directly, it is a file-backed set (an image folder): the images ``files`` (decoded as RGB
     when read), labelled ``targets`` with ``classes``. The array-, subset- and Hugging Face-backed
-    sets subclass it.
+    sets subclass it. Every set takes ``transform``, applied to the PIL image, and its formats a
+    ``split``, ``"train"`` or ``"val"``.
 
     Attributes:
         classes: class names, index = label.
@@ -128,12 +129,7 @@ class ImageDataset(torch.utils.data.Dataset):
 class ArrayImageDataset(ImageDataset):
     """Images held as a uint8 array ``(N, H, W)`` (gray) or ``(N, H, W, 3)`` (RGB).
 
-    Args:
-        images: uint8 array.
-        labels: integer labels, one per image.
-        classes: class names (defines ``num_classes``).
-        source: description for messages.
-        transform: optional transform of the PIL image.
+    ``labels`` holds one integer label per image; ``classes`` defines ``num_classes``.
     """
 
     def __init__(
@@ -162,16 +158,19 @@ class ArrayImageDataset(ImageDataset):
         return Image.fromarray(self.images[index], mode=None)
 
 
+def _shuffled_classes(labels: np.ndarray, seed: int) -> list[np.ndarray]:
+    """The indices of each class (classes sorted), each in a permutation drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [idx[rng.permutation(len(idx))] for idx in (np.flatnonzero(labels == c) for c in np.unique(labels))]
+
+
 def stratified_split(labels: np.ndarray, split: str, val_fraction: float, seed: int) -> np.ndarray:
     """Indices of ``split`` in a deterministic per-class split (at least one val item per class
     with >= 2 items)."""
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction={val_fraction} must be strictly between 0 and 1")
-    rng = np.random.default_rng(seed)
     keep = []
-    for c in np.unique(labels):
-        idx = np.flatnonzero(labels == c)
-        idx = idx[rng.permutation(len(idx))]
+    for idx in _shuffled_classes(labels, seed):
         n_val = int(round(len(idx) * val_fraction))
         n_val = min(max(n_val, 1 if len(idx) >= 2 else 0), len(idx) - 1 if len(idx) >= 2 else len(idx))
         keep.append(idx[:n_val] if split == "val" else idx[n_val:])
@@ -180,12 +179,8 @@ def stratified_split(labels: np.ndarray, split: str, val_fraction: float, seed: 
 
 # ============================================================================ subsets
 def subset_indices(targets: Sequence[int], fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> np.ndarray:
-    """Sorted indices of a stratified, seeded subset of a labelled data set.
-
-    The subset holds ``n = round(fraction * N)`` items, at most ``max_items`` (0 = no cap) and at
-    least one. Class ``c`` with ``N_c`` items gets about ``n * N_c / N`` of them (Sainte-Lague
-    rounding, so the counts add up to ``n``); its items are the first of a seeded permutation of
-    the class, and a larger ``n`` of the same seed only adds items (nested subsets).
+    """Sorted indices of a stratified, seeded, nested subset of a labelled data set: ``round(fraction * N)``
+    items, at most ``max_items`` (0 = no cap) and at least one (docs/design/data.md).
 
     Raises:
         ConfigError: ``fraction`` outside (0, 1] or a negative ``max_items``.
@@ -202,28 +197,17 @@ def subset_indices(targets: Sequence[int], fraction: float = 1.0, max_items: int
     n = min(max(n, 1), total)
     if n == total:
         return np.arange(total, dtype=np.int64)
-    # Item of rank r (in a seeded permutation) of a class of N_c items has priority (r + 0.5) / N_c;
-    # taking the n smallest priorities is Sainte-Lague apportionment: class shares ~ n N_c / N,
-    # exact total, and a larger n only adds items (nested subsets).
-    rng = np.random.default_rng(seed)
-    idx_all, prio_all, cls_all = [], [], []
-    for c in np.unique(y):
-        idx = np.flatnonzero(y == c)
-        idx_all.append(idx[rng.permutation(len(idx))])
-        prio_all.append((np.arange(len(idx)) + 0.5) / len(idx))
-        cls_all.append(np.full(len(idx), c))
-    idx_cat, prio, cls = np.concatenate(idx_all), np.concatenate(prio_all), np.concatenate(cls_all)
-    keep = idx_cat[np.lexsort((cls, prio))[:n]]
-    return np.sort(keep)
+    # the n smallest priorities (r + 0.5) / N_c (rank r in its class of N_c): Sainte-Lague apportionment
+    perms = _shuffled_classes(y, seed)
+    idx_cat = np.concatenate(perms)
+    prio = np.concatenate([(np.arange(len(p)) + 0.5) / len(p) for p in perms])
+    return np.sort(idx_cat[np.lexsort((y[idx_cat], prio))[:n]])
 
 
 class SubsetImageDataset(ImageDataset):
     """The items ``indices`` of another :class:`ImageDataset`, with its class metadata.
 
-    Args:
-        base: the full data set (its ``transform`` is not used; set one on the subset).
-        indices: positions in ``base``.
-        transform: optional transform of the PIL image.
+    ``base``'s ``transform`` is not used; set one on the subset.
     """
 
     def __init__(self, base: ImageDataset, indices: Sequence[int], transform: Optional[Callable] = None):

@@ -154,7 +154,6 @@ class CIFARDataset(ArrayImageDataset):
         split: ``"train"`` (the training batches) or ``"val"`` (the test batch).
         kind: ``"cifar10"``, ``"cifar100"`` or ``None`` to detect from the contents.
         label_type: CIFAR-100 only: ``"fine"`` (100 classes) or ``"coarse"`` (20 superclasses).
-        transform: optional transform of the PIL image.
     """
 
     def __init__(
@@ -234,13 +233,10 @@ def image_folder(
 
     Args:
         root: a folder with ``train/`` and ``val/`` sub-trees, or with class folders directly.
-        split: ``"train"`` or ``"val"``. For a single-root tree the split is a deterministic
-            stratified split (``val_fraction``, ``seed``).
         verify: decode every image now (``True``), never (``False``; a bad image then raises at
             first access), or ``"auto"``: only when the split has at most 20,000 files.
-        val_fraction: share of each class held out as val for a single-root tree.
-        seed: seed of that split.
-        transform: optional transform of the PIL image.
+        val_fraction, seed: a single-root tree's deterministic stratified split: the share of each
+            class held out as val, and its seed.
     """
     from torchvision.datasets import ImageFolder  # optional dependency (lapheads[train]), imported when used
 
@@ -311,16 +307,6 @@ _IDX_DTYPES = {
 _IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09}
 
 
-def _open_maybe_gz(path: Path) -> bytes:
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is truncated or corrupted") from None
-
-
 def read_idx(path: PathLike, ndim: Optional[int] = None) -> np.ndarray:
     """Read one idx file (``.gz`` or plain), validating its magic number and size.
 
@@ -329,7 +315,10 @@ def read_idx(path: PathLike, ndim: Optional[int] = None) -> np.ndarray:
         ndim: expected number of dimensions (3 for images, 1 for labels), or ``None``.
     """
     path = Path(path)
-    raw = _open_maybe_gz(path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: cannot read ({type(e).__name__}: {e}); the file is truncated or corrupted") from None
     if len(raw) < 4:
         raise DataError(f"{path}: {len(raw)} bytes, too short for an idx header")
     zero, code, nd = int.from_bytes(raw[:2], "big"), raw[2], raw[3]
@@ -377,7 +366,6 @@ class IdxDataset(ArrayImageDataset):
         split: ``"train"`` or ``"val"`` (the ``t10k`` files).
         num_classes: number of classes (10 for MNIST / Fashion-MNIST / KMNIST); labels must be below it.
         classes: class names (overrides ``num_classes``); default ``"0".."num_classes-1"``.
-        transform: optional transform of the PIL image.
     """
 
     def __init__(
@@ -445,14 +433,9 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 class DigitsDataset(ArrayImageDataset):
-    """``sklearn.datasets.load_digits``: 8x8 gray digits, 0..16 scaled to uint8 0..255.
-
-    Args:
-        split: ``"train"`` or ``"val"``; a stratified split, the same on every machine.
-        val_fraction: share of each class in val (default 0.2: 1437 train / 360 val images).
-        seed: seed of the split.
-        transform: optional transform of the PIL image.
-    """
+    """``sklearn.datasets.load_digits``: 8x8 gray digits, 0..16 scaled to uint8 0..255, in a
+    stratified split, the same on every machine: ``val_fraction`` of each class (default 0.2: 1437
+    train / 360 val images) in val, drawn with ``seed``."""
 
     def __init__(
         self, split: str = "train", val_fraction: float = 0.2, seed: int = 0, transform: Optional[Callable] = None

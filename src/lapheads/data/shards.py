@@ -55,10 +55,6 @@ def _write_index(out: Path, index: dict) -> None:
     _atomic_write_bytes(out / INDEX_NAME, (json.dumps(index, indent=1) + "\n").encode())
 
 
-def _empty_split() -> dict:
-    return {"shards": [], "tokens": 0, "bytes": 0, "documents": 0, "next_document": 0, "bytes_per_token": None}
-
-
 def read_index(path: str | os.PathLike) -> dict:
     """Load ``index.json`` of a shard directory.
 
@@ -94,34 +90,28 @@ def tokenize_to_shards(
     max_train_documents: int = 0,
     hints: Optional[dict[str, str]] = None,
 ) -> dict:
-    """Tokenize documents into BOS-prefixed token shards with a validation split.
+    """Tokenize documents into BOS-prefixed token shards with a validation split; returns the final
+    index (also written to ``out_dir/index.json``).
 
     Args:
         documents: the corpus, one ``str`` per document, in a fixed order (resume relies on it).
         tokenizer: a transformers tokenizer (its ``bos_token_id`` is prefixed to every document).
         out_dir: output directory: ``train_000000.bin``, ..., ``val_000000.bin``, ``index.json``.
         shard_tokens: a shard is closed at the first document boundary at or past this many tokens.
-        val_fraction: fraction of documents in the validation split (by document, see
-            :func:`is_validation_document`).
+        val_fraction: fraction of documents (``val_by="documents"``, see :func:`is_validation_document`)
+            or of every document's last tokens (``val_by="tokens"``) in the validation split.
         resume: continue an interrupted run in ``out_dir`` (the settings must match its index).
         dtype: ``"uint16"`` / ``"uint32"``; default: the smallest that holds the vocabulary.
         batch_documents: documents per ``encode_batch`` call (the Rust tokenizer runs them in parallel).
-        total_documents: for the progress bar, when the iterable has no ``len``.
+        total_documents, progress: the tqdm progress bar's total (an iterable without ``len``) and switch.
         source: a description of the input, stored in the index and used in messages.
-        progress: show a tqdm progress bar.
-        val_by: ``"documents"`` (whole documents are validation) or ``"tokens"`` (the last
-            ``val_fraction`` of every document's tokens is).
-        train_fraction: share of the training documents kept (spread evenly; validation is whole).
-        max_train_documents: cap on the training documents kept (0 = none).
+        train_fraction, max_train_documents: share of, and cap (0 = none) on, the training documents kept.
         hints: how the caller spells the options in error messages: keys ``val_fraction``,
             ``val_by``, ``split_documents``, ``fraction`` (default: the ``data tokenize`` flags).
 
-    Returns:
-        The final index (also written to ``out_dir/index.json``).
-
     Raises:
-        DataError: empty corpus, a tokenizer whose vocabulary does not fit ``dtype`` or that is
-            not the one recorded in a resumed index, an existing index without ``resume``.
+        DataError: empty corpus, a tokenizer that does not fit ``dtype`` or differs from a resumed
+            index's, an existing index without ``resume``.
         ConfigError: invalid ``shard_tokens`` / ``val_fraction`` / ``dtype``.
     """
     out = Path(out_dir)
@@ -151,7 +141,10 @@ def tokenize_to_shards(
             "source": source,
             "complete": False,
             "documents_consumed": 0,
-            "splits": {s: _empty_split() for s in SPLITS},
+            "splits": {
+                s: {"shards": [], "tokens": 0, "bytes": 0, "documents": 0, "next_document": 0, "bytes_per_token": None}
+                for s in SPLITS
+            },
         }
     writer = _ShardWriter(out, index, settings, tokenizer, f, source)
     if total_documents is None and hasattr(documents, "__len__"):
@@ -234,10 +227,7 @@ def _shard_settings(
 
 
 class _ShardWriter:
-    """Tokenizes documents into the splits of one shard directory, committing shards to ``index`` as it goes.
-
-    ``index`` is the directory's index (new or resumed, matching ``settings``: checked by the caller).
-    """
+    """Tokenizes documents into the splits of one shard directory (its new or resumed, checked ``index``)."""
 
     def __init__(self, out: Path, index: dict, settings: dict, tokenizer: Any, f: Fraction, source: str):
         self.out, self.index, self.tokenizer, self.f, self.source = out, index, tokenizer, f, source
@@ -250,8 +240,7 @@ class _ShardWriter:
         self.buffers: dict[str, list] = {s: [] for s in SPLITS}  # lists of token arrays, one per document
         self.pending = {s: {"tokens": 0, "bytes": 0, "documents": 0} for s in SPLITS}
         self.nonempty = 0
-        # Corpus text that happens to contain "<|bos|>" etc. is text, not a special token (as nanochat's
-        # encode_ordinary); the flag is restored afterwards since the tokenizer belongs to the caller.
+        # corpus text such as "<|bos|>" is not a special token; the flag is restored (the tokenizer is the caller's)
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
 
     def flush(self, split: str, next_doc: int) -> None:
@@ -479,16 +468,8 @@ class TokenShards:
     def sample_batch(
         self, batch_size: int, seq_len: int, generator: Optional[torch.Generator] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Random windows: ``x`` = tokens ``[s, s + seq_len)``, ``y`` = ``[s + 1, s + seq_len + 1)``.
-
-        Args:
-            batch_size: number of windows.
-            seq_len: tokens per window.
-            generator: a ``torch.Generator`` for reproducible (and per-rank distinct) sampling.
-
-        Returns:
-            ``(x, y)``, int64 tensors of shape ``(batch_size, seq_len)``.
-        """
+        """``batch_size`` random windows: ``x`` = tokens ``[s, s + seq_len)``, ``y`` = ``[s + 1, s + seq_len + 1)``,
+        int64 tensors ``(batch_size, seq_len)``; ``generator`` makes the draw reproducible (per rank)."""
         self._check_len(seq_len)
         starts = torch.randint(0, self.num_tokens - seq_len, (batch_size,), generator=generator)
         w = np.stack([self.tokens(int(s), seq_len + 1) for s in starts])
@@ -498,17 +479,10 @@ class TokenShards:
     def iter_batches(
         self, batch_size: int, seq_len: int, max_batches: Optional[int] = None, rank: int = 0, world_size: int = 1
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Deterministic sequential windows for evaluation: window ``j`` starts at ``j * seq_len``.
-
-        Windows are consecutive and do not overlap in their targets, so every token except the very
-        first is predicted exactly once; the last partial batch is yielded smaller, the last partial
-        window is dropped. With ``world_size > 1`` each rank gets every ``world_size``-th batch.
-
-        Args:
-            batch_size: windows per batch.
-            seq_len: tokens per window.
-            max_batches: stop after this many batches (over all ranks).
-            rank, world_size: shard the batches across processes.
+        """Deterministic sequential windows for evaluation: window ``j`` starts at ``j * seq_len``, so
+        every token but the first is predicted exactly once; the last partial batch is yielded smaller,
+        the last partial window dropped. Each ``rank`` gets every ``world_size``-th batch, ``max_batches``
+        (over all ranks) at most.
         """
         self._check_len(seq_len)
         n_windows = (self.num_tokens - 1) // seq_len
