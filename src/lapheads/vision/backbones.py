@@ -22,13 +22,9 @@ T = TypeVar("T")
 
 
 def check_user_kwargs(kwargs: Mapping[str, Any], where: str) -> None:
-    """Refuse, in timm keyword arguments the user wrote (``kwargs`` at config key ``where``), a NaN
-    or infinite float and an int beyond 64 bits, nested lists and mappings included, as every float
-    and int field of a config is refused.
-
-    Raises:
-        ConfigError: ``model.extra.mlp_ratio=nan must be a finite number (NaN and infinity are refused)``.
-    """
+    """Refuse, in timm keyword arguments the user wrote (``kwargs`` at config key ``where``; nested
+    lists and mappings included), a NaN or infinite float and an int beyond 64 bits: a ConfigError
+    ``model.extra.mlp_ratio=nan must be a finite number (NaN and infinity are refused)``."""
 
     def walk(value: Any, key: str) -> None:
         if isinstance(value, float) and not math.isfinite(value):
@@ -47,8 +43,7 @@ def check_user_kwargs(kwargs: Mapping[str, Any], where: str) -> None:
 
 
 def _first_line(e: BaseException, limit: int = 160) -> str:
-    """An exception's text as one short line (C++ errors of torch append their frames; long
-    values, e.g. a string multiplied by a size, are cut)."""
+    """An exception's text as one short line (without the frames torch's C++ errors append)."""
     text = str(e).split("Exception raised from")[0].strip().splitlines()
     line = text[0].strip() if text else type(e).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -64,13 +59,9 @@ def build_with_user_kwargs(
     """``build(user)``, where ``user`` are the timm kwargs the user wrote at config key ``where``.
 
     When it fails, and ``trial`` (by default ``build``) on the meta device builds the model without
-    them but not with them, the error is one line naming the key that breaks it (each key tried
-    alone; all of them when only their combination fails), its value and timm's message. Any other
-    failure (a checkpoint that does not fit, say, when ``build`` also loads one) is raised unchanged.
-
-    Raises:
-        ConfigError: ``model.extra.mlp_ratio=-2: timm cannot build 'vit_tiny_patch16_224' with it
-            (Trying to create tensor with negative dimension -128: [-128, 64]); ...``.
+    them but not with them, the ConfigError is one line naming the key that breaks it (each key
+    tried alone; all of them when only their combination fails), its value and timm's message. Any
+    other failure (say, a checkpoint ``build`` loads that does not fit) is raised unchanged.
     """
     try:
         return build(user)

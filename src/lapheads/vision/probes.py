@@ -287,9 +287,6 @@ def segmentation_probe(
         ``miou`` (torchmetrics), ``miou_bruteforce`` (confusion matrix), ``pixel_acc``, ``per_class_iou``,
         ``trivial_miou`` (the mIoU of predicting the most frequent train class everywhere).
     """
-    # One function: the probe's training and its evaluation at the original mask sizes share the cached
-    # features and the head; the steps are short and in order.
-
     if len(train_set) == 0 or len(val_set) == 0:
         raise DataError("the segmentation probe needs non-empty train and val sets")
     g = torch.Generator().manual_seed(seed)

@@ -33,11 +33,7 @@ __all__ = [
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-_INTERP = {
-    "bicubic": InterpolationMode.BICUBIC,
-    "bilinear": InterpolationMode.BILINEAR,
-    "nearest": InterpolationMode.NEAREST,
-}
+_INTERP = ("bicubic", "bilinear", "nearest")  # InterpolationMode values
 
 
 def _timm_kwargs(model: Any, kwargs_field: str) -> Mapping[str, Any]:
@@ -154,15 +150,12 @@ def build_transforms(
         raise ConfigError(f"in_chans={in_chans!r}; expected 1 or 3")
     if interpolation not in _INTERP:
         raise ConfigError(f"interpolation={interpolation!r}; expected one of {sorted(_INTERP)}")
-    if mean is None:
-        mean = IMAGENET_MEAN if in_chans == 3 else (sum(IMAGENET_MEAN) / 3,)
-    if std is None:
-        std = IMAGENET_STD if in_chans == 3 else (sum(IMAGENET_STD) / 3,)
-    mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
-    if len(mean) == 1:
-        mean = mean * in_chans
-    if len(std) == 1:
-        std = std * in_chans
+    if in_chans == 1:  # a grey model: ImageNet's statistics averaged over RGB
+        defaults = ((sum(IMAGENET_MEAN) / 3,), (sum(IMAGENET_STD) / 3,))
+    else:
+        defaults = (IMAGENET_MEAN, IMAGENET_STD)
+    mean, std = (tuple(float(x) for x in (d if v is None else v)) for v, d in zip((mean, std), defaults))
+    mean, std = (v * in_chans if len(v) == 1 else v for v in (mean, std))
     if len(mean) != in_chans or len(std) != in_chans:
         raise ConfigError(f"mean={mean} and std={std} need {in_chans} value(s) each (in_chans={in_chans})")
     if any(s <= 0 for s in std):
@@ -172,7 +165,7 @@ def build_transforms(
     lo, hi = scale
     if not 0.0 < lo <= hi <= 1.0:
         raise ConfigError(f"scale={scale} must satisfy 0 < min <= max <= 1")
-    interp = _INTERP[interpolation]
+    interp = InterpolationMode(interpolation)
     ops: list[Any] = [ToMode("RGB" if in_chans == 3 else "L")]
     if train:
         ops.append(v2.RandomResizedCrop(img_size, scale=(lo, hi), interpolation=interp))
