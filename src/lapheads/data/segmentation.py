@@ -59,7 +59,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         reduce_zero_label: ADE20K's convention (0 -> ignore, v -> v - 1).
         ignore_index: the label of ignored pixels.
         source: name for messages.
-        check_labels: decode every mask now and check its labels (see the module docstring).
+        check_labels: decode every mask now and check its labels against the class range.
     """
 
     def __init__(
@@ -210,7 +210,8 @@ def image_mask_folder(
     check_labels: bool = True,
     reduce_zero_label: bool = False,
 ) -> SegmentationDataset:
-    """A folder with ``images/`` and ``masks/`` (see the module docstring)."""
+    """A folder with ``images/`` and ``masks/`` (same stems; split subfolders, or flat: every 5th image
+    is val); ``num_classes`` else ``classes.txt`` else max label + 1."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"{root}: segmentation folder not found")

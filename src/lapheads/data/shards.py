@@ -312,9 +312,7 @@ class _ShardWriter:
                     f">= vocabulary size {self.vocab}"
                 )
             for split, part, part_text in self.parts_of(i, text, list(ids), enc):
-                arr = np.empty(len(part) + 1, dtype=np.int64)
-                arr[0] = self.bos
-                arr[1:] = part
+                arr = np.array([self.bos, *part], dtype=np.int64)
                 self.buffers[split].append(arr.astype(self.np_dtype))
                 p = self.pending[split]
                 p["tokens"] += len(arr)
@@ -323,12 +321,18 @@ class _ShardWriter:
                 self.nonempty += 1
                 if p["tokens"] >= self.shard_tokens:
                     self.flush(split, i + 1)
+        self.bar.update(len(batch))
+        sp, pend = self.splits, self.pending
+        self.bar.set_postfix(
+            train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
+            val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"],
+            refresh=False,
+        )
 
     def run(self, documents: Iterable[str], batch_documents: int, total: Optional[int], progress: bool) -> int:
         """Read every document (tokenizing those not written yet); returns how many were read."""
-        bar = tqdm(
+        self.bar = tqdm(
             total=total,
-            initial=0,
             unit="doc",
             desc=f"tokenize -> {self.out.name}",
             disable=None if progress else True,  # None: only on a terminal
@@ -337,16 +341,6 @@ class _ShardWriter:
         old_flag = getattr(self.backend, "encode_special_tokens", None)
         seen = 0  # input documents read so far (including those a resumed run skips)
         batch: list[tuple[int, str]] = []
-
-        def process(b: list[tuple[int, str]]) -> None:
-            self.process(b)
-            bar.update(len(b))
-            sp, pend = self.splits, self.pending
-            bar.set_postfix(
-                train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
-                val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"],
-                refresh=False,
-            )
 
         try:
             if self.backend is not None:
@@ -360,16 +354,16 @@ class _ShardWriter:
                 # Empty documents are skipped (nothing to learn); documents already inside a complete
                 # shard of their split (a resumed run) are read but not tokenized again.
                 if not text or self.done_or_dropped(i):
-                    bar.update(1)
+                    self.bar.update(1)
                     continue
                 batch.append((i, text))
                 if len(batch) >= batch_documents:
-                    process(batch)
+                    self.process(batch)
                     batch = []
             if batch:
-                process(batch)
+                self.process(batch)
         finally:
-            bar.close()
+            self.bar.close()
             if self.backend is not None:
                 self.backend.encode_special_tokens = old_flag
         return seen

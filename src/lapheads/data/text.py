@@ -332,7 +332,9 @@ def check_split_mode(how: Any, name: str = "split_documents") -> Any:
 
 
 def split_text(text: str, how: Any, where: str = "") -> list[str]:
-    """Cut one document into several (see the module docstring); blank pieces are dropped.
+    """Cut one document into several: ``how`` is ``"blank_lines"`` (paragraphs), ``"chapters"`` (before
+    each heading such as ``Chapter 12`` on a line of its own) or about N characters (cut at whitespace);
+    blank pieces are dropped.
 
     Raises:
         DataError: ``"chapters"`` on a text without a chapter heading (naming ``where``).
@@ -382,6 +384,6 @@ def check_val_fraction(val_fraction: float) -> Fraction:
 
 
 def is_validation_document(i: int, val_fraction: float | Fraction) -> bool:
-    """Whether input document ``i`` belongs to the validation split (see the module docstring)."""
+    """Whether input document ``i`` is validation: ``ceil((i + 1) f) > ceil(i f)`` (spread evenly; the first always is)."""
     f = val_fraction if isinstance(val_fraction, Fraction) else check_val_fraction(val_fraction)
     return math.ceil((i + 1) * f) > math.ceil(i * f)  # exact: a Fraction's ceil
