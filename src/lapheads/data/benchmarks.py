@@ -120,10 +120,6 @@ def builtin_humaneval_path() -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
-def _id(row: dict, path: str, lineno: int) -> str:
-    return str(row.get("id", f"{os.path.basename(path)}:{lineno}"))
-
-
 def _need(row: dict, fields: tuple[str, ...], where: str, layout: str) -> None:
     missing = [f for f in fields if f not in row]
     if missing:
@@ -140,8 +136,7 @@ def _str_list(value: Any, where: str, name: str) -> list[str]:
     return [str(v) for v in value]
 
 
-def _arc(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
-    where = f"{path}:{lineno}"
+def _arc(where: str, row: dict) -> dict[str, Any]:
     q = row.get("question")
     if isinstance(q, dict):  # original AI2 release
         _need(row, ("question", "answerKey"), where, "ARC (original)")
@@ -172,19 +167,10 @@ def _arc(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
         raise DataError(f"{where}: answerKey {key!r} is not among the labels {labels}")
     if len(labels) > len(LETTERS):
         raise DataError(f"{where}: {len(labels)} choices; at most {len(LETTERS)} are supported")
-    return BenchmarkItem(
-        benchmark,
-        "choice",
-        _id(row, path, lineno),
-        stem,
-        choices=texts,
-        answer_index=labels.index(key),
-        meta={"labels": labels, "line": lineno},
-    )
+    return dict(question=stem, choices=texts, answer_index=labels.index(key), meta={"labels": labels})
 
 
-def _mmlu(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
-    where = f"{path}:{lineno}"
+def _mmlu(where: str, row: dict) -> dict[str, Any]:
     _need(row, ("question", "choices", "answer"), where, "MMLU (cais/mmlu)")
     choices = _str_list(row["choices"], where, "choices")
     ans = row["answer"]
@@ -197,19 +183,12 @@ def _mmlu(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
             f"{where}: answer {ans!r} must be an index 0..{len(choices) - 1} or a "
             f"letter {LETTERS[0]}..{LETTERS[len(choices) - 1]}"
         )
-    return BenchmarkItem(
-        benchmark,
-        "choice",
-        _id(row, path, lineno),
-        str(row["question"]),
-        choices=choices,
-        answer_index=idx,
-        meta={"subject": row.get("subject", ""), "line": lineno},
+    return dict(
+        question=str(row["question"]), choices=choices, answer_index=idx, meta={"subject": row.get("subject", "")}
     )
 
 
-def _gsm8k(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
-    where = f"{path}:{lineno}"
+def _gsm8k(where: str, row: dict) -> dict[str, Any]:
     _need(row, ("question", "answer"), where, "GSM8K")
     answer = str(row["answer"])
     if "####" not in answer:
@@ -218,34 +197,22 @@ def _gsm8k(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
     target = normalize_number(final)
     if target is None:
         raise DataError(f"{where}: GSM8K final answer {final!r} after '####' is not a number")
-    return BenchmarkItem(
-        benchmark,
-        "math",
-        _id(row, path, lineno),
-        str(row["question"]),
-        target=target,
-        solution=answer,
-        meta={"line": lineno},
-    )
+    return dict(question=str(row["question"]), target=target, solution=answer)
 
 
-def _humaneval(benchmark: str, path: str, lineno: int, row: dict) -> BenchmarkItem:
-    where = f"{path}:{lineno}"
+def _humaneval(where: str, row: dict) -> dict[str, Any]:
     _need(row, ("task_id", "prompt", "canonical_solution", "test", "entry_point"), where, "HumanEval")
     for f in ("prompt", "test", "entry_point"):
         if not isinstance(row[f], str) or not row[f].strip():
             raise DataError(f"{where}: field {f!r} must be a non-empty string")
     if not row["entry_point"].isidentifier():
         raise DataError(f"{where}: entry_point {row['entry_point']!r} is not a Python identifier")
-    return BenchmarkItem(
-        benchmark,
-        "code",
-        str(row["task_id"]),
-        row["prompt"],
+    return dict(
+        id=str(row["task_id"]),
+        question=row["prompt"],
         solution=str(row["canonical_solution"]),
         test=row["test"],
         entry_point=row["entry_point"],
-        meta={"line": lineno},
     )
 
 
@@ -260,7 +227,11 @@ def parse_row(name: str, row: dict[str, Any], path: str = "document", lineno: in
         DataError: unknown benchmark, missing field, answer not among the choices.
     """
     key = canonical_name(name)
-    return _PARSERS[key](key, path, lineno, dict(row))
+    row = dict(row)
+    fields = _PARSERS[key](f"{path}:{lineno}", row)  # the fields of this layout
+    fields.setdefault("id", str(row.get("id", f"{os.path.basename(path)}:{lineno}")))
+    fields["meta"] = {**fields.get("meta", {}), "line": lineno}
+    return BenchmarkItem(key, BENCHMARKS[key], **fields)
 
 
 def load_benchmark(name: str, path: Optional[str] = None, max_items: Optional[int] = None) -> list[BenchmarkItem]:
