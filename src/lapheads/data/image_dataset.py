@@ -50,7 +50,6 @@ def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
         )
 
 
-# ============================================================================ base classes
 class ImageDataset(torch.utils.data.Dataset):
     """Common interface: ``(image, label)`` items plus class metadata.
 
@@ -177,7 +176,6 @@ def stratified_split(labels: np.ndarray, split: str, val_fraction: float, seed: 
     return np.sort(np.concatenate(keep)) if keep else np.zeros(0, dtype=np.int64)
 
 
-# ============================================================================ subsets
 def subset_indices(targets: Sequence[int], fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> np.ndarray:
     """Sorted indices of a stratified, seeded, nested subset of a labelled data set: ``round(fraction * N)``
     items, at most ``max_items`` (0 = no cap) and at least one (docs/design/data.md).

@@ -57,7 +57,6 @@ __all__ = [
 DATASET_KINDS = ("digits", "cifar10", "cifar100", "imagefolder", "idx", "hf")
 
 
-# ============================================================================ factory
 _OPTIONS = {
     "digits": {"val_fraction", "seed"},
     "cifar10": {"label_type"},

@@ -264,8 +264,6 @@ def build_segmentation_dataset(
     return image_mask_folder(p, split, num_classes, check_labels)
 
 
-# ---------------------------------------------------------------------------------------------
-# synthetic data
 SYNTHETIC_CLASSES = ("background", "disc", "square", "triangle")
 
 

@@ -98,11 +98,8 @@ def build_with_user_kwargs(
 def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0, **kwargs: Any) -> nn.Module:
     """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
 
-    Args:
-        name: timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...).
-        laplacian_heads: the selection (see :func:`lapheads.timm.convert`).
-        drop_path_rate: stochastic depth.
-        **kwargs: more timm keyword arguments (``img_size``, ``patch_size``, ``embed_dim``, ...).
+    ``name`` is a timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...),
+    ``laplacian_heads`` the selection (:func:`lapheads.timm.convert`), ``kwargs`` more timm keyword arguments.
     """
     kw = dict(kwargs)
     kw.setdefault("num_classes", 0)
@@ -159,13 +156,8 @@ def timm_backbone(
 ) -> tuple[nn.Module, dict]:
     """A frozen backbone from a timm name (``--model NAME``) and its metadata.
 
-    Args:
-        model: a timm model name.
-        weights: safetensors file (default: random init, a chance-level baseline).
-        laplacian_heads: Laplacian heads of the backbone.
-        img_size: input size (default: the model's own).
-        device: where to put the backbone.
-        **timm_kwargs: more timm kwargs.
+    ``weights`` is a safetensors file (default: random init, a chance-level baseline); ``img_size``
+    defaults to the model's own.
     """
     kw = dict(timm_kwargs)
     if img_size:

@@ -21,8 +21,6 @@ from .transforms import EvalTransform
 IGNORE_INDEX = 255
 
 
-# ---------------------------------------------------------------------------------------------
-# features
 class _Mapped(torch.utils.data.Dataset):
     def __init__(self, base: Any, transform: Callable):
         self.base, self.transform = base, transform
@@ -79,8 +77,6 @@ def extract_features(
     return torch.cat(feats), torch.cat(labels).long()
 
 
-# ---------------------------------------------------------------------------------------------
-# k-NN
 @torch.no_grad()
 def knn_classify(
     train_feats: torch.Tensor,
@@ -122,8 +118,6 @@ def knn_classify(
     return {f"knn_k{k}_top1": correct[k] / len(te) for k in ks}
 
 
-# ---------------------------------------------------------------------------------------------
-# linear probe
 def linear_probe(
     train_feats: torch.Tensor,
     train_labels: torch.Tensor,
@@ -180,8 +174,6 @@ def linear_probe(
     return {"linear_top1": acc_te, "linear_train_top1": acc_tr}
 
 
-# ---------------------------------------------------------------------------------------------
-# segmentation
 def confusion_matrix(
     pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:

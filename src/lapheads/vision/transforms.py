@@ -41,28 +41,15 @@ def _timm_kwargs(model: Any, kwargs_field: str) -> Mapping[str, Any]:
 
 
 def in_chans_of(model: Any, kwargs_field: str = "extra") -> int:
-    """Channels a vision recipe's model reads: ``model.in_chans``, or ``in_chans`` among its extra timm
-    keyword arguments (``model.<kwargs_field>``, e.g. classify's ``model.extra``) where that is set.
-
-    Args:
-        model: a model config with an ``in_chans`` field and a mapping of extra timm kwargs.
-        kwargs_field: the name of that mapping (classify: ``"extra"``, DINO: ``"kwargs"``).
-    """
+    """Channels a vision recipe's model config reads: ``model.in_chans``, or ``in_chans`` among its extra
+    timm keyword arguments ``model.<kwargs_field>`` (classify: ``"extra"``, DINO: ``"kwargs"``) where set."""
     return int(_timm_kwargs(model, kwargs_field).get("in_chans", model.in_chans))
 
 
 def check_channels(model: Any, mean: Any, std: Any, where: str = "data", kwargs_field: str = "extra") -> None:
-    """``model.in_chans`` is 1 or 3 and ``{where}.mean`` / ``{where}.std`` have that many values.
-
-    Args:
-        model: a model config with ``in_chans`` and extra timm kwargs ``model.<kwargs_field>``.
-        mean, std: the normalisation of the config (one value per channel).
-        where: the config section that holds ``mean`` / ``std`` (for the message).
-        kwargs_field: the name of the extra timm kwargs mapping (an ``in_chans`` there must agree).
-
-    Raises:
-        ConfigError: naming the fields.
-    """
+    """A ConfigError naming the fields unless ``model.in_chans`` (or an agreeing ``in_chans`` in
+    ``model.<kwargs_field>``, as in :func:`in_chans_of`) is 1 or 3 and the normalisation ``mean`` / ``std``
+    of config section ``where`` has that many values."""
     extra = _timm_kwargs(model, kwargs_field)
     if "in_chans" in extra and model.in_chans != 3 and extra["in_chans"] != model.in_chans:
         raise ConfigError(
@@ -238,9 +225,7 @@ class MultiCropAugment:
     Randomness comes from torch's RNG, which the engine seeds per item.
 
     Args:
-        cfg: the crop settings (the DINO recipe's ``CropsConfig``): ``global_size``, ``local_size``,
-            ``global_scale``, ``local_scale``, ``local_crops``, ``hflip``, ``color_jitter``,
-            ``jitter``, ``grayscale``, ``blur``, ``solarize``, ``mean``, ``std``.
+        cfg: the crop settings (the DINO recipe's ``CropsConfig``).
         in_chans: channels of the crops (1 for a greyscale model: colour jitter then changes only
             brightness and contrast, and random grayscale is a no-op).
     """
