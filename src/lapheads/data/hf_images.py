@@ -12,7 +12,7 @@ from PIL import Image
 
 from ..errors import DataError
 from .image_dataset import ImageDataset, check_labels, check_split, stratified_split
-from .text import import_datasets, open_hf_dataset
+from .text import check_hf_column, import_datasets, open_hf_dataset
 
 __all__ = ["HFImageDataset", "HF_VAL_SPLITS", "hf_options"]
 
@@ -73,12 +73,8 @@ class HFImageDataset(ImageDataset):
         if chosen not in every:
             raise DataError(f"{where}: no split {chosen!r}; its splits: {', '.join(names)}")
         ds = every[chosen]
-        for col, key in ((image_column, "image_column"), (label_column, "label_column")):
-            if col not in ds.column_names:
-                raise DataError(
-                    f"{where}: the dataset has no column {col!r} (data.{key}); its columns: "
-                    f"{', '.join(ds.column_names)}"
-                )
+        check_hf_column(ds, image_column, where, "data.image_column")
+        check_hf_column(ds, label_column, where, "data.label_column")
         feature = ds.features[label_column]
         if isinstance(feature, datasets.ClassLabel):
             self.classes = list(feature.names)

@@ -1,8 +1,4 @@
-"""One JSONL reader for corpora, chat data and task files.
-
-Every line that is not blank must be a JSON object; errors name ``file:line`` and what was
-expected. ``.gz`` files are read transparently.
-"""
+"""One JSONL reader for corpora, chat data and task files."""
 
 from __future__ import annotations
 
@@ -16,11 +12,8 @@ from ..errors import DataError
 
 
 def iter_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for every non-blank line of ``path``.
-
-    Args:
-        path: a ``.jsonl`` (or ``.jsonl.gz``) file.
-        what: how the file is named in errors ("task file", "chat JSONL file", ...).
+    """``(line number, object)`` for every non-blank line of a ``.jsonl`` (or ``.jsonl.gz``) file; ``what``
+    names the file in errors ("task file", "chat JSONL file", ...).
 
     Raises:
         DataError: missing file, unreadable or non-UTF-8 file, a line that is not valid JSON or not

@@ -371,16 +371,12 @@ class _ShardWriter:
 
 # --------------------------------------------------------------------------- reading shards
 class TokenShards:
-    """The token shards of one split, memory-mapped.
-
-    Args:
-        path: a directory written by :func:`tokenize_to_shards`.
-        split: ``"train"`` or ``"val"``.
-        tokenizer: optional; if given, its hash must match the index (else DataError).
+    """The token shards of one split (``"train"`` or ``"val"``) of a directory written by
+    :func:`tokenize_to_shards`, memory-mapped.
 
     Raises:
         DataError: missing/incomplete index, a shard missing or of the wrong size, an empty split,
-            or a tokenizer that is not the one the shards were made with.
+            or a ``tokenizer`` given that is not the one the shards were made with.
     """
 
     def __init__(self, path: str | os.PathLike, split: str = "train", tokenizer: Any = None):

@@ -214,18 +214,11 @@ def _one_line(e: BaseException) -> str:
 def open_hf_dataset(
     source: str, split: Optional[str] = "train", name: Optional[str] = None, streaming: bool = False, what: str = "data"
 ) -> Any:
-    """A ``datasets`` dataset from a path or a name, resolved in this order:
-
-    * a directory written by ``save_to_disk`` (``dataset_dict.json`` or ``state.json`` inside):
-      ``load_from_disk``, memory-mapped; a ``DatasetDict`` gives its ``split``;
-    * a data file or a glob of them (``.parquet``, ``.json``/``.jsonl``, ``.csv``, ``.arrow``,
-      ``.txt``): ``load_dataset(<format>, data_files=...)``, the files as split ``split``;
-    * anything else (a directory of data files, a Hub name such as ``HuggingFaceFW/fineweb-edu``):
-      ``load_dataset(source, name)``, as ``datasets`` resolves it (its cache, ``HF_HUB_OFFLINE``).
-
-    ``split=None`` returns every split (a ``DatasetDict``); ``streaming`` an ``IterableDataset``
-    (a saved directory is streamed with ``to_iterable_dataset``), which reads corpora larger than
-    memory.
+    """A ``datasets`` dataset from a path or a name: a ``save_to_disk`` directory (``load_from_disk``,
+    memory-mapped), a data file or glob (``.parquet``, ``.json``/``.jsonl``, ``.csv``, ``.arrow``,
+    ``.txt``: ``load_dataset(<format>, data_files=...)``), else ``load_dataset(source, name)`` as
+    ``datasets`` resolves it (a folder of data files, a Hub name, its cache, ``HF_HUB_OFFLINE``).
+    ``split=None`` returns every split; ``streaming`` an ``IterableDataset`` (corpora larger than memory).
 
     Raises:
         DataError: one line naming ``what``, the source and the split, with ``datasets``' reason.
