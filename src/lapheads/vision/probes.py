@@ -153,8 +153,7 @@ def linear_probe(
         else torch.optim.AdamW(lin.parameters(), lr=lr, weight_decay=weight_decay)
     )
     n = len(train_feats)
-    steps_ep = max(1, math.ceil(n / batch_size))
-    total = epochs * steps_ep
+    total = epochs * max(1, math.ceil(n / batch_size))
     x, y = train_feats.float(), train_labels.long()
     step = 0
     for _ in range(epochs):

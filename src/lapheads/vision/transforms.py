@@ -199,10 +199,7 @@ def to_float_image(img: Any, channels: int = 3) -> torch.Tensor:
         t = TF.pil_to_tensor(img)
     if t.ndim == 2:
         t = t.unsqueeze(0)
-    if t.dtype == torch.uint8:
-        t = t.float() / 255.0
-    else:
-        t = t.float()
+    t = t.float() / 255.0 if t.dtype == torch.uint8 else t.float()
     if t.shape[0] == 4:
         t = t[:3]
     if channels == 1:
@@ -289,6 +286,4 @@ class EvalTransform:
             x = F.interpolate(
                 x[None], size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False
             )[0]
-        m = torch.tensor(self.mean).view(-1, 1, 1)
-        s = torch.tensor(self.std).view(-1, 1, 1)
-        return (x - m) / s
+        return TF.normalize(x, self.mean, self.std)
