@@ -1,8 +1,9 @@
 """Benchmark files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type,
 :class:`BenchmarkItem`; errors name ``file:line``.
 
-The accepted layouts are those of the public datasets (docs/design/data.md); the lm-eval tasks
-that score a model on them are :mod:`lapheads.lm.tasks`.
+The accepted layouts are those of the public datasets as ``datasets.Dataset.to_json`` writes them:
+``allenai/ai2_arc`` (or AI2's original ARC release), ``cais/mmlu``, GSM8K and HumanEval (fields
+listed in docs/design/data.md); the lm-eval tasks that score a model on them are :mod:`lapheads.lm.tasks`.
 """
 
 from __future__ import annotations
