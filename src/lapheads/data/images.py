@@ -9,6 +9,7 @@ subsets :mod:`lapheads.data.image_dataset`. Design: docs/design/data.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -170,13 +171,8 @@ def spread_over_classes(labels: Sequence[Any], k: int) -> list[int]:
     by_class: dict[Any, list[int]] = {}
     for i, lab in enumerate(labels):
         by_class.setdefault(lab, []).append(i)
-    queues = [by_class[c] for c in sorted(by_class)]
-    out: list[int] = []
-    depth = 0
-    while len(out) < k and any(depth < len(q) for q in queues):
-        out += [q[depth] for q in queues if depth < len(q)][: k - len(out)]
-        depth += 1
-    return out
+    rounds = itertools.zip_longest(*(by_class[c] for c in sorted(by_class)))  # the first of each class, ...
+    return [i for row in rounds for i in row if i is not None][:k]
 
 
 def load_images(source: str, max_images: int = 16) -> list[Any]:
