@@ -222,11 +222,8 @@ _PARSERS = {"arc_easy": _arc, "arc_challenge": _arc, "mmlu": _mmlu, "gsm8k": _gs
 
 def parse_row(name: str, row: dict[str, Any], path: str = "document", lineno: int = 0) -> BenchmarkItem:
     """One row of a benchmark in its public layout (a JSONL line, an lm-eval document) as a
-    :class:`BenchmarkItem`; errors name ``path:lineno``.
-
-    Raises:
-        DataError: unknown benchmark, missing field, answer not among the choices.
-    """
+    :class:`BenchmarkItem`; a DataError (unknown benchmark, missing field, answer not among the
+    choices) names ``path:lineno``."""
     key = canonical_name(name)
     row = dict(row)
     fields = _PARSERS[key](f"{path}:{lineno}", row)  # the fields of this layout

@@ -178,11 +178,8 @@ def stratified_split(labels: np.ndarray, split: str, val_fraction: float, seed: 
 
 def subset_indices(targets: Sequence[int], fraction: float = 1.0, max_items: int = 0, seed: int = 0) -> np.ndarray:
     """Sorted indices of a stratified, seeded, nested subset of a labelled data set: ``round(fraction * N)``
-    items, at most ``max_items`` (0 = no cap) and at least one (docs/design/data.md).
-
-    Raises:
-        ConfigError: ``fraction`` outside (0, 1] or a negative ``max_items``.
-    """
+    items, at most ``max_items`` (0 = no cap) and at least one (docs/design/data.md). A ConfigError for a
+    ``fraction`` outside (0, 1] or a negative ``max_items``."""
     if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
         raise ConfigError(f"data.fraction={fraction!r} must be a number in (0, 1]")
     if not isinstance(max_items, int) or isinstance(max_items, bool) or max_items < 0:

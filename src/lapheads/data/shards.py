@@ -56,11 +56,7 @@ def _write_index(out: Path, index: dict) -> None:
 
 
 def read_index(path: str | os.PathLike) -> dict:
-    """Load ``index.json`` of a shard directory.
-
-    Raises:
-        DataError: missing or unreadable index.
-    """
+    """Load ``index.json`` of a shard directory (a DataError when it is missing or unreadable)."""
     f = Path(path) / INDEX_NAME
     if not f.is_file():
         raise DataError(f"{Path(path)}: no {INDEX_NAME}; make shards with `lapheads data tokenize --out {path}`")

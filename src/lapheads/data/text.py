@@ -58,11 +58,7 @@ def _kind(path: Path) -> str:
 
 
 def read_text_file(path: str | os.PathLike) -> Iterator[str]:
-    """One document: the whole file, decoded as UTF-8.
-
-    Raises:
-        DataError: the file cannot be read or is not UTF-8.
-    """
+    """One document: the whole file, decoded as UTF-8 (a DataError when it cannot be read or is not UTF-8)."""
     p = Path(path)
     try:
         yield p.read_text(encoding="utf-8")
@@ -73,11 +69,8 @@ def read_text_file(path: str | os.PathLike) -> Iterator[str]:
 
 
 def read_jsonl(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """One document per line: ``json.loads(line)[text_field]``; blank lines are skipped.
-
-    Raises:
-        DataError: naming ``file:line`` for a line that is not JSON, not an object, or lacks the field.
-    """
+    """One document per line: ``json.loads(line)[text_field]``; blank lines are skipped. A DataError
+    names ``file:line`` for a line that is not JSON, not an object, or lacks the field."""
     p = Path(path)
     for n, obj in iter_jsonl(p):
         if text_field not in obj:
@@ -106,11 +99,8 @@ def _parquet_file(p: Path, text_field: str):
 
 
 def read_parquet(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """One document per row of the ``text_field`` column, read one row group at a time.
-
-    Raises:
-        DataError: the file is not parquet, or it has no such column (the columns found are listed).
-    """
+    """One document per row of the ``text_field`` column, read one row group at a time; a DataError when
+    the file is not parquet or has no such column (the columns found are listed)."""
     p = Path(path)
     pf = _parquet_file(p, text_field)
     for g in range(pf.num_row_groups):
@@ -143,11 +133,8 @@ def iter_documents(paths: Sequence[str | os.PathLike], text_field: str = "text")
 
 
 def check_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text") -> None:
-    """Open every input cheaply before any expensive work: existence, emptiness, schema, first line.
-
-    Raises:
-        DataError: naming the file and the problem.
-    """
+    """Open every input cheaply before any expensive work (existence, emptiness, schema, first line); a
+    DataError names the file and the problem."""
     if not paths:
         raise DataError("no input files given")
     for path in paths:
@@ -268,11 +255,8 @@ def check_hf_column(ds: Any, column: str, what: str, key: str) -> None:
 
 
 def read_hf_dataset(ds: Any, text_field: str = "text", source: str = "hf") -> Iterator[str]:
-    """One document per row: the string in column ``text_field`` (empty rows and None are skipped).
-
-    Raises:
-        DataError: a value that is not a string, naming the row.
-    """
+    """One document per row: the string in column ``text_field`` (empty rows and None are skipped; a value
+    that is not a string is a DataError naming the row)."""
     rows = ds.select_columns([text_field]) if hasattr(ds, "select_columns") else ds
     for i, row in enumerate(rows):
         text = row[text_field]
