@@ -1,19 +1,9 @@
-"""Recipes: one module per training task, all running on the shared engine (lapheads.engine).
+"""Recipes: one module per training task (classify, lm, sft, dino, retrofit, retrofit_vit), all on the
+shared engine (:mod:`lapheads.engine`).
 
-============  =============================  =================================================
-recipe        module                         what it trains
-============  =============================  =================================================
-classify      lapheads.recipes.classify      DeiT-3 supervised ViT classification
-lm            lapheads.recipes.lm            NanoChat-style language-model pretraining
-sft           lapheads.recipes.sft           supervised fine-tuning on chat JSONL
-dino          lapheads.recipes.dino          DINO self-supervised ViT
-retrofit      lapheads.recipes.retrofit      k heads of a pretrained LM switched, then trained
-retrofit_vit  lapheads.recipes.retrofit_vit  the same for a pretrained timm ViT classifier
-============  =============================  =================================================
-
-Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe`
-subclass: the typed contract (config type, engine task, run loader, heads, evaluation batches)
-that the commands, the report, the sweep and the geometry of runs use.
+Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe` subclass: the typed
+contract (config type, engine task, run loader, heads, evaluation batches) that the commands, the report, the
+sweep and the geometry of runs use.
 """
 
 from __future__ import annotations

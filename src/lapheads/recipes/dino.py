@@ -271,15 +271,9 @@ def dino_loss(
     n_global = teacher_probs.shape[0] * n_crops // student_out.shape[0]
     s = F.log_softmax(student_out.float() / student_temp, dim=-1).chunk(n_crops)
     t = teacher_probs.float().chunk(n_global)
-    total = student_out.new_zeros((), dtype=torch.float32)
-    n_terms = 0
-    for iq, q in enumerate(t):
-        for v in range(n_crops):
-            if v == iq:  # the same view on both sides gives no learning signal
-                continue
-            total = total + torch.sum(-q * s[v], dim=-1).mean()
-            n_terms += 1
-    return total / max(n_terms, 1)
+    # the same view on both sides gives no learning signal: v != iq
+    terms = [torch.sum(-q * s[v], dim=-1).mean() for iq, q in enumerate(t) for v in range(n_crops) if v != iq]
+    return sum(terms, student_out.new_zeros((), dtype=torch.float32)) / max(len(terms), 1)
 
 
 def teacher_temperature(epoch: int, cfg: DinoLossConfig) -> float:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -179,14 +180,9 @@ def resolve_grad_accum(d: LMDataConfig, t: TrainConfig, world_size: int) -> None
 
 def token_bytes(tokenizer: Any) -> torch.Tensor:
     """UTF-8 byte length of every token id (0 for special tokens), as nanochat's ``token_bytes``."""
-    n = len(tokenizer)
     special = set(tokenizer.all_special_ids)
-    toks = tokenizer.convert_ids_to_tokens(list(range(n)))
-    out = torch.zeros(n, dtype=torch.int64)
-    for i, t in enumerate(toks):
-        if i not in special and t is not None:
-            out[i] = len(t)
-    return out
+    toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return torch.tensor([0 if i in special or t is None else len(t) for i, t in enumerate(toks)], dtype=torch.int64)
 
 
 def bits_per_byte(nats: float, nbytes: int) -> float:
@@ -272,10 +268,6 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         tok = load_tokenizer(d.tokenizer)
         S.TokenShards(d.shards, "train", tokenizer=tok)  # raises on a tokenizer/shard mismatch
         return tok, Path(d.shards)
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1) to hold out validation documents")
-    if d.val_by not in ("documents", "tokens"):
-        raise ConfigError(f"data.val_by={d.val_by!r} must be 'documents' or 'tokens'")
     T.check_split_mode(d.split_documents, "data.split_documents")
     hf = _hf_corpus(d)  # an hf: corpus: opened, its text column checked
     paths = None if hf is not None else _corpus_paths(d.corpus)
@@ -452,7 +444,7 @@ class LMTask(TextTask):
         autocast = (
             torch.autocast(dev.type, dtype=torch.bfloat16)
             if dev.type == "cuda" and self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported()
-            else None
+            else contextlib.nullcontext()
         )
         batches = self.val_shards.iter_batches(
             self.eval_bs, d.seq_len, max_batches=self.eval_batches, rank=self.info.rank, world_size=self.info.world_size
@@ -460,10 +452,7 @@ class LMTask(TextTask):
         first = lambda: next(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=1))  # noqa: E731
         for (x, y), real in lockstep(batches, first, dev, self.sharded):
             x, y = x.to(dev), y.to(dev)
-            if autocast is not None:
-                with autocast:
-                    logits = model(input_ids=x, use_cache=False).logits
-            else:
+            with autocast:
                 logits = model(input_ids=x, use_cache=False).logits
             if not real:  # a sharded model's forward in lock step with the ranks that still have batches
                 continue

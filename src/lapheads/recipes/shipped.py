@@ -1,11 +1,7 @@
 """The recipe configs that ship inside the package (``lapheads recipes``, ``--config NAME``).
 
-Each YAML file under ``lapheads/recipes/configs/<group>/<name>.yaml`` is one recipe config: its
-top-level ``recipe:`` key names the recipe it is for (the group folder when there is none), and
-its first comment line is its one-line description. ``--config`` takes an existing path (as
-always) or the name of a shipped config of the command's recipe: ``digits`` or ``classify/digits``
-for ``lapheads train classify``. A path wins over a name, so a local ``digits`` file is never
-shadowed.
+``lapheads/recipes/configs/<group>/<name>.yaml``: its ``recipe:`` key (else the group) names the recipe, its
+first comment line describes it. ``--config`` takes a path or a shipped name (``digits``, ``classify/digits``).
 """
 
 from __future__ import annotations
