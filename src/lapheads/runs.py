@@ -117,15 +117,13 @@ def analyze_run(
     if loaded.kind == "hf":
         res["meta"]["seq_len"] = int(batches[0]["input_ids"].shape[1])
     res["meta"].update(
-        {
-            "run": str(run.path),
-            "recipe": recipe.name,
-            "laplacian_heads": recipe.heads(run.path),
-            "max_items": max_items,
-            "batch_size": batch_size,
-            "spectra": spectra,
-            "nc4": nc4,
-        }
+        run=str(run.path),
+        recipe=recipe.name,
+        laplacian_heads=recipe.heads(run.path),
+        max_items=max_items,
+        batch_size=batch_size,
+        spectra=spectra,
+        nc4=nc4,
     )
     out = Path(out_dir) if out_dir else run.path / "geometry"
     out.mkdir(parents=True, exist_ok=True)

@@ -189,14 +189,7 @@ def backbone_kwargs(m: DinoModelConfig) -> dict[str, Any]:
 class DINOHead(nn.Module):
     """DINO projection head: MLP -> bottleneck -> L2 norm -> weight-normalised linear (no bias).
 
-    Args:
-        in_dim: backbone width.
-        out_dim: number of prototypes K.
-        hidden_dim: MLP width.
-        bottleneck_dim: width before the last layer.
-        nlayers: MLP layers (1 = a single linear layer to the bottleneck).
-        use_bn: BatchNorm after each hidden linear layer.
-        norm_last_layer: keep the weight-norm magnitude ``g`` at 1 (not trained).
+    ``in_dim`` is the backbone width; the other arguments are those of the ``head:`` section (:class:`DinoHeadConfig`).
     """
 
     def __init__(

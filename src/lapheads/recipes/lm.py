@@ -203,11 +203,8 @@ def _corpus_paths(corpus: Any) -> Optional[list[str]]:
 def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
     if paths is None:
         return {"embedded": "pydoc_data.topics", "python": sys.version.split()[0]}
-    out = []
-    for p in paths:
-        st = Path(p).stat()
-        out.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
-    return out
+    stats = [(p, Path(p).stat()) for p in paths]
+    return [[str(Path(p).resolve()), st.st_size, st.st_mtime_ns] for p, st in stats]
 
 
 def _documents(paths: Optional[list[str]], text_field: str, split: Any = None, hf: Any = None):

@@ -169,11 +169,14 @@ class RetrofitConfig(RetrofitBase):
 
 
 @torch.no_grad()
-def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def mean_loss(
+    model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], forward: Callable = nn.Module.__call__
+) -> float:
+    """Mean cross-entropy of the logits ``forward(model, x)`` against ``y`` over ``batches``."""
     tot, n = 0.0, 0
     dev = next(model.parameters()).device
     for x, y in batches:
-        logits = model(input_ids=x.to(dev), use_cache=False).logits.float()
+        logits = forward(model, x.to(dev)).float()
         tot += float(F.cross_entropy(logits.view(-1, logits.size(-1)), y.to(dev).view(-1), reduction="sum"))
         n += y.numel()
     return tot / max(1, n)
@@ -211,7 +214,7 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
 
     def loss(selection: list[list[int]]) -> float:
         cfg.laplacian_heads = selection
-        return _mean_loss(model, batches)
+        return mean_loss(model, batches, lambda m, x: m(input_ids=x, use_cache=False).logits)
 
     try:
         lap_tf.enable(model, 0)

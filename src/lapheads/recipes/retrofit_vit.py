@@ -13,7 +13,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 import timm
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
@@ -45,6 +44,7 @@ from .retrofit import (
     RetrofitRuns,
     check_steps,
     convert_heads,
+    mean_loss,
     retrofit_record,
     switch_cost_table,
     with_lora,
@@ -180,16 +180,6 @@ def pretrained_model(cfg: RetrofitViTConfig, num_classes: int) -> nn.Module:
 
 
 @torch.no_grad()
-def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    dev = next(model.parameters()).device
-    tot, n = 0.0, 0
-    for x, y in batches:
-        tot += float(F.cross_entropy(model(x.to(dev)).float(), y.to(dev), reduction="sum"))
-        n += y.numel()
-    return tot / max(1, n)
-
-
-@torch.no_grad()
 def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[float]]:
     """Per layer and head: validation loss with only that head Laplacian minus the unconverted loss.
 
@@ -199,7 +189,7 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
 
     def loss(selection: list[list[int]]) -> float:
         lap_timm.convert(probe, selection)
-        return _mean_loss(probe, batches)
+        return mean_loss(probe, batches)
 
     return switch_cost_table([m.num_heads for _, m in lap_timm.laplacian_attention_layers(probe)], loss)
 

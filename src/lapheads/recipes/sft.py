@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -137,9 +138,7 @@ def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
             object without a ``messages`` list.
     """
     p = Path(path)
-    out = []
-    for n, obj in iter_jsonl(p, "chat JSONL file"):
-        out.append((n, _checked_messages(obj.get("messages"), f"{p}:{n}")))
+    out = [(n, _checked_messages(obj.get("messages"), f"{p}:{n}")) for n, obj in iter_jsonl(p, "chat JSONL file")]
     if not out:
         raise DataError(f"{p}: the file holds no conversation (it is empty)")
     return out
@@ -235,17 +234,13 @@ def collate_packed(
     for i, convs in enumerate(rows):
         ids = [t for c in convs for t in c[0]]
         mask = [m for c in convs for m in c[1]]
-        starts = []
-        o = 0
-        for c in convs:
-            starts.append(o)
-            o += len(c[0])
+        starts = list(itertools.accumulate(len(c[0]) for c in convs))[:-1]  # where conversations 2, 3, ... start
         xi, yi = _targets(ids, mask)
         n = len(xi)
         x[i, :n] = torch.tensor(xi)
         y[i, :n] = torch.tensor(yi)
         p = torch.arange(T)
-        for s in starts[1:] + ([n] if n < T else []):  # restart positions at each conversation and the filler
+        for s in starts + ([n] if n < T else []):  # restart positions at each conversation and the filler
             p[s:] = torch.arange(T - s)
         pos[i] = p
     return {"input_ids": x, "position_ids": pos, "labels": y}
@@ -321,12 +316,8 @@ class SFTTask(TextTask):
         return steps
 
     def _draw(self, g: torch.Generator, n: int) -> list[tuple[list[int], list[int]]]:
-        src = torch.multinomial(self.source_probs, n, replacement=True, generator=g).tolist()
-        out = []
-        for s in src:
-            i = int(torch.randint(len(self.train_sets[s]), (1,), generator=g))
-            out.append(self.train_sets[s][i])
-        return out
+        sets = [self.train_sets[s] for s in torch.multinomial(self.source_probs, n, True, generator=g).tolist()]
+        return [c[int(torch.randint(len(c), (1,), generator=g))] for c in sets]
 
     def batches(self, start_micro_step: int) -> Iterator[dict[str, torch.Tensor]]:
         d = self.cfg.data
