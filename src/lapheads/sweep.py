@@ -331,28 +331,24 @@ def run_grid(
         if on_start is not None:
             on_start()
         delete_runs(restart, quiet)
-        todo = []
         for r in plan:
-            if r.state == "done":
-                if not quiet:
-                    print(f"[sweep] {r.path.name}: finished, skipped")
-            else:
-                todo.append(r)
+            if r.state == "done" and not quiet:
+                print(f"[sweep] {r.path.name}: finished, skipped")
+        todo = [r for r in plan if r.state != "done"]
         if launcher is not None:
             if todo:
                 argvs = [(r.path, train_command(recipe, config, r)[5:], r.state == "partial") for r in todo]
                 submit_sweep(recipe, argvs, out, launcher, slurm_folder, wait=wait, quiet=quiet)
-            return [r.path for r in plan]
-        if jobs > 1 and len(todo) > 1:
+        elif jobs > 1 and len(todo) > 1:
             _train_in_subprocesses(recipe, config, todo, out, min(jobs, len(todo)), quiet)
-            return [r.path for r in plan]
-        for r in todo:
-            if not quiet:
-                print(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
-            cfg = load_config(rec.config_type, config, r.sets, recipe=recipe)
-            res = rec.train(cfg, r.path, resume=r.state == "partial")
-            for line in rec.result_lines(res, r.path):
-                print(line)
+        else:
+            for r in todo:
+                if not quiet:
+                    print(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
+                cfg = load_config(rec.config_type, config, r.sets, recipe=recipe)
+                res = rec.train(cfg, r.path, resume=r.state == "partial")
+                for line in rec.result_lines(res, r.path):
+                    print(line)
     return [r.path for r in plan]
 
 

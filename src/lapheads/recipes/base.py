@@ -130,6 +130,7 @@ class Recipe(ABC):
 
     name: ClassVar[str]
     config_type: ClassVar[type]
+    task_type: ClassVar[Callable[..., TrainTask]]
     kind: ClassVar[str]
     description: ClassVar[str] = ""
     default_config: ClassVar[Optional[str]] = None
@@ -140,9 +141,9 @@ class Recipe(ABC):
         (classify: ``1 / classes`` top-1); empty where the recipe defines no chance level."""
         return {}
 
-    @abstractmethod
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
-        """The engine task for ``cfg`` (``run_dir``: where the run writes, for tasks that log files)."""
+        """The engine task for ``cfg``, a ``task_type`` (``run_dir``: where the run writes, for tasks that log files)."""
+        return self.task_type(cfg, info, run_dir=run_dir)
 
     def train(
         self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False, reevaluate: bool = False

@@ -248,12 +248,11 @@ RECORD = ("top1", "top5", "mean_class_acc", "loss")
 class ClassifyTask(HeadsTask):
     name = "classify"
 
-    def __init__(self, cfg: ClassifyConfig, info: DistInfo):
+    def __init__(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None):
         self.cfg, self.info = cfg, info
         d = cfg.data
         self.train_set, self.val_set = _datasets(cfg)
         self.num_classes = self.train_set.num_classes
-        in_chans = in_chans_of(cfg.model)
         self.train_tf = build_transforms(
             cfg.model.img_size,
             train=True,
@@ -261,7 +260,7 @@ class ClassifyTask(HeadsTask):
             color_jitter=d.color_jitter,
             mean=d.mean,
             std=d.std,
-            in_chans=in_chans,
+            in_chans=in_chans_of(cfg.model),
             scale=(d.scale_min, 1.0),
             hflip=d.hflip,
         )
@@ -340,14 +339,10 @@ class ClassifyTask(HeadsTask):
 
     def loss(self, model, batch, step):
         x, y = (t.to(self.info.device, non_blocking=True) for t in batch)
-        if self.mixup is not None:
-            x, target = self.mixup(x, y)
-        else:
-            target = y
+        x, target = self.mixup(x, y) if self.mixup is not None else (x, y)
         logits = model(x)
         loss = self.criterion(logits.float(), target)
-        acc = (logits.argmax(1) == y).float().mean() if self.mixup is None else None
-        return loss, ({"train_acc": acc} if acc is not None else {})
+        return loss, ({"train_acc": (logits.argmax(1) == y).float().mean()} if self.mixup is None else {})
 
     def measure(self, model: nn.Module) -> dict[str, Any]:
         """:func:`evaluate_classifier` of ``model`` on the validation set."""
@@ -416,6 +411,7 @@ def eval_dataset(cfg: ClassifyConfig, data: Optional[str] = None) -> Any:
 class ClassifyRecipe(Recipe):
     name = "classify"
     config_type = ClassifyConfig
+    task_type = ClassifyTask
     kind = "vit"
     description = "DeiT-3 supervised classification with k Laplacian heads per layer."
     metrics = (
@@ -429,9 +425,6 @@ class ClassifyRecipe(Recipe):
         """Accuracies of a uniform guess over the run's classes (``final/model.json``: ``num_classes``)."""
         n = model_spec(run_dir)["num_classes"]
         return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n} if n > 0 else {}
-
-    def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
-        return build_task(cfg, info)
 
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)

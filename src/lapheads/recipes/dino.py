@@ -305,7 +305,7 @@ class DinoTask(HeadsTask):
 
     name = "dino"
 
-    def __init__(self, cfg: DinoConfig, info: Optional[DistInfo] = None):
+    def __init__(self, cfg: DinoConfig, info: Optional[DistInfo] = None, run_dir: Any = None):
         self.cfg = cfg
         self.info = info or DistInfo()
         self.device = self.info.device
@@ -503,6 +503,7 @@ def build_task(cfg: DinoConfig, info: DistInfo) -> DinoTask:
 class DinoRecipe(Recipe):
     name = "dino"
     config_type = DinoConfig
+    task_type = DinoTask
     kind = "vit"
     # the keys its evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
     metrics = (Metric("knn_k20_top1", "20-NN top-1", True), Metric("knn_k10_top1", "10-NN top-1", True))
@@ -511,9 +512,6 @@ class DinoRecipe(Recipe):
         "Try: --config digits (CPU, minutes); "
         "the shipped dino/vits16_imagenet_lap5 config is the paper's ViT-S/16 recipe."
     )
-
-    def build_task(self, cfg: DinoConfig, info: DistInfo, run_dir: Any = None) -> DinoTask:
-        return build_task(cfg, info)
 
     def load_backbone(self, run_dir: str | Path, device: Any = "cpu") -> tuple[nn.Module, dict]:
         """The teacher backbone of a finished run (DINO's evaluated network), from ``final/model.json``."""

@@ -26,7 +26,7 @@ from .. import transformers as lap_tf
 from ..data import shards as S
 from ..data import text as T
 from ..data.shards import TokenShards
-from ..engine import TrainConfig, TrainTask
+from ..engine import TrainConfig
 from ..engine import dist as D
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule, to_dict
 from ..engine.data import _mix
@@ -560,15 +560,13 @@ def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu",
 class LMRecipe(Recipe):
     name = "lm"
     config_type = LMConfig
+    task_type = LMTask
     kind = "hf"
     metrics = (Metric("val_bpb", "val bits/byte", False), Metric("val_loss", "val loss", False))
     description = (
         "NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
         "validation bits per byte) with k Laplacian heads per layer."
     )
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
-        return LMTask(cfg, info, run_dir=run_dir)
 
     def text_config(self, run: LoadedRun) -> LMDataConfig:
         """The data config whose validation text measures a run (SFT: that of its pretraining run)."""

@@ -477,15 +477,13 @@ class RetrofitRuns:
 class RetrofitRecipe(RetrofitRuns, LMRecipe):
     name = "retrofit"
     config_type = RetrofitConfig
+    task_type = RetrofitTask
     kind = "hf"
     description = (
         "Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
         "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
         "steps (OUT/baseline)."
     )
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
-        return RetrofitTask(cfg, info, run_dir=run_dir)
 
 
 RECIPE = RetrofitRecipe()

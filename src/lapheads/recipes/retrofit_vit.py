@@ -205,7 +205,7 @@ class RetrofitViTTask(ClassifyTask):
 
     name = "retrofit_vit"
 
-    def __init__(self, cfg: RetrofitViTConfig, info: DistInfo):
+    def __init__(self, cfg: RetrofitViTConfig, info: DistInfo, run_dir: Any = None):
         # data, transforms, mixup and loss of the classify task; the freshly initialised model it
         # builds is replaced by the pretrained one (one small waste, for one code path of the task)
         super().__init__(cfg, info)  # type: ignore[arg-type]
@@ -257,6 +257,7 @@ load_model = load_classifier  # a finished run is read like a classify run (fina
 class RetrofitViTRecipe(RetrofitRuns, ClassifyRecipe):
     name = "retrofit_vit"
     config_type = RetrofitViTConfig
+    task_type = RetrofitViTTask
     kind = "vit"
     description = (
         "Switch k heads of a pretrained timm ViT classifier (a classify run or a checkpoint file) to "
@@ -264,9 +265,6 @@ class RetrofitViTRecipe(RetrofitRuns, ClassifyRecipe):
         "fine-tuning the unconverted model for the same steps (OUT/baseline)."
     )
     summary_keys = ("top1", "loss")
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitViTTask:
-        return RetrofitViTTask(cfg, info)
 
     def configured_heads(self, raw: dict) -> Any:
         """``keep`` is the heads of the model's own config."""

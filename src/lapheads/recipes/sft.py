@@ -19,7 +19,7 @@ from torch import nn
 
 from ..data.jsonl import iter_jsonl
 from ..data.text import is_validation_document
-from ..engine import TrainConfig, TrainTask
+from ..engine import TrainConfig
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule
 from ..engine.dist import DistInfo
 from ..engine.fsdp import lockstep
@@ -264,7 +264,7 @@ class SFTTask(TextTask):
 
     name = "sft"
 
-    def __init__(self, cfg: SFTConfig, info: DistInfo):
+    def __init__(self, cfg: SFTConfig, info: DistInfo, run_dir: Any = None):
         self.cfg, self.info = cfg, info
         d = cfg.data
         raw = [_load_source(s.path, s.split, s.column) for s in d.sources]
@@ -386,14 +386,12 @@ def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
 class SFTRecipe(LMRecipe):
     name = "sft"
     config_type = SFTConfig
+    task_type = SFTTask
     metrics = (Metric("val_loss", "val loss (assistant tokens)", False),)
     description = (
         "Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
         "(loss on assistant tokens only, mixture of sources)."
     )
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
-        return SFTTask(cfg, info)
 
     def heads(self, run_dir: str | Path) -> Any:
         """SFT keeps the heads of the run it started from."""
