@@ -17,14 +17,8 @@ from .base import LoadedRun, Metric, Recipe
 
 __all__ = ["RECIPES", "get_recipe", "recipe_of_run", "load_run", "Recipe", "LoadedRun", "Metric"]
 
-RECIPES = {
-    "classify": "lapheads.recipes.classify",
-    "lm": "lapheads.recipes.lm",
-    "sft": "lapheads.recipes.sft",
-    "dino": "lapheads.recipes.dino",
-    "retrofit": "lapheads.recipes.retrofit",
-    "retrofit_vit": "lapheads.recipes.retrofit_vit",
-}
+#: recipe name -> the module that defines its ``RECIPE``
+RECIPES = {name: f"lapheads.recipes.{name}" for name in ("classify", "lm", "sft", "dino", "retrofit", "retrofit_vit")}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -528,8 +528,7 @@ def hf_dir(run_dir: str | Path, weights: str = "model") -> Path:
     p = Path(run_dir)
     if (p / "config.json").is_file():
         return p
-    sub = "hf" if weights == "model" else "hf_ema"
-    d = p / "final" / sub
+    d = p / "final" / ("hf" if weights == "model" else "hf_ema")
     if not (d / "config.json").is_file():
         raise CheckpointError(
             f"{d} does not exist; is {p} a finished `lapheads train lm` / `train sft` run "
