@@ -1,32 +1,10 @@
 """``lapheads quickstart``: baseline vs Laplacian heads on data that needs no download, with a report.
 
-An honest small experiment, not a demo: the full plan gives every setting 3 seeds and trains every
-run until its validation metric stops moving, and the report gives each difference from k=0 with
-its 95% confidence interval, Welch's t and p, plus a plateau flag per run. The report states what
-was run from the runs themselves (``--tiny``: 2 seeds and a few steps, so no verdicts).
-
-1. Vision: the digits recipe (the shipped ``classify/digits`` config: a 4-layer, 4-head, 64-wide ViT on
-   scikit-learn's embedded 8x8 digits) for k = 0 and k = all Laplacian heads per layer, 3 seeds
-   each, 20 epochs (cosine schedule), evaluated every 2 epochs. The scaling study
-   (``studies/scaling``) found this length at or near a plateau for this width. Fewer, longer
-   runs: k = half is left to ``lapheads sweep`` (the time budget is 10 minutes with set-up).
-2. Language: the tiny NanoChat-style recipe (the shipped ``lm/tiny`` config) on Python's embedded
-   ``pydoc_data.topics`` corpus, shrunk to 2 layers x 64 wide so it converges in the time budget,
-   for k = 0 and k = all, 3 seeds each, with a constant learning rate until validation bits per
-   byte did not improve for 3 evaluations in a row (``train.until_plateau``; 0.46 M characters
-   are overfitted within about two passes, so "until plateau" is where validation is best).
-3. The token-geometry analysis of every run (ANOVA, Neural Collapse, spectra, cosine).
-4. ``OUT/report/report.md`` and a self-contained ``OUT/report/report.html``, with a paragraph on
-   what toy scale can and cannot say (:data:`SCOPE`).
-
-Runs train ``--jobs`` at a time (default: one per core, up to 4), each in its own process with the
-cores shared out (:func:`lapheads.sweep.run_grid`). Every run is an ordinary run directory under
-``OUT/vision`` and ``OUT/lm`` (made by the same ``lapheads train`` commands and the same sweep as
-``lapheads sweep``), so the quickstart is resumable: run it again and finished runs are skipped.
-Like the sweep it never reuses a run made with other settings (e.g. a ``--tiny`` run where the
-full one is asked for): it stops and says so, and ``--overwrite`` starts afresh. It holds the lock
-of ``OUT`` while it runs (engine.run.RunLock). ``--tiny`` runs the same pipeline with a handful of
-steps (for tests, under a minute).
+:data:`PLAN` is what it trains: the digits ViT (``classify/digits``) and the tiny language model (``lm/tiny``,
+shrunk) for k = 0 and k = all over seeds, each run an ordinary run directory under ``OUT/vision`` and ``OUT/lm``
+made by the sweep (:func:`lapheads.sweep.run_grid`), so it is resumable; then the geometry of every run and
+``OUT/report/``, whose scope paragraph is :data:`SCOPE`. ``--tiny``: the same pipeline with a handful of steps.
+Why the plan is what it is: docs/design/recipes.md.
 """
 
 from __future__ import annotations

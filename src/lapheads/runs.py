@@ -1,29 +1,8 @@
 """Finished runs of this project, read back through their recipes: geometry and backbones.
 
-``analyze_run`` (``lapheads analyze --run DIR``) measures the token geometry of a run with the model
-and held-out data its recipe gives (:meth:`lapheads.recipes.Recipe.load_run` and
-:meth:`~lapheads.recipes.Recipe.eval_batches`):
-
-* ``classify``: the classifier on the validation split of ``data.train`` (or ``data.val``),
-  with the run's evaluation transform; a sequence is an image, its class the image label, and the
-  model's head gives NC3/NC4 at ``pre_logits``.
-* ``dino``: the teacher backbone on ``data.val_split`` of ``data.val`` (or ``data.train``), resized
-  and normalised as the probes do; the labels are used only for measuring (DINO never saw them) and
-  there is no classifier.
-* ``lm`` / ``sft`` / ``retrofit``: the transformers model from ``final/hf`` on validation token
-  shards (an SFT run measures on those of the pretraining run it started from); a sequence is a
-  window, the class of a token is its next token (linguistic collapse).
-
-Every measurement setting of :func:`lapheads.geometry.analyze_model` can be given and is recorded
-in the result's ``meta``. ``min_count`` defaults per kind: 1 for images (a class is an image
-label: every token of every image of the class counts) and :data:`LM_MIN_COUNT` for language
-runs, whose next-token classes are mostly rare and whose CDNV / NC1 over classes seen once or
-twice measure noise (5-20 is a sensible --min-count for them). Settings that a recipe cannot use
-(``seq_len`` for images, ``include_prefix`` for text) are refused, not ignored.
-
-Results go to ``RUN/geometry/geometry.json`` (and figures next to it); the report reads them.
-
-``load_backbone`` gives the frozen vision backbone of a run or of a timm name (probes, PCA maps).
+:func:`analyze_run` (``lapheads analyze --run DIR``) measures the token geometry of a run with the model and
+held-out data its recipe gives (docs/design/recipes.md) and writes ``RUN/geometry/geometry.json``, which the
+report reads; :func:`load_backbone` gives the frozen vision backbone of a run or of a timm name (probes, PCA maps).
 """
 
 from __future__ import annotations
@@ -44,29 +23,13 @@ from .vision.backbones import timm_backbone
 LM_MIN_COUNT = 5
 
 
-def _check_settings(
-    recipe: Recipe,
-    run: Path,
-    *,
-    seq_len: Optional[int],
-    include_prefix: bool,
-    min_count: Optional[int],
-    threshold: float,
-    max_items: int,
-    batch_size: int,
-    max_batches: Optional[int],
-) -> None:
-    if seq_len is not None and recipe.kind == "vit":
+def _check_settings(recipe: Recipe, run: Path, include_prefix: bool, threshold: float, **counts: Optional[int]) -> None:
+    """Refuse settings this recipe cannot use, and ``counts`` below 1."""
+    if counts["seq_len"] is not None and recipe.kind == "vit":
         raise ConfigError(f"--seq-len is for language runs; {run} is a `{recipe.name}` run (images)")
     if include_prefix and recipe.kind == "hf":
         raise ConfigError(f"--include-prefix is for vision runs (CLS/register tokens); {run} is a `{recipe.name}` run")
-    for name, v in (
-        ("max_items", max_items),
-        ("batch_size", batch_size),
-        ("seq_len", seq_len),
-        ("min_count", min_count),
-        ("max_batches", max_batches),
-    ):
+    for name, v in counts.items():
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v} must be >= 1")
     if not 0 < threshold <= 1:
@@ -121,12 +84,12 @@ def analyze_run(
     _check_settings(
         recipe,
         run.path,
-        seq_len=seq_len,
-        include_prefix=include_prefix,
-        min_count=min_count,
-        threshold=threshold,
+        include_prefix,
+        threshold,
         max_items=max_items,
         batch_size=batch_size,
+        seq_len=seq_len,
+        min_count=min_count,
         max_batches=max_batches,
     )
     if not (run.final_dir / "model.json").is_file():
@@ -154,15 +117,13 @@ def analyze_run(
     if loaded.kind == "hf":
         res["meta"]["seq_len"] = int(batches[0]["input_ids"].shape[1])
     res["meta"].update(
-        {
-            "run": str(run.path),
-            "recipe": recipe.name,
-            "laplacian_heads": recipe.heads(run.path),
-            "max_items": max_items,
-            "batch_size": batch_size,
-            "spectra": spectra,
-            "nc4": nc4,
-        }
+        run=str(run.path),
+        recipe=recipe.name,
+        laplacian_heads=recipe.heads(run.path),
+        max_items=max_items,
+        batch_size=batch_size,
+        spectra=spectra,
+        nc4=nc4,
     )
     out = Path(out_dir) if out_dir else run.path / "geometry"
     out.mkdir(parents=True, exist_ok=True)

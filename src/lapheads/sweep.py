@@ -7,29 +7,13 @@
         [--grid model.embed_dim=32,64 --grid data.fraction=0.25,1] [--point model.depth=2,train.max_steps=50]
 
 Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` (``<axis>=<value>__...__lap<k>_seed<s>``
-with config axes) made by the recipe's own ``lapheads train`` command (same flags, same layout).
-The sweep is resumable, never mixes runs made with other settings (it stops before anything
-trains, naming the runs and keys; ``--restart-changed`` / ``--overwrite`` retrain them), and holds
-the lock of ``OUT`` throughout. The design (``--grid`` crossed, ``--point`` added), the run names
-and which config keys may differ from an existing run: docs/reports.md.
-
-* Parallel runs (``--jobs N``, default 1): up to N runs train at once, each a ``lapheads train``
-  subprocess with ``OMP_NUM_THREADS`` = the usable cores // N (tiny CPU models gain more from
-  running side by side than from more threads each). Each writes ``OUT/logs/<run>.log`` (its
-  stdout and stderr); the sweep prints each run's result lines when it ends. A failed run stops
-  the sweep after the running ones end, with its error line and log named. Ctrl-C / SIGTERM are
-  passed on: every running run stops at a step boundary with a checkpoint, and the same sweep
-  command resumes them. With ``--jobs 1`` runs train in the sweep's own process.
-* ``--launcher slurm``: the runs that are not finished are one SLURM array job, one task per run,
-  each the same ``lapheads train`` command (engine.slurm, docs/slurm.md); the sweep waits for them
-  (``--no-wait``: it returns after the submission), and a run still queued from an earlier
-  submission is waited for, not submitted again.
-* Afterwards every run can be analysed (``--analyze``) and ``OUT/report/`` gets the comparison
-  report (``lapheads report``).
+with config axes) made by the recipe's own ``lapheads train`` command. Resume, the settings check, ``--jobs``
+and ``--launcher slurm``: docs/reports.md; the design: docs/design/recipes.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -70,12 +54,8 @@ def _value_slug(raw: str) -> str:
     raw = raw.strip()
     if raw and not _SAFE.search(raw) and len(raw) <= 40:
         return raw
-    clean = _SAFE.sub("-", raw).strip("-")[:32]
-    return (
-        f"{clean}-{hashlib.sha256(raw.encode()).hexdigest()[:6]}"
-        if clean
-        else hashlib.sha256(raw.encode()).hexdigest()[:8]
-    )
+    clean, digest = _SAFE.sub("-", raw).strip("-")[:32], hashlib.sha256(raw.encode()).hexdigest()
+    return f"{clean}-{digest[:6]}" if clean else digest[:8]
 
 
 def axis_names(keys: Sequence[str]) -> dict[str, str]:
@@ -177,13 +157,8 @@ def parse_heads_list(text: str) -> list[str]:
 
 
 def check_distinct_heads(heads: Sequence[str], same: Callable[[str, object, object], bool]) -> None:
-    """Refuse two spellings of one head setting in a sweep (``0,none``, ``1,01``, ``0,0``): they are one
-    run (``same``: the recipe's :meth:`~lapheads.recipes.base.Recipe.same_setting`), which the sweep
-    would train twice under two names.
-
-    Raises:
-        ConfigError: one line naming both spellings.
-    """
+    """Refuse two spellings of one head setting (``0,none``, ``1,01``, ``0,0``: one run by ``same``, the
+    recipe's :meth:`~lapheads.recipes.base.Recipe.same_setting`) with a one-line ConfigError."""
     for i, a in enumerate(heads):
         for b in heads[:i]:
             if same("model.laplacian_heads", LaplacianHeads(b).to_config(), LaplacianHeads(a).to_config()):
@@ -235,8 +210,9 @@ def plan_grid(
     Raises:
         ConfigError: a design point's config does not load (unknown key, bad value), before anything runs.
     """
-    cfg_cls = get_recipe(recipe).config_type
-    check_distinct_heads(heads, get_recipe(recipe).same_setting)
+    rec = get_recipe(recipe)
+    cfg_cls = rec.config_type
+    check_distinct_heads(heads, rec.same_setting)
     short = axis_names(sorted({k for p in design for k in p}))
     defaults = to_dict(cfg_cls())
     plan = []
@@ -257,11 +233,7 @@ def plan_grid(
                     run.existing = RunDir(run.path).read_config()
                     allowed = FINISHED_MUTABLE if run.state == "done" else RESUME_MUTABLE
                     run.changes = config_changes(
-                        run.existing,
-                        run.resolved,
-                        allowed,
-                        {"recipe": recipe, **defaults},
-                        same=get_recipe(recipe).same_setting,
+                        run.existing, run.resolved, allowed, {"recipe": recipe, **defaults}, same=rec.same_setting
                     )
                 plan.append(run)
     return plan
@@ -316,10 +288,8 @@ def delete_runs(runs: Sequence[GridRun], quiet: bool = False) -> None:
             print(f"[sweep] {r.path.name}: deleted to start afresh ({why})")
         with lock_dir(r.path):
             RunDir(r.path).clear()
-        try:
+        with contextlib.suppress(OSError):
             r.path.rmdir()
-        except OSError:
-            pass
         r.state = "new"
 
 
@@ -344,13 +314,13 @@ def run_grid(
 ) -> list[Path]:
     """Train every (design point, k, seed) run that is not finished yet; returns the run directories.
 
-    Raises ConfigError (before anything runs) when existing runs were made with other settings,
-    unless ``restart_changed`` (those runs start afresh) or ``overwrite`` (every run does);
-    ``hint`` is the advice appended to that error. ``jobs`` > 1 trains that many runs at once in
-    subprocesses (see the module docstring). With ``launcher`` (``--launcher slurm``) the runs are
-    one SLURM array job instead (:func:`lapheads.engine.slurm.submit_sweep`; ``wait``: until it ends).
-    ``on_start`` runs once the plan is accepted, before anything in ``out`` changes (the sweep
-    command records itself there).
+    Args:
+        overwrite, restart_changed: retrain every existing run / those made with other settings
+            (else those raise a ConfigError ending with ``hint`` before anything runs).
+        jobs: runs trained at once, each a ``lapheads train`` subprocess.
+        launcher: ``--launcher slurm``: one SLURM array job instead (:func:`lapheads.engine.slurm.submit_sweep`;
+            ``wait``: until it ends).
+        on_start: runs once the plan is accepted, before anything in ``out`` changes.
     """
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: expected a positive number of runs at once")
@@ -361,28 +331,24 @@ def run_grid(
         if on_start is not None:
             on_start()
         delete_runs(restart, quiet)
-        todo = []
         for r in plan:
-            if r.state == "done":
-                if not quiet:
-                    print(f"[sweep] {r.path.name}: finished, skipped")
-            else:
-                todo.append(r)
+            if r.state == "done" and not quiet:
+                print(f"[sweep] {r.path.name}: finished, skipped")
+        todo = [r for r in plan if r.state != "done"]
         if launcher is not None:
             if todo:
                 argvs = [(r.path, train_command(recipe, config, r)[5:], r.state == "partial") for r in todo]
                 submit_sweep(recipe, argvs, out, launcher, slurm_folder, wait=wait, quiet=quiet)
-            return [r.path for r in plan]
-        if jobs > 1 and len(todo) > 1:
+        elif jobs > 1 and len(todo) > 1:
             _train_in_subprocesses(recipe, config, todo, out, min(jobs, len(todo)), quiet)
-            return [r.path for r in plan]
-        for r in todo:
-            if not quiet:
-                print(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
-            cfg = load_config(rec.config_type, config, r.sets, recipe=recipe)
-            res = rec.train(cfg, r.path, resume=r.state == "partial")
-            for line in rec.result_lines(res, r.path):
-                print(line)
+        else:
+            for r in todo:
+                if not quiet:
+                    print(f"[sweep] {r.path.name}: {'resuming' if r.state == 'partial' else 'training'}")
+                cfg = load_config(rec.config_type, config, r.sets, recipe=recipe)
+                res = rec.train(cfg, r.path, resume=r.state == "partial")
+                for line in rec.result_lines(res, r.path):
+                    print(line)
     return [r.path for r in plan]
 
 
@@ -397,7 +363,7 @@ def train_command(recipe: str, config: Optional[str], run: GridRun) -> list[str]
 def _train_in_subprocesses(
     recipe: str, config: Optional[str], todo: Sequence[GridRun], out: Path, jobs: int, quiet: bool
 ) -> None:
-    """Train ``todo`` with ``jobs`` ``lapheads train`` subprocesses at a time (module docstring)."""
+    """Train ``todo`` with ``jobs`` ``lapheads train`` subprocesses at a time."""
     threads = max(1, available_cpus() // jobs)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("RANK", None)  # a sweep started under torchrun still runs single-process children
@@ -420,10 +386,8 @@ def _train_in_subprocesses(
                     log.flush()
                 except OSError as e:  # a full disk: this run fails in one line, the running ones end first
                     if log is not None:
-                        try:
+                        with contextlib.suppress(OSError):
                             log.close()
-                        except OSError:
-                            pass
                     if not is_disk_full(e):
                         raise
                     full = DiskFullError(

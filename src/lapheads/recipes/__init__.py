@@ -1,19 +1,9 @@
-"""Recipes: one module per training task, all running on the shared engine (lapheads.engine).
+"""Recipes: one module per training task (classify, lm, sft, dino, retrofit, retrofit_vit), all on the
+shared engine (:mod:`lapheads.engine`).
 
-============  =============================  =================================================
-recipe        module                         what it trains
-============  =============================  =================================================
-classify      lapheads.recipes.classify      DeiT-3 supervised ViT classification
-lm            lapheads.recipes.lm            NanoChat-style language-model pretraining
-sft           lapheads.recipes.sft           supervised fine-tuning on chat JSONL
-dino          lapheads.recipes.dino          DINO self-supervised ViT
-retrofit      lapheads.recipes.retrofit      k heads of a pretrained LM switched, then trained
-retrofit_vit  lapheads.recipes.retrofit_vit  the same for a pretrained timm ViT classifier
-============  =============================  =================================================
-
-Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe`
-subclass: the typed contract (config type, engine task, run loader, heads, evaluation batches)
-that the commands, the report, the sweep and the geometry of runs use.
+Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe` subclass: the typed
+contract (config type, engine task, run loader, heads, evaluation batches) that the commands, the report, the
+sweep and the geometry of runs use.
 """
 
 from __future__ import annotations
@@ -27,14 +17,8 @@ from .base import LoadedRun, Metric, Recipe
 
 __all__ = ["RECIPES", "get_recipe", "recipe_of_run", "load_run", "Recipe", "LoadedRun", "Metric"]
 
-RECIPES = {
-    "classify": "lapheads.recipes.classify",
-    "lm": "lapheads.recipes.lm",
-    "sft": "lapheads.recipes.sft",
-    "dino": "lapheads.recipes.dino",
-    "retrofit": "lapheads.recipes.retrofit",
-    "retrofit_vit": "lapheads.recipes.retrofit_vit",
-}
+#: recipe name -> the module that defines its ``RECIPE``
+RECIPES = {name: f"lapheads.recipes.{name}" for name in ("classify", "lm", "sft", "dino", "retrofit", "retrofit_vit")}
 
 
 def get_recipe(name: str) -> Recipe:

@@ -1,32 +1,6 @@
-"""The recipe contract: what every recipe provides, enforced by a base class.
+"""The recipe contract: the base class every recipe subclasses, and what recipes share.
 
-A recipe is a training task on the shared engine (:mod:`lapheads.engine`) plus the knowledge of
-how to read back a run it made. Everything above the recipes (the train/eval commands, geometry
-of runs, the report, the sweep, the probes) talks to a recipe through this class only, never
-through ``if recipe == ...`` chains:
-
-==================  ===========================================================================
-``name``            the recipe's name (``lapheads train <name>``, ``recipe:`` in config.yaml)
-``metrics``         the keys its evaluation logs that the report compares (:class:`Metric`; the first
-                    is the main one: curves, plateau flags); ``chance`` their values for a model
-                    that guesses, where a run directory tells them
-``config_type``     its config, a pydantic model (:class:`lapheads.engine.config.ConfigModel`: types, ranges,
-                    defaults, descriptions; parsed and validated by
-                    :func:`lapheads.engine.config.load_config`, its JSON schema by ``lapheads config schema``;
-                    an optional ``resume_mutable()`` method names keys a ``--resume`` may change)
-``kind``            how the geometry toolkit reads its models: ``"vit"`` or ``"hf"``
-``build_task``      the engine :class:`~lapheads.engine.TrainTask` for a config (a :class:`HeadsTask`: its
-                    evaluations also log the learned head mixing, ``lap_mix``, which the
-                    experiment trackers get as a table, one row per head)
-``same_setting``    the run-equality rule of ``--resume`` and sweeps (two spellings of one head
-                    setting are the same run)
-``train``           run it into a directory (default: one engine launch)
-``load_run``        a finished run's model, tokenizer / eval transform, heads: a :class:`LoadedRun`
-``heads``           the run's Laplacian-head setting, read from the run directory (one rule)
-``eval_dataset``    held-out images of a vision run (report figures)
-``eval_batches``    held-out batches of a loaded run, for geometry
-``load_backbone``   a frozen vision backbone of a run (probes, PCA maps); language recipes refuse
-==================  ===========================================================================
+What each member is for: docs/design/recipes.md.
 """
 
 from __future__ import annotations
@@ -34,7 +8,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, Optional
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -98,16 +72,34 @@ def vision_batches(dataset: Any, transform: Any, batch_size: int, max_items: int
     """A fixed subset (the first ``max_items`` of a seeded permutation) as ``(images, labels)`` batches."""
     n = min(len(dataset), max_items) if max_items else len(dataset)
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:n].tolist()
-    batches = []
-    for s in range(0, n, batch_size):
-        items = [dataset[i] for i in order[s : s + batch_size]]
-        batches.append(
-            (
-                torch.stack([transform(img) for img, _ in items]),
-                torch.as_tensor([y for _, y in items], dtype=torch.long),
-            )
-        )
-    return batches
+    chunks = [[dataset[i] for i in order[s : s + batch_size]] for s in range(0, n, batch_size)]
+    return [
+        (torch.stack([transform(img) for img, _ in c]), torch.as_tensor([y for _, y in c], dtype=torch.long))
+        for c in chunks
+    ]
+
+
+def with_ema(measure: Callable[[nn.Module], dict], model: nn.Module, ema_model: Optional[nn.Module], keys=None) -> dict:
+    """``measure(model)``, plus ``ema_<key>`` of ``measure(ema_model)`` (only ``keys``, when given) with an EMA."""
+    out = measure(model)
+    if ema_model is not None:
+        out.update({f"ema_{k}": v for k, v in measure(ema_model).items() if keys is None or k in keys})
+    return out
+
+
+def read_model_json(run_dir: str | Path, missing: str, what: str, valid: Callable[[Any], bool], damaged: str) -> Any:
+    """``RUN/final/model.json``, checked by ``valid``.
+
+    Raises:
+        CheckpointError: ``"{path} does not exist; {missing}"`` or ``"{path} {damaged}"`` (``valid`` is False).
+    """
+    path = Path(run_dir) / "final" / "model.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist; {missing}")
+    spec = read_json(path, what)
+    if not valid(spec):
+        raise CheckpointError(f"{path} {damaged}")
+    return spec
 
 
 class HeadsTask(TrainTask):
@@ -134,10 +126,11 @@ def mixing_rows(table: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 class Recipe(ABC):
-    """Base class of every recipe (see the module docstring for the contract)."""
+    """Base class of every recipe (the contract: docs/design/recipes.md)."""
 
     name: ClassVar[str]
     config_type: ClassVar[type]
+    task_type: ClassVar[Callable[..., TrainTask]]
     kind: ClassVar[str]
     description: ClassVar[str] = ""
     default_config: ClassVar[Optional[str]] = None
@@ -148,10 +141,9 @@ class Recipe(ABC):
         (classify: ``1 / classes`` top-1); empty where the recipe defines no chance level."""
         return {}
 
-    # ------------------------------------------------------------------ training
-    @abstractmethod
     def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
-        """The engine task for ``cfg`` (``run_dir``: where the run writes, for tasks that log files)."""
+        """The engine task for ``cfg``, a ``task_type`` (``run_dir``: where the run writes, for tasks that log files)."""
+        return self.task_type(cfg, info, run_dir=run_dir)
 
     def train(
         self, cfg: Any, out: str | Path, *, resume: bool = False, overwrite: bool = False, reevaluate: bool = False
@@ -202,7 +194,6 @@ class Recipe(ABC):
         )
         return lines + [f"run directory: {out}"]
 
-    # ------------------------------------------------------------------ reading runs back
     def read_config(self, run_dir: str | Path) -> Any:
         """The typed config of a run of this recipe (its ``config.yaml``)."""
         raw = RunDir(run_dir).read_config()
@@ -213,6 +204,10 @@ class Recipe(ABC):
     def heads(self, run_dir: str | Path) -> Any:
         """The Laplacian-head setting of a run as written in its config (``model.laplacian_heads``)."""
         return (RunDir(run_dir).read_config().get("model") or {}).get("laplacian_heads", 0)
+
+    def loaded(self, run_dir: str | Path, config: Any, model: nn.Module, **kw: Any) -> LoadedRun:
+        """The :class:`LoadedRun` of this recipe's run ``run_dir`` (``kw``: its optional fields)."""
+        return LoadedRun(self.name, Path(run_dir), config, model, self.kind, **kw)
 
     @abstractmethod
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:

@@ -1,23 +1,6 @@
-"""DeiT-3 supervised classification with k Laplacian heads (the paper's experiment 1; docs/method.md).
+"""DeiT-3 supervised classification with k Laplacian heads (the paper's experiment 1; docs/recipe-classify.md).
 
 ``lapheads train classify --config digits --out runs/digits``
-
-Design choices:
-
-* The model is any timm ViT built by :func:`lapheads.timm.create_model` (the name plus keyword
-  overrides, so a 4-layer 64-wide ViT for 8x8 digits and the paper's ViT-B share one code path).
-* DeiT-3 recipe pieces come from timm where timm has them: ``Mixup`` (mixup + cutmix, soft
-  targets with label smoothing), ``BinaryCrossEntropy`` / ``SoftTargetCrossEntropy`` /
-  ``LabelSmoothingCrossEntropy``, ``Lamb``; 3-Augment lives in ``lapheads.vision.transforms``.
-* The learning rate is given per ``lr_batch`` images and scaled linearly with the global batch
-  (DeiT: ``lr = 1e-3 * batch / 1024``). Epochs are converted to optimizer steps.
-* Greyscale models: ``model.in_chans: 1`` with one-value ``data.mean`` / ``data.std`` (checked
-  when the config loads); the transforms convert every image to the channels the model reads.
-* Data-size scaling: ``data.fraction`` / ``data.max_items`` train on a stratified, seeded,
-  nested subset of the training images (:func:`lapheads.data.images.subset_indices`); the
-  validation split stays whole so every fraction is measured on the same images.
-* Evaluation reports top-1, top-5, mean per-class accuracy, per-class accuracy and the loss, for
-  the weights and (when EMA is on) the EMA weights.
 """
 
 from __future__ import annotations
@@ -41,18 +24,16 @@ from ..engine.checkpoint import load_tensors, load_weights
 from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..heads_config import HeadsSetting, heads_field
-from ..outputs import read_json
 from ..variants import Attention as VariantName
 from ..variants import check_attention
 from ..vision.attention import attn_layer
 from ..vision.backbones import build_with_user_kwargs, check_user_kwargs, frozen
 
-# check_channels / in_chans_of are shared with the DINO recipe (model.in_chans vs mean/std); imported
-# here also so that `from lapheads.recipes.classify import check_channels` keeps working
+# check_channels is imported here also so that `from lapheads.recipes.classify import check_channels` works
 from ..vision.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, check_channels, in_chans_of
-from .base import HeadsTask, LoadedRun, Metric, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe, read_model_json, with_ema
 
 #: the normalisation of one channel: a positive standard deviation
 _Std = Annotated[Float, Field(gt=0.0)]
@@ -144,8 +125,6 @@ class OptimConfig(ConfigModel):
     weight_decay: Float = Field(0.05, ge=0.0, description="decoupled weight decay (not on biases, norms, tokens)")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="AdamW / Lamb betas")
     momentum: Float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
-    # the mixing is a few scalars per layer that AdamW moves by at most ~lr per step, so at a
-    # small-model lr they barely leave their start (studies/learnable/README.md)
     mix_lr_scale: Float = Field(
         1.0,
         ge=0.0,
@@ -262,15 +241,18 @@ def evaluate_classifier(
     }
 
 
+#: the numbers of a validation pass that an EMA and a retrofit's before / after record keep
+RECORD = ("top1", "top5", "mean_class_acc", "loss")
+
+
 class ClassifyTask(HeadsTask):
     name = "classify"
 
-    def __init__(self, cfg: ClassifyConfig, info: DistInfo):
+    def __init__(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None):
         self.cfg, self.info = cfg, info
         d = cfg.data
         self.train_set, self.val_set = _datasets(cfg)
         self.num_classes = self.train_set.num_classes
-        in_chans = in_chans_of(cfg.model)
         self.train_tf = build_transforms(
             cfg.model.img_size,
             train=True,
@@ -278,7 +260,7 @@ class ClassifyTask(HeadsTask):
             color_jitter=d.color_jitter,
             mean=d.mean,
             std=d.std,
-            in_chans=in_chans,
+            in_chans=in_chans_of(cfg.model),
             scale=(d.scale_min, 1.0),
             hflip=d.hflip,
         )
@@ -317,8 +299,6 @@ class ClassifyTask(HeadsTask):
     def optimizers(self):
         o = self.cfg.optim
         lr = o.lr * self.global_batch() / o.lr_batch if o.lr_batch else o.lr
-        # the mixing gets a group of its own only at a scale other than 1, so the default keeps the
-        # two groups (and the optimizer-state layout of existing checkpoints) unchanged
         own_mix = o.mix_lr_scale != 1.0
         decay, no_decay, mix = [], [], []
         for n, p in self.model.named_parameters():
@@ -359,32 +339,21 @@ class ClassifyTask(HeadsTask):
 
     def loss(self, model, batch, step):
         x, y = (t.to(self.info.device, non_blocking=True) for t in batch)
-        if self.mixup is not None:
-            x, target = self.mixup(x, y)
-        else:
-            target = y
+        x, target = self.mixup(x, y) if self.mixup is not None else (x, y)
         logits = model(x)
         loss = self.criterion(logits.float(), target)
-        acc = (logits.argmax(1) == y).float().mean() if self.mixup is None else None
-        return loss, ({"train_acc": acc} if acc is not None else {})
+        return loss, ({"train_acc": (logits.argmax(1) == y).float().mean()} if self.mixup is None else {})
 
-    def evaluate(self, model, ema_model, step):
+    def measure(self, model: nn.Module) -> dict[str, Any]:
+        """:func:`evaluate_classifier` of ``model`` on the validation set."""
         d = self.cfg.data
-        res = evaluate_classifier(
+        return evaluate_classifier(
             model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size, self.info.device, d.max_eval_items
         )
-        out = {k: v for k, v in res.items() if k != "per_class_acc"}
-        if ema_model is not None:
-            e = evaluate_classifier(
-                ema_model,
-                self.val_set,
-                self.eval_tf,
-                self.num_classes,
-                d.eval_batch_size,
-                self.info.device,
-                d.max_eval_items,
-            )
-            out.update({f"ema_{k}": v for k, v in e.items() if k in ("top1", "top5", "mean_class_acc", "loss")})
+
+    def evaluate(self, model, ema_model, step):
+        out = with_ema(self.measure, model, ema_model, RECORD)
+        del out["per_class_acc"]
         return out
 
     def model_spec(self) -> dict:
@@ -401,21 +370,19 @@ def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
 
 def model_spec(run_dir: str | Path) -> dict:
     """``final/model.json`` of a classify run, checked: ``model`` (a mapping) and ``num_classes``."""
-    spec_path = Path(run_dir) / "final" / "model.json"
-    if not spec_path.is_file():
-        raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished classify run?")
-    spec = read_json(spec_path, "the model description of a classify run")
-    if (
-        not isinstance(spec, dict)
-        or not isinstance(spec.get("model"), dict)
-        or not isinstance(spec.get("num_classes"), int)
-        or isinstance(spec.get("num_classes"), bool)
-    ):
-        raise CheckpointError(
-            f"{spec_path} must be an object with 'model' (a mapping) and 'num_classes' (an "
-            f"integer); the file is damaged or not from `lapheads train classify`"
-        )
-    return spec
+    return read_model_json(
+        run_dir,
+        f"is {run_dir} a finished classify run?",
+        "the model description of a classify run",
+        lambda spec: (
+            isinstance(spec, dict)
+            and isinstance(spec.get("model"), dict)
+            and isinstance(spec.get("num_classes"), int)
+            and not isinstance(spec.get("num_classes"), bool)
+        ),
+        "must be an object with 'model' (a mapping) and 'num_classes' (an integer); the file is damaged or "
+        "not from `lapheads train classify`",
+    )
 
 
 def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
@@ -444,6 +411,7 @@ def eval_dataset(cfg: ClassifyConfig, data: Optional[str] = None) -> Any:
 class ClassifyRecipe(Recipe):
     name = "classify"
     config_type = ClassifyConfig
+    task_type = ClassifyTask
     kind = "vit"
     description = "DeiT-3 supervised classification with k Laplacian heads per layer."
     metrics = (
@@ -458,13 +426,9 @@ class ClassifyRecipe(Recipe):
         n = model_spec(run_dir)["num_classes"]
         return {"top1": 1 / n, "top5": min(5, n) / n, "mean_class_acc": 1 / n} if n > 0 else {}
 
-    def build_task(self, cfg: ClassifyConfig, info: DistInfo, run_dir: Any = None) -> ClassifyTask:
-        return build_task(cfg, info)
-
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)
-        model = load_model(Path(run_dir), weights).to(device)
-        return LoadedRun(self.name, Path(run_dir), cfg, model, self.kind, transform=eval_transform(cfg))
+        return self.loaded(run_dir, cfg, load_model(Path(run_dir), weights).to(device), transform=eval_transform(cfg))
 
     def eval_dataset(self, config: ClassifyConfig) -> Any:
         return eval_dataset(config)

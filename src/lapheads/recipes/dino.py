@@ -1,65 +1,12 @@
-"""DINO self-supervised pretraining of a timm ViT with Laplacian heads (the paper's experiment 3; docs/method.md).
+"""DINO self-supervised pretraining of a timm ViT with Laplacian heads (the paper's experiment 3; docs/recipe-dino.md).
 
-``lapheads train dino --config digits --out RUN`` runs DINO (Caron et al. 2021)
-on the shared engine (:mod:`lapheads.engine`): this module only describes WHAT is trained as a
-:class:`DinoTask`; the loop, checkpoints, exact resume, bf16, DDP and logging are the engine's.
-
-Design choices (DINO's own choices unless said otherwise):
-
-* Student = timm ViT (``lapheads.timm.create_model``, k Laplacian heads, ``num_classes=0`` so the
-  backbone returns the normalised CLS token, ``dynamic_img_size=True`` so global and local crops
-  of different sizes share one positional embedding, interpolated) + :class:`DINOHead`.
-  Teacher = the same architecture without drop path, initialised from the student and updated as
-  an EMA with a momentum that follows a cosine schedule from ``loss.momentum_teacher`` to 1. The
-  teacher is NOT the engine's ``train.ema_decay`` EMA (that one has a constant decay): it lives in
-  the task and is checkpointed through ``extra_state`` together with the center.
-* :class:`DINOHead`: 3-layer MLP -> bottleneck -> L2 normalisation -> weight-normalised linear layer
-  without bias (``torch.nn.utils.parametrizations.weight_norm``; its ``original0`` / ``original1``
-  tensors are plain parameters, so they go through safetensors like any other). With
-  ``norm_last_layer`` the norm ``g`` is fixed to 1 (not trained), as in DINO.
-* Multi-crop: 2 global + N local crops; crops of the same resolution are concatenated and go
-  through the backbone in ONE pass (global crops first, then local ones); the head sees all of them
-  at once. The teacher only sees the global crops. The loss is the mean over (teacher crop i,
-  student crop v != i) pairs of the cross-entropy between the centred and sharpened teacher softmax
-  and the student softmax (temperature ``student_temp``).
-* Centering: ``center <- m * center + (1 - m) * mean(teacher logits)``, the mean all-reduced across
-  processes (so every rank has the same center). It is updated after every micro-batch (DINO has
-  no gradient accumulation; with ``train.grad_accum > 1`` it is updated once per micro-batch).
-* Schedules are pure functions of the optimizer step (so an exact resume needs no schedule state):
-  learning rate = the engine's (warm-up / cosine / min lr via ``train.warmup_ratio``,
-  ``train.min_lr_ratio``), base lr = ``optim.lr * global_batch / 256`` (DINO's linear scaling);
-  weight decay cosine ``optim.weight_decay -> optim.weight_decay_end`` (on_step_start, only the
-  group of weight matrices; biases and norm parameters have none); teacher temperature linear
-  warm-up per epoch ``warmup_teacher_temp -> teacher_temp`` over ``warmup_teacher_temp_epochs``;
-  teacher momentum cosine to 1 (after_optimizer_step); last layer frozen (gradients set to None,
-  so AdamW skips it entirely) for the first ``freeze_last_layer`` epochs (before_optimizer_step).
-* ``head.use_bn`` (DINO's ``--use_bn_in_head``; SyncBatchNorm under DDP) is off for the ImageNet
-  recipes, as in DINO for ViTs, but on for the digits recipe: without it that tiny set-up collapses
-  to a uniform teacher within ~50 steps.
-* Gradient clipping is the engine's global-norm clip (``train.clip_grad``); DINO clips per
-  parameter, which this deliberately does not reproduce.
-* Collapse monitor: every logged step carries ``teacher_entropy`` (mean entropy of the sharpened
-  teacher distribution; 0 = one-hot = sharpening-collapse) and ``teacher_kl_uniform`` =
-  KL(mean teacher prob || uniform) (0 = uniform on average = the center dominates; large = one
-  dimension dominates).
-* ``evaluate`` runs the weighted k-NN probe (:func:`lapheads.vision.probes.knn_classify`) with the
-  teacher backbone on ``data.val_split`` against a bank from ``data.train_split``.
-* Greyscale models: ``model.in_chans: 1`` with one-value ``crops.mean`` / ``crops.std`` (checked
-  when the config loads, by the same :func:`lapheads.vision.transforms.check_channels` as classify);
-  the multi-crop and evaluation transforms then give 1-channel crops, and ``final/model.json``
-  records ``in_chans`` among the timm kwargs and the one-value normalisation, so every loader
-  (``load_run``, ``load_backbone``, the probes, ``lapheads analyze --run``) rebuilds it as trained.
-* Data-size scaling: ``data.fraction`` / ``data.max_items`` train on a stratified, seeded, nested
-  subset of the training images (:func:`lapheads.data.images.subset`, as classify). The k-NN
-  evaluation (bank and queries) stays whole, so every fraction is measured on the same images.
-* ``final/`` holds ``model.json`` (timm name, kwargs, Laplacian heads, input size, normalisation:
-  what :meth:`DinoRecipe.load_backbone` reads), ``teacher_backbone.safetensors`` (the
-  backbone the probes use, as in DINO), ``teacher_head.safetensors`` and the engine's
-  ``model.safetensors`` (student backbone + head).
+``lapheads train dino --config digits --out RUN``: DINO (Caron et al. 2021) as a :class:`DinoTask` on the
+shared engine (:mod:`lapheads.engine`), which owns the loop, checkpoints, exact resume, bf16, DDP and logging.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional, Sequence
@@ -78,7 +25,6 @@ from ..engine.data import epoch_batches, steps_per_epoch
 from ..errors import CheckpointError, ConfigError, DataError
 from ..heads import LaplacianHeads
 from ..heads_config import HeadsSetting, heads_field
-from ..outputs import read_json
 from ..vision.backbones import build_with_user_kwargs, check_user_kwargs, create_backbone, frozen, load_backbone_weights
 from ..vision.probes import extract_features, knn_classify
 from ..vision.transforms import (
@@ -89,10 +35,8 @@ from ..vision.transforms import (
     check_channels,
     in_chans_of,
 )
-from .base import HeadsTask, LoadedRun, Metric, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe, read_model_json
 
-# ---------------------------------------------------------------------------------------------
-# config
 #: a crop scale: a share of the image area in (0, 1]
 _Scale = Annotated[Float, Field(gt=0.0, le=1.0)]
 _Std = Annotated[Float, Field(gt=0.0)]
@@ -242,19 +186,10 @@ def backbone_kwargs(m: DinoModelConfig) -> dict[str, Any]:
     return kw
 
 
-# ---------------------------------------------------------------------------------------------
-# model
 class DINOHead(nn.Module):
     """DINO projection head: MLP -> bottleneck -> L2 norm -> weight-normalised linear (no bias).
 
-    Args:
-        in_dim: backbone width.
-        out_dim: number of prototypes K.
-        hidden_dim: MLP width.
-        bottleneck_dim: width before the last layer.
-        nlayers: MLP layers (1 = a single linear layer to the bottleneck).
-        use_bn: BatchNorm after each hidden linear layer.
-        norm_last_layer: keep the weight-norm magnitude ``g`` at 1 (not trained).
+    ``in_dim`` is the backbone width; the other arguments are those of the ``head:`` section (:class:`DinoHeadConfig`).
     """
 
     def __init__(
@@ -311,19 +246,10 @@ class MultiCropNet(nn.Module):
     def forward(self, crops: Sequence[torch.Tensor]) -> torch.Tensor:
         if isinstance(crops, torch.Tensor):
             crops = [crops]
-        outs: list[torch.Tensor] = []
-        start = 0
-        while start < len(crops):
-            end = start
-            while end < len(crops) and crops[end].shape[-2:] == crops[start].shape[-2:]:
-                end += 1
-            outs.append(self.backbone(torch.cat(list(crops[start:end]))))
-            start = end
-        return self.head(torch.cat(outs))
+        runs = itertools.groupby(crops, key=lambda c: c.shape[-2:])
+        return self.head(torch.cat([self.backbone(torch.cat(list(run))) for _, run in runs]))
 
 
-# ---------------------------------------------------------------------------------------------
-# loss pieces
 def dino_loss(
     student_out: torch.Tensor, teacher_probs: torch.Tensor, n_crops: int, student_temp: float
 ) -> torch.Tensor:
@@ -338,15 +264,9 @@ def dino_loss(
     n_global = teacher_probs.shape[0] * n_crops // student_out.shape[0]
     s = F.log_softmax(student_out.float() / student_temp, dim=-1).chunk(n_crops)
     t = teacher_probs.float().chunk(n_global)
-    total = student_out.new_zeros((), dtype=torch.float32)
-    n_terms = 0
-    for iq, q in enumerate(t):
-        for v in range(n_crops):
-            if v == iq:  # the same view on both sides gives no learning signal
-                continue
-            total = total + torch.sum(-q * s[v], dim=-1).mean()
-            n_terms += 1
-    return total / max(n_terms, 1)
+    # the same view on both sides gives no learning signal: v != iq
+    terms = [torch.sum(-q * s[v], dim=-1).mean() for iq, q in enumerate(t) for v in range(n_crops) if v != iq]
+    return sum(terms, student_out.new_zeros((), dtype=torch.float32)) / max(len(terms), 1)
 
 
 def teacher_temperature(epoch: int, cfg: DinoLossConfig) -> float:
@@ -373,8 +293,6 @@ def collapse_metrics(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"teacher_entropy": ent.detach(), "teacher_kl_uniform": kl.detach()}
 
 
-# ---------------------------------------------------------------------------------------------
-# task
 def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] = None) -> Any:
     ds = build_image_dataset(spec, split, **(hf_options(spec, d.image_column, d.label_column) if d else {}))
     if len(ds) == 0:
@@ -383,11 +301,11 @@ def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] =
 
 
 class DinoTask(HeadsTask):
-    """DINO as a :class:`lapheads.engine.TrainTask` (see the module docstring)."""
+    """DINO as a :class:`lapheads.engine.TrainTask` (docs/design/recipes.md)."""
 
     name = "dino"
 
-    def __init__(self, cfg: DinoConfig, info: Optional[DistInfo] = None):
+    def __init__(self, cfg: DinoConfig, info: Optional[DistInfo] = None, run_dir: Any = None):
         self.cfg = cfg
         self.info = info or DistInfo()
         self.device = self.info.device
@@ -440,7 +358,6 @@ class DinoTask(HeadsTask):
         self._wd = cfg.optim.weight_decay
         self._momentum = cfg.loss.momentum_teacher
 
-    # ---------------------------------------------------------------- engine hooks
     def optimizers(self) -> list[torch.optim.Optimizer]:
         decay, no_decay = [], []
         for n, p in self.model.named_parameters():
@@ -541,7 +458,6 @@ class DinoTask(HeadsTask):
         t = {k[len("teacher.") :]: v for k, v in state.items() if k.startswith("teacher.")}
         load_weights(self.teacher, t, source="extra.safetensors (teacher)")
 
-    # ---------------------------------------------------------------- evaluation / export
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
         if self._val_set is None:
             self._val_set = _load_images(self.val_spec, self.cfg.data.val_split, "data.val", self.cfg.data)
@@ -558,8 +474,7 @@ class DinoTask(HeadsTask):
         ftr, ytr = extract_features(bb, train_ds, tf, batch_size=kc.batch_size, device=self.device)
         fte, yte = extract_features(bb, self._val_set, tf, batch_size=kc.batch_size, device=self.device)
         bb.train(was)
-        res = knn_classify(ftr, ytr, fte, yte, ks=kc.ks, temperature=kc.temperature)
-        return res
+        return knn_classify(ftr, ytr, fte, yte, ks=kc.ks, temperature=kc.temperature)
 
     def model_spec(self) -> dict:
         m = self.cfg.model
@@ -588,6 +503,7 @@ def build_task(cfg: DinoConfig, info: DistInfo) -> DinoTask:
 class DinoRecipe(Recipe):
     name = "dino"
     config_type = DinoConfig
+    task_type = DinoTask
     kind = "vit"
     # the keys its evaluation logs (knn_classify: knn_k{k}_top1 for the default knn.ks = [10, 20])
     metrics = (Metric("knn_k20_top1", "20-NN top-1", True), Metric("knn_k10_top1", "10-NN top-1", True))
@@ -597,18 +513,16 @@ class DinoRecipe(Recipe):
         "the shipped dino/vits16_imagenet_lap5 config is the paper's ViT-S/16 recipe."
     )
 
-    def build_task(self, cfg: DinoConfig, info: DistInfo, run_dir: Any = None) -> DinoTask:
-        return build_task(cfg, info)
-
     def load_backbone(self, run_dir: str | Path, device: Any = "cpu") -> tuple[nn.Module, dict]:
         """The teacher backbone of a finished run (DINO's evaluated network), from ``final/model.json``."""
         final = Path(run_dir) / "final"
-        spec_path = final / "model.json"
-        if not spec_path.is_file():
-            raise CheckpointError(f"{spec_path} does not exist; is {run_dir} a finished run directory?")
-        spec = read_json(spec_path, "the model description of a run")
-        if not isinstance(spec, dict) or "timm_name" not in spec:
-            raise CheckpointError(f"{spec_path} must hold a JSON object with 'timm_name'; the file is damaged")
+        spec = read_model_json(
+            run_dir,
+            f"is {run_dir} a finished run directory?",
+            "the model description of a run",
+            lambda spec: isinstance(spec, dict) and "timm_name" in spec,
+            "must hold a JSON object with 'timm_name'; the file is damaged",
+        )
         bb = create_backbone(spec["timm_name"], spec.get("laplacian_heads"), 0.0, **dict(spec.get("timm_kwargs", {})))
         load_backbone_weights(bb, final / spec.get("backbone_file", "model.safetensors"))
         meta = {
@@ -628,15 +542,8 @@ class DinoRecipe(Recipe):
             raise ConfigError(f"weights={weights!r}: a DINO run has one evaluated network, its teacher (use 'model')")
         cfg = self.read_config(run_dir)
         bb, meta = self.load_backbone(run_dir, device)
-        return LoadedRun(
-            self.name,
-            Path(run_dir),
-            cfg,
-            bb,
-            self.kind,
-            transform=EvalTransform(meta["img_size"], meta["mean"], meta["std"]),
-            analyze_options={"classifier": None},
-        )
+        tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
+        return self.loaded(run_dir, cfg, bb, transform=tf, analyze_options={"classifier": None})
 
     def eval_dataset(self, config: DinoConfig) -> Any:
         d = config.data  # the labels are used only for measuring: DINO never saw them

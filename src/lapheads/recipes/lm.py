@@ -1,48 +1,13 @@
-"""NanoChat-style language-model pretraining with k Laplacian heads (the paper's experiment 2; docs/method.md).
+"""NanoChat-style language-model pretraining with k Laplacian heads (the paper's experiment 2; docs/recipe-lm.md).
 
 ``lapheads train lm --config tiny --out runs/lm_tiny --set model.laplacian_heads=2``
-
-Design choices:
-
-* The model is transformers' ``NanoChatForCausalLM`` built by :mod:`lapheads.lm.model` (nanochat's
-  depth rule, init and Muon + AdamW optimizers); the run ends with ``final/hf/``, a
-  ``save_pretrained`` directory with the tokenizer, which
-  ``lapheads.transformers.from_pretrained`` loads with its Laplacian heads.
-* Data: token shards from ``lapheads data tokenize`` (``data.shards`` + ``data.tokenizer: DIR``), or
-  built on the fly from ``data.corpus`` (``embedded`` = ``pydoc_data.topics``, text / JSONL /
-  parquet paths, or ``hf:PATH_OR_NAME``, a Hugging Face dataset read through ``datasets``: its
-  ``data.text_field`` column of split ``data.hf_split``, streamed with ``data.streaming``) with ``data.tokenizer: DIR`` or ``train`` (a BPE of ``data.vocab_size`` trained on
-  the corpus). On-the-fly data goes to a cache directory keyed by the corpus and settings
-  (``data.cache_dir``, default ``~/.cache/lapheads/lm``), not into the run directory: the engine
-  writes the run directory only after the task is built, and runs that differ only in k share
-  one tokenizer and one set of shards, which keeps their bits-per-byte comparable.
-* One large text file: ``data.split_documents`` (``blank_lines``, ``chapters`` or N characters)
-  cuts it into documents, and/or ``data.val_by: tokens`` holds out the last ``val_fraction`` of
-  every document's tokens, so a single document still gives both splits. ``data.fraction`` /
-  ``data.max_items`` train on an evenly spread share of the training documents (data-size
-  scaling); validation stays whole.
-* Everything is validated before training: an empty corpus, a tokenizer whose vocabulary differs
-  from ``model.vocab_size`` or from the shards', more Laplacian heads than a layer has, a
-  sequence longer than the validation split.
-* Batches are random windows of the train shards, drawn with a generator seeded from
-  ``(seed, rank, micro step)``: a pure function of the micro step, so resume is exact.
-* ``data.total_batch_tokens`` fixes the optimizer batch in tokens (nanochat: 524288);
-  ``train.grad_accum = total / (batch_size * seq_len * world_size)`` is derived when the config
-  is loaded (``WORLD_SIZE`` from torchrun), so the saved config shows it and resume checks it;
-  a resume on another number of processes (``train.parallel: fsdp`` re-shards) derives it anew, so
-  the optimizer batch stays the same (:meth:`LMConfig.resume_mutable`).
-  ``data.tokens_per_param`` sets the run length when ``train.max_steps`` is 0 (nanochat: 20).
-* Validation bits per byte (nanochat's ``evaluate_bpb``): over a fixed set of consecutive
-  validation windows, ``sum of target-token losses in nats / (ln 2 * sum of their UTF-8 bytes)``;
-  special tokens (BOS) have zero bytes and are left out of both sums, so the number does not
-  depend on the tokenizer. Sums are all-reduced across ranks.
-* Samples: at every evaluation a few greedy continuations of fixed prompts (KV-cached
-  ``generate()``) go to ``samples.jsonl`` in the run directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -50,7 +15,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +26,7 @@ from .. import transformers as lap_tf
 from ..data import shards as S
 from ..data import text as T
 from ..data.shards import TokenShards
-from ..engine import TrainConfig, TrainTask
+from ..engine import TrainConfig
 from ..engine import dist as D
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule, to_dict
 from ..engine.data import _mix
@@ -79,7 +44,7 @@ from ..lm.model import (
     muon_momentum,
 )
 from ..lm.tokenizer import load_tokenizer, stop_token_ids, tokenizer_hash, train_tokenizer
-from .base import HeadsTask, LoadedRun, Metric, Recipe
+from .base import HeadsTask, LoadedRun, Metric, Recipe, with_ema
 
 __all__ = [
     "LMDataConfig",
@@ -183,9 +148,8 @@ class LMConfig(ConfigModel):
         resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
 
     def resume_mutable(self) -> set[str]:
-        """Keys a ``--resume`` may change (engine.run.RunDir.check): with ``data.total_batch_tokens``,
-        ``train.grad_accum`` follows the world size and the optimizer batch stays the same, so a
-        sharded checkpoint resumes on another number of processes."""
+        """Keys a ``--resume`` may change: ``train.grad_accum`` with ``data.total_batch_tokens`` (it follows
+        the world size, so a sharded checkpoint resumes on another number of processes)."""
         return {"train.grad_accum"} if self.data.total_batch_tokens else set()
 
 
@@ -214,21 +178,11 @@ def resolve_grad_accum(d: LMDataConfig, t: TrainConfig, world_size: int) -> None
     t.grad_accum = accum
 
 
-# --------------------------------------------------------------------------- tokens and bytes
 def token_bytes(tokenizer: Any) -> torch.Tensor:
-    """UTF-8 byte length of every token id (0 for special tokens), as nanochat's ``token_bytes``.
-
-    The tokenizer is byte-level: every character of a token's string stands for one byte, so the
-    length of the string is the byte count, even for tokens that split a multi-byte character.
-    """
-    n = len(tokenizer)
+    """UTF-8 byte length of every token id (0 for special tokens), as nanochat's ``token_bytes``."""
     special = set(tokenizer.all_special_ids)
-    toks = tokenizer.convert_ids_to_tokens(list(range(n)))
-    out = torch.zeros(n, dtype=torch.int64)
-    for i, t in enumerate(toks):
-        if i not in special and t is not None:
-            out[i] = len(t)
-    return out
+    toks = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return torch.tensor([0 if i in special or t is None else len(t) for i, t in enumerate(toks)], dtype=torch.int64)
 
 
 def bits_per_byte(nats: float, nbytes: int) -> float:
@@ -236,7 +190,6 @@ def bits_per_byte(nats: float, nbytes: int) -> float:
     return nats / (math.log(2) * nbytes) if nbytes > 0 else float("nan")
 
 
-# --------------------------------------------------------------------------- data preparation
 def _corpus_paths(corpus: Any) -> Optional[list[str]]:
     if corpus is None or corpus == "embedded":
         return None
@@ -250,11 +203,8 @@ def _corpus_paths(corpus: Any) -> Optional[list[str]]:
 def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
     if paths is None:
         return {"embedded": "pydoc_data.topics", "python": sys.version.split()[0]}
-    out = []
-    for p in paths:
-        st = Path(p).stat()
-        out.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
-    return out
+    stats = [(p, Path(p).stat()) for p in paths]
+    return [[str(Path(p).resolve()), st.st_size, st.st_mtime_ns] for p, st in stats]
 
 
 def _documents(paths: Optional[list[str]], text_field: str, split: Any = None, hf: Any = None):
@@ -296,15 +246,15 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
     """
 
     info = info or DistInfo()
+    built_here = {
+        k: getattr(d, k)
+        for k in ("val_by", "split_documents", "fraction", "max_items")
+        if getattr(d, k) != LMDataConfig.model_fields[k].default
+    }
     if d.shards is not None:
-        built_here = [
-            k
-            for k in ("val_by", "split_documents", "fraction", "max_items")
-            if getattr(d, k) != LMDataConfig.model_fields[k].default
-        ]
         if built_here:
             raise ConfigError(
-                f"data.{built_here[0]} applies when the shards are built from data.corpus, not to "
+                f"data.{next(iter(built_here))} applies when the shards are built from data.corpus, not to "
                 f"data.shards={d.shards}; give the split options to `lapheads data tokenize`"
             )
         if d.tokenizer == "train":
@@ -315,10 +265,6 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         tok = load_tokenizer(d.tokenizer)
         S.TokenShards(d.shards, "train", tokenizer=tok)  # raises on a tokenizer/shard mismatch
         return tok, Path(d.shards)
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 1) to hold out validation documents")
-    if d.val_by not in ("documents", "tokens"):
-        raise ConfigError(f"data.val_by={d.val_by!r} must be 'documents' or 'tokens'")
     T.check_split_mode(d.split_documents, "data.split_documents")
     hf = _hf_corpus(d)  # an hf: corpus: opened, its text column checked
     paths = None if hf is not None else _corpus_paths(d.corpus)
@@ -337,19 +283,7 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         if given_tok is not None
         else {"train": d.vocab_size, "max_chars": d.tokenizer_max_chars},
     }
-    # settings added later enter the key only when set, so existing caches keep their names
-    key.update(
-        {
-            k: v
-            for k, v in (
-                ("val_by", d.val_by),
-                ("split_documents", d.split_documents),
-                ("fraction", d.fraction),
-                ("max_items", d.max_items),
-            )
-            if v != LMDataConfig.model_fields[k].default
-        }
-    )
+    key.update(built_here)  # settings added later enter the key only when set: existing caches keep their names
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(d.cache_dir) if d.cache_dir else _default_cache()
     target = root / digest
@@ -402,19 +336,38 @@ def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
     return shards
 
 
-# --------------------------------------------------------------------------- the task
-class LMTask(HeadsTask):
-    """Pretraining as an engine :class:`~lapheads.engine.TrainTask` (see the module docstring)."""
+class TextTask(HeadsTask):
+    """What the language tasks share: a transformers causal LM (FSDP over its decoder layers), batches
+    seeded by ``(seed, rank, micro step)`` and ``final/hf`` (+ ``hf_ema``) as ``save_pretrained`` directories."""
+
+    model: nn.Module
+    tokenizer: Any
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        return transformer_blocks(self.model)  # the decoder layers
+
+    def generators(self, start_micro_step: int) -> Iterator[torch.Generator]:
+        """The generator of every micro step from ``start_micro_step`` on (a pure function of the step: exact resume)."""
+        for micro in itertools.count(start_micro_step):
+            yield torch.Generator().manual_seed(_mix(self.cfg.train.seed, self.info.rank, micro))
+
+    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
+        export_hf(model, self.tokenizer, final_dir / "hf")
+        if ema_model is not None:
+            export_hf(ema_model, self.tokenizer, final_dir / "hf_ema")
+
+
+class LMTask(TextTask):
+    """Pretraining as an engine :class:`~lapheads.engine.TrainTask` (docs/design/recipes.md)."""
 
     name = "lm"
 
     def __init__(self, cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None):
         self.cfg, self.info = cfg, info
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        resolve_grad_accum(cfg.data, cfg.train, info.world_size)  # also when built without load_config
+        self.open_data()
         d = cfg.data
-        resolve_grad_accum(d, cfg.train, info.world_size)  # also when built without load_config
-        self.tokenizer, self.shard_dir = prepare_data(d, info, progress=cfg.train.progress and info.is_main)
-        self.train_shards, self.val_shards = open_token_shards(self.shard_dir, d.seq_len)
         vocab = len(self.tokenizer)
         if self.train_shards.vocab_size != vocab:
             raise DataError(
@@ -431,14 +384,17 @@ class LMTask(HeadsTask):
             pad_token_id=self.tokenizer.pad_token_id,
         )
         self.n_params = count_params(self.model)
+
+    def open_data(self, check: Callable[[Any], None] = lambda tokenizer: None) -> None:
+        """The tokenizer (``check``-ed), the token shards and the validation settings of ``cfg.data``."""
+        d, info = self.cfg.data, self.info
+        self.tokenizer, self.shard_dir = prepare_data(d, info, progress=self.cfg.train.progress and info.is_main)
+        check(self.tokenizer)
+        self.train_shards, self.val_shards = open_token_shards(self.shard_dir, d.seq_len)
         self.token_bytes = token_bytes(self.tokenizer).to(info.device)
         self.eval_bs = d.eval_batch_size or d.batch_size
         self.eval_batches = max(1, d.eval_tokens // (self.eval_bs * d.seq_len))
         self._muon = None
-
-    # ---- engine interface
-    def fsdp_blocks(self) -> list[nn.Module]:
-        return transformer_blocks(self.model)  # the decoder layers
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         opts = build_optimizers(self.model, self.cfg.optim)
@@ -460,11 +416,8 @@ class LMTask(HeadsTask):
 
     def batches(self, start_micro_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         d = self.cfg.data
-        micro = start_micro_step
-        while True:
-            g = torch.Generator().manual_seed(_mix(self.cfg.train.seed, self.info.rank, micro))
+        for g in self.generators(start_micro_step):
             yield self.train_shards.sample_batch(d.batch_size, d.seq_len, generator=g)
-            micro += 1
 
     def loss(self, model: nn.Module, batch: Any, step: int) -> tuple[torch.Tensor, dict[str, Any]]:
         x, y = (t.to(self.info.device, non_blocking=True) for t in batch)
@@ -474,9 +427,7 @@ class LMTask(HeadsTask):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
-        res = self.val_bpb(model)
-        if ema_model is not None:
-            res.update({f"ema_{k}": v for k, v in self.val_bpb(ema_model).items()})
+        res = with_ema(self.val_bpb, model, ema_model)
         if self.info.is_main or self.sharded:  # a sharded generate() needs every rank (same greedy tokens)
             self.write_samples(model, step)
         return res
@@ -490,7 +441,7 @@ class LMTask(HeadsTask):
         autocast = (
             torch.autocast(dev.type, dtype=torch.bfloat16)
             if dev.type == "cuda" and self.cfg.train.precision != "fp32" and torch.cuda.is_bf16_supported()
-            else None
+            else contextlib.nullcontext()
         )
         batches = self.val_shards.iter_batches(
             self.eval_bs, d.seq_len, max_batches=self.eval_batches, rank=self.info.rank, world_size=self.info.world_size
@@ -498,10 +449,7 @@ class LMTask(HeadsTask):
         first = lambda: next(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=1))  # noqa: E731
         for (x, y), real in lockstep(batches, first, dev, self.sharded):
             x, y = x.to(dev), y.to(dev)
-            if autocast is not None:
-                with autocast:
-                    logits = model(input_ids=x, use_cache=False).logits
-            else:
+            with autocast:
                 logits = model(input_ids=x, use_cache=False).logits
             if not real:  # a sharded model's forward in lock step with the ranks that still have batches
                 continue
@@ -538,11 +486,6 @@ class LMTask(HeadsTask):
             "tokenizer_hash": tokenizer_hash(self.tokenizer),
             "laplacian_heads": self.model.config.laplacian_heads,
         }
-
-    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
-        export_hf(model, self.tokenizer, final_dir / "hf")
-        if ema_model is not None:
-            export_hf(ema_model, self.tokenizer, final_dir / "hf_ema")
 
 
 @torch.no_grad()
@@ -585,8 +528,7 @@ def hf_dir(run_dir: str | Path, weights: str = "model") -> Path:
     p = Path(run_dir)
     if (p / "config.json").is_file():
         return p
-    sub = "hf" if weights == "model" else "hf_ema"
-    d = p / "final" / sub
+    d = p / "final" / ("hf" if weights == "model" else "hf_ema")
     if not (d / "config.json").is_file():
         raise CheckpointError(
             f"{d} does not exist; is {p} a finished `lapheads train lm` / `train sft` run "
@@ -617,15 +559,13 @@ def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu",
 class LMRecipe(Recipe):
     name = "lm"
     config_type = LMConfig
+    task_type = LMTask
     kind = "hf"
     metrics = (Metric("val_bpb", "val bits/byte", False), Metric("val_loss", "val loss", False))
     description = (
         "NanoChat-style pretraining (Muon + AdamW, warm-up/stable/warm-down, "
         "validation bits per byte) with k Laplacian heads per layer."
     )
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
-        return LMTask(cfg, info, run_dir=run_dir)
 
     def text_config(self, run: LoadedRun) -> LMDataConfig:
         """The data config whose validation text measures a run (SFT: that of its pretraining run)."""
@@ -634,15 +574,7 @@ class LMRecipe(Recipe):
     def load_run(self, run_dir: str | Path, weights: str = "model", device: Any = "cpu") -> LoadedRun:
         cfg = self.read_config(run_dir)
         model, tok = load_model(run_dir, weights=weights, device=device)
-        return LoadedRun(
-            self.name,
-            Path(run_dir),
-            cfg,
-            model,
-            self.kind,
-            tokenizer=tok,
-            analyze_options={"num_classes": model.config.vocab_size},
-        )
+        return self.loaded(run_dir, cfg, model, tokenizer=tok, analyze_options={"num_classes": model.config.vocab_size})
 
     def eval_batches(self, run: LoadedRun, *, max_items: int, batch_size: int, seq_len: Optional[int] = None) -> list:
         """Windows of the validation token shards (a sequence is a window; a token's class is its next token)."""

@@ -1,41 +1,11 @@
-"""Retrofitting: switch k heads of a pretrained causal LM to Laplacian heads and train briefly.
+"""Retrofitting: switch k heads of a pretrained causal LM to Laplacian heads and train briefly (docs/recipe-retrofit.md).
 
 ``lapheads train retrofit --config tiny --out runs/retro --set init_from=runs/lm_tiny``
 
-Design choices:
-
-* ``init_from`` is a finished ``lapheads train lm`` / ``sft`` run or a ``save_pretrained`` directory
-  of a transformers causal LM with this project's tokenizer (the data pipeline of
-  :mod:`lapheads.recipes.lm` tokenizes the corpus with it). Nothing is downloaded.
-* Conversion keeps every weight and only changes ``config.laplacian_heads``
-  (:func:`lapheads.transformers.enable`): the chosen heads output ``V - softmax(QK^T)V`` from the
-  next forward on. Which heads: ``laplacian_heads`` takes anything :class:`lapheads.LaplacianHeads`
-  accepts (int k = the trailing k heads of every layer, a per-layer list, explicit per-layer
-  indices). With ``select: score`` and an int k, each layer's k heads are those whose switch
-  alone raises the validation loss least (the *switch cost*: validation loss with only that head
-  Laplacian minus the loss of the unconverted model, on the first ``score_batches`` validation
-  batches; one forward pass per head). The costs are written to ``final/model.json``.
-  ``laplacian_heads: keep`` converts nothing (the baseline).
-* Training is the shared engine (:class:`lapheads.engine.Trainer`) on the pretraining task of
-  :mod:`lapheads.recipes.lm` (:class:`RetrofitTask` subclasses :class:`~lapheads.recipes.lm.LMTask`:
-  same random windows, loss, validation bits per byte and loss), with AdamW instead of Muon
-  (the recipe is for any causal LM). ``method: full`` trains every weight; ``method: lora`` wraps
-  the model with PEFT LoRA adapters (``lora.*``; PEFT is in the ``train`` extra) and trains only
-  them. ``train.max_steps`` is the N of the comparison and must be set.
-* ``final/hf`` is a plain ``save_pretrained`` directory with the Laplacian heads in its config: a
-  LoRA run is merged (``merge_and_unload`` on a copy, so the trained model is untouched) before it
-  is saved, and the adapter alone goes to ``final/adapter``. :func:`load_model` and every command
-  that takes ``--run`` read ``final/hf``.
-* The comparison the retrofit is judged by: validation loss / bits per byte of the pretrained
-  model before conversion, right after conversion (no step taken), after N steps, and of the
-  unconverted model fine-tuned the same N steps with the same data, optimizer and method. With
-  ``baseline: true`` (default) :meth:`RetrofitRecipe.train` runs that baseline as a second engine run in
-  ``OUT/baseline`` and writes all four numbers to ``OUT/retrofit.json`` (and prints them).
-* The pieces that do not depend on the kind of model live here once and are shared with the timm
-  ViT retrofit (:mod:`lapheads.recipes.retrofit_vit`): the switch-cost rule
-  (:func:`switch_cost_table`, :func:`select_heads`), the LoRA wrapper (:func:`with_lora`), the
-  comparison file (:func:`summarize`) and the baseline-as-a-second-run logic with the heads rule
-  (:class:`RetrofitRuns`).
+The pieces every retrofit shares (the ViT one too, :mod:`lapheads.recipes.retrofit_vit`) live here: the
+switch-cost rule, the conversion record, the LoRA wrapper, the baseline run and ``OUT/retrofit.json``. A head's
+switch cost is the validation loss with only that head Laplacian minus the unconverted model's; ``select: score``
+switches each layer's k heads of least cost.
 """
 
 from __future__ import annotations
@@ -64,16 +34,14 @@ from ..lm.model import count_params
 from ..lm.tokenizer import tokenizer_hash
 from ..outputs import read_json
 from .lm import (
+    LMConfig,
     LMDataConfig,
     LMRecipe,
     LMTask,
     SampleConfig,
     export_hf,
     hf_dir,
-    open_token_shards,
-    prepare_data,
     resolve_grad_accum,
-    token_bytes,
 )
 from .lm import load_model as load_lm
 
@@ -140,8 +108,8 @@ RETROFIT_HEADS_HELP = 'int k, per-layer list, per-layer index lists, or "keep" (
 SELECT_HELP = "how an int k picks heads: the trailing k, or the k of least switch cost (see the module docstring)"
 
 
-class RetrofitConfig(ConfigModel):
-    """The ``retrofit`` recipe."""
+class RetrofitBase(ConfigModel):
+    """The keys every retrofit config starts with (a subclass may redefine one; it keeps its place)."""
 
     init_from: Str = Field("", description="a `lapheads train lm`/`sft` run or a save_pretrained directory")
     laplacian_heads: RetrofitHeads = Field(2, description=RETROFIT_HEADS_HELP)
@@ -149,6 +117,25 @@ class RetrofitConfig(ConfigModel):
     score_batches: Int = Field(2, ge=1, description="validation batches of the switch-cost score")
     method: Literal["full", "lora"] = Field("full", description="train every weight, or LoRA adapters only")
     lora: LoraSettings = Field(LoraSettings(), description="PEFT LoRA settings (method: lora)")
+
+    @rule
+    def _select(self) -> None:
+        if self.select == "score" and not is_count(self.laplacian_heads):
+            raise ConfigError(
+                f"select: score picks k heads per layer and needs an int laplacian_heads, got "
+                f"{self.laplacian_heads!r}; give explicit heads with select: trailing"
+            )
+
+
+def check_steps(train: TrainConfig) -> None:
+    """``train.max_steps`` is the N of a retrofit's comparison: it must be set."""
+    if train.max_steps < 1:
+        raise ConfigError("train.max_steps must be set (>= 1): it is the N of the before / after N steps comparison")
+
+
+class RetrofitConfig(RetrofitBase):
+    """The ``retrofit`` recipe."""
+
     optim: RetrofitOptim = Field(RetrofitOptim(), description="AdamW")
     baseline: bool = Field(True, description="also fine-tune the unconverted model for the same steps (OUT/baseline)")
     data: LMDataConfig = Field(
@@ -160,14 +147,6 @@ class RetrofitConfig(ConfigModel):
         TrainConfig(schedule="cosine", warmup_ratio=0.05, min_lr_ratio=0.1, clip_grad=1.0, eval_every=0, log_every=10),
         description="the shared engine (train.max_steps is the N of the comparison)",
     )
-
-    @rule
-    def _select(self) -> None:
-        if self.select == "score" and not is_count(self.laplacian_heads):
-            raise ConfigError(
-                f"select: score picks k heads per layer and needs an int laplacian_heads, got "
-                f"{self.laplacian_heads!r}; give explicit heads with select: trailing"
-            )
 
     @run_rule
     def _run(self) -> None:
@@ -184,25 +163,22 @@ class RetrofitConfig(ConfigModel):
                 f"data.tokenizer={self.data.tokenizer} is not the tokenizer of init_from ({hf}); "
                 "leave it unset to tokenize the corpus with the model's tokenizer"
             )
-        if self.train.max_steps < 1:
-            raise ConfigError(
-                "train.max_steps must be set (>= 1): it is the N of the before / after N steps comparison"
-            )
+        check_steps(self.train)
         # derived here, as for `train lm`, so that --resume compares the resolved value
         resolve_grad_accum(self.data, self.train, int(os.environ.get("WORLD_SIZE", "1")))
 
-    def resume_mutable(self) -> set[str]:
-        """Keys a ``--resume`` may change: ``train.grad_accum`` with ``data.total_batch_tokens`` (see lm)."""
-        return {"train.grad_accum"} if self.data.total_batch_tokens else set()
+    resume_mutable = LMConfig.resume_mutable
 
 
-# --------------------------------------------------------------------------- head selection
 @torch.no_grad()
-def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def mean_loss(
+    model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], forward: Callable = nn.Module.__call__
+) -> float:
+    """Mean cross-entropy of the logits ``forward(model, x)`` against ``y`` over ``batches``."""
     tot, n = 0.0, 0
     dev = next(model.parameters()).device
     for x, y in batches:
-        logits = model(input_ids=x.to(dev), use_cache=False).logits.float()
+        logits = forward(model, x.to(dev)).float()
         tot += float(F.cross_entropy(logits.view(-1, logits.size(-1)), y.to(dev).view(-1), reduction="sum"))
         n += y.numel()
     return tot / max(1, n)
@@ -240,7 +216,7 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
 
     def loss(selection: list[list[int]]) -> float:
         cfg.laplacian_heads = selection
-        return _mean_loss(model, batches)
+        return mean_loss(model, batches, lambda m, x: m(input_ids=x, use_cache=False).logits)
 
     try:
         lap_tf.enable(model, 0)
@@ -263,9 +239,44 @@ def select_heads(costs: list[list[float]], k: int) -> list[list[int]]:
     return out
 
 
-# --------------------------------------------------------------------------- the task
+def convert_heads(
+    task: Any, model: nn.Module, measure: Callable, costs: Callable[[], list], switch: Callable[[Any], Any]
+) -> None:
+    """Measure ``model`` (``task.before``), switch its heads as ``task.cfg`` says (``switch(spec)`` returns the
+    heads' JSON form; ``costs()`` the switch costs for ``select: score``), measure again (``task.converted``).
+    ``keep`` switches nothing."""
+    cfg = task.cfg
+    task.before, task.switch_costs = measure(model), None
+    if cfg.laplacian_heads == KEEP:
+        task.heads, task.converted = task.original_heads, dict(task.before)
+        return
+    spec: Any = cfg.laplacian_heads
+    if cfg.select == "score":
+        task.switch_costs = costs()
+        spec = select_heads(task.switch_costs, int(spec))
+    task.heads = switch(spec)
+    task.converted = measure(model)
+
+
+def retrofit_record(task: Any) -> dict[str, Any]:
+    """What a retrofit task adds to ``final/model.json`` (what :func:`summarize` and the heads rule read)."""
+    c = task.cfg
+    return {
+        "init_from": str(c.init_from),
+        "method": c.method,
+        "original_laplacian_heads": task.original_heads,
+        "laplacian_heads": task.heads,
+        "select": c.select,
+        "switch_costs": task.switch_costs,
+        "n_params": task.n_params,
+        "n_trainable": task.n_trainable,
+        "before": task.before,
+        "converted": task.converted,
+    }
+
+
 class RetrofitTask(LMTask):
-    """Convert (maybe), then continue pretraining; see the module docstring."""
+    """Convert (maybe), then continue pretraining (docs/design/recipes.md)."""
 
     name = "retrofit"
 
@@ -278,19 +289,21 @@ class RetrofitTask(LMTask):
         max_pos = getattr(model.config, "max_position_embeddings", None)
         if max_pos is not None and d.seq_len > int(max_pos):
             raise ConfigError(f"data.seq_len={d.seq_len} exceeds the model's max_position_embeddings={max_pos}")
-        self.tokenizer, self.shard_dir = prepare_data(d, info, progress=cfg.train.progress and info.is_main)
-        if len(self.tokenizer) != model.config.vocab_size:
-            raise DataError(f"{d.tokenizer}: vocabulary {len(self.tokenizer)} != the model's {model.config.vocab_size}")
-        self.train_shards, self.val_shards = open_token_shards(self.shard_dir, d.seq_len)
-        self.token_bytes = token_bytes(self.tokenizer).to(info.device)
-        self.eval_bs = d.eval_batch_size or d.batch_size
-        self.eval_batches = max(1, d.eval_tokens // (self.eval_bs * d.seq_len))
-        self._muon = None
 
+        def check(tok: Any) -> None:
+            if len(tok) != model.config.vocab_size:
+                raise DataError(f"{d.tokenizer}: vocabulary {len(tok)} != the model's {model.config.vocab_size}")
+
+        def switch(spec: Any) -> Any:
+            lap_tf.enable(model, spec)
+            return model.config.laplacian_heads
+
+        self.open_data(check)
         self.original_heads = getattr(model.config, "laplacian_heads", None)
         model.eval()
         with torch.no_grad():
-            self._convert(model, cfg)
+            batches = self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=cfg.score_batches)
+            convert_heads(self, model, self.val_bpb, lambda: switch_costs(model, list(batches)), switch)
         if cfg.method == "lora":
             model = with_lora(model, cfg.lora, task_type="CAUSAL_LM")
         model.train()
@@ -298,26 +311,6 @@ class RetrofitTask(LMTask):
         self.n_params = count_params(model)
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
-    def _convert(self, model: nn.Module, cfg: RetrofitConfig) -> None:
-        """Measure the pretrained model, switch the heads (unless ``keep``), measure again."""
-
-        d = cfg.data
-        self.before = self.val_bpb(model)
-        self.switch_costs: Optional[list[list[float]]] = None
-        if cfg.laplacian_heads == KEEP:
-            self.heads = self.original_heads
-            self.converted = dict(self.before)
-        else:
-            spec: Any = cfg.laplacian_heads
-            if cfg.select == "score":
-                batches = list(self.val_shards.iter_batches(self.eval_bs, d.seq_len, max_batches=cfg.score_batches))
-                self.switch_costs = switch_costs(model, batches)
-                spec = select_heads(self.switch_costs, int(spec))
-            lap_tf.enable(model, spec)
-            self.heads = model.config.laplacian_heads
-            self.converted = self.val_bpb(model)
-
-    # ---- engine interface
     def optimizers(self) -> list[torch.optim.Optimizer]:
         o = self.cfg.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -342,20 +335,10 @@ class RetrofitTask(LMTask):
         return res
 
     def model_spec(self) -> dict:
-        c = self.cfg
         return {
-            "init_from": str(c.init_from),
-            "method": c.method,
-            "original_laplacian_heads": self.original_heads,
-            "laplacian_heads": self.heads,
-            "select": c.select,
-            "switch_costs": self.switch_costs,
-            "n_params": self.n_params,
-            "n_trainable": self.n_trainable,
+            **retrofit_record(self),
             "vocab_size": len(self.tokenizer),
             "tokenizer_hash": tokenizer_hash(self.tokenizer),
-            "before": self.before,
-            "converted": self.converted,
         }
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
@@ -405,7 +388,6 @@ def build_task(cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path
 load_model = load_lm  # a finished retrofit run is read like a pretraining run (final/hf, LoRA merged)
 
 
-# --------------------------------------------------------------------------- the comparison
 def summarize(out: str | Path, keys: Sequence[str] = ("val_loss", "val_bpb")) -> dict[str, Any]:
     """``OUT/retrofit.json``: before conversion, right after, after N steps, and the baseline after N steps.
 
@@ -497,15 +479,13 @@ class RetrofitRuns:
 class RetrofitRecipe(RetrofitRuns, LMRecipe):
     name = "retrofit"
     config_type = RetrofitConfig
+    task_type = RetrofitTask
     kind = "hf"
     description = (
         "Switch k heads of a pretrained causal LM to Laplacian heads and continue training for "
         "train.max_steps (full or LoRA), against fine-tuning the unconverted model for the same "
         "steps (OUT/baseline)."
     )
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
-        return RetrofitTask(cfg, info, run_dir=run_dir)
 
 
 RECIPE = RetrofitRecipe()

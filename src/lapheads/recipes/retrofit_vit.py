@@ -2,72 +2,31 @@
 
 ``lapheads train retrofit_vit --config vit_tiny --out runs/retro_vit --set init_from=runs/digits``
 
-Design choices:
-
-* A recipe of its own (``retrofit_vit``), not the language retrofit guessing the kind of ``init_from``:
-  a recipe has one typed config and one ``kind`` (:class:`~lapheads.recipes.base.Recipe`), and the
-  two retrofits share neither (token shards and a tokenizer there; images, transforms, mixup and
-  top-1 here). What they do share lives once in :mod:`lapheads.recipes.retrofit` and is reused:
-  the switch-cost rule (:func:`~lapheads.recipes.retrofit.switch_cost_table`,
-  :func:`~lapheads.recipes.retrofit.select_heads`), the PEFT wrapper
-  (:func:`~lapheads.recipes.retrofit.with_lora`), the baseline as a second engine run in
-  ``OUT/baseline``, the heads rule and ``OUT/retrofit.json``
-  (:class:`~lapheads.recipes.retrofit.RetrofitRuns`). Everything else is the ``classify`` recipe:
-  :class:`RetrofitViTTask` subclasses :class:`~lapheads.recipes.classify.ClassifyTask` (same data,
-  transforms, mixup / cutmix, loss, optimizer choices, validation top-1 / top-5 / loss) and
-  :class:`RetrofitViTRecipe` subclasses :class:`~lapheads.recipes.classify.ClassifyRecipe`, so a
-  finished run reads back through the classify loader (``analyze --run``, ``eval classify``,
-  ``report``, probes).
-* ``init_from`` is either a finished ``lapheads train classify`` (or ``retrofit_vit``) run, whose
-  ``final/model.json`` gives the architecture (``model`` is then taken from the run and may not be
-  set to anything else), or a local timm checkpoint file (``.safetensors`` / ``.pth`` / ``.bin``,
-  a bare state dict or timm's ``{"state_dict" | "model" | "state_dict_ema": ...}``), loaded by timm
-  itself: ``timm.create_model(model.name, pretrained=True, pretrained_cfg_overlay=dict(file=PATH))``
-  with the ``model`` section as keyword arguments, so timm's checkpoint filter (position-embedding
-  resampling, ...) applies. Nothing is downloaded. The classifier head of the file is kept when its
-  class count equals the data's, else it starts fresh (timm's rule; the numbers before training
-  are then those of an untrained head).
-* Conversion keeps every weight (:func:`lapheads.timm.convert` swaps the attention class in
-  place). ``laplacian_heads``, ``select: score`` (each layer's k heads of least switch cost: the
-  validation loss with only that head Laplacian minus the unconverted loss, on the first
-  ``score_batches`` validation batches of ``data.eval_batch_size`` images) and ``keep`` (the
-  baseline) mean what they mean for the language retrofit.
-* ``method: lora`` wraps the ViT with PEFT LoRA adapters on the ``nn.Linear`` modules named in
-  ``lora.target_modules`` (default ``qkv`` and ``proj``: the attention's input and output
-  projections; the patch-embedding convolution, also called ``proj`` in timm, is left alone).
-  Only the adapters train; the classifier head stays as loaded.
-* ``final/`` has the classify layout: ``model.safetensors`` holds timm weights (a LoRA run is
-  merged into a copy first; the adapter alone is in ``final/adapter``) and ``model.json`` the
-  ``model`` section with the heads after conversion, so :func:`lapheads.recipes.classify.load_model`
-  rebuilds the Laplacian model. ``model.json`` also holds the retrofit's record (``before``,
-  ``converted``, ``switch_costs``, ...), and ``OUT/retrofit.json`` the comparison: validation
-  top-1 and loss before conversion, right after, after ``train.max_steps`` steps, and of the
-  unconverted model fine-tuned the same steps (``OUT/baseline``).
+The ``classify`` recipe plus what every retrofit shares (:mod:`lapheads.recipes.retrofit`); docs/recipe-retrofit-vit.md.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import timm
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
 from .. import timm as lap_timm
 from ..engine import TrainConfig
 from ..engine.checkpoint import save_tensors
-from ..engine.config import ConfigModel, Int, Str, from_dict, rule, run_rule, to_dict
+from ..engine.config import Str, from_dict, rule, run_rule, to_dict
 from ..engine.dist import DistInfo
 from ..errors import CheckpointError, ConfigError
-from ..heads import LaplacianHeads, is_count, learnable_spec
-from ..outputs import read_json
+from ..heads import LaplacianHeads, learnable_spec
 from ..vision.backbones import build_with_user_kwargs, frozen
-from .base import vision_batches
+from .base import read_model_json, vision_batches
 from .classify import (
+    RECORD,
     AugConfig,
     ClassifyRecipe,
     ClassifyTask,
@@ -75,18 +34,18 @@ from .classify import (
     ModelConfig,
     OptimConfig,
     check_channels,
-    evaluate_classifier,
     timm_kwargs,
 )
 from .classify import load_model as load_classifier
 from .retrofit import (
     KEEP,
-    RETROFIT_HEADS_HELP,
-    SELECT_HELP,
     LoraSettings,
-    RetrofitHeads,
+    RetrofitBase,
     RetrofitRuns,
-    select_heads,
+    check_steps,
+    convert_heads,
+    mean_loss,
+    retrofit_record,
     switch_cost_table,
     with_lora,
 )
@@ -103,18 +62,11 @@ __all__ = [
     "RECIPE",
 ]
 
-#: the numbers of a validation pass kept for the before / after-conversion record
-_RECORD = ("top1", "top5", "mean_class_acc", "loss")
 
-
-class RetrofitViTConfig(ConfigModel):
+class RetrofitViTConfig(RetrofitBase):
     """The ``retrofit_vit`` recipe."""
 
     init_from: Str = Field("", description="a finished `lapheads train classify` run, or a timm checkpoint file")
-    laplacian_heads: RetrofitHeads = Field(2, description=RETROFIT_HEADS_HELP)
-    select: Literal["trailing", "score"] = Field("trailing", description=SELECT_HELP)
-    score_batches: Int = Field(2, ge=1, description="validation batches of the switch-cost score")
-    method: Literal["full", "lora"] = Field("full", description="train every weight, or LoRA adapters only")
     lora: LoraSettings = Field(
         LoraSettings(target_modules=["qkv", "proj"]), description="PEFT LoRA settings (method: lora)"
     )
@@ -133,11 +85,6 @@ class RetrofitViTConfig(ConfigModel):
     @rule
     def _heads(self) -> None:
         spec = self.laplacian_heads
-        if self.select == "score" and not is_count(spec):
-            raise ConfigError(
-                f"select: score picks k heads per layer and needs an int laplacian_heads, got "
-                f"{spec!r}; give explicit heads with select: trailing"
-            )
         if spec != KEEP and self.method == "lora" and learnable_spec(spec) is not None:
             raise ConfigError(
                 f"laplacian_heads={spec!r} (learnable mixing) with method: lora would freeze the "
@@ -163,10 +110,7 @@ class RetrofitViTConfig(ConfigModel):
         elif not src.is_file():
             raise ConfigError(f"init_from={self.init_from} is neither a run directory nor a checkpoint file")
         check_channels(self.model, self.data.mean, self.data.std)  # the model of the run, if it is one
-        if self.train.max_steps < 1:
-            raise ConfigError(
-                "train.max_steps must be set (>= 1): it is the N of the before / after N steps comparison"
-            )
+        check_steps(self.train)
 
 
 def run_model_config(run_dir: str | Path) -> ModelConfig:
@@ -175,25 +119,19 @@ def run_model_config(run_dir: str | Path) -> ModelConfig:
     Raises:
         CheckpointError: ``run_dir`` has no readable ``final/model.json`` with a ``model`` mapping.
     """
-    path = Path(run_dir) / "final" / "model.json"
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} does not exist; init_from must be a finished `lapheads train classify` run "
-            "or a timm checkpoint file"
-        )
-    spec = read_json(path, "the model description of a classify run")
-    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
-        raise CheckpointError(f"{path} has no 'model' mapping; is {run_dir} a classify run?")
-    return from_dict(ModelConfig, spec["model"], prefix=f"{path}: model.")
+    spec = read_model_json(
+        run_dir,
+        "init_from must be a finished `lapheads train classify` run or a timm checkpoint file",
+        "the model description of a classify run",
+        lambda spec: isinstance(spec, dict) and isinstance(spec.get("model"), dict),
+        f"has no 'model' mapping; is {run_dir} a classify run?",
+    )
+    return from_dict(ModelConfig, spec["model"], prefix=f"{Path(run_dir) / 'final' / 'model.json'}: model.")
 
 
 def checkpoint_classes(path: str | Path, classifier: str = "head") -> int:
-    """Rows of the classifier ``{classifier}.weight`` in a timm checkpoint file (0: the file has none).
-
-    Read with timm's own loader (the same unwrapping of ``state_dict`` / ``model`` / EMA keys that
-    ``pretrained=True`` applies), so the file is read twice; a retrofit loads it once more than a
-    plain fine-tune, not once per step.
-    """
+    """Rows of the classifier ``{classifier}.weight`` in a timm checkpoint file (0: the file has none), read
+    with timm's own loader (the unwrapping of ``state_dict`` / ``model`` / EMA keys that ``pretrained=True`` applies)."""
     try:
         state = timm.models.load_state_dict(str(path))
     except Exception as e:  # a torn or foreign file: name it, not timm's internals
@@ -242,16 +180,6 @@ def pretrained_model(cfg: RetrofitViTConfig, num_classes: int) -> nn.Module:
 
 
 @torch.no_grad()
-def _mean_loss(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    dev = next(model.parameters()).device
-    tot, n = 0.0, 0
-    for x, y in batches:
-        tot += float(F.cross_entropy(model(x.to(dev)).float(), y.to(dev), reduction="sum"))
-        n += y.numel()
-    return tot / max(1, n)
-
-
-@torch.no_grad()
 def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[float]]:
     """Per layer and head: validation loss with only that head Laplacian minus the unconverted loss.
 
@@ -261,7 +189,7 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
 
     def loss(selection: list[list[int]]) -> float:
         lap_timm.convert(probe, selection)
-        return _mean_loss(probe, batches)
+        return mean_loss(probe, batches)
 
     return switch_cost_table([m.num_heads for _, m in lap_timm.laplacian_attention_layers(probe)], loss)
 
@@ -273,32 +201,25 @@ def _heads_config(model: nn.Module) -> Any:
 
 
 class RetrofitViTTask(ClassifyTask):
-    """Load, convert (maybe), then continue training on the classify task; see the module docstring."""
+    """Load, convert (maybe), then continue training on the classify task (docs/design/recipes.md)."""
 
     name = "retrofit_vit"
 
-    def __init__(self, cfg: RetrofitViTConfig, info: DistInfo):
+    def __init__(self, cfg: RetrofitViTConfig, info: DistInfo, run_dir: Any = None):
         # data, transforms, mixup and loss of the classify task; the freshly initialised model it
         # builds is replaced by the pretrained one (one small waste, for one code path of the task)
         super().__init__(cfg, info)  # type: ignore[arg-type]
         self.cfg: RetrofitViTConfig = cfg  # type: ignore[assignment]
         model = pretrained_model(cfg, self.num_classes).to(info.device)
         self.original_heads = _heads_config(model)
-        self.switch_costs: Optional[list[list[float]]] = None
-        self.before = self._record(model)
-        if cfg.laplacian_heads == KEEP:
-            self.heads, self.converted = self.original_heads, dict(self.before)
-        else:
-            spec: Any = cfg.laplacian_heads
-            if cfg.select == "score":
-                batches = vision_batches(
-                    self.val_set, self.eval_tf, cfg.data.eval_batch_size, cfg.score_batches * cfg.data.eval_batch_size
-                )
-                self.switch_costs = switch_costs(model, batches)
-                spec = select_heads(self.switch_costs, int(spec))
-            lap_timm.convert(model, spec)
-            self.heads = _heads_config(model)
-            self.converted = self._record(model)
+        bs = cfg.data.eval_batch_size
+        convert_heads(
+            self,
+            model,
+            self._record,
+            lambda: switch_costs(model, vision_batches(self.val_set, self.eval_tf, bs, cfg.score_batches * bs)),
+            lambda spec: _heads_config(lap_timm.convert(model, spec)),
+        )
         if cfg.method == "lora":
             model = with_lora(model, cfg.lora, linear_only=True)
         self.model = model.train()
@@ -306,11 +227,8 @@ class RetrofitViTTask(ClassifyTask):
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def _record(self, model: nn.Module) -> dict[str, float]:
-        d = self.cfg.data
-        res = evaluate_classifier(
-            model, self.val_set, self.eval_tf, self.num_classes, d.eval_batch_size, self.info.device, d.max_eval_items
-        )
-        return {k: float(res[k]) for k in _RECORD}
+        res = self.measure(model)
+        return {k: float(res[k]) for k in RECORD}
 
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, Any]:
         res = super().evaluate(model, ema_model, step)
@@ -319,22 +237,9 @@ class RetrofitViTTask(ClassifyTask):
         return res
 
     def model_spec(self) -> dict:
-        c = self.cfg
         spec = super().model_spec()
         spec["model"] = dict(spec["model"], laplacian_heads=self.heads)  # what the classify loader rebuilds
-        return {
-            **spec,
-            "init_from": str(c.init_from),
-            "method": c.method,
-            "original_laplacian_heads": self.original_heads,
-            "laplacian_heads": self.heads,
-            "select": c.select,
-            "switch_costs": self.switch_costs,
-            "n_params": self.n_params,
-            "n_trainable": self.n_trainable,
-            "before": self.before,
-            "converted": self.converted,
-        }
+        return {**spec, **retrofit_record(self)}
 
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         if self.cfg.method != "lora":
@@ -352,6 +257,7 @@ load_model = load_classifier  # a finished run is read like a classify run (fina
 class RetrofitViTRecipe(RetrofitRuns, ClassifyRecipe):
     name = "retrofit_vit"
     config_type = RetrofitViTConfig
+    task_type = RetrofitViTTask
     kind = "vit"
     description = (
         "Switch k heads of a pretrained timm ViT classifier (a classify run or a checkpoint file) to "
@@ -359,9 +265,6 @@ class RetrofitViTRecipe(RetrofitRuns, ClassifyRecipe):
         "fine-tuning the unconverted model for the same steps (OUT/baseline)."
     )
     summary_keys = ("top1", "loss")
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitViTTask:
-        return RetrofitViTTask(cfg, info)
 
     def configured_heads(self, raw: dict) -> Any:
         """``keep`` is the heads of the model's own config."""

@@ -1,41 +1,11 @@
-"""Supervised fine-tuning (SFT) of a pretrained NanoChat LM on chat JSONL (the paper's experiment 2; docs/method.md).
+"""Supervised fine-tuning (SFT) of a pretrained NanoChat LM on chat JSONL (the paper's experiment 2; docs/recipe-sft.md).
 
 ``lapheads train sft --config tiny --out runs/sft --set init_from=runs/lm_tiny``
-
-Design choices:
-
-* ``init_from`` is a finished ``lapheads train lm`` (or sft) run: the model, its Laplacian heads
-  and its tokenizer come from ``RUN/final/hf``; the heads cannot be changed here (the weights were
-  trained for them).
-* Data: chat JSONL, one ``{"messages": [{"role": "user"|"assistant"|"system", "content": ...}]}`` per
-  line, or a Hugging Face chat dataset (``path: hf:PATH_OR_NAME``: its ``column`` of message lists,
-  split ``split``; ``hf:`` entries of ``data.val`` read ``data.val_split``), from one or more
-  ``data.sources`` with mixture weights. A weight is a relative
-  over-sampling factor per conversation (weight 2 = every conversation of that source twice per
-  epoch, nanochat's TaskMixture), so a source is drawn with probability proportional to
-  ``weight * conversations``. Every file is read and rendered up front with the tokenizer's
-  :func:`~lapheads.lm.tokenizer.render_chat`; a bad line (not JSON, no ``messages``, an unknown role,
-  a wrong turn order) or an empty file is a DataError naming ``file:line``.
-* ``embedded`` as a source path is a small generated data set, no download: one Q/A pair per
-  ``pydoc_data.topics`` topic ("What is the Python documentation topic X about?" -> the topic's
-  first sentence), see :func:`topics_qa`.
-* Loss only on assistant tokens (their content and ``<|assistant_end|>``): labels are -100
-  elsewhere (BOS, user turns, role markers, tool output, padding); the loss is the mean over
-  the trained tokens of a micro-batch.
-* Batching, a pure function of ``(seed, rank, micro step)``: ``padding`` puts one conversation per
-  row (truncated to ``seq_len + 1`` tokens), right-padded, with an attention mask; ``packing`` fills
-  rows with whole conversations whose position ids restart at each one, which transformers turns
-  into a block-diagonal causal mask (no attention across conversations).
-* Validation: ``data.val`` files, or a deterministic ``val_fraction`` of each source (by line
-  order); the metric is the masked validation loss (nats per assistant token).
-* Optimizers: nanochat's (Muon + AdamW, :mod:`lapheads.lm.model`) at ``lr_scale`` (nanochat's
-  ``init_lr_frac`` 0.02) times the pretraining learning rates, linear decay to 0.
-* ``final/hf`` is a ``save_pretrained`` directory like a pretraining run's; :func:`load_model`
-  reads it (``lapheads analyze --run``, ``eval lm``, ``sample``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -49,18 +19,17 @@ from torch import nn
 
 from ..data.jsonl import iter_jsonl
 from ..data.text import is_validation_document
-from ..engine import TrainConfig, TrainTask
+from ..engine import TrainConfig
 from ..engine.config import ConfigModel, Float, Int, Str, run_rule
-from ..engine.data import _mix
 from ..engine.dist import DistInfo
-from ..engine.fsdp import lockstep, transformer_blocks
+from ..engine.fsdp import lockstep
 from ..engine.run import RunDir
 from ..errors import ConfigError, DataError
 from ..lm.model import LMOptimConfig, build_optimizers, count_params
 from ..lm.tokenizer import render_chat, tokenizer_hash
-from .base import HeadsTask, LoadedRun, Metric
+from .base import LoadedRun, Metric, with_ema
 from .lm import RECIPE as LM_RECIPE
-from .lm import LMDataConfig, LMRecipe, export_hf, load_model
+from .lm import LMDataConfig, LMRecipe, TextTask, load_model
 
 __all__ = [
     "SFTSource",
@@ -136,7 +105,6 @@ class SFTConfig(ConfigModel):
             )
 
 
-# --------------------------------------------------------------------------- data
 def topics_qa() -> list[dict]:
     """A small generated chat data set: one Q/A per ``pydoc_data.topics`` topic (sorted by name).
 
@@ -170,9 +138,7 @@ def read_chat_jsonl(path: str | Path) -> list[tuple[int, list[dict]]]:
             object without a ``messages`` list.
     """
     p = Path(path)
-    out = []
-    for n, obj in iter_jsonl(p, "chat JSONL file"):
-        out.append((n, _checked_messages(obj.get("messages"), f"{p}:{n}")))
+    out = [(n, _checked_messages(obj.get("messages"), f"{p}:{n}")) for n, obj in iter_jsonl(p, "chat JSONL file")]
     if not out:
         raise DataError(f"{p}: the file holds no conversation (it is empty)")
     return out
@@ -232,7 +198,6 @@ def _load_source(path: str, split: str = "train", column: str = "messages") -> t
     return path, read_chat_jsonl(path)
 
 
-# --------------------------------------------------------------------------- collation
 def _targets(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
     """Inputs ``ids[:-1]`` and labels ``ids[1:]`` with -100 where the target is not an assistant token."""
     return ids[:-1], [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
@@ -269,17 +234,13 @@ def collate_packed(
     for i, convs in enumerate(rows):
         ids = [t for c in convs for t in c[0]]
         mask = [m for c in convs for m in c[1]]
-        starts = []
-        o = 0
-        for c in convs:
-            starts.append(o)
-            o += len(c[0])
+        starts = list(itertools.accumulate(len(c[0]) for c in convs))[:-1]  # where conversations 2, 3, ... start
         xi, yi = _targets(ids, mask)
         n = len(xi)
         x[i, :n] = torch.tensor(xi)
         y[i, :n] = torch.tensor(yi)
         p = torch.arange(T)
-        for s in starts[1:] + ([n] if n < T else []):  # restart positions at each conversation and the filler
+        for s in starts + ([n] if n < T else []):  # restart positions at each conversation and the filler
             p[s:] = torch.arange(T - s)
         pos[i] = p
     return {"input_ids": x, "position_ids": pos, "labels": y}
@@ -298,16 +259,14 @@ def pack_rows(convs: Sequence[tuple[list[int], list[int]]], row_tokens: int) -> 
     return rows
 
 
-# --------------------------------------------------------------------------- the task
-class SFTTask(HeadsTask):
-    """SFT as an engine :class:`~lapheads.engine.TrainTask` (see the module docstring)."""
+class SFTTask(TextTask):
+    """SFT as an engine :class:`~lapheads.engine.TrainTask` (docs/design/recipes.md)."""
 
     name = "sft"
 
-    def __init__(self, cfg: SFTConfig, info: DistInfo):
+    def __init__(self, cfg: SFTConfig, info: DistInfo, run_dir: Any = None):
         self.cfg, self.info = cfg, info
         d = cfg.data
-        # Read every file before loading the model: bad data fails in seconds.
         raw = [_load_source(s.path, s.split, s.column) for s in d.sources]
         val_raw = [_load_source(p, d.val_split) for p in d.val]
         self.model, self.tokenizer = load_model(cfg.init_from, device=info.device)
@@ -340,9 +299,6 @@ class SFTTask(HeadsTask):
         self.mean_len = sum(len(c[0]) for t in self.train_sets for c in t) / sum(len(t) for t in self.train_sets)
         self.n_params = count_params(self.model)
 
-    def fsdp_blocks(self) -> list[nn.Module]:
-        return transformer_blocks(self.model)  # the decoder layers
-
     def optimizers(self) -> list[torch.optim.Optimizer]:
         opts = build_optimizers(self.model, self.cfg.optim)
         for o in opts:
@@ -360,18 +316,12 @@ class SFTTask(HeadsTask):
         return steps
 
     def _draw(self, g: torch.Generator, n: int) -> list[tuple[list[int], list[int]]]:
-        src = torch.multinomial(self.source_probs, n, replacement=True, generator=g).tolist()
-        out = []
-        for s in src:
-            i = int(torch.randint(len(self.train_sets[s]), (1,), generator=g))
-            out.append(self.train_sets[s][i])
-        return out
+        sets = [self.train_sets[s] for s in torch.multinomial(self.source_probs, n, True, generator=g).tolist()]
+        return [c[int(torch.randint(len(c), (1,), generator=g))] for c in sets]
 
     def batches(self, start_micro_step: int) -> Iterator[dict[str, torch.Tensor]]:
         d = self.cfg.data
-        micro = start_micro_step
-        while True:
-            g = torch.Generator().manual_seed(_mix(self.cfg.train.seed, self.info.rank, micro))
+        for g in self.generators(start_micro_step):
             if not d.packing:
                 yield collate_padded(self._draw(g, d.batch_size), self.pad_id)
             else:
@@ -383,7 +333,6 @@ class SFTTask(HeadsTask):
                     packed = pack_rows(self._draw(g, k), d.seq_len + 1)
                     rows += packed[:need] if len(packed) > 1 else packed
                 yield collate_packed(rows[: d.batch_size], d.seq_len + 1, self.pad_id)
-            micro += 1
 
     def _loss_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.info.device
@@ -401,10 +350,7 @@ class SFTTask(HeadsTask):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
-        out = self.val_loss(model)
-        if ema_model is not None:
-            out.update({f"ema_{k}": v for k, v in self.val_loss(ema_model).items()})
-        return out
+        return with_ema(self.val_loss, model, ema_model)
 
     def val_loss(self, model: nn.Module) -> dict[str, float]:
         """Mean loss (nats) per assistant token over the validation conversations."""
@@ -432,11 +378,6 @@ class SFTTask(HeadsTask):
             "laplacian_heads": getattr(self.model.config, "laplacian_heads", None),
         }
 
-    def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
-        export_hf(model, self.tokenizer, final_dir / "hf")
-        if ema_model is not None:
-            export_hf(ema_model, self.tokenizer, final_dir / "hf_ema")
-
 
 def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
     return SFTTask(cfg, info)
@@ -445,14 +386,12 @@ def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
 class SFTRecipe(LMRecipe):
     name = "sft"
     config_type = SFTConfig
+    task_type = SFTTask
     metrics = (Metric("val_loss", "val loss (assistant tokens)", False),)
     description = (
         "Supervised fine-tuning of a `lapheads train lm` run on chat JSONL "
         "(loss on assistant tokens only, mixture of sources)."
     )
-
-    def build_task(self, cfg: Any, info: DistInfo, run_dir: Optional[str | Path] = None) -> TrainTask:
-        return SFTTask(cfg, info)
 
     def heads(self, run_dir: str | Path) -> Any:
         """SFT keeps the heads of the run it started from."""

@@ -1,11 +1,7 @@
 """The recipe configs that ship inside the package (``lapheads recipes``, ``--config NAME``).
 
-Each YAML file under ``lapheads/recipes/configs/<group>/<name>.yaml`` is one recipe config: its
-top-level ``recipe:`` key names the recipe it is for (the group folder when there is none), and
-its first comment line is its one-line description. ``--config`` takes an existing path (as
-always) or the name of a shipped config of the command's recipe: ``digits`` or ``classify/digits``
-for ``lapheads train classify``. A path wins over a name, so a local ``digits`` file is never
-shadowed.
+``lapheads/recipes/configs/<group>/<name>.yaml``: its ``recipe:`` key (else the group) names the recipe, its
+first comment line describes it. ``--config`` takes a path or a shipped name (``digits``, ``classify/digits``).
 """
 
 from __future__ import annotations
@@ -58,6 +54,27 @@ def shipped_configs() -> list[ShippedConfig]:
     return out
 
 
+def _is_path(spec: str) -> bool:
+    return Path(spec).exists() or spec.endswith((".yaml", ".yml"))
+
+
+def _shipped(spec: str, recipe: Optional[str]) -> str:
+    """The shipped config (of ``recipe``, when given) that ``spec`` names; a ConfigError listing them otherwise."""
+    mine = [c for c in shipped_configs() if recipe is None or c.recipe == recipe]
+    found = [c for c in mine if spec in (c.name, c.path.stem)]
+    if len(found) == 1:
+        return str(found[0].path)
+    of = f" of {recipe}" if recipe else ""
+    if found:
+        raise ConfigError(
+            f"--config {spec!r} names several shipped configs{of}: {', '.join(c.name for c in found)}; "
+            f"give one of those names{'' if recipe else ' (or --recipe)'}"
+        )
+    names = ", ".join(c.path.stem for c in mine) or "none"
+    where = f"(shipped: {names}; `lapheads recipes` lists them all)" if recipe else "(`lapheads recipes` lists them)"
+    raise ConfigError(f"--config {spec!r} is neither a file nor a shipped config{of} {where}")
+
+
 def resolve_any(spec: str, recipe: Optional[str] = None) -> str:
     """``spec`` as given when it is an existing path, else the shipped config it names, of ``recipe``
     when given, else of any recipe (``digits`` is then ambiguous: ``classify/digits``).
@@ -67,17 +84,7 @@ def resolve_any(spec: str, recipe: Optional[str] = None) -> str:
     """
     if recipe is not None:
         return resolve_config(recipe, spec) or spec
-    if Path(spec).exists() or spec.endswith((".yaml", ".yml")):
-        return spec
-    found = [c for c in shipped_configs() if spec in (c.name, c.path.stem)]
-    if len(found) == 1:
-        return str(found[0].path)
-    if found:
-        raise ConfigError(
-            f"--config {spec!r} names several shipped configs: {', '.join(c.name for c in found)}; "
-            "give one of those names (or --recipe)"
-        )
-    raise ConfigError(f"--config {spec!r} is neither a file nor a shipped config (`lapheads recipes` lists them)")
+    return spec if _is_path(spec) else _shipped(spec, None)
 
 
 def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
@@ -88,19 +95,6 @@ def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
         ConfigError: ``spec`` is neither a file nor a shipped config of ``recipe`` (the message
             lists that recipe's shipped configs).
     """
-    if spec is None or Path(spec).exists() or spec.endswith((".yaml", ".yml")):
+    if spec is None or _is_path(spec):
         return spec  # a path (a missing one is reported by the YAML reader, naming the file)
-    mine = [c for c in shipped_configs() if c.recipe == recipe]
-    found = [c for c in mine if spec in (c.name, c.path.stem)]
-    if len(found) == 1:
-        return str(found[0].path)
-    names = ", ".join(c.path.stem for c in mine) or "none"
-    if len(found) > 1:
-        raise ConfigError(
-            f"--config {spec!r} names several shipped configs of {recipe}: "
-            f"{', '.join(c.name for c in found)}; give one of those names"
-        )
-    raise ConfigError(
-        f"--config {spec!r} is neither a file nor a shipped config of {recipe} "
-        f"(shipped: {names}; `lapheads recipes` lists them all)"
-    )
+    return _shipped(spec, recipe)
