@@ -7,21 +7,10 @@ turns the selected heads into Laplacian heads (output ``V - P V``, :mod:`laphead
 :meth:`MultiheadAttention.from_torch` converts an existing module, weights kept, for example
 ``layer.self_attn`` of a ``torch.nn.TransformerEncoderLayer``.
 
-* ``need_weights=False`` runs the fused operator; ``need_weights=True`` runs the eager reference
-  and returns the operator actually applied to V (``P`` for a standard head, ``I - P`` for a
-  Laplacian head).
-* Masks follow torch, not SDPA (in a boolean mask ``True`` means NOT allowed); ``is_causal=True``
-  without a mask builds the causal mask.
-* The heads stay active inside ``TransformerEncoderLayer`` in every mode (eval, ``no_grad``,
-  ``inference_mode``, ``torch.compile``): each instance carries a no-op forward pre-hook that keeps
-  torch off its fused inference kernel, so do not clear the module's pre-hooks.
-* Cross-attention with ``Tq <= Tk`` uses the last ``Tq`` values as the identity term; with
-  ``Tq > Tk`` a layer with Laplacian heads raises :class:`lapheads.errors.ConfigError`.
-* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``) adds the parameters
-  ``lap_mix_a`` / ``lap_mix_b`` (shape ``(num_heads,)``); with a fixed selection the module has
-  exactly torch's parameters.
-
-How it is built (the pre-hook, nested tensors, ``add_bias_kv``): docs/architecture.md.
+``need_weights=True`` returns the operator actually applied to V (``P`` for a standard head,
+``I - P`` for a Laplacian head). Masks follow torch (a boolean ``True`` means NOT allowed). Inside
+``TransformerEncoderLayer`` the heads stay active in every mode thanks to a no-op forward pre-hook:
+do not clear the module's pre-hooks.
 """
 
 from __future__ import annotations
@@ -40,12 +29,8 @@ __all__ = ["MultiheadAttention"]
 
 
 def _keep_torch_off_its_fast_path(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-    """No-op forward pre-hook. Its presence makes ``TransformerEncoderLayer`` skip torch's fused path.
-
-    ``torch.nn.TransformerEncoderLayer.forward`` refuses its fused inference kernel when "forward
-    pre-/hooks are attached to the module" (any submodule counts); that kernel would bypass
-    :meth:`MultiheadAttention.forward` and drop the Laplacian heads.
-    """
+    """No-op forward pre-hook: with it, ``TransformerEncoderLayer`` skips its fused inference kernel,
+    which would bypass :meth:`MultiheadAttention.forward` and drop the Laplacian heads."""
     return None
 
 
@@ -76,12 +61,10 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         device: parameter device.
         dtype: parameter dtype.
         laplacian_heads: which heads are Laplacian: anything :meth:`lapheads.LayerHeads.of` accepts
-            (int k = trailing k heads, ``"all"``, ``"none"``, a list of head indices, a boolean
-            list/tensor of length ``num_heads``, a :class:`lapheads.heads.LayerHeads`, a uniform
-            :class:`lapheads.LaplacianHeads`). Resolved once, into ``laplacian_selection``.
-            Default ``"none"``: the module computes exactly what torch's does. ``"learn"``,
+            (int k = trailing k heads, ``"all"``, head indices, a boolean mask, ...), resolved once
+            into ``laplacian_selection``. Default ``"none"``: exactly torch's module. ``"learn"``,
             ``"learn:laplacian"``, ``"learn:<k>"``: learnable mixing ``a_h I + b_h P`` (parameters
-            ``lap_mix_a`` / ``lap_mix_b``), initialised standard / Laplacian / trailing k Laplacian.
+            ``lap_mix_a`` / ``lap_mix_b``; a fixed selection keeps exactly torch's parameters).
     """
 
     def __init__(
@@ -99,7 +82,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         dtype: Optional[torch.dtype] = None,
         laplacian_heads: Any = "none",
     ) -> None:
-        # Validate the head selection before allocating parameters (cheap errors first).
+        # Validate the head selection before allocating parameters.
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
         learn = learnable_spec(laplacian_heads)
@@ -120,14 +103,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             dtype=dtype,
         )
         self.laplacian_heads = learn.spec if learn is not None else laplacian_heads
-        #: ``laplacian_selection``: this layer's resolved selection (a plain attribute, not a buffer:
-        #: state_dict keys stay exactly torch's), the operator takes it as is; ``laplacian_learnable``:
-        #: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
+        # plain attributes, not buffers: the state_dict keys stay exactly torch's
         self.laplacian_selection: LayerHeads = selection
         self.laplacian_learnable = learn is not None
         set_layer_heads(self, selection if learn is None else learn, num_heads)
-        # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
-        # the module docstring. A module-level function, so deepcopy and pickling keep it.
+        # A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
 
     @classmethod
@@ -155,15 +135,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         return new
 
     def extra_repr(self) -> str:
-        if self.laplacian_learnable:
-            return (
-                f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-                f"laplacian_heads={self.laplacian_heads!r} (learnable a I + b P)"
-            )
         n = self.laplacian_selection.count
+        what = "learnable a I + b P" if self.laplacian_learnable else f"{n} of {self.num_heads}"
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-            f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})"
+            f"laplacian_heads={self.laplacian_heads!r} ({what})"
         )
 
     # ------------------------------------------------------------------ projections

@@ -1,22 +1,9 @@
 """Attention variants compared with Laplacian heads: which attention a recipe's model uses.
 
-A recipe's ``model.attention`` picks one of :data:`ATTENTIONS`:
-
-==============  ==========================================================================
-``laplacian``   softmax attention with the heads of ``model.laplacian_heads`` (the default;
-                ``laplacian_heads: 0`` is standard attention, the ablation specs live here)
-``standard``    plain softmax attention (``model.laplacian_heads`` must be 0)
-``diff``        differential attention (Ye et al. 2024, "Differential Transformer"): the
-                difference of two softmax maps, ``(P1 - lambda P2) V``, then a per-head
-                RMSNorm; the host library's own implementation (timm's ``DiffAttention``)
-``xsa``         exclusive self-attention: each head's output minus its projection on the
-                token's own value, ``y - (y . v_hat) v_hat`` with ``v_hat = v / ||v||``,
-                right after SDPA (:func:`xsa`)
-==============  ==========================================================================
-
-The variants other than ``laplacian`` replace the attention of every layer, so they do not combine
-with Laplacian heads: :func:`check_attention` refuses a non-zero ``laplacian_heads`` with them
-instead of silently dropping it.
+A recipe's ``model.attention`` picks one of :data:`ATTENTIONS` (the table: docs/heads.md):
+``laplacian`` (the heads of ``model.laplacian_heads``), ``standard``, ``diff`` (differential
+attention, timm's ``DiffAttention``) or ``xsa`` (exclusive self-attention, :func:`xsa`). The
+variants other than ``laplacian`` do not combine with Laplacian heads (:func:`check_attention`).
 """
 
 from __future__ import annotations

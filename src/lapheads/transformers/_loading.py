@@ -100,22 +100,18 @@ def enable(
 ) -> Union[PreTrainedModel, PreTrainedConfig]:
     """Give a model (or a config before the model is built) Laplacian heads, in one call.
 
-    Indexes the model's attention modules (:func:`attention_modules`: stack, index in encoder
-    order, the config holding the spec, cross-attention), sets ``laplacian_heads`` on each config
-    its self-attention modules read (validated against each stack's shape now, not at the first
-    forward) and switches the attention implementation (:func:`fused_implementation`, or the
-    eager one). For a learnable spec (``"learn..."``) it also registers ``lap_mix_a`` /
-    ``lap_mix_b`` on every self-attention module (:func:`mixing_modules`) at the spec's
-    initialisation; a fixed spec removes them. Create the optimizer after this call. A config
-    alone gets no parameters and no indices: build the model from it, then call
-    ``enable(model, spec)``.
+    Indexes the model's attention modules (:func:`attention_modules`), sets ``laplacian_heads`` on
+    each config its self-attention modules read (validated now against each stack's shape) and
+    switches the attention implementation (:func:`fused_implementation`, or the eager one). A
+    learnable spec also registers ``lap_mix_a`` / ``lap_mix_b`` on every self-attention module;
+    create the optimizer after this call. A config alone gets no parameters and no indices: build
+    the model from it, then call ``enable(model, spec)``.
 
     Args:
         model_or_config: a transformers ``PreTrainedModel`` or its config.
-        laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts (int k = trailing k heads
-            of every layer, ``"all"``, a per-layer list of ints, per-layer index lists), the same for
-            every stack; or, for a composite model, a dict from sub-config path (``"vision_config"``,
-            ``"text_config"``, ``""`` for the top config) to such a spec (a config not named: none).
+        laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts, the same for every stack;
+            or, for a composite model, a dict from sub-config path (``"vision_config"``, ``""`` for
+            the top config) to such a spec (a config not named: none).
         eager: use :data:`EAGER_ATTN_IMPLEMENTATION` (returns the operator as attentions).
 
     Returns:
@@ -185,9 +181,7 @@ _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "subfolder"
 
 
 def _checkpoint_files(path: str, **hub: Any) -> list[str]:
-    """The safetensors files of a checkpoint: a local directory, or a hub id resolved the way
-    ``from_pretrained`` resolves it (transformers' ``cached_file``: the local cache, offline mode,
-    ``revision``, ``cache_dir``; a download only where the hub can be reached)."""
+    """The safetensors files of a checkpoint: a local directory, or a hub id resolved by transformers' ``cached_file``."""
     if os.path.isdir(path):
 
         def find(name: str) -> Optional[str]:
@@ -246,9 +240,7 @@ def _load_mixing(model: PreTrainedModel, path: str, **hub: Any) -> None:
 
 def _checkpoint_keys(model: PreTrainedModel, name: str, param: torch.Tensor) -> list[str]:
     """The keys a model parameter may have in a checkpoint file: the name ``save_pretrained`` gives it
-    (transformers' reverse weight conversion: ViT's ``vit.layers.0`` is ``vit.encoder.layer.0`` on
-    disk), with and without the base model's prefix (a checkpoint of ``ViTForImageClassification``
-    loaded as ``ViTModel``, or the other way round), as transformers' loader matches them."""
+    (after reverse weight conversion), with and without the base model's prefix."""
     saved = list(revert_weight_conversion(model, {name: param}))
     key = saved[0] if len(saved) == 1 else name
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -275,16 +267,9 @@ def _current_spec(model: PreTrainedModel) -> Any:
 def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
     """``model_class.from_pretrained`` with the Laplacian attention implementation by name, indexed.
 
-    Reads ``laplacian_heads`` from the saved config (or ``kwargs["config"]``; a sub-config's counts
-    too) and picks the fused implementation (:func:`fused_implementation` for the class:
-    ``"laplacian_fused"`` where the class does not support SDPA) or the eager one when it is set,
-    then indexes the attention modules (:func:`enable` with the loaded spec). This also serves
-    checkpoints saved before ``config.json`` carried ``attn_implementation``, those that need
-    indexing (encoders, towers, encoder-decoders, whose plain load refuses its first forward),
-    those with learnable mixing (whose parameters it registers and reads back under the names
-    ``save_pretrained`` gave them), and keeps the plain registered name (not the saved alias) as the model's
-    implementation. An explicit ``attn_implementation="laplacian_sdpa"`` is translated for a class
-    without SDPA support.
+    Reads ``laplacian_heads`` from the saved config (or ``kwargs["config"]``), picks the fused
+    implementation for the class (:func:`fused_implementation`) or the eager one, then indexes the
+    attention modules (:func:`enable` with the loaded spec) and reads back learnable mixing.
 
     Args:
         path: a directory written by ``save_pretrained``, or a hub id (resolved like
@@ -296,8 +281,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
 
     Raises:
         ConfigError: an explicit standard ``attn_implementation`` for a config with Laplacian heads
-            (see :func:`check_implementation`), or a learnable-mixing config whose checkpoint
-            (safetensors, in a directory or a hub repository) lacks the mixing parameters.
+            (:func:`check_implementation`), or learnable mixing missing from the checkpoint.
     """
 
     model_class = model_class or AutoModelForCausalLM
