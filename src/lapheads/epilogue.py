@@ -67,7 +67,6 @@ class Runs:
 Coefs = Union[Runs, tuple[torch.Tensor, torch.Tensor]]
 
 
-# --------------------------------------------------------------------------- shapes
 def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
     """``(..., H, T, D)`` -> ``(..., H_kv, G, T, D)`` (a view)."""
     return x.unflatten(-3, (hkv, x.shape[-3] // hkv))
@@ -107,7 +106,6 @@ def _fresh_like(pv: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
 
 
-# --------------------------------------------------------------------------- the tape
 _Block = tuple[int, int, torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -176,7 +174,6 @@ def traced() -> bool:
     )
 
 
-# --------------------------------------------------------------------------- fixed heads
 def _write(o: torch.Tensor, p: torch.Tensor, s: torch.Tensor, a: float, b: float) -> None:
     """``o = a s + b p`` in one pass where (a, b) allow it."""
     if a == 0:
@@ -269,7 +266,6 @@ class _Fixed(torch.autograd.Function):
         return d_pv, _scatter(blocks, torch.empty(shape, dtype=dtype, device=device)), None, None
 
 
-# --------------------------------------------------------------------------- learnable heads
 def _mix_forward(pv: torch.Tensor, vs: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     hkv = vs.shape[-3]
     group = pv.shape[-3] // hkv
@@ -333,7 +329,6 @@ class _Mix(torch.autograd.Function):
         return d_pv, d_vs, d_a, d_b, None
 
 
-# --------------------------------------------------------------------------- the entry points
 def _plain(pv: torch.Tensor, vs: torch.Tensor, coefs: Coefs) -> torch.Tensor:
     """The same formula as differentiable aten ops (no ``cat``, no ``out=``): for compile, export, tracing."""
     hkv = vs.shape[-3]

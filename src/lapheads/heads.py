@@ -150,12 +150,7 @@ class LayerHeads:
 
     def __post_init__(self) -> None:
         flags = self.flags
-        if (
-            isinstance(flags, torch.Tensor)
-            or not isinstance(flags, (tuple, list))
-            or not flags
-            or any(type(f) is not bool for f in flags)
-        ):
+        if not isinstance(flags, (tuple, list)) or not flags or any(type(f) is not bool for f in flags):
             raise ConfigError(
                 f"LayerHeads(flags={flags!r}): flags must be a non-empty tuple of bools, one per "
                 "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms"
@@ -355,7 +350,6 @@ class LaplacianHeads:
         spec = "all" if init == "laplacian" else ("none" if init == "standard" else init)
         return LaplacianHeads(spec).resolve(n_layers, n_heads)
 
-    # ------------------------------------------------------------------ resolution
     def resolve(self, n_layers: int, n_heads: int) -> list[LayerHeads]:
         """One :class:`LayerHeads` per layer, validated against the model shape.
 
@@ -444,17 +438,12 @@ class LaplacianHeads:
             return self.kind
         return "per-layer:" + ",".join(str(k if _is_int(k) else len(k)) for k in self.spec)
 
-    # ------------------------------------------------------------------ ordering, config values
     def _order(self) -> tuple[Any, ...]:
         # (group, rank, detail, text): every key has this shape, and two keys only reach `detail`
         # when group and rank are equal, where the details have the same structure, so any two
         # keys compare without a TypeError.
-        if self.kind == "none":
-            return (0, 0, (), "")
-        if self.kind == "k":
-            return (0, self.spec, (), "")
-        if self.kind == "all":
-            return (1, 0, (), "")
+        if self.kind in ("none", "k", "all"):
+            return (1, 0, (), "") if self.kind == "all" else (0, self.spec if self.kind == "k" else 0, (), "")
         if self.kind == "per_layer_k":
             return (2, 0, tuple(self.spec), "")
         if self.kind == "per_layer_indices":
@@ -463,11 +452,9 @@ class LaplacianHeads:
             assert self.ablation is not None
             (a, b), k = self.ablation
             return (3, 3, (a, b, k), "")
-        if self.learn_init == "standard":
-            return (3, 0, (), "")
         if _is_int(self.learn_init):
             return (3, 1, (self.learn_init,), "")
-        return (3, 2, (), "")
+        return (3, 0 if self.learn_init == "standard" else 2, (), "")
 
     @classmethod
     def sort_key(cls, value: Any) -> tuple[Any, ...]:
@@ -574,7 +561,6 @@ def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOpe
     return layer_operator(module)
 
 
-# ---------------------------------------------------------------------- learnable mixing
 def init_mix(
     flags: Union[LayerHeads, Sequence[bool]], dtype: torch.dtype = torch.float32, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

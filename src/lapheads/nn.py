@@ -48,18 +48,9 @@ def _additive(mask: Optional[Tensor], name: str, dtype: torch.dtype) -> Optional
 class MultiheadAttention(torch.nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose selected heads are Laplacian heads.
 
+    The arguments before ``laplacian_heads`` are torch's (``dropout`` acts on P only).
+
     Args:
-        embed_dim: model width.
-        num_heads: number of heads (``embed_dim`` must be divisible by it).
-        dropout: dropout on the attention probabilities P (training only).
-        bias: biases in the input and output projections.
-        add_bias_kv: learnable key/value bias positions appended to the keys (torch's option).
-        add_zero_attn: a zero key/value position appended to the keys (torch's option).
-        kdim: key feature size (default ``embed_dim``).
-        vdim: value feature size (default ``embed_dim``).
-        batch_first: inputs are ``(N, L, E)`` instead of ``(L, N, E)``.
-        device: parameter device.
-        dtype: parameter dtype.
         laplacian_heads: which heads are Laplacian: anything :meth:`lapheads.LayerHeads.of` accepts
             (int k = trailing k heads, ``"all"``, head indices, a boolean mask, ...), resolved once
             into ``laplacian_selection``. Default ``"none"``: exactly torch's module. ``"learn"``,
@@ -142,7 +133,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             f"laplacian_heads={self.laplacian_heads!r} ({what})"
         )
 
-    # ------------------------------------------------------------------ projections
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Input projections of batch-first (N, L, E) inputs, as torch computes them."""
         e = self.embed_dim
@@ -165,7 +155,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             F.linear(value, self.v_proj_weight, bv),
         )
 
-    # ------------------------------------------------------------------ forward
     def forward(
         self,
         query: Tensor,
@@ -177,24 +166,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """Same arguments and returns as ``torch.nn.MultiheadAttention.forward``.
-
-        Args:
-            query: ``(L, N, E)``, ``(N, L, E)`` with ``batch_first``, or unbatched ``(L, E)``.
-            key: ``(S, N, kdim)`` / ``(N, S, kdim)`` / ``(S, kdim)``.
-            value: ``(S, N, vdim)`` / ``(N, S, vdim)`` / ``(S, vdim)``.
-            key_padding_mask: ``(N, S)`` (``(S,)`` unbatched); bool True = ignore that key, or float
-                added to the scores.
-            need_weights: also return the operator weights (slower eager path).
-            attn_mask: ``(L, S)`` or ``(N * num_heads, L, S)`` (``(num_heads, L, S)`` unbatched);
-                bool True = not allowed, or float added to the scores.
-            average_attn_weights: average the returned weights over heads.
-            is_causal: causal hint; builds the causal mask when ``attn_mask`` is None.
-
-        Returns:
-            ``(attn_output, attn_weights)``; ``attn_weights`` is ``(N, L, S)`` (averaged) or
-            ``(N, num_heads, L, S)``, without N when unbatched, or None when ``need_weights`` is False.
-        """
+        """Same arguments, shapes and returns as ``torch.nn.MultiheadAttention.forward``; ``attn_weights``
+        (``need_weights=True``, the slower eager path) is the operator each head applied to V, and
+        ``is_causal`` builds the causal mask when ``attn_mask`` is None."""
         # One function on purpose: it mirrors torch.nn.MultiheadAttention.forward argument by argument (masks,
         # need_weights, batch_first, kdim/vdim), so the two can be read side by side.
         if query.is_nested or key.is_nested or value.is_nested:

@@ -49,12 +49,10 @@ def xsa(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
     Args:
         y: the attention output ``(..., H, T, D)`` (SDPA's ``P V``).
-        v: the values ``(..., H_kv, T, D)``, ``H_kv`` dividing ``H`` (grouped-query attention by
-            broadcast: query head ``h`` uses value head ``h // (H / H_kv)``).
+        v: the values ``(..., H_kv, T, D)``, ``H_kv`` dividing ``H`` (grouped-query attention as SDPA).
 
     Returns:
-        ``y`` with its component along each token's own value removed; a token whose value is
-        zero keeps ``y`` (its direction is undefined, and nothing is removed).
+        ``y`` without its component along each token's own value (a zero value removes nothing).
     """
     h, hkv = y.shape[-3], v.shape[-3]
     if h % hkv:

@@ -97,7 +97,6 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
     return _create(name, base, laplacian_heads, timm_kwargs, replaces=replaces)
 
 
-# ---------------------------------------------------------------------- checkpoints
 _TIMM_TAKES_MODEL_ARGS = "pretrained_model_args" in inspect.signature(timm.models.build_model_with_cfg).parameters
 _WEIGHT_SOURCE_KEYS = ("state_dict", "source", "file", "url", "hf_hub_id", "hf_hub_filename")
 
@@ -192,12 +191,6 @@ def _set_pretrained_cfg(model: nn.Module, cfg: dict[str, Any]) -> None:
     object.__setattr__(model, "default_cfg", cfg)
 
 
-def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(what a stock timm model has, the Laplacian part: markers and learnable mixing)."""
-    stock = {k: v for k, v in state.items() if not _LAPLACIAN_KEY.search(k)}
-    return stock, {k: v for k, v in state.items() if _LAPLACIAN_KEY.search(k)}
-
-
 def _create(
     name: str, base: str, laplacian_heads: HeadSpec, timm_kwargs: dict[str, Any], *, replaces: bool
 ) -> nn.Module:
@@ -213,10 +206,15 @@ def _create(
     state = _named_weights(named, kw.get("cache_dir")) if pretrained else None
     _, k = _split_lap_name(name)
     if pretrained and state is None and k is not None:
-        raise _no_pretrained(name, base, k)
+        raise ConfigError(
+            f"no pretrained weights exist for {name!r}; use pretrained=False, or start from the baseline weights "
+            f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k}), or load a saved "
+            f"checkpoint with pretrained_cfg_overlay=dict(file=PATH) or a local-dir: / hf-hub: name"
+        )
     lap: dict[str, torch.Tensor] = {}
-    if state is not None:
-        stock, lap = _split_state(state)
+    if state is not None:  # the stock part loads through timm, the Laplacian part (markers, mixing) after converting
+        lap = {k: v for k, v in state.items() if _LAPLACIAN_KEY.search(k)}
+        stock = {k: v for k, v in state.items() if k not in lap}
         overlay = {**(overlay or {}), **dict.fromkeys(_WEIGHT_SOURCE_KEYS), "state_dict": stock}
     model = timm.create_model(
         base,
@@ -261,15 +259,6 @@ def _create(
             strict=True,
         )
     return model
-
-
-# ---------------------------------------------------------------------- timm registration
-def _no_pretrained(name: str, base: str, k: int) -> ConfigError:
-    return ConfigError(
-        f"no pretrained weights exist for {name!r}; use pretrained=False, or start from the baseline weights "
-        f"with lapheads.timm.create_model({base!r}, pretrained=True, laplacian_heads={k}), or load a saved "
-        f"checkpoint with pretrained_cfg_overlay=dict(file=PATH) or a local-dir: / hf-hub: name"
-    )
 
 
 def _make_entrypoint(base: str, k: int):

@@ -80,7 +80,6 @@ class LaplacianLayer(nn.Module):
         """Why this instance of the timm class cannot be made Laplacian (None: it can)."""
         return None
 
-    # ------------------------------------------------------------------ head selection
     def _init_laplacian(self, spec: Any) -> None:
         # Called by __init__ and by convert() (after a __class__ swap, where __init__ never ran).
         #: this layer's resolved selection (for learnable mixing: the heads that started Laplacian).
@@ -115,7 +114,6 @@ class LaplacianLayer(nn.Module):
         """True when the forward pass is Laplacian (a Laplacian head, or learnable mixing)."""
         return self.laplacian_learnable or self.laplacian_selection.any
 
-    # ------------------------------------------------------------------ checkpoint marker
     def laplacian_codes(self) -> list[int]:
         """This layer's heads as the marker stores them: per head 0 standard, 1 Laplacian, 2 learnable mixing."""
         if self.laplacian_learnable:
@@ -172,7 +170,6 @@ class LaplacianLayer(nn.Module):
             missing_keys.remove(key)
         self._sync_marker()  # the buffer follows the selection, never the file
 
-    # ------------------------------------------------------------------ the Laplacian core
     def _laplacian_attend(
         self,
         q: torch.Tensor,
@@ -223,7 +220,6 @@ class LaplacianLayer(nn.Module):
         return f"{base}, {mine}" if base else mine
 
 
-# ---------------------------------------------------------------------- shared pieces
 def _biased_qkv(m: Any, x: torch.Tensor) -> torch.Tensor:
     """The fused q/k/v projection with timm's separate q/v biases (``k_bias`` is a zero buffer)."""
     if getattr(m, "q_bias", None) is None:
@@ -264,7 +260,6 @@ def _window_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], batch: int) -
     return full.expand(batch // nw, -1, -1, -1, -1).reshape(batch, h, n, n)
 
 
-# ---------------------------------------------------------------------- the Laplacian classes
 @_converts(Attention)
 class LaplacianAttention(LaplacianLayer, Attention):
     """timm ``Attention`` whose selected heads output ``V - softmax(QK^T)V``; usable as ``attn_layer=``.

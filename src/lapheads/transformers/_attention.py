@@ -27,7 +27,6 @@ _STATIC_HINT = (
 )
 
 
-# --------------------------------------------------------------------------- cache checks
 def _check_cache_layout(config: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any) -> None:
     """Refuse a cache whose key/value buffer does not end where the queries end (a static cache)."""
     if not any_laplacian(config):
@@ -177,7 +176,6 @@ def _mask_like(attention_mask: Optional[torch.Tensor], query: torch.Tensor) -> O
     return attention_mask
 
 
-# --------------------------------------------------------------------------- attention functions
 def laplacian_sdpa_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -200,8 +198,7 @@ def laplacian_sdpa_attention_forward(
         scaling: softmax scale.
         is_causal: overrides ``module.is_causal``.
         **kwargs: passed to the stock attention of a layer without Laplacian heads; ``softcap``,
-            ``s_aux`` / ``sinks`` and ``position_bias`` are applied (fused where SDPA or
-            FlexAttention can express them, else :func:`lapheads.laplacian_attention_reference`).
+            ``s_aux`` / ``sinks`` and ``position_bias`` are applied.
 
     Returns:
         ``(out, None)`` with ``out`` of shape ``(B, Tq, H, D)`` as transformers expects.
@@ -250,10 +247,8 @@ def laplacian_eager_attention_forward(
     float mask of transformers' ``eager_mask``.
 
     Returns:
-        ``(out, operator)``: ``out`` ``(B, Tq, H, D)`` and ``operator`` ``(B, H, Tq, Tk)``, the matrix
-        each head applied to V (``P`` for standard heads, ``I - P`` for Laplacian heads; rows of
-        ``I - P`` sum to 0, less with sinks). transformers returns it as the attentions with
-        ``output_attentions=True``.
+        ``(out, operator)``: ``out`` ``(B, Tq, H, D)`` and the ``(B, H, Tq, Tk)`` matrix each head applied
+        to V (``P`` or ``I - P``), which transformers returns as the attentions (``output_attentions=True``).
     """
     h = query.shape[1]
     if is_cross(module):  # standard attention: the model's own eager function (it returns P), else the reference

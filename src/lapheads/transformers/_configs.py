@@ -122,7 +122,6 @@ def model_class_supports_sdpa(model_class: Any, config: Any) -> bool:
     return fused_implementation(config) == ATTN_IMPLEMENTATION
 
 
-# --------------------------------------------------------------------------- what config.json says
 def _saved_implementation(config: Any, needs_index: Optional[bool], fused: Optional[str]) -> Optional[str]:
     """The ``attn_implementation`` to write to ``config.json`` for ``config`` (None: write nothing; an
     invalid spec is left for the model to report)."""
@@ -173,9 +172,8 @@ def check_implementation(config: Any, attn_implementation: Optional[str]) -> Non
     """Refuse to run a config with Laplacian heads through a standard attention implementation.
 
     Raises:
-        ConfigError: ``config`` (or one of its sub-configs) has Laplacian heads and
-            ``attn_implementation`` is not one of ours (e.g. an explicit ``"sdpa"``, which
-            transformers would honour and so compute a different model from the checkpoint's weights).
+        ConfigError: ``config`` (or a sub-config) has Laplacian heads and ``attn_implementation`` is
+            not one of ours (e.g. an explicit ``"sdpa"``: a different model from the weights).
     """
     if attn_implementation is None or is_laplacian_implementation(attn_implementation):
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging as _logging
 import os
-from typing import Any, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from safetensors import safe_open
@@ -55,21 +55,42 @@ def _enable_config(config: PreTrainedConfig, laplacian_heads: Any, eager: bool) 
         if isinstance(getattr(c, "num_hidden_layers", None), int)
         and isinstance(getattr(c, "num_attention_heads", None), int)
     ] or tree[:1]
-    specs = _specs_for(with_layers, laplacian_heads, type(config).__name__)
-    old = {id(c): config_spec(c) for _, c in with_layers}
-    try:
-        for _, c in with_layers:
-            c.laplacian_heads = specs[id(c)]
-            layer_selections(c)  # raise now if k > heads or the list length != layers
-    except ConfigError:
-        for _, c in with_layers:
-            c.laplacian_heads = old[id(c)]
-        raise
+    # raise now if k > heads or the list length != layers
+    _set_specs(
+        with_layers, laplacian_heads, type(config).__name__, lambda: [layer_selections(c) for _, c in with_layers]
+    )
     fused = fused_implementation(config)
     config._attn_implementation = EAGER_ATTN_IMPLEMENTATION if eager else fused
     for _, c in tree:
         mark_config(c, needs_index=False, fused=fused)
     return config
+
+
+def _set_specs(configs: list[tuple[str, Any]], laplacian_heads: Any, owner: str, check: Callable[[], Any]) -> None:
+    """Set each config's spec, then ``check()``; a ConfigError puts the old specs back."""
+    specs = _specs_for(configs, laplacian_heads, owner)
+    old = {id(c): config_spec(c) for _, c in configs}
+    try:
+        for _, c in configs:
+            c.laplacian_heads = specs[id(c)]
+        check()
+    except ConfigError:
+        for _, c in configs:
+            c.laplacian_heads = old[id(c)]
+        raise
+
+
+def _spec_configs(entries: list[Entry]) -> list[tuple[str, Any]]:
+    """``(path, config)`` of each distinct config the self-attention modules of ``entries`` read, in order."""
+    configs: list[tuple[str, Any]] = []
+    for e in entries:
+        if not e.cross and all(c is not e.config for _, c in configs):
+            configs.append((e.config_path, e.config))
+    return configs
+
+
+def _runs_eager(model: PreTrainedModel) -> bool:
+    return BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION
 
 
 def _validate_stacks(entries: list[Entry], owner: str) -> None:
@@ -138,20 +159,8 @@ def enable(
             f"{owner} has no self-attention module that dispatches through transformers' "
             "AttentionInterface, so it cannot get Laplacian heads"
         )
-    configs: list[tuple[str, Any]] = []
-    for e in selfs:
-        if all(c is not e.config for _, c in configs):
-            configs.append((e.config_path, e.config))
-    specs = _specs_for(configs, laplacian_heads, owner)
-    old = {id(c): config_spec(c) for _, c in configs}
-    try:
-        for _, c in configs:
-            c.laplacian_heads = specs[id(c)]
-        _validate_stacks(selfs, owner)
-    except ConfigError:
-        for _, c in configs:
-            c.laplacian_heads = old[id(c)]
-        raise
+    configs = _spec_configs(selfs)
+    _set_specs(configs, laplacian_heads, owner, lambda: _validate_stacks(selfs, owner))
     for e in selfs:
         learn = learnable_spec(e.config.laplacian_heads)
         if learn is not None:
@@ -212,11 +221,7 @@ def _load_mixing(model: PreTrainedModel, path: str, **hub: Any) -> None:
     """Register the mixing parameters on ``model`` and fill them from the checkpoint at ``path``
     (a directory or a hub id; ``hub``: where ``from_pretrained`` was told to look)."""
 
-    enable(
-        model,
-        _current_spec(model),
-        eager=BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION,
-    )
+    enable(model, _current_spec(model), eager=_runs_eager(model))
     wanted = {n: p for n, p in model.named_parameters() if n.endswith(MIX_PARAM_SUFFIXES)}
     keys = {n: _checkpoint_keys(model, n, p) for n, p in wanted.items()}
     by_key = {k: n for n, ks in keys.items() for k in ks}
@@ -252,10 +257,7 @@ def _checkpoint_keys(model: PreTrainedModel, name: str, param: torch.Tensor) -> 
 
 def _current_spec(model: PreTrainedModel) -> Any:
     """The spec of a model as :func:`enable` takes it: one value, or a dict per sub-config when they differ."""
-    configs: list[tuple[str, Any]] = []
-    for e in attention_modules(model):
-        if not e.cross and all(c is not e.config for _, c in configs):
-            configs.append((e.config_path, e.config))
+    configs = _spec_configs(attention_modules(model))
     if not configs:
         return config_spec(model.config)
     specs = [config_spec(c) for _, c in configs]
@@ -301,11 +303,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     if not any(learnable(c) for _, c in config_tree(config)):
         model = model_class.from_pretrained(path, **kwargs)
         if has_spec and any(not e.cross for e in attention_modules(model)):
-            enable(
-                model,
-                _current_spec(model),
-                eager=BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION,
-            )
+            enable(model, _current_spec(model), eager=_runs_eager(model))
         mark_config(model.config)
         return model
 
