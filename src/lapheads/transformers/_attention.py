@@ -49,15 +49,6 @@ def _check_cache_layout(config: Any, q_length: int, kv_length: int, q_offset: An
 _CHECKED_MASKS: list = []
 
 
-def _already_checked(mask: torch.Tensor) -> bool:
-    return any(r() is mask for r in _CHECKED_MASKS)
-
-
-def _remember_checked(mask: torch.Tensor) -> None:
-    _CHECKED_MASKS.append(weakref.ref(mask))
-    del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
-
-
 def _check_attention_call(
     module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor]
 ) -> None:
@@ -74,7 +65,7 @@ def _check_attention_call(
                 f"(an empty static cache). {_STATIC_HINT}"
             )
         return
-    if _already_checked(attention_mask):
+    if any(r() is attention_mask for r in _CHECKED_MASKS):
         return  # the same mask object is shared by every layer of one forward: check it once
     m = (
         attention_mask
@@ -88,7 +79,8 @@ def _check_attention_call(
             f"{type(module).__name__}: the newest query cannot see the last of the {tk} key "
             f"slots, so the cache is preallocated (static). {_STATIC_HINT}"
         )
-    _remember_checked(attention_mask)
+    _CHECKED_MASKS.append(weakref.ref(attention_mask))
+    del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
 
 
 _SPARSE_KWARGS = ("indices", "block_indices")
