@@ -277,10 +277,8 @@ def _mix_forward(pv: torch.Tensor, vs: torch.Tensor, a: torch.Tensor, b: torch.T
 
 
 def _head_dot(x: torch.Tensor, y: torch.Tensor, h: int) -> torch.Tensor:
-    """``sum(x * y)`` over every dim but the heads (dim -3) -> ``(H,)``; ``y`` may have ``H_kv`` heads.
-
-    One batched ``(H, D) @ (D, H_kv)`` matmul per token (no output-sized product) where the layouts allow.
-    """
+    """``sum(x * y)`` over every dim but the heads (dim -3) -> ``(H,)``, ``y`` with ``H_kv`` heads: one batched
+    ``(H, D) @ (D, H_kv)`` matmul per token (no output-sized product) where the layouts allow."""
     hkv = y.shape[-3]
     try:
         xt = x.transpose(-3, -2).reshape(-1, h, x.shape[-1]) if x.transpose(-3, -2).is_contiguous() else None

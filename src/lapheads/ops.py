@@ -241,10 +241,7 @@ def _checked(
     dropout_p: float,
     enable_gqa: bool,
 ) -> tuple[int, int, Union[LayerHeads, HeadMix]]:
-    """Every argument check of both functions; ``(H, H_kv, the head operator)``.
-
-    A ``LayerHeads`` is taken as is; a tensor mask is read back here (a sync: the integrations never pass one).
-    """
+    """Every argument check of both functions -> ``(H, H_kv, the head operator)`` (a tensor mask is read back here)."""
     h, hkv = _check_shapes(q, k, v, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
     _check_mask(attn_mask, q, tk)

@@ -125,9 +125,8 @@ def _cache(cache_dir: Any) -> dict[str, Any]:
 
 
 def _named_weights(cfg: dict[str, Any], cache_dir: Any = None) -> Optional[dict[str, torch.Tensor]]:
-    """The state dict ``cfg`` (a saved model's ``pretrained_cfg`` with the caller's overlay) points
-    timm to, read by timm's own loaders: an in-memory ``state_dict``, a ``local-dir`` / ``hf-hub``
-    source, a ``file``. None when it names none (timm's registry weights: stock, never Laplacian)."""
+    """The state dict ``cfg`` names (``state_dict``, a ``local-dir`` / ``hf-hub`` source, a ``file``), read by
+    timm's loaders; None for timm's registry weights (stock, never Laplacian)."""
     if cfg.get("state_dict") is not None:
         return dict(cfg["state_dict"])
     if cfg.get("source") == "local-dir":

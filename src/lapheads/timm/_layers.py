@@ -180,11 +180,8 @@ class LaplacianLayer(nn.Module):
         is_causal: bool = False,
         scale: Optional[float] = None,
     ) -> torch.Tensor:
-        """This layer's heads over ``q, k, v`` ``(..., H, N, D)``: ``V - P V`` on the Laplacian ones.
-
-        ``attn_mask`` is boolean (True = attend) or the summed additive biases / window masks; on the
-        eager path ``is_causal`` wins over it (timm's rule). ``scale`` None is ``1 / sqrt(D)``.
-        """
+        """This layer's heads over ``q, k, v`` ``(..., H, N, D)``; ``attn_mask``: boolean (True = attend) or the
+        summed additive biases (``is_causal`` wins over it on the eager path, timm's rule)."""
         drop = getattr(self, "attn_drop", None)
         heads = layer_operator(self)
         if getattr(self, "fused_attn", True):
