@@ -1,14 +1,10 @@
 """Which heads of which layer are Laplacian.
 
-:class:`LaplacianHeads` validates every setting (``3``: the trailing 3 heads of every layer, the
-authors' convention; ``"all"``, ``"none"``, per-layer counts or head indices, ``"learn..."``, the
-ablations ``"identity:K"`` / ``"negated:K"`` / ``"mix(a,b):K"``; all listed in docs/heads.md).
-Learnable mixing ``a_h I + b_h P`` lives in parameters ``lap_mix_a`` / ``lap_mix_b`` of each
-attention layer (:data:`MIX_PARAM_SUFFIXES`), passed to the operator as a :class:`HeadMix`;
-:func:`mixing_table` reads them back, :func:`suggest_selection` turns them into a fixed selection.
-``LaplacianHeads(spec).resolve(n_layers, n_heads)`` gives one :class:`LayerHeads` per layer, the
-form every integration stores and :func:`lapheads.laplacian_attention` takes. Every invalid value
-raises :class:`lapheads.errors.ConfigError` saying what was given and what is allowed.
+:class:`LaplacianHeads` validates every setting (``3``: the trailing 3 heads of every layer; the
+others are listed in docs/heads.md) and resolves it to one :class:`LayerHeads` per layer; an invalid
+value raises :class:`lapheads.errors.ConfigError`. Learnable mixing ``a_h I + b_h P`` lives in
+parameters ``lap_mix_a`` / ``lap_mix_b`` (a :class:`HeadMix` for the operator); :func:`mixing_table`
+reads them back, :func:`suggest_selection` turns them into a fixed selection.
 """
 
 from __future__ import annotations
@@ -354,8 +350,7 @@ class LaplacianHeads:
         """One :class:`LayerHeads` per layer, validated against the model shape.
 
         Raises:
-            ConfigError: the spec does not fit the shape, or it is learnable mixing (not a fixed set
-                of heads: see :meth:`init_selection`).
+            ConfigError: the spec does not fit the shape, or it is learnable (see :meth:`init_selection`).
         """
         if n_layers < 1 or n_heads < 1:
             raise ConfigError(f"model shape n_layers={n_layers}, n_heads={n_heads} must be positive")
@@ -399,10 +394,7 @@ class LaplacianHeads:
         return LayerHeads((False,) * (n_heads - k) + (True,) * k)
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
-        """The boolean head mask of one layer (a new CPU tensor).
-
-        Deprecated: use ``spec.resolve(n_layers, n_heads)[layer].mask()``.
-        """
+        """The boolean head mask of one layer (a new CPU tensor). Deprecated: use ``resolve(...)[layer].mask()``."""
         warnings.warn(
             "LaplacianHeads.layer_mask is deprecated and will be removed in the next release; use "
             "spec.resolve(n_layers, n_heads)[layer].mask()",
@@ -461,12 +453,8 @@ class LaplacianHeads:
         """A sort key for settings: none = k=0 < k=1 < ... < all < per-layer lists < learnable mixing < ablations.
 
         Args:
-            value: a :class:`LaplacianHeads`, anything it accepts, or a label as :meth:`label` writes it
-                (``"k=3"``, ``"per-layer:0,2"``, ``"learn:standard"``; ``"k=all"`` too). Learnable mixing
-                orders by its start: standard, trailing k (ascending), laplacian.
-
-        Returns:
-            a tuple, different for different settings; a value that is no setting sorts last, by its text.
+            value: a :class:`LaplacianHeads`, anything it accepts, or a :meth:`label` (``"k=3"``,
+                ``"per-layer:0,2"``, ``"learn:standard"``); a value that is no setting sorts last, by its text.
         """
         spec = value
         if isinstance(value, str):
@@ -483,8 +471,8 @@ class LaplacianHeads:
 
     @classmethod
     def parse_config_value(cls, value: Any, key: str = "laplacian_heads") -> Any:
-        """Check a config value of ``key`` when the config is parsed and return it as written (a
-        :class:`LaplacianHeads` becomes its :meth:`to_config`); the fit to the model is checked later.
+        """Check a config value of ``key`` when the config is parsed; return it as written (a :class:`LaplacianHeads`:
+        its :meth:`to_config`).
 
         Raises:
             ConfigError: one line naming ``key``, the value and what is allowed.
@@ -512,10 +500,7 @@ def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
 
 
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
-    """Boolean ``(n_heads,)`` mask for ONE layer from anything :meth:`LayerHeads.of` takes (a tensor as is).
-
-    Deprecated: use ``LayerHeads.of(spec, n_heads).mask(device)``.
-    """
+    """Boolean ``(n_heads,)`` mask for ONE layer. Deprecated: use ``LayerHeads.of(spec, n_heads).mask(device)``."""
     warnings.warn(
         "lapheads.head_mask is deprecated and will be removed in the next release; use "
         "lapheads.LayerHeads.of(spec, n_heads).mask(device)",
@@ -543,10 +528,8 @@ def layer_operator(module: torch.nn.Module) -> HeadOperator:
 
 
 def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOperator:
-    """Give one attention module the heads of ``spec`` (anything one layer takes, ablations and
-    ``"learn..."`` included) and return its operator. The module gets ``laplacian_selection`` and
-    ``laplacian_learnable``; a learnable spec (re)creates ``lap_mix_a`` / ``lap_mix_b``, a fixed one removes them.
-    """
+    """Give one attention module the heads of ``spec`` (``"learn..."`` included) and return its operator: sets
+    ``laplacian_selection`` and ``laplacian_learnable``, and (re)creates or removes ``lap_mix_a`` / ``lap_mix_b``."""
     learn = learnable_spec(spec)
     if learn is not None:
         selection = learn.init_selection(1, n_heads)[0]
@@ -679,8 +662,7 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
 def suggest_selection(tables: Sequence[Sequence[dict[str, Any]]]) -> list[list[int]]:
     """A fixed per-layer selection from one or more :func:`mixing_table` results (e.g. seeds).
 
-    A head is suggested Laplacian when its mean :func:`laplacianness` (from each table's ``a`` and
-    ``b``) over the tables is nearer the Laplacian operator (:func:`nearer_laplacian`).
+    A head is suggested Laplacian when its mean :func:`laplacianness` is nearer the Laplacian operator.
 
     Returns:
         per-layer head-index lists, a valid :class:`LaplacianHeads` spec.
