@@ -132,7 +132,7 @@ def test_the_wheel_holds_the_package_and_no_repository_tools(wheel):
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    assert "lapheads/timm.py" in names and "lapheads/ops.py" in names
+    assert "lapheads/timm/__init__.py" in names and "lapheads/ops.py" in names
     tops = {n.split("/", 1)[0] for n in names}
     assert tops <= {"lapheads", *(t for t in tops if t.startswith("lapheads-") and t.endswith(".dist-info"))}, tops
     assert not [n for n in names if "coverage" in n], names

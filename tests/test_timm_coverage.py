@@ -414,12 +414,12 @@ def test_reference_forward_catches_a_wrong_layer():
     with torch.no_grad():
         ref = tc.reference_forward(model, x)
         torch.testing.assert_close(model(x), ref, **TOL)
-        good = lt._window_mask
+        good = lt._layers._window_mask
         try:
-            lt._window_mask = lambda bias, mask, batch: bias
+            lt._layers._window_mask = lambda bias, mask, batch: bias
             assert (model(x) - ref).abs().max() > 1e-4
         finally:
-            lt._window_mask = good
+            lt._layers._window_mask = good
     assert all(isinstance(m, lt.LaplacianLayer) for _, m in lt.laplacian_attention_layers(model))  # restored
 
 

@@ -1,11 +1,7 @@
 """The head operator after SDPA: ``out_h = a_h v_self + b_h (P V)_h`` for every head, in one pass.
 
-Every head applies ``a I + b P``: standard ``(0, 1)``, Laplacian ``(1, -1)``, learnable ``(a, b)``
-parameters. SDPA computes ``P V`` for all heads at once; this module finishes the layer, for fixed
-coefficients (:class:`Runs`, runs of consecutive heads that share them) and for a pair of ``(H,)``
-tensors (learnable) alike. :func:`lapheads.laplacian_attention` calls it; a model never needs to.
-What it writes and saves per pass, forward and backward, and where it falls back to plain aten ops
-(``torch.compile``, export, second derivatives): docs/architecture.md.
+For fixed coefficients (:class:`Runs`: standard ``(0, 1)``, Laplacian ``(1, -1)``) and learnable
+``(H,)`` tensors alike; :func:`lapheads.laplacian_attention` calls it, a model never needs to.
 """
 
 from __future__ import annotations
@@ -62,11 +58,15 @@ class Runs:
             b += [y] * (e - s)
         return a, b
 
+    def tensors(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, b)`` per head as ``(H,)`` tensors in the dtype and device of ``like``."""
+        a, b = (torch.tensor(x, dtype=like.dtype, device=like.device) for x in self.vectors())
+        return a, b
+
 
 Coefs = Union[Runs, tuple[torch.Tensor, torch.Tensor]]
 
 
-# --------------------------------------------------------------------------- shapes
 def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
     """``(..., H, T, D)`` -> ``(..., H_kv, G, T, D)`` (a view)."""
     return x.unflatten(-3, (hkv, x.shape[-3] // hkv))
@@ -106,7 +106,6 @@ def _fresh_like(pv: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
 
 
-# --------------------------------------------------------------------------- the tape
 _Block = tuple[int, int, torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -175,7 +174,6 @@ def traced() -> bool:
     )
 
 
-# --------------------------------------------------------------------------- fixed heads
 def _write(o: torch.Tensor, p: torch.Tensor, s: torch.Tensor, a: float, b: float) -> None:
     """``o = a s + b p`` in one pass where (a, b) allow it."""
     if a == 0:
@@ -255,7 +253,7 @@ class _Fixed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         if torch.is_grad_enabled():  # create_graph=True: differentiable ops, v's gradient returned
-            a, b = (torch.tensor(x, dtype=dy.dtype, device=dy.device) for x in ctx.runs.vectors())
+            a, b = ctx.runs.tensors(dy)
             d_pv, d_vs = _plain_backward(dy, a, b, ctx.hkv, ctx.tape)
             return d_pv, d_vs, None, None
         d_pv, blocks = _fixed_backward(dy, ctx.runs, ctx.hkv)
@@ -268,7 +266,6 @@ class _Fixed(torch.autograd.Function):
         return d_pv, _scatter(blocks, torch.empty(shape, dtype=dtype, device=device)), None, None
 
 
-# --------------------------------------------------------------------------- learnable heads
 def _mix_forward(pv: torch.Tensor, vs: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     hkv = vs.shape[-3]
     group = pv.shape[-3] // hkv
@@ -280,12 +277,8 @@ def _mix_forward(pv: torch.Tensor, vs: torch.Tensor, a: torch.Tensor, b: torch.T
 
 
 def _head_dot(x: torch.Tensor, y: torch.Tensor, h: int) -> torch.Tensor:
-    """``sum(x * y)`` over every dim but the heads (dim -3) -> ``(H,)``; ``y`` may have ``H_kv`` heads.
-
-    Per token, the ``(H, D) @ (D, H_kv)`` products hold every head's dot product: one batched
-    matmul writes ``H * H_kv`` numbers per token instead of an output-sized product. When the
-    layouts do not allow those views, the plain product and sum.
-    """
+    """``sum(x * y)`` over every dim but the heads (dim -3) -> ``(H,)``, ``y`` with ``H_kv`` heads: one batched
+    ``(H, D) @ (D, H_kv)`` matmul per token (no output-sized product) where the layouts allow."""
     hkv = y.shape[-3]
     try:
         xt = x.transpose(-3, -2).reshape(-1, h, x.shape[-1]) if x.transpose(-3, -2).is_contiguous() else None
@@ -334,7 +327,6 @@ class _Mix(torch.autograd.Function):
         return d_pv, d_vs, d_a, d_b, None
 
 
-# --------------------------------------------------------------------------- the entry points
 def _plain(pv: torch.Tensor, vs: torch.Tensor, coefs: Coefs) -> torch.Tensor:
     """The same formula as differentiable aten ops (no ``cat``, no ``out=``): for compile, export, tracing."""
     hkv = vs.shape[-3]
@@ -344,9 +336,7 @@ def _plain(pv: torch.Tensor, vs: torch.Tensor, coefs: Coefs) -> torch.Tensor:
     if isinstance(coefs, Runs):
         if coefs.runs == ((0, h, *LAPLACIAN),):
             return (s5 - p5).flatten(-4, -3)
-        av, bv = coefs.vectors()
-        a = torch.tensor(av, dtype=pv.dtype, device=pv.device)
-        b = torch.tensor(bv, dtype=pv.dtype, device=pv.device)
+        a, b = coefs.tensors(pv)
     else:
         a, b = coefs
     return (p5 * b.view(hkv, group, 1, 1) + s5 * a.view(hkv, group, 1, 1)).flatten(-4, -3)
@@ -357,12 +347,9 @@ def combine(pv: torch.Tensor, v_self: torch.Tensor, coefs: Coefs, tape: Optional
 
     Args:
         pv: SDPA's output ``(..., H, Tq, D)``.
-        v_self: ``(..., H_kv, Tq, D)``, the values at the queries' own positions (``H % H_kv == 0``;
-            query head h uses kv head ``h // (H // H_kv)``, as SDPA does).
-        coefs: :class:`Runs` (fixed) or ``(a, b)`` tensors of shape ``(H,)`` (learnable; cast to
-            ``pv``'s dtype by the caller).
-        tape: from :func:`tap` when ``v_self`` is a slice of the ``v`` SDPA read through it: the
-            gradient through ``v_self`` is then added into SDPA's ``dv`` in place.
+        v_self: ``(..., H_kv, Tq, D)``, the values at the queries' own positions (GQA as SDPA).
+        coefs: :class:`Runs` (fixed) or ``(a, b)`` tensors of shape ``(H,)`` in ``pv``'s dtype.
+        tape: from :func:`tap` when ``v_self`` is a slice of the ``v`` SDPA read through it.
 
     Returns:
         a fresh ``(..., H, Tq, D)`` tensor (laid out ``(..., Tq, H, D)`` in memory on the eager path).
@@ -390,9 +377,7 @@ def explicit(coefs: Coefs, p: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
     """The operator ``a_h I + b_h P`` per head (heads on dim -3 of ``p``; ``eye`` is ``(Tq, Tk)``)."""
     h = p.shape[-3]
     if isinstance(coefs, Runs):
-        av, bv = coefs.vectors()
-        a = torch.tensor(av, dtype=p.dtype, device=p.device)
-        b = torch.tensor(bv, dtype=p.dtype, device=p.device)
+        a, b = coefs.tensors(p)
     else:
         a, b = coefs[0].to(p.dtype), coefs[1].to(p.dtype)
     return a.view(h, 1, 1) * eye + b.view(h, 1, 1) * p

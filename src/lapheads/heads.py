@@ -1,39 +1,10 @@
 """Which heads of which layer are Laplacian.
 
-The authors' convention (docs/method.md): the Laplacian heads are the TRAILING k heads
-of a layer, and the same k is used in every layer. The LM code also takes a per-layer list.
-:class:`LaplacianHeads` accepts all of these and validates them against a concrete model shape:
-
-=====================================  ============================================
-``LaplacianHeads(3)``                  trailing 3 heads of every layer
-``LaplacianHeads("all")``              every head of every layer
-``LaplacianHeads("none")`` / ``0``     no Laplacian head (the baseline)
-``LaplacianHeads([0, 2, 4])``          per layer: trailing 0, 2, 4 heads
-``LaplacianHeads([[0], [], [1, 3]])``  per layer: explicit head indices
-``LaplacianHeads("learn")``            learnable mixing ``a_h I + b_h P``, every head
-                                       starts standard (same as ``"learn:standard"``)
-``LaplacianHeads("learn:laplacian")``  learnable, every head starts Laplacian
-``LaplacianHeads("learn:3")``          learnable, the trailing 3 heads start Laplacian
-``LaplacianHeads.learn(init)``         the same, ``init`` = "standard", "laplacian" or k
-``LaplacianHeads("identity:2")``       ablation: the trailing 2 heads output V (``I``)
-``LaplacianHeads("negated:2")``        ablation: the trailing 2 heads output ``-P V``
-``LaplacianHeads("mix(0.5,-1):2")``    ablation: the trailing 2 heads apply ``0.5 I - P``
-=====================================  ============================================
-
-Learnable mixing: a head's operator generalises to ``a_h I + b_h P`` with two learned numbers per
-head per layer (a standard head is ``a=0, b=1``, a Laplacian head ``a=1, b=-1``). The modules that
-accept it (:mod:`lapheads.nn`, :mod:`lapheads.timm`, :mod:`lapheads.transformers`) register the
-parameters ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``, names in
-:data:`MIX_PARAM_SUFFIXES`) on each attention layer; the stateless operator takes them as a
-:class:`HeadMix`. :func:`mixing_table` reads them back from any model, :func:`suggest_selection`
-turns them into a fixed selection (each head takes the nearer of the two fixed operators).
-
-``LaplacianHeads(spec).resolve(n_layers, n_heads)`` gives one :class:`LayerHeads` per layer, the
-form every integration stores and :func:`lapheads.laplacian_attention` takes (a learnable setting
-is refused there; :meth:`LaplacianHeads.init_selection` gives the heads that start Laplacian).
-Every invalid value raises :class:`lapheads.errors.ConfigError` saying what was given and what is
-allowed. Recipe configs declare the field with :mod:`lapheads.heads_config`. Why a selection is
-Python bools and not a tensor: docs/architecture.md.
+:class:`LaplacianHeads` validates every setting (``3``: the trailing 3 heads of every layer; the
+others are listed in docs/heads.md) and resolves it to one :class:`LayerHeads` per layer; an invalid
+value raises :class:`lapheads.errors.ConfigError`. Learnable mixing ``a_h I + b_h P`` lives in
+parameters ``lap_mix_a`` / ``lap_mix_b`` (a :class:`HeadMix` for the operator); :func:`mixing_table`
+reads them back, :func:`suggest_selection` turns them into a fixed selection.
 """
 
 from __future__ import annotations
@@ -62,12 +33,8 @@ MIX_PARAM_SUFFIXES: tuple[str, str] = ("lap_mix_a", "lap_mix_b")
 
 
 class HeadMix(NamedTuple):
-    """Per-head mixing ``a_h I + b_h P`` for the stateless operator: ``a`` and ``b`` of shape ``(H,)``.
-
-    ``HeadMix(a=0, b=1)`` per head is a standard head, ``HeadMix(a=1, b=-1)`` a Laplacian head.
-    Pass it as ``laplacian_heads=`` of :func:`lapheads.laplacian_attention` (gradients flow into
-    ``a`` and ``b``).
-    """
+    """Per-head mixing ``a_h I + b_h P`` (``a``, ``b`` of shape ``(H,)``; standard ``(0, 1)``, Laplacian
+    ``(1, -1)``): pass it as ``laplacian_heads=`` of :func:`lapheads.laplacian_attention` (gradients flow)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -148,8 +115,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _digits(text: str) -> bool:
-    """ASCII digits only. ``str.isdigit`` also accepts '²' or '٣', which ``int`` refuses or reads as a
-    number nobody typed, so a spec like ``"²"`` raised ValueError instead of the one-line ConfigError."""
+    """ASCII digits only (``str.isdigit`` also accepts '²' or '٣', which ``int`` refuses or misreads)."""
     return text.isascii() and text.isdigit()
 
 
@@ -162,24 +128,11 @@ def is_count(spec: Any) -> bool:
 class LayerHeads:
     """The fixed head operator of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
 
-    Every head applies ``a I + b P``: a flagged head ``coef`` (``(1, -1)``, Laplacian, unless an
-    ablation gives another), the others ``(0, 1)`` (standard). :meth:`apply` finishes the layer
-    after SDPA, :meth:`operator` gives the explicit matrix; :class:`HeadMix` offers the same for
-    learnable ``(a, b)``, so the two differ only in where the coefficients come from.
-
-    Why Python values and not a tensor: the operator branches on the selection (no Laplacian head:
-    plain SDPA; otherwise one pass over runs of heads). Branching on a device tensor would read it
-    back to the host (a sync per layer per call on a GPU), is a data-dependent graph break under
-    ``torch.compile``, and ``torch.jit.trace`` / ``torch.export`` / the ONNX exporters would not
-    record it as a constant. A tuple of bools is free to branch on and a constant for every
-    tracer. So every integration resolves its selection once (when the layer is built or
-    converted, or when ``config.laplacian_heads`` changes), stores it on the attention module as
-    ``laplacian_selection``, and hands it to :func:`lapheads.laplacian_attention`, which trusts it
-    (no validation per call). Where the selection is wanted as a tensor, :meth:`mask` gives one,
-    cached per device.
-
-    Frozen (hashable, equal when the flags and coefficients are equal) so it can be shared and
-    compared; build one with :meth:`LaplacianHeads.resolve` or :meth:`LayerHeads.of`.
+    A flagged head applies ``coef`` (``a I + b P``, Laplacian ``(1, -1)`` unless an ablation gives
+    another), the others are standard ``(0, 1)``. :meth:`apply` finishes the layer after SDPA,
+    :meth:`operator` gives the explicit matrix, as :class:`HeadMix` does for learnable ``(a, b)``.
+    Python bools, not a tensor, so every tracer records it as a constant (:meth:`mask` gives a
+    tensor). Frozen and hashable; build one with :meth:`LaplacianHeads.resolve` or :meth:`of`.
 
     Args:
         flags: one bool per head (a list is turned into a tuple); at least one head.
@@ -187,20 +140,13 @@ class LayerHeads:
     """
 
     flags: tuple[bool, ...]
-    #: ``(a, b)`` of the flagged heads: ``(1, -1)`` Laplacian; the ablations use others. The other
-    #: heads are standard, ``(0, 1)``.
     coef: tuple[float, float] = epilogue.LAPLACIAN
     # Device masks already built, by device; not part of equality, hash or repr.
     _masks: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         flags = self.flags
-        if (
-            isinstance(flags, torch.Tensor)
-            or not isinstance(flags, (tuple, list))
-            or not flags
-            or any(type(f) is not bool for f in flags)
-        ):
+        if not isinstance(flags, (tuple, list)) or not flags or any(type(f) is not bool for f in flags):
             raise ConfigError(
                 f"LayerHeads(flags={flags!r}): flags must be a non-empty tuple of bools, one per "
                 "head (True = Laplacian); use LayerHeads.of(spec, n_heads) for other forms"
@@ -226,11 +172,8 @@ class LayerHeads:
         return self.any and self.coef[0] != 0
 
     def apply(self, pv: torch.Tensor, v_self: torch.Tensor, tape: Optional[epilogue.Tape] = None) -> torch.Tensor:
-        """This layer's heads after SDPA: ``v_self - pv`` on the Laplacian heads, ``pv`` on the others.
-
-        ``pv`` is ``(..., H, Tq, D)``; ``v_self`` is ``(..., H_kv, Tq, D)`` (grouped-query attention
-        by broadcast). A fresh tensor, written in one pass (:func:`lapheads.epilogue.combine`).
-        """
+        """This layer's heads after SDPA (``pv`` ``(..., H, Tq, D)``, ``v_self`` ``(..., H_kv, Tq, D)``):
+        ``v_self - pv`` on the Laplacian heads, ``pv`` on the others (:func:`lapheads.epilogue.combine`)."""
         if not self.any:
             return pv
         return epilogue.combine(pv, v_self, self.runs, tape)
@@ -241,13 +184,9 @@ class LayerHeads:
 
     @classmethod
     def of(cls, spec: Any, n_heads: int) -> "LayerHeads":
-        """One layer's selection from anything :func:`head_mask` accepts, validated against ``n_heads``.
-
-        ``spec`` may be a :class:`LayerHeads` (returned as is when it has ``n_heads`` heads), an int
-        k (trailing k heads), ``"all"``/``"none"``, a list of head indices, a boolean list/tensor of
-        length ``n_heads`` (a tensor is read back once, here), or a :class:`LaplacianHeads` that is
-        the same for every layer.
-        """
+        """One layer's selection, validated against ``n_heads``, from a :class:`LayerHeads`, an int k
+        (trailing k heads), ``"all"``/``"none"``, head indices, a boolean list/tensor of length
+        ``n_heads``, or a :class:`LaplacianHeads` that is the same for every layer."""
         if isinstance(spec, LayerHeads):
             if spec.n_heads != n_heads:
                 raise ConfigError(f"{spec!r} has {spec.n_heads} heads, expected {n_heads} (one flag per head)")
@@ -300,12 +239,8 @@ class LayerHeads:
         return tuple(h for h, f in enumerate(self.flags) if f)
 
     def mask(self, device: Any = None) -> torch.Tensor:
-        """The selection as a boolean ``(n_heads,)`` tensor on ``device`` (CPU by default), cached.
-
-        The tensor is shared by every caller: read it, do not write into it. It is built outside
-        inference mode, so a mask first asked for under ``torch.inference_mode`` still serves a
-        later training step (an inference tensor cannot be saved for backward).
-        """
+        """The selection as a boolean ``(n_heads,)`` tensor on ``device`` (CPU by default), cached and shared:
+        read it, do not write into it. Built outside inference mode, so it also serves a later training step."""
         dev = torch.device("cpu") if device is None else torch.device(device)
         m = self._masks.get(dev)
         if m is None:
@@ -355,13 +290,9 @@ class LaplacianHeads:
                 return
         if isinstance(spec, str):
             s = spec.strip().lower()
-            if s not in ("all", "none"):
-                if _digits(s.removeprefix("-")):
-                    spec = int(s)
-                else:
-                    raise ConfigError(f"{name}={spec!r} is not understood; allowed: {_ALLOWED}")
-            else:
-                spec = s
+            if s not in ("all", "none") and not _digits(s.removeprefix("-")):
+                raise ConfigError(f"{name}={spec!r} is not understood; allowed: {_ALLOWED}")
+            spec = s if s in ("all", "none") else int(s)
         if _is_int(spec):
             if spec < 0:
                 raise ConfigError(f"{name}={spec} is negative; allowed: {_ALLOWED}")
@@ -396,11 +327,9 @@ class LaplacianHeads:
     @classmethod
     def learn(cls, init: Union[str, int] = "standard") -> "LaplacianHeads":
         """Learnable mixing ``a_h I + b_h P``; ``init``: "standard", "laplacian" or k (trailing k start Laplacian)."""
-        if isinstance(init, int) and not isinstance(init, bool):
-            if init < 0:
-                raise ConfigError(f"LaplacianHeads.learn(init={init}): k must be >= 0")
-            return cls(f"learn:{init}")
-        if not isinstance(init, str):
+        if _is_int(init) and int(init) < 0:
+            raise ConfigError(f"LaplacianHeads.learn(init={init}): k must be >= 0")
+        if not (_is_int(init) or isinstance(init, str)):
             raise ConfigError(f"LaplacianHeads.learn(init={init!r}): init must be 'standard', 'laplacian' or an int k")
         return cls(f"learn:{init}")
 
@@ -410,23 +339,18 @@ class LaplacianHeads:
         return self.kind == "learn"
 
     def init_selection(self, n_layers: int, n_heads: int) -> list[LayerHeads]:
-        """For a learnable spec, the heads that START Laplacian (``a=1, b=-1``); the rest start standard.
-
-        For a fixed spec this is :meth:`resolve`.
-        """
+        """For a learnable spec, the heads that START Laplacian (``a=1, b=-1``); for a fixed spec, :meth:`resolve`."""
         if not self.learnable:
             return self.resolve(n_layers, n_heads)
         init = self.learn_init
         spec = "all" if init == "laplacian" else ("none" if init == "standard" else init)
         return LaplacianHeads(spec).resolve(n_layers, n_heads)
 
-    # ------------------------------------------------------------------ resolution
     def resolve(self, n_layers: int, n_heads: int) -> list[LayerHeads]:
         """One :class:`LayerHeads` per layer, validated against the model shape.
 
         Raises:
-            ConfigError: the spec does not fit the shape, or it is learnable mixing (not a fixed set
-                of heads: see :meth:`init_selection`).
+            ConfigError: the spec does not fit the shape, or it is learnable (see :meth:`init_selection`).
         """
         if n_layers < 1 or n_heads < 1:
             raise ConfigError(f"model shape n_layers={n_layers}, n_heads={n_heads} must be positive")
@@ -453,7 +377,6 @@ class LaplacianHeads:
             )
         if self.kind == "per_layer_k":
             return [self._trailing(k, n_heads, i) for i, k in enumerate(self.spec)]
-        out = []
         for i, idx in enumerate(self.spec):
             for j in idx:
                 if j >= n_heads:
@@ -461,9 +384,7 @@ class LaplacianHeads:
                         f"laplacian_heads[{i}] contains head index {j}, but layers have {n_heads} "
                         f"heads (allowed 0..{n_heads - 1})"
                     )
-            chosen = set(idx)
-            out.append(LayerHeads(tuple(h in chosen for h in range(n_heads))))
-        return out
+        return [LayerHeads(tuple(h in idx for h in range(n_heads))) for idx in self.spec]
 
     @staticmethod
     def _trailing(k: int, n_heads: int, layer: int | None) -> LayerHeads:
@@ -473,10 +394,7 @@ class LaplacianHeads:
         return LayerHeads((False,) * (n_heads - k) + (True,) * k)
 
     def layer_mask(self, layer: int, n_layers: int, n_heads: int) -> torch.Tensor:
-        """The boolean head mask of one layer (a new CPU tensor).
-
-        Deprecated: use ``spec.resolve(n_layers, n_heads)[layer].mask()``.
-        """
+        """The boolean head mask of one layer (a new CPU tensor). Deprecated: use ``resolve(...)[layer].mask()``."""
         warnings.warn(
             "LaplacianHeads.layer_mask is deprecated and will be removed in the next release; use "
             "spec.resolve(n_layers, n_heads)[layer].mask()",
@@ -491,17 +409,11 @@ class LaplacianHeads:
 
     def is_none(self) -> bool:
         """True when no head can be Laplacian, whatever the model shape."""
-        if self.kind == "none":
-            return True
-        if self.kind == "k":
-            return bool(self.spec == 0)
-        if self.kind == "per_layer_k":
-            return all(k == 0 for k in self.spec)
-        if self.kind == "per_layer_indices":
-            return all(len(i) == 0 for i in self.spec)
         if self.kind == "ablation":
             return self.ablation is not None and self.ablation[1] == 0
-        return False
+        if self.kind in ("per_layer_k", "per_layer_indices"):
+            return not any(self.spec)  # every count 0, every index list empty
+        return self.kind == "none" or (self.kind == "k" and self.spec == 0)
 
     def to_config(self) -> Any:
         """A JSON/YAML-serialisable value that rebuilds this selection."""
@@ -518,17 +430,12 @@ class LaplacianHeads:
             return self.kind
         return "per-layer:" + ",".join(str(k if _is_int(k) else len(k)) for k in self.spec)
 
-    # ------------------------------------------------------------------ ordering, config values
     def _order(self) -> tuple[Any, ...]:
         # (group, rank, detail, text): every key has this shape, and two keys only reach `detail`
         # when group and rank are equal, where the details have the same structure, so any two
         # keys compare without a TypeError.
-        if self.kind == "none":
-            return (0, 0, (), "")
-        if self.kind == "k":
-            return (0, self.spec, (), "")
-        if self.kind == "all":
-            return (1, 0, (), "")
+        if self.kind in ("none", "k", "all"):
+            return (1, 0, (), "") if self.kind == "all" else (0, self.spec if self.kind == "k" else 0, (), "")
         if self.kind == "per_layer_k":
             return (2, 0, tuple(self.spec), "")
         if self.kind == "per_layer_indices":
@@ -537,25 +444,17 @@ class LaplacianHeads:
             assert self.ablation is not None
             (a, b), k = self.ablation
             return (3, 3, (a, b, k), "")
-        if self.learn_init == "standard":
-            return (3, 0, (), "")
         if _is_int(self.learn_init):
             return (3, 1, (self.learn_init,), "")
-        return (3, 2, (), "")
+        return (3, 0 if self.learn_init == "standard" else 2, (), "")
 
     @classmethod
     def sort_key(cls, value: Any) -> tuple[Any, ...]:
-        """A sort key for settings: none = k=0 < k=1 < k=2 < ... < all < per-layer lists < learnable mixing < ablations.
+        """A sort key for settings: none = k=0 < k=1 < ... < all < per-layer lists < learnable mixing < ablations.
 
         Args:
-            value: a :class:`LaplacianHeads`, anything it accepts, or a label as :meth:`label` writes
-                it (``"k=3"``, ``"all"``, ``"none"``, ``"per-layer:0,2"``, ``"learn:standard"``;
-                ``"k=all"`` and ``"k=learn"`` too). Per-layer lists order by their counts, learnable
-                mixing by its start: standard, then trailing k (ascending), then laplacian.
-
-        Returns:
-            a tuple; keys of different settings differ, so sorting is deterministic. A value that is
-            no setting (a hand-made label) sorts after every setting, by its text.
+            value: a :class:`LaplacianHeads`, anything it accepts, or a :meth:`label` (``"k=3"``,
+                ``"per-layer:0,2"``, ``"learn:standard"``); a value that is no setting sorts last, by its text.
         """
         spec = value
         if isinstance(value, str):
@@ -572,11 +471,8 @@ class LaplacianHeads:
 
     @classmethod
     def parse_config_value(cls, value: Any, key: str = "laplacian_heads") -> Any:
-        """Check a config value of ``key`` now (when the config is parsed) and return it for the config.
-
-        The value is kept as written (so a saved ``config.yaml`` reads back the same); a
-        :class:`LaplacianHeads` becomes its :meth:`to_config`. Whether it fits the model (k <= heads,
-        one entry per layer) is checked when the model is built.
+        """Check a config value of ``key`` when the config is parsed; return it as written (a :class:`LaplacianHeads`:
+        its :meth:`to_config`).
 
         Raises:
             ConfigError: one line naming ``key``, the value and what is allowed.
@@ -604,14 +500,7 @@ def _check_mask_tensor(spec: torch.Tensor, n_heads: int) -> None:
 
 
 def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> torch.Tensor:
-    """Boolean mask of shape ``(n_heads,)`` for ONE layer (a new tensor; a tensor ``spec`` is returned as is).
-
-    Deprecated: use ``LayerHeads.of(spec, n_heads).mask(device)`` (one way to get a mask).
-
-    ``spec`` may be a boolean tensor/list of length ``n_heads``, an int k (trailing k heads),
-    ``"all"``/``"none"``, a list of head indices, a :class:`LayerHeads`, or a
-    :class:`LaplacianHeads` that is the same for every layer (an int, ``"all"`` or ``"none"``).
-    """
+    """Boolean ``(n_heads,)`` mask for ONE layer. Deprecated: use ``LayerHeads.of(spec, n_heads).mask(device)``."""
     warnings.warn(
         "lapheads.head_mask is deprecated and will be removed in the next release; use "
         "lapheads.LayerHeads.of(spec, n_heads).mask(device)",
@@ -624,9 +513,7 @@ def head_mask(spec: Any, n_heads: int, device: torch.device | None = None) -> to
     return torch.tensor(LayerHeads.of(spec, n_heads).flags, dtype=torch.bool, device=device)
 
 
-#: What one attention layer applies after SDPA: fixed coefficients (:class:`LayerHeads`) or the
-#: learnable ``(a, b)`` (:class:`HeadMix`). Both offer ``any``, ``identity``, ``apply(pv, v_self)``
-#: and ``operator(P, I)``; they differ only in where ``(a, b)`` come from.
+#: What one attention layer applies after SDPA: fixed (:class:`LayerHeads`) or learnable (:class:`HeadMix`).
 HeadOperator = Union["LayerHeads", HeadMix]
 
 
@@ -641,14 +528,8 @@ def layer_operator(module: torch.nn.Module) -> HeadOperator:
 
 
 def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOperator:
-    """Give one attention module the heads of ``spec`` and return its operator.
-
-    ``spec`` is anything one layer takes: an int k, ``"all"``, ``"none"``, head indices, a boolean
-    mask, a :class:`LayerHeads`, an ablation (``"identity:K"``, ...), or learnable mixing
-    (``"learn..."``). The module gets ``laplacian_selection`` (the fixed selection, or the heads a
-    learnable layer starts Laplacian) and ``laplacian_learnable``; a learnable spec (re)creates
-    ``lap_mix_a`` / ``lap_mix_b`` at their initialisation, a fixed one removes them.
-    """
+    """Give one attention module the heads of ``spec`` (``"learn..."`` included) and return its operator: sets
+    ``laplacian_selection`` and ``laplacian_learnable``, and (re)creates or removes ``lap_mix_a`` / ``lap_mix_b``."""
     learn = learnable_spec(spec)
     if learn is not None:
         selection = learn.init_selection(1, n_heads)[0]
@@ -663,7 +544,6 @@ def set_layer_heads(module: torch.nn.Module, spec: Any, n_heads: int) -> HeadOpe
     return layer_operator(module)
 
 
-# ---------------------------------------------------------------------- learnable mixing
 def init_mix(
     flags: Union[LayerHeads, Sequence[bool]], dtype: torch.dtype = torch.float32, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -676,11 +556,8 @@ def init_mix(
 
 
 def register_mix(module: torch.nn.Module, flags: Union[LayerHeads, Sequence[bool]]) -> None:
-    """Register ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``) on ``module``, initialised from ``flags``.
-
-    The parameters take the device and floating dtype of the module's first floating parameter
-    (float32 when it has none), so a bf16 model stays bf16 in its state_dict.
-    """
+    """Register ``lap_mix_a`` / ``lap_mix_b`` (shape ``(n_heads,)``) on ``module``, initialised from ``flags``,
+    in the device and dtype of its first floating parameter (float32 when it has none)."""
     ref = next((p for p in module.parameters(recurse=True) if p.is_floating_point()), None)
     dtype = ref.dtype if ref is not None else torch.float32
     device = ref.device if ref is not None else None
@@ -704,24 +581,17 @@ def is_mix_param(name: str) -> bool:
 def param_groups(
     model: torch.nn.Module, lr: float, weight_decay: float, mix_lr_scale: float = 1.0
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups that keep the learnable mixing out of weight decay.
-
-    A plain ``torch.optim.AdamW(model.parameters(), weight_decay=wd)`` decays ``lap_mix_a`` /
-    ``lap_mix_b`` like any weight, pulling every head towards ``(0, 0)`` (no operator at all), which
-    is not a neutral prior for them. Pass these groups instead::
-
-        opt = torch.optim.AdamW(lapheads.heads.param_groups(model, lr=1e-3, weight_decay=0.05, mix_lr_scale=10))
+    """Optimizer parameter groups that keep the learnable mixing out of weight decay (which would pull
+    every head towards ``(0, 0)``): ``torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.05))``.
 
     Args:
         model: any module; its trainable parameters are split by name (:func:`is_mix_param`).
         lr: the learning rate of the model's other parameters.
-        weight_decay: their weight decay.
-        mix_lr_scale: the mixing parameters' learning rate is ``lr * mix_lr_scale`` (the learnable
-            study needed 10 at the digits recipe's rate, where they barely moved otherwise).
+        weight_decay: their weight decay (the mixing parameters get none).
+        mix_lr_scale: the mixing parameters' learning rate is ``lr * mix_lr_scale``.
 
     Returns:
-        ``[{"params": others, "lr": lr, "weight_decay": weight_decay}, {"params": mixing, "lr": lr *
-        mix_lr_scale, "weight_decay": 0.0}]``; a group with no parameter is left out.
+        the other parameters' group, then the mixing parameters'; a group with no parameter is left out.
 
     Raises:
         ConfigError: ``mix_lr_scale`` is not a finite number > 0.
@@ -741,13 +611,8 @@ def param_groups(
 
 
 def mix_angle(a: float, b: float) -> float:
-    """The angle ``atan(a / b)`` of ``a I + b P`` in degrees, folded into ``(-90, 90]``.
-
-    A head's output is multiplied by the attention's output projection, which absorbs any common
-    factor of ``(a, b)``, sign included: ``(a, b)`` and ``(s a, s b)`` are the same head up to a
-    rescaling the model learns anyway. So a head is its line through the origin, i.e. this angle:
-    0 = standard ``P``, -45 = Laplacian ``I - P``, +-90 = the identity alone; ``(0, 0)`` is NaN.
-    """
+    """The angle ``atan(a / b)`` of ``a I + b P`` in degrees, folded into ``(-90, 90]`` (the output projection
+    absorbs any common factor of ``(a, b)``): 0 = standard, -45 = Laplacian, +-90 = identity; ``(0, 0)`` is NaN."""
     if a == 0 and b == 0:
         return math.nan
     theta = math.degrees(math.atan2(a, b))
@@ -759,21 +624,14 @@ def mix_angle(a: float, b: float) -> float:
 
 
 def laplacianness(a: float, b: float) -> float:
-    """Scale-free position of ``a I + b P`` relative to standard and Laplacian: ``-mix_angle / 45``.
-
-    0 = standard, 1 = Laplacian (``(1, -1)``, ``(2, -2)`` and ``(-1, 1)`` alike), between = ``P``
-    minus some of the head's own value; negative = ``P`` plus some of it; +-2 = the identity alone.
-    Not the projection of ``(a, b)`` on the segment from ``(0, 1)`` to ``(1, -1)``: that changed
-    with the scale the output projection absorbs (``(0.5, -1.4)``, a sign-flipped ``P - 0.36 I``,
-    scored as fully Laplacian).
-    """
+    """Scale-free position of ``a I + b P``: ``-mix_angle / 45``; 0 = standard, 1 = Laplacian (``(2, -2)`` and
+    ``(-1, 1)`` alike), negative = ``P`` plus some of the head's own value, +-2 = the identity alone."""
     return -mix_angle(a, b) / 45.0
 
 
 def nearer_laplacian(lap: float) -> bool:
-    """Whether a head of Laplacian-ness ``lap`` is nearer the Laplacian operator than the standard
-    one, by angle between lines (mod 180 degrees): ``lap > 0.5``, or ``lap < -1.5`` (mostly the
-    identity, whose line lies nearer ``I - P``'s than ``P``'s)."""
+    """Whether Laplacian-ness ``lap`` is nearer the Laplacian operator than the standard one, by angle between
+    lines: ``lap > 0.5``, or ``lap < -1.5`` (mostly the identity)."""
     return math.isfinite(lap) and (lap > 0.5 or lap < -1.5)
 
 
@@ -782,9 +640,8 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
     """The learned ``(a, b)`` of every layer of ``model``, in module order.
 
     Returns:
-        one ``{"layer": module name, "a": [...], "b": [...], "laplacianness": [...]}`` per module
-        holding ``lap_mix_a`` / ``lap_mix_b``; an empty list for a model without learnable mixing.
-        Plain JSON values (metrics.jsonl logs it at every evaluation).
+        one ``{"layer": module name, "a": [...], "b": [...], "laplacianness": [...]}`` (plain JSON)
+        per module holding ``lap_mix_a`` / ``lap_mix_b``.
     """
     rows = []
     for name, mod in model.named_modules():
@@ -805,10 +662,7 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
 def suggest_selection(tables: Sequence[Sequence[dict[str, Any]]]) -> list[list[int]]:
     """A fixed per-layer selection from one or more :func:`mixing_table` results (e.g. seeds).
 
-    A head is suggested Laplacian when its mean :func:`laplacianness` over the tables (seeds) is
-    nearer the Laplacian operator than the standard one (:func:`nearer_laplacian`). Computed from
-    each table's ``a`` and ``b``, not a stored Laplacian-ness (runs logged before the scale-free
-    measure carry the old one).
+    A head is suggested Laplacian when its mean :func:`laplacianness` is nearer the Laplacian operator.
 
     Returns:
         per-layer head-index lists, a valid :class:`LaplacianHeads` spec.

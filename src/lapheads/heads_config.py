@@ -1,10 +1,5 @@
-"""Head settings as config fields: the pydantic type of ``laplacian_heads`` and its default.
-
-The grammar of a head setting lives in :mod:`lapheads.heads` (:class:`~lapheads.heads.LaplacianHeads`),
-which needs nothing but torch; this module binds it to the recipe configs (pydantic, the ``train``
-extra): :data:`HeadsSetting` checks a value when a config is parsed and gives editors its JSON
-schema, :func:`heads_field` declares the field with the project's one default.
-"""
+"""Head settings as config fields: the pydantic type of ``laplacian_heads`` (:data:`HeadsSetting`, which also
+gives editors its JSON schema) and :func:`heads_field`, the field with the project's one default."""
 
 from __future__ import annotations
 
@@ -47,10 +42,8 @@ HEADS_JSON_SCHEMA: dict[str, Any] = {
     ],
 }
 
-#: The type of a ``laplacian_heads`` config field: any form :class:`LaplacianHeads` accepts, checked
-#: when the config is parsed (:meth:`LaplacianHeads.parse_config_value`, the one parser of the
-#: grammar) and kept as written. A bad value is a ConfigError naming the field; the config parser
-#: (:func:`lapheads.engine.config.config_error`) gives it the full key, ``model.laplacian_heads``.
+#: The type of a ``laplacian_heads`` config field: any form :class:`LaplacianHeads` accepts, checked when
+#: the config is parsed (:meth:`LaplacianHeads.parse_config_value`) and kept as written.
 HeadsSetting = Annotated[Any, AfterValidator(_config_value), WithJsonSchema(HEADS_JSON_SCHEMA)]
 
 _HEADS_DESCRIPTION = (
@@ -67,16 +60,11 @@ def heads_field(default: Any = DEFAULT_LAPLACIAN_HEADS, description: str = _HEAD
 
         laplacian_heads: HeadsSetting = heads_field()
 
-    The value is a ``dataclasses.Field``, which pydantic models take as a field default too (its
-    ``description`` becomes the field's), so one declaration also serves a plain dataclass config:
-    there :func:`lapheads.engine.config.from_dict` calls its ``parse`` metadata
-    (:meth:`LaplacianHeads.parse_config_value`) with the full key. Either way ``--set
-    model.laplacian_heads=alll`` fails before anything is built, with one line naming
-    ``model.laplacian_heads``.
+    A ``dataclasses.Field``, which pydantic models and plain dataclass configs
+    (:func:`lapheads.engine.config.from_dict` calls its ``parse`` metadata) both take.
 
     Raises:
-        ConfigError: ``default`` is not a head setting (a programming error, raised where the
-            field is declared).
+        ConfigError: ``default`` is not a head setting (raised where the field is declared).
     """
     LaplacianHeads(default)  # a bad default is a programming error: fail when the class is defined
     meta = {"parse": LaplacianHeads.parse_config_value, "description": description}

@@ -7,21 +7,10 @@ turns the selected heads into Laplacian heads (output ``V - P V``, :mod:`laphead
 :meth:`MultiheadAttention.from_torch` converts an existing module, weights kept, for example
 ``layer.self_attn`` of a ``torch.nn.TransformerEncoderLayer``.
 
-* ``need_weights=False`` runs the fused operator; ``need_weights=True`` runs the eager reference
-  and returns the operator actually applied to V (``P`` for a standard head, ``I - P`` for a
-  Laplacian head).
-* Masks follow torch, not SDPA (in a boolean mask ``True`` means NOT allowed); ``is_causal=True``
-  without a mask builds the causal mask.
-* The heads stay active inside ``TransformerEncoderLayer`` in every mode (eval, ``no_grad``,
-  ``inference_mode``, ``torch.compile``): each instance carries a no-op forward pre-hook that keeps
-  torch off its fused inference kernel, so do not clear the module's pre-hooks.
-* Cross-attention with ``Tq <= Tk`` uses the last ``Tq`` values as the identity term; with
-  ``Tq > Tk`` a layer with Laplacian heads raises :class:`lapheads.errors.ConfigError`.
-* Learnable mixing (``"learn"``, ``"learn:laplacian"``, ``"learn:<k>"``) adds the parameters
-  ``lap_mix_a`` / ``lap_mix_b`` (shape ``(num_heads,)``); with a fixed selection the module has
-  exactly torch's parameters.
-
-How it is built (the pre-hook, nested tensors, ``add_bias_kv``): docs/architecture.md.
+``need_weights=True`` returns the operator actually applied to V (``P`` for a standard head,
+``I - P`` for a Laplacian head). Masks follow torch (a boolean ``True`` means NOT allowed). Inside
+``TransformerEncoderLayer`` the heads stay active in every mode thanks to a no-op forward pre-hook:
+do not clear the module's pre-hooks.
 """
 
 from __future__ import annotations
@@ -40,12 +29,8 @@ __all__ = ["MultiheadAttention"]
 
 
 def _keep_torch_off_its_fast_path(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-    """No-op forward pre-hook. Its presence makes ``TransformerEncoderLayer`` skip torch's fused path.
-
-    ``torch.nn.TransformerEncoderLayer.forward`` refuses its fused inference kernel when "forward
-    pre-/hooks are attached to the module" (any submodule counts); that kernel would bypass
-    :meth:`MultiheadAttention.forward` and drop the Laplacian heads.
-    """
+    """No-op forward pre-hook: with it, ``TransformerEncoderLayer`` skips its fused inference kernel,
+    which would bypass :meth:`MultiheadAttention.forward` and drop the Laplacian heads."""
     return None
 
 
@@ -63,25 +48,14 @@ def _additive(mask: Optional[Tensor], name: str, dtype: torch.dtype) -> Optional
 class MultiheadAttention(torch.nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` whose selected heads are Laplacian heads.
 
+    The arguments before ``laplacian_heads`` are torch's (``dropout`` acts on P only).
+
     Args:
-        embed_dim: model width.
-        num_heads: number of heads (``embed_dim`` must be divisible by it).
-        dropout: dropout on the attention probabilities P (training only).
-        bias: biases in the input and output projections.
-        add_bias_kv: learnable key/value bias positions appended to the keys (torch's option).
-        add_zero_attn: a zero key/value position appended to the keys (torch's option).
-        kdim: key feature size (default ``embed_dim``).
-        vdim: value feature size (default ``embed_dim``).
-        batch_first: inputs are ``(N, L, E)`` instead of ``(L, N, E)``.
-        device: parameter device.
-        dtype: parameter dtype.
         laplacian_heads: which heads are Laplacian: anything :meth:`lapheads.LayerHeads.of` accepts
-            (int k = trailing k heads, ``"all"``, ``"none"``, a list of head indices, a boolean
-            list/tensor of length ``num_heads``, a :class:`lapheads.heads.LayerHeads`, a uniform
-            :class:`lapheads.LaplacianHeads`). Resolved once, into ``laplacian_selection``.
-            Default ``"none"``: the module computes exactly what torch's does. ``"learn"``,
+            (int k = trailing k heads, ``"all"``, head indices, a boolean mask, ...), resolved once
+            into ``laplacian_selection``. Default ``"none"``: exactly torch's module. ``"learn"``,
             ``"learn:laplacian"``, ``"learn:<k>"``: learnable mixing ``a_h I + b_h P`` (parameters
-            ``lap_mix_a`` / ``lap_mix_b``), initialised standard / Laplacian / trailing k Laplacian.
+            ``lap_mix_a`` / ``lap_mix_b``; a fixed selection keeps exactly torch's parameters).
     """
 
     def __init__(
@@ -99,7 +73,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         dtype: Optional[torch.dtype] = None,
         laplacian_heads: Any = "none",
     ) -> None:
-        # Validate the head selection before allocating parameters (cheap errors first).
+        # Validate the head selection before allocating parameters.
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
         learn = learnable_spec(laplacian_heads)
@@ -120,14 +94,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             dtype=dtype,
         )
         self.laplacian_heads = learn.spec if learn is not None else laplacian_heads
-        #: ``laplacian_selection``: this layer's resolved selection (a plain attribute, not a buffer:
-        #: state_dict keys stay exactly torch's), the operator takes it as is; ``laplacian_learnable``:
-        #: lap_mix_a / lap_mix_b exist and the selection is only their initialisation.
+        # plain attributes, not buffers: the state_dict keys stay exactly torch's
         self.laplacian_selection: LayerHeads = selection
         self.laplacian_learnable = learn is not None
         set_layer_heads(self, selection if learn is None else learn, num_heads)
-        # Keeps TransformerEncoderLayer's fused inference path (which bypasses forward) off; see
-        # the module docstring. A module-level function, so deepcopy and pickling keep it.
+        # A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
 
     @classmethod
@@ -155,18 +126,13 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         return new
 
     def extra_repr(self) -> str:
-        if self.laplacian_learnable:
-            return (
-                f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-                f"laplacian_heads={self.laplacian_heads!r} (learnable a I + b P)"
-            )
         n = self.laplacian_selection.count
+        what = "learnable a I + b P" if self.laplacian_learnable else f"{n} of {self.num_heads}"
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, batch_first={self.batch_first}, "
-            f"laplacian_heads={self.laplacian_heads!r} ({n} of {self.num_heads})"
+            f"laplacian_heads={self.laplacian_heads!r} ({what})"
         )
 
-    # ------------------------------------------------------------------ projections
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Input projections of batch-first (N, L, E) inputs, as torch computes them."""
         e = self.embed_dim
@@ -189,7 +155,6 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             F.linear(value, self.v_proj_weight, bv),
         )
 
-    # ------------------------------------------------------------------ forward
     def forward(
         self,
         query: Tensor,
@@ -201,24 +166,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """Same arguments and returns as ``torch.nn.MultiheadAttention.forward``.
-
-        Args:
-            query: ``(L, N, E)``, ``(N, L, E)`` with ``batch_first``, or unbatched ``(L, E)``.
-            key: ``(S, N, kdim)`` / ``(N, S, kdim)`` / ``(S, kdim)``.
-            value: ``(S, N, vdim)`` / ``(N, S, vdim)`` / ``(S, vdim)``.
-            key_padding_mask: ``(N, S)`` (``(S,)`` unbatched); bool True = ignore that key, or float
-                added to the scores.
-            need_weights: also return the operator weights (slower eager path).
-            attn_mask: ``(L, S)`` or ``(N * num_heads, L, S)`` (``(num_heads, L, S)`` unbatched);
-                bool True = not allowed, or float added to the scores.
-            average_attn_weights: average the returned weights over heads.
-            is_causal: causal hint; builds the causal mask when ``attn_mask`` is None.
-
-        Returns:
-            ``(attn_output, attn_weights)``; ``attn_weights`` is ``(N, L, S)`` (averaged) or
-            ``(N, num_heads, L, S)``, without N when unbatched, or None when ``need_weights`` is False.
-        """
+        """Same arguments, shapes and returns as ``torch.nn.MultiheadAttention.forward``; ``attn_weights``
+        (``need_weights=True``, the slower eager path) is the operator each head applied to V, and
+        ``is_causal`` builds the causal mask when ``attn_mask`` is None."""
         # One function on purpose: it mirrors torch.nn.MultiheadAttention.forward argument by argument (masks,
         # need_weights, batch_first, kdim/vdim), so the two can be read side by side.
         if query.is_nested or key.is_nested or value.is_nested:

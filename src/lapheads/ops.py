@@ -6,12 +6,7 @@ instead of ``P V``, with ``P = softmax(Q K^T * scale + mask)``. ``laplacian_head
 setting (``3``, ``"all"``, a :class:`lapheads.heads.LayerHeads`, ...) or learnable coefficients
 (:class:`lapheads.heads.HeadMix`). :func:`laplacian_attention_reference` is its eager twin: it
 builds the explicit operator (``P``, ``I - P`` or ``a I + b P`` per head) and returns it with the
-output, for tests and plots.
-
-The identity term is the value at the query's own position, the last ``Tq`` positions of ``v``,
-so a KV-cache chunk works; ``is_causal`` with ``Tq < Tk`` is aligned to the lower right; dropout
-acts on ``P`` only; a query whose mask hides every key has ``P = 0``. Invalid arguments raise
-:class:`lapheads.errors.ConfigError`. How the fused path is built: docs/architecture.md.
+output, for tests and plots. Invalid arguments raise :class:`lapheads.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -77,21 +72,27 @@ def _check_mask(attn_mask: Optional[torch.Tensor], q: torch.Tensor, tk: int) -> 
             f"pass attn_mask.to(q.dtype) or a boolean mask"
         )
     target = (*q.shape[:-1], tk)
-    try:
-        ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == torch.Size(target)  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not _broadcasts_to(tuple(attn_mask.shape), target):
         raise ConfigError(
             f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to (..., H, Tq, Tk) = {target}"
         )
 
 
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return bool(torch.broadcast_shapes(shape, target) == torch.Size(target))  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return False
+
+
+def _not_finite(x: Any) -> bool:
+    """Not a finite real number (a bool is none)."""
+    return isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x)
+
+
 def _check_numbers(scale: Optional[float], dropout_p: float) -> None:
     """Refuse a ``scale`` or ``dropout_p`` that SDPA would take silently or reject with a misleading message."""
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 0
-    ):
+    if scale is not None and (_not_finite(scale) or scale < 0):
         raise ConfigError(f"scale={scale!r} must be None (1/sqrt(head_dim)) or a finite number >= 0")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p <= 1.0:
         raise ConfigError(f"dropout_p={dropout_p!r} must be a number in [0, 1]")
@@ -106,9 +107,7 @@ def _check_extras(
     tk: int,
 ) -> None:
     """Refuse a soft-cap, sink or position bias that does not fit the call, with the fix."""
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0
-    ):
+    if softcap is not None and (_not_finite(softcap) or softcap <= 0):
         raise ConfigError(f"softcap={softcap!r} must be None (no soft-capping) or a finite number > 0")
     rows = (*q.shape[:-1], 1)
     for name, t, target, hint in (
@@ -120,11 +119,7 @@ def _check_extras(
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise ConfigError(f"{name} must be a floating tensor of shape {hint}; got {type(t).__name__}")
         shape = (h, 1, 1) if name == "sinks" and t.dim() == 1 and t.shape[0] == h else tuple(t.shape)
-        try:
-            ok = torch.broadcast_shapes(shape, target) == torch.Size(target)  # type: ignore[no-untyped-call]
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if not _broadcasts_to(shape, target):
             raise ConfigError(
                 f"{name} has shape {tuple(t.shape)}; expected {hint} with (..., H, Tq, Tk) = {(*q.shape[:-1], tk)}"
             )
@@ -137,12 +132,8 @@ def _dead_rows(mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_softmax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Softmax in float32 (float64 stays float64) that gives 0, not NaN, on a row that is all ``-inf``.
-
-    The row maximum is subtracted before ``exp`` (the usual stabilisation); a row whose maximum is
-    ``-inf`` (every key masked) has every ``exp`` equal to 0 and is returned as zeros. The result
-    has the dtype of ``scores``.
-    """
+    """Softmax in float32 (float64 stays float64), row maximum subtracted, that gives 0, not NaN, on a row
+    that is all ``-inf``; in the dtype of ``scores``."""
     x = scores.to(torch.promote_types(scores.dtype, torch.float32))
     top = x.amax(dim=dim, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()
@@ -219,10 +210,8 @@ def laplacian_attention(
         k: keys ``(..., H_kv, Tk, D)``.
         v: values ``(..., H_kv, Tk, Dv)``.
         laplacian_heads: which heads are Laplacian: a :class:`lapheads.heads.LayerHeads` (used as
-            is: what the integrations pass), a boolean mask of shape ``(H,)``, an int k (trailing k
-            heads), ``"all"``, ``"none"``, a list of head indices, or a uniform
-            :class:`lapheads.LaplacianHeads`; or a :class:`lapheads.HeadMix` ``(a, b)`` for
-            learnable mixing (head h applies ``a_h I + b_h P``).
+            is), a boolean ``(H,)`` mask, an int k (trailing k heads), ``"all"``, head indices, ...;
+            or a :class:`lapheads.HeadMix` ``(a, b)``: head h applies ``a_h I + b_h P``.
         attn_mask: boolean (True = attend) or additive mask broadcastable to ``(..., H, Tq, Tk)``.
         is_causal: causal masking, aligned to the lower right when ``Tq != Tk``.
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -232,41 +221,43 @@ def laplacian_attention(
     Returns:
         ``(..., H, Tq, Dv)``, the same as SDPA for standard heads.
     """
-    h, hkv = _check_shapes(q, k, v, enable_gqa)
+    h, hkv, heads = _checked(q, k, v, laplacian_heads, attn_mask, scale, dropout_p, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
-    _check_mask(attn_mask, q, tk)
-    _check_numbers(scale, dropout_p)
-    heads = _layer_operator(laplacian_heads, h)
     if not heads.any:
         return _fused_pv(q, k, v, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
-    if heads.identity and tq > tk:
-        raise ConfigError(
-            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
-        )
     # v reaches SDPA through a tap, so the gradient through v_self is added into SDPA's dv in place.
     v_sdpa, tape = epilogue.tap(v) if heads.identity else (v, None)
     pv = _fused_pv(q, k, v_sdpa, attn_mask, is_causal, scale, dropout_p, gqa=h != hkv)
     return heads.apply(pv, v[..., tk - tq :, :], tape)
 
 
-def _layer_operator(spec: Any, h: int) -> Union[LayerHeads, HeadMix]:
-    """The head operator of one layer: a :class:`HeadMix` (checked) or a :class:`LayerHeads`.
-
-    A ``LayerHeads`` (Python bools) is returned as is; a tensor mask is read back here, which is a
-    sync and a graph break: the integrations never pass one.
-    """
+def _checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: Any,
+    attn_mask: Optional[torch.Tensor],
+    scale: Optional[float],
+    dropout_p: float,
+    enable_gqa: bool,
+) -> tuple[int, int, Union[LayerHeads, HeadMix]]:
+    """Every argument check of both functions -> ``(H, H_kv, the head operator)`` (a tensor mask is read back here)."""
+    h, hkv = _check_shapes(q, k, v, enable_gqa)
+    tq, tk = q.shape[-2], k.shape[-2]
+    _check_mask(attn_mask, q, tk)
+    _check_numbers(scale, dropout_p)
     if isinstance(spec, HeadMix):
         _check_mix(spec, h)
-        return spec
-    return LayerHeads.of(spec, h)
+    heads = spec if isinstance(spec, HeadMix) else LayerHeads.of(spec, h)
+    if heads.identity and tq > tk:
+        raise ConfigError(
+            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
+        )
+    return h, hkv, heads
 
 
 def subtract_selected(pv: torch.Tensor, v_self: torch.Tensor, heads: LayerHeads) -> torch.Tensor:
-    """``v_self - pv`` on the Laplacian heads of ``heads``, ``pv`` on the others (heads on dim -3).
-
-    Kept for callers of earlier releases: it is :meth:`LayerHeads.apply` (``v_self`` may have one
-    head per query head or per key-value head).
-    """
+    """``v_self - pv`` on the Laplacian heads of ``heads``, ``pv`` on the others: :meth:`LayerHeads.apply`."""
     return heads.apply(pv, v_self)
 
 
@@ -296,35 +287,21 @@ def laplacian_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`laplacian_attention` that materialises the operator.
 
-    The scores are ``q k^T * scale``, soft-capped, plus the position bias, plus the mask; then the
-    softmax (with the sink logits when given), dropout on P, and the head operator. Beyond the
-    arguments of :func:`laplacian_attention` it takes what some models add to the scores (the
-    transformers integration passes them through):
+    Scores ``q k^T * scale``, soft-capped, plus the bias and the mask; softmax (with the sinks),
+    dropout on P, the head operator. Beyond the arguments of :func:`laplacian_attention`:
 
     Args:
-        softcap: soft-capping (Gemma 2, Grok): the scores become ``softcap * tanh(s / softcap)``
-            before the bias and the mask. A finite number > 0.
-        sinks: attention sinks: one logit per head (shape ``(H,)``, GPT-OSS) or per head and query
-            (broadcastable to ``(..., H, Tq, 1)``); the sink joins each row's softmax as an extra
-            key and its probability is dropped, so the rows of P sum to less than 1.
-        bias: an additive position bias broadcastable to ``(..., H, Tq, Tk)`` (T5-style), added to
-            the (soft-capped) scores before the mask.
+        softcap: soft-capping (Gemma 2): the scores become ``softcap * tanh(s / softcap)``; > 0.
+        sinks: attention sinks, one logit per head ``(H,)`` or broadcastable to ``(..., H, Tq, 1)``:
+            an extra key in each row's softmax whose probability is dropped.
+        bias: an additive position bias broadcastable to ``(..., H, Tq, Tk)`` (T5-style).
 
     Returns:
-        ``(out, operator)``: ``out`` as the fused function, and ``operator`` of shape
-        ``(..., H, Tq, Tk)``, the matrix actually applied to V per head: ``P`` for a standard head,
-        ``I - P`` for a Laplacian head (``I`` placing query i at key ``Tk - Tq + i``), and
-        ``a_h I + b_h P`` for a :class:`lapheads.HeadMix`.
+        ``(out, operator)``: ``out`` as the fused function, and the ``(..., H, Tq, Tk)`` matrix applied to
+        V per head: ``P``, ``I - P`` (``I`` placing query i at key ``Tk - Tq + i``) or ``a_h I + b_h P``.
     """
-    h, hkv = _check_shapes(q, k, v, enable_gqa)
+    h, hkv, heads = _checked(q, k, v, laplacian_heads, attn_mask, scale, dropout_p, enable_gqa)
     tq, tk = q.shape[-2], k.shape[-2]
-    _check_mask(attn_mask, q, tk)
-    _check_numbers(scale, dropout_p)
-    heads = _layer_operator(laplacian_heads, h)
-    if heads.identity and tq > tk:
-        raise ConfigError(
-            f"Laplacian heads need every query to have its own position among the keys, but Tq={tq} > Tk={tk}"
-        )
     group = h // hkv
     if group > 1:
         k = k.repeat_interleave(group, dim=-3)

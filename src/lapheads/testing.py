@@ -1,20 +1,10 @@
 """Fault injection for test suites, as engine callbacks (:mod:`lapheads.engine.callbacks`).
 
-The engine has no test code in its step loop; a test suite registers these callbacks instead. A
-process-local test can :func:`~lapheads.engine.callbacks.register` :class:`NanLossAt` or
-:class:`CrashAfter` directly. Runs in other processes (torchrun ranks, sweep workers, the CLI in a
-subprocess) get them through the environment, which every child inherits: with
-``LAPHEADS_CALLBACKS=lapheads.testing:faults_from_env`` (this project's ``tests/conftest.py`` sets
-it for the whole suite), :func:`faults_from_env` reads
-
-=================================  ===================================================================
-``LAPHEADS_TEST_NAN_AT_STEP=N``    the loss of optimizer step N becomes NaN (the non-finite guard)
-``LAPHEADS_TEST_CRASH_AFTER=N``    ``RuntimeError("simulated crash ...")`` right after step N's update
-                                   (and the task's ``after_optimizer_step``), before any checkpoint
-=================================  ===================================================================
-
-once, when a trainer is built; a test clears the variable to resume. Nothing here is part of a
-config, so runs, their ``config.yaml`` and ``--resume`` never see it.
+A process-local test registers :class:`NanLossAt` or :class:`CrashAfter`; other processes (torchrun
+ranks, sweep workers, the CLI) get them through ``LAPHEADS_CALLBACKS=lapheads.testing:faults_from_env``,
+which reads ``LAPHEADS_TEST_NAN_AT_STEP=N`` (the loss of optimizer step N becomes NaN) and
+``LAPHEADS_TEST_CRASH_AFTER=N`` (a ``RuntimeError`` right after step N's update, before any
+checkpoint) once, when a trainer is built. Nothing here is part of a config.
 """
 
 from __future__ import annotations

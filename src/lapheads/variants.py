@@ -1,22 +1,9 @@
 """Attention variants compared with Laplacian heads: which attention a recipe's model uses.
 
-A recipe's ``model.attention`` picks one of :data:`ATTENTIONS`:
-
-==============  ==========================================================================
-``laplacian``   softmax attention with the heads of ``model.laplacian_heads`` (the default;
-                ``laplacian_heads: 0`` is standard attention, the ablation specs live here)
-``standard``    plain softmax attention (``model.laplacian_heads`` must be 0)
-``diff``        differential attention (Ye et al. 2024, "Differential Transformer"): the
-                difference of two softmax maps, ``(P1 - lambda P2) V``, then a per-head
-                RMSNorm; the host library's own implementation (timm's ``DiffAttention``)
-``xsa``         exclusive self-attention: each head's output minus its projection on the
-                token's own value, ``y - (y . v_hat) v_hat`` with ``v_hat = v / ||v||``,
-                right after SDPA (:func:`xsa`)
-==============  ==========================================================================
-
-The variants other than ``laplacian`` replace the attention of every layer, so they do not combine
-with Laplacian heads: :func:`check_attention` refuses a non-zero ``laplacian_heads`` with them
-instead of silently dropping it.
+A recipe's ``model.attention`` picks one of :data:`ATTENTIONS` (the table: docs/heads.md):
+``laplacian`` (the heads of ``model.laplacian_heads``), ``standard``, ``diff`` (differential
+attention, timm's ``DiffAttention``) or ``xsa`` (exclusive self-attention, :func:`xsa`). The
+variants other than ``laplacian`` do not combine with Laplacian heads (:func:`check_attention`).
 """
 
 from __future__ import annotations
@@ -62,12 +49,10 @@ def xsa(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
     Args:
         y: the attention output ``(..., H, T, D)`` (SDPA's ``P V``).
-        v: the values ``(..., H_kv, T, D)``, ``H_kv`` dividing ``H`` (grouped-query attention by
-            broadcast: query head ``h`` uses value head ``h // (H / H_kv)``).
+        v: the values ``(..., H_kv, T, D)``, ``H_kv`` dividing ``H`` (grouped-query attention as SDPA).
 
     Returns:
-        ``y`` with its component along each token's own value removed; a token whose value is
-        zero keeps ``y`` (its direction is undefined, and nothing is removed).
+        ``y`` without its component along each token's own value (a zero value removes nothing).
     """
     h, hkv = y.shape[-3], v.shape[-3]
     if h % hkv:

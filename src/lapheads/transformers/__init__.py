@@ -2,30 +2,20 @@
 
 ``import lapheads.transformers`` registers three attention implementations in transformers'
 ``AttentionInterface``: ``"laplacian_sdpa"`` (:data:`ATTN_IMPLEMENTATION`, fused: one SDPA call
-per layer, then the subtraction), ``"laplacian_fused"`` (:data:`FUSED_ATTN_IMPLEMENTATION`, the
+per layer, then the head operator), ``"laplacian_fused"`` (:data:`FUSED_ATTN_IMPLEMENTATION`, the
 same for model classes without SDPA support: Gemma 2, GPT-OSS) and ``"laplacian_eager"``
-(:data:`EAGER_ATTN_IMPLEMENTATION`, which materialises the operator and returns it as the
-attention weights: ``P`` for a standard head, ``I - P`` for a Laplacian head).
+(:data:`EAGER_ATTN_IMPLEMENTATION`, which returns the operator as the attention weights). Every
+model whose attention modules dispatch through the interface gets Laplacian heads (decoders,
+encoders, vision towers, encoder-decoders: the transformers coverage table of the docs).
 
-Every model whose attention modules dispatch through the interface gets Laplacian heads:
-decoders (NanoChat, Llama, Qwen3, GPT-2, Mistral, Gemma 2, GPT-OSS, ...), encoders and vision
-towers (BERT, ViT, DeiT, DINOv2, BEiT, CLIP and SigLIP towers), encoder-decoders (T5, BART); the
-transformers coverage table of the docs lists every family, measured.
-
-* :func:`enable` sets ``config.laplacian_heads`` (anything :class:`lapheads.LaplacianHeads`
-  accepts; for CLIP / SigLIP a dict per tower, ``{"vision_config": 2, "text_config": 0}``),
-  indexes the model's attention modules and switches its attention implementation. Call it
-  before building the optimizer when the setting is learnable.
-* ``model.save_pretrained(path)`` writes the heads and the implementation into ``config.json``
-  (and the mixing parameters of a learnable setting); :func:`from_pretrained` loads any model
-  class with its heads. A decoder with fixed heads also loads with plain transformers after
-  ``import lapheads.transformers``; a checkpoint with Laplacian heads never loads silently as a
-  standard model.
+* :func:`enable` sets ``config.laplacian_heads`` (for CLIP / SigLIP a dict per tower,
+  ``{"vision_config": 2, "text_config": 0}``), indexes the attention modules and switches the
+  attention implementation; call it before building the optimizer when the setting is learnable.
+* ``model.save_pretrained(path)`` writes the heads and the implementation into ``config.json``;
+  :func:`from_pretrained` loads any model class with its heads. A checkpoint with Laplacian heads
+  never loads silently as a standard model.
 * Generation with the dynamic KV cache is exact; a static cache is refused. Cross-attention
   modules always use standard attention.
-
-How to save and reload, and how each of these works: docs/integrations.md and
-docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,4 @@
-"""The attention functions and mask functions registered in transformers' interfaces.
-
-* ``laplacian_sdpa_attention_forward`` (registered as ``"laplacian_sdpa"`` and
-  ``"laplacian_fused"``): one SDPA call per layer and ``v_self - out`` for the Laplacian heads
-  (:func:`lapheads.laplacian_attention`). Soft-capping runs through FlexAttention's ``score_mod``
-  inside ``torch.compile`` (float32 / bfloat16 / float16), else explicitly (scores, soft-cap, mask,
-  softmax, ``P V``: what stock Gemma 2 does on its eager path); per-head sinks are one extra key
-  column whose key and value are 0 and whose additive mask is the sink logit; T5's position bias
-  joins the additive mask.
-* ``laplacian_eager_attention_forward`` (``"laplacian_eager"``): materialises the operator and
-  returns it as the attention weights (``P`` for a standard head, ``I - P`` for a Laplacian head,
-  ``a I + b P`` when learnable), so ``output_attentions=True`` shows what each head applied to V.
-
-Layers without Laplacian heads and cross-attention call the model's own stock attention
-(``laplacian_fallback``), so ``laplacian_heads=0`` is the stock model bit for bit. Sparse attention
-that hands the function key indices (DeepSeek V3.2's DSA) is refused.
-
-The mask functions are transformers' own ``sdpa_mask`` / ``eager_mask`` (without a registered mask
-function transformers skips mask creation for unknown implementations, and causal masking would
-silently disappear), plus the KV-cache check: the identity term uses the values of the query's own
-positions, the LAST ``Tq`` positions of the cached values. That holds for the dynamic caches (full
-and sliding-window); a static cache returns its whole preallocated buffer, whose tail is empty
-slots, so it is refused (see :func:`_check_cache_layout`). A user-built 4D mask bypasses the mask
-function, so the attention function checks it as well: the newest query must see the last key slot.
-"""
+"""The attention functions and mask functions registered in transformers' interfaces (design: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -51,23 +27,15 @@ _STATIC_HINT = (
 )
 
 
-# --------------------------------------------------------------------------- cache checks
 def _check_cache_layout(config: Any, q_length: int, kv_length: int, q_offset: Any, kv_offset: Any) -> None:
-    """Refuse a cache whose key/value buffer does not end at the newest query (a static cache).
-
-    ``q_offset + q_length`` is where the queries end; ``kv_offset + kv_length`` is where the
-    keys/values handed to attention end. Dynamic caches (full and sliding-window) keep them equal;
-    ``StaticLayer.get_mask_sizes`` reports its preallocated length and ``get_query_offset`` a
-    tensor (to avoid graph breaks), either of which identifies it.
-    """
+    """Refuse a cache whose key/value buffer does not end where the queries end (a static cache)."""
     if not any_laplacian(config):
         return
     if isinstance(q_offset, torch.Tensor):
         raise ConfigError(
             f"a static KV cache cannot serve Laplacian heads (laplacian_heads={config_spec(config)!r}). {_STATIC_HINT}"
         )
-    # No int() here: under torch.export the lengths are symbolic, and int() would pin them to the
-    # example's sizes (a dynamic sequence length would be lost); the comparison itself stays symbolic.
+    # No int(): it would pin torch.export's symbolic lengths to the example's sizes.
     if kv_offset + kv_length != q_offset + q_length:
         raise ConfigError(
             f"the KV cache hands attention {kv_length} key positions (offset {kv_offset}) but the "
@@ -79,15 +47,6 @@ def _check_cache_layout(config: Any, q_length: int, kv_length: int, q_offset: An
 # Weak references to the last masks that passed the check. Identity, not equality, matters here
 # (tensor == is elementwise), and weak references never keep a mask alive.
 _CHECKED_MASKS: list = []
-
-
-def _already_checked(mask: torch.Tensor) -> bool:
-    return any(r() is mask for r in _CHECKED_MASKS)
-
-
-def _remember_checked(mask: torch.Tensor) -> None:
-    _CHECKED_MASKS.append(weakref.ref(mask))
-    del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
 
 
 def _check_attention_call(
@@ -106,7 +65,7 @@ def _check_attention_call(
                 f"(an empty static cache). {_STATIC_HINT}"
             )
         return
-    if _already_checked(attention_mask):
+    if any(r() is attention_mask for r in _CHECKED_MASKS):
         return  # the same mask object is shared by every layer of one forward: check it once
     m = (
         attention_mask
@@ -120,15 +79,15 @@ def _check_attention_call(
             f"{type(module).__name__}: the newest query cannot see the last of the {tk} key "
             f"slots, so the cache is preallocated (static). {_STATIC_HINT}"
         )
-    _remember_checked(attention_mask)
+    _CHECKED_MASKS.append(weakref.ref(attention_mask))
+    del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
 
 
 _SPARSE_KWARGS = ("indices", "block_indices")
 
 
 def _refuse_sparse(module: Any, kwargs: dict) -> None:
-    """Sparse key selection handed to the function (DSA): refused, with 0 Laplacian heads too, since
-    transformers folds it into the mask only for its own "eager" / "sdpa" and a fallback would drop it."""
+    """Refuse sparse key selection handed to the function (DSA), with 0 Laplacian heads too."""
     for name in _SPARSE_KWARGS:
         if kwargs.get(name) is not None:
             raise ConfigError(
@@ -209,7 +168,6 @@ def _mask_like(attention_mask: Optional[torch.Tensor], query: torch.Tensor) -> O
     return attention_mask
 
 
-# --------------------------------------------------------------------------- attention functions
 def laplacian_sdpa_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -232,8 +190,7 @@ def laplacian_sdpa_attention_forward(
         scaling: softmax scale.
         is_causal: overrides ``module.is_causal``.
         **kwargs: passed to the stock attention of a layer without Laplacian heads; ``softcap``,
-            ``s_aux`` / ``sinks`` and ``position_bias`` are applied (fused where SDPA or
-            FlexAttention can express them, else :func:`lapheads.laplacian_attention_reference`).
+            ``s_aux`` / ``sinks`` and ``position_bias`` are applied.
 
     Returns:
         ``(out, None)`` with ``out`` of shape ``(B, Tq, H, D)`` as transformers expects.
@@ -282,10 +239,8 @@ def laplacian_eager_attention_forward(
     float mask of transformers' ``eager_mask``.
 
     Returns:
-        ``(out, operator)``: ``out`` ``(B, Tq, H, D)`` and ``operator`` ``(B, H, Tq, Tk)``, the matrix
-        each head applied to V (``P`` for standard heads, ``I - P`` for Laplacian heads; rows of
-        ``I - P`` sum to 0, less with sinks). transformers returns it as the attentions with
-        ``output_attentions=True``.
+        ``(out, operator)``: ``out`` ``(B, Tq, H, D)`` and the ``(B, H, Tq, Tk)`` matrix each head applied
+        to V (``P`` or ``I - P``), which transformers returns as the attentions (``output_attentions=True``).
     """
     h = query.shape[1]
     if is_cross(module):  # standard attention: the model's own eager function (it returns P), else the reference
@@ -351,10 +306,7 @@ def guarded_sdpa_attention_forward(
     attention_mask: Optional[torch.Tensor],
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """transformers' own ``"sdpa"`` function, which first refuses a module whose config claims
-    Laplacian heads: such a model was loaded or switched to stock attention (a copy saved before any
-    forward has no Laplacian ``attn_implementation`` in its ``config.json``, or the implementation
-    was asked for explicitly), and running it would be the standard model, silently."""
+    """transformers' own ``"sdpa"`` function, which first refuses a module whose config claims Laplacian heads."""
     config = getattr(module, "config", None)
     spec = config_spec(config)
     if spec is not None and spec != 0 and spec != "none" and any_laplacian(config):
@@ -368,9 +320,7 @@ def guarded_sdpa_attention_forward(
 
 
 def register_implementations() -> None:
-    """Register the three implementations under all their names (plain, saved, saved for indexing),
-    each with its mask function, in transformers' global ``AttentionInterface`` /
-    ``AttentionMaskInterface``: the extension point transformers offers for attention functions."""
+    """Register the three implementations under all their names, each with its mask function."""
     functions = {
         ATTN_IMPLEMENTATION: (laplacian_sdpa_attention_forward, _laplacian_sdpa_mask),
         FUSED_ATTN_IMPLEMENTATION: (laplacian_sdpa_attention_forward, _laplacian_eager_mask),
@@ -380,6 +330,5 @@ def register_implementations() -> None:
         for name in (base, saved_name(base, False), saved_name(base, True)):
             AttentionInterface.register(name, attention)
             AttentionMaskInterface.register(name, mask)
-    # transformers' interface lets a library override an existing name: "sdpa" (the default of
-    # most models) keeps its stock function behind the check above.
+    # "sdpa" (the default of most models) keeps its stock function behind the check above.
     AttentionInterface.register("sdpa", guarded_sdpa_attention_forward)

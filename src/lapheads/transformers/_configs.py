@@ -1,14 +1,4 @@
-"""Configs: where the spec lives, how it resolves per layer, and what ``config.json`` says.
-
-``config.laplacian_heads`` is a plain config attribute, so transformers writes it to
-``config.json`` and reads it back like any other field. The attention implementation is the
-other half: transformers reads an ``"attn_implementation"`` key of ``config.json``
-(``PreTrainedConfig.__post_init__`` pops it into ``config._attn_implementation``) but never writes
-one. :func:`mark_config` therefore stores the name as a plain attribute of the config instance,
-``config.attn_implementation``, which ``to_dict`` serialises like ``laplacian_heads``; transformers
-itself reads nothing under that name at run time. Nothing of transformers is changed: no class
-attribute is assigned and no config changes class.
-"""
+"""Configs: where the spec lives, how it resolves per layer, and what ``config.json`` says."""
 
 from __future__ import annotations
 
@@ -132,17 +122,9 @@ def model_class_supports_sdpa(model_class: Any, config: Any) -> bool:
     return fused_implementation(config) == ATTN_IMPLEMENTATION
 
 
-# --------------------------------------------------------------------------- what config.json says
 def _saved_implementation(config: Any, needs_index: Optional[bool], fused: Optional[str]) -> Optional[str]:
-    """The ``attn_implementation`` to write to ``config.json`` for ``config`` (None: write nothing).
-
-    A config with at least one Laplacian head (itself or in a sub-config) is saved with the
-    Laplacian implementation it runs (the eager one stays eager); with anything else (None before a
-    model was built, or a standard implementation set by hand) the fused one, since
-    ``laplacian_heads`` in the file states what the weights were trained with. ``needs_index`` and
-    ``fused`` default to what the config's current saved name says. An invalid spec is left for the
-    model to report.
-    """
+    """The ``attn_implementation`` to write to ``config.json`` for ``config`` (None: write nothing; an
+    invalid spec is left for the model to report)."""
     try:
         if not tree_any_laplacian(config):
             return None
@@ -164,12 +146,8 @@ def mark_config(
 ) -> PreTrainedConfig:
     """Make THIS config write the Laplacian ``attn_implementation`` to ``config.json``, or none.
 
-    Sets the plain attribute ``config.attn_implementation`` (which transformers' ``to_dict``
-    serialises like any attribute, and reads back as the implementation) to the saved name of the
-    implementation the config runs, or removes it when the config (with its sub-configs) has no
-    Laplacian heads. Called by :func:`lapheads.transformers.enable`,
-    :func:`lapheads.transformers.from_pretrained` and at a model's first forward with a Laplacian
-    implementation (again whenever the spec or the implementation changed). Idempotent; returns
+    Sets the plain attribute ``config.attn_implementation`` to the saved name of the implementation
+    the config runs, or removes it when the config tree has no Laplacian heads. Idempotent; returns
     ``config``.
 
     Args:
@@ -194,9 +172,8 @@ def check_implementation(config: Any, attn_implementation: Optional[str]) -> Non
     """Refuse to run a config with Laplacian heads through a standard attention implementation.
 
     Raises:
-        ConfigError: ``config`` (or one of its sub-configs) has Laplacian heads and
-            ``attn_implementation`` is not one of ours (e.g. an explicit ``"sdpa"``, which
-            transformers would honour and so compute a different model from the checkpoint's weights).
+        ConfigError: ``config`` (or a sub-config) has Laplacian heads and ``attn_implementation`` is
+            not one of ours (e.g. an explicit ``"sdpa"``: a different model from the weights).
     """
     if attn_implementation is None or is_laplacian_implementation(attn_implementation):
         return

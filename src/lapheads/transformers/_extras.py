@@ -1,23 +1,4 @@
-"""What a model's attention call adds to ``softmax(q k^T * scale + mask)``: soft-capping (Gemma 2),
-per-head sinks (GPT-OSS) and an additive position bias (T5), on the fused path.
-
-The explicit form of all three (scores materialised) is the operator layer's
-:func:`lapheads.laplacian_attention_reference` (``softcap=``, ``sinks=``, ``bias=``); this module
-holds what the fused path does instead:
-
-* soft-capping: inside ``torch.compile`` (float32 / bfloat16 / float16) FlexAttention's
-  ``score_mod``, a fused kernel, computes ``P V``; outside compilation FlexAttention would
-  materialise the scores itself, so :func:`explicit_pv` does, as stock Gemma 2 does outside flash
-  kernels (scores, soft-cap, mask, softmax, ``P V``; no operator matrix: the reference, which builds
-  one, takes 1.5-2.3x the CPU time of a tiny Gemma 2 training step at T = 128 / 512); the heads
-  follow (:func:`apply_heads`). With sinks or a bias as well, the reference computes it all;
-* sinks: one extra key column in front whose key and value are 0 and whose additive mask is the
-  sink logit ``s_h`` (its score is exactly ``s_h``, its value adds nothing), so one SDPA call of
-  :func:`lapheads.laplacian_attention` computes ``P v`` with the sink in every row's softmax; the
-  values of the query's own position are still the last ``Tq`` keys;
-* the position bias joins the additive float mask of that one SDPA call (as transformers' own SDPA
-  path does).
-"""
+"""Soft-capping (Gemma 2), per-head sinks (GPT-OSS) and an additive position bias (T5) on the fused path."""
 
 from __future__ import annotations
 
@@ -118,8 +99,7 @@ def explicit_pv(
     dropout: float,
     softcap: float,
 ) -> torch.Tensor:
-    """``P V`` with soft-capped scores, materialised in float32 (float64 stays float64) as the
-    reference computes its scores, but with no operator matrix; the heads are applied after."""
+    """``P V`` with soft-capped scores materialised in float32 (float64 stays float64), no operator matrix."""
     h, hkv, tq, tk = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
     if tq > tk:
         raise ConfigError(
@@ -152,8 +132,7 @@ def merged_mask(
 
 
 def apply_heads(pv: torch.Tensor, value: torch.Tensor, heads: Union[LayerHeads, HeadMix]) -> torch.Tensor:
-    """``P V`` -> the layer's output by the operator's own head operator (``a v_self + b P V`` per
-    head; ``v_self`` is the last ``Tq`` values, one per key-value head: GQA broadcasts)."""
+    """``P V`` -> the layer's output by the head operator (``v_self``: the last ``Tq`` values, GQA broadcasts)."""
     return heads.apply(pv, value[:, :, value.shape[2] - pv.shape[2] :, :])
 
 

@@ -1,21 +1,5 @@
-"""Which module is which layer: the index :func:`lapheads.transformers.enable` writes on a model.
-
-A decoder's attention modules carry ``layer_idx``; encoders and vision towers (ViT, DINOv2, CLIP,
-SigLIP, BEiT) do not, and an encoder-decoder numbers its encoder and its decoder from 0 each. So
-the model is INDEXED: every module that dispatches through transformers' ``AttentionInterface``
-(its class's ``forward`` calls ``ALL_ATTENTION_FUNCTIONS``) belongs to a STACK, the nearest
-``nn.ModuleList`` above it (``encoder.layer``, ``vision_model.encoder.layers``, ``decoder.block``),
-and gets per-module attributes (no transformers class is changed): ``laplacian_layer`` (its index
-among the stack's self-attention modules, in module order), ``laplacian_n_layers`` (the stack's
-size, what a per-layer spec is resolved against), ``laplacian_config`` (the config whose
-``laplacian_heads`` applies: ``module.config`` when that object is in the model's config tree,
-else the saved config of the same class, else the top config), ``laplacian_cross`` (cross-attention
-always computes standard attention: it has no "own position" among its keys) and
-``laplacian_fallback`` (the stock implementation of layers without Laplacian heads). A module that
-was never indexed falls back to ``layer_idx`` and ``module.config`` (a decoder loaded the plain way);
-without ``layer_idx``, or in a model with cross-attention whose modules do not say which they are,
-its first forward raises a ConfigError that names the fix.
-"""
+"""Which module is which layer: the index :func:`lapheads.transformers.enable` writes on a model (its attributes:
+docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -93,17 +77,10 @@ def _spec_config(tree: list[tuple[str, Any]], module_config: Any) -> tuple[str, 
 def attention_modules(model: torch.nn.Module) -> list[Entry]:
     """Every attention module of ``model`` that dispatches through ``AttentionInterface``, indexed.
 
-    Each entry has the module's name, its stack (the nearest ``nn.ModuleList`` above it:
-    ``encoder.layer``, ``vision_model.encoder.layers``, ``decoder.block``), whether it is
-    cross-attention (``is_cross_attention``, a class name with "Cross", or an attribute name such as
-    ``encoder_attn`` / ``EncDecAttention``: it always computes standard attention, having no own
-    position among its keys), the config whose ``laplacian_heads`` applies (``module.config`` when
-    that object is in the model's config tree, else the saved config of the same class, else the
-    top config; and its path in the tree), and, for self-attention, its index in the stack (module
-    order, i.e. encoder order; a stack whose modules carry distinct valid ``layer_idx`` keeps them)
-    and the stack's size, what a per-layer spec is resolved against. Nothing is changed;
-    :func:`enable` writes these on the modules as ``laplacian_layer``, ``laplacian_n_layers``,
-    ``laplacian_config``, ``laplacian_cross`` and ``laplacian_fallback``.
+    Each entry has the module's name, its stack (the nearest ``nn.ModuleList`` above it), whether it
+    is cross-attention (always standard), the config whose ``laplacian_heads`` applies and, for
+    self-attention, its index in the stack and the stack's size. Nothing is changed: :func:`enable`
+    writes these on the modules.
     """
     config = getattr(model, "config", None)
     tree = config_tree(config) if isinstance(config, PreTrainedConfig) else [("", config)]
@@ -164,7 +141,7 @@ def plain_load_reproduces(entries: list[Entry]) -> bool:
 
 
 def write_index(model: PreTrainedModel, entries: list[Entry]) -> None:
-    """Write the per-module attributes of the module docstring (plain attributes, never saved)."""
+    """Write the index on the modules as plain attributes (never saved)."""
     fallback = stock_name(model)
     for e in entries:
         for key, value in (
@@ -267,9 +244,5 @@ def module_heads_operator(module: Any, h: int) -> Union[LayerHeads, HeadMix]:
 
 
 def mixing_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules of ``model`` that hold (or would hold) the learnable mixing.
-
-    Every module that dispatches through ``AttentionInterface`` (:func:`attention_modules`) and is
-    not cross-attention (no own position among its keys).
-    """
+    """The self-attention modules of ``model`` (:func:`attention_modules`) that hold (or would hold) the learnable mixing."""
     return [e.module for e in attention_modules(model) if not e.cross]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging as _logging
 import os
-from typing import Any, Optional, Union, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from safetensors import safe_open
@@ -55,21 +55,42 @@ def _enable_config(config: PreTrainedConfig, laplacian_heads: Any, eager: bool) 
         if isinstance(getattr(c, "num_hidden_layers", None), int)
         and isinstance(getattr(c, "num_attention_heads", None), int)
     ] or tree[:1]
-    specs = _specs_for(with_layers, laplacian_heads, type(config).__name__)
-    old = {id(c): config_spec(c) for _, c in with_layers}
-    try:
-        for _, c in with_layers:
-            c.laplacian_heads = specs[id(c)]
-            layer_selections(c)  # raise now if k > heads or the list length != layers
-    except ConfigError:
-        for _, c in with_layers:
-            c.laplacian_heads = old[id(c)]
-        raise
+    # raise now if k > heads or the list length != layers
+    _set_specs(
+        with_layers, laplacian_heads, type(config).__name__, lambda: [layer_selections(c) for _, c in with_layers]
+    )
     fused = fused_implementation(config)
     config._attn_implementation = EAGER_ATTN_IMPLEMENTATION if eager else fused
     for _, c in tree:
         mark_config(c, needs_index=False, fused=fused)
     return config
+
+
+def _set_specs(configs: list[tuple[str, Any]], laplacian_heads: Any, owner: str, check: Callable[[], Any]) -> None:
+    """Set each config's spec, then ``check()``; a ConfigError puts the old specs back."""
+    specs = _specs_for(configs, laplacian_heads, owner)
+    old = {id(c): config_spec(c) for _, c in configs}
+    try:
+        for _, c in configs:
+            c.laplacian_heads = specs[id(c)]
+        check()
+    except ConfigError:
+        for _, c in configs:
+            c.laplacian_heads = old[id(c)]
+        raise
+
+
+def _spec_configs(entries: list[Entry]) -> list[tuple[str, Any]]:
+    """``(path, config)`` of each distinct config the self-attention modules of ``entries`` read, in order."""
+    configs: list[tuple[str, Any]] = []
+    for e in entries:
+        if not e.cross and all(c is not e.config for _, c in configs):
+            configs.append((e.config_path, e.config))
+    return configs
+
+
+def _runs_eager(model: PreTrainedModel) -> bool:
+    return BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION
 
 
 def _validate_stacks(entries: list[Entry], owner: str) -> None:
@@ -100,22 +121,18 @@ def enable(
 ) -> Union[PreTrainedModel, PreTrainedConfig]:
     """Give a model (or a config before the model is built) Laplacian heads, in one call.
 
-    Indexes the model's attention modules (:func:`attention_modules`: stack, index in encoder
-    order, the config holding the spec, cross-attention), sets ``laplacian_heads`` on each config
-    its self-attention modules read (validated against each stack's shape now, not at the first
-    forward) and switches the attention implementation (:func:`fused_implementation`, or the
-    eager one). For a learnable spec (``"learn..."``) it also registers ``lap_mix_a`` /
-    ``lap_mix_b`` on every self-attention module (:func:`mixing_modules`) at the spec's
-    initialisation; a fixed spec removes them. Create the optimizer after this call. A config
-    alone gets no parameters and no indices: build the model from it, then call
-    ``enable(model, spec)``.
+    Indexes the model's attention modules (:func:`attention_modules`), sets ``laplacian_heads`` on
+    each config its self-attention modules read (validated now against each stack's shape) and
+    switches the attention implementation (:func:`fused_implementation`, or the eager one). A
+    learnable spec also registers ``lap_mix_a`` / ``lap_mix_b`` on every self-attention module;
+    create the optimizer after this call. A config alone gets no parameters and no indices: build
+    the model from it, then call ``enable(model, spec)``.
 
     Args:
         model_or_config: a transformers ``PreTrainedModel`` or its config.
-        laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts (int k = trailing k heads
-            of every layer, ``"all"``, a per-layer list of ints, per-layer index lists), the same for
-            every stack; or, for a composite model, a dict from sub-config path (``"vision_config"``,
-            ``"text_config"``, ``""`` for the top config) to such a spec (a config not named: none).
+        laplacian_heads: anything :class:`lapheads.LaplacianHeads` accepts, the same for every stack;
+            or, for a composite model, a dict from sub-config path (``"vision_config"``, ``""`` for
+            the top config) to such a spec (a config not named: none).
         eager: use :data:`EAGER_ATTN_IMPLEMENTATION` (returns the operator as attentions).
 
     Returns:
@@ -142,20 +159,8 @@ def enable(
             f"{owner} has no self-attention module that dispatches through transformers' "
             "AttentionInterface, so it cannot get Laplacian heads"
         )
-    configs: list[tuple[str, Any]] = []
-    for e in selfs:
-        if all(c is not e.config for _, c in configs):
-            configs.append((e.config_path, e.config))
-    specs = _specs_for(configs, laplacian_heads, owner)
-    old = {id(c): config_spec(c) for _, c in configs}
-    try:
-        for _, c in configs:
-            c.laplacian_heads = specs[id(c)]
-        _validate_stacks(selfs, owner)
-    except ConfigError:
-        for _, c in configs:
-            c.laplacian_heads = old[id(c)]
-        raise
+    configs = _spec_configs(selfs)
+    _set_specs(configs, laplacian_heads, owner, lambda: _validate_stacks(selfs, owner))
     for e in selfs:
         learn = learnable_spec(e.config.laplacian_heads)
         if learn is not None:
@@ -185,9 +190,7 @@ _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "subfolder"
 
 
 def _checkpoint_files(path: str, **hub: Any) -> list[str]:
-    """The safetensors files of a checkpoint: a local directory, or a hub id resolved the way
-    ``from_pretrained`` resolves it (transformers' ``cached_file``: the local cache, offline mode,
-    ``revision``, ``cache_dir``; a download only where the hub can be reached)."""
+    """The safetensors files of a checkpoint: a local directory, or a hub id resolved by transformers' ``cached_file``."""
     if os.path.isdir(path):
 
         def find(name: str) -> Optional[str]:
@@ -218,11 +221,7 @@ def _load_mixing(model: PreTrainedModel, path: str, **hub: Any) -> None:
     """Register the mixing parameters on ``model`` and fill them from the checkpoint at ``path``
     (a directory or a hub id; ``hub``: where ``from_pretrained`` was told to look)."""
 
-    enable(
-        model,
-        _current_spec(model),
-        eager=BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION,
-    )
+    enable(model, _current_spec(model), eager=_runs_eager(model))
     wanted = {n: p for n, p in model.named_parameters() if n.endswith(MIX_PARAM_SUFFIXES)}
     keys = {n: _checkpoint_keys(model, n, p) for n, p in wanted.items()}
     by_key = {k: n for n, ks in keys.items() for k in ks}
@@ -246,9 +245,7 @@ def _load_mixing(model: PreTrainedModel, path: str, **hub: Any) -> None:
 
 def _checkpoint_keys(model: PreTrainedModel, name: str, param: torch.Tensor) -> list[str]:
     """The keys a model parameter may have in a checkpoint file: the name ``save_pretrained`` gives it
-    (transformers' reverse weight conversion: ViT's ``vit.layers.0`` is ``vit.encoder.layer.0`` on
-    disk), with and without the base model's prefix (a checkpoint of ``ViTForImageClassification``
-    loaded as ``ViTModel``, or the other way round), as transformers' loader matches them."""
+    (after reverse weight conversion), with and without the base model's prefix."""
     saved = list(revert_weight_conversion(model, {name: param}))
     key = saved[0] if len(saved) == 1 else name
     prefix = getattr(model, "base_model_prefix", "") or ""
@@ -260,10 +257,7 @@ def _checkpoint_keys(model: PreTrainedModel, name: str, param: torch.Tensor) -> 
 
 def _current_spec(model: PreTrainedModel) -> Any:
     """The spec of a model as :func:`enable` takes it: one value, or a dict per sub-config when they differ."""
-    configs: list[tuple[str, Any]] = []
-    for e in attention_modules(model):
-        if not e.cross and all(c is not e.config for _, c in configs):
-            configs.append((e.config_path, e.config))
+    configs = _spec_configs(attention_modules(model))
     if not configs:
         return config_spec(model.config)
     specs = [config_spec(c) for _, c in configs]
@@ -275,16 +269,9 @@ def _current_spec(model: PreTrainedModel) -> Any:
 def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
     """``model_class.from_pretrained`` with the Laplacian attention implementation by name, indexed.
 
-    Reads ``laplacian_heads`` from the saved config (or ``kwargs["config"]``; a sub-config's counts
-    too) and picks the fused implementation (:func:`fused_implementation` for the class:
-    ``"laplacian_fused"`` where the class does not support SDPA) or the eager one when it is set,
-    then indexes the attention modules (:func:`enable` with the loaded spec). This also serves
-    checkpoints saved before ``config.json`` carried ``attn_implementation``, those that need
-    indexing (encoders, towers, encoder-decoders, whose plain load refuses its first forward),
-    those with learnable mixing (whose parameters it registers and reads back under the names
-    ``save_pretrained`` gave them), and keeps the plain registered name (not the saved alias) as the model's
-    implementation. An explicit ``attn_implementation="laplacian_sdpa"`` is translated for a class
-    without SDPA support.
+    Reads ``laplacian_heads`` from the saved config (or ``kwargs["config"]``), picks the fused
+    implementation for the class (:func:`fused_implementation`) or the eager one, then indexes the
+    attention modules (:func:`enable` with the loaded spec) and reads back learnable mixing.
 
     Args:
         path: a directory written by ``save_pretrained``, or a hub id (resolved like
@@ -296,8 +283,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
 
     Raises:
         ConfigError: an explicit standard ``attn_implementation`` for a config with Laplacian heads
-            (see :func:`check_implementation`), or a learnable-mixing config whose checkpoint
-            (safetensors, in a directory or a hub repository) lacks the mixing parameters.
+            (:func:`check_implementation`), or learnable mixing missing from the checkpoint.
     """
 
     model_class = model_class or AutoModelForCausalLM
@@ -317,11 +303,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     if not any(learnable(c) for _, c in config_tree(config)):
         model = model_class.from_pretrained(path, **kwargs)
         if has_spec and any(not e.cross for e in attention_modules(model)):
-            enable(
-                model,
-                _current_spec(model),
-                eager=BASE.get(model.config._attn_implementation or "") == EAGER_ATTN_IMPLEMENTATION,
-            )
+            enable(model, _current_spec(model), eager=_runs_eager(model))
         mark_config(model.config)
         return model
 

@@ -1,12 +1,5 @@
-"""The names of the Laplacian attention implementations: registered, saved, and what each stands for.
-
-Three implementations (``laplacian_sdpa``, ``laplacian_fused``, ``laplacian_eager``), each under
-three names: the plain one (what a model runs), the one ``config.json`` stores for a model that
-plain loading reproduces (``"... (import lapheads.transformers first)"``) and the one it stores for
-a model that needs indexing (``"... (load with lapheads.transformers.from_pretrained)"``). All nine
-are registered in transformers' ``AttentionInterface`` by :mod:`lapheads.transformers`; without
-that import transformers refuses each of the saved names with a message that begins with the fix.
-"""
+"""The names of the Laplacian attention implementations: each is registered under its plain name and the two
+names ``config.json`` stores (plain loading reproduces the model, or it needs indexing)."""
 
 from __future__ import annotations
 
@@ -14,25 +7,19 @@ from typing import Optional
 
 #: Name of the fused implementation: ``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``.
 ATTN_IMPLEMENTATION = "laplacian_sdpa"
-#: The fused implementation under a name without "sdpa", for model classes with ``_supports_sdpa = False``
-#: (transformers routes every name containing "sdpa" through its SDPA-support check);
-#: :func:`lapheads.transformers.fused_implementation` picks between the two.
+#: The fused implementation under a name without "sdpa", for model classes with ``_supports_sdpa = False``.
 FUSED_ATTN_IMPLEMENTATION = "laplacian_fused"
 #: Name of the eager implementation that returns the operator as attention weights.
 EAGER_ATTN_IMPLEMENTATION = "laplacian_eager"
 LOAD_HINT = "import lapheads.transformers first"
 INDEX_HINT = "load with lapheads.transformers.from_pretrained"
-#: What ``config.json`` stores for a model with Laplacian heads that plain loading reproduces: the
-#: name plus the fix, so the ValueError transformers raises when lapheads is not imported says what
-#: to do. Registered as an alias of :data:`ATTN_IMPLEMENTATION` (the same functions).
+#: What ``config.json`` stores for a model that plain loading reproduces: the name plus the fix.
 SAVED_ATTN_IMPLEMENTATION = f"{ATTN_IMPLEMENTATION} ({LOAD_HINT})"
 #: The saved name of :data:`FUSED_ATTN_IMPLEMENTATION`.
 SAVED_FUSED_ATTN_IMPLEMENTATION = f"{FUSED_ATTN_IMPLEMENTATION} ({LOAD_HINT})"
 #: The saved name of :data:`EAGER_ATTN_IMPLEMENTATION` (a model saved while using the eager path).
 SAVED_EAGER_ATTN_IMPLEMENTATION = f"{EAGER_ATTN_IMPLEMENTATION} ({LOAD_HINT})"
-#: What follows the implementation's name in ``config.json`` for a model that needs indexing
-#: (encoders, towers, encoder-decoders). With lapheads imported the name is registered, and a
-#: module that was not indexed refuses its first forward with the fix.
+#: What follows the implementation's name in ``config.json`` for a model that needs indexing.
 INDEXED_ATTN_IMPLEMENTATION_SUFFIX = f" ({INDEX_HINT})"
 BASE_NAMES = (ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION, EAGER_ATTN_IMPLEMENTATION)
 #: every name of ours (plain or saved) -> the plain name

@@ -1,0 +1,81 @@
+"""Laplacian heads in timm models (timm >= 1.0.23, unmodified).
+
+* :func:`create_model` is ``timm.create_model`` + :func:`convert` for any timm name it converts,
+  and the loader of saved Laplacian models (a file, ``local-dir:``, ``hf-hub:``): it takes the
+  heads from the checkpoint.
+* :func:`convert` turns every convertible attention module of a model into its Laplacian twin IN
+  PLACE, weights and ``state_dict`` keys kept (each converted layer adds one marker buffer,
+  ``lap_heads``); :func:`laplacian_head_counts` reads the heads back, :func:`skipped_attention_layers`
+  lists the layers left standard with the reason.
+* :class:`LaplacianAttention` is usable as ``attn_layer=`` of timm's ``VisionTransformer``;
+  ``LaplacianAttention.with_heads(k)`` carries one setting for every layer.
+* ``import lapheads.timm`` registers ``<timm name>_lap<k>`` with timm (the trailing k heads of
+  every layer Laplacian) for ``deit3_small_patch16_224`` (k = 1..6; the paper's "ViT-S-5L" is
+  ``_lap5``), ``deit3_base_patch16_224`` (1..12; "ViT-B-12L" is ``_lap12``) and
+  ``deit3_large_patch16_224`` (1..16). No weights exist for them: to start from DeiT-3 weights use
+  ``create_model("deit3_base_patch16_224", pretrained=True, laplacian_heads=12)``.
+"""
+
+from __future__ import annotations
+
+try:
+    import timm as _timm  # noqa: F401 - only to name the missing package
+except ModuleNotFoundError as e:
+    raise ModuleNotFoundError(
+        "lapheads.timm needs timm, which is not installed: pip install timm (or lapheads[train])", name=e.name
+    ) from None
+
+from ._checkpoints import _LAPLACIAN_KEY as _LAPLACIAN_KEY  # noqa: F401 - reached by the tests
+from ._checkpoints import REGISTERED_MODELS, VARIANT_BASES, create_model, register_variants
+from ._convert import REFUSED_CLASSES as REFUSED_CLASSES
+from ._convert import convert, laplacian_attention_layers, laplacian_head_counts, skipped_attention_layers
+from ._layers import (
+    LAPLACIAN_CLASSES,
+    LaplacianAttention,
+    LaplacianAttentionRope,
+    LaplacianBeitAttention,
+    LaplacianDavitWindowAttention,
+    LaplacianEvaAttention,
+    LaplacianLayer,
+    LaplacianLevitAttention,
+    LaplacianMaskUnitAttention,
+    LaplacianMaxxVitAttention2d,
+    LaplacianMaxxVitAttentionCl,
+    LaplacianMetaFormerAttention,
+    LaplacianRelPosAttention,
+    LaplacianSwinV2WindowAttention,
+    LaplacianSwinWindowAttention,
+)
+from ._layers import MARKER as MARKER
+from ._layers import MIX_LAPLACIAN as MIX_LAPLACIAN
+from ._layers import MIX_LEARNABLE as MIX_LEARNABLE
+from ._layers import MIX_STANDARD as MIX_STANDARD
+from ._layers import _heads_of as _heads_of  # noqa: F401 - reached by the tests
+from ._layers import describe_codes as describe_codes
+
+__all__ = [
+    "LaplacianLayer",
+    "LaplacianAttention",
+    "LaplacianEvaAttention",
+    "LaplacianAttentionRope",
+    "LaplacianBeitAttention",
+    "LaplacianSwinWindowAttention",
+    "LaplacianSwinV2WindowAttention",
+    "LaplacianRelPosAttention",
+    "LaplacianMaskUnitAttention",
+    "LaplacianLevitAttention",
+    "LaplacianMaxxVitAttention2d",
+    "LaplacianMaxxVitAttentionCl",
+    "LaplacianMetaFormerAttention",
+    "LaplacianDavitWindowAttention",
+    "LAPLACIAN_CLASSES",
+    "convert",
+    "create_model",
+    "laplacian_head_counts",
+    "laplacian_attention_layers",
+    "skipped_attention_layers",
+    "REGISTERED_MODELS",
+    "VARIANT_BASES",
+]
+
+register_variants()
