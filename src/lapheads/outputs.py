@@ -1,29 +1,6 @@
-"""Output paths every command checks before it works, and cleans up after it fails.
+"""Output paths every command checks before it works and cleans up after it fails; atomic writes.
 
-Every ``lapheads`` command that writes (``--out`` of train, report, analyze, data tokenize,
-tokenizer train, eval ...) checks its output here, before any model or data is loaded, so a
-typo in ``--out`` costs a second, not a finished evaluation.
-
-Design choices:
-
-* :func:`check_out_dir` / :func:`check_out_file` look at the path and at its nearest existing
-  ancestor: an existing file where a directory is wanted (or the reverse), a parent that is a
-  file (``--out notes.txt/run``), a location that cannot be written. Writability is tested by
-  creating and removing an empty directory in that ancestor, because permission bits do not stop
-  root and say nothing about read-only mounts or pseudo file systems (``/sys``, ``/proc``).
-* :func:`removed_on_failure` makes "a failed command leaves nothing behind" one ``with`` block:
-  a directory the command created is removed when the block raises; in a directory that already
-  existed, the entries the block added are removed (files it rewrote stay rewritten). An
-  interrupt (Ctrl-C, ``KeyboardInterrupt``) keeps everything, so resumable work survives it.
-* :func:`atomic_write` is the one way a file of a run, a sweep or a data set is written: into a
-  temporary file beside it (``.NAME.tmp-PID``), fsynced, renamed over ``NAME`` (``os.replace``),
-  then the directory fsynced, so that a reader, or the next start after a crash or a power cut,
-  sees the old or the new content, never a mix or nothing. A full disk is one
-  :class:`~lapheads.errors.DiskFullError` line, and the temporary file is removed on any failure
-  (a signal included). :func:`write_json` writes JSON with it.
-* :func:`read_json` reads the small JSON files of runs and sweeps (``final/model.json``,
-  ``meta.json``, SLURM records) with a one-line error naming the file, instead of a
-  ``JSONDecodeError`` traceback; ``missing=`` is what a file that does not exist (yet) reads as.
+Design notes: docs/design/engine.md (Outputs).
 """
 
 from __future__ import annotations

@@ -1,41 +1,6 @@
-"""Crash-safe checkpoints that cannot run code.
+"""Crash-safe, verifiable checkpoints that cannot run code.
 
-Layout of ``checkpoints/`` in a run directory::
-
-    checkpoints/step_00000100/
-        model.safetensors     weights of the trained module
-        ema.safetensors       EMA weights (when EMA is on)
-        extra.safetensors     tensors the recipe keeps (e.g. DINO's teacher and center)
-        state.pt              optimizer states, RNG states, step (torch.load(weights_only=True))
-        state.json            step, time, metrics summary (human-readable)
-    checkpoints/latest        name of the newest complete checkpoint
-
-Under ``train.parallel: fsdp`` model and optimizer state are DCP shards instead (``dcp/``, every
-rank writes its own; see engine.fsdp), next to ``state.pt`` (step, RNG states) and
-``extra.safetensors`` written by rank 0.
-
-Design choices:
-
-* Atomic: a checkpoint is written into ``.tmp-step_X``, every file fsynced, then renamed into
-  place, and only then ``latest`` is replaced (write + fsync + ``os.replace``). A kill at any
-  moment leaves either the old or the new checkpoint, never a partial one that ``latest`` names.
-  With several writers (FSDP) rank 0 creates the temporary directory (:func:`begin_checkpoint`),
-  every rank writes into it, and rank 0 renames it and moves ``latest`` after a barrier
-  (:func:`commit_checkpoint`).
-* Safe: tensors go through safetensors; everything else through ``torch.load(weights_only=True)``,
-  which refuses pickled code (a crafted payload raises instead of executing).
-* Loading weights into the wrong architecture lists the missing, unexpected and mis-shaped keys.
-* Verifiable: ``state.json`` records the size and SHA-256 of every file of the checkpoint and the
-  run's id (``meta.json``), written at save time. ``--resume`` verifies each checkpoint, newest
-  first, and falls back to the newest intact one, naming the ones it skipped and why
-  (:func:`resumable_checkpoint`); nothing is deleted on the way. Checkpoints written before the
-  checksums existed are verified as far as their files allow (each file parses), and said so.
-* A full disk (``ENOSPC`` / ``EDQUOT``) ends a write with :class:`~lapheads.errors.DiskFullError`
-  (one line: the directory, what the write needed, what is free) after its temporary files are
-  removed, also when a signal interrupts it. Before a checkpoint is written its size is estimated
-  (:func:`estimate_bytes`); when the disk is short, checkpoints that ``keep`` would remove after
-  the write anyway are removed first (:func:`make_room`; never the last good one), and when it is
-  still short the write is refused before it starts.
+Design notes: docs/design/engine.md (Checkpoints).
 """
 
 from __future__ import annotations

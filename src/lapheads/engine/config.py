@@ -1,46 +1,6 @@
 """Typed configs: pydantic models filled from YAML files and ``--set key=value`` overrides.
 
-Design choices:
-
-* A recipe's config is a tree of pydantic models (subclasses of :class:`ConfigModel`). Every field
-  has a type, a default, a one-line description (``Field(description=...)``) and, for numbers, its
-  allowed range (``Field(ge=..., lt=...)``); the JSON schema of a recipe
-  (``lapheads config schema RECIPE``, :func:`config_schema`) and the tables of the docs
-  (:func:`config_table`) are generated from them. YAML gives the values, ``--set a.b=1`` overrides
-  them (the value is parsed as YAML, so ``--set train.max_steps=100``,
-  ``--set model.laplacian_heads=all`` and ``--set optim.betas=[0.9,0.95]`` all work).
-* Validation is pydantic's, in strict mode (``ConfigModel.model_config``): ``"1"`` is no bool,
-  ``true`` no number, ``2.5`` no int. Three types are as lenient as YAML needs, and no more:
-  :data:`Float` also takes numeric text (YAML 1.1 reads ``1e-3``, without a dot, as a string),
-  :data:`Int` takes integral floats (``1.0e+3``) and :data:`Str` takes numbers (a directory called
-  ``2024``). Tuple fields are declared ``Field(strict=False)`` so that they take YAML lists; their
-  items stay strict. Fields are ``Int`` / ``Float`` / ``Str`` / ``bool`` (exact), never bare
-  ``int`` / ``float`` / ``str``. ``laplacian_heads`` is :data:`lapheads.heads_config.HeadsSetting`, whose
-  validator is the one parser of the head-setting grammar.
-* Nothing is silently misread. A YAML mapping that repeats a key is refused (plain YAML keeps
-  the last one, so ``laplacian_heads: 0`` ... ``laplacian_heads: all`` would quietly train all
-  heads); the error names the key by its full path and both lines. This holds for every YAML the
-  project reads (:func:`load_yaml`). A float refuses NaN and +-inf (``--set train.clip_grad=nan``
-  would otherwise turn clipping off; ``0`` is every field's "off" value, and
-  :data:`FloatOrInf` is there for a field that someday takes infinity, never NaN), an int refuses
-  values beyond 64 bits, an unknown key is an error that suggests the closest keys (``difflib``; a
-  key that exists under another section is named there: ``train.lr`` -> ``optim.lr``) and lists the
-  allowed ones, all when the config is parsed. Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
-* One error, one line: pydantic's ``ValidationError`` becomes a :class:`~lapheads.errors.ConfigError`
-  (:func:`config_error`, its first error) that names the key by its full dotted path (``optim.betas[1]``,
-  ``model.laplacian_heads``), the value and what is allowed, prefixed with the file it came from
-  where there is one. Building a section in Python (``TrainConfig(ema_decay=1.5)``) raises a
-  ConfigError too, naming the key within the section (``ema_decay=1.5 must be in [0, 1)``).
-* Two kinds of rules. A model's own rules (types, ranges, cross-field rules declared with :func:`rule`,
-  a ``model_validator``) always hold, also for the defaults and for configs built in Python. *Run rules* (:func:`run_rule`) are
-  what a config must meet to be trained or read back as a run, where the defaults leave a value
-  open (``init_from``) or the rule reads the filesystem or the world size; they run when a config
-  is loaded (:func:`load_config`, :func:`from_dict`, :meth:`ConfigModel.validate`), so that
-  ``SFTConfig()`` still gives the defaults and ``lapheads config show`` can print them.
-* The resolved config is written next to every run (``config.yaml``, :func:`to_dict`: the fields in
-  declaration order, tuples as lists, so the keys and layout are those of the dataclass configs
-  before); loading it again gives the same config, which is how runs are rebuilt for evaluation
-  and resume.
+Design notes: docs/design/engine.md (Configs).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Process-group helpers for torchrun (DDP / FSDP2): gloo on CPU, nccl on GPU.
+"""Process-group helpers for torchrun and SLURM (DDP / FSDP2): gloo on CPU, nccl on GPU.
 
-``lapheads train ...`` works unchanged as a single process or under
-``torchrun --nproc_per_node=N -m lapheads.cli train ...``: the process group is created from the
-environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK). A rank that loses its peers does not
-hang forever: collectives time out after ``LAPHEADS_DIST_TIMEOUT`` seconds (default 120) and the
-error names the rank.
-
-A process may create the group more than once (``lapheads train retrofit`` runs its baseline as a
-second ``launch``, which ends the group like the first). torch restarts its group names after
-``destroy_process_group``, so under torchrun, whose store outlives the group, a second group would
-read the first one's rendezvous keys and hang (pytorch#55967); every group after the first gets
-keys of its own (a ``PrefixStore``).
-
-Under SLURM (``--launcher slurm``, engine.slurm) there is no torchrun: every task of the job is a
-training process, and :func:`env_from_slurm` sets torchrun's variables from submitit's job
-environment (global rank, local rank, number of tasks, the first node as master, a port derived
-from the job id) before :func:`init_distributed` reads them, so the same code path serves both.
+Design notes: docs/design/engine.md (Multi-GPU).
 """
 
 from __future__ import annotations

@@ -1,47 +1,6 @@
 """FSDP2 for the engine (``train.parallel: fsdp``): sharding, Muon on shards, sharded checkpoints.
 
-``torch.distributed.fsdp.fully_shard`` (FSDP2, DTensor parameters), not the legacy
-``FullyShardedDataParallel`` wrapper. :class:`~lapheads.engine.trainer.Trainer` calls
-:func:`shard_model` before the recipe builds its optimizers, so every optimizer holds the sharded
-parameters.
-
-Design choices:
-
-* Per-block sharding: each block the task names (:meth:`TrainTask.fsdp_blocks`, for transformers
-  models the classes in ``_no_split_modules``, e.g. ``NanoChatDecoderLayer``) is one FSDP unit,
-  then the root takes what is left (embedding, final norm, lm_head: tied weights stay in one
-  unit). Blocks are resharded after forward (ZeRO-3).
-* Mixed precision where the device has bf16: parameters are all-gathered and computed in bf16,
-  gradients reduced in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); the
-  sharded master weights and optimizer states stay fp32. The engine's autocast stays on around it.
-* Activation checkpointing (``train.activation_checkpointing``) is transformers'
-  ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``, its deprecated alias,
-  on older versions): non-reentrant ``torch.utils.checkpoint`` per decoder layer, the public
-  switch every ``PreTrainedModel`` has. It changes memory, not numbers (tested to 1e-5, with and
-  without FSDP).
-* Muon on shards: ``torch.optim.Muon`` accepts DTensor parameters and runs, but its Newton-Schulz
-  matmuls then run on shards with partial sums in bf16, so its update differs from the
-  one-process update by ~3e-3 after three steps (measured with torch 2.14.1, 2 ranks, gloo).
-  :class:`ShardedMuon` gathers each matrix's momentum-corrected update (``full_tensor()``),
-  orthogonalises the whole matrix with torch's own Newton-Schulz on every rank, and keeps the
-  local rows: the same numbers as one process, at the cost of one all-gather per matrix and
-  redundant Newton-Schulz work (fine up to a few billion parameters; a distributed-work Muon
-  would split the matrices among ranks). Its state (``momentum_buffer``) has torch's layout.
-* Gradient clipping uses ``clip_grad_norm_`` on the sharded gradients (DTensor ops all-reduce the
-  squared norms); the returned norm is made a plain tensor so every rank takes the same decision.
-* Sharded checkpoints (``torch.distributed.checkpoint``, DCP): model and optimizer state dicts
-  keyed by parameter name (``get_state_dict``), every rank writes its own shard into the
-  checkpoint's temporary directory, and rank 0 publishes it only after all ranks finished (see
-  :meth:`Checkpointer.save` (engine.train_state) and ``engine.checkpoint.begin_checkpoint``). DCP re-shards on
-  load, so a checkpoint written by N processes loads into M (also into an unsharded model).
-  DCP's ``.metadata`` file is a pickle (unlike the single-file checkpoints, which are code-free):
-  load sharded checkpoints only from runs you trust.
-* Export: ``final/`` stays the single-file layout the rest of the project reads. The full state
-  dict is gathered to rank 0 on the CPU and loaded into a parameter-free copy of the model made
-  before sharding (:func:`meta_copy`), which the recipe's ``export_final`` (``save_pretrained``)
-  then writes.
-* One process with ``parallel: fsdp`` trains unsharded (there is nothing to shard over) but keeps
-  the sharded checkpoint format, so it can resume a multi-process run and vice versa.
+Design notes: docs/design/engine.md (Multi-GPU).
 """
 
 from __future__ import annotations

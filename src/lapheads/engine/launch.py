@@ -1,23 +1,6 @@
 """Launch a training run on the engine (``lapheads train <recipe>``), and describe an interrupted one.
 
-Order matters for "nothing is lost, nothing half-written, one writer at a time":
-
-1. rank 0 takes the run directory's writer lock (engine.run.RunLock) before anything is read,
-   written or cleaned up; a second writer stops here, naming the holder's PID and host;
-2. the run directory is checked (no overwrite without --resume/--overwrite, same config on
-   --resume), by rank 0, which tells the other ranks the outcome;
-3. the recipe builds its task, which validates every data file and config value, then the
-   trainer is built (it checks the run length and, on --resume, loads the newest checkpoint);
-4. only then is the first file written (by rank 0; the other ranks never write).
-
-A SIGINT / SIGTERM ends the command with one line naming the checkpoint and the exact command
-that continues the run (:func:`describe_interrupt`), and exit status 128 + signal.
-
-A full disk (``ENOSPC`` / ``EDQUOT``) anywhere in a run, the lock, a checkpoint, ``metrics.jsonl``,
-``final/``, ends it with :class:`~lapheads.errors.DiskFullError`, one line that names the
-directory, what the write needed and what is free, the last good checkpoint's step, and the
-command that continues the run from its directory alone once there is room
-(:func:`disk_full_in_run`).
+Design notes: docs/design/engine.md (Launching a run).
 """
 
 from __future__ import annotations

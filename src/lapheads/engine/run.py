@@ -1,51 +1,6 @@
-"""Run directories: one layout for every ``lapheads train ...`` command.
+"""Run directories: one layout (docs/runs.md) for every ``lapheads train ...`` command.
 
-::
-
-    RUN_DIR/
-        config.yaml        the resolved config (recipe name included); rebuilds the run
-        meta.json          git revision, versions, command line, world size, start time
-        metrics.jsonl      one JSON object per logged step / evaluation
-        samples.jsonl      (lm) greedy continuations at every evaluation
-        tb/                TensorBoard events
-        checkpoints/       crash-safe checkpoints (see engine.checkpoint)
-        final/             model.safetensors + model.json (what rebuilds the model), at the end
-        .lock              present while a process writes into the directory (see RunLock)
-
-Design choices:
-
-* A run directory is never overwritten: starting a run where ``config.yaml`` already exists
-  needs ``--resume`` (continue it) or ``--overwrite`` (delete it first). ``--resume`` also checks
-  that the config did not change in ways that would break exact resume, and lists every
-  differing key (:func:`config_changes`; the sweep uses the same rule). ``--resume`` without
-  ``--config`` continues with the directory's own ``config.yaml`` (:func:`resume_config`), so
-  ``lapheads train RECIPE --out RUN --resume`` needs nothing else; ``--set`` on top is compared
-  as usual. Keys that cannot change a result may differ (:data:`RESUME_MUTABLE`);
-  ``train.threads`` may too, with one warning line (:data:`RESUME_WARN`).
-* ``meta.json`` holds the run's id (``run_id``), which every checkpoint records, so that a
-  checkpoint copied in from another run is recognised on resume (engine.checkpoint).
-* ``config.yaml`` is what makes a directory a run. A directory that holds nothing but the
-  leftovers of a start killed before ``config.yaml`` was complete (its temporary file, a stale
-  lock file) is not a run: a plain start cleans it up and proceeds, and so does ``--resume`` with
-  a ``--config`` (there is nothing to resume, the run starts at step 0). A directory that holds
-  other files but no ``config.yaml`` is refused, with or without ``--overwrite``.
-* ``--overwrite`` deletes a run, never anything else (:meth:`RunDir.check_overwrite`): only a
-  directory holding a run's ``config.yaml``, and only when every entry at its top level is one
-  that lapheads writes there (:data:`RUN_ENTRIES`: the training files, and what the analysis, a
-  SLURM job and the trackers add). It refuses the current directory and its ancestors, a
-  directory holding the ``--config`` being read, a sweep directory, and a directory with a file
-  not one of the run's own (naming it), before anything is deleted.
-* One writer at a time: every command that writes into a run directory holds :class:`RunLock`,
-  an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` that the kernel releases when the process
-  dies, whatever kills it. The holder writes its PID and host into the file so that a second
-  writer can say who holds it (``filelock`` truncates the file when it tries to lock it, which
-  would erase exactly that information, hence ``fcntl`` directly). The file is removed on release;
-  an acquirer that locked a file unlinked in the meantime notices (inode check) and retries.
-  A full disk that refuses even the holder record gives the lock back and ends in one
-  :class:`~lapheads.errors.DiskFullError` line.
-* Every top-level ``*.jsonl`` file is a per-step log whose records carry ``step``: on resume they
-  are all trimmed to the checkpoint's step (:meth:`RunDir.trim_step_logs`), so a killed attempt
-  leaves no duplicates.
+Design notes: docs/design/engine.md (Run directories).
 """
 
 from __future__ import annotations

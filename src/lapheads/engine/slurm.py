@@ -1,41 +1,6 @@
 """``--launcher slurm``: ``lapheads train`` and ``lapheads sweep`` on a SLURM cluster, through submitit.
 
-::
-
-    lapheads train classify --config digits.yaml --out runs/a --launcher slurm --partition gpu \\
-        --nodes 2 --gpus-per-node 8 --time-min 240 [--sbatch account=abc] [--no-wait]
-    lapheads sweep --config digits.yaml --laplacian-heads 0,all --seeds 0,1 --out runs/sw \\
-        --launcher slurm [--launcher-config slurm.yaml]
-    lapheads sweep --status runs/sw        # pending / running (job id) / done / failed (log tail)
-    lapheads sweep --resume --out runs/sw  # resubmits only the unfinished points
-
-Design choices:
-
-* One job per ``lapheads train``, one array task per sweep point (``executor.batch()``), each
-  running the unchanged ``lapheads train`` command (:class:`TrainJob`) in the task's own process;
-  a job with N tasks (``--nodes`` x ``--tasks-per-node``, default one task per GPU) sets up
-  torch.distributed from submitit's job environment (:func:`lapheads.engine.dist.env_from_slurm`),
-  so DDP / FSDP2 run across nodes without a torchrun line.
-* Options: the flags of :func:`add_launcher_args`, over a small YAML file (``--launcher-config``,
-  the keys of :class:`LauncherConfig` at its top level or under ``launcher:``), over the defaults.
-  They are not a section of the recipe's config: a run's ``config.yaml`` describes the math of a
-  run, and where it ran (partition, time limit, requeues) never changes it.
-* Preemption and time limits: submitit asks SLURM for ``--signal=USR1@signal_delay_s``; the
-  trainer turns SIGUSR1 like SIGTERM into "finish the step, write a checkpoint, stop"
-  (engine.trainer), and :class:`TrainJob` then hands the signal back to submitit, which calls
-  :meth:`TrainJob.checkpoint` (the same command with ``--resume``) and requeues the job
-  (``scontrol requeue``). A job requeued by SLURM itself (``scontrol requeue``, a node failure) finds
-  its run directory and resumes it too (``SLURM_RESTART_COUNT``). The engine's resume is exact, so
-  the requeued run ends with the weights of an uninterrupted one.
-* Records: the submitter writes ``SWEEP/slurm/jobs.json`` (per point: job id, log paths, every
-  submission) next to submitit's own files and logs (``SWEEP/slurm/``; ``lapheads train``:
-  ``<parent of --out>/slurm_logs/``); every attempt's rank 0 appends to ``RUN_DIR/slurm.json``
-  (job id, restart count, nodes, log paths) when the run directory holds a run. A sweep's
-  ``--status`` reads both plus ``squeue``.
-* The sweep waits for its jobs (polling ``squeue``; SLURM accounting is not needed) and then writes
-  its report as with ``--launcher local``; ``--no-wait`` returns after the submission, and the same
-  command (or ``--resume``) later skips the points that are finished or still queued, resubmits
-  the others and writes the report. Ctrl-C while waiting leaves the jobs running.
+Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM).
 """
 
 from __future__ import annotations

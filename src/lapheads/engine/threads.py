@@ -1,19 +1,6 @@
 """How many CPU threads torch uses in a lapheads process.
 
-torch's default is one intra-op thread per core, whatever else runs on the machine. For the tiny
-models of the CPU recipes that default collapses under load: with two busy processes on two
-cores, OpenMP threads that spin-wait for each other slowed the digits recipe from ~0.05 s to
-~2.7 s per step. Design choices:
-
-* An explicit choice always wins: ``train.threads`` (> 0) in a recipe's config, else the
-  ``OMP_NUM_THREADS`` environment variable (the convention torchrun, schedulers and MKL follow;
-  torchrun sets it to 1 for every rank unless the user set it).
-* Otherwise (``auto``) the count is the number of cores this process may run on
-  (``os.sched_getaffinity``), shared evenly among the processes of this node
-  (``LOCAL_WORLD_SIZE`` under torchrun), and reduced by the cores that other processes keep busy,
-  measured over a short window of ``/proc/stat`` (the 1-minute load average, which lags, where
-  ``/proc/stat`` cannot be read). Never fewer than one.
-* The count is chosen once, when a command starts; a load that appears later is not followed.
+Design notes: docs/design/engine.md (Threads).
 """
 
 from __future__ import annotations

@@ -1,62 +1,6 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow behind one small interface.
 
-``train.trackers: [tensorboard, wandb, mlflow]`` (any subset, in any order; ``metrics.jsonl`` is
-always written, by the trainer, whatever is chosen) picks them; the default ``[tensorboard]`` is
-the engine's behaviour before trackers existed. Every tracker is a :class:`Tracker`:
-
-``start(resume_step)``
-    open (or, on ``--resume``, reopen) the tracker's run and log the run's resolved config;
-``log(record)``
-    one record of ``metrics.jsonl`` (already plain JSON values): its numbers as scalars under
-    ``<split>/<key>`` (split ``train`` for records without one) at ``record["step"]``, and the
-    values that the task declares tables (:meth:`lapheads.engine.Task.tables`: a recipe's
-    per-layer table of learned parameters) as tables;
-``log_artifact(path, name)``
-    a file (the final metrics, the figures of the run's final report);
-``finish(status)``
-    close the run: ``"finished"``, ``"failed"`` or ``"interrupted"`` (MLflow marks it
-    ``FINISHED``, ``FAILED`` or ``KILLED``; a W&B run exits with 0 or 1).
-
-At the end of a run that finished, the trackers that take files get ``final/metrics.json``,
-``final/model.json`` and the files a higher layer registered (:func:`log_final`,
-:func:`add_final_files`): ``lapheads train`` registers the figures of the run's own report (the
-loss and validation curves, and the learned head mixing of a ``laplacian_heads: learn...`` run).
-
-Design choices:
-
-* Rank 0 only: the trainer builds trackers on the main process (:func:`build_trackers`), so a
-  DDP job is one tracker run, not one per rank.
-* A resumed run continues the SAME tracker run: the W&B run id and the MLflow run id are stored
-  in ``RUN_DIR/trackers.json`` when the run starts, and a resume reopens them (W&B
-  ``resume="allow"`` with that id, MLflow ``start_run(run_id=...)``). W&B and MLflow cannot delete
-  points, so what a killed attempt logged after its last checkpoint stays there (``metrics.jsonl``
-  and TensorBoard are trimmed to the checkpoint, see :mod:`lapheads.engine.trainer`); the
-  resumed attempt logs those steps again, so the newest value at a step is the one of the run
-  that went on. W&B's own step counter must grow, so every metric is plotted against the logged
-  ``step`` (``define_metric(..., step_metric="step")``), never against W&B's counter.
-* Where the runs go is each tool's own configuration, and a ``train.*`` key set in the config
-  wins over it. W&B reads its ``WANDB_*`` variables (``WANDB_MODE``, ``WANDB_DIR``,
-  ``WANDB_PROJECT``, ``WANDB_NAME``, ``WANDB_ENTITY``, ``WANDB_CONSOLE``, ...) and its login; the
-  defaults below replace only what the user left unset (:data:`WANDB_DEFAULTS`): the files go
-  to ``wandb/`` under ``train.tracker_dir``, else ``WANDB_DIR``, else the run directory
-  (``WANDB_MODE=offline`` writes ``wandb/offline-run-*`` there, synced later with ``wandb
-  sync``). MLflow logs to ``train.mlflow_tracking_uri``, else (on a resume) the store the run
-  started in, else ``MLFLOW_TRACKING_URI``, else MLflow's default: ``sqlite:///mlflow.db``, a
-  database in the working directory (its artifacts in ``mlruns/`` beside it), where ``mlflow
-  ui`` started in that directory finds the runs. ``train.tracker_project`` names the W&B
-  project and the MLflow experiment (empty: ``WANDB_PROJECT`` / ``MLFLOW_EXPERIMENT_NAME``, else
-  ``lapheads``), ``train.tracker_run_name`` the run (empty: ``WANDB_NAME`` for W&B, else the run
-  directory's name).
-* Before anything is trained (:func:`check_trackers`, one :class:`~lapheads.errors.ConfigError`
-  line each): a tracker whose package is missing (naming the package and the extra that
-  installs it, ``pip install 'lapheads[trackers]'``); an MLflow store the installed MLflow cannot
-  open: a database without SQLAlchemy and Alembic (``mlflow-skinny`` alone), or a ``file:``
-  store, which recent MLflow releases refuse unless ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow's own
-  opt-out, honoured); a W&B directory that cannot be created or written (W&B would otherwise
-  write to a temporary directory).
-* A tracker that fails while logging (a network hiccup, a full disk) does not stop training:
-  the first failure of each tracker is printed as one line on stderr and the tracker is dropped
-  for the rest of the attempt. ``metrics.jsonl`` stays the record of truth.
+Design notes: docs/design/engine.md (Trackers).
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """What a checkpoint of a training run holds, and how the trainer saves, restores and exports it.
 
-The files and their atomic, verified writing are engine.checkpoint's; this module decides what
-goes in them. A checkpoint holds the trained model, the EMA weights (``train.ema_decay``), the
-task's extra tensors (:meth:`TrainTask.extra_state`), the optimizer states, the step, the number of
-skipped non-finite steps and the RNG states (torch, numpy, python, CUDA; one per rank), so a
-resumed run is bit-identical to an uninterrupted one on the CPU.
-
-* Rank 0 writes, every ``ckpt_every`` optimizer steps and at the end. Under ``train.parallel:
-  fsdp`` model and optimizer states are DCP shards that every rank writes into rank 0's temporary
-  directory; rank 0 publishes the checkpoint after a barrier (engine.fsdp).
-* Weights with a NaN/Inf never replace the last good checkpoint: the write is refused with
-  :class:`~lapheads.errors.NonFiniteError` (an update can overflow the weights with finite
-  gradients, which the loop's guard does not see).
-* ``--resume`` loads the newest intact checkpoint (:meth:`Checkpointer.restore`): each is verified
-  (sizes, checksums, the run's id) and one that does not load into this model is skipped too, with
-  one line on stderr; nothing is deleted.
-* ``final/`` is the same single-file export with either ``train.parallel`` (the shards are
-  gathered): ``model.safetensors``, ``ema.safetensors``, ``model.json`` (the recipe and
-  :meth:`TrainTask.model_spec`), ``metrics.json`` and the task's own files.
+Design notes: docs/design/engine.md (Checkpoints).
 """
 
 from __future__ import annotations

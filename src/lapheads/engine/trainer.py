@@ -1,41 +1,6 @@
-"""The one training loop every recipe runs on.
+"""The one training loop every recipe runs on: :class:`Trainer` and its :class:`TrainConfig`.
 
-A recipe describes WHAT to train as a :class:`TrainTask` (model, optimizers, batches, loss,
-evaluation, extra state); :class:`Trainer` owns HOW: torchrun/DDP, bf16 autocast where the device
-has it, gradient accumulation and clipping, learning-rate schedules, EMA of weights, the NaN/Inf
-guard, early stopping, tqdm progress and metrics (``metrics.jsonl`` and the trackers). Beside it:
-checkpoints, exact resume and ``final/`` (engine.train_state, on engine.checkpoint), stopping on
-signals (engine.signals), multi-GPU (engine.dist, engine.fsdp) and tracking (engine.trackers).
-
-Design choices:
-
-* The learning rate is a pure function of the step (``lr = base_lr * lr_factor(step)``), so
-  resuming needs no scheduler state. Every param group's ``base_lr`` is its ``lr`` at build time.
-* Data order is the task's business but must be a pure function of ``(seed, micro_step)``:
-  ``TrainTask.batches(start_micro_step)`` starts exactly where a resumed run left off. Together with
-  the saved RNG states (engine.train_state) a resumed run is bit-identical to an uninterrupted one
-  on the CPU.
-* The non-finite guard checks the global gradient norm after the (all-reduced) backward pass, so
-  every rank takes the same decision; the message names the step and the first non-finite tensor
-  (the loss, or the first parameter whose gradient is not finite).
-* ``train.ema_decay`` > 0 keeps an EMA of the weights and buffers with ``timm.utils.ModelEmaV3``
-  (a constant decay, updated after every optimizer step; integer buffers are copied), saved in
-  checkpoints and in ``final/ema.safetensors`` and handed to :meth:`TrainTask.evaluate`.
-* ``train.parallel``: ``ddp`` (default) replicates the model on every rank; ``fsdp`` shards each
-  block with FSDP2 (engine.fsdp) before the recipe builds its optimizers.
-* ``train.until_plateau`` (``patience`` > 0): after each ``eval_every`` evaluation, stop once
-  ``patience`` evals in a row did not improve ``metric`` by more than ``min_rel_delta`` (relative
-  to the best so far; :func:`lapheads.stats.evals_without_improvement`). The same rule for every
-  run that uses it, so runs stay comparable; the learning-rate schedule is still planned for
-  ``max_steps`` (pair it with ``schedule: constant`` or ``wsd`` for runs that stop early). Rank 0
-  decides from the logged validation values (``metrics.jsonl``, trimmed to the checkpoint on
-  resume) and every rank follows, so a resumed run stops at the same step as an uninterrupted one.
-  The stop writes a checkpoint and ``final/`` at that step.
-* SIGINT, SIGTERM and SLURM's SIGUSR1 stop the loop at a step boundary after a checkpoint
-  (engine.signals: :class:`~lapheads.engine.signals.RunInterrupted`).
-* On resume every per-step log (``metrics.jsonl``, ``samples.jsonl``) is trimmed to the
-  checkpoint's step and TensorBoard's writer purges the later events (``purge_step``), so a run
-  shows one curve whatever was killed on the way.
+Design notes: docs/design/engine.md (The training loop).
 """
 
 from __future__ import annotations
