@@ -137,7 +137,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` so that readers see the old or the new content,
-    never a mix, also after a crash (see the module docstring).
+    never a mix, also after a crash (temporary file, fsync, rename, directory fsync).
 
     Raises:
         DiskFullError: the disk is full or the quota used up (the temporary file is removed).

@@ -114,10 +114,7 @@ def load_weights(
 ) -> None:
     """``load_state_dict`` with an error listing every mismatched key (wrong architecture).
 
-    A key of the model that the checkpoint lacks is missing only when torch's load says so: a
-    module may supply such a key itself (a Laplacian timm layer's ``lap_heads`` marker, absent
-    from stock timm weights). When only such keys are reported the module has been loaded
-    before the error; discard it.
+    When only missing keys are reported the module has been loaded before the error; discard it.
     """
     own = module.state_dict()
     missing = [k for k in own if k not in state]
@@ -145,7 +142,7 @@ def load_weights(
         raise refuse(missing)
     try:
         result = module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
-    except RuntimeError as e:  # a module refused its entries (e.g. a Laplacian layer with other heads)
+    except RuntimeError as e:  # a module's own load hook refused its entries
         raise CheckpointError(f"{source} does not fit this model: {' '.join(str(e).split())}") from None
     if strict and result.missing_keys:
         raise refuse(list(result.missing_keys))

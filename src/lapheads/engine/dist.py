@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_groups_created = 0  # process groups this process initialised (see the module docstring)
+_groups_created = 0  # process groups this process initialised (each after the first gets its own keys)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def load_checkpoint(
         cfg = transformers.AutoConfig.from_pretrained(p)
         causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (cfg.architectures or []))
         cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-        try:  # lapheads' loader: a config with laplacian_heads gets the Laplacian attention implementation
+        try:  # lapheads' loader restores the attention implementation its config names
             model = lap_tf.from_pretrained(str(p), model_class=cls)
         except Exception as e:  # noqa: BLE001 - report any loader failure as a checkpoint error
             raise CheckpointError(f"{spec}: cannot load the model: {e}") from e

@@ -32,7 +32,7 @@ from .trackers import STATE_FILE as TRACKERS_FILE
 
 LOCK_NAME = ".lock"
 SWEEP_RECORD = "sweep_command.json"  # what makes a directory a sweep (lapheads sweep writes it)
-# The top-level entries lapheads writes into a run directory: the training files (module docstring),
+# The top-level entries lapheads writes into a run directory: the training files (docs/design/engine.md),
 # engine.slurm's record of the SLURM attempts, engine.trackers' ids and W&B's offline folder, the
 # analysis of ``lapheads.runs.analyze_run`` and a retrofit's comparison. --overwrite deletes these and
 # refuses anything else.
@@ -95,7 +95,7 @@ def add_train_args(p: argparse.ArgumentParser, default_config: Optional[str] = N
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.max_steps=100 --set model.laplacian_heads=all (repeatable)",
+        help="override a config value, e.g. --set train.max_steps=100 --set optim.lr=0.01 (repeatable)",
     )
 
 
@@ -182,7 +182,7 @@ class RunDirBusy(CheckpointError):
 
 
 class RunLock:
-    """Exclusive, process-lifetime lock of a directory (see the module docstring).
+    """Exclusive, process-lifetime ``fcntl`` lock of a directory (``DIR/.lock``, holding the holder's PID and host).
 
     Re-entrant within one process (a sweep holds its directory while its runs lock their own).
     Missing directories are created to hold the lock file and removed again on release when they
@@ -357,7 +357,7 @@ def _is_start_leftover(name: str) -> bool:
 
 
 class RunDir:
-    """A run directory (see module docstring)."""
+    """A run directory (docs/runs.md)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

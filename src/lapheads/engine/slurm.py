@@ -29,21 +29,7 @@ from .run import RunDir
 PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
 JOBS_FILE = "jobs.json"  # in a sweep's slurm/ folder
 RUN_RECORD = "slurm.json"  # in a run directory
-# squeue states of a job that is still in the queue (anything else: it has ended)
-QUEUED = {
-    "PENDING",
-    "CONFIGURING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESV_DEL_HOLD",
-    "SUSPENDED",
-    "STOPPED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-}
-ACTIVE = {"RUNNING", "COMPLETING", "PREEMPTED"}
+ACTIVE = {"RUNNING", "COMPLETING", "PREEMPTED"}  # squeue states of a running job
 
 
 class LauncherConfig(ConfigModel):
@@ -446,11 +432,6 @@ def log_tail(path: Optional[str | Path], lines: int = 5) -> list[str]:
         if t.strip() and not t.startswith("submitit "):
             keep.append(t)
     return keep[-lines:]
-
-
-def cancel(job_ids: Sequence[str]) -> None:
-    if job_ids:
-        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
 
 
 # ----------------------------------------------------------------------------- lapheads train

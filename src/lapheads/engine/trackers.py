@@ -63,7 +63,7 @@ class Table(NamedTuple):
 
 
 def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
-    """Raise one ConfigError line when a chosen tracker could not log (module docstring).
+    """Raise one ConfigError line when a chosen tracker could not log.
 
     Args:
         names: the trackers of ``train.trackers`` to check (the callers leave ``tensorboard`` out:
@@ -175,7 +175,7 @@ def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
 
 
 class Tracker:
-    """One experiment tracker (see the module docstring for the four calls)."""
+    """One experiment tracker: ``start``, ``log``, ``log_artifact`` and ``finish`` (docs/design/engine.md)."""
 
     name = "tracker"
 
@@ -188,7 +188,7 @@ class Tracker:
         tables: Optional[dict[str, Table]] = None,
     ):
         self.run_dir = Path(run_dir)
-        self.options = options  # project, run_name, dir, mlflow_tracking_uri (empty: see the module docstring)
+        self.options = options  # project, run_name, dir, mlflow_tracking_uri (empty: the tool's default)
         self.config = config  # the run's resolved config (config.yaml), nested
         self.state = state  # this tracker's entry of trackers.json (read, and filled by start())
         self.tables = tables or {}  # record key -> Table (Task.tables)
@@ -395,7 +395,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
 
 class TrackerGroup:
     """The trackers of one attempt: every call goes to each of them; a failing one is dropped with a
-    line on stderr (module docstring)."""
+    line on stderr."""
 
     def __init__(self, trackers: Iterable[Tracker], run_dir: Path, state: dict[str, Any]):
         self.trackers = list(trackers)
@@ -406,7 +406,7 @@ class TrackerGroup:
         for t in list(self.trackers):
             try:
                 getattr(t, what)(*args)
-            except Exception as e:  # noqa: BLE001 - a tracker never stops training (module docstring)
+            except Exception as e:  # noqa: BLE001 - a tracker never stops training
                 print(
                     f"lapheads: warning: tracker {t.name} failed in {what} ({type(e).__name__}: {e}); "
                     "it logs nothing more in this attempt (metrics.jsonl is complete)",
@@ -447,7 +447,7 @@ def build_trackers(
         run_dir: the run directory (its ``config.yaml`` is the logged config, its ``trackers.json``
             the run ids a resume continues).
         options: ``project``, ``run_name``, ``dir`` (W&B's files) and ``mlflow_tracking_uri``, as
-            in ``train.*`` (empty: the tool's own variables or a default, module docstring).
+            in ``train.*`` (empty: the tool's own variables or a default).
         tables: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`).
     """
     check_trackers(

@@ -86,7 +86,7 @@ class TrainConfig(ConfigModel):
     )
     progress: bool = Field(True, description="tqdm bars; shown only when stderr is a terminal")
     find_unused_parameters: bool = Field(False, description="DDP's find_unused_parameters")
-    until_plateau: UntilPlateau = Field(UntilPlateau(), description="early stopping (module docstring)")
+    until_plateau: UntilPlateau = Field(UntilPlateau(), description="early stopping (docs/design/engine.md)")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="fsdp: FSDP2 per-block sharding + sharded (DCP) checkpoints"
     )
@@ -324,7 +324,7 @@ class Trainer:
         """Train to ``total`` steps, evaluate, checkpoint and export ``final/`` (``reevaluate``: a
         resumed run that had finished evaluates again instead of reusing its logged evaluation).
 
-        Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
+        Raises :class:`RunInterrupted` after SIGINT / SIGTERM.
         """
         with self.signals:
             status = "failed"
