@@ -59,19 +59,16 @@ _TMP = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # outputs.atomic_write's temporar
 
 def git_revision() -> Optional[str]:
     """The git commit of the lapheads source tree (with ``-dirty``), or None outside git."""
-    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        rev = git("rev-parse", "HEAD")
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -101,12 +98,7 @@ def add_train_args(p: argparse.ArgumentParser, default_config: Optional[str] = N
 
 def resume_config(out: str | Path, resume: bool) -> Optional[str]:
     """The config a ``--resume`` without ``--config`` continues with: ``OUT/config.yaml`` (None when
-    not resuming).
-
-    Raises:
-        CheckpointError: ``OUT`` holds no run (missing, empty, or without ``config.yaml``): there is
-            no config to continue with, and the recipe's default would silently start another run.
-    """
+    not resuming); a :class:`CheckpointError` when ``OUT`` holds no run."""
     if not resume:
         return None
     saved = Path(out) / "config.yaml"
@@ -155,11 +147,8 @@ def config_changes(
 ) -> list[str]:
     """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out.
 
-    With ``defaults`` (the recipe's default config), a key the old config lacks because it was
-    added to the recipe later (e.g. ``model.in_chans``) is no change while the new config leaves
-    it at its default. ``same`` is the recipe's equality rule (two spellings of one setting are no
-    change); plain ``==`` by default.
-    """
+    With ``defaults`` (the recipe's defaults), a key the old config lacks is no change while the new
+    one leaves it at its default. ``same`` is the recipe's equality rule (plain ``==`` by default)."""
     a, b = flatten_config(old), flatten_config(new)
     d = flatten_config(defaults) if defaults is not None else {}
     return sorted(
@@ -182,12 +171,9 @@ class RunDirBusy(CheckpointError):
 
 
 class RunLock:
-    """Exclusive, process-lifetime ``fcntl`` lock of a directory (``DIR/.lock``, holding the holder's PID and host).
+    """Exclusive, process-lifetime, re-entrant ``fcntl`` lock of a directory (``DIR/.lock`` names the holder).
 
-    Re-entrant within one process (a sweep holds its directory while its runs lock their own).
-    Missing directories are created to hold the lock file and removed again on release when they
-    are still empty, so a command that fails before writing anything leaves nothing behind.
-    """
+    Directories created to hold the lock file are removed on release when they are still empty."""
 
     _held: dict[Path, "RunLock"] = {}
 
@@ -309,8 +295,7 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def enclosing_run_dir(path: str | Path) -> Optional[Path]:
-    """The run directory ``path`` lies in (``path`` itself or the nearest parent holding a run's
-    ``config.yaml``), or None. Used to lock a run before writing analysis output into it."""
+    """The run directory ``path`` lies in (``path`` or its nearest parent holding a run), or None."""
     p = Path(path).absolute()
     for cand in (p, *p.parents):
         if (cand / "config.yaml").is_file() and _is_run_dir(cand):
@@ -318,26 +303,20 @@ def enclosing_run_dir(path: str | Path) -> Optional[Path]:
     return None
 
 
-@contextlib.contextmanager
-def lock_enclosing_run(path: str | Path) -> Iterator[None]:
+def lock_enclosing_run(path: str | Path) -> contextlib.AbstractContextManager:
     """Hold the lock of the run directory ``path`` is in, if any (no-op outside run directories)."""
     run = enclosing_run_dir(path)
-    if run is None:
-        yield
-        return
-    with lock_dir(run):
-        yield
+    return contextlib.nullcontext() if run is None else lock_dir(run)
 
 
 def _written_by_lapheads(name: str) -> bool:
-    """Whether a top-level entry of a run directory is one lapheads writes (:data:`RUN_ENTRIES`, or the
-    temporary file of one that a killed write left)."""
+    """Whether a top-level entry of a run directory is one of :data:`RUN_ENTRIES` (or its temporary file)."""
     tmp = _TMP.fullmatch(name)
     return (tmp.group("name") if tmp else name) in RUN_ENTRIES
 
 
 def _foreign_entries(run: Path) -> list[str]:
-    """The entries of the run directory ``run`` that are not its own (sorted; nested runs' as ``baseline/x``)."""
+    """The entries of run directory ``run`` that are not its own (nested runs' as ``baseline/x``)."""
     out = []
     for c in sorted(run.iterdir(), key=lambda c: c.name):
         if c.name in NESTED_RUNS and c.is_dir() and not c.is_symlink() and (c / "config.yaml").is_file():
@@ -380,12 +359,11 @@ class RunDir:
         return "partial" if self.exists() else "new"
 
     def read_json(self, name: str, what: str = "", *, missing: Any = None) -> Any:
-        """The JSON file ``name`` of the run (``meta.json``, ``slurm.json``, ``final/model.json``);
-        ``missing`` when it does not exist; one :class:`CheckpointError` line when it is corrupt."""
+        """The JSON file ``name`` of the run (:func:`lapheads.outputs.read_json`)."""
         return read_json(self.path / name, what or f"a file of the run {self.path}", missing=missing)
 
     def write_json(self, name: str, data: Any) -> None:
-        """Write the JSON file ``name`` of the run atomically (:func:`lapheads.outputs.atomic_write`)."""
+        """Write the JSON file ``name`` of the run atomically."""
         write_json(self.path / name, data)
 
     def lock(self) -> RunLock:
@@ -403,17 +381,8 @@ class RunDir:
         return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
 
     def check_overwrite(self, keep: Sequence[str | Path] = (), flag: str = "--overwrite") -> None:
-        """Refuse, before anything is deleted, an ``--overwrite`` that would delete more than a run.
-
-        A missing directory, or one holding only the leftovers of a killed start, passes (there is
-        nothing to delete). Otherwise the directory must hold a run (``config.yaml``) and only
-        entries lapheads writes (:data:`RUN_ENTRIES`), must not be the working directory or one of
-        its ancestors, and must not hold any of the ``keep`` paths (the ``--config`` being read).
-        ``flag`` is the option that asked for the deletion, for the message.
-
-        Raises:
-            CheckpointError: one line naming the directory, what is in the way, and what to do.
-        """
+        """Refuse (one :class:`CheckpointError` line), before anything is deleted, an ``--overwrite``
+        (``flag``) that would delete more than a run, or one of the ``keep`` paths (docs/design/engine.md)."""
         if not self.path.is_dir() or self._only_leftovers():
             return
         where = self.path.resolve()
@@ -445,8 +414,7 @@ class RunDir:
             )
 
     def clear(self) -> None:
-        """Delete the run's files (:data:`RUN_ENTRIES`, :data:`NESTED_RUNS`; the lock file, which the
-        caller holds, stays), after :meth:`check_overwrite`: nothing else is ever deleted."""
+        """Delete the run's own files (not the lock file), after :meth:`check_overwrite`."""
         self.check_overwrite()
         for child in self.path.iterdir():
             if child.name == LOCK_NAME or not (_written_by_lapheads(child.name) or child.name in NESTED_RUNS):
@@ -457,13 +425,9 @@ class RunDir:
                 child.unlink()
 
     def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, same: Optional[SameValue] = None) -> bool:
-        """Check that the run can start here; returns whether it resumes an existing run.
+        """Check, touching nothing, that the run can start here; returns whether it resumes a run.
 
-        Raises before anything is touched when the directory would be overwritten or the config
-        of a resumed run changed. ``--resume`` of a directory that holds no complete run (only
-        the leftovers of a start killed before ``config.yaml`` was written) starts afresh. ``same``
-        is the recipe's rule for equal values (:func:`config_changes`).
-        """
+        ``same`` is the recipe's rule for equal values (:func:`config_changes`)."""
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
         if overwrite:
@@ -523,12 +487,8 @@ class RunDir:
         write: bool = True,
         same: Optional[SameValue] = None,
     ) -> bool:
-        """Check (see :meth:`check`), then create the directory and write ``config.yaml`` +
-        ``meta.json``; returns whether the run resumes.
-
-        With ``write=False`` it only checks (nothing is touched), so a caller can validate data
-        before the first file is written. The caller holds :meth:`lock` when it writes.
-        """
+        """:meth:`check`, then (unless ``write=False``) write ``config.yaml`` and ``meta.json`` (the
+        caller holds :meth:`lock`); returns whether the run resumes."""
         resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
         if not is_main or not write:
             return resume
@@ -581,8 +541,7 @@ class RunDir:
         return sorted(p for p in self.path.glob("*.jsonl") if p.is_file())
 
     def trim_step_logs(self, step: int) -> None:
-        """Drop every record logged after ``step`` (a killed attempt logged them past its last
-        checkpoint) and torn lines from every per-step log; records without a step are kept."""
+        """Drop the records logged after ``step``, and torn lines, from every per-step log."""
         for path in self.step_logs():
             keep = [r for r in _read_jsonl(path) if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))

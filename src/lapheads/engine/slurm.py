@@ -6,8 +6,11 @@ Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
+import gc
+import importlib
 import io
 import os
 import re
@@ -24,6 +27,7 @@ from pydantic import Field
 from ..errors import ConfigError, LapheadsError, RunFailed
 from ..outputs import read_json, removed_on_failure, write_json
 from .config import ConfigModel, Float, Int, Str, from_dict, read_yaml
+from .dist import env_from_slurm
 from .run import RunDir
 
 PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
@@ -61,17 +65,12 @@ class LauncherConfig(ConfigModel):
 
 # ----------------------------------------------------------------------------- flags
 _SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # an sbatch long option's name (account, gres, ...)
+_KEYS = (
+    "partition nodes gpus_per_node tasks_per_node cpus_per_task mem_gb time_min max_requeues array_parallelism job_name"
+)
 _FLAGS = {  # flag -> (LauncherConfig key, type)
-    "--partition": ("partition", str),
-    "--nodes": ("nodes", int),
-    "--gpus-per-node": ("gpus_per_node", int),
-    "--tasks-per-node": ("tasks_per_node", int),
-    "--cpus-per-task": ("cpus_per_task", int),
-    "--mem-gb": ("mem_gb", float),
-    "--time-min": ("time_min", int),
-    "--max-requeues": ("max_requeues", int),
-    "--array-parallelism": ("array_parallelism", int),
-    "--job-name": ("job_name", str),
+    "--" + key.replace("_", "-"): (key, {"partition": str, "mem_gb": float, "job_name": str}.get(key, int))
+    for key in _KEYS.split()
 }
 
 
@@ -148,10 +147,7 @@ def launcher_config(args: argparse.Namespace) -> Optional[LauncherConfig]:
             raise ConfigError(f"{args.launcher_config}: launcher must be a mapping")
         data = dict(data)
         prefix = f"{args.launcher_config}: "
-    for _flag, (key, _) in _FLAGS.items():
-        value = getattr(args, f"slurm_{key}", None)
-        if value is not None:
-            data[key] = value
+    data.update({key: v for key, _ in _FLAGS.values() if (v := getattr(args, f"slurm_{key}", None)) is not None})
     extra = dict(data.get("sbatch") or {})
     for item in args.slurm_sbatch:
         key, sep, value = item.partition("=")
@@ -192,11 +188,7 @@ class SubmissionFailed(RunFailed):
 
 
 def check_controller() -> None:
-    """Make sure the SLURM controller answers (``sinfo``) before anything is written or submitted.
-
-    Raises:
-        RunFailed: one line with ``sinfo``'s own message (no client tools, an unreachable controller).
-    """
+    """Raise one :class:`RunFailed` line (``sinfo``'s own message) unless the SLURM controller answers."""
     try:
         r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
@@ -218,9 +210,8 @@ def check_controller() -> None:
 
 @contextlib.contextmanager
 def _submission(folder: Path) -> Iterator[None]:
-    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line with its message,
-    and the files submitit wrote for it (job scripts, pickles; ``folder`` itself when it made it) removed.
-    submitit prints sbatch's stderr before it raises; the line quotes it instead."""
+    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line quoting it, and
+    the files submitit wrote for it removed (submitit's own print of sbatch's stderr is swallowed)."""
     try:
         with removed_on_failure(folder), contextlib.redirect_stderr(io.StringIO()):
             yield
@@ -251,14 +242,10 @@ def make_executor(opts: LauncherConfig, folder: Path, name: str) -> Any:
         additional_parameters={k: (v if v != "" else True) for k, v in opts.sbatch.items()} or None,
         stderr_to_stdout=False,
     )
-    if opts.partition:
-        params["partition"] = opts.partition
-    if opts.gpus_per_node:
-        params["gpus_per_node"] = opts.gpus_per_node
-    if opts.mem_gb:
-        params["mem"] = f"{max(1, int(round(opts.mem_gb * 1024)))}M"
-    if opts.array_parallelism:
-        params["array_parallelism"] = opts.array_parallelism
+    mem = f"{max(1, int(round(opts.mem_gb * 1024)))}M" if opts.mem_gb else ""
+    optional = dict(partition=opts.partition, gpus_per_node=opts.gpus_per_node, mem=mem)
+    optional["array_parallelism"] = opts.array_parallelism
+    params.update({k: v for k, v in optional.items() if v})
     ex.update_parameters(**params)
     return ex
 
@@ -271,11 +258,9 @@ CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARG
 
 
 class TrainJob:
-    """What submitit runs in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
+    """What submitit runs (pickled) in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
 
-    Picklable (submitit stores it with the job); :meth:`checkpoint` is submitit's hook on SIGUSR1.
-    ``entry`` names the command's ``main`` (``module:function``): the CLI sits above the engine, so
-    the engine imports it by name, in the job.
+    ``entry`` names the CLI's ``main`` (``module:function``), imported in the job.
     """
 
     def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False, entry: str = CLI_MAIN):
@@ -292,16 +277,11 @@ class TrainJob:
         return ["train", self.recipe, *argv]
 
     def __call__(self) -> int:
-        import gc
-        import importlib
-
-        from . import dist as D
-
         module, _, name = self.entry.partition(":")
         main = getattr(importlib.import_module(module), name)
         submitit = _submitit()
         job = submitit.JobEnvironment()
-        D.env_from_slurm(job, apply=True)
+        env_from_slurm(job, apply=True)
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         if cpus and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = cpus
@@ -338,8 +318,7 @@ class TrainJob:
         return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True, self.entry))
 
     def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
-        """Append this attempt to ``RUN_DIR/slurm.json`` (only once the directory holds a run: a fresh
-        start needs an empty directory)."""
+        """Append this attempt to ``RUN_DIR/slurm.json`` once the directory holds a run."""
         run = RunDir(self.out)
         if not run.exists():
             return
@@ -383,12 +362,8 @@ def queue_states() -> dict[str, str]:
         raise RunFailed(f"squeue failed: {e}") from None
     if r.returncode != 0:
         raise RunFailed(f"squeue failed: {(r.stderr or r.stdout).strip()}")
-    out = {}
-    for line in r.stdout.splitlines():
-        jid, _, state = line.strip().partition("|")
-        if jid:
-            out[jid] = state
-    return out
+    rows = [line.strip().partition("|") for line in r.stdout.splitlines()]
+    return {jid: state for jid, _, state in rows if jid}
 
 
 def job_state(job_id: str, queue: dict[str, str]) -> Optional[str]:
@@ -414,8 +389,7 @@ def _in_range(task: int, spec: str) -> bool:
 
 
 def log_tail(path: Optional[str | Path], lines: int = 5) -> list[str]:
-    """The last ``lines`` non-empty lines of a log (submitit's own log lines and tracebacks left out:
-    the command's error is its one ``lapheads ...`` line)."""
+    """The last ``lines`` non-empty lines of a log, without submitit's own lines and tracebacks."""
     if not path or not Path(path).is_file():
         return []
     keep, in_traceback = [], False
@@ -432,6 +406,11 @@ def log_tail(path: Optional[str | Path], lines: int = 5) -> list[str]:
         if t.strip() and not t.startswith("submitit "):
             keep.append(t)
     return keep[-lines:]
+
+
+def _tail(rec: dict, lines: int = 5) -> list[str]:
+    """The tail of a job's stderr log, else of its stdout log."""
+    return log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
 
 
 # ----------------------------------------------------------------------------- lapheads train
@@ -479,7 +458,7 @@ def submit_train(
     while job_state(job.job_id, queue_states()) is not None:
         time.sleep(opts.poll_s)
     if RunDir(out).state() != "done":
-        tail = log_tail(job.paths.stderr) or log_tail(job.paths.stdout)
+        tail = _tail({"stderr": job.paths.stderr, "stdout": job.paths.stdout})
         raise RunFailed(
             f"job {job.job_id} ended without finishing {out}: {tail[-1] if tail else 'no log'} "
             f"(log: {job.paths.stderr}); continue it with --resume"
@@ -508,12 +487,8 @@ class SweepJobs:
 
     def queued(self, queue: dict[str, str]) -> dict[str, str]:
         """``{point: state}`` of the points whose current job is still in the queue."""
-        out = {}
-        for name, rec in self.points.items():
-            state = job_state(rec["job_id"], queue)
-            if state is not None:
-                out[name] = state
-        return out
+        states = {name: job_state(rec["job_id"], queue) for name, rec in self.points.items()}
+        return {name: state for name, state in states.items() if state is not None}
 
 
 def submit_sweep(
@@ -526,10 +501,7 @@ def submit_sweep(
     quiet: bool = False,
 ) -> None:
     """Submit the grid runs ``todo`` (``(run directory, lapheads train ARGV, resumes)`` each) as one array
-    job, one task per point; with ``wait``, until every task has ended.
-
-    Points whose job from an earlier submission is still queued or running are not submitted again
-    (they are waited for).
+    job, one task per point, except points whose earlier job is still queued; with ``wait``, until all end.
 
     Raises:
         RunFailed: some points did not finish (the first one's last log line and log named).
@@ -546,12 +518,10 @@ def submit_sweep(
                 f"{records.points[path.name]['job_id']}; not submitted again"
             )
     if submit:
-        jobs = []
         with _submission(records.folder):
             ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
             with ex.batch():
-                for path, argv, _ in submit:
-                    jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
+                jobs = [ex.submit(TrainJob(recipe, argv, Path(path).absolute())) for path, argv, _ in submit]
         stamp = _now()
         for (path, _, resume), job in zip(submit, jobs):
             rec = {
@@ -591,7 +561,7 @@ def submit_sweep(
     failed = [path for path, _, _ in todo if RunDir(path).state() != "done"]
     if failed:
         first = records.points.get(failed[0].name, {})
-        tail = log_tail(first.get("stderr")) or log_tail(first.get("stdout"))
+        tail = _tail(first)
         more = f" ({len(failed) - 1} more)" if len(failed) > 1 else ""
         raise RunFailed(
             f"point {failed[0].name}{more} did not finish: {tail[-1] if tail else 'no log'} "
@@ -625,13 +595,9 @@ def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
         elif jid is None:
             row["state"] = "not started" if run == "new" else "stopped"
         elif unreachable:
-            row["state"] = "unknown"
-            row["tail"] = [unreachable]
+            row.update(state="unknown", tail=[unreachable])
         else:
-            tail = log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
-            row["state"] = "failed"
-            row["tail"] = tail
-            row["resumable"] = run == "partial"
+            row.update(state="failed", tail=_tail(rec, lines), resumable=run == "partial")
         rows.append(row)
     return rows
 
@@ -652,10 +618,7 @@ def print_status(out: Path, names: Sequence[str]) -> int:
                 print(f"{'':<{width}}  log: {r['log']}")
             for line in r.get("tail", []):
                 print(f"{'':<{width}}  | {line}")
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    print(", ".join(f"{v} {k}" for k, v in collections.Counter(r["state"] for r in rows).items()))
     return 0
 
 
