@@ -35,8 +35,8 @@ def _fsync_file(path: Path) -> None:
 
 @contextlib.contextmanager
 def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[int] = None) -> Iterator[None]:
-    """Remove the temporary file or directory ``tmp`` when the block fails (a signal included), and
-    turn a full disk into :class:`DiskFullError` naming ``directory``, ``what`` and ``needed`` bytes."""
+    """Remove ``tmp`` (file or directory) when the block fails (a signal included); a full disk becomes
+    :class:`DiskFullError` naming ``directory``, ``what`` and ``needed`` bytes."""
     try:
         yield
     except BaseException as e:
@@ -183,11 +183,8 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
 
 
 def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
-    """Create the empty temporary directory of step ``step``'s checkpoint (rank 0 only).
-
-    Under ``parallel: fsdp`` every rank then writes its shards into it, and after a barrier rank 0
-    calls :func:`commit_checkpoint`; ``latest`` never names a checkpoint some rank has not finished.
-    """
+    """Create the empty temporary directory of step ``step``'s checkpoint (rank 0 only); every writer
+    fills it, then rank 0 calls :func:`commit_checkpoint`."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_dir / f".tmp-step_{step:08d}-{os.getpid()}"
@@ -228,8 +225,7 @@ def _tensor_bytes(obj: Any) -> tuple[int, int]:
 
 
 def estimate_bytes(files: Mapping[str, Any]) -> int:
-    """The disk space a checkpoint of ``files`` (as for :func:`write_files`) takes, a little generously:
-    the tensor bytes plus headers, and a file-system block per file."""
+    """The disk space a checkpoint of ``files`` takes, a little generously (tensor bytes, headers, a block per file)."""
     total = 16 * 1024  # state.json, latest
     for content in files.values():
         b, n = _tensor_bytes(content)
@@ -247,13 +243,9 @@ def file_checksums(directory: Path) -> dict[str, dict[str, Any]]:
 
 
 def make_room(ckpt_dir: Path, needed: int, keep: int, what: str, protect: Optional[str] = None) -> None:
-    """Make sure ``needed`` bytes are free in ``ckpt_dir`` before a new checkpoint is written.
-
-    When they are not, stale temporary directories and then the oldest checkpoints that ``keep``
-    would remove after the write anyway go first (never the one ``latest`` names nor ``protect``,
-    the name of the checkpoint the run last wrote or resumed from: the last good one); when that is
-    not enough, :class:`DiskFullError` is raised before anything is written.
-    """
+    """Make sure ``needed`` bytes are free in ``ckpt_dir``, removing first stale temporary directories,
+    then the oldest checkpoints ``keep`` would remove anyway (never ``latest`` nor ``protect``); else
+    :class:`DiskFullError`, before anything is written."""
     ckpt_dir = Path(ckpt_dir)
     free = free_bytes(ckpt_dir)
     if free is None or free >= needed:
@@ -288,14 +280,8 @@ def _fsync_tree(root: Path) -> None:
 def commit_checkpoint(
     ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None, run_id: Optional[str] = None
 ) -> Path:
-    """Publish a complete temporary checkpoint directory: ``state.json``, rename, move ``latest``.
-
-    ``state.json`` records the size and SHA-256 of every file (and ``run_id``, the run's id), which
-    :func:`verify_checkpoint` checks on resume. Every file under ``tmp`` is fsynced again (shards
-    other ranks wrote included), then ``tmp`` is renamed to ``step_X`` and only then ``latest`` is
-    replaced; older checkpoints beyond ``keep`` and stale temporary directories of killed processes
-    are removed afterwards.
-    """
+    """Publish a complete temporary checkpoint directory: ``state.json`` (sizes, SHA-256 sums, ``run_id``),
+    fsync, rename to ``step_X``, then move ``latest``; older checkpoints beyond ``keep`` are removed."""
     ckpt_dir = Path(ckpt_dir)
     info = {"step": step, "time": time.time(), **(summary or {}), "run_id": run_id, "files": file_checksums(tmp)}
     with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
@@ -333,15 +319,12 @@ def write_checkpoint(
     Args:
         files: name -> content; ``*.safetensors`` take a dict of tensors, ``state.pt`` any
             weights-only-loadable object.
-        keep: how many complete checkpoints to keep (older ones are removed afterwards; when the
-            disk is short, before the write: :func:`make_room`).
+        keep: how many complete checkpoints to keep (0: all).
         run_id: the run's id, recorded so that a checkpoint copied from another run is recognised.
         protect: name of a checkpoint :func:`make_room` must not remove (the run's last good one).
 
     Raises:
-        DiskFullError: the disk cannot hold the checkpoint (refused before the write when the
-            estimate says so); the temporary directory is removed, the last good checkpoint kept.
-    """
+        DiskFullError: the disk cannot hold it; the temporary directory is removed."""
     ckpt_dir = Path(ckpt_dir)
     needed = estimate_bytes(files)
     what = f"the checkpoint of step {step}"
@@ -378,11 +361,9 @@ def _check_safetensors_structure(path: Path) -> Optional[str]:
 def verify_checkpoint(path: Path, run_id: Optional[str] = None) -> tuple[Optional[str], bool]:
     """Check a checkpoint directory without loading it into a model.
 
-    Returns ``(problem, checksummed)``: ``problem`` is None when it is intact, else why not (a
-    missing, truncated or changed file, another run's id); ``checksummed`` says whether sizes and
-    SHA-256 sums were checked (False for checkpoints written before they were recorded: then each
-    file's structure is checked and ``state.pt`` loaded).
-    """
+    Returns ``(problem, checksummed)``: ``problem`` is None when it is intact, else why not;
+    ``checksummed`` is False for checkpoints without recorded sums (then each file's structure is
+    checked and ``state.pt`` loaded)."""
     path = Path(path)
     if not path.is_dir():
         return "it is missing", False
@@ -424,8 +405,7 @@ def verify_checkpoint(path: Path, run_id: Optional[str] = None) -> tuple[Optiona
 
 
 def _refused_code(path: Path) -> Optional[str]:
-    """For a changed ``*.pt`` file: the safe loader's refusal when it holds code (the news that
-    matters most about such a file), else None. Loading with ``weights_only=True`` runs nothing."""
+    """For a changed ``*.pt`` file: the safe loader's refusal when it holds code, else None."""
     if path.suffix != ".pt":
         return None
     try:
@@ -447,14 +427,10 @@ def sha256_file(path: Path) -> str:
 def resumable_checkpoint(
     ckpt_dir: Path, run_id: Optional[str] = None, skip: Collection[Path] = ()
 ) -> tuple[Optional[Path], list[str]]:
-    """The newest intact checkpoint of ``ckpt_dir`` and one note per checkpoint skipped (or unverified).
+    """The newest intact checkpoint of ``ckpt_dir`` (or None) and one note per checkpoint skipped or unverified.
 
-    Every ``step_*`` directory is a candidate, newest first (one renamed into place but not yet
-    named by ``latest`` is complete); a ``latest`` that names a missing step is noted. Nothing is
-    deleted; checkpoints in ``skip`` (those the caller could not load) are passed over without a
-    note. Returns ``(None, notes)`` when there is no intact one (``notes`` empty: no checkpoint
-    at all, the run starts at step 0).
-    """
+    Every ``step_*`` directory is a candidate, newest first; those in ``skip`` are passed over without a
+    note. Nothing is deleted. ``(None, [])`` means there is no checkpoint at all."""
     ckpt_dir = Path(ckpt_dir)
     notes: list[str] = []
     pointer = ckpt_dir / LATEST

@@ -5,6 +5,7 @@ Design notes: docs/design/engine.md (Trackers).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -44,9 +45,7 @@ TRACKERS: dict[str, tuple[str, str, str]] = {
 STATE_FILE = "trackers.json"
 #: the SQLAlchemy dialects of MLflow's database stores (``sqlite:///...``, ``postgresql://...``)
 _MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
-#: W&B settings that lapheads sets only when the user has not: each with the ``WANDB_*``
-#: variables (W&B's names) that set it instead. Where the files go, the project and the run's
-#: name follow ``train.*`` first, then ``WANDB_DIR``, ``WANDB_PROJECT`` and ``WANDB_NAME``.
+#: W&B settings that lapheads sets only when the user has not: each with the ``WANDB_*`` variables that set it.
 WANDB_DEFAULTS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "resume": ("allow", ("WANDB_RESUME",)),  # a resumed lapheads run continues its W&B run
     "console": ("off", ("WANDB_CONSOLE",)),  # the run's stdout stays the user's
@@ -63,21 +62,13 @@ class Table(NamedTuple):
 
 
 def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
-    """Raise one ConfigError line when a chosen tracker could not log.
+    """Raise one ConfigError line when a chosen tracker could not log: its package is missing (naming
+    the package and the extra), MLflow cannot open its store, or W&B's directory cannot be written.
 
     Args:
-        names: the trackers of ``train.trackers`` to check (the callers leave ``tensorboard`` out:
-            a dependency of ``lapheads[train]``, tolerated missing).
-        mlflow_tracking_uri: ``train.mlflow_tracking_uri`` (empty: ``MLFLOW_TRACKING_URI``, else
-            MLflow's default).
-        tracker_dir: ``train.tracker_dir`` (empty: ``WANDB_DIR``, else the run directory, which the
-            run makes).
-
-    Raises:
-        ConfigError: ``train.trackers`` names a tracker whose package is missing (the message names
-            the package and the extra), or an unknown one; MLflow's store needs SQLAlchemy and
-            Alembic, or is a file store that MLflow refuses; W&B's directory cannot be written.
-    """
+        names: the trackers to check (callers leave ``tensorboard`` out: tolerated missing).
+        mlflow_tracking_uri: ``train.mlflow_tracking_uri``.
+        tracker_dir: ``train.tracker_dir``."""
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"train.trackers: unknown tracker {name!r}; expected some of {sorted(TRACKERS)}")
@@ -132,8 +123,8 @@ def _check_mlflow_store(configured: str) -> None:
 
 
 def _check_writable(path: str, key: str) -> None:
-    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in;
-    the folders made to find out are removed again."""
+    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in (the
+    folders made to find out are removed again)."""
     target = Path(path).expanduser().absolute()
     missing = []
     top = target
@@ -194,7 +185,7 @@ class Tracker:
         self.tables = tables or {}  # record key -> Table (Task.tables)
 
     def _tables(self, record: dict[str, Any]) -> dict[str, tuple[list[Any], list[list[Any]]]]:
-        """``{key: (columns, rows)}`` of the record's values that the task declared tables (not empty)."""
+        """``{key: (columns, rows)}`` of the record's non-empty values that the task declared tables."""
         out = {}
         for key, table in self.tables.items():
             rows = table.rows(record[key]) if record.get(key) else []
@@ -220,12 +211,8 @@ class Tracker:
 def _after_earlier_event_files(tb_dir: Path) -> None:
     """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
 
-    TensorBoard reads a run's event files in name order, and a name is
-    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: two files made in the same second
-    compare by pid and counter as strings ("...10" < "...9"), so a resumed attempt's file could be read
-    before the killed attempt's, and its purge marker would then erase the earlier steps instead of
-    the orphaned ones. A resume is rare; waiting for the next second makes the order certain.
-    """
+    Event files are read in name order (``events.out.tfevents.<seconds>.<host>.<pid>...``), and two made
+    in the same second compare by pid as text, so the purge marker of a resume could erase the wrong steps."""
     stamps = []
     for f in Path(tb_dir).glob("events.out.tfevents.*"):
         parts = f.name.split(".")
@@ -394,8 +381,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
 
 
 class TrackerGroup:
-    """The trackers of one attempt: every call goes to each of them; a failing one is dropped with a
-    line on stderr."""
+    """The trackers of one attempt: every call goes to each; a failing one is dropped with a line on stderr."""
 
     def __init__(self, trackers: Iterable[Tracker], run_dir: Path, state: dict[str, Any]):
         self.trackers = list(trackers)
@@ -415,10 +401,8 @@ class TrackerGroup:
                 )
                 self.trackers.remove(t)
                 if what != "finish":
-                    try:
+                    with contextlib.suppress(Exception):
                         t.finish("failed")
-                    except Exception:  # noqa: BLE001
-                        pass
 
     def start(self, resume_step: Optional[int]) -> None:
         self._each("start", resume_step)
@@ -442,14 +426,8 @@ def build_trackers(
 ) -> TrackerGroup:
     """The :class:`TrackerGroup` of ``names`` for ``run_dir`` (not started; :meth:`TrackerGroup.start`).
 
-    Args:
-        names: ``train.trackers``.
-        run_dir: the run directory (its ``config.yaml`` is the logged config, its ``trackers.json``
-            the run ids a resume continues).
-        options: ``project``, ``run_name``, ``dir`` (W&B's files) and ``mlflow_tracking_uri``, as
-            in ``train.*`` (empty: the tool's own variables or a default).
-        tables: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`).
-    """
+    ``options``: ``project``, ``run_name``, ``dir`` and ``mlflow_tracking_uri`` as in ``train.*``;
+    ``tables``: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`)."""
     check_trackers(
         [n for n in names if n != "tensorboard"],
         mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "",
@@ -467,10 +445,8 @@ def build_trackers(
     return TrackerGroup(trackers, run_dir, state)
 
 
-#: Makers of the files a finished run adds to its trackers besides ``final/``: each is
-#: ``maker(run_dir, tmp_dir) -> [(file, name)]`` and draws into ``tmp_dir``. The engine knows no
-#: report; the layer that does registers one (``lapheads train`` registers the run's own report
-#: figures, :func:`lapheads.report.run_figures`).
+#: Makers of the files a finished run adds to its trackers besides ``final/``, registered by a higher
+#: layer: ``maker(run_dir, tmp_dir) -> [(file, name)]``, drawing into ``tmp_dir``.
 FINAL_FILE_MAKERS: list[Callable[[Path, Path], list[tuple[Path, str]]]] = []
 
 
@@ -481,9 +457,8 @@ def add_final_files(maker: Callable[[Path, Path], list[tuple[Path, str]]]) -> No
 
 
 def log_final(group: TrackerGroup, run_dir: Path) -> None:
-    """Log ``final/metrics.json``, ``final/model.json`` and the files of every registered maker
-    (:data:`FINAL_FILE_MAKERS`, drawn into a temporary directory, so the run directory is unchanged)
-    to the trackers that take files. A maker that fails is one warning line: training has finished."""
+    """Log ``final/metrics.json``, ``final/model.json`` and the files of every registered maker (drawn
+    into a temporary directory) to the trackers that take files; a failing maker is one warning line."""
     if not any(t.takes_files for t in group.trackers):
         return
     run_dir = Path(run_dir)
