@@ -46,18 +46,10 @@ def _check_can_create_in(parent: Path, target: Path, flag: str) -> None:
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """Check that ``path`` is (or can become) a writable directory; nothing is created.
-
-    Args:
-        path: the output directory.
-        flag: how the user gave it, for messages (``--out``, ``--cache-dir``).
-
-    Returns:
-        ``path`` as a :class:`Path`.
+    """Check that ``path`` (``flag`` for messages) is or can become a writable directory; nothing is created.
 
     Raises:
-        ConfigError: it is an existing file, a parent is a file, or it cannot be written.
-    """
+        ConfigError: it is an existing file, a parent is a file, or it cannot be written."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {p} is an existing file; give a directory (it holds several files)")
@@ -88,14 +80,8 @@ def _entries(root: Path) -> set[Path]:
 def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = True) -> Iterator[Path]:
     """Remove what the ``with`` block wrote under ``path`` if it raises an ``Exception``.
 
-    Args:
-        path: the output directory (it may not exist yet).
-        remove_new_entries: when ``path`` already existed, also remove the files and folders the
-            block added to it (pass ``False`` for a resumed job whose index refers to new files).
-
-    A directory created by the block (and parents it created) is removed entirely.
-    ``KeyboardInterrupt`` / ``SystemExit`` keep everything.
-    """
+    A directory the block created is removed entirely; in an existing one, the entries the block added
+    (unless ``remove_new_entries=False``). ``KeyboardInterrupt`` / ``SystemExit`` keep everything."""
     p = Path(path)
     created: Optional[Path] = None
     if not p.exists():
@@ -166,13 +152,8 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
 
 
 def read_json(path: str | os.PathLike, what: str = "", *, missing: Any = _RAISE) -> Any:
-    """``json.loads`` of a file, with a one-line :class:`CheckpointError` naming it on failure.
-
-    Args:
-        path: the JSON file.
-        what: what the file should be, for the message (``"the model description of a run"``).
-        missing: returned when the file does not exist (by default that is an error too).
-    """
+    """``json.loads`` of a file, with a one-line :class:`CheckpointError` naming it (and ``what`` it should
+    be) on failure; ``missing`` is returned when the file does not exist (default: an error too)."""
     p = Path(path)
     hint = f" ({what})" if what else ""
     if missing is not _RAISE and not p.exists() and not p.is_symlink():

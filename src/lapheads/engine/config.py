@@ -52,12 +52,9 @@ _RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules 
 
 # --------------------------------------------------------------------------- YAML
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping which repeats a key (plain YAML keeps the last).
+    """``yaml.SafeLoader`` that refuses a mapping which repeats a key, naming its full path and both lines.
 
-    Duplicates are looked for on the composed node tree before anything is constructed, so the
-    error can name the key by its full path (``model.depth``) and both lines. Merge keys
-    (``<<: *defaults``) are YAML's explicit way to override and stay allowed.
-    """
+    Merge keys (``<<: *defaults``), YAML's explicit way to override, stay allowed."""
 
     key_prefix = ""  # dotted path of the document inside a larger config (a ``--set`` value)
 
@@ -112,16 +109,11 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
     """Parse YAML ``text`` with :class:`StrictLoader` (safe types only, no repeated keys).
 
-    Args:
-        text: the YAML document.
-        source: what the text is, for messages (``config file runs/a/config.yaml``, ``--set a=b``).
-        key_prefix: where the document sits in a larger config, for messages (``model`` for
-            ``--set model={depth: 2, depth: 3}``).
+    ``source`` says what the text is and ``key_prefix`` where it sits in a larger config, for messages
+    (``config file runs/a/config.yaml``; ``model`` for ``--set model={depth: 2, depth: 3}``).
 
     Raises:
-        ConfigError: not valid YAML, or a mapping repeats a key (the message names the key, its
-            full path and both lines).
-    """
+        ConfigError: not valid YAML, or a mapping repeats a key."""
     loader = StrictLoader(text)
     loader.key_prefix = key_prefix
     try:
@@ -193,9 +185,7 @@ Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 class ConfigModel(BaseModel):
     """Base class of every config section: strict types, no unknown keys, no NaN, ConfigError on failure.
 
-    Sections are plain mutable models (a recipe may derive a value in a run rule, e.g.
-    ``train.grad_accum`` of ``lm``); assignments are not validated, as dataclass fields were not.
-    """
+    Sections are mutable (a run rule may derive a value); assignments are not validated."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -210,18 +200,14 @@ class ConfigModel(BaseModel):
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def validate(self: T) -> T:  # type: ignore[override]
-        """This config checked as :func:`load_config` checks one (run rules included); returns the checked copy.
-
-        Raises:
-            ConfigError: one line, as for a YAML file (e.g. ``init_from is empty: ...``).
-        """
+        """This config checked as :func:`load_config` checks one (run rules included); returns the checked copy."""
         return from_dict(type(self), cast(BaseModel, self).model_dump())
 
 
 def run_rule(check: Callable[[Any], None]) -> Any:
-    """Declare a run rule of a config model: ``check(self)`` raises a
-    ConfigError (or another :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive
-    fields in place. It runs after the model's own validation, only when the config is loaded."""
+    """Declare a run rule of a config model: ``check(self)`` raises a ConfigError (or another
+    :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive fields in place. It runs
+    after the model's own validation, only when the config is loaded."""
 
     def validator(self: Any, info: ValidationInfo) -> Any:
         if info.context and info.context.get(_RUN_RULES):
@@ -268,19 +254,14 @@ def _parse_hooks(obj: Any, keys: str) -> None:
 
 
 def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "", *, run_rules: bool = True) -> T:
-    """Build config ``cls`` from a mapping: ``cls.model_validate`` with one-line errors.
+    """Build config ``cls`` (a :class:`ConfigModel`, or a plain dataclass) from a mapping, with one-line errors.
 
-    Args:
-        cls: a :class:`ConfigModel` (or a plain dataclass, e.g. a test's config, validated by
-            pydantic too).
-        data: the values; missing keys take their defaults.
-        prefix: ``"SOURCE: "`` and/or the key path of ``data`` in a larger config, for messages
-            (``"runs/a/config.yaml: "``, ``"final/model.json: model."``).
-        run_rules: also check the run rules (:func:`run_rule`).
+    ``data``'s missing keys take their defaults; ``prefix`` is ``"SOURCE: "`` and/or the key path of
+    ``data`` in a larger config, for messages (``"runs/a/config.yaml: "``, ``"final/model.json: model."``);
+    ``run_rules``: also check the run rules (:func:`run_rule`).
 
     Raises:
-        ConfigError: one line naming the key's full path, the value and what is allowed.
-    """
+        ConfigError: one line naming the key's full path, the value and what is allowed."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -298,10 +279,7 @@ def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "",
 
 
 def to_dict(obj: Any) -> Any:
-    """A plain (YAML-safe) copy of a config: ``model_dump(mode="json")`` (tuples as lists, paths as text).
-
-    Plain dataclasses (a test's config, which may hold config models) are copied field by field.
-    """
+    """A plain (YAML-safe) copy of a config: ``model_dump(mode="json")``; plain dataclasses field by field."""
     if isinstance(obj, BaseModel):
         return obj.model_dump(mode="json")
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -351,9 +329,7 @@ def read_yaml(path: str | Path) -> dict:
     """The mapping of a YAML config file (:func:`load_yaml`); an empty file is ``{}``.
 
     Raises:
-        ConfigError: the path is missing, a directory or unreadable, the text is not UTF-8 or not
-            valid YAML, a key repeats, or the top level is not a mapping.
-    """
+        ConfigError: the path is not a readable file, the text is not UTF-8 YAML, or not a mapping."""
     p = Path(path)
     if not p.is_file():
         if p.is_dir():
@@ -388,13 +364,8 @@ def load_config(
 ) -> T:
     """Defaults of ``cls`` <- ``base`` <- YAML at ``path`` <- ``--set`` overrides.
 
-    A YAML file may name its recipe at the top level (``recipe: classify``); with ``recipe``
-    given, a file written for another recipe is refused. ``run_rules=False`` leaves out the run
-    rules (``lapheads config show``: a config that is not run yet may leave ``init_from`` open).
-
-    Raises:
-        ConfigError: one line (see :func:`read_yaml`, :func:`parse_overrides`, :func:`from_dict`).
-    """
+    A file naming another recipe (``recipe: NAME``) than ``recipe`` is refused. ``run_rules=False``
+    leaves out the run rules (``lapheads config show``). Raises a one-line ConfigError."""
     data: dict = dict(base or {})
     if path is not None:
         raw = read_yaml(path)
@@ -413,11 +384,8 @@ def save_config(obj: Any, path: str | Path) -> None:
 
 # --------------------------------------------------------------------------- schema and docs
 def config_schema(cls: type[BaseModel], recipe: Optional[str] = None) -> dict[str, Any]:
-    """The JSON schema of config model ``cls`` (``model_json_schema``), for editors that complete YAML.
-
-    With ``recipe``, the schema also allows the ``recipe: NAME`` line that recipe files and a
-    run's ``config.yaml`` start with.
-    """
+    """The JSON schema of config model ``cls``, for editors that complete YAML; with ``recipe``, it also
+    allows the ``recipe: NAME`` line of recipe files and run configs."""
     schema = cls.model_json_schema()
     if recipe is not None:
         schema["properties"] = {
@@ -509,10 +477,8 @@ def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> N
 def config_table(model_cls: type[BaseModel]) -> str:
     """A Markdown table of a config model: key path, type, default, allowed range, description.
 
-    Sections are recursed into (a row for the section, then its keys as ``train.seed``); the fields
-    of a list of sections appear as ``data.sources[].path``. Defaults are those of ``model_cls()``,
-    so a recipe's own defaults of a shared section show (``classify``: ``train.clip_grad`` 1.0).
-    """
+    Sections are recursed into (``train.seed``; list items as ``data.sources[].path``); defaults are
+    those of ``model_cls()``."""
     rows = ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
     _rows(model_cls, model_cls(), "", rows)
     return "\n".join(rows) + "\n"
@@ -527,13 +493,10 @@ def number_arg(
     le: Optional[float] = None,
     lt: Optional[float] = None,
 ) -> Callable[[str], Any]:
-    """An argparse ``type=`` for a numeric flag, with the same rules as a config field.
+    """An argparse ``type=`` for a numeric flag with a config field's rules (no NaN or infinity, 64-bit
+    ints, the range), checked when the command line is parsed::
 
-    It refuses NaN and infinity (floats), values beyond 64 bits (ints) and values outside the
-    range, while the command line is parsed, i.e. before any model is loaded::
-
-        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)
-    """
+        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)"""
     bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt}
 
     def parse(text: str) -> Any:

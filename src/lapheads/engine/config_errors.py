@@ -91,13 +91,9 @@ def _key_paths(tp: Any, prefix: str = "", depth: int = 0) -> list[str]:
 
 
 def suggest_keys(root: Any, key: str) -> list[str]:
-    """The keys of config type ``root`` a user most likely meant by the unknown dotted ``key``.
-
-    In this order, at most three: keys with the same name under another section (``train.lr`` ->
-    ``optim.lr``), then keys of the same section whose name is close (``train.max_step`` ->
-    ``train.max_steps``, :func:`difflib.get_close_matches`); close names under other sections only
-    when neither gave one (``optim.lr_schedule`` -> ``train.schedule``).
-    """
+    """At most three keys of config type ``root`` a user most likely meant by the unknown dotted ``key``:
+    the same name under another section (``train.lr`` -> ``optim.lr``), then close names in the same
+    section; close names under other sections only when neither gave one."""
     paths = _key_paths(root)
     section, _, leaf = key.rpartition(".")
     by_leaf: dict[str, list[str]] = {}
@@ -185,18 +181,9 @@ _NAME_TAIL = re.compile(r"(?=[=.\[ ]|$)")
 def config_error(error: ValidationError, root: Any, prefix: str = "") -> LapheadsError:
     """One line for the first error of a pydantic ``ValidationError`` of config type ``root``.
 
-    The line names the key by its full dotted path (list items as ``[i]``), the value and what is
-    allowed: ``optim.betas[1]=1.0 must be in [0, 1)``, ``unknown config key optim.lr_schedule;
-    allowed keys under optim: [...]``, ``train.schedule='exp' is not allowed; expected one of [...]``.
-    An error a validator raised (a :class:`~lapheads.errors.LapheadsError`) keeps its class and
-    text; a text that starts with the bare field name gets the full path instead.
-
-    Args:
-        error: what pydantic raised.
-        root: the type that was validated (a model, or a dataclass for :func:`from_dict`).
-        prefix: ``"SOURCE: "`` and/or the dotted path of ``root`` in a larger config
-            (``"runs/a/config.yaml: "``, ``"final/model.json: model."``).
-    """
+    It names the key by its full dotted path, the value and what is allowed (``optim.betas[1]=1.0 must
+    be in [0, 1)``). An error a validator raised keeps its class and text (with the full path).
+    ``prefix`` is ``"SOURCE: "`` and/or the dotted path of ``root`` in a larger config."""
     e = error.errors(include_url=False)[0]
     loc = tuple(e["loc"])
     if not _is_model(root) and loc[:1] == ("value",):  # the wrapper of a dataclass (from_dict)

@@ -44,12 +44,9 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
 
 
 def env_from_slurm(job: Any = None, apply: bool = False) -> dict[str, str]:
-    """torchrun's variables for this SLURM task (empty for a one-task job or under torchrun).
+    """torchrun's variables for this SLURM task from submitit's ``job`` (empty for one task or under torchrun).
 
-    ``job`` is submitit's ``JobEnvironment`` (default: this task's). ``MASTER_ADDR`` is the job's first
-    node, ``MASTER_PORT`` is ``LAPHEADS_MASTER_PORT`` or 20000 + job id mod 20000 (two jobs sharing a node
-    get different ports, a requeued job the same). With ``apply`` they are also set in ``os.environ``.
-    """
+    ``MASTER_PORT`` is ``LAPHEADS_MASTER_PORT`` or 20000 + job id mod 20000; ``apply`` also sets them."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or a caller) has set them
         return {}
     if job is None:

@@ -37,6 +37,7 @@ __all__ = [
     "DCP_DIR",
 ]
 
+# torch.distributed's FSDP, DTensor and DCP modules take ~1 s to import: the functions import them when called.
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the DCP files (model + optimizer shards)
 
 T = TypeVar("T")
@@ -44,14 +45,8 @@ T = TypeVar("T")
 
 # --------------------------------------------------------------------------- sharding
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformers model (classes in ``_no_split_modules``), in order.
-
-    Works through wrappers such as PEFT's ``PeftModel`` (the attribute is looked up on every
-    sub-module that defines it).
-
-    Raises:
-        ConfigError: the model names no block class, or none of its modules is one.
-    """
+    """The repeated blocks of a transformers model (classes in ``_no_split_modules``, looked up on every
+    sub-module, so wrappers such as PEFT's work), in order; a :class:`ConfigError` when there are none."""
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
@@ -67,17 +62,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def shard_model(
     model: nn.Module, blocks: Sequence[nn.Module], device: torch.device, *, bf16: bool, world_size: Optional[int] = None
 ) -> None:
-    """Apply ``fully_shard`` to every block, then to the root (in place).
-
-    Args:
-        model: the module the optimizers will train.
-        blocks: the FSDP units inside it (e.g. :func:`transformer_blocks`).
-        device: this rank's device (the mesh's device type).
-        bf16: mixed precision (bf16 compute and all-gather, fp32 gradient reduction).
-        world_size: processes to shard over (default: the process group's size).
-    """
-    from torch.distributed.device_mesh import init_device_mesh  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: ~1 s to import, FSDP only
+    """Apply ``fully_shard`` to every block of ``blocks``, then to the root (in place), over ``world_size``
+    processes (default: the group's); ``bf16``: bf16 compute and all-gather, fp32 gradient reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world = world_size or dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
@@ -90,11 +78,7 @@ def shard_model(
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward (transformers' switch, non-reentrant).
-
-    Raises:
-        ConfigError: the model has no such switch.
-    """
+    """Recompute each block's activations in backward (transformers' switch, non-reentrant); ConfigError without one."""
     # transformers 5.x renamed the switch; the old name still works there but warns (FutureWarning)
     fn, kwargs = getattr(model, "activation_checkpointing_enable", None), "activation_checkpointing_kwargs"
     if fn is None:
@@ -107,29 +91,28 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     fn(**{kwargs: {"use_reentrant": False}})
 
 
+def _is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether the model's parameters are DTensor shards (``fully_shard`` was applied)."""
-    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
 # --------------------------------------------------------------------------- Muon on shards
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
 
-    The momentum buffer stays sharded; the Nesterov update is all-gathered, orthogonalised with
-    torch's Newton-Schulz iteration, and the local shard of the result is applied. Arguments,
-    param groups and state are torch's; plain tensors take exactly torch's path.
-    """
+    The Nesterov update is all-gathered, orthogonalised with torch's Newton-Schulz iteration, and the
+    local shard applied; arguments, param groups and state are torch's."""
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        from torch.distributed.tensor import DTensor, distribute_tensor  # lazy: ~1 s to import, FSDP only
-        from torch.optim._muon import (
-            _adjust_lr,
-            _zeropower_via_newtonschulz,
-        )  # lazy: private torch module, present only in torch versions with Muon
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # private; torch versions with Muon
 
         loss = None
         if closure is not None:
@@ -161,17 +144,13 @@ class ShardedMuon(torch.optim.Muon):
 
 def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
     """:class:`ShardedMuon` when any parameter is a DTensor shard, else ``torch.optim.Muon``."""
-    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
-
-    return ShardedMuon if any(isinstance(p, DTensor) for p in params) else torch.optim.Muon
+    return ShardedMuon if any(_is_dtensor(p) for p in params) else torch.optim.Muon
 
 
 # --------------------------------------------------------------------------- norms and guards
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
-    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
-
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if _is_dtensor(norm) else norm
 
 
 def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
@@ -185,10 +164,7 @@ def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
 
 # --------------------------------------------------------------------------- export
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters are on the meta device (no memory), buffers real.
-
-    Made before sharding; :func:`materialize` fills it with gathered weights for the export.
-    """
+    """A deep copy of ``model`` with parameters on the meta device (buffers real), made before sharding."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
@@ -209,10 +185,7 @@ def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on rank 0's CPU (other ranks get ``{}``); a collective call."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state: Any = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return cast(dict[str, torch.Tensor], state)
@@ -229,8 +202,8 @@ def _quiet_single_process() -> Any:
 
 def save_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Optimizer]) -> None:
     """Every rank writes its shards of model and optimizer state into ``path/dcp`` (collective)."""
-    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.checkpoint.state_dict import get_state_dict  # lazy: ~1 s to import, FSDP only
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, list(optims))
     with _quiet_single_process():
@@ -243,11 +216,8 @@ def load_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Opti
     Raises:
         CheckpointError: the checkpoint does not fit this model or these optimizers.
     """
-    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.checkpoint.state_dict import (
-        get_state_dict,
-        set_state_dict,
-    )  # lazy: ~1 s to import, FSDP only
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, list(optims))
     state = {"model": msd, "optim": osd}
@@ -268,13 +238,10 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def consolidate(path: Path) -> dict[str, Any]:
-    """``{"model": {name: full tensor}, "optim": ...}`` of a sharded checkpoint, in one process.
-
-    Needs no process group (DCP's no-dist mode); used to inspect or convert a checkpoint.
-    """
+    """``{"model": {name: full tensor}, "optim": ...}`` of a sharded checkpoint, in one process (no group needed)."""
     import tempfile
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -292,10 +259,8 @@ def lockstep(
 ) -> Iterator[tuple[T, bool]]:
     """``(batch, real)`` pairs, the same number on every rank when the model is sharded.
 
-    A sharded forward is a collective (each block all-gathers its weights), so a rank that ran out
-    of evaluation batches must still run forwards while the others do: it gets ``fallback()``
-    with ``real=False`` (compute, then discard). Unsharded, the batches pass through as they are.
-    """
+    A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
+    ``real=False`` (compute, then discard) while the others go on."""
     if not sharded or not (dist.is_available() and dist.is_initialized()):
         for b in batches:
             yield b, True

@@ -48,9 +48,8 @@ def launch(
 ) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``.
 
-    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`);
-    ``reevaluate``: a resumed run that had finished evaluates its final model again.
-    """
+    ``same`` is the recipe's rule for equal config values on ``--resume``; ``reevaluate``: a resumed
+    run that had finished evaluates its final model again."""
     info = D.init_distributed(cfg.train.device)
     threads, why = configure_threads(cfg.train.threads)  # before any tensor work (engine/threads.py)
     if info.is_main and cfg.train.progress:
@@ -97,9 +96,8 @@ def launch(
 
 
 def disk_full_in_run(exc: BaseException, recipe: str, run_dir: Path, last_step: Any = "pointer") -> DiskFullError:
-    """The one-line :class:`DiskFullError` of a run whose write ``exc`` met a full disk: with the
-    run's last good checkpoint (``last_step``; by default the step ``latest`` names) and the
-    command that continues it from its directory alone."""
+    """The one-line :class:`DiskFullError` of a run whose write ``exc`` met a full disk, with the last
+    good checkpoint (``last_step``; by default the step ``latest`` names) and the command that continues it."""
     if not isinstance(exc, DiskFullError):
         name = getattr(exc, "filename", None)
         where = Path(name).parent if name else run_dir
@@ -111,12 +109,8 @@ def disk_full_in_run(exc: BaseException, recipe: str, run_dir: Path, last_step: 
 
 
 def resume_command(words: Sequence[str], args: Sequence[str], started: bool = True) -> str:
-    """The command line that continues an interrupted ``lapheads WORDS ARGS``.
-
-    ``--overwrite`` / ``--restart-changed`` are dropped (they already took effect), a train
-    command gets ``--resume`` when its run had started, and under torchrun the launcher is
-    named (flags are exact: the train, sweep and quickstart parsers refuse abbreviations).
-    """
+    """The command line that continues an interrupted ``lapheads WORDS ARGS``: without ``--overwrite`` /
+    ``--restart-changed``, with ``--resume`` for a started train command, under torchrun when it ran there."""
     if not started:
         rest = list(args)
     else:
@@ -129,10 +123,7 @@ def resume_command(words: Sequence[str], args: Sequence[str], started: bool = Tr
 
 
 def describe_interrupt(words: Sequence[str], args: Sequence[str], exc: BaseException) -> tuple[Optional[str], int]:
-    """The one stderr line and the exit status of a command ended by SIGINT / SIGTERM.
-
-    The line is None on ranks other than 0 (one line per job, not per process).
-    """
+    """The one stderr line (None on ranks other than 0) and the exit status of a command ended by a signal."""
     signum = int(getattr(exc, "signum", signal.SIGINT))
     rc = 128 + signum
     if int(os.environ.get("RANK", "0")) != 0:

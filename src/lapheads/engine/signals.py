@@ -18,17 +18,10 @@ from .dist import DistInfo
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT / SIGTERM at a step boundary (or before / after training).
+    """A run stopped by a signal at a step boundary (or before / after training).
 
-    Attributes:
-        signum: the signal (``signal.SIGINT`` or ``signal.SIGTERM``).
-        run_dir: the run directory.
-        step: the optimizer step the run stopped after (None: it stopped outside the loop).
-        checkpoint: the newest complete checkpoint (None when there is none yet).
-        started: whether this attempt wrote the run's ``config.yaml`` (False: rerun the original
-            command, not ``--resume``).
-        finished: whether the run had already written ``final/`` when it stopped.
-    """
+    ``step`` is None when it stopped outside the loop, ``checkpoint`` the newest complete one (or
+    None), ``started`` whether this attempt wrote ``config.yaml``, ``finished`` whether ``final/`` was."""
 
     def __init__(
         self,

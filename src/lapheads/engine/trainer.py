@@ -256,11 +256,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> None:
-        """Seed, then load the newest intact checkpoint (engine.train_state; none yet: step 0).
-
-        ``launch`` calls this before it rewrites ``config.yaml``/``meta.json``, so a resume that
-        fails on a bad checkpoint leaves the run directory exactly as it was.
-        """
+        """Seed, then load the newest intact checkpoint (none yet: step 0); ``launch`` calls it before
+        ``config.yaml``/``meta.json`` are rewritten, so a bad checkpoint leaves the run directory as it was."""
         seed_everything(self.cfg.seed + self.info.rank)
         self.step, self.skipped = self.checkpoints.restore()
         self._restored = True
@@ -286,8 +283,7 @@ class Trainer:
         self._tb.log(rec)
 
     def _start_trackers(self) -> None:
-        """Open the trackers of ``train.trackers`` once (rank 0); on resume they continue their runs and
-        TensorBoard purges the events past the checkpoint (logged by a killed attempt)."""
+        """Open the trackers once (rank 0); on resume they continue their runs and TensorBoard purges later events."""
         if self._tb is None:
             cfg = self.cfg
             self._tb = build_trackers(
@@ -304,7 +300,7 @@ class Trainer:
             self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
 
     def _trim_logs(self, step: int) -> None:
-        """On resume, drop what a killed attempt logged after the checkpoint (see RunDir)."""
+        """On resume, drop what a killed attempt logged after the checkpoint."""
         if self.info.is_main:
             self.run.trim_step_logs(step)
         self._tb_purge_step = step + 1
@@ -321,11 +317,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ main loop
     def fit(self, resume: bool = False, reevaluate: bool = False) -> dict[str, Any]:
-        """Train to ``total`` steps, evaluate, checkpoint and export ``final/`` (``reevaluate``: a
-        resumed run that had finished evaluates again instead of reusing its logged evaluation).
+        """Train to ``total`` steps, evaluate, checkpoint and export ``final/``; :class:`RunInterrupted` after a signal.
 
-        Raises :class:`RunInterrupted` after SIGINT / SIGTERM.
-        """
+        ``reevaluate``: a resumed run that had finished evaluates again instead of reusing its logged evaluation."""
         with self.signals:
             status = "failed"
             try:
