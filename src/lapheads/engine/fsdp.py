@@ -150,7 +150,7 @@ def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
 # --------------------------------------------------------------------------- norms and guards
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
-    return norm.full_tensor() if _is_dtensor(norm) else norm
+    return cast(Any, norm).full_tensor() if _is_dtensor(norm) else norm
 
 
 def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
