@@ -109,16 +109,12 @@ def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = Tr
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make the entries of directory ``path`` durable (a rename in it survives a crash); a file
     system that cannot fsync a directory is left as it is."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:

@@ -337,7 +337,6 @@ def write_checkpoint(
         return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary, run_id=run_id)
 
 
-# ----------------------------------------------------------------------------- verification
 def _check_safetensors_structure(path: Path) -> Optional[str]:
     """Why ``path`` is not a complete safetensors file (header and data length), or None."""
     try:

@@ -50,7 +50,6 @@ _MERGE_TAG = "tag:yaml.org,2002:merge"
 _RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules (run_rule)
 
 
-# --------------------------------------------------------------------------- YAML
 class StrictLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a mapping which repeats a key, naming its full path and both lines.
 
@@ -130,7 +129,6 @@ def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
         loader.dispose()
 
 
-# --------------------------------------------------------------------------- field types
 def _refuse(shown: str, detail: str) -> PydanticCustomError:
     """The error of a value of the right type that no field accepts; reads ``KEY=<shown> <detail>``."""
     return PydanticCustomError(_REFUSED, "{shown} {detail}", {"shown": shown, "detail": detail})
@@ -181,7 +179,6 @@ Str = Annotated[str, BeforeValidator(_str_input)]
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 
 
-# --------------------------------------------------------------------------- models and rules
 class ConfigModel(BaseModel):
     """Base class of every config section: strict types, no unknown keys, no NaN, ConfigError on failure.
 
@@ -232,7 +229,6 @@ def rule(check: Callable[[Any], None]) -> Any:
     return model_validator(mode="after")(validator)
 
 
-# --------------------------------------------------------------------------- building configs
 @functools.lru_cache(maxsize=None)
 def _dataclass_wrapper(cls: type) -> type[BaseModel]:
     # lax (strict pydantic refuses a mapping for a plain dataclass); unknown keys are refused
@@ -382,7 +378,6 @@ def save_config(obj: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False), encoding="utf-8")
 
 
-# --------------------------------------------------------------------------- schema and docs
 def config_schema(cls: type[BaseModel], recipe: Optional[str] = None) -> dict[str, Any]:
     """The JSON schema of config model ``cls``, for editors that complete YAML; with ``recipe``, it also
     allows the ``recipe: NAME`` line of recipe files and run configs."""
@@ -484,7 +479,6 @@ def config_table(model_cls: type[BaseModel]) -> str:
     return "\n".join(rows) + "\n"
 
 
-# --------------------------------------------------------------------------- command-line flags
 def number_arg(
     kind: type = float,
     *,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import re
 import types
 import typing
@@ -135,19 +136,11 @@ def describe_range(
     return "any number"
 
 
-def _in_range(
-    value: float,
-    ge: Optional[float] = None,
-    gt: Optional[float] = None,
-    le: Optional[float] = None,
-    lt: Optional[float] = None,
-) -> bool:
-    return (
-        (ge is None or value >= ge)
-        and (gt is None or value > gt)
-        and (le is None or value <= le)
-        and (lt is None or value < lt)
-    )
+_COMPARE = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+
+
+def _in_range(value: float, **bounds: Optional[float]) -> bool:
+    return all(bound is None or _COMPARE[k](value, bound) for k, bound in bounds.items())
 
 
 def _show(value: Any, base: Any = None) -> str:
@@ -167,11 +160,7 @@ def _show(value: Any, base: Any = None) -> str:
 def _dotted(keys: str, loc: Iterable[Any]) -> str:
     out = keys
     for part in loc:
-        out = (
-            f"{out}[{part}]"
-            if isinstance(part, int)
-            else (f"{out}{part}" if out.endswith(".") or not out else f"{out}.{part}")
-        )
+        out += f"[{part}]" if isinstance(part, int) else (f"{part}" if out.endswith(".") or not out else f".{part}")
     return out.rstrip(".")
 
 

@@ -43,7 +43,6 @@ DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the DCP files (model + 
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------- sharding
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a transformers model (classes in ``_no_split_modules``, looked up on every
     sub-module, so wrappers such as PEFT's work), in order; a :class:`ConfigError` when there are none."""
@@ -102,7 +101,6 @@ def is_sharded(model: nn.Module) -> bool:
     return any(_is_dtensor(p) for p in model.parameters())
 
 
-# --------------------------------------------------------------------------- Muon on shards
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
 
@@ -147,7 +145,6 @@ def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
     return ShardedMuon if any(_is_dtensor(p) for p in params) else torch.optim.Muon
 
 
-# --------------------------------------------------------------------------- norms and guards
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
     return cast(Any, norm).full_tensor() if _is_dtensor(norm) else norm
@@ -162,7 +159,6 @@ def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-# --------------------------------------------------------------------------- export
 def meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` with parameters on the meta device (buffers real), made before sharding."""
     memo: dict[int, Any] = {}
@@ -191,7 +187,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return cast(dict[str, torch.Tensor], state)
 
 
-# --------------------------------------------------------------------------- sharded checkpoints
 @contextlib.contextmanager
 def _quiet_single_process() -> Any:
     """DCP warns that it assumes one process when no group exists; that is what one process wants."""
@@ -253,7 +248,6 @@ def consolidate(path: Path) -> dict[str, Any]:
         return torch.load(out, map_location="cpu", weights_only=True)
 
 
-# --------------------------------------------------------------------------- evaluation in lock step
 def lockstep(
     batches: Iterable[T], fallback: Callable[[], T], device: torch.device, sharded: bool
 ) -> Iterator[tuple[T, bool]]:

@@ -165,7 +165,6 @@ def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> s
     return ", ".join(parts) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-# ----------------------------------------------------------------------------- the writer lock
 class RunDirBusy(CheckpointError):
     """Another live process holds the directory's lock."""
 
@@ -552,10 +551,6 @@ def _read_jsonl(path: Path) -> list[dict]:
         return []
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return [rec for rec in out if isinstance(rec, dict)]

@@ -63,7 +63,6 @@ class LauncherConfig(ConfigModel):
         return self.tasks_per_node or max(1, self.gpus_per_node)
 
 
-# ----------------------------------------------------------------------------- flags
 _SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # an sbatch long option's name (account, gres, ...)
 _KEYS = (
     "partition nodes gpus_per_node tasks_per_node cpus_per_task mem_gb time_min max_requeues array_parallelism job_name"
@@ -171,7 +170,6 @@ def split_launcher_argv(argv: Sequence[str], sweep: bool = False) -> list[str]:
     return rest
 
 
-# ----------------------------------------------------------------------------- submitit
 def _submitit() -> Any:
     """submitit, told to ask for SIGUSR1 before the time limit (the trainer's preemption signal)."""
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # the jobs inherit it (sbatch exports the env)
@@ -353,7 +351,6 @@ class JobFailed(RuntimeError):
     """A job's ``lapheads train`` ended with an error (its one-line message is in the job's log)."""
 
 
-# ----------------------------------------------------------------------------- the queue
 def queue_states() -> dict[str, str]:
     """``{job id: state}`` of every job in the queue (array tasks as ``ARRAY_TASK``), from ``squeue``."""
     try:
@@ -413,7 +410,6 @@ def _tail(rec: dict, lines: int = 5) -> list[str]:
     return log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
 
 
-# ----------------------------------------------------------------------------- lapheads train
 def submit_train(
     recipe: str,
     argv: Sequence[str],
@@ -469,7 +465,6 @@ def submit_train(
     return job
 
 
-# ----------------------------------------------------------------------------- lapheads sweep
 class SweepJobs:
     """``SWEEP/slurm/jobs.json``: each point's current job and every earlier submission."""
 

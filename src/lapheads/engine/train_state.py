@@ -103,7 +103,6 @@ class Checkpointer:
         self.export_skeleton = export_skeleton
         self.last_step: Optional[int] = None  # step of the newest checkpoint written or loaded
 
-    # ------------------------------------------------------------------ save
     def _gather_rngs(self) -> list[Any]:
         rng = rng_state(self.device)
         if not self.info.distributed:
@@ -214,7 +213,6 @@ class Checkpointer:
         if err is not None:
             raise err
 
-    # ------------------------------------------------------------------ load
     def load(self, path: Path) -> tuple[int, int]:
         """Load the checkpoint ``path``; returns its ``(step, skipped steps)``."""
         sharded = F.is_sharded_checkpoint(path)
@@ -300,7 +298,6 @@ class Checkpointer:
             )
         return 0, 0
 
-    # ------------------------------------------------------------------ final/
     def _export_model(self) -> Optional[nn.Module]:
         """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
         if not self.sharded:

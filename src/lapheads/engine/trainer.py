@@ -254,7 +254,6 @@ class Trainer:
                 tracker_dir=cfg.tracker_dir,
             )
 
-    # ------------------------------------------------------------------ checkpoints
     def restore(self) -> None:
         """Seed, then load the newest intact checkpoint (none yet: step 0); ``launch`` calls it before
         ``config.yaml``/``meta.json`` are rewritten, so a bad checkpoint leaves the run directory as it was."""
@@ -272,7 +271,6 @@ class Trainer:
         ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
         return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
 
-    # ------------------------------------------------------------------ logging
     def _log(self, record: dict[str, Any]) -> None:
         if not self.info.is_main:
             return
@@ -305,7 +303,6 @@ class Trainer:
             self.run.trim_step_logs(step)
         self._tb_purge_step = step + 1
 
-    # ------------------------------------------------------------------ guard
     def _first_nonfinite_grad(self) -> str:
         names = {id(p): n for n, p in self.model.named_parameters()}
         for p in self.model.parameters():
@@ -315,7 +312,6 @@ class Trainer:
                 return f"gradient of {names.get(id(p), '?')}"
         return "the gradient norm"
 
-    # ------------------------------------------------------------------ main loop
     def fit(self, resume: bool = False, reevaluate: bool = False) -> dict[str, Any]:
         """Train to ``total`` steps, evaluate, checkpoint and export ``final/``; :class:`RunInterrupted` after a signal.
 
