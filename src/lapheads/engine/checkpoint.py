@@ -126,16 +126,12 @@ def load_weights(
     ]
 
     def refuse(missing: list[str]) -> CheckpointError:
-        def _fmt(xs: list[str]) -> str:
-            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
-
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_fmt(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_fmt(unexpected)}")
-        if shapes:
-            parts.append(f"shape mismatches: {_fmt(shapes)}")
+        found = {"missing keys": missing, "unexpected keys": unexpected, "shape mismatches": shapes}
+        parts = [
+            f"{what}: {', '.join(xs[:8])}" + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+            for what, xs in found.items()
+            if xs
+        ]
         return CheckpointError(f"{source} does not fit this model architecture; " + "; ".join(parts))
 
     if strict and (unexpected or shapes):
@@ -216,11 +212,8 @@ def _tensor_bytes(obj: Any) -> tuple[int, int]:
     if isinstance(obj, Mapping):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
-        total = n = 0
-        for v in obj:
-            b, k = _tensor_bytes(v)
-            total, n = total + b, n + k
-        return total, n
+        parts = [_tensor_bytes(v) for v in obj]
+        return sum(b for b, _ in parts), sum(n for _, n in parts)
     return 0, 0
 
 

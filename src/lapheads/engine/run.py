@@ -197,11 +197,9 @@ class RunLock:
         created = []
         for parent in reversed([path, *path.parents]):
             if not parent.exists():
-                try:
+                with contextlib.suppress(FileExistsError):
                     parent.mkdir()
                     created.append(parent)
-                except FileExistsError:
-                    pass
         if not path.is_dir():
             raise CheckpointError(f"{path} is not a directory")
         lock_file = path / LOCK_NAME
@@ -219,13 +217,9 @@ class RunLock:
                     f"{path} is being written by another process ({holder}); two writers would "
                     f"corrupt it: wait for that process to end or stop it first"
                 ) from None
-            try:  # the previous holder may have unlinked the file between our open and flock
-                st = os.stat(lock_file)
-                same = (st.st_ino, st.st_dev) == (os.fstat(fd).st_ino, os.fstat(fd).st_dev)
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
+            with contextlib.suppress(FileNotFoundError):  # the previous holder may have unlinked it meanwhile
+                if os.path.samestat(os.stat(lock_file), os.fstat(fd)):
+                    break
             os.close(fd)
         info = {
             "pid": os.getpid(),

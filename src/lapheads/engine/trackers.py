@@ -156,13 +156,9 @@ def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
     """``(prefix, step, {key: value})``: the finite numbers of a record, as TensorBoard logs them."""
     prefix = str(record.get("split", "train"))
     step = int(record.get("step", 0))
-    out = {}
-    for k, v in record.items():
-        if k == "step" or not isinstance(v, (int, float)):  # bools log as 0 / 1, as TensorBoard always did
-            continue
-        if math.isfinite(v):
-            out[f"{prefix}/{k}"] = float(v)
-    return prefix, step, out
+    # bools log as 0 / 1, as TensorBoard always did
+    numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    return prefix, step, {f"{prefix}/{k}": float(v) for k, v in numbers.items() if math.isfinite(v)}
 
 
 class Tracker:
