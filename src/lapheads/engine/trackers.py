@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, LapheadsError
-from ..outputs import read_json, write_json
+from ..outputs import check_out_dir, read_json, write_json
 
 __all__ = [
     "TRACKERS",
@@ -123,33 +123,15 @@ def _check_mlflow_store(configured: str) -> None:
 
 
 def _check_writable(path: str, key: str) -> None:
-    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in (the
-    folders made to find out are removed again)."""
+    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in."""
     target = Path(path).expanduser().absolute()
-    missing = []
-    top = target
-    while not top.exists() and top.parent != top:
-        missing.append(top)
-        top = top.parent
-    made: list[Path] = []
     try:
-        for d in reversed(missing):
-            d.mkdir()
-            made.append(d)
-        with tempfile.TemporaryFile(dir=target):
-            pass
-    except OSError as e:
-        why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        check_out_dir(target, key)
+    except ConfigError as e:
         raise ConfigError(
-            f"{key}={path}: W&B cannot write its files there ({why}); set {key} to a writable directory "
+            f"{key}={path}: W&B cannot write its files there ({str(e).removeprefix(f'{key} {target} ')}); set {key} to a writable directory "
             f"or unset it (then they go to the run directory)"
         ) from None
-    finally:
-        for d in reversed(made):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
 
 def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
