@@ -435,13 +435,8 @@ class RunDir:
             new = {"recipe": recipe, **to_dict(cfg)}
             # plus the keys a config derives from the world size (lm: train.grad_accum from data.total_batch_tokens)
             allowed = RESUME_MUTABLE | (cfg.resume_mutable() if hasattr(cfg, "resume_mutable") else set())
-            changed = config_changes(
-                old,
-                new,
-                allowed | RESUME_WARN,
-                defaults={"recipe": recipe, **to_dict(type(cfg)())},
-                same=same or _equal,
-            )
+            defaults = {"recipe": recipe, **to_dict(type(cfg)())}
+            changed = config_changes(old, new, allowed | RESUME_WARN, defaults=defaults, same=same or _equal)
             if changed:
                 raise ConfigError(
                     f"--resume: the config differs from {self.config_path} at "
