@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Optional
 
 import torch
@@ -70,9 +69,7 @@ class StopSignals:
                 signal.signal(s, self._handler)
         return self
 
-    def __exit__(
-        self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
-    ) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous = {}
