@@ -201,13 +201,9 @@ class ConfigModel(BaseModel):
         return from_dict(type(self), cast(BaseModel, self).model_dump())
 
 
-def run_rule(check: Callable[[Any], None]) -> Any:
-    """Declare a run rule of a config model: ``check(self)`` raises a ConfigError (or another
-    :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive fields in place. It runs
-    after the model's own validation, only when the config is loaded."""
-
+def _after_validator(check: Callable[[Any], None], run_only: bool) -> Any:
     def validator(self: Any, info: ValidationInfo) -> Any:
-        if info.context and info.context.get(_RUN_RULES):
+        if not run_only or (info.context and info.context.get(_RUN_RULES)):
             check(self)
         return self
 
@@ -216,17 +212,17 @@ def run_rule(check: Callable[[Any], None]) -> Any:
     return model_validator(mode="after")(validator)
 
 
+def run_rule(check: Callable[[Any], None]) -> Any:
+    """Declare a run rule of a config model: ``check(self)`` raises a ConfigError (or another
+    :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive fields in place. It runs
+    after the model's own validation, only when the config is loaded."""
+    return _after_validator(check, run_only=True)
+
+
 def rule(check: Callable[[Any], None]) -> Any:
     """Declare a cross-field rule of a config model: ``check(self)`` raises a ConfigError naming the
     keys by their full paths, or returns None. It always runs (after the fields are validated)."""
-
-    def validator(self: Any) -> Any:
-        check(self)
-        return self
-
-    validator.__name__ = validator.__qualname__ = check.__name__
-    validator.__doc__ = check.__doc__
-    return model_validator(mode="after")(validator)
+    return _after_validator(check, run_only=False)
 
 
 @functools.lru_cache(maxsize=None)
