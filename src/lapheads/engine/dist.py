@@ -83,17 +83,13 @@ def init_distributed(device: str = "auto") -> DistInfo:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         timeout = datetime.timedelta(seconds=float(os.environ.get("LAPHEADS_DIST_TIMEOUT", "120")))
+        fresh: dict[str, Any] = {}
         if _groups_created:  # a fresh key space in the same store (pytorch#55967)
             store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-            dist.init_process_group(
-                backend=backend,
-                timeout=timeout,
-                rank=rank,
-                world_size=world,
-                store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store),
+            fresh = dict(
+                rank=rank, world_size=world, store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store)
             )
-        else:
-            dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, **fresh)
         _groups_created += 1
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=dev)
 
