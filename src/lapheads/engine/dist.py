@@ -94,6 +94,17 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=dev)
 
 
+def agree(info: DistInfo, outcome: Any) -> Any:
+    """Rank 0's ``outcome`` (a value, or an exception to raise) on every rank."""
+    if info.distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -11,8 +11,6 @@ import signal
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import torch.distributed as dist
-
 from ..errors import DiskFullError, is_disk_full
 from . import dist as D
 from .checkpoint import last_good_step, latest_checkpoint
@@ -22,17 +20,6 @@ from .threads import configure_threads
 from .train_state import seed_everything
 from .train_task import TrainTask
 from .trainer import Trainer
-
-
-def _agree(info: D.DistInfo, outcome: Any) -> Any:
-    """Rank 0's ``outcome`` (a value or an exception to raise) on every rank."""
-    if info.distributed:
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
 
 
 def launch(
@@ -65,7 +52,7 @@ def launch(
                 outcome = run.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
             except Exception as e:  # handed to the other ranks, which raise it too
                 outcome = e
-        resume = _agree(info, outcome)
+        resume = D.agree(info, outcome)
         seed_everything(cfg.train.seed)  # model initialisation is identical on every rank
         task = build_task(cfg, info)
         # Built before the first write: it checks the run length, and on --resume loads the

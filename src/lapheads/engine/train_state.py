@@ -175,10 +175,7 @@ class Checkpointer:
             self._refuse_nonfinite(step, bad or "(on another rank)")
         rngs = self._gather_rngs()
         extra = self.task.extra_state()
-        box: list[Any] = [begin_checkpoint(self.run.ckpt_dir, step) if self.info.is_main else None]
-        if self.info.distributed:
-            dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
+        tmp = Path(D.agree(self.info, begin_checkpoint(self.run.ckpt_dir, step) if self.info.is_main else None))
         F.save_sharded(tmp, self.model, self.optims)  # collective; each rank fsyncs its own files
         D.barrier()
         if self.info.is_main:
@@ -206,12 +203,7 @@ class Checkpointer:
                 make_room(self.run.ckpt_dir, needed, self.keep, "a checkpoint of this run (weights + optimizer state)")
             except DiskFullError as e:
                 err = e
-        if self.info.distributed:
-            box = [err]
-            dist.broadcast_object_list(box, src=0)
-            err = box[0]
-        if err is not None:
-            raise err
+        D.agree(self.info, err)
 
     def load(self, path: Path) -> tuple[int, int]:
         """Load the checkpoint ``path``; returns its ``(step, skipped steps)``."""
