@@ -12,7 +12,6 @@ import time
 from typing import Any, Literal, Optional, cast
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -489,10 +488,7 @@ class Trainer:
             else:
                 values = [r[up.metric] if isinstance(r[up.metric], (int, float)) else math.nan for r in vals]
                 code = int(evals_without_improvement(values, up.mode, up.min_rel_delta) >= up.patience)
-        if self.info.distributed:
-            flag = torch.tensor([code], dtype=torch.int64, device=self.device)
-            dist.broadcast(flag, src=0)
-            code = int(flag.item())
+        code = D.agree(self.info, code)
         if code == 2:
             raise ConfigError(f"train.until_plateau.metric={up.metric!r} is not among the evaluation's metrics{error}")
         return code == 1
