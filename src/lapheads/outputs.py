@@ -1,29 +1,6 @@
-"""Output paths every command checks before it works, and cleans up after it fails.
+"""Output paths every command checks before it works and cleans up after it fails; atomic writes.
 
-Every ``lapheads`` command that writes (``--out`` of train, report, analyze, data tokenize,
-tokenizer train, eval ...) checks its output here, before any model or data is loaded, so a
-typo in ``--out`` costs a second, not a finished evaluation.
-
-Design choices:
-
-* :func:`check_out_dir` / :func:`check_out_file` look at the path and at its nearest existing
-  ancestor: an existing file where a directory is wanted (or the reverse), a parent that is a
-  file (``--out notes.txt/run``), a location that cannot be written. Writability is tested by
-  creating and removing an empty directory in that ancestor, because permission bits do not stop
-  root and say nothing about read-only mounts or pseudo file systems (``/sys``, ``/proc``).
-* :func:`removed_on_failure` makes "a failed command leaves nothing behind" one ``with`` block:
-  a directory the command created is removed when the block raises; in a directory that already
-  existed, the entries the block added are removed (files it rewrote stay rewritten). An
-  interrupt (Ctrl-C, ``KeyboardInterrupt``) keeps everything, so resumable work survives it.
-* :func:`atomic_write` is the one way a file of a run, a sweep or a data set is written: into a
-  temporary file beside it (``.NAME.tmp-PID``), fsynced, renamed over ``NAME`` (``os.replace``),
-  then the directory fsynced, so that a reader, or the next start after a crash or a power cut,
-  sees the old or the new content, never a mix or nothing. A full disk is one
-  :class:`~lapheads.errors.DiskFullError` line, and the temporary file is removed on any failure
-  (a signal included). :func:`write_json` writes JSON with it.
-* :func:`read_json` reads the small JSON files of runs and sweeps (``final/model.json``,
-  ``meta.json``, SLURM records) with a one-line error naming the file, instead of a
-  ``JSONDecodeError`` traceback; ``missing=`` is what a file that does not exist (yet) reads as.
+Design notes: docs/design/engine.md (Outputs).
 """
 
 from __future__ import annotations
@@ -69,18 +46,10 @@ def _check_can_create_in(parent: Path, target: Path, flag: str) -> None:
 
 
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """Check that ``path`` is (or can become) a writable directory; nothing is created.
-
-    Args:
-        path: the output directory.
-        flag: how the user gave it, for messages (``--out``, ``--cache-dir``).
-
-    Returns:
-        ``path`` as a :class:`Path`.
+    """Check that ``path`` (``flag`` for messages) is or can become a writable directory; nothing is created.
 
     Raises:
-        ConfigError: it is an existing file, a parent is a file, or it cannot be written.
-    """
+        ConfigError: it is an existing file, a parent is a file, or it cannot be written."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {p} is an existing file; give a directory (it holds several files)")
@@ -111,14 +80,8 @@ def _entries(root: Path) -> set[Path]:
 def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = True) -> Iterator[Path]:
     """Remove what the ``with`` block wrote under ``path`` if it raises an ``Exception``.
 
-    Args:
-        path: the output directory (it may not exist yet).
-        remove_new_entries: when ``path`` already existed, also remove the files and folders the
-            block added to it (pass ``False`` for a resumed job whose index refers to new files).
-
-    A directory created by the block (and parents it created) is removed entirely.
-    ``KeyboardInterrupt`` / ``SystemExit`` keep everything.
-    """
+    A directory the block created is removed entirely; in an existing one, the entries the block added
+    (unless ``remove_new_entries=False``). ``KeyboardInterrupt`` / ``SystemExit`` keep everything."""
     p = Path(path)
     created: Optional[Path] = None
     if not p.exists():
@@ -146,21 +109,17 @@ def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = Tr
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make the entries of directory ``path`` durable (a rename in it survives a crash); a file
     system that cannot fsync a directory is left as it is."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` so that readers see the old or the new content,
-    never a mix, also after a crash (see the module docstring).
+    never a mix, also after a crash (temporary file, fsync, rename, directory fsync).
 
     Raises:
         DiskFullError: the disk is full or the quota used up (the temporary file is removed).
@@ -189,13 +148,8 @@ def write_json(path: str | os.PathLike, data: Any) -> None:
 
 
 def read_json(path: str | os.PathLike, what: str = "", *, missing: Any = _RAISE) -> Any:
-    """``json.loads`` of a file, with a one-line :class:`CheckpointError` naming it on failure.
-
-    Args:
-        path: the JSON file.
-        what: what the file should be, for the message (``"the model description of a run"``).
-        missing: returned when the file does not exist (by default that is an error too).
-    """
+    """``json.loads`` of a file, with a one-line :class:`CheckpointError` naming it (and ``what`` it should
+    be) on failure; ``missing`` is returned when the file does not exist (default: an error too)."""
     p = Path(path)
     hint = f" ({what})" if what else ""
     if missing is not _RAISE and not p.exists() and not p.is_symlink():

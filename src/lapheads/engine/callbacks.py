@@ -1,21 +1,6 @@
 """Callbacks: code outside the engine that watches or alters a training step.
 
-The :class:`~lapheads.engine.Trainer` calls every active :class:`Callback` at fixed points of the
-step loop (the pattern of transformers' ``TrainerCallback`` and Lightning's ``Callback``); it
-knows nothing about what a callback does. The test suite's fault injection
-(:mod:`lapheads.testing`) is one; a user's own logging or a debugging probe is another.
-
-A callback becomes active in one of two ways:
-
-* in the training process itself: :func:`register` (or the :func:`registered` context manager);
-* in processes a command starts (torchrun ranks, sweep workers, subprocesses of a test): the
-  environment variable ``LAPHEADS_CALLBACKS``, a comma-separated list of ``module:name`` where
-  ``name`` is a :class:`Callback` subclass or a function without arguments that returns a
-  callback (or None for "nothing to do"). Every process inherits it, so every rank runs the same
-  callbacks. A name that cannot be imported is one :class:`~lapheads.errors.ConfigError` line
-  naming it, before the first step.
-
-Callbacks are not part of a run's config: ``config.yaml`` and ``--resume`` never see them.
+Design notes: docs/design/engine.md (Callbacks).
 """
 
 from __future__ import annotations

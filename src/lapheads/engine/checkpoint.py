@@ -1,41 +1,6 @@
-"""Crash-safe checkpoints that cannot run code.
+"""Crash-safe, verifiable checkpoints that cannot run code.
 
-Layout of ``checkpoints/`` in a run directory::
-
-    checkpoints/step_00000100/
-        model.safetensors     weights of the trained module
-        ema.safetensors       EMA weights (when EMA is on)
-        extra.safetensors     tensors the recipe keeps (e.g. DINO's teacher and center)
-        state.pt              optimizer states, RNG states, step (torch.load(weights_only=True))
-        state.json            step, time, metrics summary (human-readable)
-    checkpoints/latest        name of the newest complete checkpoint
-
-Under ``train.parallel: fsdp`` model and optimizer state are DCP shards instead (``dcp/``, every
-rank writes its own; see engine.fsdp), next to ``state.pt`` (step, RNG states) and
-``extra.safetensors`` written by rank 0.
-
-Design choices:
-
-* Atomic: a checkpoint is written into ``.tmp-step_X``, every file fsynced, then renamed into
-  place, and only then ``latest`` is replaced (write + fsync + ``os.replace``). A kill at any
-  moment leaves either the old or the new checkpoint, never a partial one that ``latest`` names.
-  With several writers (FSDP) rank 0 creates the temporary directory (:func:`begin_checkpoint`),
-  every rank writes into it, and rank 0 renames it and moves ``latest`` after a barrier
-  (:func:`commit_checkpoint`).
-* Safe: tensors go through safetensors; everything else through ``torch.load(weights_only=True)``,
-  which refuses pickled code (a crafted payload raises instead of executing).
-* Loading weights into the wrong architecture lists the missing, unexpected and mis-shaped keys.
-* Verifiable: ``state.json`` records the size and SHA-256 of every file of the checkpoint and the
-  run's id (``meta.json``), written at save time. ``--resume`` verifies each checkpoint, newest
-  first, and falls back to the newest intact one, naming the ones it skipped and why
-  (:func:`resumable_checkpoint`); nothing is deleted on the way. Checkpoints written before the
-  checksums existed are verified as far as their files allow (each file parses), and said so.
-* A full disk (``ENOSPC`` / ``EDQUOT``) ends a write with :class:`~lapheads.errors.DiskFullError`
-  (one line: the directory, what the write needed, what is free) after its temporary files are
-  removed, also when a signal interrupts it. Before a checkpoint is written its size is estimated
-  (:func:`estimate_bytes`); when the disk is short, checkpoints that ``keep`` would remove after
-  the write anyway are removed first (:func:`make_room`; never the last good one), and when it is
-  still short the write is refused before it starts.
+Design notes: docs/design/engine.md (Checkpoints).
 """
 
 from __future__ import annotations
@@ -70,8 +35,8 @@ def _fsync_file(path: Path) -> None:
 
 @contextlib.contextmanager
 def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[int] = None) -> Iterator[None]:
-    """Remove the temporary file or directory ``tmp`` when the block fails (a signal included), and
-    turn a full disk into :class:`DiskFullError` naming ``directory``, ``what`` and ``needed`` bytes."""
+    """Remove ``tmp`` (file or directory) when the block fails (a signal included); a full disk becomes
+    :class:`DiskFullError` naming ``directory``, ``what`` and ``needed`` bytes."""
     try:
         yield
     except BaseException as e:
@@ -149,10 +114,7 @@ def load_weights(
 ) -> None:
     """``load_state_dict`` with an error listing every mismatched key (wrong architecture).
 
-    A key of the model that the checkpoint lacks is missing only when torch's load says so: a
-    module may supply such a key itself (a Laplacian timm layer's ``lap_heads`` marker, absent
-    from stock timm weights). When only such keys are reported the module has been loaded
-    before the error; discard it.
+    When only missing keys are reported the module has been loaded before the error; discard it.
     """
     own = module.state_dict()
     missing = [k for k in own if k not in state]
@@ -164,23 +126,19 @@ def load_weights(
     ]
 
     def refuse(missing: list[str]) -> CheckpointError:
-        def _fmt(xs: list[str]) -> str:
-            return ", ".join(xs[:8]) + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
-
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_fmt(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_fmt(unexpected)}")
-        if shapes:
-            parts.append(f"shape mismatches: {_fmt(shapes)}")
+        found = {"missing keys": missing, "unexpected keys": unexpected, "shape mismatches": shapes}
+        parts = [
+            f"{what}: {', '.join(xs[:8])}" + (f" (+{len(xs) - 8} more)" if len(xs) > 8 else "")
+            for what, xs in found.items()
+            if xs
+        ]
         return CheckpointError(f"{source} does not fit this model architecture; " + "; ".join(parts))
 
     if strict and (unexpected or shapes):
         raise refuse(missing)
     try:
         result = module.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
-    except RuntimeError as e:  # a module refused its entries (e.g. a Laplacian layer with other heads)
+    except RuntimeError as e:  # a module's own load hook refused its entries
         raise CheckpointError(f"{source} does not fit this model: {' '.join(str(e).split())}") from None
     if strict and result.missing_keys:
         raise refuse(list(result.missing_keys))
@@ -221,11 +179,8 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
 
 
 def begin_checkpoint(ckpt_dir: Path, step: int) -> Path:
-    """Create the empty temporary directory of step ``step``'s checkpoint (rank 0 only).
-
-    Under ``parallel: fsdp`` every rank then writes its shards into it, and after a barrier rank 0
-    calls :func:`commit_checkpoint`; ``latest`` never names a checkpoint some rank has not finished.
-    """
+    """Create the empty temporary directory of step ``step``'s checkpoint (rank 0 only); every writer
+    fills it, then rank 0 calls :func:`commit_checkpoint`."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_dir / f".tmp-step_{step:08d}-{os.getpid()}"
@@ -257,17 +212,13 @@ def _tensor_bytes(obj: Any) -> tuple[int, int]:
     if isinstance(obj, Mapping):
         obj = list(obj.values())
     if isinstance(obj, (list, tuple)):
-        total = n = 0
-        for v in obj:
-            b, k = _tensor_bytes(v)
-            total, n = total + b, n + k
-        return total, n
+        parts = [_tensor_bytes(v) for v in obj]
+        return sum(b for b, _ in parts), sum(n for _, n in parts)
     return 0, 0
 
 
 def estimate_bytes(files: Mapping[str, Any]) -> int:
-    """The disk space a checkpoint of ``files`` (as for :func:`write_files`) takes, a little generously:
-    the tensor bytes plus headers, and a file-system block per file."""
+    """The disk space a checkpoint of ``files`` takes, a little generously (tensor bytes, headers, a block per file)."""
     total = 16 * 1024  # state.json, latest
     for content in files.values():
         b, n = _tensor_bytes(content)
@@ -285,13 +236,9 @@ def file_checksums(directory: Path) -> dict[str, dict[str, Any]]:
 
 
 def make_room(ckpt_dir: Path, needed: int, keep: int, what: str, protect: Optional[str] = None) -> None:
-    """Make sure ``needed`` bytes are free in ``ckpt_dir`` before a new checkpoint is written.
-
-    When they are not, stale temporary directories and then the oldest checkpoints that ``keep``
-    would remove after the write anyway go first (never the one ``latest`` names nor ``protect``,
-    the name of the checkpoint the run last wrote or resumed from: the last good one); when that is
-    not enough, :class:`DiskFullError` is raised before anything is written.
-    """
+    """Make sure ``needed`` bytes are free in ``ckpt_dir``, removing first stale temporary directories,
+    then the oldest checkpoints ``keep`` would remove anyway (never ``latest`` nor ``protect``); else
+    :class:`DiskFullError`, before anything is written."""
     ckpt_dir = Path(ckpt_dir)
     free = free_bytes(ckpt_dir)
     if free is None or free >= needed:
@@ -326,14 +273,8 @@ def _fsync_tree(root: Path) -> None:
 def commit_checkpoint(
     ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None, run_id: Optional[str] = None
 ) -> Path:
-    """Publish a complete temporary checkpoint directory: ``state.json``, rename, move ``latest``.
-
-    ``state.json`` records the size and SHA-256 of every file (and ``run_id``, the run's id), which
-    :func:`verify_checkpoint` checks on resume. Every file under ``tmp`` is fsynced again (shards
-    other ranks wrote included), then ``tmp`` is renamed to ``step_X`` and only then ``latest`` is
-    replaced; older checkpoints beyond ``keep`` and stale temporary directories of killed processes
-    are removed afterwards.
-    """
+    """Publish a complete temporary checkpoint directory: ``state.json`` (sizes, SHA-256 sums, ``run_id``),
+    fsync, rename to ``step_X``, then move ``latest``; older checkpoints beyond ``keep`` are removed."""
     ckpt_dir = Path(ckpt_dir)
     info = {"step": step, "time": time.time(), **(summary or {}), "run_id": run_id, "files": file_checksums(tmp)}
     with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
@@ -371,15 +312,12 @@ def write_checkpoint(
     Args:
         files: name -> content; ``*.safetensors`` take a dict of tensors, ``state.pt`` any
             weights-only-loadable object.
-        keep: how many complete checkpoints to keep (older ones are removed afterwards; when the
-            disk is short, before the write: :func:`make_room`).
+        keep: how many complete checkpoints to keep (0: all).
         run_id: the run's id, recorded so that a checkpoint copied from another run is recognised.
         protect: name of a checkpoint :func:`make_room` must not remove (the run's last good one).
 
     Raises:
-        DiskFullError: the disk cannot hold the checkpoint (refused before the write when the
-            estimate says so); the temporary directory is removed, the last good checkpoint kept.
-    """
+        DiskFullError: the disk cannot hold it; the temporary directory is removed."""
     ckpt_dir = Path(ckpt_dir)
     needed = estimate_bytes(files)
     what = f"the checkpoint of step {step}"
@@ -392,7 +330,6 @@ def write_checkpoint(
         return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary, run_id=run_id)
 
 
-# ----------------------------------------------------------------------------- verification
 def _check_safetensors_structure(path: Path) -> Optional[str]:
     """Why ``path`` is not a complete safetensors file (header and data length), or None."""
     try:
@@ -416,11 +353,9 @@ def _check_safetensors_structure(path: Path) -> Optional[str]:
 def verify_checkpoint(path: Path, run_id: Optional[str] = None) -> tuple[Optional[str], bool]:
     """Check a checkpoint directory without loading it into a model.
 
-    Returns ``(problem, checksummed)``: ``problem`` is None when it is intact, else why not (a
-    missing, truncated or changed file, another run's id); ``checksummed`` says whether sizes and
-    SHA-256 sums were checked (False for checkpoints written before they were recorded: then each
-    file's structure is checked and ``state.pt`` loaded).
-    """
+    Returns ``(problem, checksummed)``: ``problem`` is None when it is intact, else why not;
+    ``checksummed`` is False for checkpoints without recorded sums (then each file's structure is
+    checked and ``state.pt`` loaded)."""
     path = Path(path)
     if not path.is_dir():
         return "it is missing", False
@@ -462,8 +397,7 @@ def verify_checkpoint(path: Path, run_id: Optional[str] = None) -> tuple[Optiona
 
 
 def _refused_code(path: Path) -> Optional[str]:
-    """For a changed ``*.pt`` file: the safe loader's refusal when it holds code (the news that
-    matters most about such a file), else None. Loading with ``weights_only=True`` runs nothing."""
+    """For a changed ``*.pt`` file: the safe loader's refusal when it holds code, else None."""
     if path.suffix != ".pt":
         return None
     try:
@@ -485,14 +419,10 @@ def sha256_file(path: Path) -> str:
 def resumable_checkpoint(
     ckpt_dir: Path, run_id: Optional[str] = None, skip: Collection[Path] = ()
 ) -> tuple[Optional[Path], list[str]]:
-    """The newest intact checkpoint of ``ckpt_dir`` and one note per checkpoint skipped (or unverified).
+    """The newest intact checkpoint of ``ckpt_dir`` (or None) and one note per checkpoint skipped or unverified.
 
-    Every ``step_*`` directory is a candidate, newest first (one renamed into place but not yet
-    named by ``latest`` is complete); a ``latest`` that names a missing step is noted. Nothing is
-    deleted; checkpoints in ``skip`` (those the caller could not load) are passed over without a
-    note. Returns ``(None, notes)`` when there is no intact one (``notes`` empty: no checkpoint
-    at all, the run starts at step 0).
-    """
+    Every ``step_*`` directory is a candidate, newest first; those in ``skip`` are passed over without a
+    note. Nothing is deleted. ``(None, [])`` means there is no checkpoint at all."""
     ckpt_dir = Path(ckpt_dir)
     notes: list[str] = []
     pointer = ckpt_dir / LATEST

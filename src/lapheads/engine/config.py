@@ -1,57 +1,15 @@
 """Typed configs: pydantic models filled from YAML files and ``--set key=value`` overrides.
 
-Design choices:
-
-* A recipe's config is a tree of pydantic models (subclasses of :class:`ConfigModel`). Every field
-  has a type, a default, a one-line description (``Field(description=...)``) and, for numbers, its
-  allowed range (``Field(ge=..., lt=...)``); the JSON schema of a recipe
-  (``lapheads config schema RECIPE``, :func:`config_schema`) and the tables of the docs
-  (:func:`config_table`) are generated from them. YAML gives the values, ``--set a.b=1`` overrides
-  them (the value is parsed as YAML, so ``--set train.max_steps=100``,
-  ``--set model.laplacian_heads=all`` and ``--set optim.betas=[0.9,0.95]`` all work).
-* Validation is pydantic's, in strict mode (``ConfigModel.model_config``): ``"1"`` is no bool,
-  ``true`` no number, ``2.5`` no int. Three types are as lenient as YAML needs, and no more:
-  :data:`Float` also takes numeric text (YAML 1.1 reads ``1e-3``, without a dot, as a string),
-  :data:`Int` takes integral floats (``1.0e+3``) and :data:`Str` takes numbers (a directory called
-  ``2024``). Tuple fields are declared ``Field(strict=False)`` so that they take YAML lists; their
-  items stay strict. Fields are ``Int`` / ``Float`` / ``Str`` / ``bool`` (exact), never bare
-  ``int`` / ``float`` / ``str``. ``laplacian_heads`` is :data:`lapheads.heads_config.HeadsSetting`, whose
-  validator is the one parser of the head-setting grammar.
-* Nothing is silently misread. A YAML mapping that repeats a key is refused (plain YAML keeps
-  the last one, so ``laplacian_heads: 0`` ... ``laplacian_heads: all`` would quietly train all
-  heads); the error names the key by its full path and both lines. This holds for every YAML the
-  project reads (:func:`load_yaml`). A float refuses NaN and +-inf (``--set train.clip_grad=nan``
-  would otherwise turn clipping off; ``0`` is every field's "off" value, and
-  :data:`FloatOrInf` is there for a field that someday takes infinity, never NaN), an int refuses
-  values beyond 64 bits, an unknown key is an error that suggests the closest keys (``difflib``; a
-  key that exists under another section is named there: ``train.lr`` -> ``optim.lr``) and lists the
-  allowed ones, all when the config is parsed. Numeric command-line flags get the same rules from :func:`number_arg` (an argparse ``type=``).
-* One error, one line: pydantic's ``ValidationError`` becomes a :class:`~lapheads.errors.ConfigError`
-  (:func:`config_error`, its first error) that names the key by its full dotted path (``optim.betas[1]``,
-  ``model.laplacian_heads``), the value and what is allowed, prefixed with the file it came from
-  where there is one. Building a section in Python (``TrainConfig(ema_decay=1.5)``) raises a
-  ConfigError too, naming the key within the section (``ema_decay=1.5 must be in [0, 1)``).
-* Two kinds of rules. A model's own rules (types, ranges, cross-field rules declared with :func:`rule`,
-  a ``model_validator``) always hold, also for the defaults and for configs built in Python. *Run rules* (:func:`run_rule`) are
-  what a config must meet to be trained or read back as a run, where the defaults leave a value
-  open (``init_from``) or the rule reads the filesystem or the world size; they run when a config
-  is loaded (:func:`load_config`, :func:`from_dict`, :meth:`ConfigModel.validate`), so that
-  ``SFTConfig()`` still gives the defaults and ``lapheads config show`` can print them.
-* The resolved config is written next to every run (``config.yaml``, :func:`to_dict`: the fields in
-  declaration order, tuples as lists, so the keys and layout are those of the dataclass configs
-  before); loading it again gives the same config, which is how runs are rebuilt for evaluation
-  and resume.
+Design notes: docs/design/engine.md (Configs).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import functools
 import json
 import math
-import re
 import types
 import typing
 from pathlib import Path
@@ -70,27 +28,32 @@ from pydantic import (
     create_model,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from ..errors import ConfigError, LapheadsError
+from ..errors import ConfigError
+from .config_errors import (
+    _NOT_FINITE,
+    _REFUSED,
+    _constraints,
+    _in_range,
+    _is_model,
+    _show_int,
+    _unwrap,
+    config_error,
+    describe_range,
+)
 
 T = TypeVar("T")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-_RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules (see the module docstring)
-_REFUSED = "lapheads_refused"  # pydantic error type of a value of the right type that no field accepts
+_RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules (run_rule)
 
 
-# --------------------------------------------------------------------------- YAML
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping which repeats a key (plain YAML keeps the last).
+    """``yaml.SafeLoader`` that refuses a mapping which repeats a key, naming its full path and both lines.
 
-    Duplicates are looked for on the composed node tree before anything is constructed, so the
-    error can name the key by its full path (``model.laplacian_heads``) and both lines. Merge keys
-    (``<<: *defaults``) are YAML's explicit way to override and stay allowed.
-    """
+    Merge keys (``<<: *defaults``), YAML's explicit way to override, stay allowed."""
 
     key_prefix = ""  # dotted path of the document inside a larger config (a ``--set`` value)
 
@@ -145,16 +108,11 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
     """Parse YAML ``text`` with :class:`StrictLoader` (safe types only, no repeated keys).
 
-    Args:
-        text: the YAML document.
-        source: what the text is, for messages (``config file runs/a/config.yaml``, ``--set a=b``).
-        key_prefix: where the document sits in a larger config, for messages (``model`` for
-            ``--set model={depth: 2, depth: 3}``).
+    ``source`` says what the text is and ``key_prefix`` where it sits in a larger config, for messages
+    (``config file runs/a/config.yaml``; ``model`` for ``--set model={depth: 2, depth: 3}``).
 
     Raises:
-        ConfigError: not valid YAML, or a mapping repeats a key (the message names the key, its
-            full path and both lines).
-    """
+        ConfigError: not valid YAML, or a mapping repeats a key."""
     loader = StrictLoader(text)
     loader.key_prefix = key_prefix
     try:
@@ -171,18 +129,9 @@ def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
         loader.dispose()
 
 
-# --------------------------------------------------------------------------- field types
-def _show_int(value: int) -> str:
-    """An int for a message: in full, or its size when it is huge (``str`` refuses > 4300 digits)."""
-    return str(value) if value.bit_length() <= 80 else f"<an integer of {value.bit_length()} bits>"
-
-
 def _refuse(shown: str, detail: str) -> PydanticCustomError:
     """The error of a value of the right type that no field accepts; reads ``KEY=<shown> <detail>``."""
     return PydanticCustomError(_REFUSED, "{shown} {detail}", {"shown": shown, "detail": detail})
-
-
-_NOT_FINITE = "must be a finite number (NaN and infinity are refused)"
 
 
 def _float_input(allow_inf: bool) -> Callable[[Any], Any]:
@@ -230,13 +179,10 @@ Str = Annotated[str, BeforeValidator(_str_input)]
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 
 
-# --------------------------------------------------------------------------- models and rules
 class ConfigModel(BaseModel):
     """Base class of every config section: strict types, no unknown keys, no NaN, ConfigError on failure.
 
-    Sections are plain mutable models (a recipe may derive a value in a run rule, e.g.
-    ``train.grad_accum`` of ``lm``); assignments are not validated, as dataclass fields were not.
-    """
+    Sections are mutable (a run rule may derive a value); assignments are not validated."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -251,21 +197,13 @@ class ConfigModel(BaseModel):
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def validate(self: T) -> T:  # type: ignore[override]
-        """This config checked as :func:`load_config` checks one (run rules included); returns the checked copy.
-
-        Raises:
-            ConfigError: one line, as for a YAML file (e.g. ``init_from is empty: ...``).
-        """
+        """This config checked as :func:`load_config` checks one (run rules included); returns the checked copy."""
         return from_dict(type(self), cast(BaseModel, self).model_dump())
 
 
-def run_rule(check: Callable[[Any], None]) -> Any:
-    """Declare a run rule of a config model (see the module docstring): ``check(self)`` raises a
-    ConfigError (or another :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive
-    fields in place. It runs after the model's own validation, only when the config is loaded."""
-
+def _after_validator(check: Callable[[Any], None], run_only: bool) -> Any:
     def validator(self: Any, info: ValidationInfo) -> Any:
-        if info.context and info.context.get(_RUN_RULES):
+        if not run_only or (info.context and info.context.get(_RUN_RULES)):
             check(self)
         return self
 
@@ -274,286 +212,19 @@ def run_rule(check: Callable[[Any], None]) -> Any:
     return model_validator(mode="after")(validator)
 
 
+def run_rule(check: Callable[[Any], None]) -> Any:
+    """Declare a run rule of a config model: ``check(self)`` raises a ConfigError (or another
+    :class:`~lapheads.errors.LapheadsError`) or returns None, and may derive fields in place. It runs
+    after the model's own validation, only when the config is loaded."""
+    return _after_validator(check, run_only=True)
+
+
 def rule(check: Callable[[Any], None]) -> Any:
     """Declare a cross-field rule of a config model: ``check(self)`` raises a ConfigError naming the
     keys by their full paths, or returns None. It always runs (after the fields are validated)."""
-
-    def validator(self: Any) -> Any:
-        check(self)
-        return self
-
-    validator.__name__ = validator.__qualname__ = check.__name__
-    validator.__doc__ = check.__doc__
-    return model_validator(mode="after")(validator)
+    return _after_validator(check, run_only=False)
 
 
-# --------------------------------------------------------------------------- errors
-def _unwrap(tp: Any) -> tuple[Any, list]:
-    """``tp`` without ``Annotated`` and ``Optional``, and the metadata found on the way."""
-    meta: list = []
-    while True:
-        if typing.get_origin(tp) is Annotated:
-            meta += list(tp.__metadata__)
-            tp = tp.__origin__
-        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) != 1:
-                return tp, meta
-            tp = args[0]
-        else:
-            return tp, meta
-
-
-def _is_model(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, BaseModel)
-
-
-def _child(tp: Any, part: Any) -> tuple[Any, list]:
-    """The annotation and metadata of ``part`` (a field name or an item index) of a value of type ``tp``."""
-    base, _ = _unwrap(tp)
-    origin, args = typing.get_origin(base), typing.get_args(base)
-    if isinstance(part, str):
-        if _is_model(base) and part in base.model_fields:
-            f = base.model_fields[part]
-            return f.annotation, list(f.metadata)
-        if dataclasses.is_dataclass(base):
-            try:
-                return typing.get_type_hints(base, include_extras=True).get(part, Any), []
-            except Exception:  # an annotation that does not resolve here: no details for the message
-                return Any, []
-        if origin is dict and args:
-            return args[1], []
-    elif isinstance(part, int):
-        if origin is tuple and args:
-            if args[-1] is Ellipsis:
-                return args[0], []
-            return (args[part], []) if part < len(args) else (Any, [])
-        if origin is list and args:
-            return args[0], []
-    return Any, []
-
-
-def _field_names(tp: Any) -> list[str]:
-    base, _ = _unwrap(tp)
-    if _is_model(base):
-        return sorted(base.model_fields)
-    if dataclasses.is_dataclass(base):
-        return sorted(f.name for f in dataclasses.fields(base))
-    return []
-
-
-def _key_paths(tp: Any, prefix: str = "", depth: int = 0) -> list[str]:
-    """Every dotted key of config type ``tp``, sections and their fields (``train``, ``train.seed``)."""
-    out: list[str] = []
-    for name in _field_names(tp):
-        out.append(prefix + name)
-        if depth < 8:  # configs nest a few levels; the bound only guards a self-referencing type
-            out += _key_paths(_child(tp, name)[0], f"{prefix}{name}.", depth + 1)
-    return out
-
-
-def suggest_keys(root: Any, key: str) -> list[str]:
-    """The keys of config type ``root`` a user most likely meant by the unknown dotted ``key``.
-
-    In this order, at most three: keys with the same name under another section (``train.lr`` ->
-    ``optim.lr``), then keys of the same section whose name is close (``train.max_step`` ->
-    ``train.max_steps``, :func:`difflib.get_close_matches`); close names under other sections only
-    when neither gave one (``optim.lr_schedule`` -> ``train.schedule``).
-    """
-    paths = _key_paths(root)
-    section, _, leaf = key.rpartition(".")
-    by_leaf: dict[str, list[str]] = {}
-    for p in paths:
-        by_leaf.setdefault(p.rpartition(".")[2], []).append(p)
-    close = difflib.get_close_matches(leaf, list(by_leaf), n=6, cutoff=0.8)
-    same_name = [p for p in by_leaf.get(leaf, []) if p != key]
-    near = [p for name in close for p in by_leaf[name] if p != key]
-    same_section = [p for p in near if p.rpartition(".")[0] == section]
-    return list(dict.fromkeys(same_name + same_section or near))[:3]
-
-
-def _constraints(meta: Iterable[Any]) -> dict[str, Any]:
-    """``ge`` / ``gt`` / ``le`` / ``lt`` / ``min_length`` / ``max_length`` found in field metadata."""
-    out: dict[str, Any] = {}
-    for m in meta:
-        if isinstance(m, FieldInfo):
-            out.update(_constraints(m.metadata))
-            continue
-        for name in ("ge", "gt", "le", "lt", "min_length", "max_length"):
-            v = getattr(m, name, None)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[name] = v
-    return out
-
-
-def describe_range(
-    ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None, lt: Optional[float] = None
-) -> str:
-    """``"in [0, 1)"``, ``">= 1"``, ``"> 0"``, ... (``"any number"`` without bounds)."""
-    lo = f"[{ge:g}" if ge is not None else f"({gt:g}" if gt is not None else None
-    hi = f"{le:g}]" if le is not None else f"{lt:g})" if lt is not None else None
-    if lo and hi:
-        return f"in {lo}, {hi}"
-    if lo:
-        return f">= {ge:g}" if ge is not None else f"> {gt:g}"
-    if hi:
-        return f"<= {le:g}" if le is not None else f"< {lt:g}"
-    return "any number"
-
-
-def _in_range(
-    value: float,
-    ge: Optional[float] = None,
-    gt: Optional[float] = None,
-    le: Optional[float] = None,
-    lt: Optional[float] = None,
-) -> bool:
-    return (
-        (ge is None or value >= ge)
-        and (gt is None or value > gt)
-        and (le is None or value <= le)
-        and (lt is None or value < lt)
-    )
-
-
-def _show(value: Any, base: Any = None) -> str:
-    """A value for a message, as the field reads it (``5`` given to a float field is ``5.0``)."""
-    if base is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:
-            return repr(float(value))
-        except (ValueError, OverflowError):
-            pass
-    if base is int and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return _show_int(value)
-    return repr(value)
-
-
-def _dotted(keys: str, loc: Iterable[Any]) -> str:
-    out = keys
-    for part in loc:
-        out = (
-            f"{out}[{part}]"
-            if isinstance(part, int)
-            else (f"{out}{part}" if out.endswith(".") or not out else f"{out}.{part}")
-        )
-    return out.rstrip(".")
-
-
-_NAME_TAIL = re.compile(r"(?=[=.\[ ]|$)")
-
-
-def config_error(error: ValidationError, root: Any, prefix: str = "") -> LapheadsError:
-    """One line for the first error of a pydantic ``ValidationError`` of config type ``root``.
-
-    The line names the key by its full dotted path (list items as ``[i]``), the value and what is
-    allowed: ``optim.betas[1]=1.0 must be in [0, 1)``, ``unknown config key optim.lr_schedule;
-    allowed keys under optim: [...]``, ``train.schedule='exp' is not allowed; expected one of [...]``.
-    An error a validator raised (a :class:`~lapheads.errors.LapheadsError`) keeps its class and
-    text; a text that starts with the bare field name gets the full path instead.
-
-    Args:
-        error: what pydantic raised.
-        root: the type that was validated (a model, or a dataclass for :func:`from_dict`).
-        prefix: ``"SOURCE: "`` and/or the dotted path of ``root`` in a larger config
-            (``"runs/a/config.yaml: "``, ``"final/model.json: model."``).
-    """
-    e = error.errors(include_url=False)[0]
-    loc = tuple(e["loc"])
-    if not _is_model(root) and loc[:1] == ("value",):  # the wrapper of a dataclass (from_dict)
-        loc = loc[1:]
-    source, sep, keys = prefix.rpartition(": ")
-    if not sep:
-        source, keys = "", prefix
-    steps: list[tuple[Any, Any]] = [(root, [])]
-    for part in loc:
-        steps.append(_child(steps[-1][0], part))
-    tp, meta = steps[-1]
-    base, inner_meta = _unwrap(tp)
-    meta = meta + inner_meta
-    where = _dotted(keys, loc) or "config"
-    kind, value, ctx = e["type"], e.get("input"), e.get("ctx") or {}
-    shown = _show(value, base)
-
-    def fixed_tuple_length(t: Any) -> Optional[int]:
-        b, _ = _unwrap(t)
-        args = typing.get_args(b)
-        return len(args) if typing.get_origin(b) is tuple and args and args[-1] is not Ellipsis else None
-
-    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        parent = _dotted(keys, loc[:-1])
-        hints = [
-            keys
-            + k
-            + (
-                f" (under {k.rpartition('.')[0] or 'the top level'}, not {parent or 'the top level'})"
-                if k.endswith(f".{loc[-1]}")
-                else ""
-            )
-            for k in suggest_keys(root, _dotted("", loc))
-        ]
-        meant = f"did you mean {' or '.join(hints)}? " if hints else ""  # the closest keys first
-        body = (
-            f"unknown config key {where}; {meant}allowed keys under {parent or 'the top level'}: "
-            f"{_field_names(steps[-2][0])}"
-        )
-    elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
-        n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None
-        body = (
-            f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items"
-            if n is not None
-            else f"{where} is required (it has no default)"
-        )
-    elif kind in ("too_long", "too_short"):
-        n = fixed_tuple_length(tp)
-        if n is not None:
-            body = f"{where}={value!r} must have {n} items"
-        elif kind == "too_short":
-            body = f"{where}={value!r} must have at least {ctx.get('min_length')} item(s)"
-        else:
-            body = f"{where}={value!r} must have at most {ctx.get('max_length')} item(s)"
-    elif kind.startswith("bool"):
-        body = f"{where}={shown} must be true or false"
-    elif kind.startswith("int"):
-        body = f"{where}={shown} must be an integer"
-    elif kind.startswith("float"):
-        body = f"{where}={shown} must be a number"
-    elif kind == "finite_number":
-        body = f"{where}={shown} {_NOT_FINITE}"
-    elif kind == "string_type":
-        body = f"{where}={shown} must be a string"
-    elif kind == "literal_error":
-        allowed = list(typing.get_args(base)) if typing.get_origin(base) is typing.Literal else ctx.get("expected")
-        body = f"{where}={shown} is not allowed; expected one of {allowed}"
-    elif kind in ("model_type", "model_attributes_type", "dataclass_type", "dataclass_exact_type"):
-        name = getattr(base, "__name__", None) or ctx.get("class_name", "the section's")
-        body = f"{where} must be a mapping of {name} fields, got {value!r}"
-    elif kind in ("dict_type", "mapping_type"):
-        body = f"{where}={shown} must be a mapping"
-    elif kind in ("list_type", "tuple_type", "iterable_type"):
-        body = f"{where}={shown} must be a list"
-    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or {
-            k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx
-        }
-        body = f"{where}={shown} must be {describe_range(**bounds)}"
-    elif kind == _REFUSED:
-        body = f"{where}={ctx['shown']} {ctx['detail']}"
-    elif kind in ("value_error", "assertion_error"):
-        raised = ctx.get("error")
-        text = str(raised) if raised is not None else e["msg"]
-        name = loc[-1] if loc and isinstance(loc[-1], str) else None
-        if name and text.startswith(name) and _NAME_TAIL.match(text, len(name)):
-            text = where + text[len(name) :]  # a field's own validator names the field; give its full path
-        line = f"{source}: {text}" if source else text
-        return type(raised)(line) if isinstance(raised, LapheadsError) else ConfigError(line)
-    else:
-        body = f"{where}={shown}: {e['msg']}"
-    return ConfigError(f"{source}: {body}" if source else body)
-
-
-# --------------------------------------------------------------------------- building configs
 @functools.lru_cache(maxsize=None)
 def _dataclass_wrapper(cls: type) -> type[BaseModel]:
     # lax (strict pydantic refuses a mapping for a plain dataclass); unknown keys are refused
@@ -563,8 +234,8 @@ def _dataclass_wrapper(cls: type) -> type[BaseModel]:
 
 
 def _parse_hooks(obj: Any, keys: str) -> None:
-    """Plain-dataclass configs: a field whose metadata has ``"parse"`` (``(value, key) -> value``, e.g.
-    :func:`lapheads.heads_config.heads_field`) is checked by it, with its full key."""
+    """Plain-dataclass configs: a field whose metadata has ``"parse"`` (``(value, key) -> value``) is
+    checked by it, with its full key."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         parse = f.metadata.get("parse")
@@ -575,19 +246,14 @@ def _parse_hooks(obj: Any, keys: str) -> None:
 
 
 def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "", *, run_rules: bool = True) -> T:
-    """Build config ``cls`` from a mapping: ``cls.model_validate`` with one-line errors.
+    """Build config ``cls`` (a :class:`ConfigModel`, or a plain dataclass) from a mapping, with one-line errors.
 
-    Args:
-        cls: a :class:`ConfigModel` (or a plain dataclass, e.g. a test's config, validated by
-            pydantic too).
-        data: the values; missing keys take their defaults.
-        prefix: ``"SOURCE: "`` and/or the key path of ``data`` in a larger config, for messages
-            (``"runs/a/config.yaml: "``, ``"final/model.json: model."``).
-        run_rules: also check the run rules (:func:`run_rule`).
+    ``data``'s missing keys take their defaults; ``prefix`` is ``"SOURCE: "`` and/or the key path of
+    ``data`` in a larger config, for messages (``"runs/a/config.yaml: "``, ``"final/model.json: model."``);
+    ``run_rules``: also check the run rules (:func:`run_rule`).
 
     Raises:
-        ConfigError: one line naming the key's full path, the value and what is allowed.
-    """
+        ConfigError: one line naming the key's full path, the value and what is allowed."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -605,10 +271,7 @@ def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "",
 
 
 def to_dict(obj: Any) -> Any:
-    """A plain (YAML-safe) copy of a config: ``model_dump(mode="json")`` (tuples as lists, paths as text).
-
-    Plain dataclasses (a test's config, which may hold config models) are copied field by field.
-    """
+    """A plain (YAML-safe) copy of a config: ``model_dump(mode="json")``; plain dataclasses field by field."""
     if isinstance(obj, BaseModel):
         return obj.model_dump(mode="json")
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -658,9 +321,7 @@ def read_yaml(path: str | Path) -> dict:
     """The mapping of a YAML config file (:func:`load_yaml`); an empty file is ``{}``.
 
     Raises:
-        ConfigError: the path is missing, a directory or unreadable, the text is not UTF-8 or not
-            valid YAML, a key repeats, or the top level is not a mapping.
-    """
+        ConfigError: the path is not a readable file, the text is not UTF-8 YAML, or not a mapping."""
     p = Path(path)
     if not p.is_file():
         if p.is_dir():
@@ -695,13 +356,8 @@ def load_config(
 ) -> T:
     """Defaults of ``cls`` <- ``base`` <- YAML at ``path`` <- ``--set`` overrides.
 
-    A YAML file may name its recipe at the top level (``recipe: classify``); with ``recipe``
-    given, a file written for another recipe is refused. ``run_rules=False`` leaves out the run
-    rules (``lapheads config show``: a config that is not run yet may leave ``init_from`` open).
-
-    Raises:
-        ConfigError: one line (see :func:`read_yaml`, :func:`parse_overrides`, :func:`from_dict`).
-    """
+    A file naming another recipe (``recipe: NAME``) than ``recipe`` is refused. ``run_rules=False``
+    leaves out the run rules (``lapheads config show``). Raises a one-line ConfigError."""
     data: dict = dict(base or {})
     if path is not None:
         raw = read_yaml(path)
@@ -718,13 +374,9 @@ def save_config(obj: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False), encoding="utf-8")
 
 
-# --------------------------------------------------------------------------- schema and docs
 def config_schema(cls: type[BaseModel], recipe: Optional[str] = None) -> dict[str, Any]:
-    """The JSON schema of config model ``cls`` (``model_json_schema``), for editors that complete YAML.
-
-    With ``recipe``, the schema also allows the ``recipe: NAME`` line that recipe files and a
-    run's ``config.yaml`` start with.
-    """
+    """The JSON schema of config model ``cls``, for editors that complete YAML; with ``recipe``, it also
+    allows the ``recipe: NAME`` line of recipe files and run configs."""
     schema = cls.model_json_schema()
     if recipe is not None:
         schema["properties"] = {
@@ -737,7 +389,7 @@ def config_schema(cls: type[BaseModel], recipe: Optional[str] = None) -> dict[st
 def _type_name(tp: Any) -> str:
     optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
     base, meta = _unwrap(tp)
-    for m in meta:  # a type that names itself in its JSON schema (lapheads.heads_config.HeadsSetting)
+    for m in meta:  # a type that names itself in its JSON schema
         schema = getattr(m, "json_schema", None)
         if isinstance(schema, dict) and schema.get("title"):
             return schema["title"]
@@ -816,16 +468,13 @@ def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> N
 def config_table(model_cls: type[BaseModel]) -> str:
     """A Markdown table of a config model: key path, type, default, allowed range, description.
 
-    Sections are recursed into (a row for the section, then its keys as ``train.seed``); the fields
-    of a list of sections appear as ``data.sources[].path``. Defaults are those of ``model_cls()``,
-    so a recipe's own defaults of a shared section show (``classify``: ``train.clip_grad`` 1.0).
-    """
+    Sections are recursed into (``train.seed``; list items as ``data.sources[].path``); defaults are
+    those of ``model_cls()``."""
     rows = ["| key | type | default | allowed | description |", "| --- | --- | --- | --- | --- |"]
     _rows(model_cls, model_cls(), "", rows)
     return "\n".join(rows) + "\n"
 
 
-# --------------------------------------------------------------------------- command-line flags
 def number_arg(
     kind: type = float,
     *,
@@ -834,13 +483,10 @@ def number_arg(
     le: Optional[float] = None,
     lt: Optional[float] = None,
 ) -> Callable[[str], Any]:
-    """An argparse ``type=`` for a numeric flag, with the same rules as a config field.
+    """An argparse ``type=`` for a numeric flag with a config field's rules (no NaN or infinity, 64-bit
+    ints, the range), checked when the command line is parsed::
 
-    It refuses NaN and infinity (floats), values beyond 64 bits (ints) and values outside the
-    range, while the command line is parsed, i.e. before any model is loaded::
-
-        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)
-    """
+        p.add_argument("--temperature", type=number_arg(float, ge=0.0), default=0.0)"""
     bounds = {"ge": ge, "gt": gt, "le": le, "lt": lt}
 
     def parse(text: str) -> Any:

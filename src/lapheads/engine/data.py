@@ -1,14 +1,6 @@
 """Deterministic, resumable batching for map-style data sets.
 
-The engine asks a task for micro-batches starting at any micro step (``TrainTask.batches``). For a
-map-style data set the order must therefore be a pure function of ``(seed, epoch)`` and random
-augmentation a pure function of ``(seed, epoch, index)``, whatever the number of DataLoader
-workers: :class:`SeededTransform` re-seeds torch and ``random`` for every item (inside
-``fork_rng``, so the main process's RNG streams are untouched) and :func:`epoch_batches` builds
-the per-epoch permutation from a seeded generator and starts mid-epoch without touching the
-skipped items.
-
-Under DDP each rank takes its own slice of every global batch (``batch_size`` per rank).
+Design notes: docs/design/engine.md (Data order).
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
-"""Process-group helpers for torchrun (DDP / FSDP2): gloo on CPU, nccl on GPU.
+"""Process-group helpers for torchrun and SLURM (DDP / FSDP2): gloo on CPU, nccl on GPU.
 
-``lapheads train ...`` works unchanged as a single process or under
-``torchrun --nproc_per_node=N -m lapheads.cli train ...``: the process group is created from the
-environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK). A rank that loses its peers does not
-hang forever: collectives time out after ``LAPHEADS_DIST_TIMEOUT`` seconds (default 120) and the
-error names the rank.
-
-A process may create the group more than once (``lapheads train retrofit`` runs its baseline as a
-second ``launch``, which ends the group like the first). torch restarts its group names after
-``destroy_process_group``, so under torchrun, whose store outlives the group, a second group would
-read the first one's rendezvous keys and hang (pytorch#55967); every group after the first gets
-keys of its own (a ``PrefixStore``).
-
-Under SLURM (``--launcher slurm``, engine.slurm) there is no torchrun: every task of the job is a
-training process, and :func:`env_from_slurm` sets torchrun's variables from submitit's job
-environment (global rank, local rank, number of tasks, the first node as master, a port derived
-from the job id) before :func:`init_distributed` reads them, so the same code path serves both.
+Design notes: docs/design/engine.md (Multi-GPU).
 """
 
 from __future__ import annotations
@@ -28,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_groups_created = 0  # process groups this process initialised (see the module docstring)
+_groups_created = 0  # process groups this process initialised (each after the first gets its own keys)
 
 
 @dataclass(frozen=True)
@@ -59,12 +44,9 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
 
 
 def env_from_slurm(job: Any = None, apply: bool = False) -> dict[str, str]:
-    """torchrun's variables for this SLURM task (empty for a one-task job or under torchrun).
+    """torchrun's variables for this SLURM task from submitit's ``job`` (empty for one task or under torchrun).
 
-    ``job`` is submitit's ``JobEnvironment`` (default: this task's). ``MASTER_ADDR`` is the job's first
-    node, ``MASTER_PORT`` is ``LAPHEADS_MASTER_PORT`` or 20000 + job id mod 20000 (two jobs sharing a node
-    get different ports, a requeued job the same). With ``apply`` they are also set in ``os.environ``.
-    """
+    ``MASTER_PORT`` is ``LAPHEADS_MASTER_PORT`` or 20000 + job id mod 20000; ``apply`` also sets them."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or a caller) has set them
         return {}
     if job is None:
@@ -101,19 +83,26 @@ def init_distributed(device: str = "auto") -> DistInfo:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         timeout = datetime.timedelta(seconds=float(os.environ.get("LAPHEADS_DIST_TIMEOUT", "120")))
+        fresh: dict[str, Any] = {}
         if _groups_created:  # a fresh key space in the same store (pytorch#55967)
             store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-            dist.init_process_group(
-                backend=backend,
-                timeout=timeout,
-                rank=rank,
-                world_size=world,
-                store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store),
+            fresh = dict(
+                rank=rank, world_size=world, store=dist.PrefixStore(f"lapheads_group_{_groups_created}", store)
             )
-        else:
-            dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, **fresh)
         _groups_created += 1
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=dev)
+
+
+def agree(info: DistInfo, outcome: Any) -> Any:
+    """Rank 0's ``outcome`` (a value, or an exception to raise) on every rank."""
+    if info.distributed:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def barrier() -> None:

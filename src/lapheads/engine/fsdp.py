@@ -1,47 +1,6 @@
 """FSDP2 for the engine (``train.parallel: fsdp``): sharding, Muon on shards, sharded checkpoints.
 
-``torch.distributed.fsdp.fully_shard`` (FSDP2, DTensor parameters), not the legacy
-``FullyShardedDataParallel`` wrapper. :class:`~lapheads.engine.trainer.Trainer` calls
-:func:`shard_model` before the recipe builds its optimizers, so every optimizer holds the sharded
-parameters.
-
-Design choices:
-
-* Per-block sharding: each block the task names (:meth:`TrainTask.fsdp_blocks`, for transformers
-  models the classes in ``_no_split_modules``, e.g. ``NanoChatDecoderLayer``) is one FSDP unit,
-  then the root takes what is left (embedding, final norm, lm_head: tied weights stay in one
-  unit). Blocks are resharded after forward (ZeRO-3).
-* Mixed precision where the device has bf16: parameters are all-gathered and computed in bf16,
-  gradients reduced in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); the
-  sharded master weights and optimizer states stay fp32. The engine's autocast stays on around it.
-* Activation checkpointing (``train.activation_checkpointing``) is transformers'
-  ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``, its deprecated alias,
-  on older versions): non-reentrant ``torch.utils.checkpoint`` per decoder layer, the public
-  switch every ``PreTrainedModel`` has. It changes memory, not numbers (tested to 1e-5, with and
-  without FSDP).
-* Muon on shards: ``torch.optim.Muon`` accepts DTensor parameters and runs, but its Newton-Schulz
-  matmuls then run on shards with partial sums in bf16, so its update differs from the
-  one-process update by ~3e-3 after three steps (measured with torch 2.14.1, 2 ranks, gloo).
-  :class:`ShardedMuon` gathers each matrix's momentum-corrected update (``full_tensor()``),
-  orthogonalises the whole matrix with torch's own Newton-Schulz on every rank, and keeps the
-  local rows: the same numbers as one process, at the cost of one all-gather per matrix and
-  redundant Newton-Schulz work (fine up to a few billion parameters; a distributed-work Muon
-  would split the matrices among ranks). Its state (``momentum_buffer``) has torch's layout.
-* Gradient clipping uses ``clip_grad_norm_`` on the sharded gradients (DTensor ops all-reduce the
-  squared norms); the returned norm is made a plain tensor so every rank takes the same decision.
-* Sharded checkpoints (``torch.distributed.checkpoint``, DCP): model and optimizer state dicts
-  keyed by parameter name (``get_state_dict``), every rank writes its own shard into the
-  checkpoint's temporary directory, and rank 0 publishes it only after all ranks finished (see
-  :meth:`Checkpointer.save` (engine.train_state) and ``engine.checkpoint.begin_checkpoint``). DCP re-shards on
-  load, so a checkpoint written by N processes loads into M (also into an unsharded model).
-  DCP's ``.metadata`` file is a pickle (unlike the single-file checkpoints, which are code-free):
-  load sharded checkpoints only from runs you trust.
-* Export: ``final/`` stays the single-file layout the rest of the project reads. The full state
-  dict is gathered to rank 0 on the CPU and loaded into a parameter-free copy of the model made
-  before sharding (:func:`meta_copy`), which the recipe's ``export_final`` (``save_pretrained``)
-  then writes.
-* One process with ``parallel: fsdp`` trains unsharded (there is nothing to shard over) but keeps
-  the sharded checkpoint format, so it can resume a multi-process run and vice versa.
+Design notes: docs/design/engine.md (Multi-GPU).
 """
 
 from __future__ import annotations
@@ -78,21 +37,15 @@ __all__ = [
     "DCP_DIR",
 ]
 
+# torch.distributed's FSDP, DTensor and DCP modules take ~1 s to import: the functions import them when called.
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the DCP files (model + optimizer shards)
 
 T = TypeVar("T")
 
 
-# --------------------------------------------------------------------------- sharding
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformers model (classes in ``_no_split_modules``), in order.
-
-    Works through wrappers such as PEFT's ``PeftModel`` (the attribute is looked up on every
-    sub-module that defines it).
-
-    Raises:
-        ConfigError: the model names no block class, or none of its modules is one.
-    """
+    """The repeated blocks of a transformers model (classes in ``_no_split_modules``, looked up on every
+    sub-module, so wrappers such as PEFT's work), in order; a :class:`ConfigError` when there are none."""
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
@@ -108,17 +61,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def shard_model(
     model: nn.Module, blocks: Sequence[nn.Module], device: torch.device, *, bf16: bool, world_size: Optional[int] = None
 ) -> None:
-    """Apply ``fully_shard`` to every block, then to the root (in place).
-
-    Args:
-        model: the module the optimizers will train.
-        blocks: the FSDP units inside it (e.g. :func:`transformer_blocks`).
-        device: this rank's device (the mesh's device type).
-        bf16: mixed precision (bf16 compute and all-gather, fp32 gradient reduction).
-        world_size: processes to shard over (default: the process group's size).
-    """
-    from torch.distributed.device_mesh import init_device_mesh  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: ~1 s to import, FSDP only
+    """Apply ``fully_shard`` to every block of ``blocks``, then to the root (in place), over ``world_size``
+    processes (default: the group's); ``bf16``: bf16 compute and all-gather, fp32 gradient reduction."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world = world_size or dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
@@ -131,11 +77,7 @@ def shard_model(
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward (transformers' switch, non-reentrant).
-
-    Raises:
-        ConfigError: the model has no such switch.
-    """
+    """Recompute each block's activations in backward (transformers' switch, non-reentrant); ConfigError without one."""
     # transformers 5.x renamed the switch; the old name still works there but warns (FutureWarning)
     fn, kwargs = getattr(model, "activation_checkpointing_enable", None), "activation_checkpointing_kwargs"
     if fn is None:
@@ -148,29 +90,27 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     fn(**{kwargs: {"use_reentrant": False}})
 
 
+def _is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether the model's parameters are DTensor shards (``fully_shard`` was applied)."""
-    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
-# --------------------------------------------------------------------------- Muon on shards
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
 
-    The momentum buffer stays sharded; the Nesterov update is all-gathered, orthogonalised with
-    torch's Newton-Schulz iteration, and the local shard of the result is applied. Arguments,
-    param groups and state are torch's; plain tensors take exactly torch's path.
-    """
+    The Nesterov update is all-gathered, orthogonalised with torch's Newton-Schulz iteration, and the
+    local shard applied; arguments, param groups and state are torch's."""
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        from torch.distributed.tensor import DTensor, distribute_tensor  # lazy: ~1 s to import, FSDP only
-        from torch.optim._muon import (
-            _adjust_lr,
-            _zeropower_via_newtonschulz,
-        )  # lazy: private torch module, present only in torch versions with Muon
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # private; torch versions with Muon
 
         loss = None
         if closure is not None:
@@ -202,17 +142,12 @@ class ShardedMuon(torch.optim.Muon):
 
 def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
     """:class:`ShardedMuon` when any parameter is a DTensor shard, else ``torch.optim.Muon``."""
-    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
-
-    return ShardedMuon if any(isinstance(p, DTensor) for p in params) else torch.optim.Muon
+    return ShardedMuon if any(_is_dtensor(p) for p in params) else torch.optim.Muon
 
 
-# --------------------------------------------------------------------------- norms and guards
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
-    from torch.distributed.tensor import DTensor  # lazy: ~1 s to import, FSDP only
-
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return cast(Any, norm).full_tensor() if _is_dtensor(norm) else norm
 
 
 def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
@@ -224,12 +159,8 @@ def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-# --------------------------------------------------------------------------- export
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters are on the meta device (no memory), buffers real.
-
-    Made before sharding; :func:`materialize` fills it with gathered weights for the export.
-    """
+    """A deep copy of ``model`` with parameters on the meta device (buffers real), made before sharding."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
@@ -250,16 +181,12 @@ def materialize(skeleton: nn.Module, state: dict[str, torch.Tensor]) -> nn.Modul
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict on rank 0's CPU (other ranks get ``{}``); a collective call."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state: Any = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return cast(dict[str, torch.Tensor], state)
 
 
-# --------------------------------------------------------------------------- sharded checkpoints
 @contextlib.contextmanager
 def _quiet_single_process() -> Any:
     """DCP warns that it assumes one process when no group exists; that is what one process wants."""
@@ -270,8 +197,8 @@ def _quiet_single_process() -> Any:
 
 def save_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Optimizer]) -> None:
     """Every rank writes its shards of model and optimizer state into ``path/dcp`` (collective)."""
-    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.checkpoint.state_dict import get_state_dict  # lazy: ~1 s to import, FSDP only
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, list(optims))
     with _quiet_single_process():
@@ -284,11 +211,8 @@ def load_sharded(path: Path, model: nn.Module, optims: Sequence[torch.optim.Opti
     Raises:
         CheckpointError: the checkpoint does not fit this model or these optimizers.
     """
-    import torch.distributed.checkpoint as dcp  # lazy: ~1 s to import, FSDP only
-    from torch.distributed.checkpoint.state_dict import (
-        get_state_dict,
-        set_state_dict,
-    )  # lazy: ~1 s to import, FSDP only
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, list(optims))
     state = {"model": msd, "optim": osd}
@@ -309,13 +233,10 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def consolidate(path: Path) -> dict[str, Any]:
-    """``{"model": {name: full tensor}, "optim": ...}`` of a sharded checkpoint, in one process.
-
-    Needs no process group (DCP's no-dist mode); used to inspect or convert a checkpoint.
-    """
+    """``{"model": {name: full tensor}, "optim": ...}`` of a sharded checkpoint, in one process (no group needed)."""
     import tempfile
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # lazy: ~1 s to import, FSDP only
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -327,16 +248,13 @@ def consolidate(path: Path) -> dict[str, Any]:
         return torch.load(out, map_location="cpu", weights_only=True)
 
 
-# --------------------------------------------------------------------------- evaluation in lock step
 def lockstep(
     batches: Iterable[T], fallback: Callable[[], T], device: torch.device, sharded: bool
 ) -> Iterator[tuple[T, bool]]:
     """``(batch, real)`` pairs, the same number on every rank when the model is sharded.
 
-    A sharded forward is a collective (each block all-gathers its weights), so a rank that ran out
-    of evaluation batches must still run forwards while the others do: it gets ``fallback()``
-    with ``real=False`` (compute, then discard). Unsharded, the batches pass through as they are.
-    """
+    A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
+    ``real=False`` (compute, then discard) while the others go on."""
     if not sharded or not (dist.is_available() and dist.is_initialized()):
         for b in batches:
             yield b, True

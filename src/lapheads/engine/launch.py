@@ -1,23 +1,6 @@
 """Launch a training run on the engine (``lapheads train <recipe>``), and describe an interrupted one.
 
-Order matters for "nothing is lost, nothing half-written, one writer at a time":
-
-1. rank 0 takes the run directory's writer lock (engine.run.RunLock) before anything is read,
-   written or cleaned up; a second writer stops here, naming the holder's PID and host;
-2. the run directory is checked (no overwrite without --resume/--overwrite, same config on
-   --resume), by rank 0, which tells the other ranks the outcome;
-3. the recipe builds its task, which validates every data file and config value, then the
-   trainer is built (it checks the run length and, on --resume, loads the newest checkpoint);
-4. only then is the first file written (by rank 0; the other ranks never write).
-
-A SIGINT / SIGTERM ends the command with one line naming the checkpoint and the exact command
-that continues the run (:func:`describe_interrupt`), and exit status 128 + signal.
-
-A full disk (``ENOSPC`` / ``EDQUOT``) anywhere in a run, the lock, a checkpoint, ``metrics.jsonl``,
-``final/``, ends it with :class:`~lapheads.errors.DiskFullError`, one line that names the
-directory, what the write needed and what is free, the last good checkpoint's step, and the
-command that continues the run from its directory alone once there is room
-(:func:`disk_full_in_run`).
+Design notes: docs/design/engine.md (Launching a run).
 """
 
 from __future__ import annotations
@@ -28,8 +11,6 @@ import signal
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import torch.distributed as dist
-
 from ..errors import DiskFullError, is_disk_full
 from . import dist as D
 from .checkpoint import last_good_step, latest_checkpoint
@@ -39,17 +20,6 @@ from .threads import configure_threads
 from .train_state import seed_everything
 from .train_task import TrainTask
 from .trainer import Trainer
-
-
-def _agree(info: D.DistInfo, outcome: Any) -> Any:
-    """Rank 0's ``outcome`` (a value or an exception to raise) on every rank."""
-    if info.distributed:
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        outcome = box[0]
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
 
 
 def launch(
@@ -65,9 +35,8 @@ def launch(
 ) -> dict:
     """Train ``recipe`` with config ``cfg`` (which has a ``train`` section) into run dir ``out``.
 
-    ``same`` is the recipe's rule for equal config values on ``--resume`` (:func:`~lapheads.engine.run.config_changes`);
-    ``reevaluate``: a resumed run that had finished evaluates its final model again.
-    """
+    ``same`` is the recipe's rule for equal config values on ``--resume``; ``reevaluate``: a resumed
+    run that had finished evaluates its final model again."""
     info = D.init_distributed(cfg.train.device)
     threads, why = configure_threads(cfg.train.threads)  # before any tensor work (engine/threads.py)
     if info.is_main and cfg.train.progress:
@@ -83,7 +52,7 @@ def launch(
                 outcome = run.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
             except Exception as e:  # handed to the other ranks, which raise it too
                 outcome = e
-        resume = _agree(info, outcome)
+        resume = D.agree(info, outcome)
         seed_everything(cfg.train.seed)  # model initialisation is identical on every rank
         task = build_task(cfg, info)
         # Built before the first write: it checks the run length, and on --resume loads the
@@ -114,9 +83,8 @@ def launch(
 
 
 def disk_full_in_run(exc: BaseException, recipe: str, run_dir: Path, last_step: Any = "pointer") -> DiskFullError:
-    """The one-line :class:`DiskFullError` of a run whose write ``exc`` met a full disk: with the
-    run's last good checkpoint (``last_step``; by default the step ``latest`` names) and the
-    command that continues it from its directory alone."""
+    """The one-line :class:`DiskFullError` of a run whose write ``exc`` met a full disk, with the last
+    good checkpoint (``last_step``; by default the step ``latest`` names) and the command that continues it."""
     if not isinstance(exc, DiskFullError):
         name = getattr(exc, "filename", None)
         where = Path(name).parent if name else run_dir
@@ -128,12 +96,8 @@ def disk_full_in_run(exc: BaseException, recipe: str, run_dir: Path, last_step: 
 
 
 def resume_command(words: Sequence[str], args: Sequence[str], started: bool = True) -> str:
-    """The command line that continues an interrupted ``lapheads WORDS ARGS``.
-
-    ``--overwrite`` / ``--restart-changed`` are dropped (they already took effect), a train
-    command gets ``--resume`` when its run had started, and under torchrun the launcher is
-    named (flags are exact: the train, sweep and quickstart parsers refuse abbreviations).
-    """
+    """The command line that continues an interrupted ``lapheads WORDS ARGS``: without ``--overwrite`` /
+    ``--restart-changed``, with ``--resume`` for a started train command, under torchrun when it ran there."""
     if not started:
         rest = list(args)
     else:
@@ -146,10 +110,7 @@ def resume_command(words: Sequence[str], args: Sequence[str], started: bool = Tr
 
 
 def describe_interrupt(words: Sequence[str], args: Sequence[str], exc: BaseException) -> tuple[Optional[str], int]:
-    """The one stderr line and the exit status of a command ended by SIGINT / SIGTERM.
-
-    The line is None on ranks other than 0 (one line per job, not per process).
-    """
+    """The one stderr line (None on ranks other than 0) and the exit status of a command ended by a signal."""
     signum = int(getattr(exc, "signum", signal.SIGINT))
     rc = 128 + signum
     if int(os.environ.get("RANK", "0")) != 0:

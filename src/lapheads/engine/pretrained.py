@@ -1,15 +1,7 @@
-"""Models from outside this project's runs, for analysis: a transformers checkpoint directory or a
-timm model name with a state dict (``lapheads analyze --checkpoint``).
+"""Models from outside this project's runs, for analysis (``lapheads analyze --checkpoint``): a
+transformers checkpoint directory or a timm model name with a state dict.
 
-Beside :mod:`lapheads.engine.checkpoint`, which reads and writes the checkpoints of runs. Nothing
-is downloaded: a directory with ``config.json`` is a transformers checkpoint (``AutoModelForCausalLM``
-when its architecture is a causal LM, else ``AutoModel``), loaded through
-:func:`lapheads.transformers.from_pretrained` so that the Laplacian heads its config names are
-restored, with the tokenizer from the same directory; anything else must be a timm model name
-(``timm.create_model(pretrained=False)`` with the given keyword arguments), whose ``weights`` (a
-``.safetensors`` or ``.pt`` state dict) are loaded strictly. Every failure is one
-:class:`~lapheads.errors.CheckpointError` / :class:`~lapheads.errors.ConfigError` naming the
-checkpoint and the fix.
+Design notes: docs/design/engine.md (Pretrained models).
 """
 
 from __future__ import annotations
@@ -50,7 +42,7 @@ def load_checkpoint(
         cfg = transformers.AutoConfig.from_pretrained(p)
         causal = any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in (cfg.architectures or []))
         cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-        try:  # lapheads' loader: a config with laplacian_heads gets the Laplacian attention implementation
+        try:  # lapheads' loader restores the attention implementation its config names
             model = lap_tf.from_pretrained(str(p), model_class=cls)
         except Exception as e:  # noqa: BLE001 - report any loader failure as a checkpoint error
             raise CheckpointError(f"{spec}: cannot load the model: {e}") from e

@@ -1,51 +1,6 @@
-"""Run directories: one layout for every ``lapheads train ...`` command.
+"""Run directories: one layout (docs/runs.md) for every ``lapheads train ...`` command.
 
-::
-
-    RUN_DIR/
-        config.yaml        the resolved config (recipe name included); rebuilds the run
-        meta.json          git revision, versions, command line, world size, start time
-        metrics.jsonl      one JSON object per logged step / evaluation
-        samples.jsonl      (lm) greedy continuations at every evaluation
-        tb/                TensorBoard events
-        checkpoints/       crash-safe checkpoints (see engine.checkpoint)
-        final/             model.safetensors + model.json (what rebuilds the model), at the end
-        .lock              present while a process writes into the directory (see RunLock)
-
-Design choices:
-
-* A run directory is never overwritten: starting a run where ``config.yaml`` already exists
-  needs ``--resume`` (continue it) or ``--overwrite`` (delete it first). ``--resume`` also checks
-  that the config did not change in ways that would break exact resume, and lists every
-  differing key (:func:`config_changes`; the sweep uses the same rule). ``--resume`` without
-  ``--config`` continues with the directory's own ``config.yaml`` (:func:`resume_config`), so
-  ``lapheads train RECIPE --out RUN --resume`` needs nothing else; ``--set`` on top is compared
-  as usual. Keys that cannot change a result may differ (:data:`RESUME_MUTABLE`);
-  ``train.threads`` may too, with one warning line (:data:`RESUME_WARN`).
-* ``meta.json`` holds the run's id (``run_id``), which every checkpoint records, so that a
-  checkpoint copied in from another run is recognised on resume (engine.checkpoint).
-* ``config.yaml`` is what makes a directory a run. A directory that holds nothing but the
-  leftovers of a start killed before ``config.yaml`` was complete (its temporary file, a stale
-  lock file) is not a run: a plain start cleans it up and proceeds, and so does ``--resume`` with
-  a ``--config`` (there is nothing to resume, the run starts at step 0). A directory that holds
-  other files but no ``config.yaml`` is refused, with or without ``--overwrite``.
-* ``--overwrite`` deletes a run, never anything else (:meth:`RunDir.check_overwrite`): only a
-  directory holding a run's ``config.yaml``, and only when every entry at its top level is one
-  that lapheads writes there (:data:`RUN_ENTRIES`: the training files, and what the analysis, a
-  SLURM job and the trackers add). It refuses the current directory and its ancestors, a
-  directory holding the ``--config`` being read, a sweep directory, and a directory with a file
-  not one of the run's own (naming it), before anything is deleted.
-* One writer at a time: every command that writes into a run directory holds :class:`RunLock`,
-  an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` that the kernel releases when the process
-  dies, whatever kills it. The holder writes its PID and host into the file so that a second
-  writer can say who holds it (``filelock`` truncates the file when it tries to lock it, which
-  would erase exactly that information, hence ``fcntl`` directly). The file is removed on release;
-  an acquirer that locked a file unlinked in the meantime notices (inode check) and retries.
-  A full disk that refuses even the holder record gives the lock back and ends in one
-  :class:`~lapheads.errors.DiskFullError` line.
-* Every top-level ``*.jsonl`` file is a per-step log whose records carry ``step``: on resume they
-  are all trimmed to the checkpoint's step (:meth:`RunDir.trim_step_logs`), so a killed attempt
-  leaves no duplicates.
+Design notes: docs/design/engine.md (Run directories).
 """
 
 from __future__ import annotations
@@ -77,7 +32,7 @@ from .trackers import STATE_FILE as TRACKERS_FILE
 
 LOCK_NAME = ".lock"
 SWEEP_RECORD = "sweep_command.json"  # what makes a directory a sweep (lapheads sweep writes it)
-# The top-level entries lapheads writes into a run directory: the training files (module docstring),
+# The top-level entries lapheads writes into a run directory: the training files (docs/design/engine.md),
 # engine.slurm's record of the SLURM attempts, engine.trackers' ids and W&B's offline folder, the
 # analysis of ``lapheads.runs.analyze_run`` and a retrofit's comparison. --overwrite deletes these and
 # refuses anything else.
@@ -104,19 +59,16 @@ _TMP = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # outputs.atomic_write's temporar
 
 def git_revision() -> Optional[str]:
     """The git commit of the lapheads source tree (with ``-dirty``), or None outside git."""
-    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        rev = git("rev-parse", "HEAD")
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -140,18 +92,13 @@ def add_train_args(p: argparse.ArgumentParser, default_config: Optional[str] = N
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.max_steps=100 --set model.laplacian_heads=all (repeatable)",
+        help="override a config value, e.g. --set train.max_steps=100 --set optim.lr=0.01 (repeatable)",
     )
 
 
 def resume_config(out: str | Path, resume: bool) -> Optional[str]:
     """The config a ``--resume`` without ``--config`` continues with: ``OUT/config.yaml`` (None when
-    not resuming).
-
-    Raises:
-        CheckpointError: ``OUT`` holds no run (missing, empty, or without ``config.yaml``): there is
-            no config to continue with, and the recipe's default would silently start another run.
-    """
+    not resuming); a :class:`CheckpointError` when ``OUT`` holds no run."""
     if not resume:
         return None
     saved = Path(out) / "config.yaml"
@@ -200,11 +147,8 @@ def config_changes(
 ) -> list[str]:
     """Dotted keys whose values differ between two resolved configs, ``allowed`` keys left out.
 
-    With ``defaults`` (the recipe's default config), a key the old config lacks because it was
-    added to the recipe later (e.g. ``model.in_chans``) is no change while the new config leaves
-    it at its default. ``same`` is the recipe's equality rule (two spellings of one setting are no
-    change); plain ``==`` by default.
-    """
+    With ``defaults`` (the recipe's defaults), a key the old config lacks is no change while the new
+    one leaves it at its default. ``same`` is the recipe's equality rule (plain ``==`` by default)."""
     a, b = flatten_config(old), flatten_config(new)
     d = flatten_config(defaults) if defaults is not None else {}
     return sorted(
@@ -221,18 +165,14 @@ def describe_changes(old: dict, new: dict, keys: list[str], limit: int = 6) -> s
     return ", ".join(parts) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-# ----------------------------------------------------------------------------- the writer lock
 class RunDirBusy(CheckpointError):
     """Another live process holds the directory's lock."""
 
 
 class RunLock:
-    """Exclusive, process-lifetime lock of a directory (see the module docstring).
+    """Exclusive, process-lifetime, re-entrant ``fcntl`` lock of a directory (``DIR/.lock`` names the holder).
 
-    Re-entrant within one process (a sweep holds its directory while its runs lock their own).
-    Missing directories are created to hold the lock file and removed again on release when they
-    are still empty, so a command that fails before writing anything leaves nothing behind.
-    """
+    Directories created to hold the lock file are removed on release when they are still empty."""
 
     _held: dict[Path, "RunLock"] = {}
 
@@ -257,11 +197,9 @@ class RunLock:
         created = []
         for parent in reversed([path, *path.parents]):
             if not parent.exists():
-                try:
+                with contextlib.suppress(FileExistsError):
                     parent.mkdir()
                     created.append(parent)
-                except FileExistsError:
-                    pass
         if not path.is_dir():
             raise CheckpointError(f"{path} is not a directory")
         lock_file = path / LOCK_NAME
@@ -279,13 +217,9 @@ class RunLock:
                     f"{path} is being written by another process ({holder}); two writers would "
                     f"corrupt it: wait for that process to end or stop it first"
                 ) from None
-            try:  # the previous holder may have unlinked the file between our open and flock
-                st = os.stat(lock_file)
-                same = (st.st_ino, st.st_dev) == (os.fstat(fd).st_ino, os.fstat(fd).st_dev)
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
+            with contextlib.suppress(FileNotFoundError):  # the previous holder may have unlinked it meanwhile
+                if os.path.samestat(os.stat(lock_file), os.fstat(fd)):
+                    break
             os.close(fd)
         info = {
             "pid": os.getpid(),
@@ -354,8 +288,7 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def enclosing_run_dir(path: str | Path) -> Optional[Path]:
-    """The run directory ``path`` lies in (``path`` itself or the nearest parent holding a run's
-    ``config.yaml``), or None. Used to lock a run before writing analysis output into it."""
+    """The run directory ``path`` lies in (``path`` or its nearest parent holding a run), or None."""
     p = Path(path).absolute()
     for cand in (p, *p.parents):
         if (cand / "config.yaml").is_file() and _is_run_dir(cand):
@@ -363,26 +296,20 @@ def enclosing_run_dir(path: str | Path) -> Optional[Path]:
     return None
 
 
-@contextlib.contextmanager
-def lock_enclosing_run(path: str | Path) -> Iterator[None]:
+def lock_enclosing_run(path: str | Path) -> contextlib.AbstractContextManager:
     """Hold the lock of the run directory ``path`` is in, if any (no-op outside run directories)."""
     run = enclosing_run_dir(path)
-    if run is None:
-        yield
-        return
-    with lock_dir(run):
-        yield
+    return contextlib.nullcontext() if run is None else lock_dir(run)
 
 
 def _written_by_lapheads(name: str) -> bool:
-    """Whether a top-level entry of a run directory is one lapheads writes (:data:`RUN_ENTRIES`, or the
-    temporary file of one that a killed write left)."""
+    """Whether a top-level entry of a run directory is one of :data:`RUN_ENTRIES` (or its temporary file)."""
     tmp = _TMP.fullmatch(name)
     return (tmp.group("name") if tmp else name) in RUN_ENTRIES
 
 
 def _foreign_entries(run: Path) -> list[str]:
-    """The entries of the run directory ``run`` that are not its own (sorted; nested runs' as ``baseline/x``)."""
+    """The entries of run directory ``run`` that are not its own (nested runs' as ``baseline/x``)."""
     out = []
     for c in sorted(run.iterdir(), key=lambda c: c.name):
         if c.name in NESTED_RUNS and c.is_dir() and not c.is_symlink() and (c / "config.yaml").is_file():
@@ -402,7 +329,7 @@ def _is_start_leftover(name: str) -> bool:
 
 
 class RunDir:
-    """A run directory (see module docstring)."""
+    """A run directory (docs/runs.md)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -425,12 +352,11 @@ class RunDir:
         return "partial" if self.exists() else "new"
 
     def read_json(self, name: str, what: str = "", *, missing: Any = None) -> Any:
-        """The JSON file ``name`` of the run (``meta.json``, ``slurm.json``, ``final/model.json``);
-        ``missing`` when it does not exist; one :class:`CheckpointError` line when it is corrupt."""
+        """The JSON file ``name`` of the run (:func:`lapheads.outputs.read_json`)."""
         return read_json(self.path / name, what or f"a file of the run {self.path}", missing=missing)
 
     def write_json(self, name: str, data: Any) -> None:
-        """Write the JSON file ``name`` of the run atomically (:func:`lapheads.outputs.atomic_write`)."""
+        """Write the JSON file ``name`` of the run atomically."""
         write_json(self.path / name, data)
 
     def lock(self) -> RunLock:
@@ -448,17 +374,8 @@ class RunDir:
         return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
 
     def check_overwrite(self, keep: Sequence[str | Path] = (), flag: str = "--overwrite") -> None:
-        """Refuse, before anything is deleted, an ``--overwrite`` that would delete more than a run.
-
-        A missing directory, or one holding only the leftovers of a killed start, passes (there is
-        nothing to delete). Otherwise the directory must hold a run (``config.yaml``) and only
-        entries lapheads writes (:data:`RUN_ENTRIES`), must not be the working directory or one of
-        its ancestors, and must not hold any of the ``keep`` paths (the ``--config`` being read).
-        ``flag`` is the option that asked for the deletion, for the message.
-
-        Raises:
-            CheckpointError: one line naming the directory, what is in the way, and what to do.
-        """
+        """Refuse (one :class:`CheckpointError` line), before anything is deleted, an ``--overwrite``
+        (``flag``) that would delete more than a run, or one of the ``keep`` paths (docs/design/engine.md)."""
         if not self.path.is_dir() or self._only_leftovers():
             return
         where = self.path.resolve()
@@ -490,8 +407,7 @@ class RunDir:
             )
 
     def clear(self) -> None:
-        """Delete the run's files (:data:`RUN_ENTRIES`, :data:`NESTED_RUNS`; the lock file, which the
-        caller holds, stays), after :meth:`check_overwrite`: nothing else is ever deleted."""
+        """Delete the run's own files (not the lock file), after :meth:`check_overwrite`."""
         self.check_overwrite()
         for child in self.path.iterdir():
             if child.name == LOCK_NAME or not (_written_by_lapheads(child.name) or child.name in NESTED_RUNS):
@@ -502,13 +418,9 @@ class RunDir:
                 child.unlink()
 
     def check(self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, same: Optional[SameValue] = None) -> bool:
-        """Check that the run can start here; returns whether it resumes an existing run.
+        """Check, touching nothing, that the run can start here; returns whether it resumes a run.
 
-        Raises before anything is touched when the directory would be overwritten or the config
-        of a resumed run changed. ``--resume`` of a directory that holds no complete run (only
-        the leftovers of a start killed before ``config.yaml`` was written) starts afresh. ``same``
-        is the recipe's rule for equal values (:func:`config_changes`).
-        """
+        ``same`` is the recipe's rule for equal values (:func:`config_changes`)."""
         if resume and overwrite:
             raise ConfigError("--resume and --overwrite exclude each other")
         if overwrite:
@@ -523,13 +435,8 @@ class RunDir:
             new = {"recipe": recipe, **to_dict(cfg)}
             # plus the keys a config derives from the world size (lm: train.grad_accum from data.total_batch_tokens)
             allowed = RESUME_MUTABLE | (cfg.resume_mutable() if hasattr(cfg, "resume_mutable") else set())
-            changed = config_changes(
-                old,
-                new,
-                allowed | RESUME_WARN,
-                defaults={"recipe": recipe, **to_dict(type(cfg)())},
-                same=same or _equal,
-            )
+            defaults = {"recipe": recipe, **to_dict(type(cfg)())}
+            changed = config_changes(old, new, allowed | RESUME_WARN, defaults=defaults, same=same or _equal)
             if changed:
                 raise ConfigError(
                     f"--resume: the config differs from {self.config_path} at "
@@ -568,12 +475,8 @@ class RunDir:
         write: bool = True,
         same: Optional[SameValue] = None,
     ) -> bool:
-        """Check (see :meth:`check`), then create the directory and write ``config.yaml`` +
-        ``meta.json``; returns whether the run resumes.
-
-        With ``write=False`` it only checks (nothing is touched), so a caller can validate data
-        before the first file is written. The caller holds :meth:`lock` when it writes.
-        """
+        """:meth:`check`, then (unless ``write=False``) write ``config.yaml`` and ``meta.json`` (the
+        caller holds :meth:`lock`); returns whether the run resumes."""
         resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
         if not is_main or not write:
             return resume
@@ -626,8 +529,7 @@ class RunDir:
         return sorted(p for p in self.path.glob("*.jsonl") if p.is_file())
 
     def trim_step_logs(self, step: int) -> None:
-        """Drop every record logged after ``step`` (a killed attempt logged them past its last
-        checkpoint) and torn lines from every per-step log; records without a step are kept."""
+        """Drop the records logged after ``step``, and torn lines, from every per-step log."""
         for path in self.step_logs():
             keep = [r for r in _read_jsonl(path) if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep))
@@ -638,10 +540,6 @@ def _read_jsonl(path: Path) -> list[dict]:
         return []
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return [rec for rec in out if isinstance(rec, dict)]

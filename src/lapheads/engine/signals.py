@@ -1,21 +1,6 @@
-"""Stopping a run cleanly on SIGINT, SIGTERM and SLURM's SIGUSR1.
+"""Stopping a run cleanly at a step boundary on SIGINT, SIGTERM and SLURM's SIGUSR1.
 
-A signal does not stop the loop mid-step: :class:`StopSignals` only records it, the trainer
-asks at each step boundary (:meth:`StopSignals.requested`), finishes the current optimizer step,
-writes a checkpoint (unless one of that step exists) and raises :class:`RunInterrupted` (a
-``KeyboardInterrupt``), which the CLI turns into one line with the resume command and exit status
-128 + signal (130 / 143).
-
-* Under torchrun the ranks agree on the stop (one all-reduce of the flag per step), so they
-  checkpoint the same step.
-* The previous handler of SIGINT / SIGTERM comes back after the first signal, so a second one
-  acts at once.
-* SIGUSR1 is SLURM's warning before a time limit or preemption (``--launcher slurm``,
-  engine.slurm: the job then requeues itself and resumes from this checkpoint); its handler stays
-  until the loop ends, as SLURM can send it more than once (srun forwards it too).
-* A signal the process was started to ignore (``cmd &`` in a script ignores SIGINT) stays
-  ignored, and one handled outside Python (``getsignal()`` is None) is left alone. Outside the
-  main thread (where Python cannot set handlers) nothing is installed.
+Design notes: docs/design/engine.md (Signals).
 """
 
 from __future__ import annotations
@@ -23,7 +8,6 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Optional
 
 import torch
@@ -33,17 +17,10 @@ from .dist import DistInfo
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT / SIGTERM at a step boundary (or before / after training).
+    """A run stopped by a signal at a step boundary (or before / after training).
 
-    Attributes:
-        signum: the signal (``signal.SIGINT`` or ``signal.SIGTERM``).
-        run_dir: the run directory.
-        step: the optimizer step the run stopped after (None: it stopped outside the loop).
-        checkpoint: the newest complete checkpoint (None when there is none yet).
-        started: whether this attempt wrote the run's ``config.yaml`` (False: rerun the original
-            command, not ``--resume``).
-        finished: whether the run had already written ``final/`` when it stopped.
-    """
+    ``step`` is None when it stopped outside the loop, ``checkpoint`` the newest complete one (or
+    None), ``started`` whether this attempt wrote ``config.yaml``, ``finished`` whether ``final/`` was."""
 
     def __init__(
         self,
@@ -92,9 +69,7 @@ class StopSignals:
                 signal.signal(s, self._handler)
         return self
 
-    def __exit__(
-        self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
-    ) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
         self._previous = {}

@@ -1,48 +1,16 @@
 """``--launcher slurm``: ``lapheads train`` and ``lapheads sweep`` on a SLURM cluster, through submitit.
 
-::
-
-    lapheads train classify --config digits.yaml --out runs/a --launcher slurm --partition gpu \\
-        --nodes 2 --gpus-per-node 8 --time-min 240 [--sbatch account=abc] [--no-wait]
-    lapheads sweep --config digits.yaml --laplacian-heads 0,all --seeds 0,1 --out runs/sw \\
-        --launcher slurm [--launcher-config slurm.yaml]
-    lapheads sweep --status runs/sw        # pending / running (job id) / done / failed (log tail)
-    lapheads sweep --resume --out runs/sw  # resubmits only the unfinished points
-
-Design choices:
-
-* One job per ``lapheads train``, one array task per sweep point (``executor.batch()``), each
-  running the unchanged ``lapheads train`` command (:class:`TrainJob`) in the task's own process;
-  a job with N tasks (``--nodes`` x ``--tasks-per-node``, default one task per GPU) sets up
-  torch.distributed from submitit's job environment (:func:`lapheads.engine.dist.env_from_slurm`),
-  so DDP / FSDP2 run across nodes without a torchrun line.
-* Options: the flags of :func:`add_launcher_args`, over a small YAML file (``--launcher-config``,
-  the keys of :class:`LauncherConfig` at its top level or under ``launcher:``), over the defaults.
-  They are not a section of the recipe's config: a run's ``config.yaml`` describes the math of a
-  run, and where it ran (partition, time limit, requeues) never changes it.
-* Preemption and time limits: submitit asks SLURM for ``--signal=USR1@signal_delay_s``; the
-  trainer turns SIGUSR1 like SIGTERM into "finish the step, write a checkpoint, stop"
-  (engine.trainer), and :class:`TrainJob` then hands the signal back to submitit, which calls
-  :meth:`TrainJob.checkpoint` (the same command with ``--resume``) and requeues the job
-  (``scontrol requeue``). A job requeued by SLURM itself (``scontrol requeue``, a node failure) finds
-  its run directory and resumes it too (``SLURM_RESTART_COUNT``). The engine's resume is exact, so
-  the requeued run ends with the weights of an uninterrupted one.
-* Records: the submitter writes ``SWEEP/slurm/jobs.json`` (per point: job id, log paths, every
-  submission) next to submitit's own files and logs (``SWEEP/slurm/``; ``lapheads train``:
-  ``<parent of --out>/slurm_logs/``); every attempt's rank 0 appends to ``RUN_DIR/slurm.json``
-  (job id, restart count, nodes, log paths) when the run directory holds a run. A sweep's
-  ``--status`` reads both plus ``squeue``.
-* The sweep waits for its jobs (polling ``squeue``; SLURM accounting is not needed) and then writes
-  its report as with ``--launcher local``; ``--no-wait`` returns after the submission, and the same
-  command (or ``--resume``) later skips the points that are finished or still queued, resubmits
-  the others and writes the report. Ctrl-C while waiting leaves the jobs running.
+Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
+import gc
+import importlib
 import io
 import os
 import re
@@ -59,26 +27,13 @@ from pydantic import Field
 from ..errors import ConfigError, LapheadsError, RunFailed
 from ..outputs import read_json, removed_on_failure, write_json
 from .config import ConfigModel, Float, Int, Str, from_dict, read_yaml
+from .dist import env_from_slurm
 from .run import RunDir
 
 PREEMPT_SIGNAL = "USR1"  # what the trainer turns into "checkpoint and stop" (engine.trainer)
 JOBS_FILE = "jobs.json"  # in a sweep's slurm/ folder
 RUN_RECORD = "slurm.json"  # in a run directory
-# squeue states of a job that is still in the queue (anything else: it has ended)
-QUEUED = {
-    "PENDING",
-    "CONFIGURING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESV_DEL_HOLD",
-    "SUSPENDED",
-    "STOPPED",
-    "RESIZING",
-    "SIGNALING",
-    "STAGE_OUT",
-}
-ACTIVE = {"RUNNING", "COMPLETING", "PREEMPTED"}
+ACTIVE = {"RUNNING", "COMPLETING", "PREEMPTED"}  # squeue states of a running job
 
 
 class LauncherConfig(ConfigModel):
@@ -108,19 +63,13 @@ class LauncherConfig(ConfigModel):
         return self.tasks_per_node or max(1, self.gpus_per_node)
 
 
-# ----------------------------------------------------------------------------- flags
 _SBATCH_KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # an sbatch long option's name (account, gres, ...)
+_KEYS = (
+    "partition nodes gpus_per_node tasks_per_node cpus_per_task mem_gb time_min max_requeues array_parallelism job_name"
+)
 _FLAGS = {  # flag -> (LauncherConfig key, type)
-    "--partition": ("partition", str),
-    "--nodes": ("nodes", int),
-    "--gpus-per-node": ("gpus_per_node", int),
-    "--tasks-per-node": ("tasks_per_node", int),
-    "--cpus-per-task": ("cpus_per_task", int),
-    "--mem-gb": ("mem_gb", float),
-    "--time-min": ("time_min", int),
-    "--max-requeues": ("max_requeues", int),
-    "--array-parallelism": ("array_parallelism", int),
-    "--job-name": ("job_name", str),
+    "--" + key.replace("_", "-"): (key, {"partition": str, "mem_gb": float, "job_name": str}.get(key, int))
+    for key in _KEYS.split()
 }
 
 
@@ -197,10 +146,7 @@ def launcher_config(args: argparse.Namespace) -> Optional[LauncherConfig]:
             raise ConfigError(f"{args.launcher_config}: launcher must be a mapping")
         data = dict(data)
         prefix = f"{args.launcher_config}: "
-    for _flag, (key, _) in _FLAGS.items():
-        value = getattr(args, f"slurm_{key}", None)
-        if value is not None:
-            data[key] = value
+    data.update({key: v for key, _ in _FLAGS.values() if (v := getattr(args, f"slurm_{key}", None)) is not None})
     extra = dict(data.get("sbatch") or {})
     for item in args.slurm_sbatch:
         key, sep, value = item.partition("=")
@@ -224,7 +170,6 @@ def split_launcher_argv(argv: Sequence[str], sweep: bool = False) -> list[str]:
     return rest
 
 
-# ----------------------------------------------------------------------------- submitit
 def _submitit() -> Any:
     """submitit, told to ask for SIGUSR1 before the time limit (the trainer's preemption signal)."""
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = PREEMPT_SIGNAL  # the jobs inherit it (sbatch exports the env)
@@ -241,11 +186,7 @@ class SubmissionFailed(RunFailed):
 
 
 def check_controller() -> None:
-    """Make sure the SLURM controller answers (``sinfo``) before anything is written or submitted.
-
-    Raises:
-        RunFailed: one line with ``sinfo``'s own message (no client tools, an unreachable controller).
-    """
+    """Raise one :class:`RunFailed` line (``sinfo``'s own message) unless the SLURM controller answers."""
     try:
         r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
@@ -267,9 +208,8 @@ def check_controller() -> None:
 
 @contextlib.contextmanager
 def _submission(folder: Path) -> Iterator[None]:
-    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line with its message,
-    and the files submitit wrote for it (job scripts, pickles; ``folder`` itself when it made it) removed.
-    submitit prints sbatch's stderr before it raises; the line quotes it instead."""
+    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line quoting it, and
+    the files submitit wrote for it removed (submitit's own print of sbatch's stderr is swallowed)."""
     try:
         with removed_on_failure(folder), contextlib.redirect_stderr(io.StringIO()):
             yield
@@ -300,14 +240,10 @@ def make_executor(opts: LauncherConfig, folder: Path, name: str) -> Any:
         additional_parameters={k: (v if v != "" else True) for k, v in opts.sbatch.items()} or None,
         stderr_to_stdout=False,
     )
-    if opts.partition:
-        params["partition"] = opts.partition
-    if opts.gpus_per_node:
-        params["gpus_per_node"] = opts.gpus_per_node
-    if opts.mem_gb:
-        params["mem"] = f"{max(1, int(round(opts.mem_gb * 1024)))}M"
-    if opts.array_parallelism:
-        params["array_parallelism"] = opts.array_parallelism
+    mem = f"{max(1, int(round(opts.mem_gb * 1024)))}M" if opts.mem_gb else ""
+    optional = dict(partition=opts.partition, gpus_per_node=opts.gpus_per_node, mem=mem)
+    optional["array_parallelism"] = opts.array_parallelism
+    params.update({k: v for k, v in optional.items() if v})
     ex.update_parameters(**params)
     return ex
 
@@ -320,11 +256,9 @@ CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARG
 
 
 class TrainJob:
-    """What submitit runs in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
+    """What submitit runs (pickled) in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
 
-    Picklable (submitit stores it with the job); :meth:`checkpoint` is submitit's hook on SIGUSR1.
-    ``entry`` names the command's ``main`` (``module:function``): the CLI sits above the engine, so
-    the engine imports it by name, in the job.
+    ``entry`` names the CLI's ``main`` (``module:function``), imported in the job.
     """
 
     def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False, entry: str = CLI_MAIN):
@@ -341,16 +275,11 @@ class TrainJob:
         return ["train", self.recipe, *argv]
 
     def __call__(self) -> int:
-        import gc
-        import importlib
-
-        from . import dist as D
-
         module, _, name = self.entry.partition(":")
         main = getattr(importlib.import_module(module), name)
         submitit = _submitit()
         job = submitit.JobEnvironment()
-        D.env_from_slurm(job, apply=True)
+        env_from_slurm(job, apply=True)
         cpus = os.environ.get("SLURM_CPUS_PER_TASK")
         if cpus and "OMP_NUM_THREADS" not in os.environ:
             os.environ["OMP_NUM_THREADS"] = cpus
@@ -387,8 +316,7 @@ class TrainJob:
         return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True, self.entry))
 
     def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
-        """Append this attempt to ``RUN_DIR/slurm.json`` (only once the directory holds a run: a fresh
-        start needs an empty directory)."""
+        """Append this attempt to ``RUN_DIR/slurm.json`` once the directory holds a run."""
         run = RunDir(self.out)
         if not run.exists():
             return
@@ -423,7 +351,6 @@ class JobFailed(RuntimeError):
     """A job's ``lapheads train`` ended with an error (its one-line message is in the job's log)."""
 
 
-# ----------------------------------------------------------------------------- the queue
 def queue_states() -> dict[str, str]:
     """``{job id: state}`` of every job in the queue (array tasks as ``ARRAY_TASK``), from ``squeue``."""
     try:
@@ -432,12 +359,8 @@ def queue_states() -> dict[str, str]:
         raise RunFailed(f"squeue failed: {e}") from None
     if r.returncode != 0:
         raise RunFailed(f"squeue failed: {(r.stderr or r.stdout).strip()}")
-    out = {}
-    for line in r.stdout.splitlines():
-        jid, _, state = line.strip().partition("|")
-        if jid:
-            out[jid] = state
-    return out
+    rows = [line.strip().partition("|") for line in r.stdout.splitlines()]
+    return {jid: state for jid, _, state in rows if jid}
 
 
 def job_state(job_id: str, queue: dict[str, str]) -> Optional[str]:
@@ -463,8 +386,7 @@ def _in_range(task: int, spec: str) -> bool:
 
 
 def log_tail(path: Optional[str | Path], lines: int = 5) -> list[str]:
-    """The last ``lines`` non-empty lines of a log (submitit's own log lines and tracebacks left out:
-    the command's error is its one ``lapheads ...`` line)."""
+    """The last ``lines`` non-empty lines of a log, without submitit's own lines and tracebacks."""
     if not path or not Path(path).is_file():
         return []
     keep, in_traceback = [], False
@@ -483,12 +405,11 @@ def log_tail(path: Optional[str | Path], lines: int = 5) -> list[str]:
     return keep[-lines:]
 
 
-def cancel(job_ids: Sequence[str]) -> None:
-    if job_ids:
-        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
+def _tail(rec: dict, lines: int = 5) -> list[str]:
+    """The tail of a job's stderr log, else of its stdout log."""
+    return log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
 
 
-# ----------------------------------------------------------------------------- lapheads train
 def submit_train(
     recipe: str,
     argv: Sequence[str],
@@ -533,7 +454,7 @@ def submit_train(
     while job_state(job.job_id, queue_states()) is not None:
         time.sleep(opts.poll_s)
     if RunDir(out).state() != "done":
-        tail = log_tail(job.paths.stderr) or log_tail(job.paths.stdout)
+        tail = _tail({"stderr": job.paths.stderr, "stdout": job.paths.stdout})
         raise RunFailed(
             f"job {job.job_id} ended without finishing {out}: {tail[-1] if tail else 'no log'} "
             f"(log: {job.paths.stderr}); continue it with --resume"
@@ -544,7 +465,6 @@ def submit_train(
     return job
 
 
-# ----------------------------------------------------------------------------- lapheads sweep
 class SweepJobs:
     """``SWEEP/slurm/jobs.json``: each point's current job and every earlier submission."""
 
@@ -562,12 +482,8 @@ class SweepJobs:
 
     def queued(self, queue: dict[str, str]) -> dict[str, str]:
         """``{point: state}`` of the points whose current job is still in the queue."""
-        out = {}
-        for name, rec in self.points.items():
-            state = job_state(rec["job_id"], queue)
-            if state is not None:
-                out[name] = state
-        return out
+        states = {name: job_state(rec["job_id"], queue) for name, rec in self.points.items()}
+        return {name: state for name, state in states.items() if state is not None}
 
 
 def submit_sweep(
@@ -580,10 +496,7 @@ def submit_sweep(
     quiet: bool = False,
 ) -> None:
     """Submit the grid runs ``todo`` (``(run directory, lapheads train ARGV, resumes)`` each) as one array
-    job, one task per point; with ``wait``, until every task has ended.
-
-    Points whose job from an earlier submission is still queued or running are not submitted again
-    (they are waited for).
+    job, one task per point, except points whose earlier job is still queued; with ``wait``, until all end.
 
     Raises:
         RunFailed: some points did not finish (the first one's last log line and log named).
@@ -600,12 +513,10 @@ def submit_sweep(
                 f"{records.points[path.name]['job_id']}; not submitted again"
             )
     if submit:
-        jobs = []
         with _submission(records.folder):
             ex = make_executor(opts, records.folder, f"lapheads-{recipe}")
             with ex.batch():
-                for path, argv, _ in submit:
-                    jobs.append(ex.submit(TrainJob(recipe, argv, Path(path).absolute())))
+                jobs = [ex.submit(TrainJob(recipe, argv, Path(path).absolute())) for path, argv, _ in submit]
         stamp = _now()
         for (path, _, resume), job in zip(submit, jobs):
             rec = {
@@ -645,7 +556,7 @@ def submit_sweep(
     failed = [path for path, _, _ in todo if RunDir(path).state() != "done"]
     if failed:
         first = records.points.get(failed[0].name, {})
-        tail = log_tail(first.get("stderr")) or log_tail(first.get("stdout"))
+        tail = _tail(first)
         more = f" ({len(failed) - 1} more)" if len(failed) > 1 else ""
         raise RunFailed(
             f"point {failed[0].name}{more} did not finish: {tail[-1] if tail else 'no log'} "
@@ -679,13 +590,9 @@ def sweep_status(out: Path, names: Sequence[str], lines: int = 5) -> list[dict]:
         elif jid is None:
             row["state"] = "not started" if run == "new" else "stopped"
         elif unreachable:
-            row["state"] = "unknown"
-            row["tail"] = [unreachable]
+            row.update(state="unknown", tail=[unreachable])
         else:
-            tail = log_tail(rec.get("stderr"), lines) or log_tail(rec.get("stdout"), lines)
-            row["state"] = "failed"
-            row["tail"] = tail
-            row["resumable"] = run == "partial"
+            row.update(state="failed", tail=_tail(rec, lines), resumable=run == "partial")
         rows.append(row)
     return rows
 
@@ -706,10 +613,7 @@ def print_status(out: Path, names: Sequence[str]) -> int:
                 print(f"{'':<{width}}  log: {r['log']}")
             for line in r.get("tail", []):
                 print(f"{'':<{width}}  | {line}")
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["state"]] = counts.get(r["state"], 0) + 1
-    print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    print(", ".join(f"{v} {k}" for k, v in collections.Counter(r["state"] for r in rows).items()))
     return 0
 
 

@@ -1,19 +1,6 @@
 """How many CPU threads torch uses in a lapheads process.
 
-torch's default is one intra-op thread per core, whatever else runs on the machine. For the tiny
-models of the CPU recipes that default collapses under load: with two busy processes on two
-cores, OpenMP threads that spin-wait for each other slowed the digits recipe from ~0.05 s to
-~2.7 s per step. Design choices:
-
-* An explicit choice always wins: ``train.threads`` (> 0) in a recipe's config, else the
-  ``OMP_NUM_THREADS`` environment variable (the convention torchrun, schedulers and MKL follow;
-  torchrun sets it to 1 for every rank unless the user set it).
-* Otherwise (``auto``) the count is the number of cores this process may run on
-  (``os.sched_getaffinity``), shared evenly among the processes of this node
-  (``LOCAL_WORLD_SIZE`` under torchrun), and reduced by the cores that other processes keep busy,
-  measured over a short window of ``/proc/stat`` (the 1-minute load average, which lags, where
-  ``/proc/stat`` cannot be read). Never fewer than one.
-* The count is chosen once, when a command starts; a load that appears later is not followed.
+Design notes: docs/design/engine.md (Threads).
 """
 
 from __future__ import annotations
@@ -61,11 +48,8 @@ def _cpu_times() -> Optional[tuple[float, float]]:
 
 
 def busy_fraction(window_s: float = 0.15) -> float:
-    """Fraction in [0, 1] of the machine's CPU time that other processes use, over ``window_s`` s.
-
-    This process sleeps during the window, so what is busy belongs to others. Falls back to the
-    1-minute load average per core where ``/proc/stat`` is unavailable.
-    """
+    """Fraction in [0, 1] of the machine's CPU time that other processes use over ``window_s`` (this
+    process sleeps); the 1-minute load average where ``/proc/stat`` is unavailable."""
     a = _cpu_times()
     if a is not None:
         time.sleep(window_s)
@@ -84,15 +68,9 @@ def busy_cpus(window_s: float = 0.15) -> float:
 
 
 def choose_threads(requested: int = 0, *, local_world_size: Optional[int] = None) -> tuple[int, str]:
-    """The intra-op thread count for this process and why it was chosen.
+    """``(threads, reason)``: the intra-op thread count for this process and a short phrase why.
 
-    Args:
-        requested: ``train.threads``; > 0 is used as is, 0 means automatic.
-        local_world_size: processes on this node (default: ``LOCAL_WORLD_SIZE`` or 1).
-
-    Returns:
-        ``(threads, reason)``, the reason a short phrase for logs.
-    """
+    ``requested`` is ``train.threads`` (0: automatic); ``local_world_size`` defaults to ``LOCAL_WORLD_SIZE``."""
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
         raise ConfigError(f"train.threads={requested!r} must be an integer >= 0 (0 = automatic)")
     if requested > 0:

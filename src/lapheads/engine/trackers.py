@@ -1,66 +1,11 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow behind one small interface.
 
-``train.trackers: [tensorboard, wandb, mlflow]`` (any subset, in any order; ``metrics.jsonl`` is
-always written, by the trainer, whatever is chosen) picks them; the default ``[tensorboard]`` is
-the engine's behaviour before trackers existed. Every tracker is a :class:`Tracker`:
-
-``start(resume_step)``
-    open (or, on ``--resume``, reopen) the tracker's run and log the run's resolved config;
-``log(record)``
-    one record of ``metrics.jsonl`` (already plain JSON values): its numbers as scalars under
-    ``<split>/<key>`` (split ``train`` for records without one) at ``record["step"]``, and the
-    values that the task declares tables (:meth:`lapheads.engine.Task.tables`: a recipe's
-    per-layer table of learned parameters) as tables;
-``log_artifact(path, name)``
-    a file (the final metrics, the figures of the run's final report);
-``finish(status)``
-    close the run: ``"finished"``, ``"failed"`` or ``"interrupted"`` (MLflow marks it
-    ``FINISHED``, ``FAILED`` or ``KILLED``; a W&B run exits with 0 or 1).
-
-At the end of a run that finished, the trackers that take files get ``final/metrics.json``,
-``final/model.json`` and the files a higher layer registered (:func:`log_final`,
-:func:`add_final_files`): ``lapheads train`` registers the figures of the run's own report (the
-loss and validation curves, and the learned head mixing of a ``laplacian_heads: learn...`` run).
-
-Design choices:
-
-* Rank 0 only: the trainer builds trackers on the main process (:func:`build_trackers`), so a
-  DDP job is one tracker run, not one per rank.
-* A resumed run continues the SAME tracker run: the W&B run id and the MLflow run id are stored
-  in ``RUN_DIR/trackers.json`` when the run starts, and a resume reopens them (W&B
-  ``resume="allow"`` with that id, MLflow ``start_run(run_id=...)``). W&B and MLflow cannot delete
-  points, so what a killed attempt logged after its last checkpoint stays there (``metrics.jsonl``
-  and TensorBoard are trimmed to the checkpoint, see :mod:`lapheads.engine.trainer`); the
-  resumed attempt logs those steps again, so the newest value at a step is the one of the run
-  that went on. W&B's own step counter must grow, so every metric is plotted against the logged
-  ``step`` (``define_metric(..., step_metric="step")``), never against W&B's counter.
-* Where the runs go is each tool's own configuration, and a ``train.*`` key set in the config
-  wins over it. W&B reads its ``WANDB_*`` variables (``WANDB_MODE``, ``WANDB_DIR``,
-  ``WANDB_PROJECT``, ``WANDB_NAME``, ``WANDB_ENTITY``, ``WANDB_CONSOLE``, ...) and its login; the
-  defaults below replace only what the user left unset (:data:`WANDB_DEFAULTS`): the files go
-  to ``wandb/`` under ``train.tracker_dir``, else ``WANDB_DIR``, else the run directory
-  (``WANDB_MODE=offline`` writes ``wandb/offline-run-*`` there, synced later with ``wandb
-  sync``). MLflow logs to ``train.mlflow_tracking_uri``, else (on a resume) the store the run
-  started in, else ``MLFLOW_TRACKING_URI``, else MLflow's default: ``sqlite:///mlflow.db``, a
-  database in the working directory (its artifacts in ``mlruns/`` beside it), where ``mlflow
-  ui`` started in that directory finds the runs. ``train.tracker_project`` names the W&B
-  project and the MLflow experiment (empty: ``WANDB_PROJECT`` / ``MLFLOW_EXPERIMENT_NAME``, else
-  ``lapheads``), ``train.tracker_run_name`` the run (empty: ``WANDB_NAME`` for W&B, else the run
-  directory's name).
-* Before anything is trained (:func:`check_trackers`, one :class:`~lapheads.errors.ConfigError`
-  line each): a tracker whose package is missing (naming the package and the extra that
-  installs it, ``pip install 'lapheads[trackers]'``); an MLflow store the installed MLflow cannot
-  open: a database without SQLAlchemy and Alembic (``mlflow-skinny`` alone), or a ``file:``
-  store, which recent MLflow releases refuse unless ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow's own
-  opt-out, honoured); a W&B directory that cannot be created or written (W&B would otherwise
-  write to a temporary directory).
-* A tracker that fails while logging (a network hiccup, a full disk) does not stop training:
-  the first failure of each tracker is printed as one line on stderr and the tracker is dropped
-  for the rest of the attempt. ``metrics.jsonl`` stays the record of truth.
+Design notes: docs/design/engine.md (Trackers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -73,7 +18,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 from urllib.parse import urlparse
 
 from ..errors import ConfigError, LapheadsError
-from ..outputs import read_json, write_json
+from ..outputs import check_out_dir, read_json, write_json
 
 __all__ = [
     "TRACKERS",
@@ -100,9 +45,7 @@ TRACKERS: dict[str, tuple[str, str, str]] = {
 STATE_FILE = "trackers.json"
 #: the SQLAlchemy dialects of MLflow's database stores (``sqlite:///...``, ``postgresql://...``)
 _MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
-#: W&B settings that lapheads sets only when the user has not: each with the ``WANDB_*``
-#: variables (W&B's names) that set it instead. Where the files go, the project and the run's
-#: name follow ``train.*`` first, then ``WANDB_DIR``, ``WANDB_PROJECT`` and ``WANDB_NAME``.
+#: W&B settings that lapheads sets only when the user has not: each with the ``WANDB_*`` variables that set it.
 WANDB_DEFAULTS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "resume": ("allow", ("WANDB_RESUME",)),  # a resumed lapheads run continues its W&B run
     "console": ("off", ("WANDB_CONSOLE",)),  # the run's stdout stays the user's
@@ -119,21 +62,13 @@ class Table(NamedTuple):
 
 
 def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
-    """Raise one ConfigError line when a chosen tracker could not log (module docstring).
+    """Raise one ConfigError line when a chosen tracker could not log: its package is missing (naming
+    the package and the extra), MLflow cannot open its store, or W&B's directory cannot be written.
 
     Args:
-        names: the trackers of ``train.trackers`` to check (the callers leave ``tensorboard`` out:
-            a dependency of ``lapheads[train]``, tolerated missing).
-        mlflow_tracking_uri: ``train.mlflow_tracking_uri`` (empty: ``MLFLOW_TRACKING_URI``, else
-            MLflow's default).
-        tracker_dir: ``train.tracker_dir`` (empty: ``WANDB_DIR``, else the run directory, which the
-            run makes).
-
-    Raises:
-        ConfigError: ``train.trackers`` names a tracker whose package is missing (the message names
-            the package and the extra), or an unknown one; MLflow's store needs SQLAlchemy and
-            Alembic, or is a file store that MLflow refuses; W&B's directory cannot be written.
-    """
+        names: the trackers to check (callers leave ``tensorboard`` out: tolerated missing).
+        mlflow_tracking_uri: ``train.mlflow_tracking_uri``.
+        tracker_dir: ``train.tracker_dir``."""
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"train.trackers: unknown tracker {name!r}; expected some of {sorted(TRACKERS)}")
@@ -188,50 +123,28 @@ def _check_mlflow_store(configured: str) -> None:
 
 
 def _check_writable(path: str, key: str) -> None:
-    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in;
-    the folders made to find out are removed again."""
+    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in."""
     target = Path(path).expanduser().absolute()
-    missing = []
-    top = target
-    while not top.exists() and top.parent != top:
-        missing.append(top)
-        top = top.parent
-    made: list[Path] = []
     try:
-        for d in reversed(missing):
-            d.mkdir()
-            made.append(d)
-        with tempfile.TemporaryFile(dir=target):
-            pass
-    except OSError as e:
-        why = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        check_out_dir(target, key)
+    except ConfigError as e:
         raise ConfigError(
-            f"{key}={path}: W&B cannot write its files there ({why}); set {key} to a writable directory "
+            f"{key}={path}: W&B cannot write its files there ({str(e).removeprefix(f'{key} {target} ')}); set {key} to a writable directory "
             f"or unset it (then they go to the run directory)"
         ) from None
-    finally:
-        for d in reversed(made):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
 
 
 def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
     """``(prefix, step, {key: value})``: the finite numbers of a record, as TensorBoard logs them."""
     prefix = str(record.get("split", "train"))
     step = int(record.get("step", 0))
-    out = {}
-    for k, v in record.items():
-        if k == "step" or not isinstance(v, (int, float)):  # bools log as 0 / 1, as TensorBoard always did
-            continue
-        if math.isfinite(v):
-            out[f"{prefix}/{k}"] = float(v)
-    return prefix, step, out
+    # bools log as 0 / 1, as TensorBoard always did
+    numbers = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+    return prefix, step, {f"{prefix}/{k}": float(v) for k, v in numbers.items() if math.isfinite(v)}
 
 
 class Tracker:
-    """One experiment tracker (see the module docstring for the four calls)."""
+    """One experiment tracker: ``start``, ``log``, ``log_artifact`` and ``finish`` (docs/design/engine.md)."""
 
     name = "tracker"
 
@@ -244,13 +157,13 @@ class Tracker:
         tables: Optional[dict[str, Table]] = None,
     ):
         self.run_dir = Path(run_dir)
-        self.options = options  # project, run_name, dir, mlflow_tracking_uri (empty: see the module docstring)
+        self.options = options  # project, run_name, dir, mlflow_tracking_uri (empty: the tool's default)
         self.config = config  # the run's resolved config (config.yaml), nested
         self.state = state  # this tracker's entry of trackers.json (read, and filled by start())
         self.tables = tables or {}  # record key -> Table (Task.tables)
 
     def _tables(self, record: dict[str, Any]) -> dict[str, tuple[list[Any], list[list[Any]]]]:
-        """``{key: (columns, rows)}`` of the record's values that the task declared tables (not empty)."""
+        """``{key: (columns, rows)}`` of the record's non-empty values that the task declared tables."""
         out = {}
         for key, table in self.tables.items():
             rows = table.rows(record[key]) if record.get(key) else []
@@ -276,12 +189,8 @@ class Tracker:
 def _after_earlier_event_files(tb_dir: Path) -> None:
     """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
 
-    TensorBoard reads a run's event files in name order, and a name is
-    ``events.out.tfevents.<unix seconds>.<host>.<pid>.<counter>``: two files made in the same second
-    compare by pid and counter as strings ("...10" < "...9"), so a resumed attempt's file could be read
-    before the killed attempt's, and its purge marker would then erase the earlier steps instead of
-    the orphaned ones. A resume is rare; waiting for the next second makes the order certain.
-    """
+    Event files are read in name order (``events.out.tfevents.<seconds>.<host>.<pid>...``), and two made
+    in the same second compare by pid as text, so the purge marker of a resume could erase the wrong steps."""
     stamps = []
     for f in Path(tb_dir).glob("events.out.tfevents.*"):
         parts = f.name.split(".")
@@ -450,8 +359,7 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
 
 
 class TrackerGroup:
-    """The trackers of one attempt: every call goes to each of them; a failing one is dropped with a
-    line on stderr (module docstring)."""
+    """The trackers of one attempt: every call goes to each; a failing one is dropped with a line on stderr."""
 
     def __init__(self, trackers: Iterable[Tracker], run_dir: Path, state: dict[str, Any]):
         self.trackers = list(trackers)
@@ -462,7 +370,7 @@ class TrackerGroup:
         for t in list(self.trackers):
             try:
                 getattr(t, what)(*args)
-            except Exception as e:  # noqa: BLE001 - a tracker never stops training (module docstring)
+            except Exception as e:  # noqa: BLE001 - a tracker never stops training
                 print(
                     f"lapheads: warning: tracker {t.name} failed in {what} ({type(e).__name__}: {e}); "
                     "it logs nothing more in this attempt (metrics.jsonl is complete)",
@@ -471,10 +379,8 @@ class TrackerGroup:
                 )
                 self.trackers.remove(t)
                 if what != "finish":
-                    try:
+                    with contextlib.suppress(Exception):
                         t.finish("failed")
-                    except Exception:  # noqa: BLE001
-                        pass
 
     def start(self, resume_step: Optional[int]) -> None:
         self._each("start", resume_step)
@@ -498,14 +404,8 @@ def build_trackers(
 ) -> TrackerGroup:
     """The :class:`TrackerGroup` of ``names`` for ``run_dir`` (not started; :meth:`TrackerGroup.start`).
 
-    Args:
-        names: ``train.trackers``.
-        run_dir: the run directory (its ``config.yaml`` is the logged config, its ``trackers.json``
-            the run ids a resume continues).
-        options: ``project``, ``run_name``, ``dir`` (W&B's files) and ``mlflow_tracking_uri``, as
-            in ``train.*`` (empty: the tool's own variables or a default, module docstring).
-        tables: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`).
-    """
+    ``options``: ``project``, ``run_name``, ``dir`` and ``mlflow_tracking_uri`` as in ``train.*``;
+    ``tables``: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`)."""
     check_trackers(
         [n for n in names if n != "tensorboard"],
         mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "",
@@ -523,10 +423,8 @@ def build_trackers(
     return TrackerGroup(trackers, run_dir, state)
 
 
-#: Makers of the files a finished run adds to its trackers besides ``final/``: each is
-#: ``maker(run_dir, tmp_dir) -> [(file, name)]`` and draws into ``tmp_dir``. The engine knows no
-#: report; the layer that does registers one (``lapheads train`` registers the run's own report
-#: figures, :func:`lapheads.report.run_figures`).
+#: Makers of the files a finished run adds to its trackers besides ``final/``, registered by a higher
+#: layer: ``maker(run_dir, tmp_dir) -> [(file, name)]``, drawing into ``tmp_dir``.
 FINAL_FILE_MAKERS: list[Callable[[Path, Path], list[tuple[Path, str]]]] = []
 
 
@@ -537,9 +435,8 @@ def add_final_files(maker: Callable[[Path, Path], list[tuple[Path, str]]]) -> No
 
 
 def log_final(group: TrackerGroup, run_dir: Path) -> None:
-    """Log ``final/metrics.json``, ``final/model.json`` and the files of every registered maker
-    (:data:`FINAL_FILE_MAKERS`, drawn into a temporary directory, so the run directory is unchanged)
-    to the trackers that take files. A maker that fails is one warning line: training has finished."""
+    """Log ``final/metrics.json``, ``final/model.json`` and the files of every registered maker (drawn
+    into a temporary directory) to the trackers that take files; a failing maker is one warning line."""
     if not any(t.takes_files for t in group.trackers):
         return
     run_dir = Path(run_dir)

@@ -1,23 +1,6 @@
 """What a checkpoint of a training run holds, and how the trainer saves, restores and exports it.
 
-The files and their atomic, verified writing are engine.checkpoint's; this module decides what
-goes in them. A checkpoint holds the trained model, the EMA weights (``train.ema_decay``), the
-task's extra tensors (:meth:`TrainTask.extra_state`), the optimizer states, the step, the number of
-skipped non-finite steps and the RNG states (torch, numpy, python, CUDA; one per rank), so a
-resumed run is bit-identical to an uninterrupted one on the CPU.
-
-* Rank 0 writes, every ``ckpt_every`` optimizer steps and at the end. Under ``train.parallel:
-  fsdp`` model and optimizer states are DCP shards that every rank writes into rank 0's temporary
-  directory; rank 0 publishes the checkpoint after a barrier (engine.fsdp).
-* Weights with a NaN/Inf never replace the last good checkpoint: the write is refused with
-  :class:`~lapheads.errors.NonFiniteError` (an update can overflow the weights with finite
-  gradients, which the loop's guard does not see).
-* ``--resume`` loads the newest intact checkpoint (:meth:`Checkpointer.restore`): each is verified
-  (sizes, checksums, the run's id) and one that does not load into this model is skipped too, with
-  one line on stderr; nothing is deleted.
-* ``final/`` is the same single-file export with either ``train.parallel`` (the shards are
-  gathered): ``model.safetensors``, ``ema.safetensors``, ``model.json`` (the recipe and
-  :meth:`TrainTask.model_spec`), ``metrics.json`` and the task's own files.
+Design notes: docs/design/engine.md (Checkpoints).
 """
 
 from __future__ import annotations
@@ -95,20 +78,10 @@ def set_rng_state(st: dict[str, Any], device: torch.device) -> None:
 class Checkpointer:
     """Saves, restores and exports the state of one run's trainer.
 
-    Args:
-        task: the run's task (its extra state, model spec and final files).
-        run: the run directory.
-        info: this process in the torchrun job.
-        model: the trained module (sharded under FSDP).
-        optims: the task's optimizers.
-        ema: the EMA of the weights (``timm.utils.ModelEmaV3``; its ``module`` is saved), or None.
-        keep: checkpoints kept (``train.keep_checkpoints``; 0 = all).
-        seed: ``train.seed`` (re-seeds the streams of a checkpoint resumed on another world size).
-        fsdp: ``train.parallel == "fsdp"``: checkpoints are DCP shards.
-        sharded: the model's parameters are FSDP2 shards (``fsdp`` with more than one process).
-        export_skeleton: under FSDP on rank 0, a parameter-free copy of the model that the final
-            export fills with the gathered weights.
-    """
+    ``ema`` is the ``timm.utils.ModelEmaV3`` of the weights or None; ``keep`` is
+    ``train.keep_checkpoints``; ``seed`` re-seeds the streams of a checkpoint resumed on another
+    world size; ``fsdp``: checkpoints are DCP shards; ``sharded``: the parameters are FSDP2 shards;
+    ``export_skeleton``: under FSDP on rank 0, a parameter-free copy of the model for ``final/``."""
 
     def __init__(
         self,
@@ -130,7 +103,6 @@ class Checkpointer:
         self.export_skeleton = export_skeleton
         self.last_step: Optional[int] = None  # step of the newest checkpoint written or loaded
 
-    # ------------------------------------------------------------------ save
     def _gather_rngs(self) -> list[Any]:
         rng = rng_state(self.device)
         if not self.info.distributed:
@@ -149,7 +121,7 @@ class Checkpointer:
         return files
 
     def files(self, step: int, skipped: int) -> dict[str, Any]:
-        """The files of a single-file checkpoint (name -> content, as engine.checkpoint writes them)."""
+        """The files of a single-file checkpoint (name -> content)."""
         return {
             **self._tensor_files(),
             "state.pt": {
@@ -203,10 +175,7 @@ class Checkpointer:
             self._refuse_nonfinite(step, bad or "(on another rank)")
         rngs = self._gather_rngs()
         extra = self.task.extra_state()
-        box: list[Any] = [begin_checkpoint(self.run.ckpt_dir, step) if self.info.is_main else None]
-        if self.info.distributed:
-            dist.broadcast_object_list(box, src=0)
-        tmp = Path(box[0])
+        tmp = Path(D.agree(self.info, begin_checkpoint(self.run.ckpt_dir, step) if self.info.is_main else None))
         F.save_sharded(tmp, self.model, self.optims)  # collective; each rank fsyncs its own files
         D.barrier()
         if self.info.is_main:
@@ -222,11 +191,8 @@ class Checkpointer:
         D.barrier()
 
     def check_space(self) -> None:
-        """Before the first checkpoint: refuse early when the disk cannot hold one (weights + optimizer
-        state, known after the first step), naming both figures (engine.checkpoint.make_room).
-
-        Rank 0 decides and every rank raises the same :class:`DiskFullError`.
-        """
+        """Before the first checkpoint: refuse early (the same :class:`DiskFullError` on every rank) when
+        the disk cannot hold one (weights + optimizer state)."""
         err: Optional[BaseException] = None
         if self.info.is_main and not list_checkpoints(self.run.ckpt_dir):
             files = {**self._tensor_files(), "state.pt": [o.state_dict() for o in self.optims]}
@@ -237,80 +203,60 @@ class Checkpointer:
                 make_room(self.run.ckpt_dir, needed, self.keep, "a checkpoint of this run (weights + optimizer state)")
             except DiskFullError as e:
                 err = e
-        if self.info.distributed:
-            box = [err]
-            dist.broadcast_object_list(box, src=0)
-            err = box[0]
-        if err is not None:
-            raise err
+        D.agree(self.info, err)
 
-    # ------------------------------------------------------------------ load
     def load(self, path: Path) -> tuple[int, int]:
         """Load the checkpoint ``path``; returns its ``(step, skipped steps)``."""
-        if self.fsdp or F.is_sharded_checkpoint(path):
-            if not F.is_sharded_checkpoint(path):
-                raise ConfigError(
-                    f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with train.parallel=ddp"
-                )
-            return self._load_sharded(path)
-        load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
-        if self.ema is not None:
-            load_weights(self.ema.module, load_tensors(path / "ema.safetensors"), source=str(path / "ema.safetensors"))
+        sharded = F.is_sharded_checkpoint(path)
+        if self.fsdp and not sharded:
+            raise ConfigError(
+                f"{path} is a single-file checkpoint (train.parallel=ddp); resume it with train.parallel=ddp"
+            )
+        if sharded:
+            F.load_sharded(path, self.model, self.optims)
+        else:
+            load_weights(self.model, load_tensors(path / "model.safetensors"), source=str(path / "model.safetensors"))
+            if self.ema is not None:
+                ema_file = path / "ema.safetensors"
+                load_weights(self.ema.module, load_tensors(ema_file), source=str(ema_file))
         if (path / "extra.safetensors").is_file():
             self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
         st = safe_torch_load(path / "state.pt")
-        if len(st["optimizers"]) != len(self.optims):
-            raise ConfigError(
-                f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}"
-            )
-        for opt, sd in zip(self.optims, st["optimizers"]):
-            opt.load_state_dict(sd)
-        rngs = st["rng"]
-        if len(rngs) != self.info.world_size:
+        if not sharded:
+            if len(st["optimizers"]) != len(self.optims):
+                raise ConfigError(
+                    f"{path} holds {len(st['optimizers'])} optimizer states, the recipe builds {len(self.optims)}"
+                )
+            for opt, sd in zip(self.optims, st["optimizers"]):
+                opt.load_state_dict(sd)
+        step, skipped, rngs = int(st["step"]), int(st.get("skipped", 0)), st["rng"]
+        if len(rngs) == self.info.world_size:
+            set_rng_state(rngs[self.info.rank], self.device)
+        elif not sharded:
             raise ConfigError(
                 f"{path} was written by {len(rngs)} processes but this run has {self.info.world_size}; "
                 f"exact resume needs the same world size: resume it on {len(rngs)} processes (torchrun); "
                 "checkpoints of train.parallel=fsdp also resume on another number"
             )
-        set_rng_state(rngs[self.info.rank], self.device)
-        self.last_step = int(st["step"])
-        return self.last_step, int(st.get("skipped", 0))
-
-    def _load_sharded(self, path: Path) -> tuple[int, int]:
-        F.load_sharded(path, self.model, self.optims)
-        if (path / "extra.safetensors").is_file():
-            self.task.load_extra_state(load_tensors(path / "extra.safetensors"))
-        st = safe_torch_load(path / "state.pt")
-        step, skipped = int(st["step"]), int(st.get("skipped", 0))
+        else:  # re-sharded: weights and optimizer states are exact, random streams and data order cannot be
+            seed_everything(self.seed + self.info.rank + 1_000_003 * step)
+            if self.info.is_main:
+                print(
+                    f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights "
+                    "and optimizer states were re-sharded; data order and random streams differ from an "
+                    "uninterrupted run",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.last_step = step
-        rngs = st["rng"]
-        if len(rngs) == self.info.world_size:
-            set_rng_state(rngs[self.info.rank], self.device)
-            return step, skipped
-        # re-sharded onto another number of processes: weights and optimizer states are exact,
-        # the random streams and each rank's data order cannot be
-        seed_everything(self.seed + self.info.rank + 1_000_003 * step)
-        if self.info.is_main:
-            print(
-                f"{path} was written by {len(rngs)} processes, this run has {self.info.world_size}: weights and "
-                "optimizer states were re-sharded; data order and random streams differ from an uninterrupted "
-                "run",
-                file=sys.stderr,
-                flush=True,
-            )
         return step, skipped
 
     def restore(self) -> tuple[int, int]:
-        """Load the newest intact checkpoint; returns its ``(step, skipped steps)``, ``(0, 0)`` when
-        there is none yet.
-
-        Each checkpoint is verified first (sizes and checksums, the run's id:
-        engine.checkpoint.resumable_checkpoint) and one that does not load into this model is
-        skipped too; one line on stderr names what was skipped and why. Nothing is deleted.
+        """Load the newest intact checkpoint (verified first; one that does not load is skipped too, and
+        each skip named on stderr); returns its ``(step, skipped steps)``, ``(0, 0)`` when there is none.
 
         Raises:
-            CheckpointError: checkpoints exist but none is intact (each is named with its reason).
-        """
+            CheckpointError: checkpoints exist but none is intact (nothing is deleted)."""
         notes: list[str] = []
         run_id = self.run.run_id()
         tried: set[Path] = set()
@@ -344,7 +290,6 @@ class Checkpointer:
             )
         return 0, 0
 
-    # ------------------------------------------------------------------ final/
     def _export_model(self) -> Optional[nn.Module]:
         """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
         if not self.sharded:
@@ -356,8 +301,8 @@ class Checkpointer:
         return F.materialize(self.export_skeleton, state)
 
     def export_final(self, step: int, metrics: dict[str, Any]) -> None:
-        """Write ``final/`` (every rank calls this; rank 0 writes): weights, EMA weights,
-        ``model.json``, ``metrics.json`` (the last evaluation, plain numbers) and the task's files."""
+        """Write ``final/`` (every rank calls this; rank 0 writes): weights, EMA weights, ``model.json``,
+        ``metrics.json`` and the task's files."""
         model = self._export_model()
         if self.info.is_main:
             assert model is not None

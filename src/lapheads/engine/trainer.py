@@ -1,41 +1,6 @@
-"""The one training loop every recipe runs on.
+"""The one training loop every recipe runs on: :class:`Trainer` and its :class:`TrainConfig`.
 
-A recipe describes WHAT to train as a :class:`TrainTask` (model, optimizers, batches, loss,
-evaluation, extra state); :class:`Trainer` owns HOW: torchrun/DDP, bf16 autocast where the device
-has it, gradient accumulation and clipping, learning-rate schedules, EMA of weights, the NaN/Inf
-guard, early stopping, tqdm progress and metrics (``metrics.jsonl`` and the trackers). Beside it:
-checkpoints, exact resume and ``final/`` (engine.train_state, on engine.checkpoint), stopping on
-signals (engine.signals), multi-GPU (engine.dist, engine.fsdp) and tracking (engine.trackers).
-
-Design choices:
-
-* The learning rate is a pure function of the step (``lr = base_lr * lr_factor(step)``), so
-  resuming needs no scheduler state. Every param group's ``base_lr`` is its ``lr`` at build time.
-* Data order is the task's business but must be a pure function of ``(seed, micro_step)``:
-  ``TrainTask.batches(start_micro_step)`` starts exactly where a resumed run left off. Together with
-  the saved RNG states (engine.train_state) a resumed run is bit-identical to an uninterrupted one
-  on the CPU.
-* The non-finite guard checks the global gradient norm after the (all-reduced) backward pass, so
-  every rank takes the same decision; the message names the step and the first non-finite tensor
-  (the loss, or the first parameter whose gradient is not finite).
-* ``train.ema_decay`` > 0 keeps an EMA of the weights and buffers with ``timm.utils.ModelEmaV3``
-  (a constant decay, updated after every optimizer step; integer buffers are copied), saved in
-  checkpoints and in ``final/ema.safetensors`` and handed to :meth:`TrainTask.evaluate`.
-* ``train.parallel``: ``ddp`` (default) replicates the model on every rank; ``fsdp`` shards each
-  block with FSDP2 (engine.fsdp) before the recipe builds its optimizers.
-* ``train.until_plateau`` (``patience`` > 0): after each ``eval_every`` evaluation, stop once
-  ``patience`` evals in a row did not improve ``metric`` by more than ``min_rel_delta`` (relative
-  to the best so far; :func:`lapheads.stats.evals_without_improvement`). The same rule for every
-  run that uses it, so runs stay comparable; the learning-rate schedule is still planned for
-  ``max_steps`` (pair it with ``schedule: constant`` or ``wsd`` for runs that stop early). Rank 0
-  decides from the logged validation values (``metrics.jsonl``, trimmed to the checkpoint on
-  resume) and every rank follows, so a resumed run stops at the same step as an uninterrupted one.
-  The stop writes a checkpoint and ``final/`` at that step.
-* SIGINT, SIGTERM and SLURM's SIGUSR1 stop the loop at a step boundary after a checkpoint
-  (engine.signals: :class:`~lapheads.engine.signals.RunInterrupted`).
-* On resume every per-step log (``metrics.jsonl``, ``samples.jsonl``) is trimmed to the
-  checkpoint's step and TensorBoard's writer purges the later events (``purge_step``), so a run
-  shows one curve whatever was killed on the way.
+Design notes: docs/design/engine.md (The training loop).
 """
 
 from __future__ import annotations
@@ -47,7 +12,6 @@ import time
 from typing import Any, Literal, Optional, cast
 
 import torch
-import torch.distributed as dist
 from pydantic import Field
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -121,7 +85,7 @@ class TrainConfig(ConfigModel):
     )
     progress: bool = Field(True, description="tqdm bars; shown only when stderr is a terminal")
     find_unused_parameters: bool = Field(False, description="DDP's find_unused_parameters")
-    until_plateau: UntilPlateau = Field(UntilPlateau(), description="early stopping (module docstring)")
+    until_plateau: UntilPlateau = Field(UntilPlateau(), description="early stopping (docs/design/engine.md)")
     parallel: Literal["ddp", "fsdp"] = Field(
         "ddp", description="fsdp: FSDP2 per-block sharding + sharded (DCP) checkpoints"
     )
@@ -289,13 +253,9 @@ class Trainer:
                 tracker_dir=cfg.tracker_dir,
             )
 
-    # ------------------------------------------------------------------ checkpoints
     def restore(self) -> None:
-        """Seed, then load the newest intact checkpoint (engine.train_state; none yet: step 0).
-
-        ``launch`` calls this before it rewrites ``config.yaml``/``meta.json``, so a resume that
-        fails on a bad checkpoint leaves the run directory exactly as it was.
-        """
+        """Seed, then load the newest intact checkpoint (none yet: step 0); ``launch`` calls it before
+        ``config.yaml``/``meta.json`` are rewritten, so a bad checkpoint leaves the run directory as it was."""
         seed_everything(self.cfg.seed + self.info.rank)
         self.step, self.skipped = self.checkpoints.restore()
         self._restored = True
@@ -310,7 +270,6 @@ class Trainer:
         ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
         return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
 
-    # ------------------------------------------------------------------ logging
     def _log(self, record: dict[str, Any]) -> None:
         if not self.info.is_main:
             return
@@ -321,8 +280,7 @@ class Trainer:
         self._tb.log(rec)
 
     def _start_trackers(self) -> None:
-        """Open the trackers of ``train.trackers`` once (rank 0); on resume they continue their runs and
-        TensorBoard purges the events past the checkpoint (logged by a killed attempt)."""
+        """Open the trackers once (rank 0); on resume they continue their runs and TensorBoard purges later events."""
         if self._tb is None:
             cfg = self.cfg
             self._tb = build_trackers(
@@ -339,12 +297,11 @@ class Trainer:
             self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
 
     def _trim_logs(self, step: int) -> None:
-        """On resume, drop what a killed attempt logged after the checkpoint (see RunDir)."""
+        """On resume, drop what a killed attempt logged after the checkpoint."""
         if self.info.is_main:
             self.run.trim_step_logs(step)
         self._tb_purge_step = step + 1
 
-    # ------------------------------------------------------------------ guard
     def _first_nonfinite_grad(self) -> str:
         names = {id(p): n for n, p in self.model.named_parameters()}
         for p in self.model.parameters():
@@ -354,13 +311,10 @@ class Trainer:
                 return f"gradient of {names.get(id(p), '?')}"
         return "the gradient norm"
 
-    # ------------------------------------------------------------------ main loop
     def fit(self, resume: bool = False, reevaluate: bool = False) -> dict[str, Any]:
-        """Train to ``total`` steps, evaluate, checkpoint and export ``final/`` (``reevaluate``: a
-        resumed run that had finished evaluates again instead of reusing its logged evaluation).
+        """Train to ``total`` steps, evaluate, checkpoint and export ``final/``; :class:`RunInterrupted` after a signal.
 
-        Raises :class:`RunInterrupted` after SIGINT / SIGTERM (see the module docstring).
-        """
+        ``reevaluate``: a resumed run that had finished evaluates again instead of reusing its logged evaluation."""
         with self.signals:
             status = "failed"
             try:
@@ -534,10 +488,7 @@ class Trainer:
             else:
                 values = [r[up.metric] if isinstance(r[up.metric], (int, float)) else math.nan for r in vals]
                 code = int(evals_without_improvement(values, up.mode, up.min_rel_delta) >= up.patience)
-        if self.info.distributed:
-            flag = torch.tensor([code], dtype=torch.int64, device=self.device)
-            dist.broadcast(flag, src=0)
-            code = int(flag.item())
+        code = D.agree(self.info, code)
         if code == 2:
             raise ConfigError(f"train.until_plateau.metric={up.metric!r} is not among the evaluation's metrics{error}")
         return code == 1
