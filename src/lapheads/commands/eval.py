@@ -19,6 +19,7 @@ from ..recipes import lm as lm_recipe  # called through the module (tests replac
 from ..recipes import recipe_of_run
 from ..recipes.classify import RECIPE as CLASSIFY
 from ..recipes.classify import ClassifyRecipe, eval_dataset, evaluate_classifier
+from . import opts
 
 
 def _print_chat(results: dict[str, Any]) -> None:
@@ -126,15 +127,8 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
             model,
             tok,
             chat_tasks,
-            max_items=args.max_items,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            num_samples=args.num_samples,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
+            **opts(args, "max_items batch_size max_new_tokens num_samples temperature top_k seed bootstrap_iters"),
             allow_unsafe_code=args.confirm_run_unsafe_code,
-            bootstrap_iters=args.bootstrap_iters,
             allow_network=args.allow_network,
             sources=sources,
         )
@@ -149,11 +143,7 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
             lm_tasks,
             include_path=args.lm_eval_include,
             limit=args.lm_eval_limit,
-            num_fewshot=args.num_fewshot,
-            batch_size=args.batch_size,
-            allow_network=args.allow_network,
-            seed=args.seed,
-            bootstrap_iters=args.bootstrap_iters,
+            **opts(args, "num_fewshot batch_size allow_network seed bootstrap_iters"),
             task_manager=tm,
             allow_unsafe_code=args.confirm_run_unsafe_code,
         )

@@ -35,6 +35,7 @@ from ..sweep import (
     run_grid,
     run_name,
 )
+from . import repeated
 
 COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
 
@@ -54,29 +55,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all",
     )
     p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
-    p.add_argument(
-        "--grid",
-        action="append",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="a config axis crossed with every other --grid, k and seed (repeatable), e.g. model.embed_dim=64,128",
+    grid_help = "a config axis crossed with every other --grid, k and seed (repeatable), e.g. model.embed_dim=64,128"
+    repeated(p, "--grid", grid_help, metavar="KEY=V1,V2")
+    point_help = (
+        "one explicit design point (repeatable), for uneven designs, e.g. model.embed_dim=128,train.max_steps=400"
     )
-    p.add_argument(
-        "--point",
-        action="append",
-        default=[],
-        metavar="KEY=V,KEY2=V2",
-        help="one explicit design point (repeatable), for uneven designs, e.g. model.embed_dim=128,train.max_steps=400",
-    )
+    repeated(p, "--point", point_help, metavar="KEY=V,KEY2=V2")
     p.add_argument("--out", default=None, help="sweep directory (one run directory per grid point)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override applied to every run (repeatable)",
-    )
+    repeated(p, "--set", "override applied to every run (repeatable)", dest="overrides", metavar="KEY=VALUE")
     p.add_argument(
         "--overwrite", action="store_true", help="delete every existing run of the grid first and train them all afresh"
     )
