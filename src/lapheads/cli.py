@@ -24,43 +24,38 @@ from typing import Optional, Sequence
 from . import __version__
 from .errors import ConfigError, LapheadsError, NonFiniteError
 
+_C = "lapheads.commands."
 # (words...) -> ("module:function", one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("quickstart",): (
-        "lapheads.commands.quickstart:main",
-        "baseline vs Laplacian heads on embedded data, with a report",
-    ),
-    ("recipes",): ("lapheads.commands.recipes:main", "the shipped recipe configs (--config NAME), one line each"),
-    ("train", "classify"): ("lapheads.commands.train:classify", "DeiT-3 supervised classification"),
-    ("train", "lm"): ("lapheads.commands.train:lm", "NanoChat-style language-model pretraining"),
-    ("train", "sft"): ("lapheads.commands.train:sft", "supervised fine-tuning on chat JSONL"),
-    ("train", "dino"): ("lapheads.commands.train:dino", "DINO self-supervised pretraining"),
+    ("quickstart",): (_C + "quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
+    ("recipes",): (_C + "recipes:main", "the shipped recipe configs (--config NAME), one line each"),
+    ("train", "classify"): (_C + "train:classify", "DeiT-3 supervised classification"),
+    ("train", "lm"): (_C + "train:lm", "NanoChat-style language-model pretraining"),
+    ("train", "sft"): (_C + "train:sft", "supervised fine-tuning on chat JSONL"),
+    ("train", "dino"): (_C + "train:dino", "DINO self-supervised pretraining"),
     ("train", "retrofit"): (
-        "lapheads.commands.train:retrofit",
+        _C + "train:retrofit",
         "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)",
     ),
     ("train", "retrofit_vit"): (
-        "lapheads.commands.train:retrofit_vit",
+        _C + "train:retrofit_vit",
         "switch k heads of a pretrained timm ViT to Laplacian and fine-tune (full or LoRA)",
     ),
-    ("eval", "classify"): ("lapheads.commands.eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
-    ("eval", "lm"): ("lapheads.commands.eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
-    ("lm-eval",): ("lapheads.commands.lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
-    ("eval", "knn"): ("lapheads.commands.probes:knn_main", "weighted k-NN on frozen features"),
-    ("eval", "linear"): ("lapheads.commands.probes:linear_main", "linear probe on frozen features"),
-    ("eval", "segment"): ("lapheads.commands.probes:segment_main", "linear segmentation probe (mIoU)"),
-    ("tokenizer", "train"): ("lapheads.commands.data:tokenizer_main", "train a byte-level BPE tokenizer"),
-    ("data", "tokenize"): ("lapheads.commands.data:tokenize_main", "text/JSONL/parquet -> token shards"),
-    ("sample",): ("lapheads.commands.sample:main", "sample text from a language-model run"),
-    ("analyze",): ("lapheads.commands.analyze:main", "token-geometry analysis of runs or models"),
-    ("pca-maps",): ("lapheads.commands.pca_maps:main", "PCA maps of patch tokens as RGB images"),
-    ("sweep",): ("lapheads.commands.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
-    ("report",): ("lapheads.commands.report:main", "Markdown + HTML report comparing runs"),
-    ("config", "show"): (
-        "lapheads.commands.config:show_main",
-        "print a recipe's config as YAML (defaults or resolved)",
-    ),
-    ("config", "schema"): ("lapheads.commands.config:schema_main", "print the JSON schema of a recipe's config"),
+    ("eval", "classify"): (_C + "eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
+    ("eval", "lm"): (_C + "eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
+    ("lm-eval",): (_C + "lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
+    ("eval", "knn"): (_C + "probes:knn_main", "weighted k-NN on frozen features"),
+    ("eval", "linear"): (_C + "probes:linear_main", "linear probe on frozen features"),
+    ("eval", "segment"): (_C + "probes:segment_main", "linear segmentation probe (mIoU)"),
+    ("tokenizer", "train"): (_C + "data:tokenizer_main", "train a byte-level BPE tokenizer"),
+    ("data", "tokenize"): (_C + "data:tokenize_main", "text/JSONL/parquet -> token shards"),
+    ("sample",): (_C + "sample:main", "sample text from a language-model run"),
+    ("analyze",): (_C + "analyze:main", "token-geometry analysis of runs or models"),
+    ("pca-maps",): (_C + "pca_maps:main", "PCA maps of patch tokens as RGB images"),
+    ("sweep",): (_C + "sweep:main", "run a recipe over Laplacian-head settings and seeds"),
+    ("report",): (_C + "report:main", "Markdown + HTML report comparing runs"),
+    ("config", "show"): (_C + "config:show_main", "print a recipe's config as YAML (defaults or resolved)"),
+    ("config", "schema"): (_C + "config:schema_main", "print the JSON schema of a recipe's config"),
 }
 
 

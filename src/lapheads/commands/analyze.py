@@ -85,33 +85,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--data",
-        default=None,
         help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file (required with --checkpoint)",
     )
     ap.add_argument(
         "--max-items",
         type=int,
-        default=None,
         help="--run without --data: images / token windows to measure on (default 512)",
     )
     ap.add_argument(
         "--layers",
-        default=None,
         help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices (0 = embeddings); default all",
     )
-    ap.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    ap.add_argument("--max-batches", type=int, help="stop after this many batches")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument(
         "--seq-len",
         type=int,
-        default=None,
         help="text: tokens per sequence (default 128; --run without --data: the run's data.seq_len)",
     )
-    ap.add_argument("--image-size", type=int, default=None, help="images: default the model's input size")
+    ap.add_argument("--image-size", type=int, help="images: default the model's input size")
     ap.add_argument(
         "--min-count",
         type=int,
-        default=None,
         help="minimum tokens per class for NC measures (use 5-20 for next-token classes; default 1, "
         "and 5 for lm/sft runs without --data)",
     )
@@ -120,9 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--include-prefix", action="store_true", help="vit: count CLS/register tokens as tokens")
     ap.add_argument("--no-nc4", action="store_true", help="skip the second pass for NC4")
     ap.add_argument("--no-figures", action="store_true", help="write geometry.json only")
-    ap.add_argument(
-        "--device", default=None, help="device for the model (default cuda if available; --run without --data: cpu)"
-    )
+    ap.add_argument("--device", help="device for the model (default cuda if available; --run without --data: cpu)")
     ap.add_argument("--out", required=True, help="output directory for geometry.json and figures")
     return ap
 
@@ -166,9 +159,7 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
 def _measures(args: argparse.Namespace) -> dict[str, Any]:
     """The measurement settings shared by analyze_run and analyze_model."""
     return dict(
-        **opts(args, "min_count threshold include_prefix max_batches"),
-        spectra=not args.no_spectra,
-        nc4=not args.no_nc4,
+        **opts(args, "min_count threshold include_prefix max_batches"), spectra=not args.no_spectra, nc4=not args.no_nc4
     )
 
 

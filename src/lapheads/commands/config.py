@@ -32,7 +32,6 @@ def show_main(argv: Optional[Sequence[str]] = None) -> int:
     _recipe_arg(p)
     p.add_argument(
         "--config",
-        default=None,
         metavar="NAME_OR_PATH",
         help="a YAML recipe file, or the name of a shipped one (e.g. digits; `lapheads recipes`)",
     )

@@ -13,13 +13,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from ..data import text as text_data
 from ..data.shards import INDEX_NAME, SPLITS, tokenize_to_shards
-from ..data.text import (
-    check_inputs,
-    check_split_mode,
-    embedded_documents,
-    iter_documents,
-    split_documents,
-)
+from ..data.text import check_inputs, check_split_mode, embedded_documents, iter_documents, split_documents
 from ..engine.config import number_arg
 from ..errors import ConfigError
 from ..lm.tokenizer import _MIN_VOCAB, load_tokenizer, tokenizer_hash, train_tokenizer
@@ -91,7 +85,6 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument(
         "--max-chars",
         type=number_arg(int, ge=1),
-        default=None,
         help="stop reading after this many characters (nanochat trains on ~2B); default: all",
     )
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -146,7 +139,6 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument(
         "--split-documents",
         type=_split_arg,
-        default=None,
         metavar="blank_lines|chapters|N",
         help="cut every input document (e.g. one large .txt file) into several: at blank lines, "
         "before chapter headings, or into pieces of about N characters",

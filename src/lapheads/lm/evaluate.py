@@ -153,11 +153,14 @@ def make_lm_eval_model(
     )
 
 
-def _require_lm_eval() -> None:
-    """One clear line when the eval extra is missing (``HFLM`` imports ``accelerate`` when it builds a model)."""
+def _require_lm_eval(allow_network: bool = True) -> None:
+    """One clear line when the eval extra is missing (``HFLM`` imports ``accelerate`` when it builds a model);
+    then the hub and ``datasets`` offline unless ``allow_network``."""
     missing = [m for m in ("lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"lm-eval evaluation needs {' and '.join(missing)}; pip install 'lapheads[eval]'")
+    if not allow_network:
+        _offline()
 
 
 def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = None, allow_network: bool = False):
@@ -171,9 +174,7 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
         ConfigError: an unknown task (the message says where lm-eval looked), a missing include dir, or
             lm-evaluation-harness / ``accelerate`` not installed.
     """
-    _require_lm_eval()
-    if not allow_network:
-        _offline()
+    _require_lm_eval(allow_network)
     if include_path is not None and not Path(include_path).is_dir():
         what = "does not exist" if not Path(include_path).exists() else "is a file"
         raise ConfigError(f"--lm-eval-include {include_path} {what}; give a directory of lm-eval task YAML files")
@@ -301,9 +302,8 @@ def run_chat_tasks(
             bootstrap_iters, allow_network, sources: as :func:`evaluate_chat_lm`.
 
     Raises:
-        ConfigError: bad options, a tokenizer without the chat special tokens, lm-eval missing.
-        DataError: a task file is missing or malformed (before the model runs).
-        SandboxUnavailableError: HumanEval cannot be sandboxed and ``allow_unsafe_code`` is not set.
+        ConfigError: as :func:`evaluate_chat_lm`, or a tokenizer without the chat special tokens.
+        DataError, SandboxUnavailableError: as :func:`evaluate_chat_lm`, before the model runs.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ConfigError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
@@ -374,9 +374,7 @@ def evaluate_chat_lm(
     """
     _check_sampling(num_samples, temperature)
     sources = sources or check_chat_tasks(tasks, allow_network, allow_unsafe_code)
-    _require_lm_eval()
-    if not allow_network:
-        _offline()
+    _require_lm_eval(allow_network)
     from lm_eval.tasks import TaskManager  # lazy: optional dependency (the eval extra)
 
     names = {chat_tasks.CHAT_TASKS[canonical_name(n)]: n for n in sources}  # lm-eval task -> --tasks name

@@ -97,15 +97,12 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
     heads = cfg.n_heads if cfg.n_heads is not None else max(1, math.ceil(width / 128))
     if heads < 1:
         raise ConfigError(f"model.n_heads={heads} must be >= 1")
-    if cfg.head_dim is not None:
-        head_dim = cfg.head_dim
-    else:
-        if width % heads:
-            raise ConfigError(
-                f"model.width={width} is not divisible by model.n_heads={heads}; "
-                "set model.head_dim explicitly or pick a divisible width"
-            )
-        head_dim = width // heads
+    if cfg.head_dim is None and width % heads:
+        raise ConfigError(
+            f"model.width={width} is not divisible by model.n_heads={heads}; "
+            "set model.head_dim explicitly or pick a divisible width"
+        )
+    head_dim = cfg.head_dim if cfg.head_dim is not None else width // heads
     if head_dim < 2 or head_dim % 2:
         raise ConfigError(f"model.head_dim={head_dim} must be an even number >= 2 (RoPE rotates pairs)")
     kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else heads
@@ -229,11 +226,8 @@ def build_model(
         init_weights(model)
     gc = model.generation_config
     gc.bos_token_id, gc.eos_token_id = bos_token_id, eos_token_id
-    gc.pad_token_id = (
-        pad_token_id
-        if pad_token_id is not None
-        else (eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id)
-    )
+    first_eos = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
+    gc.pad_token_id = pad_token_id if pad_token_id is not None else first_eos
     if device is not None:
         model = model.to(device)
     return model

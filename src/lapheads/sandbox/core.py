@@ -370,15 +370,8 @@ def run_code(
         SandboxUnavailableError: bubblewrap cannot run here and ``allow_unsafe`` is False.
         ValueError: a non-positive limit.
     """
-    if (
-        timeout <= 0
-        or memory_mb <= 0
-        or max_output_bytes < 0
-        or max_processes < 1
-        or disk_mb <= 0
-        or max_file_mb <= 0
-        or max_open_files < 8
-    ):
+    bad = any(v <= 0 for v in (timeout, memory_mb, disk_mb, max_file_mb)) or max_output_bytes < 0
+    if bad or max_processes < 1 or max_open_files < 8:
         raise ValueError(
             "run_code: timeout, memory_mb, disk_mb, max_file_mb and max_processes must "
             f"be positive and max_open_files >= 8, got timeout={timeout}, "
