@@ -29,7 +29,7 @@ from ..sweep import (
     run_grid,
     run_name,
 )
-from . import repeated
+from . import opts, repeated
 
 COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
 
@@ -129,14 +129,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 seeds,
                 out,
                 args.overrides,
-                overwrite=args.overwrite,
-                restart_changed=args.restart_changed,
                 design=design,
-                jobs=args.jobs,
                 launcher=slurm,
-                slurm_folder=args.slurm_folder,
                 wait=not args.no_wait,
                 on_start=write_command,
+                **opts(args, "overwrite restart_changed jobs slurm_folder"),
             )
         except SubmissionFailed:  # sbatch refused it: a new sweep leaves no record of a sweep that never ran
             if not recorded:

@@ -15,6 +15,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
+# The whole environment of a process started from the parent (the probe, prlimit and what it runs).
+HOST_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
 # Where the program is placed inside the sandbox (read-only, outside the writable tmpfs).
 PROGRAM_PATH = "/sandbox/program.py"
 
@@ -125,13 +128,9 @@ def _resolve_chain(path: str, symlinks: list[tuple[str, str]], files: list[str])
 
 def _compute_layout(python: str) -> _Layout:
     """Probe ``python`` (on the host, trusted) for the files the sandbox must show read-only."""
+    argv = [python, "-I", "-S", "-B", "-c", _LAYOUT_PROBE, ",".join(_PROBE_SKIP)]
     out = subprocess.run(
-        [python, "-I", "-S", "-B", "-c", _LAYOUT_PROBE, ",".join(_PROBE_SKIP)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=dict(HOST_ENV)
     )
     info = json.loads(out.stdout.strip().splitlines()[-1])
     stdlib = [os.path.realpath(p) for p in info["stdlib"]]

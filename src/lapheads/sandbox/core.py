@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..errors import LapheadsError
 from ._view import (
+    HOST_ENV,
     PROGRAM_PATH,
     _bwrap_argv,
     _candidate_bwraps,
@@ -460,7 +461,7 @@ def _run(
             isolation = {"tool": "none", "python": exe, "namespaces": [], "seccomp": False, "unsafe_reason": st.reason}
         isolation.update(uid=uid if uid is not None else os.getuid(), limits=limits)
         argv += [exe, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", _RUNNER_SOURCE, program_path, str(marker_w)]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        env = dict(HOST_ENV)
         if not st.available:
             env.update(HOME=cwd, TMPDIR=cwd)
         if uid is not None:
