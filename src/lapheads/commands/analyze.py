@@ -88,9 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file (required with --checkpoint)",
     )
     ap.add_argument(
-        "--max-items",
-        type=int,
-        help="--run without --data: images / token windows to measure on (default 512)",
+        "--max-items", type=int, help="--run without --data: images / token windows to measure on (default 512)"
     )
     ap.add_argument(
         "--layers",

@@ -149,9 +149,7 @@ def segment_main(argv: Optional[Sequence[str]] = None) -> int:
     )
     _common_args(p, "segmentation folder (ADE20K layout or images/ + masks/)")
     p.add_argument(
-        "--num-classes",
-        type=int,
-        help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)",
+        "--num-classes", type=int, help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)"
     )
     p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
     p.add_argument("--epochs", type=int, default=20)
