@@ -21,10 +21,8 @@ from .probes import add_backbone_args
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads pca-maps",
-        description=(
-            "RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
-            "the images). Compare a baseline run with a Laplacian-heads run on the same images."
-        ),
+        description="RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
+        "the images). Compare a baseline run with a Laplacian-heads run on the same images.",
     )
     add_backbone_args(p)
     p.add_argument("--images", required=True, help="image folder, a single image, or a data spec such as digits")

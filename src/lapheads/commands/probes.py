@@ -74,10 +74,8 @@ def _image_splits(args: argparse.Namespace) -> tuple[Any, Any]:
 def knn_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval knn",
-        description=(
-            "Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
-            "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote."
-        ),
+        description="Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
+        "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote.",
     )
     _image_args(p)
     p.add_argument("--k", type=int, nargs="+", default=[10, 20], help="numbers of neighbours")
@@ -99,11 +97,9 @@ def knn_main(argv: Optional[Sequence[str]] = None) -> int:
 def linear_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval linear",
-        description=(
-            "Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
-            "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
-            "avgpool). Features are extracted once; the linear layer trains in seconds."
-        ),
+        description="Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
+        "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
+        "avgpool). Features are extracted once; the linear layer trains in seconds.",
     )
     _image_args(p)
     p.add_argument("--n-last-blocks", type=int, default=4)
@@ -141,11 +137,9 @@ def linear_main(argv: Optional[Sequence[str]] = None) -> int:
 def segment_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval segment",
-        description=(
-            "Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
-            "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
-            "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation."
-        ),
+        description="Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
+        "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
+        "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation.",
     )
     _common_args(p, "segmentation folder (ADE20K layout or images/ + masks/)")
     p.add_argument(

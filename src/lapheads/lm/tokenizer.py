@@ -48,11 +48,9 @@ _MIN_VOCAB = 256 + len(ALL_SPECIAL_TOKENS)
 def _backend(vocab_size: int):
     tok = Tokenizer(models.BPE(byte_fallback=False, unk_token=None, fuse_unk=False))
     tok.normalizer = None
+    split = pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
