@@ -60,7 +60,6 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--top-k", type=number_arg(int, ge=1))
     p.add_argument(
         "--lm-eval",
-        dest="lm_eval",
         help="comma-separated lm-evaluation-harness task names (lapheads' chat tasks lapheads_chat_* included)",
     )
     p.add_argument("--lm-eval-include", help="directory of local lm-eval task YAML files")
@@ -93,12 +92,11 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.lm_eval and not lm_tasks:
         raise ConfigError(f"--lm-eval {args.lm_eval!r} names no task")
     # Everything the user typed is checked before the model is loaded: the output file, every
-    # task file, the lm-eval task names and include directory.
+    # task file (and HumanEval's sandbox), the lm-eval task names and include directory.
     if args.out:
         check_out_file(args.out)
     if args.num_samples > 1 and args.temperature == 0:
         raise ConfigError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
-    # every task file is read and validated (and HumanEval's sandbox checked) before the model loads
     sources = check_chat_tasks(chat_tasks, args.allow_network, args.confirm_run_unsafe_code) if chat_tasks else {}
     tm = lm_evaluate.lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
     out = Path(args.out) if args.out else Path(args.run) / "eval.json"
