@@ -1,21 +1,12 @@
 """The ``lapheads`` command line.
 
 Commands are looked up in :data:`COMMANDS` and their modules (the :mod:`lapheads.commands` package)
-imported only when run, so
-``lapheads --help`` is instant and a command never pays for another's imports. Each entry points
-at a function ``main(argv: list[str]) -> int | None`` that parses its own arguments.
-
-Errors caused by user input (:class:`lapheads.errors.LapheadsError`, and argparse's own errors
-such as a missing required flag) are printed as one line and exit with status 2, and so is a
-command whose optional extra is not installed (the line names the extra, :mod:`lapheads.extras`); a run stopped by
-the non-finite guard (:class:`lapheads.errors.NonFiniteError`) is one line with status 1;
-Ctrl-C and SIGTERM end a command with one line (for runs: the checkpoint and the command that
-resumes it) and status 130 / 143;
-``--debug`` (anywhere on the line) shows the full traceback instead.
-
-When stderr is not a terminal (a log file, a pipe), the libraries' own progress bars, info logs
-and warnings are left out (:func:`quiet_libraries`); ``--verbose`` (anywhere on the line) or
-``LAPHEADS_VERBOSE=1`` keeps them.
+imported only when run. Errors caused by user input (:class:`lapheads.errors.LapheadsError`,
+argparse's own errors, a missing optional extra) are one line with exit status 2, a run stopped by
+the non-finite guard one line with status 1, Ctrl-C and SIGTERM one line with status 130 / 143;
+``--debug`` (anywhere on the line) shows the full traceback instead. ``--verbose`` (or
+``LAPHEADS_VERBOSE=1``) keeps the libraries' progress bars and warnings in log files and pipes.
+Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -33,43 +24,38 @@ from typing import Optional, Sequence
 from . import __version__
 from .errors import ConfigError, LapheadsError, NonFiniteError
 
+_C = "lapheads.commands."
 # (words...) -> ("module:function", one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("quickstart",): (
-        "lapheads.commands.quickstart:main",
-        "baseline vs Laplacian heads on embedded data, with a report",
-    ),
-    ("recipes",): ("lapheads.commands.recipes:main", "the shipped recipe configs (--config NAME), one line each"),
-    ("train", "classify"): ("lapheads.commands.train:classify", "DeiT-3 supervised classification"),
-    ("train", "lm"): ("lapheads.commands.train:lm", "NanoChat-style language-model pretraining"),
-    ("train", "sft"): ("lapheads.commands.train:sft", "supervised fine-tuning on chat JSONL"),
-    ("train", "dino"): ("lapheads.commands.train:dino", "DINO self-supervised pretraining"),
+    ("quickstart",): (_C + "quickstart:main", "baseline vs Laplacian heads on embedded data, with a report"),
+    ("recipes",): (_C + "recipes:main", "the shipped recipe configs (--config NAME), one line each"),
+    ("train", "classify"): (_C + "train:classify", "DeiT-3 supervised classification"),
+    ("train", "lm"): (_C + "train:lm", "NanoChat-style language-model pretraining"),
+    ("train", "sft"): (_C + "train:sft", "supervised fine-tuning on chat JSONL"),
+    ("train", "dino"): (_C + "train:dino", "DINO self-supervised pretraining"),
     ("train", "retrofit"): (
-        "lapheads.commands.train:retrofit",
+        _C + "train:retrofit",
         "switch k heads of a pretrained LM to Laplacian and fine-tune (full or LoRA)",
     ),
     ("train", "retrofit_vit"): (
-        "lapheads.commands.train:retrofit_vit",
+        _C + "train:retrofit_vit",
         "switch k heads of a pretrained timm ViT to Laplacian and fine-tune (full or LoRA)",
     ),
-    ("eval", "classify"): ("lapheads.commands.eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
-    ("eval", "lm"): ("lapheads.commands.eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
-    ("lm-eval",): ("lapheads.commands.lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
-    ("eval", "knn"): ("lapheads.commands.probes:knn_main", "weighted k-NN on frozen features"),
-    ("eval", "linear"): ("lapheads.commands.probes:linear_main", "linear probe on frozen features"),
-    ("eval", "segment"): ("lapheads.commands.probes:segment_main", "linear segmentation probe (mIoU)"),
-    ("tokenizer", "train"): ("lapheads.commands.data:tokenizer_main", "train a byte-level BPE tokenizer"),
-    ("data", "tokenize"): ("lapheads.commands.data:tokenize_main", "text/JSONL/parquet -> token shards"),
-    ("sample",): ("lapheads.commands.sample:main", "sample text from a language-model run"),
-    ("analyze",): ("lapheads.commands.analyze:main", "token-geometry analysis of runs or models"),
-    ("pca-maps",): ("lapheads.commands.pca_maps:main", "PCA maps of patch tokens as RGB images"),
-    ("sweep",): ("lapheads.commands.sweep:main", "run a recipe over Laplacian-head settings and seeds"),
-    ("report",): ("lapheads.commands.report:main", "Markdown + HTML report comparing runs"),
-    ("config", "show"): (
-        "lapheads.commands.config:show_main",
-        "print a recipe's config as YAML (defaults or resolved)",
-    ),
-    ("config", "schema"): ("lapheads.commands.config:schema_main", "print the JSON schema of a recipe's config"),
+    ("eval", "classify"): (_C + "eval:classify_main", "top-1/top-5/per-class accuracy of a run"),
+    ("eval", "lm"): (_C + "eval:lm_main", "chat benchmarks (ARC, MMLU, GSM8K, HumanEval) and lm-eval"),
+    ("lm-eval",): (_C + "lm_eval:main", "lm-evaluation-harness's own CLI with Laplacian heads registered"),
+    ("eval", "knn"): (_C + "probes:knn_main", "weighted k-NN on frozen features"),
+    ("eval", "linear"): (_C + "probes:linear_main", "linear probe on frozen features"),
+    ("eval", "segment"): (_C + "probes:segment_main", "linear segmentation probe (mIoU)"),
+    ("tokenizer", "train"): (_C + "data:tokenizer_main", "train a byte-level BPE tokenizer"),
+    ("data", "tokenize"): (_C + "data:tokenize_main", "text/JSONL/parquet -> token shards"),
+    ("sample",): (_C + "sample:main", "sample text from a language-model run"),
+    ("analyze",): (_C + "analyze:main", "token-geometry analysis of runs or models"),
+    ("pca-maps",): (_C + "pca_maps:main", "PCA maps of patch tokens as RGB images"),
+    ("sweep",): (_C + "sweep:main", "run a recipe over Laplacian-head settings and seeds"),
+    ("report",): (_C + "report:main", "Markdown + HTML report comparing runs"),
+    ("config", "show"): (_C + "config:show_main", "print a recipe's config as YAML (defaults or resolved)"),
+    ("config", "schema"): (_C + "config:schema_main", "print the JSON schema of a recipe's config"),
 }
 
 
@@ -209,9 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LapheadsError as e:
         if debug:
             raise
-        msg = " ".join(str(e).split())
-        print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
-        return 2
+        return _error_line(key, " ".join(str(e).split()), 2)
     except OSError as e:  # a full disk outside a run's own writes (a report, figures, geometry): one line
         from .errors import free_bytes, human_bytes, is_disk_full
 
@@ -219,26 +203,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         where = e.filename or _out_arg(rest)  # a write through a file object names no file: the --out folder
         free = f" ({human_bytes(free_bytes(where))} free)" if where else ""
-        print(
-            f"lapheads {' '.join(key)}: error: no space left on the disk of {where or 'the output'}{free}; "
-            "free space or write elsewhere, then run the command again",
-            file=sys.stderr,
-        )
-        return 2
+        msg = f"no space left on the disk of {where or 'the output'}{free}; "
+        return _error_line(key, msg + "free space or write elsewhere, then run the command again", 2)
     except ModuleNotFoundError as e:  # an optional extra is not installed (lapheads.extras)
         from .extras import missing_extra_message
 
         msg = missing_extra_message(e)
         if msg is None or debug:
             raise
-        print(f"lapheads {' '.join(key)}: error: {msg}", file=sys.stderr)
-        return 2
+        return _error_line(key, msg, 2)
     except NonFiniteError as e:
         # not the user's input, but still one clear line (the message names step and tensor)
         if debug:
             raise
-        print(f"lapheads {' '.join(key)}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return _error_line(key, " ".join(str(e).split()), 1)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line with the resume command
         from .engine.launch import describe_interrupt  # lazy, as above
 
@@ -250,6 +228,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argparse.ArgumentParser.error = saved_error  # type: ignore[method-assign]
         if saved_term is not None:
             signal.signal(signal.SIGTERM, saved_term)
+
+
+def _error_line(key: tuple[str, ...], message: str, rc: int) -> int:
+    """Print ``lapheads <command>: error: <message>`` to stderr; returns ``rc``."""
+    print(f"lapheads {' '.join(key)}: error: {message}", file=sys.stderr)
+    return rc
 
 
 def entry() -> int:
@@ -267,15 +251,8 @@ def entry() -> int:
 
 
 def _spare_the_exit_collections() -> None:
-    """Let the interpreter exit without garbage-collecting every object the imports made.
-
-    After torch, timm and transformers are imported, the collections Python runs while it shuts
-    down walk millions of live objects: ~1.5 s per process on two cores, paid by every command and
-    by every torchrun worker. The garbage that exists now is collected here (its finalizers run, as
-    they would at exit), then the survivors are frozen (``gc.freeze``): the shutdown collections
-    skip them. Files, checkpoints and loggers are closed by the commands themselves before this
-    point; ``atexit`` handlers still run.
-    """
+    """Let the interpreter exit without garbage-collecting every object the imports made (seconds with
+    torch loaded): collect the garbage that exists now, then freeze the survivors (``gc.freeze``)."""
     gc.collect()
     gc.freeze()
 

@@ -12,11 +12,7 @@ Examples::
 Writes ``OUT/geometry.json`` (``{"runs": {label: analyze_model result}, "figures": [...]}``)
 and the PNG figures of :mod:`lapheads.geometry.plots` (several checkpoints share each figure).
 
-Design choices: ``--checkpoint`` is read by :func:`lapheads.engine.pretrained.load_checkpoint` (a
-transformers directory, or a timm model name with ``--model-args`` and ``--weights``; nothing is
-downloaded) and fed by :func:`lapheads.geometry.batches.build_batches` (digits, ImageFolder, pydoc,
-.txt), so the command does not depend on the training recipes. ``--run DIR`` reads a run of this project through its recipe (``lapheads.recipes.load_run``;
-without ``--data``, :func:`lapheads.runs.analyze_run`).
+Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -37,12 +33,9 @@ from ..geometry.plots import plot_all
 from ..outputs import check_out_dir
 from ..recipes import load_run
 from ..runs import analyze_run
+from . import opts, repeated
 
 __all__ = ["main"]
-
-
-# ---------------------------------------------------------------------------------------------
-# models
 
 
 def _parse_kv(items: list[str]) -> dict[str, Any]:
@@ -53,10 +46,6 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
         k, v = it.split("=", 1)
         out[k] = load_yaml(v, f"--model-args {it!r}")
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# command
 
 
 def _parse_layers(s: Optional[str]) -> Optional[list[Any]]:
@@ -78,24 +67,9 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument(
-        "--checkpoint",
-        action="append",
-        default=[],
-        help="transformers checkpoint directory or timm model name; repeat to compare runs",
-    )
-    ap.add_argument(
-        "--label",
-        action="append",
-        default=[],
-        help="name of each --checkpoint in the figures (default: the checkpoint's name)",
-    )
-    ap.add_argument(
-        "--weights",
-        action="append",
-        default=[],
-        help="state dict (.safetensors/.pt) for the timm --checkpoint of the same position",
-    )
+    repeated(ap, "--checkpoint", "transformers checkpoint directory or timm model name; repeat to compare runs")
+    repeated(ap, "--label", "name of each --checkpoint in the figures (default: the checkpoint's name)")
+    repeated(ap, "--weights", "state dict (.safetensors/.pt) for the timm --checkpoint of the same position")
     ap.add_argument(
         "--model-args",
         nargs="*",
@@ -103,42 +77,34 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="timm.create_model keyword arguments, e.g. img_size=32 patch_size=8 depth=2",
     )
-    ap.add_argument(
+    repeated(
+        ap,
         "--run",
-        action="append",
-        default=[],
-        help="a run directory trained by this project; without --data it is measured on its "
+        "a run directory trained by this project; without --data it is measured on its "
         "own held-out data and the result also goes to RUN/geometry/",
     )
     ap.add_argument(
         "--data",
-        default=None,
         help="images: 'digits' or an ImageFolder directory; text: 'pydoc' or a .txt file (required with --checkpoint)",
     )
     ap.add_argument(
-        "--max-items",
-        type=int,
-        default=None,
-        help="--run without --data: images / token windows to measure on (default 512)",
+        "--max-items", type=int, help="--run without --data: images / token windows to measure on (default 512)"
     )
     ap.add_argument(
         "--layers",
-        default=None,
         help="comma list: vit block indices and/or 'pre_logits'; hf hidden-state indices (0 = embeddings); default all",
     )
-    ap.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    ap.add_argument("--max-batches", type=int, help="stop after this many batches")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument(
         "--seq-len",
         type=int,
-        default=None,
         help="text: tokens per sequence (default 128; --run without --data: the run's data.seq_len)",
     )
-    ap.add_argument("--image-size", type=int, default=None, help="images: default the model's input size")
+    ap.add_argument("--image-size", type=int, help="images: default the model's input size")
     ap.add_argument(
         "--min-count",
         type=int,
-        default=None,
         help="minimum tokens per class for NC measures (use 5-20 for next-token classes; default 1, "
         "and 5 for lm/sft runs without --data)",
     )
@@ -147,16 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--include-prefix", action="store_true", help="vit: count CLS/register tokens as tokens")
     ap.add_argument("--no-nc4", action="store_true", help="skip the second pass for NC4")
     ap.add_argument("--no-figures", action="store_true", help="write geometry.json only")
-    ap.add_argument(
-        "--device", default=None, help="device for the model (default cuda if available; --run without --data: cpu)"
-    )
+    ap.add_argument("--device", help="device for the model (default cuda if available; --run without --data: cpu)")
     ap.add_argument("--out", required=True, help="output directory for geometry.json and figures")
     return ap
-
-
-def _load_run(run_dir: str) -> tuple[torch.nn.Module, str, Any]:
-    got = load_run(run_dir)
-    return got.model, got.kind, got.tokenizer
 
 
 def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
@@ -178,17 +137,10 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
         raise ConfigError("two runs have the same label; give distinct --label values")
     settings = dict(
         max_items=512 if args.max_items is None else args.max_items,
-        batch_size=args.batch_size,
         layers=layers,
-        min_count=args.min_count,
-        threshold=args.threshold,
-        spectra=not args.no_spectra,
-        include_prefix=args.include_prefix,
-        nc4=not args.no_nc4,
-        max_batches=args.max_batches,
-        seq_len=args.seq_len,
-        device=args.device,
+        **opts(args, "batch_size seq_len device"),
         plots=not args.no_figures,
+        **_measures(args),
     )
     runs = {}
     for lb, r in zip(labels, args.run):
@@ -200,6 +152,13 @@ def _main_runs(args: argparse.Namespace, layers: Optional[list]) -> int:
             + "".join(f"\n  note: {n}" for n in m["notes"])
         )
     return _write_results(runs, args)
+
+
+def _measures(args: argparse.Namespace) -> dict[str, Any]:
+    """The measurement settings shared by analyze_run and analyze_model."""
+    return dict(
+        **opts(args, "min_count threshold include_prefix max_batches"), spectra=not args.no_spectra, nc4=not args.no_nc4
+    )
 
 
 def _write_results(runs: dict[str, Any], args: argparse.Namespace) -> int:
@@ -226,16 +185,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     if len(args.weights) > len(args.checkpoint):
         raise ConfigError("more --weights than --checkpoint")
-    for name, v in (
-        ("--batch-size", args.batch_size),
-        ("--seq-len", args.seq_len),
-        ("--min-count", args.min_count),
-        ("--max-items", args.max_items),
-    ):
+    for name in ("batch_size", "seq_len", "min_count", "max_items", "max_batches"):
+        v = getattr(args, name)
         if v is not None and v < 1:
-            raise ConfigError(f"{name} must be >= 1, got {v}")
-    if args.max_batches is not None and args.max_batches < 1:
-        raise ConfigError(f"--max-batches must be >= 1, got {args.max_batches}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if not 0 < args.threshold <= 1:
         raise ConfigError(f"--threshold must be in (0, 1], got {args.threshold}")
     layers = _parse_layers(args.layers)
@@ -260,7 +213,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             w = args.weights[i] if i < len(args.weights) else None
             model, kind, tok = load_checkpoint(spec, w, model_args)
         else:
-            model, kind, tok = _load_run(spec)
+            got = load_run(spec)
+            model, kind, tok = got.model, got.kind, got.tokenizer
         label = labels[i] if labels else Path(spec).name or spec
         batches = build_batches(
             model, kind, tok, args.data, args.batch_size, args.seq_len, args.image_size, args.max_batches
@@ -272,20 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs: dict[str, Any] = {}
     for label, model, kind, batches in loaded:
         model.to(device)
-        runs[label] = analyze_model(
-            model,
-            batches,
-            kind,
-            layers,
-            min_count=args.min_count,
-            threshold=args.threshold,
-            spectra=not args.no_spectra,
-            include_prefix=args.include_prefix,
-            max_batches=args.max_batches,
-            nc4=not args.no_nc4,
-            device=device,
-            progress=False,
-        )
+        runs[label] = analyze_model(model, batches, kind, layers, device=device, progress=False, **_measures(args))
         model.to("cpu")
         m = runs[label]["meta"]
         print(

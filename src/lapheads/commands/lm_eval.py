@@ -4,37 +4,9 @@
 ``lapheads lm-eval run --model lapheads --model_args pretrained=RUN/final/hf --tasks humaneval --confirm_run_unsafe_code``
 ``lapheads lm-eval ls tasks``
 
-Design choices:
-
-* Every argument is lm-eval's (``lm-eval --help``): this command only imports
-  :mod:`lapheads.transformers` first, then hands the argument list to lm-eval's own parser
-  (``lm_eval._cli.HarnessCLI``, the object behind the ``lm-eval`` / ``lm_eval`` console script). The
-  import registers the attention implementation that an exported run's ``config.json`` names
-  (``"laplacian_sdpa (import lapheads.transformers first)"``), so lm-eval's ``HFLM`` (``--model hf``)
-  builds the model with its Laplacian heads through plain ``AutoModelForCausalLM.from_pretrained``.
-* ``--model lapheads`` (same ``--model_args`` as ``hf``) is :class:`lapheads.lm.hflm.LapheadsHFLM`,
-  registered in lm-eval's model registry under a name of its own: ``HFLM`` whose rolling
-  log-likelihoods (perplexity tasks) score a document after one BOS, as ``lapheads eval lm`` does.
-  ``--model hf`` is left as lm-eval defines it: with this project's tokenizer (which adds BOS, as
-  Llama's does) it scores rolling documents after two BOS (see :mod:`lapheads.lm.hflm`); its
-  ``loglikelihood`` and ``generate_until`` requests equal ``--model lapheads``'s.
-  Nothing else of lm-eval is patched: task selection, few-shot, batching, generation, output
-  files, caching, W&B logging and the unsafe-code confirmation of code tasks
-  (``--confirm_run_unsafe_code`` for humaneval / mbpp) behave exactly as in ``lm-eval``.
-* lapheads' chat tasks (:mod:`lapheads.lm.tasks`: ``lapheads_chat_arc_easy``, ``..._arc_challenge``,
-  ``..._mmlu``, ``..._gsm8k``, ``..._humaneval``, tag ``lapheads_chat``) are always indexed: their
-  directory is put before ``--include_path`` (lm-eval's ``TaskManager`` takes a list of
-  directories, later ones overriding a task name). They read the Hub data sets their YAML names.
-  ``lapheads_chat_humaneval`` runs every program in :mod:`lapheads.sandbox` and refuses where
-  bubblewrap cannot run (lm-eval's ``--confirm_run_unsafe_code`` does not lift that; ``lapheads
-  eval lm --confirm-run-unsafe-code`` does).
-* The network is not forced off (``lapheads eval lm`` does that; here lm-eval's own conventions
-  hold): set ``HF_HUB_OFFLINE=1`` / ``HF_DATASETS_OFFLINE=1`` to evaluate local task YAML files
-  (``--include_path DIR``) without reaching the hub.
-* lm-eval's legacy form without a subcommand (``lapheads lm-eval --model hf ...``) is accepted,
-  as ``lm-eval`` accepts it; an argparse error is one line with exit status 2, like every other
-  ``lapheads`` command.
-* ``HFLM`` needs ``accelerate``; both are in the ``eval`` extra (``pip install 'lapheads[eval]'``).
+Every argument is lm-eval's; the command imports :mod:`lapheads.transformers` (and registers
+``--model lapheads``, :class:`lapheads.lm.hflm.LapheadsHFLM`) and indexes lapheads' chat tasks
+first. Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations

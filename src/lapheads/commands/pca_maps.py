@@ -14,16 +14,15 @@ from ..geometry.pca_maps import pca_maps, save_grid
 from ..outputs import check_out_file
 from ..runs import load_backbone
 from ..vision.transforms import EvalTransform, to_float_image
+from . import opts
 from .probes import add_backbone_args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads pca-maps",
-        description=(
-            "RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
-            "the images). Compare a baseline run with a Laplacian-heads run on the same images."
-        ),
+        description="RGB maps of the first three principal components of a ViT's patch tokens (fitted jointly over "
+        "the images). Compare a baseline run with a Laplacian-heads run on the same images.",
     )
     add_backbone_args(p)
     p.add_argument("--images", required=True, help="image folder, a single image, or a data spec such as digits")
@@ -47,14 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     pics = load_images(args.images, args.max_images)
     dev = pick_device(args.device)
-    bb, meta = load_backbone(
-        run=args.run,
-        model=args.model,
-        weights=args.weights,
-        laplacian_heads=args.laplacian_heads,
-        img_size=args.img_size,
-        device=dev,
-    )
+    bb, meta = load_backbone(**opts(args, "run model weights laplacian_heads img_size"), device=dev)
     size = args.img_size or meta["img_size"]
     tf = EvalTransform(size, meta["mean"], meta["std"])
     x = torch.stack([tf(im) for im in pics]).to(dev)

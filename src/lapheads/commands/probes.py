@@ -17,18 +17,17 @@ from ..errors import ConfigError
 from ..runs import load_backbone
 from ..vision.probes import extract_features, knn_classify, linear_probe, segmentation_probe
 from ..vision.transforms import EvalTransform
+from . import opts
 
 
-# ---------------------------------------------------------------------------------------------
-# CLI
 def add_backbone_args(p: argparse.ArgumentParser) -> None:
     """Where a frozen backbone comes from (shared by the probes and ``lapheads pca-maps``)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory of `lapheads train dino` (uses final/model.json)")
     src.add_argument("--model", help="timm model name (e.g. vit_small_patch16_224 or deit3_small_patch16_224_lap5)")
     p.add_argument("--weights", help="safetensors weights for --model (default: random init, a baseline)")
-    p.add_argument("--laplacian-heads", default=None, help="Laplacian heads for --model (k, all, none)")
-    p.add_argument("--img-size", type=int, default=None, help="input size for --model (default: the model's)")
+    p.add_argument("--laplacian-heads", help="Laplacian heads for --model (k, all, none)")
+    p.add_argument("--img-size", type=int, help="input size for --model (default: the model's)")
 
 
 def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
@@ -38,18 +37,20 @@ def _common_args(p: argparse.ArgumentParser, data_help: str) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument(
         "--json",
-        default=None,
         help="where to write the JSON result (default RUN/eval_<probe>.json, "
         "or eval_<probe>.json in the current folder with --model)",
     )
 
 
+def _image_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--val-split", default="val")
+
+
 def _setup(args: argparse.Namespace) -> tuple[nn.Module, dict, torch.device]:
     dev = pick_device(args.device)
-    lh = args.laplacian_heads
-    bb, meta = load_backbone(
-        run=args.run, model=args.model, weights=args.weights, laplacian_heads=lh, img_size=args.img_size, device=dev
-    )
+    bb, meta = load_backbone(**opts(args, "run model weights laplacian_heads img_size"), device=dev)
     if args.img_size and args.run:
         meta["img_size"] = args.img_size
     return bb, meta, dev
@@ -73,14 +74,10 @@ def _image_splits(args: argparse.Namespace) -> tuple[Any, Any]:
 def knn_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval knn",
-        description=(
-            "Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
-            "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote."
-        ),
+        description="Weighted k-NN (DINO's eval_knn) on frozen CLS features: the k most cosine-similar train images "
+        "vote with weight exp(sim/T). T=0.07 and k=10/20 are DINO's defaults; larger k smooths the vote.",
     )
-    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="val")
+    _image_args(p)
     p.add_argument("--k", type=int, nargs="+", default=[10, 20], help="numbers of neighbours")
     p.add_argument("--temperature", type=float, default=0.07)
     args = p.parse_args(list(argv or []))
@@ -100,15 +97,11 @@ def knn_main(argv: Optional[Sequence[str]] = None) -> int:
 def linear_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval linear",
-        description=(
-            "Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
-            "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
-            "avgpool). Features are extracted once; the linear layer trains in seconds."
-        ),
+        description="Linear probe on frozen features: CLS tokens of the last --n-last-blocks blocks (+ the average "
+        "patch token with --avgpool), as DINO's eval_linear (ViT-S: 4 blocks, no avgpool; ViT-B: 1 block + "
+        "avgpool). Features are extracted once; the linear layer trains in seconds.",
     )
-    _common_args(p, "image data spec: digits, a CIFAR archive, an ImageFolder tree, idx files")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="val")
+    _image_args(p)
     p.add_argument("--n-last-blocks", type=int, default=4)
     p.add_argument("--avgpool", action="store_true", help="also concatenate the average patch token")
     p.add_argument("--epochs", type=int, default=100)
@@ -135,12 +128,7 @@ def linear_main(argv: Optional[Sequence[str]] = None) -> int:
         fte,
         yte,
         num_classes=getattr(train, "num_classes", None),
-        epochs=args.epochs,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        weight_decay=args.weight_decay,
-        batch_size=args.batch_size,
-        seed=args.seed,
+        **opts(args, "epochs lr optimizer weight_decay batch_size seed"),
     )
     res.update(n_last_blocks=args.n_last_blocks, avgpool=args.avgpool, feature_dim=int(ftr.shape[1]))
     return _finish(args, "linear", meta, res)
@@ -149,18 +137,13 @@ def linear_main(argv: Optional[Sequence[str]] = None) -> int:
 def segment_main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="lapheads eval segment",
-        description=(
-            "Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
-            "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
-            "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation."
-        ),
+        description="Linear segmentation probe on frozen patch tokens (BN + 1x1 conv, logits upsampled to the mask), "
+        "scored by mIoU. --data is an ADE20K folder (ADEChallengeData2016) or a folder with images/ and "
+        "masks/ (optionally with train/ and val/ subfolders); see lapheads.data.segmentation.",
     )
     _common_args(p, "segmentation folder (ADE20K layout or images/ + masks/)")
     p.add_argument(
-        "--num-classes",
-        type=int,
-        default=None,
-        help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)",
+        "--num-classes", type=int, help="classes of an images/+masks/ folder (default: classes.txt, else max label + 1)"
     )
     p.add_argument("--layer", type=int, default=-1, help="block whose patch tokens are used (-1 = last)")
     p.add_argument("--epochs", type=int, default=20)
@@ -187,12 +170,7 @@ def segment_main(argv: Optional[Sequence[str]] = None) -> int:
         meta["img_size"],
         meta["mean"],
         meta["std"],
-        layer=args.layer,
-        epochs=args.epochs,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        batch_size=args.batch_size,
-        seed=args.seed,
+        **opts(args, "layer epochs lr weight_decay batch_size seed"),
         device=dev,
     )
     return _finish(args, "segment", meta, res)

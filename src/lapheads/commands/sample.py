@@ -10,6 +10,7 @@ import torch
 from ..engine.config import number_arg
 from ..lm.sample import generate_text
 from ..recipes import lm as lm_recipe  # called through the module (tests replace load_model)
+from . import opts
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -24,7 +25,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--temperature", type=number_arg(float, ge=0.0), default=0.0, help="0 = greedy (default); ~0.6-1.0 for variety"
     )
-    p.add_argument("--top-k", type=number_arg(int, ge=1), default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-k", type=number_arg(int, ge=1), help="sample among the k most likely tokens")
     p.add_argument("--num-samples", type=number_arg(int, ge=1), default=1)
     p.add_argument("--chat", action="store_true", help="render the prompt as a chat user turn (SFT runs)")
     p.add_argument("--weights", choices=["model", "ema"], default="model")
@@ -34,17 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
-    texts = generate_text(
-        model,
-        tok,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.num_samples,
-        args.chat,
-        args.seed,
-    )
+    texts = generate_text(model, tok, **opts(args, "prompt max_new_tokens temperature top_k num_samples chat seed"))
     for i, t in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i}")

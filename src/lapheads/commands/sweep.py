@@ -13,13 +13,7 @@ from typing import Optional, Sequence
 
 from ..engine.config import read_yaml
 from ..engine.run import lock_dir
-from ..engine.slurm import (
-    SubmissionFailed,
-    add_launcher_args,
-    check_controller,
-    launcher_config,
-    print_status,
-)
+from ..engine.slurm import SubmissionFailed, add_launcher_args, check_controller, launcher_config, print_status
 from ..errors import ConfigError
 from ..outputs import read_json, write_json
 from ..recipes.shipped import resolve_any
@@ -35,6 +29,7 @@ from ..sweep import (
     run_grid,
     run_name,
 )
+from . import opts, repeated
 
 COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
 
@@ -46,37 +41,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Run a recipe for several Laplacian-head settings and seeds, optionally crossed with "
         "config axes (--grid, --point), resumably; then write a report comparing them.",
     )
-    p.add_argument("--config", default=None, help="recipe YAML (its top-level `recipe:` names the recipe)")
-    p.add_argument("--recipe", default=None, help="recipe name when the YAML does not say it")
+    p.add_argument("--config", help="recipe YAML (its top-level `recipe:` names the recipe)")
+    p.add_argument("--recipe", help="recipe name when the YAML does not say it")
     p.add_argument(
         "--laplacian-heads",
         default="0,all",
         help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all",
     )
     p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
-    p.add_argument(
-        "--grid",
-        action="append",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="a config axis crossed with every other --grid, k and seed (repeatable), e.g. model.embed_dim=64,128",
+    grid_help = "a config axis crossed with every other --grid, k and seed (repeatable), e.g. model.embed_dim=64,128"
+    repeated(p, "--grid", grid_help, metavar="KEY=V1,V2")
+    point_help = (
+        "one explicit design point (repeatable), for uneven designs, e.g. model.embed_dim=128,train.max_steps=400"
     )
-    p.add_argument(
-        "--point",
-        action="append",
-        default=[],
-        metavar="KEY=V,KEY2=V2",
-        help="one explicit design point (repeatable), for uneven designs, e.g. model.embed_dim=128,train.max_steps=400",
-    )
-    p.add_argument("--out", default=None, help="sweep directory (one run directory per grid point)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override applied to every run (repeatable)",
-    )
+    repeated(p, "--point", point_help, metavar="KEY=V,KEY2=V2")
+    p.add_argument("--out", help="sweep directory (one run directory per grid point)")
+    repeated(p, "--set", "override applied to every run (repeatable)", dest="overrides", metavar="KEY=VALUE")
     p.add_argument(
         "--overwrite", action="store_true", help="delete every existing run of the grid first and train them all afresh"
     )
@@ -103,7 +83,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--status",
         metavar="DIR",
-        default=None,
         help="list each point of the sweep in DIR (pending, running with its job id, done, failed "
         "with its log's last lines) and exit",
     )
@@ -150,14 +129,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 seeds,
                 out,
                 args.overrides,
-                overwrite=args.overwrite,
-                restart_changed=args.restart_changed,
                 design=design,
-                jobs=args.jobs,
                 launcher=slurm,
-                slurm_folder=args.slurm_folder,
                 wait=not args.no_wait,
                 on_start=write_command,
+                **opts(args, "overwrite restart_changed jobs slurm_folder"),
             )
         except SubmissionFailed:  # sbatch refused it: a new sweep leaves no record of a sweep that never ran
             if not recorded:

@@ -1,20 +1,14 @@
-"""``lapheads train <recipe>``: parse the shared flags, load the recipe's config, train.
+"""``lapheads train <recipe>``: parse the shared flags, load the recipe's config, train (or submit to SLURM).
 
-Every recipe shares the flags of :func:`lapheads.engine.run.add_train_args` (``--config``,
-``--out``, ``--resume``, ``--overwrite``, ``--set KEY=VALUE``); the recipe's config type checks
-every value before anything runs (:func:`lapheads.engine.config.load_config`). ``--launcher slurm``
-(:mod:`lapheads.engine.slurm`) submits the same command as a SLURM job instead, after that check.
-``--resume`` without ``--config`` continues with the run directory's saved ``config.yaml``; the
-trainer says which step it resumes from. ``--resume`` of a run that has finished (its ``final/``
-written, the config the same up to keys that do not change the trained model) says so, prints its
-final metrics and exits 0 without loading anything; ``--reevaluate`` evaluates its final model
-again instead. ``--help`` lists the recipe's evaluation metrics (:attr:`lapheads.recipes.Recipe.metrics`).
+``--resume`` of a finished run reports it and exits 0; ``--reevaluate`` evaluates its final model
+again. Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -83,12 +77,8 @@ def train(recipe_name: str, argv: Optional[Sequence[str]]) -> int:
 
 
 def _finished(recipe: Recipe, cfg: Any, out: Path) -> bool:
-    """Whether ``--resume`` of ``out`` has nothing to do; if so, says so with the run's final metrics.
-
-    Finished: the recipe's runs wrote ``final/`` (:meth:`Recipe.finished`) and the config differs
-    from the saved one at most in keys that leave the trained model as it is (a larger
-    ``train.max_steps`` is a run to continue: the trainer takes it from there).
-    """
+    """Whether ``--resume`` of ``out`` has nothing to do (``final/`` written, the config the same up to keys
+    that leave the trained model as it is); if so, says so with the run's final metrics."""
     run = RunDir(out)
     if not run.exists() or not recipe.finished(cfg, out):
         return False
@@ -107,25 +97,10 @@ def _finished(recipe: Recipe, cfg: Any, out: Path) -> bool:
     return True
 
 
-def classify(argv: Optional[Sequence[str]] = None) -> int:
-    return train("classify", argv)
-
-
-def lm(argv: Optional[Sequence[str]] = None) -> int:
-    return train("lm", argv)
-
-
-def sft(argv: Optional[Sequence[str]] = None) -> int:
-    return train("sft", argv)
-
-
-def dino(argv: Optional[Sequence[str]] = None) -> int:
-    return train("dino", argv)
-
-
-def retrofit(argv: Optional[Sequence[str]] = None) -> int:
-    return train("retrofit", argv)
-
-
-def retrofit_vit(argv: Optional[Sequence[str]] = None) -> int:
-    return train("retrofit_vit", argv)
+# the functions lapheads.cli.COMMANDS names, one per recipe
+classify = partial(train, "classify")
+lm = partial(train, "lm")
+sft = partial(train, "sft")
+dino = partial(train, "dino")
+retrofit = partial(train, "retrofit")
+retrofit_vit = partial(train, "retrofit_vit")

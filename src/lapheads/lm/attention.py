@@ -1,19 +1,8 @@
 """The attention variants of :mod:`lapheads.variants` in the NanoChat LM (``model.attention`` of the lm recipe).
 
-``xsa`` is transformers' own SDPA attention function followed by :func:`lapheads.variants.xsa`,
-registered in transformers' ``AttentionInterface`` (and its mask in ``AttentionMaskInterface``)
-as :data:`XSA_IMPLEMENTATION`, so NanoChat's attention module calls it in place of SDPA. The
-model's config records the variant as ``lapheads_attention`` and the implementation as
-``attn_implementation`` (both written to ``config.json``): :func:`apply_variant` sets the
-implementation again when a run is loaded (``lapheads.recipes.lm.load_model``), a plain
-``AutoModelForCausalLM.from_pretrained`` after ``import lapheads.lm.attention`` builds XSA, and
-without that import transformers refuses the unknown implementation name.
-
-``diff`` is not offered for the LM: transformers' differential attention lives in
-``DiffLlamaAttention``, a whole attention module with its own projections and head layout and
-without NanoChat's QK-norm after RoPE, so swapping it into NanoChat would change the
-normalisation and the initialisation together with the attention map. The classify recipe has
-it (timm's ``DiffAttention``).
+``xsa`` is transformers' SDPA attention followed by :func:`lapheads.variants.xsa`, registered in
+transformers' ``AttentionInterface`` as :data:`XSA_IMPLEMENTATION`; :func:`apply_variant` sets it
+again on a loaded model. ``diff`` is not offered for the LM (``docs/design/lm.md`` says why).
 """
 
 from __future__ import annotations
@@ -59,7 +48,7 @@ AttentionMaskInterface.register(XSA_IMPLEMENTATION, sdpa_mask)
 
 
 def check_lm_attention(attention: str, laplacian_heads: Any) -> None:
-    """:func:`lapheads.variants.check_attention` plus the LM's own limit (no ``diff``, see the module docstring)."""
+    """:func:`lapheads.variants.check_attention` plus the LM's own limit (no ``diff``)."""
     check_attention(attention, laplacian_heads)
     if attention == "diff":
         raise ConfigError(

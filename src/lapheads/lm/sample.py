@@ -1,17 +1,6 @@
 """``lapheads sample``: text from a trained language-model run.
 
 ``lapheads sample --run runs/lm_tiny --prompt "The list type" --max-new-tokens 64 --temperature 0.8 --top-k 50``
-
-Design choices:
-
-* The model is loaded from ``RUN/final/hf`` with :func:`lapheads.recipes.lm.load_model`, so the
-  Laplacian heads are restored, and decoded with transformers' ``generate()`` and its dynamic
-  KV cache (which the Laplacian attention serves exactly; a static cache is refused there).
-* ``--temperature 0`` is greedy decoding; otherwise multinomial sampling with optional top-k,
-  seeded by ``--seed``. Generation stops at ``<|assistant_end|>`` or ``<|bos|>`` (a new document).
-* ``--chat`` renders the prompt as a user turn in the chat format (for SFT runs) and prints the
-  assistant's reply; without it the prompt is continued as plain text, BOS-prefixed as in
-  pretraining.
 """
 
 from __future__ import annotations

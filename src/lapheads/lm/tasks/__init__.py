@@ -7,42 +7,7 @@ TASKS_DIR)``) define ``lapheads_chat_arc_easy``, ``lapheads_chat_arc_challenge``
 functions below, which the YAML names with ``!function lapheads.lm.tasks.<name>``.
 ``lapheads eval lm --tasks`` runs them on local JSONL files (:mod:`lapheads.lm.evaluate`);
 ``lapheads lm-eval --tasks lapheads_chat_mmlu`` runs them on the Hub data sets the YAML names.
-
-Design choices:
-
-* **Why not lm-eval's own ``arc_easy`` / ``mmlu`` / ``gsm8k`` / ``humaneval``.** They measure other
-  things: ARC scores the log-likelihood of each answer *text*, MMLU shows ``A. choice`` lines and
-  scores `` A``, GSM8K is few-shot ``Question: ... Answer:`` with lm-eval's regexes, and HumanEval
-  runs programs with Hugging Face ``evaluate``'s ``code_eval``, unsandboxed (it asks for
-  ``HF_ALLOW_CODE_EVAL=1``, which nothing here sets). These tasks are nanochat's chat evaluation:
-  the same prompts, extraction and scoring that ``lapheads eval lm`` had before it ran on lm-eval.
-* **The chat format is in the prompt text.** ``doc_to_text`` returns
-  ``<|bos|><|user_start|>{user message}<|user_end|><|assistant_start|>``; the tokenizer reads the
-  special-token strings as the special tokens, so lm-eval's ``HFLM`` sees exactly the ids of
-  :func:`lapheads.lm.tokenizer.render_chat` with a generation prompt (one BOS: ``HFLM`` adds none
-  before a text that starts with it). A tokenizer without these special tokens cannot run them.
-* **Categorical multiple choice** (ARC-Easy, ARC-Challenge, MMLU): the question and its choices are
-  one user message in nanochat's layout (``- choice=A`` lines, then "Respond only with the letter of
-  the correct answer."); the choices lm-eval scores are the letters ``A``, ``B``, ... directly after
-  ``<|assistant_start|>`` (``target_delimiter: ""``), and lm-eval's ``acc`` is the argmax of their
-  log-likelihoods. A letter is one token, so that is the argmax of the next-token logits over the
-  letters. Both ARC layouts and MMLU's (answer index or letter) are read by
-  :mod:`lapheads.data.benchmarks`, so choices are lettered by position whatever their labels.
-* **GSM8K** is generated (greedy unless the caller asks for sampling) up to ``<|assistant_end|>``;
-  the ``final_number`` filter takes the number after the last ``####``, else the last number, with
-  commas and ``$`` removed (:func:`extract_answer`), and lm-eval's ``exact_match`` compares it with
-  the reference's normalised final answer.
-* **HumanEval** is generated likewise (``repeats`` = samples per problem); the ``sandbox`` filter
-  takes the first fenced code block of each completion if there is one, runs a completion that
-  defines the entry point after the prompt's imports (chat style, as nanochat) and any other after
-  the prompt (continuation style), always in :mod:`lapheads.sandbox` (bubblewrap), all programs of
-  the task together on a few workers; the score is the unbiased pass@k of Chen et al. (2021)
-  (:func:`pass_at_k`) for every k in 1, 10, 100 up to the number of samples. The execution options
-  (:func:`sandbox_options`) default to refusing to run anything where bubblewrap cannot run; the
-  refusal comes when the task's documents are read, before the model generates.
-* **Data.** The YAML names the Hub data sets (``allenai/ai2_arc``, ``cais/mmlu``, ``openai/gsm8k``,
-  ``openai/openai_humaneval``); :func:`chat_task_config` points a task at a local JSONL in the
-  same public layout instead (``dataset_path: json``).
+Why these and not lm-eval's own tasks, and how each is scored: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -94,14 +59,9 @@ def chat_prompt(user: str) -> str:
     return f"<|bos|><|user_start|>{user}<|user_end|><|assistant_start|>"
 
 
-def _item(name: str, doc: dict) -> BenchmarkItem:
-    """An lm-eval document as a :class:`BenchmarkItem` (the public layouts of :mod:`lapheads.data.benchmarks`)."""
-    return parse_row(name, doc)
-
-
 def _choice_item(doc: dict) -> BenchmarkItem:
     # ARC rows have answerKey, MMLU rows an answer: one set of functions serves the three tasks
-    return _item("arc_easy" if "answerKey" in doc else "mmlu", doc)
+    return parse_row("arc_easy" if "answerKey" in doc else "mmlu", doc)
 
 
 def render_multiple_choice(item: BenchmarkItem) -> str:
@@ -152,12 +112,12 @@ def extract_answer(text: str) -> Optional[str]:
 
 def gsm8k_doc_to_text(doc: dict) -> str:
     """GSM8K prompt: the question as the user message (``doc_to_text``)."""
-    return chat_prompt(_item("gsm8k", doc).question)
+    return chat_prompt(parse_row("gsm8k", doc).question)
 
 
 def gsm8k_doc_to_target(doc: dict) -> str:
     """The reference's normalised final answer (``doc_to_target``)."""
-    target = _item("gsm8k", doc).target
+    target = parse_row("gsm8k", doc).target
     assert target is not None
     return target
 
@@ -194,11 +154,8 @@ def current_sandbox_options() -> SandboxOptions:
 
 @contextmanager
 def sandbox_options(**changes: Any) -> Iterator[SandboxOptions]:
-    """Run the HumanEval task with other :class:`SandboxOptions` inside the ``with`` block.
-
-    lm-eval calls the task's functions with documents and responses only, so the options are this
-    module's state; the block restores the previous ones.
-    """
+    """Run the HumanEval task with other :class:`SandboxOptions` inside the ``with`` block (module state:
+    lm-eval calls the task's functions with documents and responses only)."""
     global _options
     saved = _options
     _options = replace(saved, **changes)
@@ -276,12 +233,12 @@ def humaneval_docs(dataset: Any) -> Any:
 
 def humaneval_doc_to_text(doc: dict) -> str:
     """HumanEval prompt: the problem's prompt as the user message (``doc_to_text``)."""
-    return chat_prompt(_item("humaneval", doc).question)
+    return chat_prompt(parse_row("humaneval", doc).question)
 
 
 def humaneval_doc_to_target(doc: dict) -> str:
     """What a completion is checked with: the tests and ``check(entry_point)`` (``doc_to_target``)."""
-    item = _item("humaneval", doc)
+    item = parse_row("humaneval", doc)
     return f"{item.test}\n\ncheck({item.entry_point})"
 
 
@@ -294,7 +251,7 @@ def humaneval_run_in_sandbox(resps: list[list[str]], docs: list[dict]) -> list[l
     opts = _options
     programs, owners = [], []
     for i, (texts, doc) in enumerate(zip(resps, docs)):
-        item = _item("humaneval", doc)
+        item = parse_row("humaneval", doc)
         for text in texts:
             prefix, body = humaneval_program(item, text)
             programs.append(build_humaneval_program(prefix, body, item.test or "", item.entry_point or ""))
