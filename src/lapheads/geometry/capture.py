@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
+from .accumulate import or_error
 from .adapters import (
     ADAPTERS,
     Classifier,
@@ -352,21 +353,13 @@ def _compute(plan: _Plan, first: _FirstPass) -> dict[str, Any]:
                 plan.notes.append(f"model classifier not used (NC3/NC4 skipped): {e}")
                 clf = plan.classifier = None
         if isinstance(acc, ClassAccumulator):
-            r = {"nc_tokens": _or_error(lambda acc=acc, clf=clf: acc.compute(clf))}
+            r = {"nc_tokens": or_error(lambda acc=acc, clf=clf: acc.compute(clf))}
         else:
             r = acc.compute(clf)
         if l in first.cls_accs:
-            r["nc_cls"] = _or_error(first.cls_accs[l].compute)
+            r["nc_cls"] = or_error(first.cls_accs[l].compute)
         results[plan.name(l)] = r
     return results
-
-
-def _or_error(compute: Any) -> dict[str, Any]:
-    """A section's numbers, or ``{"error": message}`` when the data cannot give them."""
-    try:
-        return compute()
-    except DataError as e:
-        return {"error": str(e)}
 
 
 def _nc4_pass(plan: _Plan, batches: Iterable[Any], first: _FirstPass, results: dict[str, Any]) -> None:

@@ -1,13 +1,5 @@
-"""Within-sequence structure, streamed: per-sequence covariance spectra (k99) and cosine.
-
-(Named ``sequences`` rather than ``spectra`` so it cannot shadow the in-memory
-:func:`lapheads.geometry.spectra` on the package.)
-
-Both are computed exactly for the sequences of one ``update`` call (each complete in it) and
-only their sums are kept. The global spectrum of all tokens is not here: it comes from the
-class accumulator's covariance (:class:`~lapheads.geometry.streaming.GeometryAccumulator`), so
-the d x d update is paid once.
-"""
+"""Within-sequence structure, streamed: per-sequence covariance spectra (k99) and cosine, each
+computed exactly for the sequences of one ``update`` call (each complete in it)."""
 
 from __future__ import annotations
 
@@ -23,10 +15,6 @@ from .accumulate import F64, Accumulator, broadcast_from_lowest_rank, check_inpu
 __all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold"]
 
 
-# ---------------------------------------------------------------------------------------------
-# per-sequence spectra
-
-
 def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
     order = torch.argsort(sid, stable=True)
     _, counts = torch.unique_consecutive(sid[order], return_counts=True)
@@ -34,11 +22,8 @@ def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
 
 
 def sequence_eigenvalues(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D)).
-
-    Uses the T x T Gram matrix when T < D (same non-zero eigenvalues, cheaper), batching the
-    sequences of equal length into one ``eigvalsh`` call.
-    """
+    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D)); through
+    the T x T Gram matrix when T < D, one ``eigvalsh`` call per sequence length."""
     out: list[Optional[torch.Tensor]] = [None] * len(seqs)
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
@@ -65,9 +50,7 @@ def k_for_threshold(ev: torch.Tensor, threshold: float) -> int:
 
 class SpectraAccumulator(Accumulator):
     """Per-sequence covariance spectra: k(threshold) averaged over sequences, mean decay curve.
-
-    Sequences with fewer than two tokens are skipped (no covariance). A sequence whose tokens
-    are all equal has k = 0 and contributes a zero curve.
+    Sequences of one token are skipped; one whose tokens are all equal has k = 0 and a zero curve.
 
     Args:
         dim: feature dimension D (the length of the curves).
@@ -139,20 +122,14 @@ class SpectraAccumulator(Accumulator):
 
 
 class CosineAccumulator(Accumulator):
-    """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences.
-
-    The diagonal (a token with itself) is excluded: for a sequence of T tokens with unit
-    vectors u_i the value is (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)). A zero token has
-    cosine 0 with every other token. Sequences of one token have no pair and are skipped.
+    """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences: for T
+    unit vectors u_i, (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)) (a zero token has cosine 0;
+    sequences of one token are skipped). Sums are kept around a reference cosine ``c0``.
 
     Args:
         device: where the sums live.
     """
 
-    # The spread of per-sequence cosines is often tiny next to their mean (tokens that share a
-    # large common component all have cosine ~1), so E[c^2] - E[c]^2 would cancel to noise. The
-    # sums are taken around a reference value ``c0`` (the first batch's mean cosine), re-expressed
-    # exactly on merge and all-reduce, the scalar version of the vector shift used above.
     _sum_names = ()  # n_seq and the centred sums are merged together (below), not summed blindly
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -227,8 +204,8 @@ class CosineAccumulator(Accumulator):
         y: Optional[torch.Tensor] = None,
         shift: Optional[torch.Tensor] = None,
     ) -> None:
-        """``y = x - shift`` in float64 may be given (the geometry accumulator has it): then
-        sum_i x_i/||x_i|| = sum_i y_i/||x_i|| + (sum_i 1/||x_i||) shift needs no float64 copy of x."""
+        """With ``y = x - shift`` given, sum_i x_i/||x_i|| = sum_i y_i/||x_i|| + (sum_i 1/||x_i||) shift
+        needs no float64 copy of x."""
         nrm = torch.linalg.vector_norm(x, dim=1, dtype=F64)
         nz = nrm > 0
         inv = torch.where(nz, 1.0 / nrm.clamp_min(1e-300), torch.zeros_like(nrm))

@@ -1,21 +1,6 @@
-"""Streaming token geometry for one layer, and the import path of every accumulator.
-
-:class:`GeometryAccumulator` feeds one batch of a layer's tokens to the accumulators of each
-analysis and shares the costly parts between them (one shifted float64 copy of the batch, one
-d x d update). The analyses live in their own modules:
-
-- :mod:`.accumulate`: the base :class:`Accumulator` (float64 sums, shift against cancellation,
-  merge / all-reduce / resume) and :func:`check_inputs`;
-- :mod:`.variance`: :class:`AnovaAccumulator` (law-of-total-variance decomposition);
-- :mod:`.classes`: :class:`ClassAccumulator` (Neural Collapse, CDNV, linguistic collapse) and
-  :class:`NC4Accumulator` (its second pass);
-- :mod:`.sequences`: :class:`SpectraAccumulator` (per-sequence k99) and
-  :class:`CosineAccumulator` (within-sequence cosine).
-
-They are re-exported here, so ``from lapheads.geometry.streaming import ClassAccumulator`` keeps
-working. The in-memory functions of :mod:`lapheads.geometry.measures` give the same numbers on
-one tensor.
-"""
+"""Streaming token geometry for one layer (:class:`GeometryAccumulator`), and the import path of every
+accumulator (re-exported from :mod:`.accumulate`, :mod:`.variance`, :mod:`.classes` and
+:mod:`.sequences`)."""
 
 from __future__ import annotations
 
@@ -25,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DataError
-from .accumulate import F64, Accumulator, check_inputs, dense_ids
+from .accumulate import F64, Accumulator, check_inputs, dense_ids, or_error
 from .classes import ClassAccumulator, NC4Accumulator
 from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold, sequence_eigenvalues
 from .variance import AnovaAccumulator
@@ -44,10 +29,6 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
-# everything for one layer
-
-
 class GeometryAccumulator(Accumulator):
     """All measures for one layer: ANOVA, NC on tokens and on sequence means, spectra, cosine.
 
@@ -58,15 +39,13 @@ class GeometryAccumulator(Accumulator):
     - ``token_classes``: a class per token (a language model's next-token id, ``-1`` where there
       is none). Gives linguistic collapse on tokens; ANOVA is then within vs between sequences.
 
-    Both can be given. The global spectrum comes from the token accumulator's covariance, so the
-    d x d update is paid once.
+    Both can be given.
 
     Args:
         dim: feature dimension.
         min_count: minimum tokens per class for the class-mean measures on tokens.
         threshold: variance fraction for the per-sequence and global k (0.99 = k99).
-        spectra: compute per-sequence spectra (an eigen-decomposition per sequence; the costliest
-            part after the d x d update).
+        spectra: compute per-sequence spectra (after the d x d update, the costliest part).
         cosine: compute the within-sequence cosine.
         tile: block size of the pairwise class computations.
         device: where the sums live.
@@ -152,8 +131,7 @@ class GeometryAccumulator(Accumulator):
         if self.anova.shift is None and self.tokens.shift is None:
             sh = x.mean(0, dtype=F64)
             self.anova.shift, self.tokens.shift = sh, sh.clone()
-        # one shifted float64 copy shared by ANOVA and the class sums (x - shift promotes to
-        # float64 in the same pass); the shifts differ only after unusual merges
+        # one shifted float64 copy shared by ANOVA and the class sums (the shifts differ only after unusual merges)
         y = x - self.anova.shift
         r = torch.linalg.vector_norm(y, dim=1).square()
         dsid, S = dense_ids(sid.to(self.device))
@@ -190,12 +168,8 @@ class GeometryAccumulator(Accumulator):
         """
         res: dict[str, Any] = {"anova": self.anova.compute()}
         for key, acc, clf in (("nc_tokens", self.tokens, classifier), ("nc_sequence_means", self.seq_means, None)):
-            if acc._n_classes_capacity() == 0:
-                continue
-            try:
-                res[key] = acc.compute(clf)
-            except DataError as e:
-                res[key] = {"error": str(e)}
+            if acc._n_classes_capacity():
+                res[key] = or_error(lambda acc=acc, clf=clf: acc.compute(clf))
         cov = self.tokens.covariance()
         ev = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0.0)
         tot = float(ev.sum())
@@ -206,14 +180,8 @@ class GeometryAccumulator(Accumulator):
             "global_curve": (ev / tot).tolist() if tot > 0 else [0.0] * self.dim,
         }
         if self.spectra is not None:
-            try:
-                spec.update(self.spectra.compute())
-            except DataError as e:
-                spec["error"] = str(e)
+            spec.update(or_error(self.spectra.compute))
         res["spectra"] = spec
         if self.cosine is not None:
-            try:
-                res["cosine"] = self.cosine.compute()
-            except DataError as e:
-                res["cosine"] = {"error": str(e)}
+            res["cosine"] = or_error(self.cosine.compute)
         return res

@@ -1,13 +1,5 @@
-"""ANOVA of token scatter, streamed: within sequence, between sequences, between classes.
-
-(Named ``variance`` rather than ``anova`` so it cannot shadow the in-memory
-:func:`lapheads.geometry.anova` on the package.)
-
-The law of total variance splits the token-weighted scatter exactly; see
-:func:`lapheads.geometry.anova` for the one-shot version, computed independently with centred
-sums so the two check each other. ANOVA uses the token-weighted global mean, as the law of
-total variance requires.
-"""
+"""ANOVA of token scatter, streamed: within sequence, between sequences, between classes (the
+one-shot :func:`lapheads.geometry.anova` is computed independently, so the two check each other)."""
 
 from __future__ import annotations
 
@@ -21,16 +13,10 @@ from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
 __all__ = ["AnovaAccumulator", "add_fractions", "sequence_classes"]
 
 
-# ---------------------------------------------------------------------------------------------
-# ANOVA
-
-
 class AnovaAccumulator(Accumulator):
-    """Law-of-total-variance decomposition of token scatter, streamed.
-
-    ``total = within-sequence + between-sequences-within-class + between-class`` (sums of squared
-    distances, token weighted). Without classes the decomposition is within vs between
-    sequences.
+    """Law-of-total-variance decomposition of token scatter, streamed: ``total = within-sequence +
+    between-sequences-within-class + between-class`` (token weighted); without classes, within vs
+    between sequences.
 
     Args:
         dim: feature dimension D.
@@ -114,12 +100,8 @@ class AnovaAccumulator(Accumulator):
     def _update_prepared(
         self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor, cid: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Add shifted float64 rows; ``sid`` dense 0..S-1, ``r`` squared row norms.
-
-        The within-sequence scatter is sum ||y||^2 - sum_s ||S_s||^2 / n_s per batch: exact up to
-        float64 rounding because ``y`` is already shifted near the data, and it needs one pass
-        over the rows instead of four for the centred form. Returns the per-sequence sums.
-        """
+        """Add shifted float64 rows (``sid`` dense 0..S-1, ``r`` squared row norms); returns the
+        per-sequence sums."""
         cnt = torch.bincount(sid, minlength=S).to(F64)
         ssum = segment_sum(y, sid, S)
         sq = (ssum * ssum).sum(1) / cnt
@@ -150,9 +132,8 @@ class AnovaAccumulator(Accumulator):
             "n_sequences": float(self.n_seq),
             "total": total,
             "within_sequence": within,
+            "between_sequence": float(self.seqterm) - g,
         }
-        between_seq = float(self.seqterm) - g
-        out["between_sequence"] = between_seq
         if self.has_classes:
             keep = self.class_count > 0
             cterm = float(((self.class_sum[keep] ** 2).sum(1) / self.class_count[keep]).sum())
