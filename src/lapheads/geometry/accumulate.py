@@ -132,6 +132,10 @@ class Accumulator:
     def _reshift(self, new_shift: torch.Tensor) -> None:  # pragma: no cover - trivial default
         self.shift = new_shift
 
+    def _shift_shape(self) -> Optional[tuple[int, ...]]:
+        """The shape of the shift, None for an accumulator without one."""
+        return (self.dim,) if hasattr(self, "dim") else None
+
     def _grow(self, n: int) -> None:
         """Make room for ``n`` classes (class-table accumulators override this)."""
 
@@ -181,8 +185,9 @@ class Accumulator:
         cap = torch.tensor([self._n_classes_capacity()], dtype=torch.int64, device=self.device)
         dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=group)
         self._grow(int(cap.item()))
-        if hasattr(self, "dim"):  # the shift of the lowest rank that has seen data
-            sh = broadcast_from_lowest_rank(self.shift, (self.dim,), self.device, group)
+        shape = self._shift_shape()
+        if shape is not None:  # the shift of the lowest rank that has seen data
+            sh = broadcast_from_lowest_rank(self.shift, shape, self.device, group)
             if sh is not None:
                 if self.shift is None:
                     self.shift = sh

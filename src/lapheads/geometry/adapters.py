@@ -110,19 +110,9 @@ class TimmViTAdapter(ModelAdapter):
         n = len(model.blocks)
         if layers is None:
             return list(range(n)) + ["pre_logits"]
-        out: list[Layer] = []
-        for l in layers:
-            if l == "pre_logits":
-                out.append(l)
-                continue
-            i = _as_int(l, f"vit layer {l!r}", f"block indices 0..{n - 1} (or negative) or 'pre_logits'")
-            if not -n <= i < n:
-                raise ConfigError(
-                    f"vit layer {l!r} does not exist: the model has {n} blocks "
-                    f"(use 0..{n - 1}, negative indices, or 'pre_logits')"
-                )
-            out.append(i % n)
-        return out
+        expected = f"block indices 0..{n - 1} (or negative) or 'pre_logits'"
+        missing = f"the model has {n} blocks (use 0..{n - 1}, negative indices, or 'pre_logits')"
+        return [l if l == "pre_logits" else _index(l, n, f"vit layer {l!r}", expected, missing) for l in layers]
 
     @staticmethod
     def layer_name(layer: Layer) -> str:
@@ -176,15 +166,9 @@ class TransformersAdapter(ModelAdapter):
         L = self.n_layers()
         if layers is None:
             return list(range(L + 1))
-        out: list[Layer] = []
-        for l in layers:
-            i = _as_int(l, f"hf layer {l!r}", f"hidden-state indices 0..{L} (0 = embeddings)")
-            if not -(L + 1) <= i <= L:
-                raise ConfigError(
-                    f"hf layer {l!r} does not exist: hidden states are 0..{L} (0 = embeddings, {L} = last layer)"
-                )
-            out.append(i % (L + 1))
-        return out
+        expected = f"hidden-state indices 0..{L} (0 = embeddings)"
+        missing = f"hidden states are 0..{L} (0 = embeddings, {L} = last layer)"
+        return [_index(l, L + 1, f"hf layer {l!r}", expected, missing) for l in layers]
 
     @staticmethod
     def layer_name(layer: Layer) -> str:
@@ -203,8 +187,7 @@ class TransformersAdapter(ModelAdapter):
     def split(self, batch: Any) -> tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]:
         if isinstance(batch, dict):
             b = dict(batch)
-            labels = b.pop("labels", None)
-            return b, labels, b.get("attention_mask")
+            return b, b.pop("labels", None), b.get("attention_mask")
         if isinstance(batch, (tuple, list)):
             ids = batch[0]
             mask = batch[1] if len(batch) > 1 else None
@@ -219,9 +202,8 @@ class TransformersAdapter(ModelAdapter):
         ids = inputs["input_ids"]
         hs = self.model(**inputs, output_hidden_states=True).hidden_states
         res: Captured = {l: (hs[l], None) for l in layers}
-        mask = (
-            inputs.get("attention_mask") if inputs.get("attention_mask") is not None else torch.ones_like(ids)
-        ).bool()
+        mask = inputs.get("attention_mask")
+        mask = (mask if mask is not None else torch.ones_like(ids)).bool()
         # class of token t = id of token t+1 when both are real tokens, else none
         tok_cls = torch.full_like(ids, -1)
         nxt = mask[:, :-1] & mask[:, 1:]
@@ -279,10 +261,7 @@ class HooksAdapter(ModelAdapter):
         self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
     ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
         self._store.clear()
-        if isinstance(inputs, dict):
-            self.model(**inputs)
-        else:
-            self.model(inputs)
+        self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
         missing = [l for l in layers if l not in self._store]
         if missing:
             raise ConfigError(f"layers {missing} were not called during the forward pass")
@@ -305,11 +284,15 @@ def _valid_module_names(model: torch.nn.Module) -> list[str]:
     return [n for n, _ in model.named_modules() if n]
 
 
-def _as_int(l: Any, what: str, expected: str) -> int:
+def _index(l: Any, n: int, what: str, expected: str, missing: str) -> int:
+    """``l`` as an index into ``n`` layers (negative counts from the end), or a :class:`ConfigError`."""
     try:
-        return int(l)
+        i = int(l)
     except (TypeError, ValueError):
         raise ConfigError(f"{what} is not valid; expected {expected}") from None
+    if not -n <= i < n:
+        raise ConfigError(f"{what} does not exist: {missing}")
+    return i % n
 
 
 def _linear(lin: Any) -> Optional[Classifier]:

@@ -123,19 +123,15 @@ class _Plan:
 
     adapter: ModelAdapter
     layers: list[Layer]
-    classifier: Optional[Classifier]
     classifier_layer: Optional[Layer]
-    auto_classifier: bool  # the model's own head: dropped (with a note) if it does not fit the data
     num_classes: Optional[int]
-    min_count: int
-    threshold: float
-    spectra: bool
-    cosine: bool
     include_prefix: bool
     max_batches: Optional[int]
     device: Optional[torch.device]
     acc_device: torch.device
-    tile: int
+    opts: dict[str, Any]  # min_count, threshold, spectra, cosine, tile of the GeometryAccumulator
+    classifier: Optional[Classifier] = None
+    auto_classifier: bool = False  # the model's own head: dropped (with a note) if it does not fit the data
     notes: list[str] = field(default_factory=list)
 
     def name(self, layer: Layer) -> str:
@@ -212,19 +208,13 @@ def analyze_model(
     plan = _Plan(
         adapter=adapter,
         layers=adapter.resolve(layers),
-        classifier=None,
         classifier_layer=classifier_layer,
-        auto_classifier=False,
         num_classes=adapter.num_classes() if num_classes is None else num_classes,
-        min_count=min_count,
-        threshold=threshold,
-        spectra=spectra,
-        cosine=cosine,
         include_prefix=include_prefix,
         max_batches=max_batches,
         device=None if device is None else torch.device(device),
         acc_device=torch.device(acc_device),
-        tile=tile,
+        opts=dict(min_count=min_count, threshold=threshold, spectra=spectra, cosine=cosine, tile=tile),
     )
     _resolve_classifier(plan, classifier)
     was_training = model.training
@@ -305,30 +295,22 @@ def _feed_layer(
     if plan.include_prefix and prefix is not None:
         tok = torch.cat([prefix, tok], 1)
     x, sid, cid, tc = _flatten(tok, item, plan.acc_device)
-    accs = out.accs
+    accs, tile = out.accs, plan.opts["tile"]
     if plan.adapter.pooled(l):
         if l not in accs:
-            accs[l] = ClassAccumulator(x.shape[1], plan.num_classes or 0, plan.min_count, plan.tile, plan.acc_device)
+            accs[l] = ClassAccumulator(x.shape[1], plan.num_classes or 0, plan.opts["min_count"], tile, plan.acc_device)
         if cid is None:
             raise DataError(f"the {plan.name(l)!r} layer needs image labels in the batches")
         accs[l].update(x, cid)
         return
     if l not in accs:
-        accs[l] = GeometryAccumulator(
-            x.shape[1],
-            min_count=plan.min_count,
-            threshold=plan.threshold,
-            spectra=plan.spectra,
-            cosine=plan.cosine,
-            tile=plan.tile,
-            device=plan.acc_device,
-        )
+        accs[l] = GeometryAccumulator(x.shape[1], **plan.opts, device=plan.acc_device)
         if plan.num_classes:
             accs[l].tokens._grow(plan.num_classes)
     accs[l].update(x, sid, cid, tc)
     if prefix is not None and item["labels"] is not None:  # the CLS token: NC over images
         if l not in out.cls_accs:
-            out.cls_accs[l] = ClassAccumulator(prefix.shape[2], tile=plan.tile, device=plan.acc_device)
+            out.cls_accs[l] = ClassAccumulator(prefix.shape[2], tile=tile, device=plan.acc_device)
         out.cls_accs[l].update(prefix[:, 0].to(plan.acc_device).float(), item["labels"].to(plan.acc_device))
 
 

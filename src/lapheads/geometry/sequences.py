@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DataError
-from .accumulate import F64, Accumulator, broadcast_from_lowest_rank, check_inputs, dense_ids, segment_sum
+from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
 
 __all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold"]
 
@@ -124,70 +124,30 @@ class SpectraAccumulator(Accumulator):
 class CosineAccumulator(Accumulator):
     """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences: for T
     unit vectors u_i, (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)) (a zero token has cosine 0;
-    sequences of one token are skipped). Sums are kept around a reference cosine ``c0``.
+    sequences of one token are skipped). Sums are kept around a reference cosine (the shift).
 
     Args:
         device: where the sums live.
     """
 
-    _sum_names = ()  # n_seq and the centred sums are merged together (below), not summed blindly
+    _sum_names = ("n_seq", "cos_sum", "cos_sq")  # sums of 1, (c - shift) and (c - shift)^2
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         z = lambda: torch.zeros((), dtype=F64, device=self.device)  # noqa: E731
-        self.n_seq, self.cos_sum, self.cos_sq = z(), z(), z()  # sums of (c - c0) and (c - c0)^2
-        self.c0: Optional[torch.Tensor] = None
+        self.n_seq, self.cos_sum, self.cos_sq = z(), z(), z()
 
-    def _recentre(self, c0: torch.Tensor) -> None:
-        """Re-express the sums around ``c0``: c - c0 = (c - a) + d with d = a - c0."""
-        c0 = c0.to(self.device, F64).clone()
-        if self.c0 is not None:
-            d = self.c0 - c0
+    def _shift_shape(self) -> Optional[tuple[int, ...]]:
+        return ()
+
+    def _reshift(self, new_shift: torch.Tensor) -> None:
+        """Re-express the sums around ``new_shift``: c - b = (c - a) + d with d = a - b."""
+        new_shift = new_shift.to(self.device, F64).clone()
+        if self.shift is not None:
+            d = self.shift - new_shift
             self.cos_sq = self.cos_sq + 2 * d * self.cos_sum + self.n_seq * d * d
             self.cos_sum = self.cos_sum + self.n_seq * d
-        self.c0 = c0
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, CosineAccumulator)
-        if other.c0 is None:
-            return
-        if self.c0 is None:
-            self.c0 = other.c0.to(self.device).clone()
-        o1, o2, n_o = (t.to(self.device) for t in (other.cos_sum, other.cos_sq, other.n_seq))
-        d = other.c0.to(self.device) - self.c0
-        self.cos_sq = self.cos_sq + o2 + 2 * d * o1 + n_o * d * d
-        self.cos_sum = self.cos_sum + o1 + n_o * d
-        self.n_seq = self.n_seq + n_o
-
-    def _all_reduce_extra(self, group: Any) -> None:
-        # the lowest rank that has seen a sequence supplies c0; every rank re-centres on it
-        c0 = broadcast_from_lowest_rank(self.c0, (), self.device, group)
-        if c0 is None:
-            return
-        self._recentre(c0)
-        for t in (self.n_seq, self.cos_sum, self.cos_sq):
-            dist.all_reduce(t, group=group)
-
-    def copy(self) -> "Accumulator":
-        new = super().copy()
-        assert isinstance(new, CosineAccumulator)
-        new.n_seq, new.cos_sum, new.cos_sq = self.n_seq.clone(), self.cos_sum.clone(), self.cos_sq.clone()
-        new.c0 = None if self.c0 is None else self.c0.clone()
-        return new
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {
-            "n_seq": self.n_seq.cpu().clone(),
-            "cos_sum": self.cos_sum.cpu().clone(),
-            "cos_sq": self.cos_sq.cpu().clone(),
-            "c0": None if self.c0 is None else self.c0.cpu().clone(),
-        }
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.n_seq = sd["n_seq"].to(self.device, F64).clone()
-        self.cos_sum = sd["cos_sum"].to(self.device, F64).clone()
-        self.cos_sq = sd["cos_sq"].to(self.device, F64).clone()
-        self.c0 = None if sd.get("c0") is None else sd["c0"].to(self.device, F64).clone()
+        self.shift = new_shift
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
@@ -219,20 +179,20 @@ class CosineAccumulator(Accumulator):
         cos = ((usum * usum).sum(1) - usq)[ok] / (cnt[ok] * (cnt[ok] - 1))
         if not bool(ok.any()):
             return
-        if self.c0 is None:
-            self.c0 = cos.mean()
-        dev = cos - self.c0
+        if self.shift is None:
+            self.shift = cos.mean()
+        dev = cos - self.shift
         self.n_seq += int(ok.sum())
         self.cos_sum += dev.sum()
         self.cos_sq += (dev * dev).sum()
 
     def compute(self) -> dict[str, float]:
         n = float(self.n_seq)
-        if n == 0 or self.c0 is None:
+        if n == 0 or self.shift is None:
             raise DataError("cosine: no sequence with at least two tokens was seen")
-        dm = float(self.cos_sum) / n  # mean deviation from c0
+        dm = float(self.cos_sum) / n  # mean deviation from the shift
         return {
-            "cosine_mean": float(self.c0) + dm,
+            "cosine_mean": float(self.shift) + dm,
             "cosine_std": math.sqrt(max(0.0, float(self.cos_sq) / n - dm * dm)),
             "n_sequences": n,
         }
