@@ -77,13 +77,8 @@ class ClassAccumulator(Accumulator):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
-        """Add one batch.
-
-        Args:
-            x: (N, D) features.
-            labels: (N,) class of each row, ``-1`` for "no class" (counted in the global
-                covariance only). ``None`` means every row is unlabelled.
-        """
+        """Add one batch: ``x`` (N, D) and ``labels`` (N,) (``-1`` or None: no class, counted in the
+        global covariance only)."""
         x, _, lab = check_inputs(x, None, labels)
         if x.shape[1] != self.dim:
             raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
@@ -298,19 +293,9 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
 
 
 class NC4Accumulator(Accumulator):
-    """Second pass for NC4: how often the classifier's argmax equals the nearest class centre.
-
-    Both rules choose among the same kept classes. When labels are given only tokens of a kept
-    class count (label ``-1`` and rare classes are skipped); without labels every token counts.
-
-    Args:
-        means: (C, D) class means from the first pass (original coordinates).
-        classes: (C,) class index of each row of ``means``.
-        weight: classifier weight (K, D), row c = class c.
-        bias: classifier bias (K,) or None.
-        tile: number of tokens scored at once.
-        device: where the computation runs.
-    """
+    """Second pass for NC4: how often the classifier's argmax (weight (K, D), bias (K,) or None) equals
+    the nearest of the first pass's class ``means`` (C, D) of ``classes`` (C,), both among those
+    classes. With labels only tokens of those classes count; ``tile`` tokens are scored at once."""
 
     _sum_names = ("agree", "total")
 

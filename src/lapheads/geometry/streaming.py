@@ -32,14 +32,9 @@ __all__ = [
 class GeometryAccumulator(Accumulator):
     """All measures for one layer: ANOVA, NC on tokens and on sequence means, spectra, cosine.
 
-    Feed it tokens with their sequence ids and either
-
-    - ``class_ids``: the class of each token's sequence (an image label). Gives the three-way
-      ANOVA, NC on tokens labelled by their sequence's class, and NC on sequence means; or
-    - ``token_classes``: a class per token (a language model's next-token id, ``-1`` where there
-      is none). Gives linguistic collapse on tokens; ANOVA is then within vs between sequences.
-
-    Both can be given.
+    Feed it tokens with their sequence ids and ``class_ids`` (the class of each token's sequence,
+    an image label: three-way ANOVA, NC on tokens and on sequence means) and/or ``token_classes``
+    (a class per token, e.g. the next-token id, -1 for none: linguistic collapse on tokens).
 
     Args:
         dim: feature dimension.
@@ -111,14 +106,8 @@ class GeometryAccumulator(Accumulator):
         class_ids: Optional[torch.Tensor] = None,
         token_classes: Optional[torch.Tensor] = None,
     ) -> None:
-        """Add one batch of tokens.
-
-        Args:
-            x: (N, D) tokens (padding already removed).
-            sequence_ids: (N,) sequence of each token; sequences are complete within a batch.
-            class_ids: (N,) class of each token's sequence, or None.
-            token_classes: (N,) per-token class (``-1`` = none), or None (then ``class_ids``).
-        """
+        """Add one batch: ``x`` (N, D) tokens without padding, ``sequence_ids`` (N,) (sequences complete
+        in the batch), ``class_ids`` (N,) or None, ``token_classes`` (N,) or None (then ``class_ids``)."""
         x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
         if x.shape[1] != self.dim:
             raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")

@@ -1,12 +1,6 @@
-"""The report's figures, drawn with matplotlib (Agg) into PNG files: training and validation curves,
-the main metric per setting, token geometry per layer, spectra, PCA maps of patch tokens, and the
-learned head mixing.
-
-Each ``fig_*`` function returns the file it wrote, or None when there is nothing to draw. A curve
-needs at least :data:`MIN_CURVE_POINTS` points to be drawn as a line; series with fewer are drawn
-as markers, and a figure where every series is that short is left out (:func:`curve_note` says
-why, in a sentence for the report). Layer axes are integer positions labelled with the layer names.
-"""
+"""The report's figures, drawn with matplotlib (Agg) into PNG files; each ``fig_*`` function returns
+the file it wrote, or None when there is nothing to draw. A curve with fewer than
+:data:`MIN_CURVE_POINTS` points is drawn as markers; layer axes are integer positions."""
 
 from __future__ import annotations
 
@@ -58,20 +52,20 @@ def _finish_lines(plt, fig, ax, drawn: bool, path: Path, xlabel: str, ylabel: st
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def save(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close a figure; returns ``path``."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
     return path
 
 
 def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, float]]]]:
-    """``(line label, per-run {step: value})`` for the curve figures: one line per setting and grid point.
-
-    ``values(run)`` gives a run's curve. The runs of a setting (k) are split by grid point
-    (:func:`grid_points`): a sweep over widths or lengths then draws ``k=0 (embed_dim=32)`` and
-    ``k=0 (embed_dim=64)``, never a mean ± std pooled over points whose curves differ by design.
-    Runs without a curve are left out.
-    """
+    """``(line label, per-run {step: value})`` for the curve figures, ``values(run)`` giving a run's
+    curve: one line per setting and grid point (``k=0 (embed_dim=32)``), runs without a curve left out."""
     runs = [r for g in groups.values() for r in g["runs"]]
     by_grid = grid_points(runs) if runs else {}
     rank = {name: i for i, name in enumerate(by_grid)}  # axis order
@@ -98,9 +92,8 @@ def _val_metric(key: str) -> Any:
 
 
 def _draw_curves(groups: dict, values: Any, path: Path, ylabel: str, title: str) -> Optional[Path]:
-    """Mean ± std over seeds of each :func:`curve_series` line, at the steps all its runs share;
-    a series with fewer than :data:`MIN_CURVE_POINTS` steps as markers only, and no figure (None)
-    when every series is that short."""
+    """Mean ± std over seeds of each :func:`curve_series` line, at the steps all its runs share
+    (markers only below :data:`MIN_CURVE_POINTS` steps; None when every series is that short)."""
     series = []
     for label, curves in curve_series(groups, values):
         steps = sorted(set.intersection(*[set(c) for c in curves]))
@@ -149,10 +142,7 @@ def fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
 
 
 def fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
-    """The validation metric at every eval point, mean ± std over the seeds of each setting.
-
-    Drawn at the eval steps all seeds of a setting share (set ``train.eval_every`` for curves and
-    plateau flags)."""
+    """The validation metric at every eval point, mean ± std over the seeds of each setting."""
     m = main_metric(recipe)
     if m is None:
         return None
@@ -181,10 +171,7 @@ def fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
     ax.set_ylim(lo, hi)
     ax.set_ylabel(m.label)
     ax.set_title(f"{recipe}: {m.label} per Laplacian-head setting")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def fig_layers(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -219,10 +206,7 @@ def fig_layers(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         layer_axis(ax, names)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{recipe}: token geometry per layer (mean ± std over seeds)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -245,25 +229,13 @@ def fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         n = max(1, int((m > 1e-9).sum()))  # beyond the rank (tokens per sequence) only round-off is left
         ax.semilogy(np.arange(1, n + 1), m[:n], "-o", ms=2, label=label)
         drawn = True
-    return _finish_lines(
-        plt,
-        fig,
-        ax,
-        drawn,
-        path,
-        "principal component",
-        "fraction of variance",
-        f"{recipe}: per-sequence spectrum, last block",
-    )
+    title = f"{recipe}: per-sequence spectrum, last block"
+    return _finish_lines(plt, fig, ax, drawn, path, "principal component", "fraction of variance", title)
 
 
 def fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path]:
-    """PCA maps (top 3 components of patch tokens as RGB) of a few validation images per setting.
-
-    The recipe's backbone of each run (``classify``: the ViT without its classifier; ``dino``: the
-    teacher) on its held-out images with its evaluation transform (the in_chans of a greyscale
-    model included).
-    """
+    """PCA maps (top 3 components of patch tokens as RGB) of a few validation images, drawn from several
+    classes, per setting: the recipe's backbone of one run on its held-out images and eval transform."""
     reps = [(lb, g["runs"][0]) for lb, g in groups.items() if g["runs"] and g["runs"][0]["finished"]]
     if not reps:
         return None
@@ -271,7 +243,7 @@ def fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path
     first = rec.load_run(reps[0][1]["dir"])
     ds = rec.eval_dataset(first.config)
     tf = first.transform
-    labels = getattr(ds, "targets", None)  # one image from each of several classes, not the first six
+    labels = getattr(ds, "targets", None)
     idx = spread_over_classes(list(labels), 6) if labels is not None else list(range(min(6, len(ds))))
     imgs = torch.stack([tf(ds[i][0]) for i in idx])
     plt = pyplot()
@@ -286,32 +258,24 @@ def fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path
             toks = model.forward_intermediates(
                 imgs, indices=[len(model.blocks) - 1], intermediates_only=True, output_fmt="NLC"
             )[-1]
-        patches = toks  # forward_intermediates drops the CLS/register tokens by default
-        side = int(round(math.sqrt(patches.shape[1])))
-        rgb = pca_rgb(patches, (side, side))
+        side = int(round(math.sqrt(toks.shape[1])))  # forward_intermediates drops the CLS/register tokens
+        rgb = pca_rgb(toks, (side, side))
         for j in range(len(idx)):
             axes[row][j].imshow(rgb[j], interpolation="nearest")
             axes[row][j].set_axis_off()
         axes[row][0].set_title(label, fontsize=7, loc="left")
     fig.suptitle("PCA maps of last-block patch tokens (one seed per setting)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]:
-    """Heatmaps of the learned head mixing and a suggested fixed selection per setting.
+    """Heatmaps of the learned head mixing and a suggested fixed selection per setting, or None.
 
-    For every run whose ``final/metrics.json`` holds ``lap_mix`` (runs with ``laplacian_heads:
-    learn...``; see :func:`lapheads.heads.mixing_table`), one heatmap, layers x heads, coloured by
-    the scale-free Laplacian-ness ``-atan(a / b) / 45 deg`` (0 = standard ``P``, 1 = Laplacian
-    ``I - P``; :func:`lapheads.heads.laplacianness`), computed from ``a`` and ``b``. Per setting,
-    the suggested fixed selection: heads whose Laplacian-ness, averaged over seeds, lies nearer
-    the Laplacian operator (:func:`lapheads.heads.suggest_selection`).
-
-    Returns:
-        ``(figure path, lines of text)``, or None when no run learned its mixing.
+    One heatmap (layers x heads) per run whose final metrics hold ``lap_mix``
+    (:func:`lapheads.heads.mixing_table`), coloured by :func:`lapheads.heads.laplacianness` (0 =
+    standard ``P``, 1 = Laplacian ``I - P``); per setting, the heads whose Laplacian-ness averaged
+    over seeds is nearer the Laplacian (:func:`lapheads.heads.suggest_selection`). Returns
+    ``(figure path, lines of text)``.
     """
     panels = [
         (label, r)

@@ -1,9 +1,5 @@
-"""The report as data: sections holding tables of formatted cells that keep their raw numbers,
-claim verdicts with their statistics, and figures by path relative to the report directory.
-
-:func:`lapheads.report.make_report` builds one :class:`Report`; both renderings
-(:mod:`lapheads.report.render`) read only this model, so they show the same numbers.
-"""
+"""The report as data, which both renderings (:mod:`lapheads.report.render`) read: sections of
+tables of formatted cells that keep their raw numbers, claim verdicts, and figures."""
 
 from __future__ import annotations
 
