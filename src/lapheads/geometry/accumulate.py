@@ -102,11 +102,9 @@ def broadcast_from_lowest_rank(
 
 
 class Accumulator:
-    """Base class: a bag of float64 state tensors that are summed to merge.
-
-    Subclasses list their summable tensors in ``_sum_names`` and their configuration (checked
-    on merge / load) in ``_config()``; ``_reshift`` re-expresses shifted sums in a new shift.
-    """
+    """Base class: a bag of float64 state tensors that are summed to merge. Subclasses list them in
+    ``_sum_names``, their settings (checked on merge / load) in ``_config()``, and move shifted sums
+    in ``_move_sums``."""
 
     _sum_names: tuple[str, ...] = ()
 
@@ -129,8 +127,15 @@ class Accumulator:
 
     shift: Optional[torch.Tensor] = None
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:  # pragma: no cover - trivial default
+    def _reshift(self, new_shift: torch.Tensor) -> None:
+        """Re-express the shifted sums in ``new_shift``: x - b = (x - a) + d with d = a - b."""
+        new_shift = new_shift.to(self.device, F64).clone()
+        if self.shift is not None:
+            self._move_sums(self.shift - new_shift)
         self.shift = new_shift
+
+    def _move_sums(self, d: torch.Tensor) -> None:
+        """Add ``d`` to every shifted value summed (overridden by accumulators with a shift)."""
 
     def _shift_shape(self) -> Optional[tuple[int, ...]]:
         """The shape of the shift, None for an accumulator without one."""

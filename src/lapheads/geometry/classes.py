@@ -59,12 +59,7 @@ class ClassAccumulator(Accumulator):
             self.csq = torch.cat([self.csq, self.csq.new_zeros(n - c)])
             self.csum = torch.cat([self.csum, self.csum.new_zeros(n - c, self.dim)])
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:
-        new_shift = new_shift.to(self.device, F64)
-        if self.shift is None:
-            self.shift = new_shift.clone()
-            return
-        d = self.shift - new_shift
+    def _move_sums(self, d: torch.Tensor) -> None:
         dd = float(d @ d)
         self.csq = self.csq + 2 * (self.csum @ d) + self.count * dd
         self.csum = self.csum + self.count[:, None] * d
@@ -73,7 +68,6 @@ class ClassAccumulator(Accumulator):
             Q = Q + torch.outer(S, d) + torch.outer(d, S) + N * torch.outer(d, d)
             setattr(self, q, Q)
             setattr(self, s, S + N * d)
-        self.shift = new_shift.clone()
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:

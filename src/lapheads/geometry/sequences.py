@@ -140,14 +140,9 @@ class CosineAccumulator(Accumulator):
     def _shift_shape(self) -> Optional[tuple[int, ...]]:
         return ()
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:
-        """Re-express the sums around ``new_shift``: c - b = (c - a) + d with d = a - b."""
-        new_shift = new_shift.to(self.device, F64).clone()
-        if self.shift is not None:
-            d = self.shift - new_shift
-            self.cos_sq = self.cos_sq + 2 * d * self.cos_sum + self.n_seq * d * d
-            self.cos_sum = self.cos_sum + self.n_seq * d
-        self.shift = new_shift
+    def _move_sums(self, d: torch.Tensor) -> None:
+        self.cos_sq = self.cos_sq + 2 * d * self.cos_sum + self.n_seq * d * d
+        self.cos_sum = self.cos_sum + self.n_seq * d
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:

@@ -47,17 +47,12 @@ class AnovaAccumulator(Accumulator):
             self.class_count = torch.cat([self.class_count, self.class_count.new_zeros(n - c)])
             self.class_sum = torch.cat([self.class_sum, self.class_sum.new_zeros(n - c, self.dim)])
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:
-        if self.shift is None:
-            self.shift = new_shift.to(self.device, F64)
-            return
-        d = self.shift - new_shift.to(self.device, F64)  # x - b = (x - a) + d
+    def _move_sums(self, d: torch.Tensor) -> None:
         dd = float(d @ d)
         self.sumsq = self.sumsq + 2 * (d @ self.sum) + self.n * dd
         self.seqterm = self.seqterm + 2 * (d @ self.sum) + self.n * dd
         self.sum = self.sum + self.n * d
         self.class_sum = self.class_sum + self.class_count[:, None] * d
-        self.shift = new_shift.to(self.device, F64).clone()
 
     def _extra_state(self) -> dict[str, Any]:
         return {"has_classes": self.has_classes}

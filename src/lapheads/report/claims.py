@@ -95,11 +95,8 @@ def _convergence_note(groups: dict, labels: Sequence[str], flags: dict[str, Plat
 def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[dict[str, Any]]:
     """One entry per (recipe, claim) with data: ``{"recipe", "key", "claim", "how", "want_lower",
     "comparisons": [Comparison], "convergence": str, "text": str}``."""
-    flags = (
-        flags
-        if flags is not None
-        else {r["dir"]: run_plateau(r) for gs in summary.values() for g in gs.values() for r in g["runs"]}
-    )
+    if flags is None:
+        flags = {r["dir"]: run_plateau(r) for gs in summary.values() for g in gs.values() for r in g["runs"]}
     out = []
     for recipe, groups in summary.items():
         spec = list(CLAIMS)

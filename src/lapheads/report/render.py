@@ -61,13 +61,8 @@ def _converter(out: Path):
 
 
 def render_html(report: Report, out_dir: str | Path) -> str:
-    """``report.html``, self-contained: :func:`render_markdown` converted to HTML, every figure
-    (read from ``out_dir``) embedded as a data URI.
-
-    Each ``<img>`` also names its file in ``data-file``; a script in the page sets
-    ``data-images-total`` / ``data-images-loaded`` on ``<body>`` once the page has loaded, so a
-    headless browser can check that every figure decoded.
-    """
+    """``report.html``, self-contained: :func:`render_markdown` converted to HTML, every figure (read
+    from ``out_dir``) embedded as a data URI and named in ``data-file``."""
     from markupsafe import Markup  # lazy, with jinja2
 
     body = _converter(Path(out_dir)).convert(render_markdown(report))
