@@ -22,10 +22,11 @@ def check_inputs(
     *,
     name: str = "x",
     label_name: str = "labels",
+    dim: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """One batch checked and converted: ``x`` (N, D) finite floats (numpy accepted), ``sequence_ids``
     and ``labels`` (N,) integers as int64 (label ``-1`` = no class); ``name`` and ``label_name``
-    name ``x`` and ``labels`` in error messages."""
+    name ``x`` and ``labels`` in error messages; ``dim``, when given, is the width ``x`` must have."""
     x = torch.as_tensor(x)
     if x.dim() != 2:
         raise DataError(f"{name} must be a 2-D (tokens, dim) array, got shape {tuple(x.shape)}")
@@ -57,6 +58,8 @@ def check_inputs(
         raise DataError(f"{label_name} must be >= 0 (or -1 for 'no class'), got {int(lab.min())}")
     if sid is not None and int(sid.min()) < 0:
         raise DataError(f"sequence_ids must be >= 0, got {int(sid.min())}")
+    if dim is not None and x.shape[1] != dim:
+        raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {dim}")
     return x, sid, lab
 
 

@@ -278,11 +278,8 @@ def _first_pass(plan: _Plan, batches: Iterable[Any], progress: bool) -> _FirstPa
         out.n_batches += 1
         for l, (tok, prefix) in item["layers"].items():
             _feed_layer(plan, out, l, tok, prefix, item)
-        out.n_tokens += (
-            int(item["mask"].sum())
-            if item["mask"] is not None
-            else int(np.prod(next(iter(item["layers"].values()))[0].shape[:2]))
-        )
+        mask, tok = item["mask"], next(iter(item["layers"].values()))[0]
+        out.n_tokens += int(mask.sum()) if mask is not None else tok.shape[0] * tok.shape[1]
     if out.n_batches == 0:
         raise DataError("no batches: the data iterable is empty")
     return out

@@ -73,17 +73,18 @@ class ClassAccumulator(Accumulator):
     def update(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
         """Add one batch: ``x`` (N, D) and ``labels`` (N,) (``-1`` or None: no class, counted in the
         global covariance only)."""
-        x, _, lab = check_inputs(x, None, labels)
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        x, _, lab = check_inputs(x, None, labels, dim=self.dim)
         y = self._prep(x)
+        self._update_prepared(y, lab, torch.linalg.vector_norm(y, dim=1).square(), y.sum(0))
+
+    def _update_prepared(
+        self, y: torch.Tensor, lab: Optional[torch.Tensor], r: torch.Tensor, ysum: torch.Tensor
+    ) -> None:
+        """Add shifted float64 rows ``y`` with labels (None: all -1), squared norms ``r`` and column sum
+        ``ysum`` (one GEMM over all rows; unlabelled rows go to class 0 and are subtracted again)."""
         if lab is None:
             lab = torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
-        self._update_prepared(y, lab.to(y.device), torch.linalg.vector_norm(y, dim=1).square(), y.sum(0))
-
-    def _update_prepared(self, y: torch.Tensor, lab: torch.Tensor, r: torch.Tensor, ysum: torch.Tensor) -> None:
-        """Add shifted float64 rows ``y`` with labels, squared norms ``r`` and column sum ``ysum``
-        (one GEMM over all rows; unlabelled rows go to class 0 and are subtracted again)."""
+        lab = lab.to(y.device)
         unl = lab < 0
         n_u = int(unl.sum())
         self.q_lab.addmm_(y.T, y)

@@ -90,9 +90,7 @@ class SpectraAccumulator(Accumulator):
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
         """Add the sequences of one batch (each complete in this batch)."""
-        x, sid, _ = check_inputs(x, sequence_ids)
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        x, sid, _ = check_inputs(x, sequence_ids, dim=self.dim)
         seqs = [s for s in _group_sequences(x.to(self.device), sid.to(self.device)) if s.shape[0] >= 2]
         for ev in sequence_eigenvalues(seqs):
             k = k_for_threshold(ev, self.threshold)

@@ -9,7 +9,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import DataError
 from .accumulate import F64, Accumulator, check_inputs, dense_ids, or_error
 from .classes import ClassAccumulator, NC4Accumulator
 from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold, sequence_eigenvalues
@@ -108,9 +107,7 @@ class GeometryAccumulator(Accumulator):
     ) -> None:
         """Add one batch: ``x`` (N, D) tokens without padding, ``sequence_ids`` (N,) (sequences complete
         in the batch), ``class_ids`` (N,) or None, ``token_classes`` (N,) or None (then ``class_ids``)."""
-        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids", dim=self.dim)
         if token_classes is not None:
             _, _, tcl = check_inputs(x[:, :1], None, token_classes, label_name="token_classes")
         else:
@@ -126,7 +123,7 @@ class GeometryAccumulator(Accumulator):
         dsid, S = dense_ids(sid.to(self.device))
         ssum = self.anova._update_prepared(y, dsid, S, r, cid)
         if torch.equal(self.tokens.shift, self.anova.shift):
-            self.tokens._update_prepared(y, self._labels(tcl, y), r, ssum.sum(0))
+            self.tokens._update_prepared(y, tcl, r, ssum.sum(0))
         else:
             self.tokens.update(x, tcl)
         if cid is not None:
@@ -142,12 +139,6 @@ class GeometryAccumulator(Accumulator):
             else:
                 self.cosine._update_prepared(x, dsid, S)
         self.n_batches += 1
-
-    @staticmethod
-    def _labels(tcl: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-        if tcl is None:
-            return torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
-        return tcl.to(y.device)
 
     def compute(self, classifier: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
         """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``.

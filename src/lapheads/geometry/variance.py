@@ -69,9 +69,7 @@ class AnovaAccumulator(Accumulator):
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor, class_ids: Optional[torch.Tensor] = None) -> None:
         """Add one batch: ``x`` (N, D) tokens, ``sequence_ids`` (N,) (every sequence complete in this
         batch), ``class_ids`` (N,) the class of each token's sequence, or None."""
-        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids", dim=self.dim)
         self.check_classes(cid, " for ANOVA")
         y = self._prep(x)
         sid, S = dense_ids(sid)

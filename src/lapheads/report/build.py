@@ -37,19 +37,14 @@ def _plateaued(runs: list[dict], flags: dict[str, Plateau]) -> Cell:
     return Cell(text + (f" ({st.count('unknown')} unknown)" if "unknown" in st else ""), (st.count("yes"), len(st)))
 
 
-def _stat_cell(stat: tuple[float, float, int]) -> Cell:
-    return Cell(fmt(*stat), stat)
-
-
 def _setting_table(recipe: str, groups: dict, flags: dict[str, Plateau]) -> Table:
     """One row per Laplacian-head setting: runs, plateaued, then the metric and geometry columns with data."""
-    metrics = [(m.key, m.label) for m in metrics_of(recipe) if any(g[m.key][2] for g in groups.values())]
-    geo = [(k, n) for k, *_, n in GEOMETRY if any(g[k][2] for g in groups.values())]
-    header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in metrics] + [n for _, n in geo]
+    cols = [(m.key, m.label) for m in metrics_of(recipe)] + [(k, n) for k, *_, n in GEOMETRY]
+    cols = [(k, n) for k, n in cols if any(g[k][2] for g in groups.values())]
+    header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in cols]
     rows = [
         [Cell(label), Cell(str(len(g["runs"])), len(g["runs"])), _plateaued(g["runs"], flags)]
-        + [_stat_cell(g[k]) for k, _ in metrics]
-        + [_stat_cell(g[k]) for k, _ in geo]
+        + [Cell(fmt(*g[k]), g[k]) for k, _ in cols]
         for label, g in groups.items()
     ]
     return Table(header, rows)

@@ -24,10 +24,7 @@ MIN_CURVE_POINTS = 3  # fewer points per run: markers, and no figure when every 
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend (imported here: plotting code only)."""
-    import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
+    from ..geometry.plots import plt  # lazy: it chooses the Agg backend before pyplot loads
 
     return plt
 
@@ -124,11 +121,8 @@ def curve_note(groups: dict, recipe: str, which: str) -> str:
     counts = sorted({len(values(r)) for g in groups.values() for r in g["runs"]} - {0})
     if not counts:
         return ""
-    what, knob = (
-        ("Training loss", "train.log_every")
-        if which == "loss"
-        else (f"Validation metric ({m.label})", "train.eval_every")
-    )
+    what = "Training loss" if which == "loss" else f"Validation metric ({m.label})"
+    knob = "train.log_every" if which == "loss" else "train.eval_every"
     points = " to ".join(map(str, dict.fromkeys([counts[0], counts[-1]])))
     return (
         f"{what}: logged at {points} step(s) per run, fewer than {MIN_CURVE_POINTS}, so no curve is "
@@ -146,9 +140,8 @@ def fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
     m = main_metric(recipe)
     if m is None:
         return None
-    return _draw_curves(
-        groups, _val_metric(m.key), path, m.label, f"{recipe}: validation {m.label} (mean ± std over seeds)"
-    )
+    title = f"{recipe}: validation {m.label} (mean ± std over seeds)"
+    return _draw_curves(groups, _val_metric(m.key), path, m.label, title)
 
 
 def fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
