@@ -392,10 +392,8 @@ def _jsonable(o: Any) -> Any:
 
 
 def save_geometry_json(result: dict[str, Any], path: Union[str, Path]) -> Path:
-    """Write a result of :func:`analyze_model` (or any dict of measures) as strict JSON.
-
-    Non-finite numbers (an infinite CDNV of two identical class means) are written as null.
-    """
+    """Write a result of :func:`analyze_model` (or any dict of measures) as strict JSON: non-finite
+    numbers (an infinite CDNV of two identical class means) become null."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_jsonable(result), indent=1))

@@ -138,11 +138,8 @@ def _classes(
 
 
 def spectra(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, Any]:
-    """Per-sequence and global covariance spectra with their decay curves.
-
-    Returns the numbers of :func:`spectral_k99` plus ``sequence_curve`` (the per-sequence
-    eigenvalues normalised to sum 1, averaged over sequences, length D) and ``global_curve``.
-    """
+    """The numbers of :func:`spectral_k99` plus the decay curves ``sequence_curve`` (per-sequence
+    eigenvalues normalised to sum 1, averaged over sequences, length D) and ``global_curve``."""
     x, sid, _ = check_inputs(x, sequence_ids)
     acc = SpectraAccumulator(x.shape[1], threshold)
     acc.update(x, sid)

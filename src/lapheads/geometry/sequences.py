@@ -122,11 +122,7 @@ class SpectraAccumulator(Accumulator):
 class CosineAccumulator(Accumulator):
     """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences: for T
     unit vectors u_i, (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)) (a zero token has cosine 0;
-    sequences of one token are skipped). Sums are kept around a reference cosine (the shift).
-
-    Args:
-        device: where the sums live.
-    """
+    sequences of one token are skipped). Sums, on ``device``, are kept around a reference cosine."""
 
     _sum_names = ("n_seq", "cos_sum", "cos_sq")  # sums of 1, (c - shift) and (c - shift)^2
 

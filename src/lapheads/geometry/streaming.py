@@ -141,11 +141,8 @@ class GeometryAccumulator(Accumulator):
         self.n_batches += 1
 
     def compute(self, classifier: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
-        """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``.
-
-        Sections that cannot be computed (e.g. NC with fewer than two classes) hold
-        ``{"error": message}`` instead of numbers.
-        """
+        """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``; a
+        section the data cannot give (NC with fewer than two classes) holds ``{"error": message}``."""
         res: dict[str, Any] = {"anova": self.anova.compute()}
         for key, acc, clf in (("nc_tokens", self.tokens, classifier), ("nc_sequence_means", self.seq_means, None)):
             if acc._n_classes_capacity():

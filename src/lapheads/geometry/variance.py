@@ -14,14 +14,9 @@ __all__ = ["AnovaAccumulator", "add_fractions", "sequence_classes"]
 
 
 class AnovaAccumulator(Accumulator):
-    """Law-of-total-variance decomposition of token scatter, streamed: ``total = within-sequence +
-    between-sequences-within-class + between-class`` (token weighted); without classes, within vs
-    between sequences.
-
-    Args:
-        dim: feature dimension D.
-        device: where the sums live.
-    """
+    """Law-of-total-variance decomposition of ``dim``-wide token scatter, streamed (sums on ``device``):
+    ``total = within-sequence + between-sequences-within-class + between-class`` (token weighted);
+    without classes, within vs between sequences."""
 
     _sum_names = ("n", "sum", "sumsq", "within", "seqterm", "n_seq", "class_count", "class_sum")
 
