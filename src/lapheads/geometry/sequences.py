@@ -7,7 +7,6 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ConfigError, DataError
 from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
@@ -58,7 +57,7 @@ class SpectraAccumulator(Accumulator):
         device: where the sums live.
     """
 
-    _sum_names = ("n_seq", "k_sum", "k_sq", "curve_sum")
+    _sum_names = ("k_count", "curve_sum")  # sequences per k = 0..dim, and the sum of their curves
 
     def __init__(self, dim: int, threshold: float = 0.99, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -66,26 +65,10 @@ class SpectraAccumulator(Accumulator):
             raise ConfigError(f"threshold must be in (0, 1], got {threshold}")
         self.dim, self.threshold = int(dim), float(threshold)
         z = lambda *s: torch.zeros(*s, dtype=F64, device=self.device)  # noqa: E731
-        self.n_seq, self.k_sum, self.k_sq, self.curve_sum = z(()), z(()), z(()), z(self.dim)
-        self.k_min, self.k_max = math.inf, -math.inf
+        self.k_count, self.curve_sum = z(self.dim + 1), z(self.dim)
 
     def _config(self) -> dict[str, Any]:
         return {"dim": self.dim, "threshold": self.threshold}
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"k_min": self.k_min, "k_max": self.k_max}
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.k_min, self.k_max = sd["k_min"], sd["k_max"]
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, SpectraAccumulator)
-        self.k_min, self.k_max = min(self.k_min, other.k_min), max(self.k_max, other.k_max)
-
-    def _all_reduce_extra(self, group: Any) -> None:
-        t = torch.tensor([self.k_min, -self.k_max], dtype=F64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        self.k_min, self.k_max = float(t[0]), -float(t[1])
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
@@ -97,24 +80,23 @@ class SpectraAccumulator(Accumulator):
             tot = float(ev.sum())
             if tot > 0:
                 self.curve_sum[: ev.numel()] += ev / tot
-            self.n_seq += 1
-            self.k_sum += k
-            self.k_sq += k * k
-            self.k_min, self.k_max = min(self.k_min, k), max(self.k_max, k)
+            self.k_count[k] += 1
 
     def compute(self) -> dict[str, Any]:
         """``k_mean`` (e.g. k99 averaged over sequences), std/min/max and the mean curve."""
-        n = float(self.n_seq)
+        n = float(self.k_count.sum())
         if n == 0:
             raise DataError("spectra: no sequence with at least two tokens was seen")
-        m = float(self.k_sum) / n
+        ks = torch.arange(self.dim + 1, dtype=F64, device=self.device)
+        seen = torch.nonzero(self.k_count).flatten()
+        m = float(self.k_count @ ks) / n
         return {
             "threshold": self.threshold,
             "n_sequences": n,
             "k_mean": m,
-            "k_std": math.sqrt(max(0.0, float(self.k_sq) / n - m * m)),
-            "k_min": float(self.k_min),
-            "k_max": float(self.k_max),
+            "k_std": math.sqrt(max(0.0, float(self.k_count @ ks.square()) / n - m * m)),
+            "k_min": float(seen[0]),
+            "k_max": float(seen[-1]),
             "sequence_curve": (self.curve_sum / n).tolist(),
         }
 

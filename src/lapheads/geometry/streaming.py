@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from .accumulate import F64, Accumulator, check_inputs, dense_ids, or_error
 from .classes import ClassAccumulator, NC4Accumulator
@@ -45,6 +44,8 @@ class GeometryAccumulator(Accumulator):
         device: where the sums live.
     """
 
+    _sum_names = ("batches",)
+
     def __init__(
         self,
         dim: int,
@@ -63,7 +64,7 @@ class GeometryAccumulator(Accumulator):
         self.seq_means = ClassAccumulator(dim, min_count=1, tile=tile, device=device)
         self.spectra = SpectraAccumulator(dim, threshold, device=device) if spectra else None
         self.cosine = CosineAccumulator(device=device) if cosine else None
-        self.n_batches = 0
+        self.batches = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -82,20 +83,10 @@ class GeometryAccumulator(Accumulator):
             ch["cosine"] = self.cosine
         return ch
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"n_batches": self.n_batches}
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.n_batches = int(sd["n_batches"])
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, GeometryAccumulator)
-        self.n_batches += other.n_batches
-
-    def _all_reduce_extra(self, group: Any) -> None:
-        t = torch.tensor([self.n_batches], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, group=group)
-        self.n_batches = int(t.item())
+    @property
+    def n_batches(self) -> int:
+        """Batches added (over every merged accumulator and rank)."""
+        return int(self.batches)
 
     @torch.no_grad()
     def update(
@@ -138,7 +129,7 @@ class GeometryAccumulator(Accumulator):
                 self.cosine._update_prepared(x, dsid, S, y, self.anova.shift)
             else:
                 self.cosine._update_prepared(x, dsid, S)
-        self.n_batches += 1
+        self.batches += 1
 
     def compute(self, classifier: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
         """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``; a
