@@ -336,8 +336,5 @@ class NC4Accumulator(Accumulator):
     def compute(self) -> dict[str, float]:
         if float(self.total) == 0:
             raise DataError("NC4: no tokens were scored")
-        return {
-            "nc4_agreement": float(self.agree / self.total),
-            "nc4_mismatch": 1.0 - float(self.agree / self.total),
-            "nc4_tokens": float(self.total),
-        }
+        agree = float(self.agree / self.total)
+        return {"nc4_agreement": agree, "nc4_mismatch": 1.0 - agree, "nc4_tokens": float(self.total)}

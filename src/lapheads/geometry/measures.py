@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from .accumulate import F64, check_inputs
-from .classes import ClassAccumulator
+from .classes import ClassAccumulator, check_classifier
 from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold
 from .streaming import GeometryAccumulator
 from .variance import add_fractions, sequence_classes
@@ -104,9 +104,7 @@ def neural_collapse(
     x, lab, acc = _classes(features, labels, min_count, tile)
     out = acc.compute(classifier)
     if classifier is not None:
-        if isinstance(classifier, torch.nn.Linear):
-            classifier = (classifier.weight, classifier.bias)
-        nc4 = acc.nc4_pass(*classifier)
+        nc4 = acc.nc4_pass(*check_classifier(classifier, acc.dim, acc.kept_classes()))
         nc4.update(x, lab)
         out.update(nc4.compute())
     return out

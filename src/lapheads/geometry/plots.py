@@ -73,8 +73,7 @@ def plot_anova(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path
             ax.bar(range(len(layers)), vals, bottom=bottom, label=name, color=color)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(range(len(layers)), layers, rotation=60, fontsize=7)
-        ax.set_title(label)
-        ax.set_ylim(0, 1)
+        ax.set(title=label, ylim=(0, 1))
     axes[0][0].set_ylabel("fraction of total variance")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     return _save(fig, Path(out_dir), "anova_fractions.png")
@@ -123,8 +122,7 @@ def plot_spectra(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Pa
                 name = l if key == "sequence_curve" or "sequence_curve" not in sp else None
                 if curve:
                     ax.semilogy(range(1, len(curve) + 1), curve, ls, color=c, label=name)
-        ax.set_title(label)
-        ax.set_xlabel("component")
+        ax.set(title=label, xlabel="component")
         ax.legend(fontsize=6, ncol=2)
     axes[0][0].set_ylabel("eigenvalue / sum")
     return _save(fig, Path(out_dir), "spectra.png")

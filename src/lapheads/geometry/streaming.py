@@ -113,7 +113,8 @@ class GeometryAccumulator(Accumulator):
         r = torch.linalg.vector_norm(y, dim=1).square()
         dsid, S = dense_ids(sid.to(self.device))
         ssum = self.anova._update_prepared(y, dsid, S, r, cid)
-        if torch.equal(self.tokens.shift, self.anova.shift):
+        same = torch.equal(self.tokens.shift, self.anova.shift)
+        if same:
             self.tokens._update_prepared(y, tcl, r, ssum.sum(0))
         else:
             self.tokens.update(x, tcl)
@@ -124,11 +125,8 @@ class GeometryAccumulator(Accumulator):
             self.seq_means.update(means, scls)
         if self.spectra is not None:
             self.spectra.update(x, sid)
-        if self.cosine is not None:
-            if torch.equal(self.tokens.shift, self.anova.shift):
-                self.cosine._update_prepared(x, dsid, S, y, self.anova.shift)
-            else:
-                self.cosine._update_prepared(x, dsid, S)
+        if self.cosine is not None:  # from y when the shifts agree, saving a float64 copy of x
+            self.cosine._update_prepared(x, dsid, S, y if same else None, self.anova.shift)
         self.batches += 1
 
     def compute(self, classifier: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:

@@ -46,8 +46,7 @@ def _finish_lines(plt, fig, ax, drawn: bool, path: Path, xlabel: str, ylabel: st
         from matplotlib.ticker import MaxNLocator  # lazy, as pyplot
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     return save(fig, path)
 
@@ -161,9 +160,7 @@ def fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         xs = [r["final"].get(m.key) for r in groups[lb]["runs"] if r["final"].get(m.key) is not None]
         ax.scatter([lb] * len(xs), xs, color="k", s=10, zorder=3)
     lo, hi = min(means) - 3 * max(max(stds), 1e-3), max(means) + 3 * max(max(stds), 1e-3)
-    ax.set_ylim(lo, hi)
-    ax.set_ylabel(m.label)
-    ax.set_title(f"{recipe}: {m.label} per Laplacian-head setting")
+    ax.set(ylim=(lo, hi), ylabel=m.label, title=f"{recipe}: {m.label} per Laplacian-head setting")
     return save(fig, path)
 
 
@@ -235,10 +232,9 @@ def fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path
     rec = get_recipe(recipe)
     first = rec.load_run(reps[0][1]["dir"])
     ds = rec.eval_dataset(first.config)
-    tf = first.transform
     labels = getattr(ds, "targets", None)
     idx = spread_over_classes(list(labels), 6) if labels is not None else list(range(min(6, len(ds))))
-    imgs = torch.stack([tf(ds[i][0]) for i in idx])
+    imgs = torch.stack([first.transform(ds[i][0]) for i in idx])
     plt = pyplot()
     fig, axes = plt.subplots(len(reps) + 1, len(idx), figsize=(1.3 * len(idx), 1.35 * (len(reps) + 1)), squeeze=False)
     for j, i in enumerate(idx):
@@ -289,10 +285,7 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_title(f"{label} seed {r['seed']}", fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(grid.shape[1]))
-        ax.set_yticks(range(grid.shape[0]))
+        ax.set(xlabel="head", ylabel="layer", xticks=range(grid.shape[1]), yticks=range(grid.shape[0]))
     fig.colorbar(im, ax=axes[0].tolist(), label="Laplacian-ness (0 standard, 1 Laplacian)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
