@@ -119,7 +119,8 @@ def _flatten(
 
 @dataclass
 class _Plan:
-    """Everything resolved before the first forward pass, shared by the steps below."""
+    """One analysis: what was resolved before the first forward pass, then the accumulators of the
+    first pass (per layer, and for the CLS token per layer) and its counts."""
 
     adapter: ModelAdapter
     layers: list[Layer]
@@ -133,22 +134,16 @@ class _Plan:
     classifier: Optional[Classifier] = None
     auto_classifier: bool = False  # the model's own head: dropped (with a note) if it does not fit the data
     notes: list[str] = field(default_factory=list)
+    accs: dict[Layer, Any] = field(default_factory=dict)
+    cls_accs: dict[Layer, ClassAccumulator] = field(default_factory=dict)
+    n_batches: int = 0
+    n_tokens: int = 0
 
     def name(self, layer: Layer) -> str:
         return self.adapter.layer_name(layer)
 
     def tokens(self, batches: Iterable[Any], layers: Sequence[Layer]) -> Iterator[dict[str, Any]]:
         return _iter_tokens(self.adapter, batches, layers, self.max_batches, self.device)
-
-
-@dataclass
-class _FirstPass:
-    """The accumulators of the first pass: per layer, and for the CLS token per layer."""
-
-    accs: dict[Layer, Any] = field(default_factory=dict)
-    cls_accs: dict[Layer, ClassAccumulator] = field(default_factory=dict)
-    n_batches: int = 0
-    n_tokens: int = 0
 
 
 def analyze_model(
@@ -221,10 +216,10 @@ def analyze_model(
     model.eval()
     t0 = time.time()
     try:
-        first = _first_pass(plan, batches, progress)
-        results = _compute(plan, first)
+        _first_pass(plan, batches, progress)
+        results = _compute(plan)
         if plan.classifier is not None and nc4:
-            _nc4_pass(plan, batches, first, results)
+            _nc4_pass(plan, batches, results)
     finally:
         model.train(was_training)
     plan.notes += _coincident_notes(results)
@@ -232,8 +227,8 @@ def analyze_model(
         "kind": kind,
         "model": type(model).__name__,
         "layers": [plan.name(l) for l in plan.layers],
-        "n_batches": first.n_batches,
-        "n_tokens": first.n_tokens,
+        "n_batches": plan.n_batches,
+        "n_tokens": plan.n_tokens,
         "min_count": min_count,
         "threshold": threshold,
         "include_prefix": include_prefix,
@@ -266,33 +261,29 @@ def _resolve_classifier(plan: _Plan, classifier: Any) -> None:
         plan.classifier = None
 
 
-def _first_pass(plan: _Plan, batches: Iterable[Any], progress: bool) -> _FirstPass:
+def _first_pass(plan: _Plan, batches: Iterable[Any], progress: bool) -> None:
     """Stream every batch into one accumulator per layer (and one for the CLS token)."""
     it: Iterable[dict[str, Any]] = plan.tokens(batches, plan.layers)
     if progress:
         from tqdm.auto import tqdm  # lazy: only for the optional bar
 
         it = tqdm(it, desc="analyze", unit="batch", total=plan.max_batches, disable=None)  # only on a terminal
-    out = _FirstPass()
     for item in it:
-        out.n_batches += 1
+        plan.n_batches += 1
         for l, (tok, prefix) in item["layers"].items():
-            _feed_layer(plan, out, l, tok, prefix, item)
+            _feed_layer(plan, l, tok, prefix, item)
         mask, tok = item["mask"], next(iter(item["layers"].values()))[0]
-        out.n_tokens += int(mask.sum()) if mask is not None else tok.shape[0] * tok.shape[1]
-    if out.n_batches == 0:
+        plan.n_tokens += int(mask.sum()) if mask is not None else tok.shape[0] * tok.shape[1]
+    if plan.n_batches == 0:
         raise DataError("no batches: the data iterable is empty")
-    return out
 
 
-def _feed_layer(
-    plan: _Plan, out: _FirstPass, l: Layer, tok: torch.Tensor, prefix: Optional[torch.Tensor], item: dict[str, Any]
-) -> None:
+def _feed_layer(plan: _Plan, l: Layer, tok: torch.Tensor, prefix: Optional[torch.Tensor], item: dict[str, Any]) -> None:
     """Add one batch of one layer: a pooled layer to a class accumulator, tokens to the full set."""
     if plan.include_prefix and prefix is not None:
         tok = torch.cat([prefix, tok], 1)
     x, sid, cid, tc = _flatten(tok, item, plan.acc_device)
-    accs, tile = out.accs, plan.opts["tile"]
+    accs, tile = plan.accs, plan.opts["tile"]
     if plan.adapter.pooled(l):
         if l not in accs:
             accs[l] = ClassAccumulator(x.shape[1], plan.num_classes or 0, plan.opts["min_count"], tile, plan.acc_device)
@@ -306,9 +297,9 @@ def _feed_layer(
             accs[l].tokens._grow(plan.num_classes)
     accs[l].update(x, sid, cid, tc)
     if prefix is not None and item["labels"] is not None:  # the CLS token: NC over images
-        if l not in out.cls_accs:
-            out.cls_accs[l] = ClassAccumulator(prefix.shape[2], tile=tile, device=plan.acc_device)
-        out.cls_accs[l].update(prefix[:, 0].to(plan.acc_device).float(), item["labels"].to(plan.acc_device))
+        if l not in plan.cls_accs:
+            plan.cls_accs[l] = ClassAccumulator(prefix.shape[2], tile=tile, device=plan.acc_device)
+        plan.cls_accs[l].update(prefix[:, 0].to(plan.acc_device).float(), item["labels"].to(plan.acc_device))
 
 
 def _token_acc(acc: Any) -> ClassAccumulator:
@@ -316,12 +307,12 @@ def _token_acc(acc: Any) -> ClassAccumulator:
     return acc if isinstance(acc, ClassAccumulator) else acc.tokens
 
 
-def _compute(plan: _Plan, first: _FirstPass) -> dict[str, Any]:
+def _compute(plan: _Plan) -> dict[str, Any]:
     """The measures of every layer; NC3 at the classifier's layer."""
     results: dict[str, Any] = {}
     for l in plan.layers:
         clf = plan.classifier if l == plan.classifier_layer else None
-        acc = first.accs[l]
+        acc = plan.accs[l]
         if clf is not None and plan.auto_classifier:
             # the model's own head may not match the data's classes (a 1000-way head on
             # 10-class digits is fine, a 3-way head is not): drop NC3/NC4, keep the rest
@@ -335,13 +326,13 @@ def _compute(plan: _Plan, first: _FirstPass) -> dict[str, Any]:
             r = {"nc_tokens": or_error(lambda acc=acc, clf=clf: acc.compute(clf))}
         else:
             r = acc.compute(clf)
-        if l in first.cls_accs:
-            r["nc_cls"] = or_error(first.cls_accs[l].compute)
+        if l in plan.cls_accs:
+            r["nc_cls"] = or_error(plan.cls_accs[l].compute)
         results[plan.name(l)] = r
     return results
 
 
-def _nc4_pass(plan: _Plan, batches: Iterable[Any], first: _FirstPass, results: dict[str, Any]) -> None:
+def _nc4_pass(plan: _Plan, batches: Iterable[Any], results: dict[str, Any]) -> None:
     """Second pass over the classifier's layer with the final class means (NC4)."""
     if iter(batches) is batches:
         plan.notes.append("NC4 skipped: batches is a one-shot iterator (pass a list or DataLoader for the second pass)")
@@ -350,7 +341,7 @@ def _nc4_pass(plan: _Plan, batches: Iterable[Any], first: _FirstPass, results: d
     nc = results[plan.name(l)].get("nc_tokens", {"error": 1})
     if "error" in nc:
         return
-    pass2 = _token_acc(first.accs[l]).nc4_pass(*plan.classifier)
+    pass2 = _token_acc(plan.accs[l]).nc4_pass(*plan.classifier)
     for item in plan.tokens(batches, [l]):
         tok, _ = item["layers"][l]
         x, _, cid, tc = _flatten(tok, item, plan.acc_device)
