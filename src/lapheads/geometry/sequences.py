@@ -48,14 +48,9 @@ def k_for_threshold(ev: torch.Tensor, threshold: float) -> int:
 
 
 class SpectraAccumulator(Accumulator):
-    """Per-sequence covariance spectra: k(threshold) averaged over sequences, mean decay curve.
-    Sequences of one token are skipped; one whose tokens are all equal has k = 0 and a zero curve.
-
-    Args:
-        dim: feature dimension D (the length of the curves).
-        threshold: fraction of variance to explain (0.99 gives k99).
-        device: where the sums live.
-    """
+    """Per-sequence covariance spectra of ``dim``-wide tokens: k(``threshold``) (0.99: k99) averaged over
+    sequences and the mean decay curve, summed on ``device``. Sequences of one token are skipped; one
+    whose tokens are all equal has k = 0 and a zero curve."""
 
     _sum_names = ("k_count", "curve_sum")  # sequences per k = 0..dim, and the sum of their curves
 
