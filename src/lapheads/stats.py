@@ -1,48 +1,6 @@
-"""Statistics behind the report's verdicts: Welch's t-test over seeds, a power calculation, and
-a plateau flag for validation curves.
-
-Design choices:
-
-* A comparison is one setting against the baseline, one number per seed (a run). The difference
-  is ``mean(other) - mean(baseline)``; its 95% confidence interval is Welch's: ``diff +- t_{0.975,
-  df} * se`` with ``se = sqrt(s0^2/n0 + s1^2/n1)`` and the Welch-Satterthwaite ``df``;
-  ``t = diff / se`` and the two-sided p-value is ``2 P(T_df > |t|)``: the numbers of
-  :func:`scipy.stats.ttest_ind` with ``equal_var=False``, computed here from the same ``se`` and
-  ``df``, so seeds that agree exactly raise no precision warning.
-* Verdicts: ``"observed"`` (p < alpha and the difference in the claimed direction),
-  ``"opposite"`` (p < alpha, the other direction), ``"not resolved"`` (p >= alpha), or
-  ``"single run"`` when either setting has fewer than two seeds (no spread, so no test). With two
-  seeds in a setting the test is computed and shown but gives no verdict: ``"too few seeds"``
-  (at least :data:`MIN_SEEDS` per setting; a t-test on 2 vs 2 values has 1-2 degrees of freedom,
-  and its p-value rests on two spreads each estimated from two numbers). A caller withholds the
-  verdict of runs that learned nothing with ``"at chance"`` (:meth:`Comparison.withhold`). When both
-  settings have zero spread the test degenerates: equal means are "not resolved" (p = 1), different
-  means are a difference with no noise (t = +-inf, p = 0).
-* Seeds needed (:func:`seeds_needed`): the smallest number of seeds per setting for which a
-  two-sided two-sample t-test at ``alpha`` (0.05) has power ``power`` (0.8) against the observed
-  effect, taking the standardised effect ``d = |diff| / s_pooled`` with
-  ``s_pooled = sqrt((s0^2 + s1^2) / 2)``. Power of the equal-n test with n seeds per setting:
-  ``P(|T| > t_{1-alpha/2, 2n-2})`` with ``T`` noncentral t, ``df = 2n - 2``, noncentrality
-  ``d * sqrt(n / 2)`` (Cohen's classic table: d = 0.5 needs 64, d = 0.8 needs 26). The observed
-  effect is itself noisy, so this is a planning figure, not a promise.
-* At chance (:func:`at_chance`): an accuracy measured on ``n`` items is at chance when a one-sided
-  binomial test (:func:`scipy.stats.binomtest`) does not put it above the chance level at alpha;
-  without ``n``, or for a loss, when it is no better than the chance level.
-* Plateau (:func:`plateau`): a curve that never moved off its first value in the better
-  direction by more than ``tol`` (relative) has not plateaued (``"no"``, ``flat``), however still
-  it ends (a run stuck at chance). Otherwise, over the eval points whose step lies in the last ``window`` fraction
-  of training (at least the last two points), the relative change ``|v_end - v_start| /
-  |v_start|`` of the validation metric; below ``tol`` the run counts as plateaued. Fewer than three
-  eval points (a run evaluated only at the end) is "unknown". A run that ``train.until_plateau``
-  stopped (``stopped_at``) has plateaued by that rule's definition (``patience`` evals without
-  improvement), whatever the window shows: an early-stopped curve often ends a little above its
-  best value, and that is the plateau, not a run still moving.
-* Stopping at a plateau (:func:`evals_without_improvement`, used by ``train.until_plateau``): an
-  eval improves when it beats the best earlier value by more than ``min_rel_delta * |best|`` in
-  the metric's direction (the first eval always improves); training stops once the last
-  ``patience`` evals all failed to improve. A pure function of the logged validation values, so
-  a resumed run takes the same decision as an uninterrupted one.
-"""
+"""Statistics behind the report's verdicts: Welch's t-test over seeds, the seeds a test would need,
+an at-chance test, and plateau flags for validation curves (definitions and choices:
+docs/design/geometry.md, "Statistics")."""
 
 from __future__ import annotations
 
@@ -77,12 +35,9 @@ def _finite(xs: Sequence[Optional[float]]) -> np.ndarray:
 
 
 def welch(baseline: Sequence[float], other: Sequence[float], confidence: float = 0.95) -> dict[str, float]:
-    """Welch's two-sample t-test of ``other - baseline``.
-
-    Returns ``{"diff", "ci_low", "ci_high", "t", "df", "p", "se"}``. Both samples need at least two
-    values. With zero spread in both, ``se = 0``: equal means give ``t = 0, p = 1`` and a zero-width
-    CI, different means ``t = +-inf, p = 0``.
-    """
+    """Welch's two-sample t-test of ``other - baseline`` (at least two values each):
+    ``{"diff", "ci_low", "ci_high", "t", "df", "p", "se"}``. With zero spread in both, equal means
+    give ``t = 0, p = 1`` and a zero-width CI, different means ``t = +-inf, p = 0``."""
     from scipy import stats  # lazy: ~0.7 s to import, reports only
 
     a, b = _finite(baseline), _finite(other)
@@ -92,37 +47,14 @@ def welch(baseline: Sequence[float], other: Sequence[float], confidence: float =
     va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     se = float(math.sqrt(va + vb))
     if se == 0.0:
-        if diff == 0.0:
-            return {
-                "diff": 0.0,
-                "ci_low": 0.0,
-                "ci_high": 0.0,
-                "t": 0.0,
-                "df": float(a.size + b.size - 2),
-                "p": 1.0,
-                "se": 0.0,
-            }
-        return {
-            "diff": diff,
-            "ci_low": diff,
-            "ci_high": diff,
-            "t": math.copysign(math.inf, diff),
-            "df": float(a.size + b.size - 2),
-            "p": 0.0,
-            "se": 0.0,
-        }
-    df = float((va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)))
-    t = diff / se
-    half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
-    return {
-        "diff": diff,
-        "ci_low": diff - half,
-        "ci_high": diff + half,
-        "t": t,
-        "df": df,
-        "p": float(2 * stats.t.sf(abs(t), df)),
-        "se": se,
-    }
+        df, half = float(a.size + b.size - 2), 0.0
+        t, p = (0.0, 1.0) if diff == 0.0 else (math.copysign(math.inf, diff), 0.0)
+    else:
+        df = float((va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)))
+        t = diff / se
+        half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
+        p = float(2 * stats.t.sf(abs(t), df))
+    return {"diff": diff, "ci_low": diff - half, "ci_high": diff + half, "t": t, "df": df, "p": p, "se": se}
 
 
 def _power(n: int, d: float, alpha: float) -> float:
@@ -135,16 +67,14 @@ def _power(n: int, d: float, alpha: float) -> float:
 
 
 def seeds_needed(d: float, alpha: float = ALPHA, power: float = POWER, max_n: int = MAX_SEEDS) -> Optional[int]:
-    """Seeds per setting for a two-sided two-sample t-test to detect standardised effect ``d``.
-
-    ``None`` when ``d`` is 0 / not finite or more than ``max_n`` seeds would be needed.
-    """
+    """Seeds per setting for a two-sided two-sample t-test to detect standardised effect ``d``; None
+    when ``d`` is 0 / not finite or more than ``max_n`` seeds would be needed."""
     d = abs(float(d))
     if not math.isfinite(d) or d == 0.0:
         return None
     from scipy import stats  # lazy: ~0.7 s to import, reports only
 
-    # normal approximation as the starting point, then the exact noncentral-t power upward/downward
+    # from the normal approximation to the exact noncentral-t power, downward then upward
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
     n = max(2, int(math.ceil(2 * (z / d) ** 2)))
     if n > max_n:
@@ -160,7 +90,7 @@ def seeds_needed(d: float, alpha: float = ALPHA, power: float = POWER, max_n: in
 
 @dataclass
 class Comparison:
-    """One setting against the baseline on one quantity (see the module docstring)."""
+    """One setting against the baseline on one quantity (:func:`compare`)."""
 
     baseline: str
     other: str
@@ -263,7 +193,8 @@ def compare(
 def at_chance(
     value: float, chance: float, higher_is_better: bool, n: Optional[int] = None, alpha: float = ALPHA
 ) -> bool:
-    """Whether a metric is no better than a model that guesses (see the module docstring).
+    """Whether a metric is no better than a model that guesses: with ``n``, an accuracy not above
+    ``chance`` by a one-sided binomial test at ``alpha``; otherwise no better than ``chance``.
 
     Args:
         value: the run's value (an accuracy in [0, 1] when ``n`` is given).
@@ -310,7 +241,10 @@ def plateau(
     stopped_at: Optional[int] = None,
     mode: Optional[str] = None,
 ) -> Plateau:
-    """Plateau flag of one validation curve (see the module docstring).
+    """Plateau flag of one validation curve: ``"no"`` (``flat``) if it never moved off its first value by
+    more than ``tol`` (relative, in the ``mode`` direction); else ``"yes"`` when the relative change
+    over the last ``window`` of training (at least two points) is below ``tol`` or
+    ``train.until_plateau`` stopped it; ``"unknown"`` with fewer than three points.
 
     Args:
         steps: the eval steps (any order; sorted here).

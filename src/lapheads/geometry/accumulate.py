@@ -1,31 +1,9 @@
-"""The base of every streaming accumulator: input checks, float64 sums, merge, all-reduce, resume.
-
-Each accumulator is fed batch by batch with ``update(x, ...)`` where ``x`` is a flat ``(N, D)``
-tensor of token representations and ``sequence_ids`` a ``(N,)`` integer tensor, and answers
-with ``compute() -> dict``. The analyses live beside this module (:mod:`.variance`,
-:mod:`.classes`, :mod:`.spectra`) and :mod:`.streaming` combines them per layer.
-
-Design choices shared by all of them:
-
-- **float64 sums.** Every sum is kept in float64 whatever the input dtype, so bf16 / fp32
-  activations of millions of tokens lose nothing to accumulation order.
-- **A shift against cancellation.** Raw second moments (``sum x x^T - N mu mu^T``) cancel badly
-  when the mean is large compared with the spread (LLM hidden states have "massive activation"
-  dimensions). Each accumulator subtracts a reference vector ``shift`` (the mean of its first
-  batch) before summing; all variances are shift-invariant. Merging accumulators with different
-  shifts re-expresses one in the other's shift exactly (``_reshift``); ``all_reduce`` broadcasts
-  the shift of the lowest rank that has one first.
-- **Sequences are complete within one ``update`` call.** Sequence ids only need to be unique
-  within a call; the within-sequence parts (ANOVA, per-sequence spectra, cosine) are computed
-  exactly, centred, for the sequences of each call and then only their sums are kept.
-- **Mergeable and resumable.** ``merge(other)`` adds another accumulator's sums;
-  ``all_reduce()`` sums across processes when ``torch.distributed`` is initialised (a no-op
-  otherwise); ``state_dict()`` / ``load_state_dict()`` save and resume mid-stream exactly.
-"""
+"""The base of every streaming accumulator: input checks, float64 sums with a shift against
+cancellation, merge, all-reduce and resume (design: docs/design/geometry.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,11 +12,7 @@ from ..errors import ConfigError, DataError
 
 F64 = torch.float64
 
-__all__ = ["F64", "Accumulator", "broadcast_from_lowest_rank", "check_inputs", "dense_ids", "segment_sum"]
-
-
-# ---------------------------------------------------------------------------------------------
-# input validation
+__all__ = ["F64", "Accumulator", "broadcast_from_lowest_rank", "check_inputs", "dense_ids", "or_error", "segment_sum"]
 
 
 def check_inputs(
@@ -48,20 +22,11 @@ def check_inputs(
     *,
     name: str = "x",
     label_name: str = "labels",
+    dim: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Validate and convert one batch: ``x`` (N, D) finite, ids/labels (N,) integer.
-
-    Args:
-        x: token representations, (N, D); numpy arrays are accepted.
-        sequence_ids: sequence id of each token, (N,).
-        labels: class of each token, (N,); ``-1`` means "no class" (e.g. the last token of a
-            sequence for next-token classes).
-        name: how to call ``x`` in error messages.
-        label_name: how to call ``labels`` in error messages.
-
-    Returns:
-        ``(x, sequence_ids, labels)`` as torch tensors (ids and labels as int64).
-    """
+    """One batch checked and converted: ``x`` (N, D) finite floats (numpy accepted), ``sequence_ids``
+    and ``labels`` (N,) integers as int64 (label ``-1`` = no class); ``name`` and ``label_name``
+    name ``x`` and ``labels`` in error messages; ``dim``, when given, is the width ``x`` must have."""
     x = torch.as_tensor(x)
     if x.dim() != 2:
         raise DataError(f"{name} must be a 2-D (tokens, dim) array, got shape {tuple(x.shape)}")
@@ -69,8 +34,7 @@ def check_inputs(
         raise DataError(f"{name} must be a floating-point array, got dtype {x.dtype}")
     if x.shape[0] == 0:
         raise DataError(f"{name} is empty (0 tokens)")
-    # one reduction instead of an elementwise isfinite (a pass that costs as much as a tenth of
-    # the d x d update): a NaN/Inf makes the float64 sum non-finite; only then look closer
+    # one reduction (cheap) instead of an elementwise isfinite; only a non-finite sum looks closer
     if not bool(torch.isfinite(x.sum(dtype=torch.float64))) and not bool(torch.isfinite(x).all()):
         bad = torch.nonzero(~torch.isfinite(x))[0]
         raise DataError(
@@ -94,15 +58,22 @@ def check_inputs(
         raise DataError(f"{label_name} must be >= 0 (or -1 for 'no class'), got {int(lab.min())}")
     if sid is not None and int(sid.min()) < 0:
         raise DataError(f"sequence_ids must be >= 0, got {int(sid.min())}")
+    if dim is not None and x.shape[1] != dim:
+        raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {dim}")
     return x, sid, lab
 
 
-def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D).
+def or_error(compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A section's numbers, or ``{"error": message}`` when the data cannot give them (a :class:`DataError`)."""
+    try:
+        return compute()
+    except DataError as e:
+        return {"error": str(e)}
 
-    For few segments (sequences of one batch) a dense (S, N) x (N, D) product reads ``src`` once
-    and runs as a GEMM; for many segments ``index_add_`` avoids the S x N matrix.
-    """
+
+def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D): a dense GEMM
+    for few segments, ``index_add_`` for many."""
     if S <= 64:
         A = torch.zeros(S, src.shape[0], dtype=F64, device=src.device)
         A[sid, torch.arange(src.shape[0], device=src.device)] = 1.0 if weights is None else weights
@@ -120,11 +91,8 @@ def dense_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def broadcast_from_lowest_rank(
     value: Optional[torch.Tensor], shape: tuple[int, ...], device: torch.device, group: Any = None
 ) -> Optional[torch.Tensor]:
-    """The float64 ``value`` of the lowest rank that has one (not None), on every rank.
-
-    Every rank must call it. Returns None when no rank has a value. Used for the reference points
-    (a shift vector, a scalar centre) that all ranks must share before their sums can be added.
-    """
+    """The float64 ``value`` of the lowest rank that has one (None if no rank has), on every rank
+    (every rank must call it): the shared reference point of sums that are to be added."""
     none = 1 << 30
     rank = torch.tensor([dist.get_rank() if value is not None else none], device=device)
     dist.all_reduce(rank, op=dist.ReduceOp.MIN, group=group)
@@ -136,23 +104,16 @@ def broadcast_from_lowest_rank(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# base class
-
-
 class Accumulator:
-    """Base class: a bag of float64 state tensors that are summed to merge.
-
-    Subclasses list their summable tensors in ``_sum_names`` and their configuration (checked
-    on merge / load) in ``_config()``; ``_reshift`` re-expresses shifted sums in a new shift.
-    """
+    """Base class: a bag of float64 state tensors that are summed to merge. Subclasses list them in
+    ``_sum_names``, their settings (checked on merge / load) in ``_config()``, and move shifted sums
+    in ``_move_sums``."""
 
     _sum_names: tuple[str, ...] = ()
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
 
-    # -- configuration ------------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
         return {}
 
@@ -167,11 +128,21 @@ class Accumulator:
                 f"cannot merge accumulators with different settings: {self._config()} vs {other._config()}"
             )
 
-    # -- shifting (overridden by shifted accumulators) ----------------------------------------
     shift: Optional[torch.Tensor] = None
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:  # pragma: no cover - trivial default
+    def _reshift(self, new_shift: torch.Tensor) -> None:
+        """Re-express the shifted sums in ``new_shift``: x - b = (x - a) + d with d = a - b."""
+        new_shift = new_shift.to(self.device, F64).clone()
+        if self.shift is not None:
+            self._move_sums(self.shift - new_shift)
         self.shift = new_shift
+
+    def _move_sums(self, d: torch.Tensor) -> None:
+        """Add ``d`` to every shifted value summed (overridden by accumulators with a shift)."""
+
+    def _shift_shape(self) -> Optional[tuple[int, ...]]:
+        """The shape of the shift, None for an accumulator without one."""
+        return (self.dim,) if hasattr(self, "dim") else None
 
     def _grow(self, n: int) -> None:
         """Make room for ``n`` classes (class-table accumulators override this)."""
@@ -179,7 +150,6 @@ class Accumulator:
     def _n_classes_capacity(self) -> int:
         return 0
 
-    # -- merge / distributed ------------------------------------------------------------------
     def merge(self, other: "Accumulator") -> "Accumulator":
         """Add the sums of ``other`` (same type and settings) into ``self``; returns ``self``."""
         self._check_compatible(other)
@@ -216,28 +186,23 @@ class Accumulator:
         return new
 
     def all_reduce(self, group: Any = None) -> "Accumulator":
-        """Sum the state over all processes of ``torch.distributed`` (no-op when not initialised).
-
-        Every rank must call it. Rank 0's shift is broadcast first and the other ranks re-express
-        their sums in it, so the summed state is exactly the state of one accumulator fed with
-        every rank's batches.
-        """
+        """Sum the state over all processes of ``torch.distributed`` (no-op when not initialised;
+        every rank must call it): exactly the state of one accumulator fed with every rank's batches."""
         if not (dist.is_available() and dist.is_initialized()):
             return self
         cap = torch.tensor([self._n_classes_capacity()], dtype=torch.int64, device=self.device)
         dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=group)
         self._grow(int(cap.item()))
-        if hasattr(self, "dim"):
-            # rank 0 might have seen no data: take the shift of the lowest rank that has one
-            sh = broadcast_from_lowest_rank(self.shift, (self.dim,), self.device, group)
+        shape = self._shift_shape()
+        if shape is not None:  # the shift of the lowest rank that has seen data
+            sh = broadcast_from_lowest_rank(self.shift, shape, self.device, group)
             if sh is not None:
                 if self.shift is None:
                     self.shift = sh
                 elif not torch.equal(sh, self.shift):
                     self._reshift(sh)
         for n in self._sum_names:
-            t = getattr(self, n)
-            dist.all_reduce(t, group=group)
+            dist.all_reduce(getattr(self, n), group=group)
         self._all_reduce_extra(group)
         for ch in self._children().values():
             ch.all_reduce(group)
@@ -246,7 +211,6 @@ class Accumulator:
     def _all_reduce_extra(self, group: Any) -> None:
         """Hook for state that is not a plain sum."""
 
-    # -- save / restore -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: config, sums, shift and children (tensors on CPU)."""
         sd: dict[str, Any] = {

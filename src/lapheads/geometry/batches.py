@@ -1,12 +1,6 @@
-"""Batches for the token geometry of a model from outside this project's runs
-(``lapheads analyze --checkpoint ... --data ...``).
-
-Small, self-contained loaders, so that the analysis does not depend on the training recipes:
-scikit-learn's digits upscaled to the model's input size, or an ImageFolder directory, for a
-vision model (normalised with the model's ``pretrained_cfg`` mean and std); Python's own pydoc
-topics, or a text file, cut into rows of ``seq_len`` tokens by the checkpoint's tokenizer, for a
-language model. Batches are re-iterable (the neural-collapse measures take a second pass).
-"""
+"""Re-iterable batches for the token geometry of a model from outside this project's runs
+(``lapheads analyze --checkpoint ... --data ...``): digits or an ImageFolder for a vision model,
+pydoc topics or a text file for a language model."""
 
 from __future__ import annotations
 

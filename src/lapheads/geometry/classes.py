@@ -1,27 +1,6 @@
-"""Class statistics, streamed: Neural Collapse (NC1-NC4), CDNV and linguistic collapse.
-
-Design choices:
-
-- **Memory O(d^2 + classes x d).** Per-class sums use ``index_add_`` on a ``(C, D)`` table and
-  never a one-hot matrix. The table grows on demand, so the number of classes need not be known
-  in advance (a 50,257-token vocabulary is 50,257 x D x 8 bytes = 309 MB at D = 768).
-- **Pairwise measures are tiled.** CDNV and the cosine statistics over class pairs are computed in
-  ``tile x tile`` blocks of the class-mean table, so 50k classes (1.25e9 pairs) fit in memory.
-- **NC4 needs the features twice.** The nearest-class-centre rule needs the final class means,
-  so in streaming mode NC4 is a second pass: ``ClassAccumulator.nc4_pass(weight, bias)`` returns
-  an :class:`NC4Accumulator` holding the finished means, fed with the same batches again.
-
-Definitions (see docs/method.md, "The geometry the paper measures"); for classes ``c`` with token count ``N_c``:
-
-- ``Sigma_W`` is the pooled within-class covariance over all labelled tokens,
-  ``sum_i (x_i - mu_{y_i})(x_i - mu_{y_i})^T / N`` (Papyan et al.'s definition for balanced
-  classes). With ``min_count > 1`` the rare classes are dropped from every class-mean measure but
-  their (small) within-class scatter stays in ``Sigma_W``: removing it exactly would need a
-  ``d x d`` matrix per class.
-- Class-mean measures (``Sigma_B``, NC2, NC3, CDNV) centre the means at the unweighted mean of
-  the kept class means, so the centred means sum to zero as a simplex ETF's do; for balanced
-  classes this is the token-weighted global mean of the paper's notation.
-"""
+"""Class statistics, streamed: Neural Collapse (NC1-NC4), CDNV and linguistic collapse, in memory
+O(d^2 + classes x d) with tiled pairwise measures (design and definitions:
+docs/design/geometry.md)."""
 
 from __future__ import annotations
 
@@ -36,17 +15,9 @@ from .accumulate import F64, Accumulator, check_inputs
 __all__ = ["ClassAccumulator", "NC4Accumulator", "check_classifier"]
 
 
-# ---------------------------------------------------------------------------------------------
-# class statistics: Neural Collapse, CDNV, linguistic collapse
-
-
 class ClassAccumulator(Accumulator):
-    """Per-class first moments plus the second moment of all tokens, for Neural Collapse.
-
-    Keeps, in float64: per class the count, the sum and the sum of squared norms (``index_add_``
-    into a table that grows with the largest label), and ``sum x x^T`` over the labelled tokens
-    and, separately, over unlabelled tokens (label ``-1``) so the global covariance covers every
-    token while ``Sigma_W`` covers the labelled ones.
+    """Per-class first moments plus the second moment of all tokens (labelled and unlabelled apart),
+    in float64, for Neural Collapse.
 
     Args:
         dim: feature dimension D.
@@ -83,19 +54,12 @@ class ClassAccumulator(Accumulator):
     def _grow(self, n: int) -> None:
         c = self.count.shape[0]
         if n > c:
-            # grow by >= 25% so a stream of rising labels costs few copies; pass num_classes
-            # up front (e.g. the vocabulary size) to avoid any slack
             n = max(n, c + c // 4) if c else n
             self.count = torch.cat([self.count, self.count.new_zeros(n - c)])
             self.csq = torch.cat([self.csq, self.csq.new_zeros(n - c)])
             self.csum = torch.cat([self.csum, self.csum.new_zeros(n - c, self.dim)])
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:
-        new_shift = new_shift.to(self.device, F64)
-        if self.shift is None:
-            self.shift = new_shift.clone()
-            return
-        d = self.shift - new_shift
+    def _move_sums(self, d: torch.Tensor) -> None:
         dd = float(d @ d)
         self.csq = self.csq + 2 * (self.csum @ d) + self.count * dd
         self.csum = self.csum + self.count[:, None] * d
@@ -104,54 +68,36 @@ class ClassAccumulator(Accumulator):
             Q = Q + torch.outer(S, d) + torch.outer(d, S) + N * torch.outer(d, d)
             setattr(self, q, Q)
             setattr(self, s, S + N * d)
-        self.shift = new_shift.clone()
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> None:
-        """Add one batch.
-
-        Args:
-            x: (N, D) features.
-            labels: (N,) class of each row, ``-1`` for "no class" (counted in the global
-                covariance only). ``None`` means every row is unlabelled.
-        """
-        x, _, lab = check_inputs(x, None, labels)
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        """Add one batch: ``x`` (N, D) and ``labels`` (N,) (``-1`` or None: no class, counted in the
+        global covariance only)."""
+        x, _, lab = check_inputs(x, None, labels, dim=self.dim)
         y = self._prep(x)
+        self._update_prepared(y, lab, torch.linalg.vector_norm(y, dim=1).square(), y.sum(0))
+
+    def _update_prepared(
+        self, y: torch.Tensor, lab: Optional[torch.Tensor], r: torch.Tensor, ysum: torch.Tensor
+    ) -> None:
+        """Add shifted float64 rows ``y`` with labels (None: all -1), squared norms ``r`` and column sum
+        ``ysum`` (one GEMM over all rows; unlabelled rows go to class 0 and are subtracted again)."""
         if lab is None:
             lab = torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
-        self._update_prepared(y, lab.to(y.device), torch.linalg.vector_norm(y, dim=1).square(), y.sum(0))
-
-    def _update_prepared(self, y: torch.Tensor, lab: torch.Tensor, r: torch.Tensor, ysum: torch.Tensor) -> None:
-        """Add shifted float64 rows ``y`` with labels, squared norms ``r`` and column sum ``ysum``.
-
-        Written for speed (each pass over an N x D float64 array costs about as much as a tenth
-        of the d x d update): one GEMM over all rows, one ``index_add_`` for the class sums;
-        the few unlabelled rows (one per sequence for next-token classes) are routed to class 0
-        and their contribution is subtracted again, which avoids copying the labelled rows out.
-        """
+        lab = lab.to(y.device)
         unl = lab < 0
         n_u = int(unl.sum())
         self.q_lab.addmm_(y.T, y)
         self.s_lab += ysum
         self.n_lab += y.shape[0] - n_u
         if n_u == y.shape[0]:  # nothing labelled: move everything to the unlabelled moments
-            self.q_lab.addmm_(y.T, y, alpha=-1.0)
-            self.s_lab -= ysum
-            self.n_unl += n_u
-            self.s_unl += ysum
-            self.q_unl.addmm_(y.T, y)
+            self._unlabel(y, ysum, n_u)
             return
         self._grow(int(lab.max()) + 1)
         if n_u:
             yu = y[unl]
             su = yu.sum(0)
-            self.q_lab.addmm_(yu.T, yu, alpha=-1.0)
-            self.s_lab -= su
-            self.n_unl += n_u
-            self.s_unl += su
-            self.q_unl.addmm_(yu.T, yu)
+            self._unlabel(yu, su, n_u)
             lab = lab.clamp_min(0)
         self.count.index_add_(0, lab, torch.ones_like(lab, dtype=F64))
         self.csum.index_add_(0, lab, y)
@@ -164,7 +110,14 @@ class ClassAccumulator(Accumulator):
                 self.csum[0].zero_()
                 self.csq[0].zero_()
 
-    # -- finalisation -------------------------------------------------------------------------
+    def _unlabel(self, yu: torch.Tensor, su: torch.Tensor, n_u: int) -> None:
+        """Move rows ``yu`` (column sum ``su``) from the labelled to the unlabelled moments."""
+        self.q_lab.addmm_(yu.T, yu, alpha=-1.0)
+        self.s_lab -= su
+        self.n_unl += n_u
+        self.s_unl += su
+        self.q_unl.addmm_(yu.T, yu)
+
     def covariance(self, labelled_only: bool = False) -> torch.Tensor:
         """Global (population) covariance of the tokens seen, float64 (D, D)."""
         n = float(self.n_lab) + (0.0 if labelled_only else float(self.n_unl))
@@ -220,7 +173,7 @@ class ClassAccumulator(Accumulator):
         }
         if cdnv_only:
             return out
-        # pooled within-class scatter over every labelled class (see module docstring)
+        # pooled within-class scatter over every labelled class (rare ones too)
         allc = torch.nonzero(self.count > 0).flatten()
         # q_lab - sum_c S_c S_c^T / N_c, in row blocks so no second C x D table is built
         scat = self.q_lab.clone()
@@ -285,19 +238,9 @@ def check_classifier(classifier: Any, dim: int, keep: torch.Tensor) -> tuple[tor
 
 
 def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]:
-    """Tiled statistics over class pairs c < c' of centred means M (C, D) and variances var (C,).
-
-    CDNV_cc' = (var_c + var_c') / (2 ||mu_c - mu_c'||^2), averaged over the pairs whose means
-    differ. Pairs with coincident means (``||mu_c - mu_c'||^2`` within rounding of 0, i.e. at most
-    1e-9 (||mu_c||^2 + ||mu_c'||^2)) have no finite CDNV (0/0 when both variances are 0 too);
-    they are left out and counted as ``n_pairs_coincident``. They occur where a token's features
-    depend only on its input id (the embedding layer): two next-token classes that always follow
-    the same token have the same mean. Cosines between centred means give the
-    equiangularity numbers; the sum of squared cosines gives ||G||_F of the normalised Gram, and
-    with the closed form of the ETF Gram E = C/(C-1) (I - 11^T/C) the ETF distance
-    || G/||G|| - E/||E|| ||_F = sqrt(2 - 2 <G, E> / (||G|| ||E||)). One GEMM per tile; the
-    elementwise work is done in place to keep memory at a few tile-sized buffers.
-    """
+    """Tiled statistics over class pairs c < c' of centred means M (C, D) and variances var (C,):
+    CDNV (averaged over the pairs whose means differ; coincident pairs are counted), the
+    equiangularity of the cosines and the ETF distance."""
     C = M.shape[0]
     sq = (M * M).sum(1)
     nrm = sq.sqrt()
@@ -345,19 +288,9 @@ def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]
 
 
 class NC4Accumulator(Accumulator):
-    """Second pass for NC4: how often the classifier's argmax equals the nearest class centre.
-
-    Both rules choose among the same kept classes. When labels are given only tokens of a kept
-    class count (label ``-1`` and rare classes are skipped); without labels every token counts.
-
-    Args:
-        means: (C, D) class means from the first pass (original coordinates).
-        classes: (C,) class index of each row of ``means``.
-        weight: classifier weight (K, D), row c = class c.
-        bias: classifier bias (K,) or None.
-        tile: number of tokens scored at once.
-        device: where the computation runs.
-    """
+    """Second pass for NC4: how often the classifier's argmax (weight (K, D), bias (K,) or None) equals
+    the nearest of the first pass's class ``means`` (C, D) of ``classes`` (C,), both among those
+    classes. With labels only tokens of those classes count; ``tile`` tokens are scored at once."""
 
     _sum_names = ("agree", "total")
 
@@ -403,8 +336,5 @@ class NC4Accumulator(Accumulator):
     def compute(self) -> dict[str, float]:
         if float(self.total) == 0:
             raise DataError("NC4: no tokens were scored")
-        return {
-            "nc4_agreement": float(self.agree / self.total),
-            "nc4_mismatch": 1.0 - float(self.agree / self.total),
-            "nc4_tokens": float(self.total),
-        }
+        agree = float(self.agree / self.total)
+        return {"nc4_agreement": agree, "nc4_mismatch": 1.0 - agree, "nc4_tokens": float(self.total)}

@@ -1,20 +1,6 @@
-"""In-memory geometry measures: one call on one tensor, a plain dict of floats back.
-
-These are the public functions of :mod:`lapheads.geometry` (docs/method.md, "The geometry the paper measures").
-Each takes ``x`` as a flat ``(N, D)`` array of tokens (torch or numpy) with ``(N,)`` integer
-``sequence_ids`` / labels, and computes in float64.
-
-Design choices:
-
-- :func:`anova` is computed directly with centred (two-pass) sums, independently of the streaming
-  :class:`~lapheads.geometry.variance.AnovaAccumulator`, so the two check each other (they share
-  only the input checks).
-- :func:`neural_collapse`, :func:`cdnv`, :func:`spectral_k99` and :func:`within_sequence_cosine`
-  run the streaming accumulator once over the whole input: one definition, one code path, and the
-  streaming classes give exactly these numbers batch by batch. NC4 is computed here directly
-  because all features are at hand.
-- :func:`pca_rgb` is shared with the PCA-maps command.
-"""
+"""In-memory geometry measures: one flat ``(N, D)`` tensor of tokens (torch or numpy) with ``(N,)``
+integer sequence ids / labels in, a plain dict of floats (float64 arithmetic) out. They give the
+numbers of the streaming accumulators (docs/method.md, "The geometry the paper measures")."""
 
 from __future__ import annotations
 
@@ -25,7 +11,7 @@ import torch
 
 from ..errors import ConfigError, DataError
 from .accumulate import F64, check_inputs
-from .classes import ClassAccumulator
+from .classes import ClassAccumulator, check_classifier
 from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold
 from .streaming import GeometryAccumulator
 from .variance import add_fractions, sequence_classes
@@ -43,13 +29,12 @@ __all__ = [
 
 
 def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
-    """Law-of-total-variance decomposition of token scatter (exactly additive).
+    """Law-of-total-variance decomposition of token scatter (exactly additive, token-weighted means).
 
     ``total = sum ||x - mu_G||^2 = within_sequence + between_sequence`` and, with classes,
-    ``between_sequence = between_sequence_within_class + between_class``, where
-    within_sequence = sum ||x(s,t) - mu_s||^2, between_sequence_within_class =
-    sum_s T_s ||mu_s - mu_y(s)||^2 and between_class = sum_c N_c ||mu_c - mu_G||^2 (token-weighted
-    means). Every part is also given as ``frac_<part>`` = part / total.
+    ``between_sequence = between_sequence_within_class + between_class``; within_sequence =
+    sum ||x(s,t) - mu_s||^2, between_sequence_within_class = sum_s T_s ||mu_s - mu_y(s)||^2,
+    between_class = sum_c N_c ||mu_c - mu_G||^2; each also as ``frac_<part>`` = part / total.
 
     Args:
         x: (N, D) tokens.
@@ -58,8 +43,7 @@ def anova(x: Any, sequence_ids: Any, class_ids: Any = None) -> dict[str, float]:
             within- vs between-sequence split only (a language model).
 
     Returns:
-        ``total``, ``within_sequence``, ``between_sequence``, [``between_sequence_within_class``,
-        ``between_class``], their ``frac_*``, and ``n_tokens``, ``n_sequences`` [, ``n_classes``].
+        The parts, their ``frac_*``, ``n_tokens``, ``n_sequences`` [, ``n_classes``].
     """
     x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
     x = x.to(F64)
@@ -96,40 +80,31 @@ def neural_collapse(
 ) -> dict[str, float]:
     """Neural Collapse measures (Papyan, Han & Donoho 2020; CDNV of Galanti et al. 2021).
 
-    - ``nc1`` = tr(Sigma_W pinv(Sigma_B)) / C with the pooled within-class covariance Sigma_W
-      and the covariance of the centred class means Sigma_B;
-    - ``cdnv`` = mean over class pairs of (var_c + var_c') / (2 ||mu_c - mu_c'||^2), var_c the
-      mean squared distance of class c's features to its mean;
-    - ``nc2_equinorm`` = std / mean of ||mu_c - mu_G||; ``nc2_equiangular_std`` = std of the
-      cosines between centred means (c != c'), ``nc2_equiangular_mean`` their mean and
-      ``nc2_equiangular_shift`` = mean |cos + 1/(C-1)|; ``nc2_etf_distance`` = Frobenius
-      distance between the Frobenius-normalised Gram of the row-normalised centred means and that
-      of a simplex ETF;
-    - with a classifier (weight (K, D), bias (K,) or None, or an ``nn.Linear``):
-      ``nc3_self_duality`` = || W/||W|| - M/||M|| ||_F (M the centred means, W their rows) and
-      ``nc4_agreement`` = fraction of features where the classifier's argmax equals the
-      nearest class mean (both over the kept classes).
-
-    Class means are centred at the unweighted mean of the kept class means (see
-    :mod:`lapheads.geometry.classes` for this and the ``min_count`` choice).
+    ``nc1`` = tr(Sigma_W pinv(Sigma_B)) / C (pooled within-class covariance, covariance of the
+    centred class means); ``cdnv`` (see :func:`cdnv`); ``nc2_equinorm`` = std / mean of
+    ||mu_c - mu_G||; ``nc2_equiangular_std`` / ``_mean`` of the cosines between centred means
+    (c != c') and ``nc2_equiangular_shift`` = mean |cos + 1/(C-1)|; ``nc2_etf_distance`` =
+    Frobenius distance between the normalised Gram of the row-normalised centred means and that of
+    a simplex ETF; with a classifier, ``nc3_self_duality`` = || W/||W|| - M/||M|| ||_F (M the
+    centred means, W their rows) and ``nc4_agreement`` = fraction of features whose classifier
+    argmax is the nearest class mean (over the kept classes). Means are centred at the
+    unweighted mean of the kept class means.
 
     Args:
         features: (N, D) features.
         labels: (N,) integer class of each row; ``-1`` = no class (ignored).
-        classifier: optional ``(weight, bias)`` or ``nn.Linear``; row c of weight is class c.
+        classifier: optional ``(weight (K, D), bias (K,) or None)`` or ``nn.Linear``; row c is class c.
         min_count: classes with fewer rows are left out of the class-mean measures.
         tile: block size of the pairwise computations.
 
     Returns:
-        A dict of floats (also ``n_classes``, ``n_tokens``, ``n_pairs``, ``trace_sigma_w``,
-        ``trace_sigma_b``, ``within_class_variance``).
+        A dict of floats (also ``n_classes``, ``n_tokens``, ``n_pairs``, ``n_pairs_coincident``,
+        ``trace_sigma_w``, ``trace_sigma_b``, ``within_class_variance``).
     """
     x, lab, acc = _classes(features, labels, min_count, tile)
     out = acc.compute(classifier)
     if classifier is not None:
-        if isinstance(classifier, torch.nn.Linear):
-            classifier = (classifier.weight, classifier.bias)
-        nc4 = acc.nc4_pass(*classifier)
+        nc4 = acc.nc4_pass(*check_classifier(classifier, acc.dim, acc.kept_classes()))
         nc4.update(x, lab)
         out.update(nc4.compute())
     return out
@@ -138,18 +113,11 @@ def neural_collapse(
 def cdnv(features: Any, labels: Any, *, min_count: int = 1, tile: int = 2048) -> dict[str, float]:
     """Class-distance normalised variance averaged over class pairs (Galanti et al. 2021).
 
-    ``cdnv`` = mean over c < c' of (var_c + var_c') / (2 ||mu_c - mu_c'||^2) where var_c is the
-    mean squared distance of class c's rows to its mean. Tiled over class blocks of ``tile``
-    so tens of thousands of classes fit in memory.
-
-    Args:
-        features: (N, D) features.
-        labels: (N,) class of each row (``-1`` = ignored).
-        min_count: classes with fewer rows are left out.
-        tile: block size of the pairwise computation.
-
-    Returns:
-        ``cdnv``, ``n_classes``, ``n_pairs``, ``n_tokens``.
+    ``cdnv`` = mean over c < c' of (var_c + var_c') / (2 ||mu_c - mu_c'||^2), var_c the mean squared
+    distance of class c's rows to its mean; pairs whose means coincide are left out and counted in
+    ``n_pairs_coincident``. ``labels`` -1 are ignored, classes with fewer than ``min_count`` rows
+    left out; ``tile`` is the block size of the pairwise computation. Also returns ``n_classes``,
+    ``n_pairs``, ``n_tokens``.
     """
     _, _, acc = _classes(features, labels, min_count, tile)
     return acc.compute(cdnv_only=True)
@@ -168,11 +136,8 @@ def _classes(
 
 
 def spectra(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, Any]:
-    """Per-sequence and global covariance spectra with their decay curves.
-
-    Returns the numbers of :func:`spectral_k99` plus ``sequence_curve`` (the per-sequence
-    eigenvalues normalised to sum 1, averaged over sequences, length D) and ``global_curve``.
-    """
+    """The numbers of :func:`spectral_k99` plus the decay curves ``sequence_curve`` (per-sequence
+    eigenvalues normalised to sum 1, averaged over sequences, length D) and ``global_curve``."""
     x, sid, _ = check_inputs(x, sequence_ids)
     acc = SpectraAccumulator(x.shape[1], threshold)
     acc.update(x, sid)
@@ -186,39 +151,23 @@ def spectra(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, Any
 
 
 def spectral_k99(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, float]:
-    """Number of principal components explaining ``threshold`` of each sequence's variance.
+    """Number of principal components explaining ``threshold`` (0.99: k99) of each sequence's variance.
 
-    For every sequence with >= 2 tokens: eigenvalues of the covariance of its tokens (through the
-    T x T Gram matrix when T < D), k = smallest count whose top eigenvalues reach ``threshold``
-    of the total (0 for a sequence whose tokens are all equal).
-
-    Args:
-        x: (N, D) tokens.
-        sequence_ids: (N,) sequence of each token.
-        threshold: fraction of variance (0.99 gives k99).
-
-    Returns:
-        ``k_mean`` (k99 averaged over sequences), ``k_std``, ``k_min``, ``k_max``,
-        ``n_sequences``, ``global_k`` (the same k for the covariance of all tokens) and
-        ``threshold``.
+    For every sequence with >= 2 tokens, k = the smallest count of top covariance eigenvalues that
+    reach ``threshold`` of the total (0 for a sequence whose tokens are all equal). Returns
+    ``k_mean`` (averaged over sequences), ``k_std``, ``k_min``, ``k_max``, ``n_sequences``,
+    ``global_k`` (the same k for the covariance of all tokens) and ``threshold``.
     """
     out = spectra(x, sequence_ids, threshold)
     return {k: v for k, v in out.items() if not isinstance(v, list)}
 
 
 def within_sequence_cosine(x: Any, sequence_ids: Any) -> dict[str, float]:
-    """Mean pairwise cosine similarity between the tokens of a sequence, averaged over sequences.
+    """Mean pairwise cosine similarity between the tokens of a sequence, averaged over sequences:
+    ``cosine_mean``, ``cosine_std`` (over sequences) and ``n_sequences``.
 
-    The diagonal is excluded: a sequence of T tokens averages over its T (T - 1) ordered pairs
-    i != j. Sequences of a single token have no pair and are skipped; a zero token has cosine 0
-    with every other token.
-
-    Args:
-        x: (N, D) tokens.
-        sequence_ids: (N,) sequence of each token.
-
-    Returns:
-        ``cosine_mean``, ``cosine_std`` (over sequences) and ``n_sequences``.
+    A sequence of T tokens averages over its T (T - 1) ordered pairs i != j; single-token
+    sequences are skipped; a zero token has cosine 0 with every other token.
     """
     x, sid, _ = check_inputs(x, sequence_ids)
     acc = CosineAccumulator()
@@ -244,20 +193,9 @@ def geometry(
 
 
 def pca_rgb(tokens: Any, grid_hw: tuple[int, int]) -> np.ndarray:
-    """Top three principal components of patch tokens, shown as RGB.
-
-    The components are fitted jointly on the patch tokens of all N images (so colours are
-    comparable across images), each component is min-max scaled to [0, 1] over all images,
-    and the sign of each component is fixed so its largest-magnitude loading is positive
-    (deterministic colours).
-
-    Args:
-        tokens: (N, P, D) patch tokens (no prefix/CLS tokens), P = H * W.
-        grid_hw: the patch grid (H, W).
-
-    Returns:
-        float array (N, H, W, 3) in [0, 1].
-    """
+    """Top three principal components of patch tokens ``(N, P, D)`` (no CLS tokens, P = H * W for
+    ``grid_hw`` = (H, W)) as RGB, ``(N, H, W, 3)`` in [0, 1]: fitted jointly on all images, each
+    component min-max scaled over all images, its sign fixed so its largest loading is positive."""
     t = torch.as_tensor(tokens)
     if t.dim() != 3:
         raise DataError(f"tokens must be (images, patches, dim), got shape {tuple(t.shape)}")
@@ -270,7 +208,6 @@ def pca_rgb(tokens: Any, grid_hw: tuple[int, int]) -> np.ndarray:
     X = t.reshape(N * P, D).to(F64)
     X = X - X.mean(0)
     k = min(3, D, N * P)
-    # the top right-singular vectors of the centred tokens are the principal axes
     _, _, Vh = torch.linalg.svd(X, full_matrices=False)
     V = Vh[:k].T
     big = V.abs().argmax(0)

@@ -1,27 +1,5 @@
-"""PCA maps: the top three principal components of a ViT's patch tokens, shown as RGB.
-
-``lapheads pca-maps --run RUN --images FOLDER|digits --out maps.png`` draws, for each image, the
-picture and the RGB map of its patch tokens (docs/method.md: Laplacian heads are reported to
-give cleaner object parts).
-
-Design choices:
-
-* Tokens: the patch tokens (no CLS / register tokens) of one block (default the last), after the
-  backbone's final norm, from timm's ``forward_intermediates``.
-* The PCA is :func:`lapheads.geometry.measures.pca_rgb`: fitted jointly on the patch tokens of all
-  images (colours are comparable across images), components min-max scaled to [0, 1] and their
-  signs fixed deterministically.
-* Background masking (``--mask-background``): a patch is foreground when its first component
-  (scaled to [0, 1]) is above ``--threshold``; with ``--foreground auto`` the side of the threshold
-  that covers fewer patches is taken as the foreground (objects usually cover less than half of
-  the picture; the sign of a principal component is arbitrary). Background patches are drawn black.
-* Images: a folder (every image file below it, recursively), one image file, or an image data
-  spec of :func:`lapheads.data.images.build_image_dataset` (``digits``, ...; its val split).
-  ``--max-images`` are drawn from several classes (:func:`spread_over_classes`: the first image of
-  each class in turn, then the second, ...; a folder's classes are its sub-folders), not the first
-  items of a class-sorted listing, which would all be one class. The figure is a matplotlib PNG
-  grid: picture row (in colour for RGB inputs), then map row, per group of columns.
-"""
+"""PCA maps: the top three principal components of a ViT's patch tokens, shown as RGB
+(``lapheads pca-maps``; design: docs/design/geometry.md)."""
 
 from __future__ import annotations
 
@@ -85,10 +63,7 @@ def save_grid(
     pictures: Sequence[np.ndarray], maps: np.ndarray, out: str | Path, title: str = "", ncols: int = 8
 ) -> Path:
     """PNG grid: for each group of ``ncols`` images, a row of pictures then a row of PCA maps."""
-    import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
+    from .plots import plt  # lazy: matplotlib on the Agg backend, plotting code only
 
     n = len(pictures)
     ncols = max(1, min(ncols, n))

@@ -1,13 +1,8 @@
 """Figures of per-layer geometry (matplotlib, Agg backend, PNG files).
 
 Every function takes one result of :func:`lapheads.geometry.analyze_model` or several as
-``{label: result}`` (e.g. ``{"k=0": base, "k=all": lap}``) and returns the path it wrote.
-Runs are drawn side by side (one panel per run) for stacked bars and spectra, and overlaid
-(one line per run) for per-layer curves. Layers are placed in the order of each result.
-
-Design choices: only sections present in a result are drawn (a missing section gives a panel
-that says so rather than an exception), NaN/None values are gaps, and :func:`plot_all` is what
-the CLI calls.
+``{label: result}`` (e.g. ``{"k=0": base, "k=all": lap}``) and returns the path it wrote;
+:func:`plot_all` draws them all. Sections missing from a result are not drawn.
 """
 
 from __future__ import annotations
@@ -43,6 +38,11 @@ def _layers(res: Mapping[str, Any], section: str) -> list[str]:
     return [l for l, v in res["layers"].items() if isinstance(v.get(section), Mapping) and "error" not in v[section]]
 
 
+def _panels(n: int) -> Any:
+    """A figure with one panel per run, sharing the y axis."""
+    return plt.subplots(1, n, figsize=(max(4.5, 4.5 * n), 3.6), squeeze=False, sharey=True)
+
+
 def _save(fig: Any, out_dir: Path, name: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     p = out_dir / name
@@ -56,7 +56,7 @@ def _save(fig: Any, out_dir: Path, name: str) -> Path:
 def plot_anova(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path]) -> Path:
     """Stacked bars of ANOVA fractions per layer, one panel per run."""
     runs = _runs(results)
-    fig, axes = plt.subplots(1, len(runs), figsize=(max(4.5, 4.5 * len(runs)), 3.6), squeeze=False, sharey=True)
+    fig, axes = _panels(len(runs))
     parts = [
         ("frac_within_sequence", "within sequence", "#4c72b0"),
         ("frac_between_sequence_within_class", "between seq., within class", "#dd8452"),
@@ -73,8 +73,7 @@ def plot_anova(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path
             ax.bar(range(len(layers)), vals, bottom=bottom, label=name, color=color)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(range(len(layers)), layers, rotation=60, fontsize=7)
-        ax.set_title(label)
-        ax.set_ylim(0, 1)
+        ax.set(title=label, ylim=(0, 1))
     axes[0][0].set_ylabel("fraction of total variance")
     axes[0][-1].legend(fontsize=7, loc="lower right")
     return _save(fig, Path(out_dir), "anova_fractions.png")
@@ -101,15 +100,8 @@ def plot_k99(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path])
     fig, ax = plt.subplots(figsize=(6, 3.6))
     _lines(ax, runs, "spectra", "k_mean", "-o", " per-sequence")
     _lines(ax, runs, "spectra", "global_k", "--s", " global")
-    thr = next(
-        (
-            _get(v, "spectra", "threshold")
-            for r in runs.values()
-            for v in r["layers"].values()
-            if _get(v, "spectra", "threshold")
-        ),
-        0.99,
-    )
+    thrs = [_get(v, "spectra", "threshold") for r in runs.values() for v in r["layers"].values()]
+    thr = next((t for t in thrs if t), 0.99)
     ax.set_ylabel(f"k{round(100 * thr)} (components)")
     ax.legend(fontsize=7)
     return _save(fig, Path(out_dir), "k99.png")
@@ -118,7 +110,7 @@ def plot_k99(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path])
 def plot_spectra(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Path]) -> Path:
     """Normalised eigenvalue decay (log scale) per layer: per-sequence mean (solid), global (dotted)."""
     runs = _runs(results)
-    fig, axes = plt.subplots(1, len(runs), figsize=(max(4.5, 4.5 * len(runs)), 3.6), squeeze=False, sharey=True)
+    fig, axes = _panels(len(runs))
     for ax, (label, res) in zip(axes[0], runs.items()):
         layers = list(res["layers"])
         cmap = plt.get_cmap("viridis")
@@ -127,16 +119,10 @@ def plot_spectra(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Pa
             c = cmap(i / max(1, len(layers) - 1))
             for key, ls in (("sequence_curve", "-"), ("global_curve", ":")):
                 curve = [v for v in (sp.get(key) or []) if v and v > 0]
+                name = l if key == "sequence_curve" or "sequence_curve" not in sp else None
                 if curve:
-                    ax.semilogy(
-                        range(1, len(curve) + 1),
-                        curve,
-                        ls,
-                        color=c,
-                        label=l if key == "sequence_curve" or "sequence_curve" not in sp else None,
-                    )
-        ax.set_title(label)
-        ax.set_xlabel("component")
+                    ax.semilogy(range(1, len(curve) + 1), curve, ls, color=c, label=name)
+        ax.set(title=label, xlabel="component")
         ax.legend(fontsize=6, ncol=2)
     axes[0][0].set_ylabel("eigenvalue / sum")
     return _save(fig, Path(out_dir), "spectra.png")

@@ -1,13 +1,5 @@
-"""Within-sequence structure, streamed: per-sequence covariance spectra (k99) and cosine.
-
-(Named ``sequences`` rather than ``spectra`` so it cannot shadow the in-memory
-:func:`lapheads.geometry.spectra` on the package.)
-
-Both are computed exactly for the sequences of one ``update`` call (each complete in it) and
-only their sums are kept. The global spectrum of all tokens is not here: it comes from the
-class accumulator's covariance (:class:`~lapheads.geometry.streaming.GeometryAccumulator`), so
-the d x d update is paid once.
-"""
+"""Within-sequence structure, streamed: per-sequence covariance spectra (k99) and cosine, each
+computed exactly for the sequences of one ``update`` call (each complete in it)."""
 
 from __future__ import annotations
 
@@ -15,16 +7,11 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ConfigError, DataError
-from .accumulate import F64, Accumulator, broadcast_from_lowest_rank, check_inputs, dense_ids, segment_sum
+from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
 
 __all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold"]
-
-
-# ---------------------------------------------------------------------------------------------
-# per-sequence spectra
 
 
 def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
@@ -34,11 +21,8 @@ def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
 
 
 def sequence_eigenvalues(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D)).
-
-    Uses the T x T Gram matrix when T < D (same non-zero eigenvalues, cheaper), batching the
-    sequences of equal length into one ``eigvalsh`` call.
-    """
+    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D)); through
+    the T x T Gram matrix when T < D, one ``eigvalsh`` call per sequence length."""
     out: list[Optional[torch.Tensor]] = [None] * len(seqs)
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
@@ -64,18 +48,11 @@ def k_for_threshold(ev: torch.Tensor, threshold: float) -> int:
 
 
 class SpectraAccumulator(Accumulator):
-    """Per-sequence covariance spectra: k(threshold) averaged over sequences, mean decay curve.
+    """Per-sequence covariance spectra of ``dim``-wide tokens: k(``threshold``) (0.99: k99) averaged over
+    sequences and the mean decay curve, summed on ``device``. Sequences of one token are skipped; one
+    whose tokens are all equal has k = 0 and a zero curve."""
 
-    Sequences with fewer than two tokens are skipped (no covariance). A sequence whose tokens
-    are all equal has k = 0 and contributes a zero curve.
-
-    Args:
-        dim: feature dimension D (the length of the curves).
-        threshold: fraction of variance to explain (0.99 gives k99).
-        device: where the sums live.
-    """
-
-    _sum_names = ("n_seq", "k_sum", "k_sq", "curve_sum")
+    _sum_names = ("k_count", "curve_sum")  # sequences per k = 0..dim, and the sum of their curves
 
     def __init__(self, dim: int, threshold: float = 0.99, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -83,134 +60,60 @@ class SpectraAccumulator(Accumulator):
             raise ConfigError(f"threshold must be in (0, 1], got {threshold}")
         self.dim, self.threshold = int(dim), float(threshold)
         z = lambda *s: torch.zeros(*s, dtype=F64, device=self.device)  # noqa: E731
-        self.n_seq, self.k_sum, self.k_sq, self.curve_sum = z(()), z(()), z(()), z(self.dim)
-        self.k_min, self.k_max = math.inf, -math.inf
+        self.k_count, self.curve_sum = z(self.dim + 1), z(self.dim)
 
     def _config(self) -> dict[str, Any]:
         return {"dim": self.dim, "threshold": self.threshold}
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"k_min": self.k_min, "k_max": self.k_max}
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.k_min, self.k_max = sd["k_min"], sd["k_max"]
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, SpectraAccumulator)
-        self.k_min, self.k_max = min(self.k_min, other.k_min), max(self.k_max, other.k_max)
-
-    def _all_reduce_extra(self, group: Any) -> None:
-        t = torch.tensor([self.k_min, -self.k_max], dtype=F64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        self.k_min, self.k_max = float(t[0]), -float(t[1])
-
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
         """Add the sequences of one batch (each complete in this batch)."""
-        x, sid, _ = check_inputs(x, sequence_ids)
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        x, sid, _ = check_inputs(x, sequence_ids, dim=self.dim)
         seqs = [s for s in _group_sequences(x.to(self.device), sid.to(self.device)) if s.shape[0] >= 2]
         for ev in sequence_eigenvalues(seqs):
             k = k_for_threshold(ev, self.threshold)
             tot = float(ev.sum())
             if tot > 0:
                 self.curve_sum[: ev.numel()] += ev / tot
-            self.n_seq += 1
-            self.k_sum += k
-            self.k_sq += k * k
-            self.k_min, self.k_max = min(self.k_min, k), max(self.k_max, k)
+            self.k_count[k] += 1
 
     def compute(self) -> dict[str, Any]:
         """``k_mean`` (e.g. k99 averaged over sequences), std/min/max and the mean curve."""
-        n = float(self.n_seq)
+        n = float(self.k_count.sum())
         if n == 0:
             raise DataError("spectra: no sequence with at least two tokens was seen")
-        m = float(self.k_sum) / n
+        ks = torch.arange(self.dim + 1, dtype=F64, device=self.device)
+        seen = torch.nonzero(self.k_count).flatten()
+        m = float(self.k_count @ ks) / n
         return {
             "threshold": self.threshold,
             "n_sequences": n,
             "k_mean": m,
-            "k_std": math.sqrt(max(0.0, float(self.k_sq) / n - m * m)),
-            "k_min": float(self.k_min),
-            "k_max": float(self.k_max),
+            "k_std": math.sqrt(max(0.0, float(self.k_count @ ks.square()) / n - m * m)),
+            "k_min": float(seen[0]),
+            "k_max": float(seen[-1]),
             "sequence_curve": (self.curve_sum / n).tolist(),
         }
 
 
 class CosineAccumulator(Accumulator):
-    """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences.
+    """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences: for T
+    unit vectors u_i, (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)) (a zero token has cosine 0;
+    sequences of one token are skipped). Sums, on ``device``, are kept around a reference cosine."""
 
-    The diagonal (a token with itself) is excluded: for a sequence of T tokens with unit
-    vectors u_i the value is (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)). A zero token has
-    cosine 0 with every other token. Sequences of one token have no pair and are skipped.
-
-    Args:
-        device: where the sums live.
-    """
-
-    # The spread of per-sequence cosines is often tiny next to their mean (tokens that share a
-    # large common component all have cosine ~1), so E[c^2] - E[c]^2 would cancel to noise. The
-    # sums are taken around a reference value ``c0`` (the first batch's mean cosine), re-expressed
-    # exactly on merge and all-reduce, the scalar version of the vector shift used above.
-    _sum_names = ()  # n_seq and the centred sums are merged together (below), not summed blindly
+    _sum_names = ("n_seq", "cos_sum", "cos_sq")  # sums of 1, (c - shift) and (c - shift)^2
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         z = lambda: torch.zeros((), dtype=F64, device=self.device)  # noqa: E731
-        self.n_seq, self.cos_sum, self.cos_sq = z(), z(), z()  # sums of (c - c0) and (c - c0)^2
-        self.c0: Optional[torch.Tensor] = None
+        self.n_seq, self.cos_sum, self.cos_sq = z(), z(), z()
 
-    def _recentre(self, c0: torch.Tensor) -> None:
-        """Re-express the sums around ``c0``: c - c0 = (c - a) + d with d = a - c0."""
-        c0 = c0.to(self.device, F64).clone()
-        if self.c0 is not None:
-            d = self.c0 - c0
-            self.cos_sq = self.cos_sq + 2 * d * self.cos_sum + self.n_seq * d * d
-            self.cos_sum = self.cos_sum + self.n_seq * d
-        self.c0 = c0
+    def _shift_shape(self) -> Optional[tuple[int, ...]]:
+        return ()
 
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, CosineAccumulator)
-        if other.c0 is None:
-            return
-        if self.c0 is None:
-            self.c0 = other.c0.to(self.device).clone()
-        o1, o2, n_o = (t.to(self.device) for t in (other.cos_sum, other.cos_sq, other.n_seq))
-        d = other.c0.to(self.device) - self.c0
-        self.cos_sq = self.cos_sq + o2 + 2 * d * o1 + n_o * d * d
-        self.cos_sum = self.cos_sum + o1 + n_o * d
-        self.n_seq = self.n_seq + n_o
-
-    def _all_reduce_extra(self, group: Any) -> None:
-        # the lowest rank that has seen a sequence supplies c0; every rank re-centres on it
-        c0 = broadcast_from_lowest_rank(self.c0, (), self.device, group)
-        if c0 is None:
-            return
-        self._recentre(c0)
-        for t in (self.n_seq, self.cos_sum, self.cos_sq):
-            dist.all_reduce(t, group=group)
-
-    def copy(self) -> "Accumulator":
-        new = super().copy()
-        assert isinstance(new, CosineAccumulator)
-        new.n_seq, new.cos_sum, new.cos_sq = self.n_seq.clone(), self.cos_sum.clone(), self.cos_sq.clone()
-        new.c0 = None if self.c0 is None else self.c0.clone()
-        return new
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {
-            "n_seq": self.n_seq.cpu().clone(),
-            "cos_sum": self.cos_sum.cpu().clone(),
-            "cos_sq": self.cos_sq.cpu().clone(),
-            "c0": None if self.c0 is None else self.c0.cpu().clone(),
-        }
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.n_seq = sd["n_seq"].to(self.device, F64).clone()
-        self.cos_sum = sd["cos_sum"].to(self.device, F64).clone()
-        self.cos_sq = sd["cos_sq"].to(self.device, F64).clone()
-        self.c0 = None if sd.get("c0") is None else sd["c0"].to(self.device, F64).clone()
+    def _move_sums(self, d: torch.Tensor) -> None:
+        self.cos_sq = self.cos_sq + 2 * d * self.cos_sum + self.n_seq * d * d
+        self.cos_sum = self.cos_sum + self.n_seq * d
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor) -> None:
@@ -227,8 +130,8 @@ class CosineAccumulator(Accumulator):
         y: Optional[torch.Tensor] = None,
         shift: Optional[torch.Tensor] = None,
     ) -> None:
-        """``y = x - shift`` in float64 may be given (the geometry accumulator has it): then
-        sum_i x_i/||x_i|| = sum_i y_i/||x_i|| + (sum_i 1/||x_i||) shift needs no float64 copy of x."""
+        """With ``y = x - shift`` given, sum_i x_i/||x_i|| = sum_i y_i/||x_i|| + (sum_i 1/||x_i||) shift
+        needs no float64 copy of x."""
         nrm = torch.linalg.vector_norm(x, dim=1, dtype=F64)
         nz = nrm > 0
         inv = torch.where(nz, 1.0 / nrm.clamp_min(1e-300), torch.zeros_like(nrm))
@@ -242,20 +145,20 @@ class CosineAccumulator(Accumulator):
         cos = ((usum * usum).sum(1) - usq)[ok] / (cnt[ok] * (cnt[ok] - 1))
         if not bool(ok.any()):
             return
-        if self.c0 is None:
-            self.c0 = cos.mean()
-        dev = cos - self.c0
+        if self.shift is None:
+            self.shift = cos.mean()
+        dev = cos - self.shift
         self.n_seq += int(ok.sum())
         self.cos_sum += dev.sum()
         self.cos_sq += (dev * dev).sum()
 
     def compute(self) -> dict[str, float]:
         n = float(self.n_seq)
-        if n == 0 or self.c0 is None:
+        if n == 0 or self.shift is None:
             raise DataError("cosine: no sequence with at least two tokens was seen")
-        dm = float(self.cos_sum) / n  # mean deviation from c0
+        dm = float(self.cos_sum) / n  # mean deviation from the shift
         return {
-            "cosine_mean": float(self.c0) + dm,
+            "cosine_mean": float(self.shift) + dm,
             "cosine_std": math.sqrt(max(0.0, float(self.cos_sq) / n - dm * dm)),
             "n_sequences": n,
         }

@@ -1,31 +1,14 @@
-"""Streaming token geometry for one layer, and the import path of every accumulator.
-
-:class:`GeometryAccumulator` feeds one batch of a layer's tokens to the accumulators of each
-analysis and shares the costly parts between them (one shifted float64 copy of the batch, one
-d x d update). The analyses live in their own modules:
-
-- :mod:`.accumulate`: the base :class:`Accumulator` (float64 sums, shift against cancellation,
-  merge / all-reduce / resume) and :func:`check_inputs`;
-- :mod:`.variance`: :class:`AnovaAccumulator` (law-of-total-variance decomposition);
-- :mod:`.classes`: :class:`ClassAccumulator` (Neural Collapse, CDNV, linguistic collapse) and
-  :class:`NC4Accumulator` (its second pass);
-- :mod:`.sequences`: :class:`SpectraAccumulator` (per-sequence k99) and
-  :class:`CosineAccumulator` (within-sequence cosine).
-
-They are re-exported here, so ``from lapheads.geometry.streaming import ClassAccumulator`` keeps
-working. The in-memory functions of :mod:`lapheads.geometry.measures` give the same numbers on
-one tensor.
-"""
+"""Streaming token geometry for one layer (:class:`GeometryAccumulator`), and the import path of every
+accumulator (re-exported from :mod:`.accumulate`, :mod:`.variance`, :mod:`.classes` and
+:mod:`.sequences`)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from ..errors import DataError
-from .accumulate import F64, Accumulator, check_inputs, dense_ids
+from .accumulate import F64, Accumulator, check_inputs, dense_ids, or_error
 from .classes import ClassAccumulator, NC4Accumulator
 from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold, sequence_eigenvalues
 from .variance import AnovaAccumulator
@@ -44,33 +27,24 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
-# everything for one layer
-
-
 class GeometryAccumulator(Accumulator):
     """All measures for one layer: ANOVA, NC on tokens and on sequence means, spectra, cosine.
 
-    Feed it tokens with their sequence ids and either
-
-    - ``class_ids``: the class of each token's sequence (an image label). Gives the three-way
-      ANOVA, NC on tokens labelled by their sequence's class, and NC on sequence means; or
-    - ``token_classes``: a class per token (a language model's next-token id, ``-1`` where there
-      is none). Gives linguistic collapse on tokens; ANOVA is then within vs between sequences.
-
-    Both can be given. The global spectrum comes from the token accumulator's covariance, so the
-    d x d update is paid once.
+    Feed it tokens with their sequence ids and ``class_ids`` (the class of each token's sequence,
+    an image label: three-way ANOVA, NC on tokens and on sequence means) and/or ``token_classes``
+    (a class per token, e.g. the next-token id, -1 for none: linguistic collapse on tokens).
 
     Args:
         dim: feature dimension.
         min_count: minimum tokens per class for the class-mean measures on tokens.
         threshold: variance fraction for the per-sequence and global k (0.99 = k99).
-        spectra: compute per-sequence spectra (an eigen-decomposition per sequence; the costliest
-            part after the d x d update).
+        spectra: compute per-sequence spectra (after the d x d update, the costliest part).
         cosine: compute the within-sequence cosine.
         tile: block size of the pairwise class computations.
         device: where the sums live.
     """
+
+    _sum_names = ("batches",)
 
     def __init__(
         self,
@@ -90,7 +64,7 @@ class GeometryAccumulator(Accumulator):
         self.seq_means = ClassAccumulator(dim, min_count=1, tile=tile, device=device)
         self.spectra = SpectraAccumulator(dim, threshold, device=device) if spectra else None
         self.cosine = CosineAccumulator(device=device) if cosine else None
-        self.n_batches = 0
+        self.batches = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -109,20 +83,10 @@ class GeometryAccumulator(Accumulator):
             ch["cosine"] = self.cosine
         return ch
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"n_batches": self.n_batches}
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.n_batches = int(sd["n_batches"])
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, GeometryAccumulator)
-        self.n_batches += other.n_batches
-
-    def _all_reduce_extra(self, group: Any) -> None:
-        t = torch.tensor([self.n_batches], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, group=group)
-        self.n_batches = int(t.item())
+    @property
+    def n_batches(self) -> int:
+        """Batches added (over every merged accumulator and rank)."""
+        return int(self.batches)
 
     @torch.no_grad()
     def update(
@@ -132,17 +96,9 @@ class GeometryAccumulator(Accumulator):
         class_ids: Optional[torch.Tensor] = None,
         token_classes: Optional[torch.Tensor] = None,
     ) -> None:
-        """Add one batch of tokens.
-
-        Args:
-            x: (N, D) tokens (padding already removed).
-            sequence_ids: (N,) sequence of each token; sequences are complete within a batch.
-            class_ids: (N,) class of each token's sequence, or None.
-            token_classes: (N,) per-token class (``-1`` = none), or None (then ``class_ids``).
-        """
-        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        """Add one batch: ``x`` (N, D) tokens without padding, ``sequence_ids`` (N,) (sequences complete
+        in the batch), ``class_ids`` (N,) or None, ``token_classes`` (N,) or None (then ``class_ids``)."""
+        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids", dim=self.dim)
         if token_classes is not None:
             _, _, tcl = check_inputs(x[:, :1], None, token_classes, label_name="token_classes")
         else:
@@ -152,14 +108,14 @@ class GeometryAccumulator(Accumulator):
         if self.anova.shift is None and self.tokens.shift is None:
             sh = x.mean(0, dtype=F64)
             self.anova.shift, self.tokens.shift = sh, sh.clone()
-        # one shifted float64 copy shared by ANOVA and the class sums (x - shift promotes to
-        # float64 in the same pass); the shifts differ only after unusual merges
+        # one shifted float64 copy shared by ANOVA and the class sums (the shifts differ only after unusual merges)
         y = x - self.anova.shift
         r = torch.linalg.vector_norm(y, dim=1).square()
         dsid, S = dense_ids(sid.to(self.device))
         ssum = self.anova._update_prepared(y, dsid, S, r, cid)
-        if torch.equal(self.tokens.shift, self.anova.shift):
-            self.tokens._update_prepared(y, self._labels(tcl, y), r, ssum.sum(0))
+        same = torch.equal(self.tokens.shift, self.anova.shift)
+        if same:
+            self.tokens._update_prepared(y, tcl, r, ssum.sum(0))
         else:
             self.tokens.update(x, tcl)
         if cid is not None:
@@ -169,33 +125,17 @@ class GeometryAccumulator(Accumulator):
             self.seq_means.update(means, scls)
         if self.spectra is not None:
             self.spectra.update(x, sid)
-        if self.cosine is not None:
-            if torch.equal(self.tokens.shift, self.anova.shift):
-                self.cosine._update_prepared(x, dsid, S, y, self.anova.shift)
-            else:
-                self.cosine._update_prepared(x, dsid, S)
-        self.n_batches += 1
-
-    @staticmethod
-    def _labels(tcl: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
-        if tcl is None:
-            return torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
-        return tcl.to(y.device)
+        if self.cosine is not None:  # from y when the shifts agree, saving a float64 copy of x
+            self.cosine._update_prepared(x, dsid, S, y if same else None, self.anova.shift)
+        self.batches += 1
 
     def compute(self, classifier: Optional[tuple[Any, Any]] = None) -> dict[str, Any]:
-        """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``.
-
-        Sections that cannot be computed (e.g. NC with fewer than two classes) hold
-        ``{"error": message}`` instead of numbers.
-        """
+        """Per-layer result: ``anova``, ``nc_tokens``, ``nc_sequence_means``, ``spectra``, ``cosine``; a
+        section the data cannot give (NC with fewer than two classes) holds ``{"error": message}``."""
         res: dict[str, Any] = {"anova": self.anova.compute()}
         for key, acc, clf in (("nc_tokens", self.tokens, classifier), ("nc_sequence_means", self.seq_means, None)):
-            if acc._n_classes_capacity() == 0:
-                continue
-            try:
-                res[key] = acc.compute(clf)
-            except DataError as e:
-                res[key] = {"error": str(e)}
+            if acc._n_classes_capacity():
+                res[key] = or_error(lambda acc=acc, clf=clf: acc.compute(clf))
         cov = self.tokens.covariance()
         ev = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0.0)
         tot = float(ev.sum())
@@ -206,14 +146,8 @@ class GeometryAccumulator(Accumulator):
             "global_curve": (ev / tot).tolist() if tot > 0 else [0.0] * self.dim,
         }
         if self.spectra is not None:
-            try:
-                spec.update(self.spectra.compute())
-            except DataError as e:
-                spec["error"] = str(e)
+            spec.update(or_error(self.spectra.compute))
         res["spectra"] = spec
         if self.cosine is not None:
-            try:
-                res["cosine"] = self.cosine.compute()
-            except DataError as e:
-                res["cosine"] = {"error": str(e)}
+            res["cosine"] = or_error(self.cosine.compute)
         return res

@@ -1,13 +1,5 @@
-"""ANOVA of token scatter, streamed: within sequence, between sequences, between classes.
-
-(Named ``variance`` rather than ``anova`` so it cannot shadow the in-memory
-:func:`lapheads.geometry.anova` on the package.)
-
-The law of total variance splits the token-weighted scatter exactly; see
-:func:`lapheads.geometry.anova` for the one-shot version, computed independently with centred
-sums so the two check each other. ANOVA uses the token-weighted global mean, as the law of
-total variance requires.
-"""
+"""ANOVA of token scatter, streamed: within sequence, between sequences, between classes (the
+one-shot :func:`lapheads.geometry.anova` is computed independently, so the two check each other)."""
 
 from __future__ import annotations
 
@@ -21,21 +13,10 @@ from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
 __all__ = ["AnovaAccumulator", "add_fractions", "sequence_classes"]
 
 
-# ---------------------------------------------------------------------------------------------
-# ANOVA
-
-
 class AnovaAccumulator(Accumulator):
-    """Law-of-total-variance decomposition of token scatter, streamed.
-
-    ``total = within-sequence + between-sequences-within-class + between-class`` (sums of squared
-    distances, token weighted). Without classes the decomposition is within vs between
-    sequences.
-
-    Args:
-        dim: feature dimension D.
-        device: where the sums live.
-    """
+    """Law-of-total-variance decomposition of ``dim``-wide token scatter, streamed (sums on ``device``):
+    ``total = within-sequence + between-sequences-within-class + between-class`` (token weighted);
+    without classes, within vs between sequences."""
 
     _sum_names = ("n", "sum", "sumsq", "within", "seqterm", "n_seq", "class_count", "class_sum")
 
@@ -61,17 +42,12 @@ class AnovaAccumulator(Accumulator):
             self.class_count = torch.cat([self.class_count, self.class_count.new_zeros(n - c)])
             self.class_sum = torch.cat([self.class_sum, self.class_sum.new_zeros(n - c, self.dim)])
 
-    def _reshift(self, new_shift: torch.Tensor) -> None:
-        if self.shift is None:
-            self.shift = new_shift.to(self.device, F64)
-            return
-        d = self.shift - new_shift.to(self.device, F64)  # x - b = (x - a) + d
+    def _move_sums(self, d: torch.Tensor) -> None:
         dd = float(d @ d)
         self.sumsq = self.sumsq + 2 * (d @ self.sum) + self.n * dd
         self.seqterm = self.seqterm + 2 * (d @ self.sum) + self.n * dd
         self.sum = self.sum + self.n * d
         self.class_sum = self.class_sum + self.class_count[:, None] * d
-        self.shift = new_shift.to(self.device, F64).clone()
 
     def _extra_state(self) -> dict[str, Any]:
         return {"has_classes": self.has_classes}
@@ -86,16 +62,9 @@ class AnovaAccumulator(Accumulator):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor, class_ids: Optional[torch.Tensor] = None) -> None:
-        """Add one batch.
-
-        Args:
-            x: (N, D) tokens.
-            sequence_ids: (N,) sequence of each token; every sequence is complete in this batch.
-            class_ids: (N,) class of each token's sequence (constant within a sequence), or None.
-        """
-        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids")
-        if x.shape[1] != self.dim:
-            raise DataError(f"x has dimension {x.shape[1]}, this accumulator expects {self.dim}")
+        """Add one batch: ``x`` (N, D) tokens, ``sequence_ids`` (N,) (every sequence complete in this
+        batch), ``class_ids`` (N,) the class of each token's sequence, or None."""
+        x, sid, cid = check_inputs(x, sequence_ids, class_ids, label_name="class_ids", dim=self.dim)
         self.check_classes(cid, " for ANOVA")
         y = self._prep(x)
         sid, S = dense_ids(sid)
@@ -114,12 +83,8 @@ class AnovaAccumulator(Accumulator):
     def _update_prepared(
         self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor, cid: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Add shifted float64 rows; ``sid`` dense 0..S-1, ``r`` squared row norms.
-
-        The within-sequence scatter is sum ||y||^2 - sum_s ||S_s||^2 / n_s per batch: exact up to
-        float64 rounding because ``y`` is already shifted near the data, and it needs one pass
-        over the rows instead of four for the centred form. Returns the per-sequence sums.
-        """
+        """Add shifted float64 rows (``sid`` dense 0..S-1, ``r`` squared row norms); returns the
+        per-sequence sums."""
         cnt = torch.bincount(sid, minlength=S).to(F64)
         ssum = segment_sum(y, sid, S)
         sq = (ssum * ssum).sum(1) / cnt
@@ -150,9 +115,8 @@ class AnovaAccumulator(Accumulator):
             "n_sequences": float(self.n_seq),
             "total": total,
             "within_sequence": within,
+            "between_sequence": float(self.seqterm) - g,
         }
-        between_seq = float(self.seqterm) - g
-        out["between_sequence"] = between_seq
         if self.has_classes:
             keep = self.class_count > 0
             cterm = float(((self.class_sum[keep] ** 2).sum(1) / self.class_count[keep]).sum())

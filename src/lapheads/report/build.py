@@ -1,10 +1,6 @@
-"""Building the report: collect the runs, compute every statistic, draw the figures, and fill the
-:class:`~lapheads.report.model.Report` model; :func:`build_report` also renders and writes it.
-
-Every sentence about what was run (settings, seeds, optimizer steps, eval points, plateau and
-chance flags, how many verdicts the seeds allow) is computed from the runs here, so the report
-never repeats a claim its data do not support.
-"""
+"""Building the report: collect the runs, compute every statistic, draw the figures and fill the
+:class:`~lapheads.report.model.Report` model (:func:`make_report`); :func:`build_report` also
+renders and writes it."""
 
 from __future__ import annotations
 
@@ -41,19 +37,14 @@ def _plateaued(runs: list[dict], flags: dict[str, Plateau]) -> Cell:
     return Cell(text + (f" ({st.count('unknown')} unknown)" if "unknown" in st else ""), (st.count("yes"), len(st)))
 
 
-def _stat_cell(stat: tuple[float, float, int]) -> Cell:
-    return Cell(fmt(*stat), stat)
-
-
 def _setting_table(recipe: str, groups: dict, flags: dict[str, Plateau]) -> Table:
     """One row per Laplacian-head setting: runs, plateaued, then the metric and geometry columns with data."""
-    metrics = [(m.key, m.label) for m in metrics_of(recipe) if any(g[m.key][2] for g in groups.values())]
-    geo = [(k, n) for k, *_, n in GEOMETRY if any(g[k][2] for g in groups.values())]
-    header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in metrics] + [n for _, n in geo]
+    cols = [(m.key, m.label) for m in metrics_of(recipe)] + [(k, n) for k, *_, n in GEOMETRY]
+    cols = [(k, n) for k, n in cols if any(g[k][2] for g in groups.values())]
+    header = ["Laplacian heads", "runs", "plateaued"] + [n for _, n in cols]
     rows = [
         [Cell(label), Cell(str(len(g["runs"])), len(g["runs"])), _plateaued(g["runs"], flags)]
-        + [_stat_cell(g[k]) for k, _ in metrics]
-        + [_stat_cell(g[k]) for k, _ in geo]
+        + [Cell(fmt(*g[k]), g[k]) for k, _ in cols]
         for label, g in groups.items()
     ]
     return Table(header, rows)
@@ -69,8 +60,7 @@ def _runs_table(runs: list[dict], flags: dict[str, Plateau]) -> Table:
     rows = []
     for r in runs:
         final = {k: v for k, v in r["final"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        steps = _steps(r)
-        flag = flags[r["dir"]]
+        steps, flag = _steps(r), flags[r["dir"]]
         chance = "-" if not r["chance"] else (f"yes ({r['at_chance']})" if r["at_chance"] else "no")
         rows.append(
             [
@@ -98,8 +88,8 @@ def _span(values: Sequence[int]) -> str:
 
 
 def what_was_run(groups: dict, flags: dict[str, Plateau]) -> str:
-    """One paragraph, from the runs alone: settings and seeds, optimizer steps, eval points, how
-    many runs plateaued and how many are at chance, and whether the seeds allow a verdict."""
+    """One paragraph, from the runs alone: settings, seeds, steps, eval points, plateau and chance
+    counts, and whether the seeds allow a verdict."""
     runs = [r for g in groups.values() for r in g["runs"]]
     settings = "; ".join(
         f"{label}: {len(g['runs'])} run(s), seed(s) {', '.join(str(r['seed']) for r in g['runs'])}"
@@ -138,8 +128,8 @@ def what_was_run(groups: dict, flags: dict[str, Plateau]) -> str:
 def _recipe_section(
     recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, plateau_window: float, plateau_tol: float
 ) -> Section:
-    """The section of one recipe: what was run, its table, the note on the columns, its figures
-    (drawn here) and, for learned head mixing, the suggested fixed selections."""
+    """The section of one recipe: what was run, its table and notes, its figures (drawn here) and
+    the suggested fixed selections of learned head mixing."""
     figs = out / "figures"
     sec = Section(
         recipe,
@@ -160,17 +150,15 @@ def _recipe_section(
         ("layers", fig_layers, "token geometry per layer", ""),
         ("spectra", fig_spectra, "per-sequence spectrum of the last block", ""),
     ]
+    if get_recipe(recipe).kind == "vit":  # a language model has no patch tokens
+        makers.append(("pca", fig_pca, "PCA maps of patch tokens (top 3 components as RGB)", ""))
     for name, fn, caption, curve in makers:
         p = fn(groups, figs / f"{recipe}_{name}.png", recipe)
         if p is not None:
             sec.figures.append(_figure(p, out, f"{recipe}: {caption}"))
         elif curve and curve_note(groups, recipe, curve):
             sec.notes.append(curve_note(groups, recipe, curve))
-    if get_recipe(recipe).kind == "vit":  # vision runs; a language model has no patch tokens
-        p = fig_pca(groups, figs / f"{recipe}_pca.png", recipe)
-        if p is not None:
-            sec.figures.append(_figure(p, out, f"{recipe}: PCA maps of patch tokens (top 3 components as RGB)"))
-    mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")  # runs that learned their head mixing
+    mixing = learned_mixing(groups, figs / f"{recipe}_mixing.png")
     if mixing is not None:
         sec.figures.append(_figure(mixing[0], out, f"{recipe}: learned head mixing, Laplacian-ness per layer and head"))
         sec.items += mixing[1]
@@ -207,9 +195,8 @@ def _verdict_count(cl: Sequence[dict]) -> str:
 
 
 def run_figures(run_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
-    """The figures of one run's own report, drawn into ``out_dir``, as ``(file, "report/NAME")``:
-    what ``lapheads train`` hands to the run's trackers (:func:`lapheads.engine.trackers.add_final_files`).
-    A directory without ``config.yaml`` has none."""
+    """The figures of one run's own report, drawn into ``out_dir``, as ``(file, "report/NAME")`` (for
+    the run's trackers); none for a directory without ``config.yaml``."""
     if not (Path(run_dir) / "config.yaml").is_file():
         return []
     report = make_report([run_dir], out_dir, title=f"lapheads run {Path(run_dir).name}")
@@ -228,17 +215,12 @@ def make_report(
     return the :class:`Report` (nothing else is written).
 
     Args:
-        run_dirs: run directories (finished or not: unfinished ones are named and left out of the
-            final metrics).
+        run_dirs: run directories (unfinished ones are named and left out of the final metrics).
         out_dir: the report directory; figure paths in the model are relative to it.
         title: the report's heading.
         intro: paragraphs (separated by blank lines) under the heading.
-        plateau_window: fraction of training at the end over which a run's plateau flag measures
-            the change of its validation metric.
+        plateau_window: fraction of training at the end over which the plateau flag is measured.
         plateau_tol: largest relative change over that window that counts as a plateau.
-
-    Returns:
-        The report model, ``summary`` included.
     """
     if not run_dirs:
         raise ConfigError("no run directories given to the report")
@@ -296,13 +278,8 @@ def build_report(
     plateau_window: float = 0.2,
     plateau_tol: float = 0.01,
 ) -> dict[str, Path]:
-    """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``.
-
-    Args: as :func:`make_report`.
-
-    Returns:
-        ``{"md": path, "html": path, "summary": path}``.
-    """
+    """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``
+    (arguments as :func:`make_report`); returns ``{"md": path, "html": path, "summary": path}``."""
     report = make_report(run_dirs, out_dir, title, intro, plateau_window, plateau_tol)
     out = Path(out_dir)
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")

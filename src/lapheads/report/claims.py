@@ -1,18 +1,13 @@
 """The paper's claims checked on the runs: every Laplacian-head setting against k=0, per recipe and
-(for grids) per grid point, with Welch's test over seeds (:func:`lapheads.stats.compare`).
-
-A verdict is withheld (the statistics are still shown) when a setting has fewer than
-:data:`lapheads.stats.MIN_SEEDS` seeds, and when a compared run is at chance
-(:func:`lapheads.report.collect.run_at_chance`): a model that learned nothing says nothing about
-how Laplacian heads shape what a model learns.
-"""
+per grid point, with Welch's test over seeds; no verdict with fewer than
+:data:`lapheads.stats.MIN_SEEDS` seeds per setting or with a compared run at chance."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 from ..stats import Comparison, Plateau, compare
-from .collect import grid_points, main_metric, run_plateau, run_value, summarise
+from .collect import by_recipe, grid_points, main_metric, run_plateau, run_value, summarise
 
 # ----------------------------------------------------------------------------------- claims
 # (summary key, the claim predicts lower values with Laplacian heads, claim, how it is measured)
@@ -100,11 +95,8 @@ def _convergence_note(groups: dict, labels: Sequence[str], flags: dict[str, Plat
 def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[dict[str, Any]]:
     """One entry per (recipe, claim) with data: ``{"recipe", "key", "claim", "how", "want_lower",
     "comparisons": [Comparison], "convergence": str, "text": str}``."""
-    flags = (
-        flags
-        if flags is not None
-        else {r["dir"]: run_plateau(r) for gs in summary.values() for g in gs.values() for r in g["runs"]}
-    )
+    if flags is None:
+        flags = {r["dir"]: run_plateau(r) for gs in summary.values() for g in gs.values() for r in g["runs"]}
     out = []
     for recipe, groups in summary.items():
         spec = list(CLAIMS)
@@ -138,17 +130,10 @@ def claims(summary: dict, flags: Optional[dict[str, Plateau]] = None) -> list[di
 
 
 def grid_claims(runs: Sequence[dict], flags: dict[str, Plateau]) -> list[dict[str, Any]]:
-    """:func:`claims` inside each grid point, for every recipe whose runs differ in config values.
-
-    A grid point is one combination of the grid axes (:func:`grid_axes`); its runs differ only in k
-    and seed, so a comparison there is not blurred by the spread between points. Each entry is a
-    :func:`claims` entry whose ``claim`` names the point, plus ``"point"`` (``"embed_dim=32, epochs=5"``).
-    """
+    """:func:`claims` inside each grid point (runs that differ only in k and seed), for every recipe
+    with several points; each entry's ``claim`` names its point, also in ``"point"``."""
     out: list[dict[str, Any]] = []
-    by_recipe: dict[str, list[dict]] = {}
-    for r in runs:
-        by_recipe.setdefault(r["recipe"], []).append(r)
-    for recipe, rs in by_recipe.items():
+    for recipe, rs in by_recipe(runs).items():
         points = grid_points(rs)
         if len(points) < 2:
             continue

@@ -1,10 +1,5 @@
-"""The runs a report compares, read back: final metrics, curves, geometry, plateau and chance flags,
-grid points, and the mean ± std over seeds of every number per Laplacian-head setting.
-
-A run is a plain dict (:func:`collect_run`). The metrics compared are the recipe's own
-(:attr:`lapheads.recipes.Recipe.metrics`, the first being its main metric) and the geometry
-numbers of :data:`GEOMETRY`.
-"""
+"""The runs a report compares, read back as plain dicts (:func:`collect_run`): final metrics, curves,
+geometry, plateau and chance flags, grid points, and the mean ± std over seeds per setting."""
 
 from __future__ import annotations
 
@@ -22,9 +17,9 @@ from ..runs import load_geometry
 from ..stats import Plateau, at_chance, plateau
 from ..variants import variant_label
 
-# geometry numbers summarised in the table: (summary key, layer, section, field, label). Layer
-# "last": the last transformer block; "classifier": the features the classifier reads (the run's
-# meta.classifier_layer, else pre_logits, else the last block).
+# geometry numbers summarised in the table: (summary key, layer, section, field, label); layer "last"
+# is the last transformer block, "classifier" the classifier's input (meta.classifier_layer, pre_logits
+# or the last block)
 GEOMETRY = [
     ("anova.frac_within_sequence", "last", "anova", "frac_within_sequence", "within-seq frac"),
     ("anova.frac_between_class", "last", "anova", "frac_between_class", "between-class frac"),
@@ -50,8 +45,7 @@ def main_metric(recipe: str) -> Optional[Metric]:
 
 def collect_run(run_dir: Path) -> dict[str, Any]:
     """One run as the report reads it: name, recipe, head label, seed, final metrics, training and
-    validation records, whether it finished, where ``train.until_plateau`` stopped it, its geometry
-    and the chance level of its metrics (:meth:`lapheads.recipes.Recipe.chance`)."""
+    validation records, whether it finished, its plateau stop, geometry and chance levels."""
     run = RunDir(run_dir)
     cfg = run.read_config()
     recipe = get_recipe(cfg["recipe"])
@@ -122,19 +116,14 @@ def run_plateau(run: dict, window: float = 0.2, tol: float = 0.01) -> Plateau:
     """Plateau flag of a run's validation curve of its recipe's main metric (:func:`lapheads.stats.plateau`)."""
     m = main_metric(run["recipe"])
     pts = [(r["step"], r[m.key]) for r in run["val"] if m and isinstance(r.get(m.key), (int, float))]
-    return plateau(
-        [s for s, _ in pts],
-        [v for _, v in pts],
-        window,
-        tol,
-        stopped_at=run.get("plateau_stop"),
-        mode=None if m is None else ("max" if m.higher_is_better else "min"),
-    )
+    mode = None if m is None else ("max" if m.higher_is_better else "min")
+    steps, values = [s for s, _ in pts], [v for _, v in pts]
+    return plateau(steps, values, window, tol, stopped_at=run.get("plateau_stop"), mode=mode)
 
 
 def run_at_chance(run: dict) -> Optional[str]:
     """Why a finished run is at chance (its first metric with a chance level is no better than a
-    guess, :func:`lapheads.stats.at_chance`), or None: above chance, or no chance level known."""
+    guess, :func:`lapheads.stats.at_chance`), or None."""
     for m in metrics_of(run["recipe"]):
         level, value = run["chance"].get(m.key), run_value(run, m.key)
         if level is None or value is None:
@@ -158,9 +147,7 @@ def mean_std(xs: Sequence[Optional[float]]) -> tuple[float, float, int]:
 def num(x: Any, digits: int = 4) -> str:
     """A number for people: integers (and integral values) in full (``10000``, never ``1e+04``),
     other values to ``digits`` significant digits, large ones rounded to an integer."""
-    if isinstance(x, bool):
-        return str(x)
-    if isinstance(x, int):
+    if isinstance(x, int):  # bools too
         return str(x)
     x = float(x)
     if not math.isfinite(x):
@@ -197,6 +184,14 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
 _NOT_AXES = {"model.laplacian_heads", "model.attention", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
 
 
+def by_recipe(runs: Sequence[dict]) -> dict[str, list[dict]]:
+    """The runs of each recipe, in order."""
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(r["recipe"], []).append(r)
+    return out
+
+
 def grid_axes(configs: Sequence[dict]) -> list[str]:
     """Config keys whose values differ between runs (of one recipe): the grid axes of a sweep."""
     flats = [flatten_config(c) for c in configs]
@@ -215,11 +210,8 @@ def axis_order(values: Sequence[Any]) -> tuple:
 
 
 def grid_points(runs: Sequence[dict]) -> dict[str, list[dict]]:
-    """The runs of ONE recipe by grid point (one combination of :func:`grid_axes`), in axis order.
-
-    Keys name the point (``"embed_dim=32, epochs=5"``); runs that differ only in k and seed share a
-    point. Without grid axes every run is in one point named ``""``.
-    """
+    """The runs of ONE recipe by grid point (one combination of :func:`grid_axes`, named
+    ``"embed_dim=32, epochs=5"``; ``""`` without axes), in axis order."""
     configs = [RunDir(r["dir"]).read_config() for r in runs]
     axes = grid_axes(configs)
     points: dict[tuple, list[dict]] = {}

@@ -1,12 +1,6 @@
-"""The report's figures, drawn with matplotlib (Agg) into PNG files: training and validation curves,
-the main metric per setting, token geometry per layer, spectra, PCA maps of patch tokens, and the
-learned head mixing.
-
-Each ``fig_*`` function returns the file it wrote, or None when there is nothing to draw. A curve
-needs at least :data:`MIN_CURVE_POINTS` points to be drawn as a line; series with fewer are drawn
-as markers, and a figure where every series is that short is left out (:func:`curve_note` says
-why, in a sentence for the report). Layer axes are integer positions labelled with the layer names.
-"""
+"""The report's figures, drawn with matplotlib (Agg) into PNG files; each ``fig_*`` function returns
+the file it wrote, or None when there is nothing to draw. A curve with fewer than
+:data:`MIN_CURVE_POINTS` points is drawn as markers; layer axes are integer positions."""
 
 from __future__ import annotations
 
@@ -30,10 +24,7 @@ MIN_CURVE_POINTS = 3  # fewer points per run: markers, and no figure when every 
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend (imported here: plotting code only)."""
-    import matplotlib  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: the Agg backend must be chosen before pyplot loads; plotting code only
+    from ..geometry.plots import plt  # lazy: it chooses the Agg backend before pyplot loads
 
     return plt
 
@@ -55,23 +46,22 @@ def _finish_lines(plt, fig, ax, drawn: bool, path: Path, xlabel: str, ylabel: st
         from matplotlib.ticker import MaxNLocator  # lazy, as pyplot
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
+    return save(fig, path)
+
+
+def save(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close a figure; returns ``path``."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
     return path
 
 
 def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, float]]]]:
-    """``(line label, per-run {step: value})`` for the curve figures: one line per setting and grid point.
-
-    ``values(run)`` gives a run's curve. The runs of a setting (k) are split by grid point
-    (:func:`grid_points`): a sweep over widths or lengths then draws ``k=0 (embed_dim=32)`` and
-    ``k=0 (embed_dim=64)``, never a mean ± std pooled over points whose curves differ by design.
-    Runs without a curve are left out.
-    """
+    """``(line label, per-run {step: value})`` for the curve figures, ``values(run)`` giving a run's
+    curve: one line per setting and grid point (``k=0 (embed_dim=32)``), runs without a curve left out."""
     runs = [r for g in groups.values() for r in g["runs"]]
     by_grid = grid_points(runs) if runs else {}
     rank = {name: i for i, name in enumerate(by_grid)}  # axis order
@@ -98,9 +88,8 @@ def _val_metric(key: str) -> Any:
 
 
 def _draw_curves(groups: dict, values: Any, path: Path, ylabel: str, title: str) -> Optional[Path]:
-    """Mean ± std over seeds of each :func:`curve_series` line, at the steps all its runs share;
-    a series with fewer than :data:`MIN_CURVE_POINTS` steps as markers only, and no figure (None)
-    when every series is that short."""
+    """Mean ± std over seeds of each :func:`curve_series` line, at the steps all its runs share
+    (markers only below :data:`MIN_CURVE_POINTS` steps; None when every series is that short)."""
     series = []
     for label, curves in curve_series(groups, values):
         steps = sorted(set.intersection(*[set(c) for c in curves]))
@@ -131,11 +120,8 @@ def curve_note(groups: dict, recipe: str, which: str) -> str:
     counts = sorted({len(values(r)) for g in groups.values() for r in g["runs"]} - {0})
     if not counts:
         return ""
-    what, knob = (
-        ("Training loss", "train.log_every")
-        if which == "loss"
-        else (f"Validation metric ({m.label})", "train.eval_every")
-    )
+    what = "Training loss" if which == "loss" else f"Validation metric ({m.label})"
+    knob = "train.log_every" if which == "loss" else "train.eval_every"
     points = " to ".join(map(str, dict.fromkeys([counts[0], counts[-1]])))
     return (
         f"{what}: logged at {points} step(s) per run, fewer than {MIN_CURVE_POINTS}, so no curve is "
@@ -149,16 +135,12 @@ def fig_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
 
 
 def fig_val_curves(groups: dict, path: Path, recipe: str) -> Optional[Path]:
-    """The validation metric at every eval point, mean ± std over the seeds of each setting.
-
-    Drawn at the eval steps all seeds of a setting share (set ``train.eval_every`` for curves and
-    plateau flags)."""
+    """The validation metric at every eval point, mean ± std over the seeds of each setting."""
     m = main_metric(recipe)
     if m is None:
         return None
-    return _draw_curves(
-        groups, _val_metric(m.key), path, m.label, f"{recipe}: validation {m.label} (mean ± std over seeds)"
-    )
+    title = f"{recipe}: validation {m.label} (mean ± std over seeds)"
+    return _draw_curves(groups, _val_metric(m.key), path, m.label, title)
 
 
 def fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -178,13 +160,8 @@ def fig_metric(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         xs = [r["final"].get(m.key) for r in groups[lb]["runs"] if r["final"].get(m.key) is not None]
         ax.scatter([lb] * len(xs), xs, color="k", s=10, zorder=3)
     lo, hi = min(means) - 3 * max(max(stds), 1e-3), max(means) + 3 * max(max(stds), 1e-3)
-    ax.set_ylim(lo, hi)
-    ax.set_ylabel(m.label)
-    ax.set_title(f"{recipe}: {m.label} per Laplacian-head setting")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ax.set(ylim=(lo, hi), ylabel=m.label, title=f"{recipe}: {m.label} per Laplacian-head setting")
+    return save(fig, path)
 
 
 def fig_layers(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -219,10 +196,7 @@ def fig_layers(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         layer_axis(ax, names)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"{recipe}: token geometry per layer (mean ± std over seeds)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
@@ -245,35 +219,22 @@ def fig_spectra(groups: dict, path: Path, recipe: str) -> Optional[Path]:
         n = max(1, int((m > 1e-9).sum()))  # beyond the rank (tokens per sequence) only round-off is left
         ax.semilogy(np.arange(1, n + 1), m[:n], "-o", ms=2, label=label)
         drawn = True
-    return _finish_lines(
-        plt,
-        fig,
-        ax,
-        drawn,
-        path,
-        "principal component",
-        "fraction of variance",
-        f"{recipe}: per-sequence spectrum, last block",
-    )
+    title = f"{recipe}: per-sequence spectrum, last block"
+    return _finish_lines(plt, fig, ax, drawn, path, "principal component", "fraction of variance", title)
 
 
 def fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path]:
-    """PCA maps (top 3 components of patch tokens as RGB) of a few validation images per setting.
-
-    The recipe's backbone of each run (``classify``: the ViT without its classifier; ``dino``: the
-    teacher) on its held-out images with its evaluation transform (the in_chans of a greyscale
-    model included).
-    """
+    """PCA maps (top 3 components of patch tokens as RGB) of a few validation images, drawn from several
+    classes, per setting: the recipe's backbone of one run on its held-out images and eval transform."""
     reps = [(lb, g["runs"][0]) for lb, g in groups.items() if g["runs"] and g["runs"][0]["finished"]]
     if not reps:
         return None
     rec = get_recipe(recipe)
     first = rec.load_run(reps[0][1]["dir"])
     ds = rec.eval_dataset(first.config)
-    tf = first.transform
-    labels = getattr(ds, "targets", None)  # one image from each of several classes, not the first six
+    labels = getattr(ds, "targets", None)
     idx = spread_over_classes(list(labels), 6) if labels is not None else list(range(min(6, len(ds))))
-    imgs = torch.stack([tf(ds[i][0]) for i in idx])
+    imgs = torch.stack([first.transform(ds[i][0]) for i in idx])
     plt = pyplot()
     fig, axes = plt.subplots(len(reps) + 1, len(idx), figsize=(1.3 * len(idx), 1.35 * (len(reps) + 1)), squeeze=False)
     for j, i in enumerate(idx):
@@ -286,32 +247,24 @@ def fig_pca(groups: dict, path: Path, recipe: str = "classify") -> Optional[Path
             toks = model.forward_intermediates(
                 imgs, indices=[len(model.blocks) - 1], intermediates_only=True, output_fmt="NLC"
             )[-1]
-        patches = toks  # forward_intermediates drops the CLS/register tokens by default
-        side = int(round(math.sqrt(patches.shape[1])))
-        rgb = pca_rgb(patches, (side, side))
+        side = int(round(math.sqrt(toks.shape[1])))  # forward_intermediates drops the CLS/register tokens
+        rgb = pca_rgb(toks, (side, side))
         for j in range(len(idx)):
             axes[row][j].imshow(rgb[j], interpolation="nearest")
             axes[row][j].set_axis_off()
         axes[row][0].set_title(label, fontsize=7, loc="left")
     fig.suptitle("PCA maps of last-block patch tokens (one seed per setting)", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]:
-    """Heatmaps of the learned head mixing and a suggested fixed selection per setting.
+    """Heatmaps of the learned head mixing and a suggested fixed selection per setting, or None.
 
-    For every run whose ``final/metrics.json`` holds ``lap_mix`` (runs with ``laplacian_heads:
-    learn...``; see :func:`lapheads.heads.mixing_table`), one heatmap, layers x heads, coloured by
-    the scale-free Laplacian-ness ``-atan(a / b) / 45 deg`` (0 = standard ``P``, 1 = Laplacian
-    ``I - P``; :func:`lapheads.heads.laplacianness`), computed from ``a`` and ``b``. Per setting,
-    the suggested fixed selection: heads whose Laplacian-ness, averaged over seeds, lies nearer
-    the Laplacian operator (:func:`lapheads.heads.suggest_selection`).
-
-    Returns:
-        ``(figure path, lines of text)``, or None when no run learned its mixing.
+    One heatmap (layers x heads) per run whose final metrics hold ``lap_mix``
+    (:func:`lapheads.heads.mixing_table`), coloured by :func:`lapheads.heads.laplacianness` (0 =
+    standard ``P``, 1 = Laplacian ``I - P``); per setting, the heads whose Laplacian-ness averaged
+    over seeds is nearer the Laplacian (:func:`lapheads.heads.suggest_selection`). Returns
+    ``(figure path, lines of text)``.
     """
     panels = [
         (label, r)
@@ -332,10 +285,7 @@ def learned_mixing(groups: dict, path: Path) -> Optional[tuple[Path, list[str]]]
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_title(f"{label} seed {r['seed']}", fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(grid.shape[1]))
-        ax.set_yticks(range(grid.shape[0]))
+        ax.set(xlabel="head", ylabel="layer", xticks=range(grid.shape[1]), yticks=range(grid.shape[0]))
     fig.colorbar(im, ax=axes[0].tolist(), label="Laplacian-ness (0 standard, 1 Laplacian)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -1,7 +1,5 @@
-"""The scaling picture of a sweep over config axes (``lapheads sweep --grid`` / ``--point``): per
-recipe, a table with one row per (grid point, k), and figures of the main metric and the geometry
-of the last block against each grid axis and against k (the k-ablation), one line per k.
-"""
+"""The scaling picture of a sweep over config axes: per recipe, a table with one row per (grid point,
+k), and figures of the main metric and the last block's geometry against each axis and against k."""
 
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..engine.run import RunDir, flatten_config
-from .collect import axis_order, grid_axes, last_block_value, main_metric, mean_std, numeric
-from .figures import pyplot
+from .collect import axis_order, by_recipe, grid_axes, last_block_value, main_metric, mean_std, numeric
+from .figures import pyplot, save
 from .model import Cell, Table
 
 #: geometry measures plotted against each axis: (section, key, label), last transformer block
@@ -44,24 +42,17 @@ def _panel_value(r: dict, section: str, k: str) -> Optional[float]:
 def grid_sections(
     runs: Sequence[dict], figs: Path
 ) -> list[tuple[str, Optional[tuple[str, Table]], list[tuple[Path, str]]]]:
-    """Scaling figures of grid runs: metric and geometry against each grid axis, one line per k.
-
-    ``runs`` are :func:`lapheads.report.collect.collect_run` records. For every recipe whose runs differ in
-    config values (other than k, seed and cadence keys), one figure per axis plots the recipe's
-    main metric and each of :data:`GRID_MEASURES` (last block) against the axis values, mean ± std
-    over seeds, one line per k (and per value of the other axes); with at least two k settings a
-    further figure is the k-ablation: the same panels against k = 0..H (``all`` = H when
-    ``model.num_heads`` is set).
+    """Scaling figures of grid runs (:func:`~lapheads.report.collect.collect_run` records): per axis,
+    the main metric and :data:`GRID_MEASURES` (last block) against its values, mean ± std over seeds,
+    one line per k and other-axis values; with two or more k settings, the k-ablation against
+    k = 0..H (``all`` = H when ``model.num_heads`` is set).
 
     Returns:
         Per recipe with grid figures or a table: ``(recipe, (title, table) or None, [(figure,
-        caption)])``; the table (only when there are grid axes) has one row per (grid point, k).
+        caption)])``; the table (only with grid axes) has one row per (grid point, k).
     """
     out: list[tuple[str, Optional[tuple[str, Table]], list[tuple[Path, str]]]] = []
-    by_recipe: dict[str, list[dict]] = {}
-    for r in runs:
-        by_recipe.setdefault(r["recipe"], []).append(r)
-    for recipe, rs in by_recipe.items():
+    for recipe, rs in by_recipe(runs).items():
         m = main_metric(recipe)
         if m is None:
             continue
@@ -75,13 +66,9 @@ def grid_sections(
         panels = [("metric", key, metric_name)] + GRID_MEASURES
         table = None
         if axes:
-            table = (
-                f"{recipe}: grid (mean ± std over seeds; geometry of the last block)",
-                Table(
-                    [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES],
-                    _grid_rows(rs, flats, axes, panels),
-                ),
-            )
+            header = [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES]
+            title = f"{recipe}: grid (mean ± std over seeds; geometry of the last block)"
+            table = (title, Table(header, _grid_rows(rs, flats, axes, panels)))
         nh = {f.get("model.num_heads") for f in flats}
         heads_total = next(iter(nh)) if len(nh) == 1 and isinstance(next(iter(nh)), int) else None
         # x axes: every grid axis, then k (the ablation)
@@ -90,24 +77,12 @@ def grid_sections(
             xaxes.append(("Laplacian heads k", lambda i, rs=rs, n=heads_total: _k_position(rs[i]["label"], n)))
         made: list[tuple[Path, str]] = []
         for name, xof in xaxes:
-            fig = _grid_figure(
-                rs,
-                flats,
-                axes,
-                panels,
-                name,
-                xof,
-                figs / f"{recipe}_grid_{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png",
-            )
+            path = figs / f"{recipe}_grid_{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png"
+            fig = _grid_figure(rs, flats, axes, panels, name, xof, path)
+            what = "k-ablation" if name == "Laplacian heads k" else "scaling"
+            about = f"{metric_name} and geometry (last block) against {name}, mean ± std over seeds"
             if fig is not None:
-                what = "k-ablation: " if name == "Laplacian heads k" else "scaling: "
-                made.append(
-                    (
-                        fig,
-                        f"{recipe}: {what}{metric_name} and geometry (last block) against {name}, "
-                        "mean ± std over seeds",
-                    )
-                )
+                made.append((fig, f"{recipe}: {what}: {about}"))
         if table is not None or made:
             out.append((recipe, table, made))
     return out
@@ -116,11 +91,8 @@ def grid_sections(
 def grid_report(
     runs: Sequence[dict], figs: Path
 ) -> tuple[list[tuple[str, list[str], list[list[str]]]], list[tuple[Path, str]]]:
-    """:func:`grid_sections` flattened over recipes, tables as text.
-
-    Returns:
-        Tables ``(title, header, rows of cell texts)`` and ``(figure, caption)`` pairs.
-    """
+    """:func:`grid_sections` flattened over recipes: tables ``(title, header, rows of cell texts)`` and
+    ``(figure, caption)`` pairs."""
     parts = grid_sections(runs, figs)
     tables = [
         (title, t.header, [[c.text for c in row] for row in t.rows])
@@ -157,7 +129,7 @@ def _grid_figure(
     rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any, path: Path
 ) -> Optional[Path]:
     """Every panel against the x axis ``name`` (values ``xof(run index)``), one line per k and other-axis
-    values, mean ± std over seeds; None when the axis has fewer than two values or no panel has data."""
+    values; None when the axis has fewer than two values or no panel has data."""
     lines: dict[str, dict[Any, list[int]]] = {}
     for i, r in enumerate(rs):
         x = xof(i)
@@ -193,7 +165,4 @@ def _grid_figure(
         ax.set_xlabel(name)
         ax.set_title(plabel, fontsize=9)
     axs[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=100)

@@ -1,9 +1,5 @@
-"""The report as data: sections holding tables of formatted cells that keep their raw numbers,
-claim verdicts with their statistics, and figures by path relative to the report directory.
-
-:func:`lapheads.report.make_report` builds one :class:`Report`; both renderings
-(:mod:`lapheads.report.render`) read only this model, so they show the same numbers.
-"""
+"""The report as data, which both renderings (:mod:`lapheads.report.render`) read: sections of
+tables of formatted cells that keep their raw numbers, claim verdicts, and figures."""
 
 from __future__ import annotations
 
@@ -15,13 +11,8 @@ from ..stats import Comparison
 
 @dataclass
 class Cell:
-    """One table cell: the text both formats show, and the number(s) it was formatted from.
-
-    ``raw`` is None for a label, a number (a count, a seed, a step, a grid-axis value, a run's
-    relative change behind its plateau flag), ``(mean, std, n)`` for a mean ± std over seeds,
-    ``(plateaued, runs)`` for the plateau count of a setting, ``{key: value}`` for a run's final
-    metrics.
-    """
+    """One table cell: the text both formats show, and ``raw``, what it was formatted from (None for
+    a label, a number, ``(mean, std, n)``, ``(plateaued, runs)``, or a run's final metrics)."""
 
     text: str
     raw: Any = None
@@ -46,12 +37,8 @@ class Figure:
 
 @dataclass
 class Verdict:
-    """One claim of the paper tested on the runs (:func:`claims`).
-
-    ``measured`` says which number the claim is tested on, ``comparisons`` hold the statistics of
-    every setting against k=0 (difference, CI, Welch t and p, seeds, verdict), ``text`` is the
-    paragraph both formats show.
-    """
+    """One claim of the paper tested on the runs (:func:`claims`): the number it is ``measured`` on,
+    the ``comparisons`` of every setting against k=0, and the paragraph (``text``) both formats show."""
 
     claim: str
     key: str

@@ -1,12 +1,5 @@
 """Rendering the report model: ``report.md`` from one Jinja2 template, and ``report.html`` from that
-Markdown through one Markdown-to-HTML path (the ``markdown`` library with its tables extension).
-
-The HTML is the Markdown's own conversion inside a page shell (``report.html.j2``: title, style,
-a script that counts decoded images), so both files always show the same text, tables and
-figures, and the HTML shows no raw Markdown. Raw HTML in the Markdown is not passed through: a
-``<`` in a run name or a caption is text in the page. Every figure is embedded as a data URI (the
-page is one file that can be mailed) and names its file in ``data-file``.
-"""
+Markdown through one Markdown-to-HTML path (the ``markdown`` library), figures embedded."""
 
 from __future__ import annotations
 
@@ -68,13 +61,8 @@ def _converter(out: Path):
 
 
 def render_html(report: Report, out_dir: str | Path) -> str:
-    """``report.html``, self-contained: :func:`render_markdown` converted to HTML, every figure
-    (read from ``out_dir``) embedded as a data URI.
-
-    Each ``<img>`` also names its file in ``data-file``; a script in the page sets
-    ``data-images-total`` / ``data-images-loaded`` on ``<body>`` once the page has loaded, so a
-    headless browser can check that every figure decoded.
-    """
+    """``report.html``, self-contained: :func:`render_markdown` converted to HTML, every figure (read
+    from ``out_dir``) embedded as a data URI and named in ``data-file``."""
     from markupsafe import Markup  # lazy, with jinja2
 
     body = _converter(Path(out_dir)).convert(render_markdown(report))
