@@ -308,8 +308,8 @@ class _ShardWriter:
                     f">= vocabulary size {self.vocab}"
                 )
             for split, part, part_text in self.parts_of(i, text, list(ids), enc):
-                arr = np.array([self.bos, *part], dtype=np.int64)
-                self.buffers[split].append(arr.astype(self.np_dtype))
+                arr = np.array([self.bos, *part], dtype=self.np_dtype)  # the ids fit: checked against the vocabulary
+                self.buffers[split].append(arr)
                 p = self.pending[split]
                 p["tokens"] += len(arr)
                 p["bytes"] += len(part_text.encode("utf-8"))
@@ -318,12 +318,8 @@ class _ShardWriter:
                 if p["tokens"] >= self.shard_tokens:
                     self.flush(split, i + 1)
         self.bar.update(len(batch))
-        sp, pend = self.splits, self.pending
-        self.bar.set_postfix(
-            train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
-            val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"],
-            refresh=False,
-        )
+        tokens = {f"{s}_tokens": self.splits[s]["tokens"] + self.pending[s]["tokens"] for s in SPLITS}
+        self.bar.set_postfix(tokens, refresh=False)
 
     def run(self, documents: Iterable[str], batch_documents: int, total: Optional[int], progress: bool) -> int:
         """Read every document (tokenizing those not written yet); returns how many were read."""
@@ -458,8 +454,7 @@ class TokenShards:
         int64 tensors ``(batch_size, seq_len)``; ``generator`` makes the draw reproducible (per rank)."""
         self._check_len(seq_len)
         starts = torch.randint(0, self.num_tokens - seq_len, (batch_size,), generator=generator)
-        w = np.stack([self.tokens(int(s), seq_len + 1) for s in starts])
-        t = torch.from_numpy(w)
+        t = torch.from_numpy(np.stack([self.tokens(int(s), seq_len + 1) for s in starts]))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def iter_batches(

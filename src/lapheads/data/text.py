@@ -123,13 +123,8 @@ def iter_documents(paths: Sequence[str | os.PathLike], text_field: str = "text")
     """Documents of several files in order, each read by the reader its extension selects."""
     for path in paths:
         p = Path(path)
-        kind = _kind(p)
-        if kind == "parquet":
-            yield from read_parquet(p, text_field)
-        elif kind == "jsonl":
-            yield from read_jsonl(p, text_field)
-        else:
-            yield from read_text_file(p)
+        reader = {"parquet": read_parquet, "jsonl": read_jsonl}.get(_kind(p))
+        yield from reader(p, text_field) if reader else read_text_file(p)
 
 
 def check_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text") -> None:
@@ -221,14 +216,12 @@ def open_hf_dataset(
                 if split not in ds:
                     raise DataError(f"{where} has the splits {', '.join(ds)}, not {split!r}")
                 ds = ds[split]
-            if streaming:
-                ds = (
-                    datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in ds.items()})
-                    if isinstance(ds, datasets.DatasetDict)
-                    else ds.to_iterable_dataset()
-                )
+            if streaming and isinstance(ds, datasets.DatasetDict):
+                ds = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in ds.items()})
+            elif streaming:
+                ds = ds.to_iterable_dataset()
             return ds
-        suffix = "".join(s for s in p.suffixes[-1:]).lower()
+        suffix = p.suffix.lower()
         if suffix in _HF_BUILDERS and (p.is_file() or any(c in source for c in "*?[")):
             return datasets.load_dataset(
                 _HF_BUILDERS[suffix], data_files={split or "train": str(p)}, split=split, streaming=streaming
@@ -346,10 +339,7 @@ def split_documents(docs: Iterable[str], how: Any, source: str = "") -> Iterator
     """Every document of ``docs`` cut by :func:`split_text` (``how=None``: passed through)."""
     how = check_split_mode(how)
     for i, d in enumerate(docs):
-        if how is None:
-            yield d
-        else:
-            yield from split_text(d, how, where=f"{source or 'corpus'} document {i}")
+        yield from split_text(d, how, where=f"{source or 'corpus'} document {i}")
 
 
 # --------------------------------------------------------------------------- splitting

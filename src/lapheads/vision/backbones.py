@@ -82,11 +82,9 @@ def build_with_user_kwargs(
         if fails({}) or not fails(user):  # not theirs: the model fails without them, or builds with them
             raise
         bad = [k for k in user if fails({k: user[k]})] or list(user)
-        first = bad[0]
-        value = user[first]
-        kind = " (a string)" if isinstance(value, str) else ""
         if len(bad) == 1:
-            what, it = f"{where}.{first}={value!r}{kind}", "it"
+            value = user[bad[0]]
+            what, it = f"{where}.{bad[0]}={value!r}" + (" (a string)" if isinstance(value, str) else ""), "it"
         else:
             what, it = f"{where}.{{{', '.join(bad)}}}", "them together"
         raise ConfigError(
@@ -101,9 +99,7 @@ def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: floa
     ``name`` is a timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...),
     ``laplacian_heads`` the selection (:func:`lapheads.timm.convert`), ``kwargs`` more timm keyword arguments.
     """
-    kw = dict(kwargs)
-    kw.setdefault("num_classes", 0)
-    kw.setdefault("dynamic_img_size", True)
+    kw = {"num_classes": 0, "dynamic_img_size": True, **kwargs}
     try:
         return lt.create_model(name, laplacian_heads=laplacian_heads, drop_path_rate=drop_path_rate, **kw)
     except TypeError as e:  # a timm kwarg the model does not take
@@ -123,14 +119,12 @@ def load_backbone_weights(bb: nn.Module, path: Path) -> None:
 
 def native_size(bb: nn.Module) -> int:
     """The input side the backbone was built for (its patch embedding's ``img_size``)."""
-    pe = getattr(bb, "patch_embed", None)
-    size = getattr(pe, "img_size", None)
+    size = getattr(getattr(bb, "patch_embed", None), "img_size", None)
     return int(size[0] if isinstance(size, (tuple, list)) else (size or 224))
 
 
 def patch_size(bb: nn.Module) -> int:
-    pe = getattr(bb, "patch_embed", None)
-    ps = getattr(pe, "patch_size", 16)
+    ps = getattr(getattr(bb, "patch_embed", None), "patch_size", 16)
     return int(ps[0] if isinstance(ps, (tuple, list)) else ps)
 
 

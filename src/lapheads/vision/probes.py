@@ -7,6 +7,7 @@ them and write the result as JSON. Design: docs/design/data.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,16 +22,8 @@ from .transforms import EvalTransform
 IGNORE_INDEX = 255
 
 
-class _Mapped(torch.utils.data.Dataset):
-    def __init__(self, base: Any, transform: Callable):
-        self.base, self.transform = base, transform
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        img, y = self.base[i]
-        return self.transform(img), int(y)
+def _transformed(transform: Callable, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([transform(img) for img, _ in items]), torch.tensor([int(y) for _, y in items])
 
 
 @torch.no_grad()
@@ -65,9 +58,8 @@ def extract_features(
     num_workers: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features ``(N, D)`` and labels ``(N,)`` of a data set of ``(image, label)`` items."""
-    loader = torch.utils.data.DataLoader(
-        _Mapped(dataset, transform), batch_size=batch_size, shuffle=False, num_workers=num_workers
-    )
+    collate = functools.partial(_transformed, transform)
+    loader = torch.utils.data.DataLoader(dataset, batch_size, num_workers=num_workers, collate_fn=collate)
     feats, labels = [], []
     for x, y in loader:
         feats.append(backbone_features(backbone, x.to(device), n_last_blocks, avgpool).cpu())
@@ -159,8 +151,7 @@ def linear_probe(
     for _ in range(epochs):
         perm = torch.randperm(n, generator=g)
         for s in range(0, n, batch_size):
-            for grp in opt.param_groups:
-                grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+            opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
             b = perm[s : s + batch_size]
             loss = F.cross_entropy(lin(x[b]), y[b])
             opt.zero_grad(set_to_none=True)
@@ -178,12 +169,9 @@ def confusion_matrix(
 ) -> torch.Tensor:
     """Brute-force ``(C, C)`` count, rows = target class, columns = predicted class."""
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-    t = target.reshape(-1).tolist()
-    p = pred.reshape(-1).tolist()
-    for ti, pi in zip(t, p):
-        if ti == ignore_index:
-            continue
-        cm[ti, pi] += 1
+    for ti, pi in zip(target.reshape(-1).tolist(), pred.reshape(-1).tolist()):
+        if ti != ignore_index:
+            cm[ti, pi] += 1
     return cm
 
 
@@ -192,8 +180,8 @@ def miou_from_confusion(cm: torch.Tensor) -> tuple[float, list[float]]:
     cm = cm.double()
     inter = cm.diag()
     union = cm.sum(0) + cm.sum(1) - inter
-    iou = torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
     valid = union > 0
+    iou = torch.where(valid, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
     miou = float(iou[valid].mean()) if bool(valid.any()) else float("nan")
     return miou, iou.tolist()
 
@@ -207,9 +195,8 @@ def _fast_confusion(pred: torch.Tensor, target: torch.Tensor, num_classes: int, 
 @torch.no_grad()
 def patch_features(backbone: nn.Module, x: torch.Tensor, layer: int = -1) -> torch.Tensor:
     """Patch tokens of block ``layer`` (after the final norm) as a ``(B, D, h, w)`` map."""
-    n = len(backbone.blocks)
-    idx = layer % n
-    out = backbone.forward_intermediates(x, indices=[idx], norm=True, output_fmt="NCHW", intermediates_only=True)
+    idx = [layer % len(backbone.blocks)]
+    out = backbone.forward_intermediates(x, indices=idx, norm=True, output_fmt="NCHW", intermediates_only=True)
     return out[0].float()
 
 
@@ -284,8 +271,7 @@ def segmentation_probe(
     tr = _SegView(train_set, img_size, mean, std)
     va = _SegView(val_set, img_size, mean, std)
     dim = int(backbone.num_features)
-    ps = patch_size(backbone)
-    grid = img_size // ps
+    grid = img_size // patch_size(backbone)
     est_mb = len(tr) * dim * grid * grid * 4 / 2**20
     backbone.eval()
 
@@ -316,8 +302,7 @@ def segmentation_probe(
                 if mm.numel() and int(mm.max()) >= num_classes:
                     raise DataError(f"a training mask holds label {int(mm.max())} >= num_classes={num_classes}")
                 counts += torch.bincount(mm, minlength=num_classes)
-            for grp in opt.param_groups:
-                grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+            opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
             if len(b) < 2:  # BatchNorm needs two samples; a lone last item is skipped
                 continue
             head.train()
@@ -350,11 +335,10 @@ def segmentation_probe(
                 trivial_cm += _fast_confusion(torch.full_like(mask, majority), mask, num_classes, ignore_index)
     miou_bf, per_class = miou_from_confusion(cm)
     trivial, _ = miou_from_confusion(trivial_cm)
-    valid = cm.sum()
     return {
         "miou": float(jac.compute()),
         "miou_bruteforce": miou_bf,
-        "pixel_acc": float(cm.diag().sum()) / max(1, int(valid)),
+        "pixel_acc": float(cm.diag().sum()) / max(1, int(cm.sum())),
         "trivial_miou": trivial,
         "per_class_iou": per_class,
         "num_classes": num_classes,

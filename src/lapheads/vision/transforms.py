@@ -159,20 +159,12 @@ def build_transforms(
         if hflip > 0:
             ops.append(v2.RandomHorizontalFlip(hflip))
         if three_augment:
-            ops.append(
-                v2.RandomChoice(
-                    [
-                        v2.Grayscale(num_output_channels=in_chans),
-                        v2.RandomSolarize(threshold=128, p=1.0),
-                        RandomGaussianBlurPIL(0.1, 2.0),
-                    ]
-                )
-            )
+            augs = [v2.Grayscale(num_output_channels=in_chans), v2.RandomSolarize(threshold=128, p=1.0)]
+            ops.append(v2.RandomChoice([*augs, RandomGaussianBlurPIL(0.1, 2.0)]))
         if color_jitter:
             ops.append(v2.ColorJitter(color_jitter, color_jitter, color_jitter))
     else:
-        ops.append(v2.Resize(int(round(img_size / crop_pct)), interpolation=interp))
-        ops.append(v2.CenterCrop(img_size))
+        ops += [v2.Resize(int(round(img_size / crop_pct)), interpolation=interp), v2.CenterCrop(img_size)]
     ops += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     return v2.Compose(ops)
 
