@@ -1,6 +1,4 @@
-"""Image classification data from a Hugging Face ``datasets`` dataset (``hf:PATH_OR_NAME``),
-opened as :func:`lapheads.data.text.open_hf_dataset` opens a corpus (design: docs/design/data.md).
-"""
+"""Image classification data from a Hugging Face ``datasets`` dataset (``hf:PATH_OR_NAME``)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,6 @@ class HFImageDataset(ImageDataset):
             stratified ``val_fraction`` of the train split (whose rest is then ``"train"``).
         name: the dataset's configuration name (Hub datasets with several).
         val_fraction, seed: that stratified split.
-
-    Raises:
-        DataError: one line for a missing split or column (listing those present) or a bad label.
     """
 
     def __init__(

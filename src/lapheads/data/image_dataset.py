@@ -1,5 +1,4 @@
-"""The interface of every image classification data set of lapheads, its splits and nested
-stratified subsets (design: docs/design/data.md)."""
+"""The interface of every image classification data set, its splits and nested stratified subsets."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Image classification data sets read from local files: CIFAR, image folders, idx, digits.
-
-:func:`~lapheads.data.images.build_image_dataset` picks one from a data spec; nothing is
-downloaded. Which library reads what, and why: docs/design/data.md.
-"""
+"""Image classification data sets read from local files: CIFAR, image folders, idx, digits (picked by
+:func:`~lapheads.data.images.build_image_dataset`; design: docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -308,12 +305,8 @@ _IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09}
 
 
 def read_idx(path: PathLike, ndim: Optional[int] = None) -> np.ndarray:
-    """Read one idx file (``.gz`` or plain), validating its magic number and size.
-
-    Args:
-        path: the file.
-        ndim: expected number of dimensions (3 for images, 1 for labels), or ``None``.
-    """
+    """Read one idx file (``.gz`` or plain), validating its magic number and size against ``ndim``, the
+    expected number of dimensions (3 for images, 1 for labels; ``None``: any)."""
     path = Path(path)
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
@@ -410,10 +403,8 @@ def digits_csv() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """``sklearn.datasets.load_digits()``'s ``images`` (1797x8x8 float, 0..16) and ``target``, same order.
-
-    Read once per process (train and val share it); the arrays are read-only.
-    """
+    """``sklearn.datasets.load_digits()``'s ``images`` (1797x8x8 float, 0..16) and ``target``, same order;
+    read once per process, read-only."""
     path = digits_csv()
     with gzip.open(path, "rt") as f:
         data = np.loadtxt(f, delimiter=",")

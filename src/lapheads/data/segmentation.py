@@ -1,8 +1,5 @@
-"""Semantic-segmentation data: ADE20K's folder layout, any folder of ``images/`` + ``masks/``
-pairs, and a synthetic generator (shapes with known masks) for tests and CPU recipes.
-
-Items are ``(PIL RGB image, LongTensor mask (H, W))``; labels ``0..C-1``, 255 = ignore. Layouts
-and checks: docs/design/data.md.
+"""Semantic-segmentation data sets of ``(PIL RGB image, LongTensor mask (H, W))`` items (labels ``0..C-1``,
+255 = ignore): ADE20K, any ``images/`` + ``masks/`` folder, and synthetic shapes (docs/design/data.md).
 """
 
 from __future__ import annotations
@@ -242,14 +239,8 @@ def image_mask_folder(
 def build_segmentation_dataset(
     path: PathLike, split: str = "train", num_classes: Optional[int] = None, check_labels: bool = True
 ) -> SegmentationDataset:
-    """ADE20K if the folder has its layout, else an ``images/`` + ``masks/`` folder.
-
-    Args:
-        path: the folder.
-        split: ``"train"`` or ``"val"``.
-        num_classes: classes of an images/masks folder (ADE20K always has 150).
-        check_labels: decode and check every mask now.
-    """
+    """The ``split`` (``"train"`` or ``"val"``) of ``path``: ADE20K if the folder has its layout, else an
+    ``images/`` + ``masks/`` folder of ``num_classes`` classes; ``check_labels`` decodes and checks every mask now."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         raise DataError(f"{p}: segmentation data folder not found")
@@ -292,14 +283,9 @@ def make_synthetic_segmentation(
     max_shapes: int = 3,
     ignore_border: bool = True,
 ) -> Path:
-    """Write a synthetic segmentation set: noisy background + discs / squares / triangles.
-
-    Each class has its own hue (jittered per shape) and the background is textured noise, so
-    patch features separate the classes and a linear probe can learn them. With ``ignore_border``
-    the outline pixels of each shape are labelled 255 (ignored), like VOC's boundaries.
-
-    Layout: ``root/images/{train,val}/NNNN.png``, ``root/masks/{train,val}/NNNN.png`` (class
-    indices), ``root/classes.txt``. Returns ``root``.
+    """Write a synthetic segmentation set to ``root`` and return it: discs / squares / triangles, one hue per
+    class, on textured noise (a linear probe learns them); ``ignore_border`` labels shape outlines 255.
+    Layout: ``root/{images,masks}/{train,val}/NNNN.png`` and ``root/classes.txt``.
     """
     root = Path(root)
     rng = np.random.default_rng(seed)

@@ -1,8 +1,5 @@
-"""Documents -> BOS-prefixed token shards on disk (resumable, validation by document or by
-tokens), and a sampler over them for language-model training.
-
-The documents come from :mod:`lapheads.data.text`. Design: docs/design/data.md.
-"""
+"""Documents (:mod:`lapheads.data.text`) -> BOS-prefixed token shards on disk, resumable, and a sampler over
+them for language-model training (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ _SETTING_DEFAULTS = {"val_by": "documents", "train_fraction": "1", "max_train_do
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file; a full disk is one :class:`DiskFullError` line
-    (the shards written before stay, listed in ``index.json``) and the temporary file is removed."""
+    """``atomic_write``, whose DiskFullError tells how to resume (the shards written before stay)."""
     try:
         atomic_write(path, data)  # readers see the old file or the complete new one, never half of it
     except DiskFullError as e:
@@ -104,11 +100,6 @@ def tokenize_to_shards(
         train_fraction, max_train_documents: share of, and cap (0 = none) on, the training documents kept.
         hints: how the caller spells the options in error messages: keys ``val_fraction``,
             ``val_by``, ``split_documents``, ``fraction`` (default: the ``data tokenize`` flags).
-
-    Raises:
-        DataError: empty corpus, a tokenizer that does not fit ``dtype`` or differs from a resumed
-            index's, an existing index without ``resume``.
-        ConfigError: invalid ``shard_tokens`` / ``val_fraction`` / ``dtype``.
     """
     out = Path(out_dir)
     f = check_val_fraction(val_fraction)
@@ -364,12 +355,7 @@ class _ShardWriter:
 # --------------------------------------------------------------------------- reading shards
 class TokenShards:
     """The token shards of one split (``"train"`` or ``"val"``) of a directory written by
-    :func:`tokenize_to_shards`, memory-mapped.
-
-    Raises:
-        DataError: missing/incomplete index, a shard missing or of the wrong size, an empty split,
-            or a ``tokenizer`` given that is not the one the shards were made with.
-    """
+    :func:`tokenize_to_shards`, memory-mapped; a given ``tokenizer`` must be the one they were made with."""
 
     def __init__(self, path: str | os.PathLike, split: str = "train", tokenizer: Any = None):
         if split not in SPLITS:

@@ -1,8 +1,5 @@
-"""Text corpora read one document at a time (text, JSONL, parquet, Hugging Face datasets, the
-embedded ``pydoc_data.topics``), and the rules that cut and split them.
-
-Token shards made from these documents are :mod:`lapheads.data.shards`. Design: docs/design/data.md.
-"""
+"""Text corpora read one document at a time (text, JSONL, parquet, Hugging Face datasets, the embedded
+``pydoc_data.topics``), and the rules that cut and split them (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -159,15 +156,8 @@ def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
 
 # --------------------------------------------------------------------------- Hugging Face datasets
 HF_PREFIX = "hf:"
-_HF_BUILDERS = {
-    ".parquet": "parquet",
-    ".json": "json",
-    ".jsonl": "json",
-    ".ndjson": "json",
-    ".csv": "csv",
-    ".arrow": "arrow",
-    ".txt": "text",
-}
+_HF_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
+_HF_BUILDERS.update(dict.fromkeys((".json", ".jsonl", ".ndjson"), "json"))
 
 
 def hf_source(spec: Any) -> Optional[str]:
@@ -201,10 +191,7 @@ def open_hf_dataset(
     ``.txt``: ``load_dataset(<format>, data_files=...)``), else ``load_dataset(source, name)`` as
     ``datasets`` resolves it (a folder of data files, a Hub name, its cache, ``HF_HUB_OFFLINE``).
     ``split=None`` returns every split; ``streaming`` an ``IterableDataset`` (corpora larger than memory).
-
-    Raises:
-        DataError: one line naming ``what``, the source and the split, with ``datasets``' reason.
-        ConfigError: the ``datasets`` package is missing.
+    A DataError is one line naming ``what``, the source and the split, with ``datasets``' reason.
     """
     datasets = import_datasets()
     p = Path(os.path.expanduser(source))
@@ -303,12 +290,8 @@ def check_split_mode(how: Any, name: str = "split_documents") -> Any:
 
 def split_text(text: str, how: Any, where: str = "") -> list[str]:
     """Cut one document into several: ``how`` is ``"blank_lines"`` (paragraphs), ``"chapters"`` (before
-    each heading such as ``Chapter 12`` on a line of its own) or about N characters (cut at whitespace);
-    blank pieces are dropped.
-
-    Raises:
-        DataError: ``"chapters"`` on a text without a chapter heading (naming ``where``).
-    """
+    each heading such as ``Chapter 12`` on a line of its own; a DataError naming ``where`` if there is none)
+    or about N characters (cut at whitespace); blank pieces are dropped."""
     how = check_split_mode(how)
     if how is None:
         return [text]

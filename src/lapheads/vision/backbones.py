@@ -1,7 +1,5 @@
-"""Frozen timm ViT backbones (no classifier, dynamic image size, Laplacian heads) for the
-probes, PCA maps and geometry of vision runs, with their ``meta`` dict; and the checks of the timm
-keyword arguments a user writes (design: docs/design/data.md).
-"""
+"""Frozen timm ViT backbones with their ``meta`` dict, and the checks of the timm keyword arguments a user
+writes (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -56,13 +54,9 @@ def build_with_user_kwargs(
     name: str,
     trial: Optional[Callable[[Mapping[str, Any]], Any]] = None,
 ) -> T:
-    """``build(user)``, where ``user`` are the timm kwargs the user wrote at config key ``where``.
-
-    When it fails, and ``trial`` (by default ``build``) on the meta device builds the model without
-    them but not with them, the ConfigError is one line naming the key that breaks it (each key
-    tried alone; all of them when only their combination fails), its value and timm's message. Any
-    other failure (say, a checkpoint ``build`` loads that does not fit) is raised unchanged.
-    """
+    """``build(user)``, where ``user`` are the timm kwargs the user wrote at config key ``where``; when
+    ``trial`` (default ``build``) on the meta device fails with them but not without them, a one-line
+    ConfigError names the key(s) that break it, else the failure is raised unchanged."""
     try:
         return build(user)
     except LapheadsError:
@@ -148,11 +142,8 @@ def timm_backbone(
     device: str | torch.device = "cpu",
     **timm_kwargs: Any,
 ) -> tuple[nn.Module, dict]:
-    """A frozen backbone from a timm name (``--model NAME``) and its metadata.
-
-    ``weights`` is a safetensors file (default: random init, a chance-level baseline); ``img_size``
-    defaults to the model's own.
-    """
+    """A frozen backbone from a timm name (``--model NAME``) and its metadata; ``weights``: a safetensors
+    file (default: random init, a chance-level baseline); ``img_size``: default the model's own."""
     kw = dict(timm_kwargs)
     if img_size:
         kw["img_size"] = img_size

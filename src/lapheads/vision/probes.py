@@ -1,9 +1,5 @@
-"""Probes on frozen features: weighted k-NN, linear probe, linear segmentation probe (mIoU).
-
-They take a frozen backbone (:mod:`lapheads.vision.backbones`) and data sets; the commands
-``lapheads eval knn|linear|segment`` (:mod:`lapheads.commands.probes`) load the backbone, call
-them and write the result as JSON. Design: docs/design/data.md.
-"""
+"""Probes on a frozen backbone's features: weighted k-NN, linear probe, linear segmentation probe (mIoU),
+as ``lapheads eval knn|linear|segment`` runs them (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -30,11 +26,8 @@ def _transformed(transform: Callable, items: list) -> tuple[torch.Tensor, torch.
 def backbone_features(
     backbone: nn.Module, x: torch.Tensor, n_last_blocks: int = 1, avgpool: bool = False
 ) -> torch.Tensor:
-    """Image features of a timm ViT: CLS tokens of the last ``n_last_blocks`` blocks (+ mean patch).
-
-    With ``n_last_blocks=1`` and no ``avgpool`` this is the backbone's pooled output (DINO's k-NN
-    feature). Every token is passed through the final norm (``norm=True``), as in DINO.
-    """
+    """Image features of a timm ViT, as in DINO: the normed CLS tokens of the last ``n_last_blocks`` blocks
+    (+ the mean patch token with ``avgpool``; one block without it is the backbone's pooled output)."""
     if n_last_blocks == 1 and not avgpool:
         return backbone(x).float()
     inter = backbone.forward_intermediates(

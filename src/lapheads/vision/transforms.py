@@ -1,8 +1,5 @@
-"""Image transforms of the vision recipes on ``torchvision.transforms.v2``: DeiT-3's 3-Augment
-and evaluation transform (:func:`build_transforms`), DINO's multi-crop (:class:`MultiCropAugment`),
-the probes' view (:class:`EvalTransform`), the ImageNet statistics and the ``model.in_chans``
-check (:func:`check_channels`). Design: docs/design/data.md.
-"""
+"""Image transforms of the vision recipes on ``torchvision.transforms.v2``: DeiT-3's (:func:`build_transforms`),
+DINO's multi-crop (:class:`MultiCropAugment`), the probes' view (:class:`EvalTransform`) (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -170,11 +167,8 @@ def build_transforms(
 
 
 def to_float_image(img: Any, channels: int = 3) -> torch.Tensor:
-    """PIL image / numpy array / tensor -> float tensor ``(channels, H, W)`` in [0, 1].
-
-    ``channels=3``: grey sources are repeated; ``channels=1``: colour sources become their luma
-    (PIL images through PIL's ``"L"`` mode, tensors with the same ITU-R 601 weights).
-    """
+    """PIL image / numpy array / tensor -> float tensor ``(channels, H, W)`` in [0, 1]; grey sources are
+    repeated for ``channels=3``, colour sources become their luma (ITU-R 601, as PIL's ``"L"``) for 1."""
     if channels not in (1, 3):
         raise ConfigError(f"channels={channels!r}; expected 1 or 3")
     if channels == 1 and isinstance(img, Image.Image) and img.mode != "L":
@@ -261,10 +255,8 @@ class MultiCropAugment:
 
 
 class EvalTransform:
-    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image.
-
-    The output has ``len(mean)`` channels: 3 (RGB) or 1 (a greyscale model's one-value mean / std).
-    """
+    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image, with ``len(mean)``
+    channels (3, or 1 for a greyscale model's one-value mean / std)."""
 
     def __init__(self, size: int, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
         self.size, self.mean, self.std = int(size), list(mean), list(std)
