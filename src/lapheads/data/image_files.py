@@ -41,7 +41,6 @@ _VERIFY_AUTO_LIMIT = 20_000  # "auto" decodes every image of a folder set up to 
 PathLike = Union[str, os.PathLike]
 
 
-# ============================================================================ CIFAR
 class _SafeUnpickler(pickle.Unpickler):
     """Only what the official CIFAR pickles contain: builtins and numpy arrays."""
 
@@ -97,11 +96,11 @@ class _CifarSource:
         if not path.exists():
             raise DataError(f"{path}: CIFAR data not found (expected a cifar-*-python.tar.gz or its extracted folder)")
         self.path, self.is_archive = path, path.is_file()
-        self.members: dict[str, bytes] = {}
+        self.members: dict[str, bytes | Path] = {}  # base name -> an archive member's bytes, or a file
         if self.is_archive:
             try:
                 with tarfile.open(path, "r:*") as tar:
-                    for m in tar:  # streaming: only regular files, keyed by base name
+                    for m in tar:  # streaming: only regular files
                         if m.isfile():
                             f = tar.extractfile(m)
                             self.members[os.path.basename(m.name)] = f.read() if f is not None else b""
@@ -110,11 +109,11 @@ class _CifarSource:
                     f"{path}: cannot read the archive ({type(e).__name__}: {e}); "
                     "it is truncated or corrupted, download it again"
                 ) from None
-            self.names = set(self.members)
         else:
             folder = _cifar_folder(path)
-            self.names = {p.name for p in folder.iterdir() if p.is_file()} if folder else set()
+            self.members = {p.name: p for p in folder.iterdir() if p.is_file()} if folder else {}
             self.folder = folder or path
+        self.names = set(self.members)
 
     def detect_kind(self) -> str:
         for kind, lay in _CIFAR_LAYOUT.items():
@@ -130,16 +129,12 @@ class _CifarSource:
         return f"{self.path}:{name}" if self.is_archive else str(self.folder / name)
 
     def read(self, name: str) -> dict[str, Any]:
-        if self.is_archive:
-            if name not in self.members:
-                raise DataError(f"{self.path}: the archive has no member {name!r}; it is incomplete")
-            raw = self.members[name]
-        else:
-            p = self.folder / name
-            if not p.is_file():
-                raise DataError(f"{p}: missing CIFAR file {name!r}")
-            raw = p.read_bytes()
-        return _unpickle(raw, self.where(name))
+        raw = self.members.get(name)
+        if raw is None and self.is_archive:
+            raise DataError(f"{self.path}: the archive has no member {name!r}; it is incomplete")
+        if raw is None:
+            raise DataError(f"{self.folder / name}: missing CIFAR file {name!r}")
+        return _unpickle(raw.read_bytes() if isinstance(raw, Path) else raw, self.where(name))
 
 
 class CIFARDataset(ArrayImageDataset):
@@ -206,7 +201,6 @@ class CIFARDataset(ArrayImageDataset):
         self.kind = found
 
 
-# ============================================================================ ImageFolder
 def _is_image(path: str) -> bool:
     name = os.path.basename(path)
     return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
@@ -292,7 +286,6 @@ def image_folder(
     return ds
 
 
-# ============================================================================ idx (MNIST)
 _IDX_DTYPES = {
     0x08: np.uint8,
     0x09: np.int8,
@@ -386,7 +379,6 @@ class IdxDataset(ArrayImageDataset):
         super().__init__(images, labels, classes, source=f"idx:{root}:{split}", transform=transform)
 
 
-# ============================================================================ digits
 def digits_csv() -> Path:
     """The digits CSV inside the installed scikit-learn package (found without importing sklearn)."""
     spec = importlib.util.find_spec("sklearn")

@@ -69,9 +69,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         check_labels: bool = True,
     ):
         self.pairs = [(Path(a), Path(b)) for a, b in pairs]
-        self.reduce_zero_label = reduce_zero_label
-        self.ignore_index = ignore_index
-        self.source = source
+        self.reduce_zero_label, self.ignore_index, self.source = reduce_zero_label, ignore_index, source
         if not self.pairs:
             raise DataError(f"{source}: no image/mask pairs found")
         for img, mask in self.pairs:
@@ -221,8 +219,7 @@ def image_mask_folder(
             pairs = _pair_up(root / "images" / name, root / "masks" / name, str(root))
             break
     else:
-        has_split = any((root / "images" / n).is_dir() for names in _SPLIT_NAMES.values() for n in names)
-        if has_split:
+        if any((root / "images" / n).is_dir() for names in _SPLIT_NAMES.values() for n in names):
             raise DataError(
                 f"{root}/images has split folders but none for {split!r} (expected one of {_split_dirs(split)})"
             )

@@ -26,7 +26,6 @@ _INDEX_VERSION = 1
 SPLITS = ("train", "val")
 
 
-# --------------------------------------------------------------------------- writing shards
 # How `lapheads data tokenize` spells the options named in errors (`train lm` passes its own).
 _CLI_HINTS = {
     "val_fraction": "--val-fraction",
@@ -352,7 +351,6 @@ class _ShardWriter:
         return seen
 
 
-# --------------------------------------------------------------------------- reading shards
 class TokenShards:
     """The token shards of one split (``"train"`` or ``"val"``) of a directory written by
     :func:`tokenize_to_shards`, memory-mapped; a given ``tokenizer`` must be the one they were made with."""

@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- readers
 def embedded_documents() -> Iterator[str]:
     """The corpus that ships with Python: ``pydoc_data.topics.topics``, one document per topic."""
     from pydoc_data.topics import topics  # lazy: a 0.8 MB module, only for the embedded corpus
@@ -154,7 +153,6 @@ def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
         left -= len(d)
 
 
-# --------------------------------------------------------------------------- Hugging Face datasets
 HF_PREFIX = "hf:"
 _HF_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
 _HF_BUILDERS.update(dict.fromkeys((".json", ".jsonl", ".ndjson"), "json"))
@@ -262,7 +260,6 @@ def hf_fingerprint(source: str, ds: Any, name: Optional[str], split: str) -> Any
     return key
 
 
-# --------------------------------------------------------------------------- documents of one file
 SPLIT_MODES = ("blank_lines", "chapters")  # or a positive int: characters per piece
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 _NUMBER_WORDS = (
@@ -325,7 +322,6 @@ def split_documents(docs: Iterable[str], how: Any, source: str = "") -> Iterator
         yield from split_text(d, how, where=f"{source or 'corpus'} document {i}")
 
 
-# --------------------------------------------------------------------------- splitting
 def check_val_fraction(val_fraction: float) -> Fraction:
     """``val_fraction`` as an exact fraction; a ConfigError unless it is in [0, 1)."""
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:

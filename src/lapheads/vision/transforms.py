@@ -106,27 +106,21 @@ def build_transforms(
     crop_pct: float = 1.0,
     interpolation: str = "bicubic",
 ) -> v2.Compose:
-    """The DeiT-3 training transform (3-Augment) or the evaluation transform.
+    """The DeiT-3 training transform (3-Augment) or the evaluation transform: a ``v2.Compose`` mapping a PIL
+    image to a float tensor ``(in_chans, img_size, img_size)``.
 
     Args:
         img_size: output side in pixels (the model's ``img_size``).
         train: training (random) or evaluation (deterministic) pipeline.
         three_augment: add one of grayscale / solarize / blur, chosen uniformly (training only).
         color_jitter: brightness = contrast = saturation jitter strength; ``0``/``None`` = off.
-        mean, std: normalisation per channel (``in_chans`` values, or one value for all);
-            default ImageNet's (DeiT-3 uses them for CIFAR too), averaged over RGB when
-            ``in_chans=1``.
+        mean, std: normalisation per channel (``in_chans`` values, or one value for all); default
+            ImageNet's (DeiT-3 uses them for CIFAR too), averaged over RGB when ``in_chans=1``.
         in_chans: channels the model reads (3, or 1 for a gray model); images are converted.
-        scale: area range of the random resized crop (DeiT-3 ImageNet: 0.08..1; small images
-            often train better with e.g. 0.35..1).
+        scale: area range of the random resized crop (small images often train better with 0.35..1).
         hflip: probability of a horizontal flip (0 for data where mirroring changes the class).
-        crop_pct: evaluation: resize to ``img_size / crop_pct`` then centre-crop ``img_size``
-            (1.0 = just resize; timm's ImageNet default is 0.875).
+        crop_pct: evaluation: resize to ``img_size / crop_pct`` then centre-crop (timm's ImageNet: 0.875).
         interpolation: ``"bicubic"`` (DeiT-3), ``"bilinear"`` or ``"nearest"``.
-
-    Returns:
-        a ``torchvision.transforms.v2.Compose`` mapping a PIL image to a float tensor
-        ``(in_chans, img_size, img_size)``.
     """
     if not isinstance(img_size, int) or img_size < 1:
         raise ConfigError(f"img_size={img_size!r} must be a positive int")
@@ -201,16 +195,12 @@ def _blur_kernel(size: int) -> int:
 
 
 class MultiCropAugment:
-    """DINO's multi-crop augmentation on tensors: ``(image, label) -> ([crops...], label)``.
+    """DINO's multi-crop augmentation on tensors, ``(image, label) -> ([crops...], label)``, with the crop
+    settings ``cfg`` (the DINO recipe's ``CropsConfig``) and ``in_chans`` channels (1: a greyscale model).
 
     Global crop 1: blur p=1.0; global crop 2: blur p=0.1, solarize p=``solarize``; local crops:
-    blur p=0.5. All crops: random resized crop, flip, color jitter, grayscale, normalisation.
-    Randomness comes from torch's RNG, which the engine seeds per item.
-
-    Args:
-        cfg: the crop settings (the DINO recipe's ``CropsConfig``).
-        in_chans: channels of the crops (1 for a greyscale model: colour jitter then changes only
-            brightness and contrast, and random grayscale is a no-op).
+    blur p=0.5. All crops: random resized crop, flip, color jitter, grayscale, normalisation, drawn
+    from torch's RNG, which the engine seeds per item.
     """
 
     def __init__(self, cfg: Any, in_chans: int = 3):
