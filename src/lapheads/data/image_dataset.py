@@ -38,8 +38,6 @@ def check_split(split: str) -> str:
 
 def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
     """Every label must be an integer in 0..num_classes-1; name the first bad one."""
-    if labels.size == 0:
-        return
     bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
     if bad.size:
         i = int(bad[0])
@@ -209,8 +207,7 @@ class SubsetImageDataset(ImageDataset):
         self.indices = np.asarray(indices, dtype=np.int64)
         source = f"{base.source}[{len(self.indices)} of {len(base)}]"
         super().__init__(transform, targets=np.asarray(base.targets)[self.indices], classes=base.classes, source=source)
-        self.channels = base.channels
-        self.native_size = base.native_size
+        self.channels, self.native_size = base.channels, base.native_size
 
     def load_image(self, index: int) -> Image.Image:
         return self.base.load_image(int(self.indices[index]))

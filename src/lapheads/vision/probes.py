@@ -73,16 +73,10 @@ def knn_classify(
     num_classes: Optional[int] = None,
     chunk: int = 1024,
 ) -> dict[str, float]:
-    """Weighted k-NN top-1 accuracy (fractions) for each k, DINO style.
-
-    Args:
-        train_feats / test_feats: ``(N, D)`` features (normalised here).
-        train_labels / test_labels: integer labels.
-        ks: numbers of neighbours.
-        temperature: the votes are ``exp(cosine / temperature)``.
-        num_classes: default ``max label + 1``.
-        chunk: test features per similarity block (memory ``chunk x N_train``).
-    """
+    """Weighted k-NN top-1 accuracy (fractions) for each number of neighbours in ``ks``, DINO style: the
+    ``(N, D)`` features are normalised here and vote ``exp(cosine / temperature)`` for their integer label;
+    ``num_classes`` defaults to max label + 1, ``chunk`` test features share a similarity block (memory
+    ``chunk x N_train``)."""
     if len(train_feats) == 0 or len(test_feats) == 0:
         raise DataError("k-NN needs a non-empty train bank and test set")
     tr = F.normalize(train_feats.float(), dim=1)
@@ -268,12 +262,11 @@ def segmentation_probe(
     est_mb = len(tr) * dim * grid * grid * 4 / 2**20
     backbone.eval()
 
-    cached: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
-    if est_mb <= cache_mb:
+    cached = est_mb <= cache_mb
+    if cached:
         loader = torch.utils.data.DataLoader(tr, batch_size=batch_size, shuffle=False, collate_fn=_seg_collate)
-        cached = [(patch_features(backbone, x.to(device), layer).cpu(), m) for x, m, _ in loader]
-        feats_all = torch.cat([c[0] for c in cached])
-        masks_all = torch.cat([c[1] for c in cached])
+        feats, masks = zip(*[(patch_features(backbone, x.to(device), layer).cpu(), m) for x, m, _ in loader])
+        feats_all, masks_all = torch.cat(feats), torch.cat(masks)
     counts = torch.zeros(num_classes, dtype=torch.int64)
 
     head = SegLinearHead(dim, num_classes).to(device)
@@ -285,7 +278,7 @@ def segmentation_probe(
         perm = torch.randperm(n, generator=g)
         for s in range(0, n, batch_size):
             b = perm[s : s + batch_size]
-            if cached is not None:
+            if cached:
                 f, m = feats_all[b].to(device), masks_all[b].to(device)
             else:
                 x, m, _ = _seg_collate([tr[int(i)] for i in b])
@@ -338,5 +331,5 @@ def segmentation_probe(
         "layer": layer,
         "train_images": len(tr),
         "val_images": len(va),
-        "cached_features": cached is not None,
+        "cached_features": cached,
     }

@@ -33,21 +33,17 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _INTERP = ("bicubic", "bilinear", "nearest")  # InterpolationMode values
 
 
-def _timm_kwargs(model: Any, kwargs_field: str) -> Mapping[str, Any]:
-    return getattr(model, kwargs_field, None) or {}
-
-
 def in_chans_of(model: Any, kwargs_field: str = "extra") -> int:
     """Channels a vision recipe's model config reads: ``model.in_chans``, or ``in_chans`` among its extra
     timm keyword arguments ``model.<kwargs_field>`` (classify: ``"extra"``, DINO: ``"kwargs"``) where set."""
-    return int(_timm_kwargs(model, kwargs_field).get("in_chans", model.in_chans))
+    return int((getattr(model, kwargs_field, None) or {}).get("in_chans", model.in_chans))
 
 
 def check_channels(model: Any, mean: Any, std: Any, where: str = "data", kwargs_field: str = "extra") -> None:
     """A ConfigError naming the fields unless ``model.in_chans`` (or an agreeing ``in_chans`` in
     ``model.<kwargs_field>``, as in :func:`in_chans_of`) is 1 or 3 and the normalisation ``mean`` / ``std``
     of config section ``where`` has that many values."""
-    extra = _timm_kwargs(model, kwargs_field)
+    extra: Mapping[str, Any] = getattr(model, kwargs_field, None) or {}
     if "in_chans" in extra and model.in_chans != 3 and extra["in_chans"] != model.in_chans:
         raise ConfigError(
             f"model.{kwargs_field}.in_chans={extra['in_chans']!r} contradicts "
