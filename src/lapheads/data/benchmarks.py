@@ -38,20 +38,14 @@ BENCHMARKS: dict[str, str] = {
 
 @dataclass
 class BenchmarkItem:
-    """One benchmark problem.
-
-    Attributes:
-        benchmark: the benchmark's name (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...).
-        kind: ``choice`` (multiple choice), ``math`` (GSM8K) or ``code`` (HumanEval).
-        id: the item's id in its file (or ``<file>:<line>`` when the layout has none).
-        question: the question text; for HumanEval the prompt (signature + docstring).
-        choices: answer texts for ``choice`` items, shown as A, B, C, ... in order.
-        answer_index: 0-based index of the correct choice.
-        target: GSM8K's normalised final answer (e.g. ``"1234"``).
-        solution: worked solution (GSM8K) or canonical completion (HumanEval).
-        test: HumanEval's ``check`` function source.
-        entry_point: HumanEval's function under test.
-        meta: anything else worth keeping (subject, original labels, source line).
+    """One problem of ``benchmark`` (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...), whose ``kind`` is
+    ``choice`` (multiple choice: the answer texts ``choices``, shown as A, B, C, ... in order, and the 0-based
+    ``answer_index`` of the correct one), ``math`` (GSM8K: the normalised final answer ``target``, e.g.
+    ``"1234"``, and the worked ``solution``) or ``code`` (HumanEval: the canonical completion ``solution``, the
+    ``check`` function source ``test`` and the function under test ``entry_point``). ``question`` is the
+    question text (HumanEval: the prompt, signature + docstring), ``id`` the item's id in its file
+    (``<file>:<line>`` when the layout has none), ``meta`` anything else worth keeping (subject, original
+    labels, source line).
     """
 
     benchmark: str

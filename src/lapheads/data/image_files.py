@@ -345,14 +345,9 @@ def _find_idx(root: Path, prefix: str, kind: str, nd: int) -> Path:
 
 
 class IdxDataset(ArrayImageDataset):
-    """MNIST-style idx files (MNIST, Fashion-MNIST, KMNIST, EMNIST ...).
-
-    Args:
-        root: folder with ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``.
-        split: ``"train"`` or ``"val"`` (the ``t10k`` files).
-        num_classes: number of classes (10 for MNIST / Fashion-MNIST / KMNIST); labels must be below it.
-        classes: class names (overrides ``num_classes``); default ``"0".."num_classes-1"``.
-    """
+    """MNIST-style idx files (MNIST, Fashion-MNIST, KMNIST, EMNIST ...): ``root`` holds
+    ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]`` (``t10k``: the ``"val"`` split); labels are below
+    ``num_classes`` (or ``len(classes)``), named by ``classes``, default ``"0".."num_classes-1"``."""
 
     def __init__(
         self,

@@ -47,16 +47,10 @@ def _files(folder: Path, exts: Sequence[str]) -> dict[str, Path]:
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
-    """``(image, mask)`` pairs read from files.
-
-    Args:
-        pairs: ``(image path, mask path)`` per item.
-        num_classes: labels are ``0..num_classes-1`` (after ``reduce_zero_label``); ``None`` = infer
-            as max label + 1 (needs ``check_labels``).
-        reduce_zero_label: ADE20K's convention (0 -> ignore, v -> v - 1).
-        ignore_index: the label of ignored pixels.
-        source: name for messages.
-        check_labels: decode every mask now and check its labels against the class range.
+    """``(image, mask)`` items read from ``(image path, mask path)`` ``pairs``, with labels ``0..num_classes-1``
+    after ``reduce_zero_label`` (ADE20K's convention: 0 -> ``ignore_index``, v -> v - 1). ``check_labels``
+    decodes every mask now and checks its labels (``num_classes=None``: inferred as max label + 1);
+    ``source`` names the set in messages.
     """
 
     def __init__(

@@ -94,7 +94,7 @@ def tokenize_to_shards(
         resume: continue an interrupted run in ``out_dir`` (the settings must match its index).
         dtype: ``"uint16"`` / ``"uint32"``; default: the smallest that holds the vocabulary.
         batch_documents: documents per ``encode_batch`` call (the Rust tokenizer runs them in parallel).
-        total_documents, progress: the tqdm progress bar's total (an iterable without ``len``) and switch.
+        total_documents, progress: the progress bar's total (for ``documents`` without ``len``) and switch.
         source: a description of the input, stored in the index and used in messages.
         train_fraction, max_train_documents: share of, and cap (0 = none) on, the training documents kept.
         hints: how the caller spells the options in error messages: keys ``val_fraction``,

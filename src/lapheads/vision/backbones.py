@@ -88,11 +88,8 @@ def build_with_user_kwargs(
 
 
 def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0, **kwargs: Any) -> nn.Module:
-    """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
-
-    ``name`` is a timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...),
-    ``laplacian_heads`` the selection (:func:`lapheads.timm.convert`), ``kwargs`` more timm keyword arguments.
-    """
+    """A timm ViT ``name`` (``vit_small_patch16_224``, ...) without classifier, with dynamic image size, the
+    ``laplacian_heads`` selection (:func:`lapheads.timm.convert`) and ``kwargs`` as more timm keyword arguments."""
     kw = {"num_classes": 0, "dynamic_img_size": True, **kwargs}
     try:
         return lt.create_model(name, laplacian_heads=laplacian_heads, drop_path_rate=drop_path_rate, **kw)

@@ -244,7 +244,6 @@ def segmentation_probe(
     Args:
         train_set / val_set: data sets of ``(image, mask)`` (see :mod:`lapheads.data.segmentation`).
         num_classes: classes (mask values ``0..C-1``; ``ignore_index`` pixels are ignored).
-        img_size: network input size.
         layer: block whose patch tokens are used (-1 = last).
         cache_mb: cache the frozen features when they fit in this many MB.
 
