@@ -48,12 +48,9 @@ def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
 
 
 class ImageDataset(torch.utils.data.Dataset):
-    """Common interface: ``(image, label)`` items plus class metadata.
-
-    Built directly, it is a file-backed set (an image folder): the images ``files`` (decoded as RGB
-    when read), labelled ``targets`` with ``classes``. The array-, subset- and Hugging Face-backed
-    sets subclass it. Every set takes ``transform``, applied to the PIL image, and its formats a
-    ``split``, ``"train"`` or ``"val"``.
+    """Common interface: ``(image, label)`` items plus class metadata. Built directly, it is a file-backed set
+    (an image folder): the images ``files`` (decoded as RGB when read), labelled ``targets`` with ``classes``;
+    the array-, subset- and Hugging Face-backed sets subclass it, their formats taking a ``split``.
 
     Attributes:
         classes: class names, index = label.

@@ -102,9 +102,6 @@ def build_image_dataset(
             ``"fine"``/``"coarse"``), ``verify`` / ``val_fraction`` / ``seed`` (ImageFolder),
             ``num_classes`` / ``classes`` (idx), ``val_fraction`` / ``seed`` (digits),
             ``image_column`` / ``label_column`` / ``hf_split`` / ``name`` / ``val_fraction`` / ``seed`` (hf).
-
-    Returns:
-        an :class:`ImageDataset`; ``ds.num_classes`` and ``ds.classes`` describe the labels.
     """
     split = check_split(split)
     if isinstance(spec, dict):

@@ -444,11 +444,9 @@ class TokenShards:
     def iter_batches(
         self, batch_size: int, seq_len: int, max_batches: Optional[int] = None, rank: int = 0, world_size: int = 1
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Deterministic sequential windows for evaluation: window ``j`` starts at ``j * seq_len``, so
-        every token but the first is predicted exactly once; the last partial batch is yielded smaller,
-        the last partial window dropped. Each ``rank`` gets every ``world_size``-th batch, ``max_batches``
-        (over all ranks) at most.
-        """
+        """Deterministic windows for evaluation: window ``j`` starts at ``j * seq_len``, so every token but the first
+        is predicted once (the last partial batch comes smaller, the last partial window is dropped); each
+        ``rank`` gets every ``world_size``-th batch, ``max_batches`` (over all ranks) at most."""
         self._check_len(seq_len)
         n_windows = (self.num_tokens - 1) // seq_len
         n_batches = math.ceil(n_windows / batch_size)

@@ -160,9 +160,8 @@ _HF_BUILDERS.update(dict.fromkeys((".json", ".jsonl", ".ndjson"), "json"))
 
 def hf_source(spec: Any) -> Optional[str]:
     """``"PATH_OR_NAME"`` of an ``"hf:PATH_OR_NAME"`` data spec, else None."""
-    if isinstance(spec, str) and spec.startswith(HF_PREFIX) and spec[len(HF_PREFIX) :].strip():
-        return spec[len(HF_PREFIX) :].strip()
-    return None
+    rest = spec[len(HF_PREFIX) :].strip() if isinstance(spec, str) and spec.startswith(HF_PREFIX) else ""
+    return rest or None
 
 
 def import_datasets() -> Any:

@@ -134,17 +134,13 @@ def linear_probe(
     n = len(train_feats)
     total = epochs * max(1, math.ceil(n / batch_size))
     x, y = train_feats.float(), train_labels.long()
-    step = 0
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=g)
-        for s in range(0, n, batch_size):
-            opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
-            b = perm[s : s + batch_size]
-            loss = F.cross_entropy(lin(x[b]), y[b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
+    batches = (b for _ in range(epochs) for b in torch.randperm(n, generator=g).split(batch_size))
+    for step, b in enumerate(batches):
+        opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+        loss = F.cross_entropy(lin(x[b]), y[b])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
     with torch.no_grad():
         acc_tr = float((lin(x).argmax(1) == y).float().mean())
         acc_te = float((lin(test_feats.float()).argmax(1) == test_labels).float().mean())
