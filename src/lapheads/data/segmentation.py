@@ -74,12 +74,8 @@ class SegmentationDataset(torch.utils.data.Dataset):
             raise ConfigError(f"{source}: num_classes is unknown; give it or turn check_labels on to infer it")
         self.num_classes = num_classes
         if check_labels:
-            top = -1
-            for i in range(len(self.pairs)):
-                m = self.load_mask(i, check=num_classes is not None)
-                valid = m[m != ignore_index]
-                if valid.numel():
-                    top = max(top, int(valid.max()))
+            masks = (self.load_mask(i) for i in range(len(self.pairs)))  # checked when num_classes is known
+            top = max((int(m.masked_fill(m == ignore_index, -1).max()) for m in masks), default=-1)
             if self.num_classes is None:
                 if top < 0:
                     raise DataError(f"{source}: every mask pixel is ignored ({ignore_index}); no classes to learn")
@@ -102,8 +98,8 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def load_mask(self, i: int, check: bool = True) -> torch.Tensor:
-        """Mask ``i`` as a LongTensor (labels after ``reduce_zero_label``)."""
+    def load_mask(self, i: int) -> torch.Tensor:
+        """Mask ``i`` as a LongTensor (labels after ``reduce_zero_label``, checked once ``num_classes`` is known)."""
         path = self.pairs[i][1]
         try:
             with Image.open(path) as mk:
@@ -116,7 +112,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
             ign = (arr == 0) | (arr == self.ignore_index)
             arr = arr - 1
             arr[ign] = self.ignore_index
-        if check and self.num_classes is not None:
+        if self.num_classes is not None:
             bad = (arr != self.ignore_index) & ((arr < 0) | (arr >= self.num_classes))
             if bad.any():
                 v = int(arr[bad][0]) + (1 if self.reduce_zero_label else 0)
