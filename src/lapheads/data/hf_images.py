@@ -117,8 +117,7 @@ class HFImageDataset(ImageDataset):
             ) from None
 
     def load_image(self, index: int) -> Image.Image:
-        img = self._raw(index)
-        return img.convert("L" if self.channels == 1 else "RGB")
+        return self._raw(index).convert("L" if self.channels == 1 else "RGB")
 
 
 def hf_options(spec: Any, image_column: str = "image", label_column: str = "label") -> dict[str, Any]:

@@ -323,7 +323,6 @@ class _ShardWriter:
         old_flag = getattr(self.backend, "encode_special_tokens", None)
         seen = 0  # input documents read so far (including those a resumed run skips)
         batch: list[tuple[int, str]] = []
-
         try:
             if self.backend is not None:
                 self.backend.encode_special_tokens = True

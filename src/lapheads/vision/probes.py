@@ -90,9 +90,8 @@ def knn_classify(
         cand = train_labels[idx]  # (b, kmax)
         w = (top / temperature).exp()
         y = test_labels[s : s + chunk]
-        for k in ks:
-            kk = min(k, kmax)
-            votes = torch.zeros(len(y), C).scatter_add_(1, cand[:, :kk], w[:, :kk])
+        for k in ks:  # a slice past kmax stops at kmax
+            votes = torch.zeros(len(y), C).scatter_add_(1, cand[:, :k], w[:, :k])
             correct[k] += int((votes.argmax(1) == y).sum())
     return {f"knn_k{k}_top1": correct[k] / len(te) for k in ks}
 
@@ -286,7 +285,6 @@ def segmentation_probe(
             opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
             if len(b) < 2:  # BatchNorm needs two samples; a lone last item is skipped
                 continue
-            head.train()
             logits = F.interpolate(head(f), size=m.shape[-2:], mode="bilinear", align_corners=False)
             loss = F.cross_entropy(logits, m, ignore_index=ignore_index)
             opt.zero_grad(set_to_none=True)
