@@ -275,9 +275,7 @@ _CHAPTER = re.compile(
 
 def check_split_mode(how: Any, name: str = "split_documents") -> Any:
     """``None``, ``"blank_lines"``, ``"chapters"`` or a positive int; anything else is a ConfigError."""
-    if how is None or how in SPLIT_MODES:
-        return how
-    if isinstance(how, int) and not isinstance(how, bool) and how >= 1:
+    if how is None or how in SPLIT_MODES or (isinstance(how, int) and not isinstance(how, bool) and how >= 1):
         return how
     if isinstance(how, str) and how.strip().isascii() and how.strip().isdigit() and int(how) >= 1:
         return int(how)
