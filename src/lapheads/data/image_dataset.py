@@ -1,5 +1,4 @@
-"""The interface of every image classification data set of lapheads, its splits and nested
-stratified subsets (design: docs/design/data.md)."""
+"""The interface of every image classification data set, its splits and nested stratified subsets."""
 
 from __future__ import annotations
 
@@ -39,8 +38,6 @@ def check_split(split: str) -> str:
 
 def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
     """Every label must be an integer in 0..num_classes-1; name the first bad one."""
-    if labels.size == 0:
-        return
     bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
     if bad.size:
         i = int(bad[0])
@@ -51,12 +48,9 @@ def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
 
 
 class ImageDataset(torch.utils.data.Dataset):
-    """Common interface: ``(image, label)`` items plus class metadata.
-
-    Built directly, it is a file-backed set (an image folder): the images ``files`` (decoded as RGB
-    when read), labelled ``targets`` with ``classes``. The array-, subset- and Hugging Face-backed
-    sets subclass it. Every set takes ``transform``, applied to the PIL image, and its formats a
-    ``split``, ``"train"`` or ``"val"``.
+    """Common interface: ``(image, label)`` items plus class metadata. Built directly, it is a file-backed set
+    (an image folder): the images ``files`` (decoded as RGB when read), labelled ``targets`` with ``classes``;
+    the array-, subset- and Hugging Face-backed sets subclass it, their formats taking a ``split``.
 
     Attributes:
         classes: class names, index = label.
@@ -210,8 +204,7 @@ class SubsetImageDataset(ImageDataset):
         self.indices = np.asarray(indices, dtype=np.int64)
         source = f"{base.source}[{len(self.indices)} of {len(base)}]"
         super().__init__(transform, targets=np.asarray(base.targets)[self.indices], classes=base.classes, source=source)
-        self.channels = base.channels
-        self.native_size = base.native_size
+        self.channels, self.native_size = base.channels, base.native_size
 
     def load_image(self, index: int) -> Image.Image:
         return self.base.load_image(int(self.indices[index]))

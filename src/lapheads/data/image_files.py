@@ -1,8 +1,5 @@
-"""Image classification data sets read from local files: CIFAR, image folders, idx, digits.
-
-:func:`~lapheads.data.images.build_image_dataset` picks one from a data spec; nothing is
-downloaded. Which library reads what, and why: docs/design/data.md.
-"""
+"""Image classification data sets read from local files: CIFAR, image folders, idx, digits (picked by
+:func:`~lapheads.data.images.build_image_dataset`; design: docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -44,7 +41,6 @@ _VERIFY_AUTO_LIMIT = 20_000  # "auto" decodes every image of a folder set up to 
 PathLike = Union[str, os.PathLike]
 
 
-# ============================================================================ CIFAR
 class _SafeUnpickler(pickle.Unpickler):
     """Only what the official CIFAR pickles contain: builtins and numpy arrays."""
 
@@ -100,11 +96,11 @@ class _CifarSource:
         if not path.exists():
             raise DataError(f"{path}: CIFAR data not found (expected a cifar-*-python.tar.gz or its extracted folder)")
         self.path, self.is_archive = path, path.is_file()
-        self.members: dict[str, bytes] = {}
+        self.members: dict[str, bytes | Path] = {}  # base name -> an archive member's bytes, or a file
         if self.is_archive:
             try:
                 with tarfile.open(path, "r:*") as tar:
-                    for m in tar:  # streaming: only regular files, keyed by base name
+                    for m in tar:  # streaming: only regular files
                         if m.isfile():
                             f = tar.extractfile(m)
                             self.members[os.path.basename(m.name)] = f.read() if f is not None else b""
@@ -113,11 +109,11 @@ class _CifarSource:
                     f"{path}: cannot read the archive ({type(e).__name__}: {e}); "
                     "it is truncated or corrupted, download it again"
                 ) from None
-            self.names = set(self.members)
         else:
             folder = _cifar_folder(path)
-            self.names = {p.name for p in folder.iterdir() if p.is_file()} if folder else set()
+            self.members = {p.name: p for p in folder.iterdir() if p.is_file()} if folder else {}
             self.folder = folder or path
+        self.names = set(self.members)
 
     def detect_kind(self) -> str:
         for kind, lay in _CIFAR_LAYOUT.items():
@@ -133,16 +129,12 @@ class _CifarSource:
         return f"{self.path}:{name}" if self.is_archive else str(self.folder / name)
 
     def read(self, name: str) -> dict[str, Any]:
-        if self.is_archive:
-            if name not in self.members:
-                raise DataError(f"{self.path}: the archive has no member {name!r}; it is incomplete")
-            raw = self.members[name]
-        else:
-            p = self.folder / name
-            if not p.is_file():
-                raise DataError(f"{p}: missing CIFAR file {name!r}")
-            raw = p.read_bytes()
-        return _unpickle(raw, self.where(name))
+        raw = self.members.get(name)
+        if raw is None and self.is_archive:
+            raise DataError(f"{self.path}: the archive has no member {name!r}; it is incomplete")
+        if raw is None:
+            raise DataError(f"{self.folder / name}: missing CIFAR file {name!r}")
+        return _unpickle(raw.read_bytes() if isinstance(raw, Path) else raw, self.where(name))
 
 
 class CIFARDataset(ArrayImageDataset):
@@ -209,7 +201,6 @@ class CIFARDataset(ArrayImageDataset):
         self.kind = found
 
 
-# ============================================================================ ImageFolder
 def _is_image(path: str) -> bool:
     name = os.path.basename(path)
     return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
@@ -295,7 +286,6 @@ def image_folder(
     return ds
 
 
-# ============================================================================ idx (MNIST)
 _IDX_DTYPES = {
     0x08: np.uint8,
     0x09: np.int8,
@@ -308,12 +298,8 @@ _IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09}
 
 
 def read_idx(path: PathLike, ndim: Optional[int] = None) -> np.ndarray:
-    """Read one idx file (``.gz`` or plain), validating its magic number and size.
-
-    Args:
-        path: the file.
-        ndim: expected number of dimensions (3 for images, 1 for labels), or ``None``.
-    """
+    """Read one idx file (``.gz`` or plain), validating its magic number and size against ``ndim``, the
+    expected number of dimensions (3 for images, 1 for labels; ``None``: any)."""
     path = Path(path)
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
@@ -359,14 +345,9 @@ def _find_idx(root: Path, prefix: str, kind: str, nd: int) -> Path:
 
 
 class IdxDataset(ArrayImageDataset):
-    """MNIST-style idx files (MNIST, Fashion-MNIST, KMNIST, EMNIST ...).
-
-    Args:
-        root: folder with ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]``.
-        split: ``"train"`` or ``"val"`` (the ``t10k`` files).
-        num_classes: number of classes (10 for MNIST / Fashion-MNIST / KMNIST); labels must be below it.
-        classes: class names (overrides ``num_classes``); default ``"0".."num_classes-1"``.
-    """
+    """MNIST-style idx files (MNIST, Fashion-MNIST, KMNIST, EMNIST ...): ``root`` holds
+    ``{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]`` (``t10k``: the ``"val"`` split); labels are below
+    ``num_classes`` (or ``len(classes)``), named by ``classes``, default ``"0".."num_classes-1"``."""
 
     def __init__(
         self,
@@ -393,7 +374,6 @@ class IdxDataset(ArrayImageDataset):
         super().__init__(images, labels, classes, source=f"idx:{root}:{split}", transform=transform)
 
 
-# ============================================================================ digits
 def digits_csv() -> Path:
     """The digits CSV inside the installed scikit-learn package (found without importing sklearn)."""
     spec = importlib.util.find_spec("sklearn")
@@ -410,10 +390,8 @@ def digits_csv() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """``sklearn.datasets.load_digits()``'s ``images`` (1797x8x8 float, 0..16) and ``target``, same order.
-
-    Read once per process (train and val share it); the arrays are read-only.
-    """
+    """``sklearn.datasets.load_digits()``'s ``images`` (1797x8x8 float, 0..16) and ``target``, same order;
+    read once per process, read-only."""
     path = digits_csv()
     with gzip.open(path, "rt") as f:
         data = np.loadtxt(f, delimiter=",")

@@ -1,10 +1,5 @@
-"""Image classification data sets read from local files (nothing is downloaded).
-
-:func:`build_image_dataset` picks a format from a data spec: ``digits`` (embedded), CIFAR
-archives, image folders, MNIST-style idx files or ``hf:`` Hugging Face datasets
-(docs/recipe-classify.md); :func:`load_images` reads a few images for figures. The readers are
-:mod:`lapheads.data.image_files` and :mod:`lapheads.data.hf_images`; the interface, splits and
-subsets :mod:`lapheads.data.image_dataset`. Design: docs/design/data.md.
+"""Image classification data sets from local files or ``hf:`` datasets: :func:`build_image_dataset` picks
+the reader a data spec names (docs/recipe-classify.md); :func:`load_images` reads a few images for figures.
 """
 
 from __future__ import annotations
@@ -107,9 +102,6 @@ def build_image_dataset(
             ``"fine"``/``"coarse"``), ``verify`` / ``val_fraction`` / ``seed`` (ImageFolder),
             ``num_classes`` / ``classes`` (idx), ``val_fraction`` / ``seed`` (digits),
             ``image_column`` / ``label_column`` / ``hf_split`` / ``name`` / ``val_fraction`` / ``seed`` (hf).
-
-    Returns:
-        an :class:`ImageDataset`; ``ds.num_classes`` and ``ds.classes`` describe the labels.
     """
     split = check_split(split)
     if isinstance(spec, dict):
@@ -163,11 +155,8 @@ def build_image_dataset(
 
 
 def spread_over_classes(labels: Sequence[Any], k: int) -> list[int]:
-    """Up to ``k`` indices taken round-robin over the classes of ``labels``.
-
-    Classes in sorted order; within a class, items in their given order. Deterministic: the first
-    item of every class, then the second of every class, and so on, returned in that order.
-    """
+    """Up to ``k`` indices taken round-robin over the classes of ``labels`` (sorted): the first item of
+    every class, then the second of every class, and so on."""
     by_class: dict[Any, list[int]] = {}
     for i, lab in enumerate(labels):
         by_class.setdefault(lab, []).append(i)
@@ -182,11 +171,8 @@ def load_images(source: str, max_images: int = 16) -> list[Any]:
         raise ConfigError(f"max_images={max_images} must be >= 1")
     p = Path(source).expanduser()
     if p.is_dir() or (p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS):
-        files = (
-            [p]
-            if p.is_file()
-            else sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
-        )
+        found = p.rglob("*") if p.is_dir() else [p]
+        files = sorted(f for f in found if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
         if not files:
             raise DataError(f"{p}: no image files ({', '.join(IMAGE_EXTENSIONS)}) found")
         picked = ImageDataset(files=[files[i] for i in spread_over_classes([str(f.parent) for f in files], max_images)])

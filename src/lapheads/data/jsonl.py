@@ -12,13 +12,9 @@ from ..errors import DataError
 
 
 def iter_jsonl(path: str | os.PathLike, what: str = "JSONL file") -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for every non-blank line of a ``.jsonl`` (or ``.jsonl.gz``) file; ``what``
-    names the file in errors ("task file", "chat JSONL file", ...).
-
-    Raises:
-        DataError: missing file, unreadable or non-UTF-8 file, a line that is not valid JSON or not
-            a JSON object.
-    """
+    """``(line number, object)`` for every non-blank line of a ``.jsonl`` (or ``.jsonl.gz``) file; a DataError
+    for a missing, unreadable or non-UTF-8 file or a line that is not a JSON object names the file as ``what``
+    ("task file", "chat JSONL file", ...)."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: is a directory, not a {what}" if p.is_dir() else f"{p}: {what} not found")

@@ -1,8 +1,5 @@
-"""Semantic-segmentation data: ADE20K's folder layout, any folder of ``images/`` + ``masks/``
-pairs, and a synthetic generator (shapes with known masks) for tests and CPU recipes.
-
-Items are ``(PIL RGB image, LongTensor mask (H, W))``; labels ``0..C-1``, 255 = ignore. Layouts
-and checks: docs/design/data.md.
+"""Semantic-segmentation data sets of ``(PIL RGB image, LongTensor mask (H, W))`` items (labels ``0..C-1``,
+255 = ignore): ADE20K, any ``images/`` + ``masks/`` folder, and synthetic shapes (docs/design/data.md).
 """
 
 from __future__ import annotations
@@ -50,16 +47,10 @@ def _files(folder: Path, exts: Sequence[str]) -> dict[str, Path]:
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
-    """``(image, mask)`` pairs read from files.
-
-    Args:
-        pairs: ``(image path, mask path)`` per item.
-        num_classes: labels are ``0..num_classes-1`` (after ``reduce_zero_label``); ``None`` = infer
-            as max label + 1 (needs ``check_labels``).
-        reduce_zero_label: ADE20K's convention (0 -> ignore, v -> v - 1).
-        ignore_index: the label of ignored pixels.
-        source: name for messages.
-        check_labels: decode every mask now and check its labels against the class range.
+    """``(image, mask)`` items read from ``(image path, mask path)`` ``pairs``, with labels ``0..num_classes-1``
+    after ``reduce_zero_label`` (ADE20K's convention: 0 -> ``ignore_index``, v -> v - 1). ``check_labels``
+    decodes every mask now and checks its labels (``num_classes=None``: inferred as max label + 1);
+    ``source`` names the set in messages.
     """
 
     def __init__(
@@ -72,9 +63,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         check_labels: bool = True,
     ):
         self.pairs = [(Path(a), Path(b)) for a, b in pairs]
-        self.reduce_zero_label = reduce_zero_label
-        self.ignore_index = ignore_index
-        self.source = source
+        self.reduce_zero_label, self.ignore_index, self.source = reduce_zero_label, ignore_index, source
         if not self.pairs:
             raise DataError(f"{source}: no image/mask pairs found")
         for img, mask in self.pairs:
@@ -85,12 +74,8 @@ class SegmentationDataset(torch.utils.data.Dataset):
             raise ConfigError(f"{source}: num_classes is unknown; give it or turn check_labels on to infer it")
         self.num_classes = num_classes
         if check_labels:
-            top = -1
-            for i in range(len(self.pairs)):
-                m = self.load_mask(i, check=num_classes is not None)
-                valid = m[m != ignore_index]
-                if valid.numel():
-                    top = max(top, int(valid.max()))
+            masks = (self.load_mask(i) for i in range(len(self.pairs)))  # checked when num_classes is known
+            top = max((int(m.masked_fill(m == ignore_index, -1).max()) for m in masks), default=-1)
             if self.num_classes is None:
                 if top < 0:
                     raise DataError(f"{source}: every mask pixel is ignored ({ignore_index}); no classes to learn")
@@ -113,8 +98,8 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def load_mask(self, i: int, check: bool = True) -> torch.Tensor:
-        """Mask ``i`` as a LongTensor (labels after ``reduce_zero_label``)."""
+    def load_mask(self, i: int) -> torch.Tensor:
+        """Mask ``i`` as a LongTensor (labels after ``reduce_zero_label``, checked once ``num_classes`` is known)."""
         path = self.pairs[i][1]
         try:
             with Image.open(path) as mk:
@@ -127,7 +112,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
             ign = (arr == 0) | (arr == self.ignore_index)
             arr = arr - 1
             arr[ign] = self.ignore_index
-        if check and self.num_classes is not None:
+        if self.num_classes is not None:
             bad = (arr != self.ignore_index) & ((arr < 0) | (arr >= self.num_classes))
             if bad.any():
                 v = int(arr[bad][0]) + (1 if self.reduce_zero_label else 0)
@@ -224,8 +209,7 @@ def image_mask_folder(
             pairs = _pair_up(root / "images" / name, root / "masks" / name, str(root))
             break
     else:
-        has_split = any((root / "images" / n).is_dir() for names in _SPLIT_NAMES.values() for n in names)
-        if has_split:
+        if any((root / "images" / n).is_dir() for names in _SPLIT_NAMES.values() for n in names):
             raise DataError(
                 f"{root}/images has split folders but none for {split!r} (expected one of {_split_dirs(split)})"
             )
@@ -242,14 +226,8 @@ def image_mask_folder(
 def build_segmentation_dataset(
     path: PathLike, split: str = "train", num_classes: Optional[int] = None, check_labels: bool = True
 ) -> SegmentationDataset:
-    """ADE20K if the folder has its layout, else an ``images/`` + ``masks/`` folder.
-
-    Args:
-        path: the folder.
-        split: ``"train"`` or ``"val"``.
-        num_classes: classes of an images/masks folder (ADE20K always has 150).
-        check_labels: decode and check every mask now.
-    """
+    """The ``split`` (``"train"`` or ``"val"``) of ``path``: ADE20K if the folder has its layout, else an
+    ``images/`` + ``masks/`` folder of ``num_classes`` classes; ``check_labels`` decodes and checks every mask now."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
         raise DataError(f"{p}: segmentation data folder not found")
@@ -292,14 +270,9 @@ def make_synthetic_segmentation(
     max_shapes: int = 3,
     ignore_border: bool = True,
 ) -> Path:
-    """Write a synthetic segmentation set: noisy background + discs / squares / triangles.
-
-    Each class has its own hue (jittered per shape) and the background is textured noise, so
-    patch features separate the classes and a linear probe can learn them. With ``ignore_border``
-    the outline pixels of each shape are labelled 255 (ignored), like VOC's boundaries.
-
-    Layout: ``root/images/{train,val}/NNNN.png``, ``root/masks/{train,val}/NNNN.png`` (class
-    indices), ``root/classes.txt``. Returns ``root``.
+    """Write a synthetic segmentation set to ``root`` and return it: discs / squares / triangles, one hue per
+    class, on textured noise (a linear probe learns them); ``ignore_border`` labels shape outlines 255.
+    Layout: ``root/{images,masks}/{train,val}/NNNN.png`` and ``root/classes.txt``.
     """
     root = Path(root)
     rng = np.random.default_rng(seed)

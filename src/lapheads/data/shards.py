@@ -1,8 +1,5 @@
-"""Documents -> BOS-prefixed token shards on disk (resumable, validation by document or by
-tokens), and a sampler over them for language-model training.
-
-The documents come from :mod:`lapheads.data.text`. Design: docs/design/data.md.
-"""
+"""Documents (:mod:`lapheads.data.text`) -> BOS-prefixed token shards on disk, resumable, and a sampler over
+them for language-model training (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +26,6 @@ _INDEX_VERSION = 1
 SPLITS = ("train", "val")
 
 
-# --------------------------------------------------------------------------- writing shards
 # How `lapheads data tokenize` spells the options named in errors (`train lm` passes its own).
 _CLI_HINTS = {
     "val_fraction": "--val-fraction",
@@ -42,8 +38,7 @@ _SETTING_DEFAULTS = {"val_by": "documents", "train_fraction": "1", "max_train_do
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file; a full disk is one :class:`DiskFullError` line
-    (the shards written before stay, listed in ``index.json``) and the temporary file is removed."""
+    """``atomic_write``, whose DiskFullError tells how to resume (the shards written before stay)."""
     try:
         atomic_write(path, data)  # readers see the old file or the complete new one, never half of it
     except DiskFullError as e:
@@ -99,16 +94,11 @@ def tokenize_to_shards(
         resume: continue an interrupted run in ``out_dir`` (the settings must match its index).
         dtype: ``"uint16"`` / ``"uint32"``; default: the smallest that holds the vocabulary.
         batch_documents: documents per ``encode_batch`` call (the Rust tokenizer runs them in parallel).
-        total_documents, progress: the tqdm progress bar's total (an iterable without ``len``) and switch.
+        total_documents, progress: the progress bar's total (for ``documents`` without ``len``) and switch.
         source: a description of the input, stored in the index and used in messages.
         train_fraction, max_train_documents: share of, and cap (0 = none) on, the training documents kept.
         hints: how the caller spells the options in error messages: keys ``val_fraction``,
             ``val_by``, ``split_documents``, ``fraction`` (default: the ``data tokenize`` flags).
-
-    Raises:
-        DataError: empty corpus, a tokenizer that does not fit ``dtype`` or differs from a resumed
-            index's, an existing index without ``resume``.
-        ConfigError: invalid ``shard_tokens`` / ``val_fraction`` / ``dtype``.
     """
     out = Path(out_dir)
     f = check_val_fraction(val_fraction)
@@ -308,8 +298,8 @@ class _ShardWriter:
                     f">= vocabulary size {self.vocab}"
                 )
             for split, part, part_text in self.parts_of(i, text, list(ids), enc):
-                arr = np.array([self.bos, *part], dtype=np.int64)
-                self.buffers[split].append(arr.astype(self.np_dtype))
+                arr = np.array([self.bos, *part], dtype=self.np_dtype)  # the ids fit: checked against the vocabulary
+                self.buffers[split].append(arr)
                 p = self.pending[split]
                 p["tokens"] += len(arr)
                 p["bytes"] += len(part_text.encode("utf-8"))
@@ -318,12 +308,8 @@ class _ShardWriter:
                 if p["tokens"] >= self.shard_tokens:
                     self.flush(split, i + 1)
         self.bar.update(len(batch))
-        sp, pend = self.splits, self.pending
-        self.bar.set_postfix(
-            train_tokens=sp["train"]["tokens"] + pend["train"]["tokens"],
-            val_tokens=sp["val"]["tokens"] + pend["val"]["tokens"],
-            refresh=False,
-        )
+        tokens = {f"{s}_tokens": self.splits[s]["tokens"] + self.pending[s]["tokens"] for s in SPLITS}
+        self.bar.set_postfix(tokens, refresh=False)
 
     def run(self, documents: Iterable[str], batch_documents: int, total: Optional[int], progress: bool) -> int:
         """Read every document (tokenizing those not written yet); returns how many were read."""
@@ -337,7 +323,6 @@ class _ShardWriter:
         old_flag = getattr(self.backend, "encode_special_tokens", None)
         seen = 0  # input documents read so far (including those a resumed run skips)
         batch: list[tuple[int, str]] = []
-
         try:
             if self.backend is not None:
                 self.backend.encode_special_tokens = True
@@ -365,15 +350,9 @@ class _ShardWriter:
         return seen
 
 
-# --------------------------------------------------------------------------- reading shards
 class TokenShards:
     """The token shards of one split (``"train"`` or ``"val"``) of a directory written by
-    :func:`tokenize_to_shards`, memory-mapped.
-
-    Raises:
-        DataError: missing/incomplete index, a shard missing or of the wrong size, an empty split,
-            or a ``tokenizer`` given that is not the one the shards were made with.
-    """
+    :func:`tokenize_to_shards`, memory-mapped; a given ``tokenizer`` must be the one they were made with."""
 
     def __init__(self, path: str | os.PathLike, split: str = "train", tokenizer: Any = None):
         if split not in SPLITS:
@@ -458,18 +437,15 @@ class TokenShards:
         int64 tensors ``(batch_size, seq_len)``; ``generator`` makes the draw reproducible (per rank)."""
         self._check_len(seq_len)
         starts = torch.randint(0, self.num_tokens - seq_len, (batch_size,), generator=generator)
-        w = np.stack([self.tokens(int(s), seq_len + 1) for s in starts])
-        t = torch.from_numpy(w)
+        t = torch.from_numpy(np.stack([self.tokens(int(s), seq_len + 1) for s in starts]))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def iter_batches(
         self, batch_size: int, seq_len: int, max_batches: Optional[int] = None, rank: int = 0, world_size: int = 1
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Deterministic sequential windows for evaluation: window ``j`` starts at ``j * seq_len``, so
-        every token but the first is predicted exactly once; the last partial batch is yielded smaller,
-        the last partial window dropped. Each ``rank`` gets every ``world_size``-th batch, ``max_batches``
-        (over all ranks) at most.
-        """
+        """Deterministic windows for evaluation: window ``j`` starts at ``j * seq_len``, so every token but the first
+        is predicted once (the last partial batch comes smaller, the last partial window is dropped); each
+        ``rank`` gets every ``world_size``-th batch, ``max_batches`` (over all ranks) at most."""
         self._check_len(seq_len)
         n_windows = (self.num_tokens - 1) // seq_len
         n_batches = math.ceil(n_windows / batch_size)

@@ -1,8 +1,5 @@
-"""Text corpora read one document at a time (text, JSONL, parquet, Hugging Face datasets, the
-embedded ``pydoc_data.topics``), and the rules that cut and split them.
-
-Token shards made from these documents are :mod:`lapheads.data.shards`. Design: docs/design/data.md.
-"""
+"""Text corpora read one document at a time (text, JSONL, parquet, Hugging Face datasets, the embedded
+``pydoc_data.topics``), and the rules that cut and split them (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- readers
 def embedded_documents() -> Iterator[str]:
     """The corpus that ships with Python: ``pydoc_data.topics.topics``, one document per topic."""
     from pydoc_data.topics import topics  # lazy: a 0.8 MB module, only for the embedded corpus
@@ -123,13 +119,8 @@ def iter_documents(paths: Sequence[str | os.PathLike], text_field: str = "text")
     """Documents of several files in order, each read by the reader its extension selects."""
     for path in paths:
         p = Path(path)
-        kind = _kind(p)
-        if kind == "parquet":
-            yield from read_parquet(p, text_field)
-        elif kind == "jsonl":
-            yield from read_jsonl(p, text_field)
-        else:
-            yield from read_text_file(p)
+        reader = {"parquet": read_parquet, "jsonl": read_jsonl}.get(_kind(p))
+        yield from reader(p, text_field) if reader else read_text_file(p)
 
 
 def check_inputs(paths: Sequence[str | os.PathLike], text_field: str = "text") -> None:
@@ -162,24 +153,15 @@ def limit_chars(docs: Iterable[str], max_chars: int) -> Iterator[str]:
         left -= len(d)
 
 
-# --------------------------------------------------------------------------- Hugging Face datasets
 HF_PREFIX = "hf:"
-_HF_BUILDERS = {
-    ".parquet": "parquet",
-    ".json": "json",
-    ".jsonl": "json",
-    ".ndjson": "json",
-    ".csv": "csv",
-    ".arrow": "arrow",
-    ".txt": "text",
-}
+_HF_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
+_HF_BUILDERS.update(dict.fromkeys((".json", ".jsonl", ".ndjson"), "json"))
 
 
 def hf_source(spec: Any) -> Optional[str]:
     """``"PATH_OR_NAME"`` of an ``"hf:PATH_OR_NAME"`` data spec, else None."""
-    if isinstance(spec, str) and spec.startswith(HF_PREFIX) and spec[len(HF_PREFIX) :].strip():
-        return spec[len(HF_PREFIX) :].strip()
-    return None
+    rest = spec[len(HF_PREFIX) :].strip() if isinstance(spec, str) and spec.startswith(HF_PREFIX) else ""
+    return rest or None
 
 
 def import_datasets() -> Any:
@@ -206,10 +188,7 @@ def open_hf_dataset(
     ``.txt``: ``load_dataset(<format>, data_files=...)``), else ``load_dataset(source, name)`` as
     ``datasets`` resolves it (a folder of data files, a Hub name, its cache, ``HF_HUB_OFFLINE``).
     ``split=None`` returns every split; ``streaming`` an ``IterableDataset`` (corpora larger than memory).
-
-    Raises:
-        DataError: one line naming ``what``, the source and the split, with ``datasets``' reason.
-        ConfigError: the ``datasets`` package is missing.
+    A DataError is one line naming ``what``, the source and the split, with ``datasets``' reason.
     """
     datasets = import_datasets()
     p = Path(os.path.expanduser(source))
@@ -221,14 +200,12 @@ def open_hf_dataset(
                 if split not in ds:
                     raise DataError(f"{where} has the splits {', '.join(ds)}, not {split!r}")
                 ds = ds[split]
-            if streaming:
-                ds = (
-                    datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in ds.items()})
-                    if isinstance(ds, datasets.DatasetDict)
-                    else ds.to_iterable_dataset()
-                )
+            if streaming and isinstance(ds, datasets.DatasetDict):
+                ds = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in ds.items()})
+            elif streaming:
+                ds = ds.to_iterable_dataset()
             return ds
-        suffix = "".join(s for s in p.suffixes[-1:]).lower()
+        suffix = p.suffix.lower()
         if suffix in _HF_BUILDERS and (p.is_file() or any(c in source for c in "*?[")):
             return datasets.load_dataset(
                 _HF_BUILDERS[suffix], data_files={split or "train": str(p)}, split=split, streaming=streaming
@@ -282,7 +259,6 @@ def hf_fingerprint(source: str, ds: Any, name: Optional[str], split: str) -> Any
     return key
 
 
-# --------------------------------------------------------------------------- documents of one file
 SPLIT_MODES = ("blank_lines", "chapters")  # or a positive int: characters per piece
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 _NUMBER_WORDS = (
@@ -299,9 +275,7 @@ _CHAPTER = re.compile(
 
 def check_split_mode(how: Any, name: str = "split_documents") -> Any:
     """``None``, ``"blank_lines"``, ``"chapters"`` or a positive int; anything else is a ConfigError."""
-    if how is None or how in SPLIT_MODES:
-        return how
-    if isinstance(how, int) and not isinstance(how, bool) and how >= 1:
+    if how is None or how in SPLIT_MODES or (isinstance(how, int) and not isinstance(how, bool) and how >= 1):
         return how
     if isinstance(how, str) and how.strip().isascii() and how.strip().isdigit() and int(how) >= 1:
         return int(how)
@@ -310,12 +284,8 @@ def check_split_mode(how: Any, name: str = "split_documents") -> Any:
 
 def split_text(text: str, how: Any, where: str = "") -> list[str]:
     """Cut one document into several: ``how`` is ``"blank_lines"`` (paragraphs), ``"chapters"`` (before
-    each heading such as ``Chapter 12`` on a line of its own) or about N characters (cut at whitespace);
-    blank pieces are dropped.
-
-    Raises:
-        DataError: ``"chapters"`` on a text without a chapter heading (naming ``where``).
-    """
+    each heading such as ``Chapter 12`` on a line of its own; a DataError naming ``where`` if there is none)
+    or about N characters (cut at whitespace); blank pieces are dropped."""
     how = check_split_mode(how)
     if how is None:
         return [text]
@@ -346,13 +316,9 @@ def split_documents(docs: Iterable[str], how: Any, source: str = "") -> Iterator
     """Every document of ``docs`` cut by :func:`split_text` (``how=None``: passed through)."""
     how = check_split_mode(how)
     for i, d in enumerate(docs):
-        if how is None:
-            yield d
-        else:
-            yield from split_text(d, how, where=f"{source or 'corpus'} document {i}")
+        yield from split_text(d, how, where=f"{source or 'corpus'} document {i}")
 
 
-# --------------------------------------------------------------------------- splitting
 def check_val_fraction(val_fraction: float) -> Fraction:
     """``val_fraction`` as an exact fraction; a ConfigError unless it is in [0, 1)."""
     if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:

@@ -1,8 +1,5 @@
-"""The attention variants of :mod:`lapheads.variants` in timm ViTs (``model.attention`` of the
-classify recipe): ``"diff"`` is timm's ``DiffAttention``, :class:`XSAAttention` timm's ``Attention``
-with exclusive self-attention. An XSA state dict never loads silently into a stock layer
-(docs/design/data.md).
-"""
+"""The attention variants of :mod:`lapheads.variants` in timm ViTs (classify's ``model.attention``):
+``"diff"`` is timm's ``DiffAttention``, ``"xsa"`` :class:`XSAAttention` (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -27,21 +24,11 @@ class XSAAttention(Attention):
         super().__init__(*args, **kwargs)
         self.register_buffer(MARKER, torch.ones(1, dtype=torch.int8))
 
-    def _load_from_state_dict(
-        self,
-        state_dict: Any,
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         key = prefix + MARKER
         absent = key not in state_dict  # stock timm weights: they load into an XSA layer
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing_keys = args[2]  # args: local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         if absent and key in missing_keys:
             missing_keys.remove(key)
 

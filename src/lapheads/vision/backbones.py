@@ -1,7 +1,5 @@
-"""Frozen timm ViT backbones (no classifier, dynamic image size, Laplacian heads) for the
-probes, PCA maps and geometry of vision runs, with their ``meta`` dict; and the checks of the timm
-keyword arguments a user writes (design: docs/design/data.md).
-"""
+"""Frozen timm ViT backbones with their ``meta`` dict, and the checks of the timm keyword arguments a user
+writes (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -56,13 +54,9 @@ def build_with_user_kwargs(
     name: str,
     trial: Optional[Callable[[Mapping[str, Any]], Any]] = None,
 ) -> T:
-    """``build(user)``, where ``user`` are the timm kwargs the user wrote at config key ``where``.
-
-    When it fails, and ``trial`` (by default ``build``) on the meta device builds the model without
-    them but not with them, the ConfigError is one line naming the key that breaks it (each key
-    tried alone; all of them when only their combination fails), its value and timm's message. Any
-    other failure (say, a checkpoint ``build`` loads that does not fit) is raised unchanged.
-    """
+    """``build(user)``, where ``user`` are the timm kwargs the user wrote at config key ``where``; when
+    ``trial`` (default ``build``) on the meta device fails with them but not without them, a one-line
+    ConfigError names the key(s) that break it, else the failure is raised unchanged."""
     try:
         return build(user)
     except LapheadsError:
@@ -82,11 +76,9 @@ def build_with_user_kwargs(
         if fails({}) or not fails(user):  # not theirs: the model fails without them, or builds with them
             raise
         bad = [k for k in user if fails({k: user[k]})] or list(user)
-        first = bad[0]
-        value = user[first]
-        kind = " (a string)" if isinstance(value, str) else ""
         if len(bad) == 1:
-            what, it = f"{where}.{first}={value!r}{kind}", "it"
+            value = user[bad[0]]
+            what, it = f"{where}.{bad[0]}={value!r}" + (" (a string)" if isinstance(value, str) else ""), "it"
         else:
             what, it = f"{where}.{{{', '.join(bad)}}}", "them together"
         raise ConfigError(
@@ -96,14 +88,9 @@ def build_with_user_kwargs(
 
 
 def create_backbone(name: str, laplacian_heads: Any = None, drop_path_rate: float = 0.0, **kwargs: Any) -> nn.Module:
-    """A timm ViT backbone (no classifier, dynamic image size) with Laplacian heads.
-
-    ``name`` is a timm model name (``vit_small_patch16_224``, ``deit3_small_patch16_224_lap5``, ...),
-    ``laplacian_heads`` the selection (:func:`lapheads.timm.convert`), ``kwargs`` more timm keyword arguments.
-    """
-    kw = dict(kwargs)
-    kw.setdefault("num_classes", 0)
-    kw.setdefault("dynamic_img_size", True)
+    """A timm ViT ``name`` (``vit_small_patch16_224``, ...) without classifier, with dynamic image size, the
+    ``laplacian_heads`` selection (:func:`lapheads.timm.convert`) and ``kwargs`` as more timm keyword arguments."""
+    kw = {"num_classes": 0, "dynamic_img_size": True, **kwargs}
     try:
         return lt.create_model(name, laplacian_heads=laplacian_heads, drop_path_rate=drop_path_rate, **kw)
     except TypeError as e:  # a timm kwarg the model does not take
@@ -123,14 +110,12 @@ def load_backbone_weights(bb: nn.Module, path: Path) -> None:
 
 def native_size(bb: nn.Module) -> int:
     """The input side the backbone was built for (its patch embedding's ``img_size``)."""
-    pe = getattr(bb, "patch_embed", None)
-    size = getattr(pe, "img_size", None)
+    size = getattr(getattr(bb, "patch_embed", None), "img_size", None)
     return int(size[0] if isinstance(size, (tuple, list)) else (size or 224))
 
 
 def patch_size(bb: nn.Module) -> int:
-    pe = getattr(bb, "patch_embed", None)
-    ps = getattr(pe, "patch_size", 16)
+    ps = getattr(getattr(bb, "patch_embed", None), "patch_size", 16)
     return int(ps[0] if isinstance(ps, (tuple, list)) else ps)
 
 
@@ -154,11 +139,8 @@ def timm_backbone(
     device: str | torch.device = "cpu",
     **timm_kwargs: Any,
 ) -> tuple[nn.Module, dict]:
-    """A frozen backbone from a timm name (``--model NAME``) and its metadata.
-
-    ``weights`` is a safetensors file (default: random init, a chance-level baseline); ``img_size``
-    defaults to the model's own.
-    """
+    """A frozen backbone from a timm name (``--model NAME``) and its metadata; ``weights``: a safetensors
+    file (default: random init, a chance-level baseline); ``img_size``: default the model's own."""
     kw = dict(timm_kwargs)
     if img_size:
         kw["img_size"] = img_size

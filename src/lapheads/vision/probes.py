@@ -1,12 +1,9 @@
-"""Probes on frozen features: weighted k-NN, linear probe, linear segmentation probe (mIoU).
-
-They take a frozen backbone (:mod:`lapheads.vision.backbones`) and data sets; the commands
-``lapheads eval knn|linear|segment`` (:mod:`lapheads.commands.probes`) load the backbone, call
-them and write the result as JSON. Design: docs/design/data.md.
-"""
+"""Probes on a frozen backbone's features: weighted k-NN, linear probe, linear segmentation probe (mIoU),
+as ``lapheads eval knn|linear|segment`` runs them (docs/design/data.md)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,27 +18,16 @@ from .transforms import EvalTransform
 IGNORE_INDEX = 255
 
 
-class _Mapped(torch.utils.data.Dataset):
-    def __init__(self, base: Any, transform: Callable):
-        self.base, self.transform = base, transform
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        img, y = self.base[i]
-        return self.transform(img), int(y)
+def _transformed(transform: Callable, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([transform(img) for img, _ in items]), torch.tensor([int(y) for _, y in items])
 
 
 @torch.no_grad()
 def backbone_features(
     backbone: nn.Module, x: torch.Tensor, n_last_blocks: int = 1, avgpool: bool = False
 ) -> torch.Tensor:
-    """Image features of a timm ViT: CLS tokens of the last ``n_last_blocks`` blocks (+ mean patch).
-
-    With ``n_last_blocks=1`` and no ``avgpool`` this is the backbone's pooled output (DINO's k-NN
-    feature). Every token is passed through the final norm (``norm=True``), as in DINO.
-    """
+    """Image features of a timm ViT, as in DINO: the normed CLS tokens of the last ``n_last_blocks`` blocks
+    (+ the mean patch token with ``avgpool``; one block without it is the backbone's pooled output)."""
     if n_last_blocks == 1 and not avgpool:
         return backbone(x).float()
     inter = backbone.forward_intermediates(
@@ -65,9 +51,8 @@ def extract_features(
     num_workers: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Features ``(N, D)`` and labels ``(N,)`` of a data set of ``(image, label)`` items."""
-    loader = torch.utils.data.DataLoader(
-        _Mapped(dataset, transform), batch_size=batch_size, shuffle=False, num_workers=num_workers
-    )
+    collate = functools.partial(_transformed, transform)
+    loader = torch.utils.data.DataLoader(dataset, batch_size, num_workers=num_workers, collate_fn=collate)
     feats, labels = [], []
     for x, y in loader:
         feats.append(backbone_features(backbone, x.to(device), n_last_blocks, avgpool).cpu())
@@ -88,16 +73,10 @@ def knn_classify(
     num_classes: Optional[int] = None,
     chunk: int = 1024,
 ) -> dict[str, float]:
-    """Weighted k-NN top-1 accuracy (fractions) for each k, DINO style.
-
-    Args:
-        train_feats / test_feats: ``(N, D)`` features (normalised here).
-        train_labels / test_labels: integer labels.
-        ks: numbers of neighbours.
-        temperature: the votes are ``exp(cosine / temperature)``.
-        num_classes: default ``max label + 1``.
-        chunk: test features per similarity block (memory ``chunk x N_train``).
-    """
+    """Weighted k-NN top-1 accuracy (fractions) for each number of neighbours in ``ks``, DINO style: the
+    ``(N, D)`` features are normalised here and vote ``exp(cosine / temperature)`` for their integer label;
+    ``num_classes`` defaults to max label + 1, ``chunk`` test features share a similarity block (memory
+    ``chunk x N_train``)."""
     if len(train_feats) == 0 or len(test_feats) == 0:
         raise DataError("k-NN needs a non-empty train bank and test set")
     tr = F.normalize(train_feats.float(), dim=1)
@@ -111,9 +90,8 @@ def knn_classify(
         cand = train_labels[idx]  # (b, kmax)
         w = (top / temperature).exp()
         y = test_labels[s : s + chunk]
-        for k in ks:
-            kk = min(k, kmax)
-            votes = torch.zeros(len(y), C).scatter_add_(1, cand[:, :kk], w[:, :kk])
+        for k in ks:  # a slice past kmax stops at kmax
+            votes = torch.zeros(len(y), C).scatter_add_(1, cand[:, :k], w[:, :k])
             correct[k] += int((votes.argmax(1) == y).sum())
     return {f"knn_k{k}_top1": correct[k] / len(te) for k in ks}
 
@@ -155,18 +133,13 @@ def linear_probe(
     n = len(train_feats)
     total = epochs * max(1, math.ceil(n / batch_size))
     x, y = train_feats.float(), train_labels.long()
-    step = 0
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=g)
-        for s in range(0, n, batch_size):
-            for grp in opt.param_groups:
-                grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
-            b = perm[s : s + batch_size]
-            loss = F.cross_entropy(lin(x[b]), y[b])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
+    batches = (b for _ in range(epochs) for b in torch.randperm(n, generator=g).split(batch_size))
+    for step, b in enumerate(batches):
+        opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+        loss = F.cross_entropy(lin(x[b]), y[b])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
     with torch.no_grad():
         acc_tr = float((lin(x).argmax(1) == y).float().mean())
         acc_te = float((lin(test_feats.float()).argmax(1) == test_labels).float().mean())
@@ -178,12 +151,9 @@ def confusion_matrix(
 ) -> torch.Tensor:
     """Brute-force ``(C, C)`` count, rows = target class, columns = predicted class."""
     cm = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-    t = target.reshape(-1).tolist()
-    p = pred.reshape(-1).tolist()
-    for ti, pi in zip(t, p):
-        if ti == ignore_index:
-            continue
-        cm[ti, pi] += 1
+    for ti, pi in zip(target.reshape(-1).tolist(), pred.reshape(-1).tolist()):
+        if ti != ignore_index:
+            cm[ti, pi] += 1
     return cm
 
 
@@ -192,8 +162,8 @@ def miou_from_confusion(cm: torch.Tensor) -> tuple[float, list[float]]:
     cm = cm.double()
     inter = cm.diag()
     union = cm.sum(0) + cm.sum(1) - inter
-    iou = torch.where(union > 0, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
     valid = union > 0
+    iou = torch.where(valid, inter / union.clamp_min(1), torch.full_like(inter, float("nan")))
     miou = float(iou[valid].mean()) if bool(valid.any()) else float("nan")
     return miou, iou.tolist()
 
@@ -207,9 +177,8 @@ def _fast_confusion(pred: torch.Tensor, target: torch.Tensor, num_classes: int, 
 @torch.no_grad()
 def patch_features(backbone: nn.Module, x: torch.Tensor, layer: int = -1) -> torch.Tensor:
     """Patch tokens of block ``layer`` (after the final norm) as a ``(B, D, h, w)`` map."""
-    n = len(backbone.blocks)
-    idx = layer % n
-    out = backbone.forward_intermediates(x, indices=[idx], norm=True, output_fmt="NCHW", intermediates_only=True)
+    idx = [layer % len(backbone.blocks)]
+    out = backbone.forward_intermediates(x, indices=idx, norm=True, output_fmt="NCHW", intermediates_only=True)
     return out[0].float()
 
 
@@ -270,7 +239,6 @@ def segmentation_probe(
     Args:
         train_set / val_set: data sets of ``(image, mask)`` (see :mod:`lapheads.data.segmentation`).
         num_classes: classes (mask values ``0..C-1``; ``ignore_index`` pixels are ignored).
-        img_size: network input size.
         layer: block whose patch tokens are used (-1 = last).
         cache_mb: cache the frozen features when they fit in this many MB.
 
@@ -284,17 +252,15 @@ def segmentation_probe(
     tr = _SegView(train_set, img_size, mean, std)
     va = _SegView(val_set, img_size, mean, std)
     dim = int(backbone.num_features)
-    ps = patch_size(backbone)
-    grid = img_size // ps
+    grid = img_size // patch_size(backbone)
     est_mb = len(tr) * dim * grid * grid * 4 / 2**20
     backbone.eval()
 
-    cached: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
-    if est_mb <= cache_mb:
+    cached = est_mb <= cache_mb
+    if cached:
         loader = torch.utils.data.DataLoader(tr, batch_size=batch_size, shuffle=False, collate_fn=_seg_collate)
-        cached = [(patch_features(backbone, x.to(device), layer).cpu(), m) for x, m, _ in loader]
-        feats_all = torch.cat([c[0] for c in cached])
-        masks_all = torch.cat([c[1] for c in cached])
+        feats, masks = zip(*[(patch_features(backbone, x.to(device), layer).cpu(), m) for x, m, _ in loader])
+        feats_all, masks_all = torch.cat(feats), torch.cat(masks)
     counts = torch.zeros(num_classes, dtype=torch.int64)
 
     head = SegLinearHead(dim, num_classes).to(device)
@@ -306,7 +272,7 @@ def segmentation_probe(
         perm = torch.randperm(n, generator=g)
         for s in range(0, n, batch_size):
             b = perm[s : s + batch_size]
-            if cached is not None:
+            if cached:
                 f, m = feats_all[b].to(device), masks_all[b].to(device)
             else:
                 x, m, _ = _seg_collate([tr[int(i)] for i in b])
@@ -316,11 +282,9 @@ def segmentation_probe(
                 if mm.numel() and int(mm.max()) >= num_classes:
                     raise DataError(f"a training mask holds label {int(mm.max())} >= num_classes={num_classes}")
                 counts += torch.bincount(mm, minlength=num_classes)
-            for grp in opt.param_groups:
-                grp["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
+            opt.param_groups[0]["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))
             if len(b) < 2:  # BatchNorm needs two samples; a lone last item is skipped
                 continue
-            head.train()
             logits = F.interpolate(head(f), size=m.shape[-2:], mode="bilinear", align_corners=False)
             loss = F.cross_entropy(logits, m, ignore_index=ignore_index)
             opt.zero_grad(set_to_none=True)
@@ -350,16 +314,15 @@ def segmentation_probe(
                 trivial_cm += _fast_confusion(torch.full_like(mask, majority), mask, num_classes, ignore_index)
     miou_bf, per_class = miou_from_confusion(cm)
     trivial, _ = miou_from_confusion(trivial_cm)
-    valid = cm.sum()
     return {
         "miou": float(jac.compute()),
         "miou_bruteforce": miou_bf,
-        "pixel_acc": float(cm.diag().sum()) / max(1, int(valid)),
+        "pixel_acc": float(cm.diag().sum()) / max(1, int(cm.sum())),
         "trivial_miou": trivial,
         "per_class_iou": per_class,
         "num_classes": num_classes,
         "layer": layer,
         "train_images": len(tr),
         "val_images": len(va),
-        "cached_features": cached is not None,
+        "cached_features": cached,
     }

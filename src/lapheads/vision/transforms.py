@@ -1,8 +1,5 @@
-"""Image transforms of the vision recipes on ``torchvision.transforms.v2``: DeiT-3's 3-Augment
-and evaluation transform (:func:`build_transforms`), DINO's multi-crop (:class:`MultiCropAugment`),
-the probes' view (:class:`EvalTransform`), the ImageNet statistics and the ``model.in_chans``
-check (:func:`check_channels`). Design: docs/design/data.md.
-"""
+"""Image transforms of the vision recipes on ``torchvision.transforms.v2``: DeiT-3's (:func:`build_transforms`),
+DINO's multi-crop (:class:`MultiCropAugment`), the probes' view (:class:`EvalTransform`) (docs/design/data.md)."""
 
 from __future__ import annotations
 
@@ -36,21 +33,17 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _INTERP = ("bicubic", "bilinear", "nearest")  # InterpolationMode values
 
 
-def _timm_kwargs(model: Any, kwargs_field: str) -> Mapping[str, Any]:
-    return getattr(model, kwargs_field, None) or {}
-
-
 def in_chans_of(model: Any, kwargs_field: str = "extra") -> int:
     """Channels a vision recipe's model config reads: ``model.in_chans``, or ``in_chans`` among its extra
     timm keyword arguments ``model.<kwargs_field>`` (classify: ``"extra"``, DINO: ``"kwargs"``) where set."""
-    return int(_timm_kwargs(model, kwargs_field).get("in_chans", model.in_chans))
+    return int((getattr(model, kwargs_field, None) or {}).get("in_chans", model.in_chans))
 
 
 def check_channels(model: Any, mean: Any, std: Any, where: str = "data", kwargs_field: str = "extra") -> None:
     """A ConfigError naming the fields unless ``model.in_chans`` (or an agreeing ``in_chans`` in
     ``model.<kwargs_field>``, as in :func:`in_chans_of`) is 1 or 3 and the normalisation ``mean`` / ``std``
     of config section ``where`` has that many values."""
-    extra = _timm_kwargs(model, kwargs_field)
+    extra: Mapping[str, Any] = getattr(model, kwargs_field, None) or {}
     if "in_chans" in extra and model.in_chans != 3 and extra["in_chans"] != model.in_chans:
         raise ConfigError(
             f"model.{kwargs_field}.in_chans={extra['in_chans']!r} contradicts "
@@ -109,27 +102,21 @@ def build_transforms(
     crop_pct: float = 1.0,
     interpolation: str = "bicubic",
 ) -> v2.Compose:
-    """The DeiT-3 training transform (3-Augment) or the evaluation transform.
+    """The DeiT-3 training transform (3-Augment) or the evaluation transform: a ``v2.Compose`` mapping a PIL
+    image to a float tensor ``(in_chans, img_size, img_size)``.
 
     Args:
         img_size: output side in pixels (the model's ``img_size``).
         train: training (random) or evaluation (deterministic) pipeline.
         three_augment: add one of grayscale / solarize / blur, chosen uniformly (training only).
         color_jitter: brightness = contrast = saturation jitter strength; ``0``/``None`` = off.
-        mean, std: normalisation per channel (``in_chans`` values, or one value for all);
-            default ImageNet's (DeiT-3 uses them for CIFAR too), averaged over RGB when
-            ``in_chans=1``.
+        mean, std: normalisation per channel (``in_chans`` values, or one value for all); default
+            ImageNet's (DeiT-3 uses them for CIFAR too), averaged over RGB when ``in_chans=1``.
         in_chans: channels the model reads (3, or 1 for a gray model); images are converted.
-        scale: area range of the random resized crop (DeiT-3 ImageNet: 0.08..1; small images
-            often train better with e.g. 0.35..1).
+        scale: area range of the random resized crop (small images often train better with 0.35..1).
         hflip: probability of a horizontal flip (0 for data where mirroring changes the class).
-        crop_pct: evaluation: resize to ``img_size / crop_pct`` then centre-crop ``img_size``
-            (1.0 = just resize; timm's ImageNet default is 0.875).
+        crop_pct: evaluation: resize to ``img_size / crop_pct`` then centre-crop (timm's ImageNet: 0.875).
         interpolation: ``"bicubic"`` (DeiT-3), ``"bilinear"`` or ``"nearest"``.
-
-    Returns:
-        a ``torchvision.transforms.v2.Compose`` mapping a PIL image to a float tensor
-        ``(in_chans, img_size, img_size)``.
     """
     if not isinstance(img_size, int) or img_size < 1:
         raise ConfigError(f"img_size={img_size!r} must be a positive int")
@@ -159,30 +146,19 @@ def build_transforms(
         if hflip > 0:
             ops.append(v2.RandomHorizontalFlip(hflip))
         if three_augment:
-            ops.append(
-                v2.RandomChoice(
-                    [
-                        v2.Grayscale(num_output_channels=in_chans),
-                        v2.RandomSolarize(threshold=128, p=1.0),
-                        RandomGaussianBlurPIL(0.1, 2.0),
-                    ]
-                )
-            )
+            augs = [v2.Grayscale(num_output_channels=in_chans), v2.RandomSolarize(threshold=128, p=1.0)]
+            ops.append(v2.RandomChoice([*augs, RandomGaussianBlurPIL(0.1, 2.0)]))
         if color_jitter:
             ops.append(v2.ColorJitter(color_jitter, color_jitter, color_jitter))
     else:
-        ops.append(v2.Resize(int(round(img_size / crop_pct)), interpolation=interp))
-        ops.append(v2.CenterCrop(img_size))
+        ops += [v2.Resize(int(round(img_size / crop_pct)), interpolation=interp), v2.CenterCrop(img_size)]
     ops += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     return v2.Compose(ops)
 
 
 def to_float_image(img: Any, channels: int = 3) -> torch.Tensor:
-    """PIL image / numpy array / tensor -> float tensor ``(channels, H, W)`` in [0, 1].
-
-    ``channels=3``: grey sources are repeated; ``channels=1``: colour sources become their luma
-    (PIL images through PIL's ``"L"`` mode, tensors with the same ITU-R 601 weights).
-    """
+    """PIL image / numpy array / tensor -> float tensor ``(channels, H, W)`` in [0, 1]; grey sources are
+    repeated for ``channels=3``, colour sources become their luma (ITU-R 601, as PIL's ``"L"``) for 1."""
     if channels not in (1, 3):
         raise ConfigError(f"channels={channels!r}; expected 1 or 3")
     if channels == 1 and isinstance(img, Image.Image) and img.mode != "L":
@@ -215,16 +191,12 @@ def _blur_kernel(size: int) -> int:
 
 
 class MultiCropAugment:
-    """DINO's multi-crop augmentation on tensors: ``(image, label) -> ([crops...], label)``.
+    """DINO's multi-crop augmentation on tensors, ``(image, label) -> ([crops...], label)``, with the crop
+    settings ``cfg`` (the DINO recipe's ``CropsConfig``) and ``in_chans`` channels (1: a greyscale model).
 
     Global crop 1: blur p=1.0; global crop 2: blur p=0.1, solarize p=``solarize``; local crops:
-    blur p=0.5. All crops: random resized crop, flip, color jitter, grayscale, normalisation.
-    Randomness comes from torch's RNG, which the engine seeds per item.
-
-    Args:
-        cfg: the crop settings (the DINO recipe's ``CropsConfig``).
-        in_chans: channels of the crops (1 for a greyscale model: colour jitter then changes only
-            brightness and contrast, and random grayscale is a no-op).
+    blur p=0.5. All crops: random resized crop, flip, color jitter, grayscale, normalisation, drawn
+    from torch's RNG, which the engine seeds per item.
     """
 
     def __init__(self, cfg: Any, in_chans: int = 3):
@@ -269,10 +241,8 @@ class MultiCropAugment:
 
 
 class EvalTransform:
-    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image.
-
-    The output has ``len(mean)`` channels: 3 (RGB) or 1 (a greyscale model's one-value mean / std).
-    """
+    """Resize to ``size`` x ``size`` and normalise: the probes' view of an image, with ``len(mean)``
+    channels (3, or 1 for a greyscale model's one-value mean / std)."""
 
     def __init__(self, size: int, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD):
         self.size, self.mean, self.std = int(size), list(mean), list(std)
