@@ -110,6 +110,10 @@ def _ablation_text(coef: tuple[float, float], k: int) -> str:
     return f"mix({coef[0]:g},{coef[1]:g}):{k}"
 
 
+def _is_learn(spec: Any) -> bool:
+    return isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn"
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -274,7 +278,7 @@ class LaplacianHeads:
         self.learn_init: Union[str, int, None] = None
         #: an ablation head's ``(a, b)`` and how many trailing heads get it (``kind == "ablation"``).
         self.ablation: Optional[tuple[tuple[float, float], int]] = None
-        if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
+        if _is_learn(spec):
             self.learn_init = _parse_learn(spec.strip().lower(), name)
             self.kind = "learn"
             self.spec = f"learn:{self.learn_init}"
@@ -364,12 +368,9 @@ class LaplacianHeads:
             assert self.ablation is not None
             coef, k = self.ablation
             return [LayerHeads(self._trailing(k, n_heads, None).flags, coef)] * n_layers
-        if self.kind == "all":
-            return [LayerHeads((True,) * n_heads)] * n_layers
-        if self.kind == "none":
-            return [LayerHeads((False,) * n_heads)] * n_layers
-        if self.kind == "k":
-            return [self._trailing(self.spec, n_heads, None)] * n_layers
+        if self.kind in ("k", "all", "none"):
+            k = {"all": n_heads, "none": 0}.get(self.kind, self.spec)
+            return [self._trailing(k, n_heads, None)] * n_layers
         if len(self.spec) != n_layers:
             raise ConfigError(
                 f"laplacian_heads={self.spec!r} has {len(self.spec)} per-layer entries but the model has "
@@ -690,6 +691,4 @@ def learnable_spec(spec: Any) -> "LaplacianHeads | None":
     """The :class:`LaplacianHeads` of ``spec`` when it asks for learnable mixing, else None (no validation of fixed specs)."""
     if isinstance(spec, LaplacianHeads):
         return spec if spec.learnable else None
-    if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
-        return LaplacianHeads(spec)
-    return None
+    return LaplacianHeads(spec) if _is_learn(spec) else None

@@ -58,6 +58,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             ``lap_mix_a`` / ``lap_mix_b``; a fixed selection keeps exactly torch's parameters).
     """
 
+    laplacian_selection: LayerHeads
+
     def __init__(
         self,
         embed_dim: int,
@@ -77,9 +79,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
         learn = learnable_spec(laplacian_heads)
-        selection = (
-            learn.init_selection(1, num_heads)[0] if learn is not None else LayerHeads.of(laplacian_heads, num_heads)
-        )
+        selection = LayerHeads.of(laplacian_heads, num_heads) if learn is None else learn
+        if learn is not None:
+            learn.init_selection(1, num_heads)  # a learnable k > num_heads is refused here too
         super().__init__(
             embed_dim,
             num_heads,
@@ -94,10 +96,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             dtype=dtype,
         )
         self.laplacian_heads = learn.spec if learn is not None else laplacian_heads
-        # plain attributes, not buffers: the state_dict keys stay exactly torch's
-        self.laplacian_selection: LayerHeads = selection
-        self.laplacian_learnable = learn is not None
-        set_layer_heads(self, selection if learn is None else learn, num_heads)
+        set_layer_heads(self, selection, num_heads)  # laplacian_selection, laplacian_learnable, lap_mix_a / _b
         # A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
 

@@ -102,8 +102,7 @@ _WEIGHT_SOURCE_KEYS = ("state_dict", "source", "file", "url", "hf_hub_id", "hf_h
 
 
 def _saved_model_config(name: str, cache_dir: Any = None) -> Optional[tuple[dict[str, Any], str, dict[str, Any]]]:
-    """``local-dir:PATH`` / ``hf-hub:REPO`` -> (pretrained_cfg, architecture, model_args) of its
-    ``config.json``, read by timm's own functions; any other name -> None."""
+    """``local-dir:PATH`` / ``hf-hub:REPO`` -> (pretrained_cfg, architecture, model_args) read by timm; else None."""
     if not name.startswith(("local-dir:", "hf-hub:", "hf_hub:")):
         return None
     source, ident = timm.models.parse_model_name(name)
@@ -125,8 +124,7 @@ def _cache(cache_dir: Any) -> dict[str, Any]:
 
 
 def _named_weights(cfg: dict[str, Any], cache_dir: Any = None) -> Optional[dict[str, torch.Tensor]]:
-    """The state dict ``cfg`` names (``state_dict``, a ``local-dir`` / ``hf-hub`` source, a ``file``), read by
-    timm's loaders; None for timm's registry weights (stock, never Laplacian)."""
+    """The state dict ``cfg`` names, read by timm's loaders; None for timm's registry weights (never Laplacian)."""
     if cfg.get("state_dict") is not None:
         return dict(cfg["state_dict"])
     if cfg.get("source") == "local-dir":
@@ -155,8 +153,7 @@ def _layer_codes(model: nn.Module) -> dict[str, list[int]]:
 
 
 def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> Any:
-    """The selection that gives ``model``'s layers the checkpoint's heads: an int k when every layer
-    has its trailing k heads Laplacian, ``"learn"`` for learnable mixing, else per-layer indices."""
+    """The selection that rebuilds the checkpoint's heads: an int k if it can, ``"learn"``, else per-layer indices."""
     layers = laplacian_attention_layers(model)
     unknown = sorted(set(markers) - {n for n, _ in layers})
     if unknown:

@@ -21,15 +21,13 @@ encoders, vision towers, encoder-decoders: the transformers coverage table of th
 from __future__ import annotations
 
 try:
-    import transformers as _transformers  # noqa: F401 - only to name the missing package
+    from transformers import AttentionInterface as _AttentionInterface  # noqa: F401 - transformers >= 5
 except ModuleNotFoundError as e:
     raise ModuleNotFoundError(
         "lapheads.transformers needs transformers, which is not installed: "
         "pip install 'transformers>=5' (or lapheads[train])",
         name=e.name,
     ) from None
-try:
-    from transformers import AttentionInterface as _AttentionInterface  # noqa: F401 - transformers >= 5
 except ImportError as e:  # pragma: no cover - transformers is a hard dependency
     raise ImportError("lapheads.transformers needs transformers >= 5.0 (pip install 'transformers>=5')") from e
 

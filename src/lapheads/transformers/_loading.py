@@ -191,21 +191,18 @@ _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "subfolder"
 
 def _checkpoint_files(path: str, **hub: Any) -> list[str]:
     """The safetensors files of a checkpoint: a local directory, or a hub id resolved by transformers' ``cached_file``."""
-    if os.path.isdir(path):
 
-        def find(name: str) -> Optional[str]:
+    def find(name: str) -> Optional[str]:
+        if os.path.isdir(path):
             f = os.path.join(path, hub.get("subfolder") or "", name)
             return f if os.path.isfile(f) else None
-    else:
-
-        def find(name: str) -> Optional[str]:
-            return cached_file(
-                path,
-                name,
-                _raise_exceptions_for_missing_entries=False,
-                _raise_exceptions_for_connection_errors=False,
-                **hub,
-            )
+        return cached_file(
+            path,
+            name,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **hub,
+        )
 
     index = find("model.safetensors.index.json")
     if index:
