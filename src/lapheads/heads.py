@@ -201,13 +201,11 @@ class LayerHeads:
         if isinstance(spec, HeadMix):
             raise ConfigError("a HeadMix is learnable mixing, not a fixed selection; pass it to laplacian_attention")
         if isinstance(spec, LaplacianHeads):
-            if spec.learnable:
-                spec.resolve(1, n_heads)  # raises the learnable-mixing error
-            if spec.kind not in ("k", "all", "none", "ablation"):
+            if spec.kind in ("per_layer_k", "per_layer_indices"):
                 raise ConfigError(
                     f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])"
                 )
-            return spec.resolve(1, n_heads)[0]
+            return spec.resolve(1, n_heads)[0]  # a learnable spec raises the learnable-mixing error
         if isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
             if len(spec) != n_heads:
                 raise ConfigError(

@@ -1,16 +1,8 @@
-"""``torch.nn.MultiheadAttention`` with Laplacian heads.
+"""``torch.nn.MultiheadAttention`` with Laplacian heads: :class:`MultiheadAttention`, a drop-in with the
+same constructor, ``forward`` and ``state_dict`` keys, plus ``laplacian_heads`` (more: docs/integrations.md).
 
-:class:`MultiheadAttention` is a drop-in for ``torch.nn.MultiheadAttention``: same constructor,
-same ``forward`` signature and return values, same parameters and ``state_dict`` keys (so torch's
-weights load with ``load_state_dict`` and back), plus one keyword, ``laplacian_heads``, that
-turns the selected heads into Laplacian heads (output ``V - P V``, :mod:`lapheads.ops`).
-:meth:`MultiheadAttention.from_torch` converts an existing module, weights kept, for example
-``layer.self_attn`` of a ``torch.nn.TransformerEncoderLayer``.
-
-``need_weights=True`` returns the operator actually applied to V (``P`` for a standard head,
-``I - P`` for a Laplacian head). Masks follow torch (a boolean ``True`` means NOT allowed). Inside
-``TransformerEncoderLayer`` the heads stay active in every mode thanks to a no-op forward pre-hook:
-do not clear the module's pre-hooks.
+Masks follow torch (a boolean ``True`` means NOT allowed). Inside ``TransformerEncoderLayer`` the
+heads stay active in every mode thanks to a no-op forward pre-hook: do not clear the module's pre-hooks.
 """
 
 from __future__ import annotations

@@ -137,16 +137,8 @@ class LaplacianLayer(nn.Module):
         self._sync_marker()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def _load_from_state_dict(
-        self,
-        state_dict: Any,
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        _, _, missing_keys, _, error_msgs = args  # local_metadata, strict, missing, unexpected, error messages
         # No marker: stock timm weights, the paper authors' checkpoints, files saved before the
         # marker existed: they load into any selection (retrofitting). A marker must match.
         key = prefix + MARKER
@@ -160,9 +152,7 @@ class LaplacianLayer(nn.Module):
                     f"layer has {describe_codes(own)}; load it into a model with the same heads "
                     "(lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
                 )
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
         if saved is None and key in missing_keys:
             missing_keys.remove(key)
         self._sync_marker()  # the buffer follows the selection, never the file
