@@ -103,13 +103,6 @@ def _parse_ablation(spec: str, name: str) -> tuple[tuple[float, float], int]:
     return (a, b), int(k)
 
 
-def _ablation_text(coef: tuple[float, float], k: int) -> str:
-    for word, ab in ABLATIONS.items():
-        if ab == coef:
-            return f"{word}:{k}"
-    return f"mix({coef[0]:g},{coef[1]:g}):{k}"
-
-
 def _is_learn(spec: Any) -> bool:
     return isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn"
 
@@ -288,7 +281,9 @@ class LaplacianHeads:
             else:
                 self.ablation = (coef, k)
                 self.kind = "ablation"
-                self.spec = _ablation_text(coef, k)
+                self.spec = next(
+                    (f"{w}:{k}" for w, ab in ABLATIONS.items() if ab == coef), f"mix({coef[0]:g},{coef[1]:g}):{k}"
+                )
                 return
         if isinstance(spec, str):
             s = spec.strip().lower()
@@ -519,8 +514,7 @@ HeadOperator = Union["LayerHeads", HeadMix]
 def layer_operator(module: torch.nn.Module) -> HeadOperator:
     """The head operator of a Laplacian attention module: its learnable mixing when it holds
     ``lap_mix_a`` / ``lap_mix_b``, else its fixed selection ``laplacian_selection``."""
-    a = module._parameters.get(MIX_PARAM_SUFFIXES[0])
-    b = module._parameters.get(MIX_PARAM_SUFFIXES[1])
+    a, b = (module._parameters.get(name) for name in MIX_PARAM_SUFFIXES)
     if a is not None and b is not None:
         return HeadMix(a, b)
     return cast(LayerHeads, cast(Any, module).laplacian_selection)
@@ -644,14 +638,12 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
     """
     rows = []
     for name, mod in model.named_modules():
-        a = mod._parameters.get(MIX_PARAM_SUFFIXES[0])
-        b = mod._parameters.get(MIX_PARAM_SUFFIXES[1])
+        a, b = (mod._parameters.get(n) for n in MIX_PARAM_SUFFIXES)
         if a is None or b is None:
             continue
         if hasattr(a, "full_tensor"):  # FSDP2 shards them as DTensors (a collective: every rank calls this)
             a, b = a.full_tensor(), b.full_tensor()
-        av = [float(x) for x in a.detach().float().cpu().tolist()]
-        bv = [float(x) for x in b.detach().float().cpu().tolist()]
+        av, bv = a.detach().float().cpu().tolist(), b.detach().float().cpu().tolist()
         rows.append(
             {"layer": name, "a": av, "b": bv, "laplacianness": [round(laplacianness(x, y), 6) for x, y in zip(av, bv)]}
         )

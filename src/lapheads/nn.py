@@ -218,8 +218,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             k, v = torch.cat([bk, k], dim=2), torch.cat([bv, v], dim=2)
             extra += 1
         if self.add_zero_attn:
-            k = torch.cat([k.new_zeros(n, h, 1, hd), k], dim=2)
-            v = torch.cat([v.new_zeros(n, h, 1, hd), v], dim=2)
+            k, v = F.pad(k, (0, 0, 1, 0)), F.pad(v, (0, 0, 1, 0))  # a zero key and value in front
             extra += 1
         if mask is not None and extra:
             mask = F.pad(mask, (extra, 0))  # extra keys are visible to every query, as in torch

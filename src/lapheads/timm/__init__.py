@@ -38,12 +38,7 @@ from ._layers import (
     LaplacianSwinV2WindowAttention,
     LaplacianSwinWindowAttention,
 )
-from ._layers import MARKER as MARKER
-from ._layers import MIX_LAPLACIAN as MIX_LAPLACIAN
-from ._layers import MIX_LEARNABLE as MIX_LEARNABLE
-from ._layers import MIX_STANDARD as MIX_STANDARD
 from ._layers import _heads_of as _heads_of  # noqa: F401 - reached by the tests
-from ._layers import describe_codes as describe_codes
 
 __all__ = [
     "LaplacianLayer",

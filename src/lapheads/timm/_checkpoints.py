@@ -39,12 +39,6 @@ def _split_lap_name(name: str) -> tuple[str, Optional[int]]:
     return name, None
 
 
-def _unknown_model(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, timm.list_models() + REGISTERED_MODELS, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models() for names"
-    return ConfigError(f"unknown timm model name {name!r}{hint}")
-
-
 def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any) -> nn.Module:
     """Create a timm model with Laplacian heads, or reload a saved one.
 
@@ -93,7 +87,9 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
         laplacian_heads = k
     LaplacianHeads(laplacian_heads)  # validate the type before building anything
     if not timm.is_model(base):
-        raise _unknown_model(name)
+        close = difflib.get_close_matches(name, timm.list_models() + REGISTERED_MODELS, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models() for names"
+        raise ConfigError(f"unknown timm model name {name!r}{hint}")
     return _create(name, base, laplacian_heads, timm_kwargs, replaces=replaces)
 
 
@@ -146,10 +142,6 @@ def _markers(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
         for k, v in state.items()
         if (k == MARKER or k.endswith("." + MARKER)) and isinstance(v, torch.Tensor)
     }
-
-
-def _layer_codes(model: nn.Module) -> dict[str, list[int]]:
-    return {n: m.laplacian_codes() for n, m in laplacian_attention_layers(model) if isinstance(m, LaplacianLayer)}
 
 
 def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> Any:
@@ -230,7 +222,8 @@ def _create(
     spec: Any = laplacian_heads if laplacian_heads is not None else saved_spec
     try:
         convert(model, spec)
-        if laplacian_heads is None and markers and any(_layer_codes(model).get(n) != c for n, c in markers.items()):
+        codes = {n: m.laplacian_codes() for n, m in laplacian_attention_layers(model) if isinstance(m, LaplacianLayer)}
+        if laplacian_heads is None and markers and any(codes.get(n) != c for n, c in markers.items()):
             convert(model, _selection_from_markers(model, markers))
     except ConfigError as e:
         raise ConfigError(f"model {name!r}: {e}") from None

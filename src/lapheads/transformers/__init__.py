@@ -24,7 +24,6 @@ except ImportError as e:  # pragma: no cover - transformers is a hard dependency
 
 # reached by the tests under these names (not part of the public API, which is __all__)
 from ..heads import MIX_PARAM_SUFFIXES as MIX_PARAM_SUFFIXES
-from ..heads import LayerHeads as LayerHeads
 from ._attention import laplacian_eager_attention_forward, laplacian_sdpa_attention_forward, register_implementations
 from ._configs import check_implementation, fused_implementation, layer_selections, mark_config
 from ._extras import flex_softcap_pv as _flex_softcap_pv  # noqa: F401 - reached by the tests

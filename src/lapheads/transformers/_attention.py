@@ -67,11 +67,9 @@ def _check_attention_call(
         return
     if any(r() is attention_mask for r in _CHECKED_MASKS):
         return  # the same mask object is shared by every layer of one forward: check it once
-    m = (
-        attention_mask
-        if attention_mask.dtype == torch.bool
-        else attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    )
+    m = attention_mask
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
     # The newest query always sees its own (last) key slot in a cache that ends at the newest
     # token; a preallocated cache's last slot is empty and masked for every row of every batch.
     if not bool(m[..., -1, -1].any()):
@@ -148,10 +146,8 @@ def _stock_attention(
     if attention_mask is not None and attention_mask.dtype == torch.bool:  # stock eager adds its mask
         attention_mask = additive(attention_mask, query.dtype, torch.finfo(query.dtype).min)
     if attention_mask is None and _is_causal(module, query.shape[2], None, is_causal):
-        tq, tk = query.shape[2], key.shape[2]
-        attention_mask = additive(
-            causal_lower_right_mask(tq, tk, query.device), query.dtype, torch.finfo(query.dtype).min
-        )
+        causal = causal_lower_right_mask(query.shape[2], key.shape[2], query.device)
+        attention_mask = additive(causal, query.dtype, torch.finfo(query.dtype).min)
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

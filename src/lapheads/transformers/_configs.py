@@ -82,10 +82,6 @@ def tree_any_laplacian(config: Any) -> bool:
     return any(any_laplacian(c) for _, c in config_tree(config))
 
 
-def tree_has_spec(config: Any) -> bool:
-    return any(config_spec(c) is not None for _, c in config_tree(config))
-
-
 def stock_name(model: PreTrainedModel) -> str:
     """The stock implementation of a model's layers without Laplacian heads: SDPA where every class supports it."""
     ok = all(getattr(m, "_supports_sdpa", True) for m in model.modules() if isinstance(m, PreTrainedModel))

@@ -25,7 +25,6 @@ from ._configs import (
     learnable,
     mark_config,
     model_class_supports_sdpa,
-    tree_has_spec,
 )
 from ._indexing import Entry, attention_modules, module_heads, module_selection, plain_load_reproduces, write_index
 from ._names import ATTN_IMPLEMENTATION, BASE, EAGER_ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION
@@ -288,7 +287,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     if not isinstance(config, PreTrainedConfig):
         config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads" or k in _HUB_KWARGS}
         config = AutoConfig.from_pretrained(config or path, **config_kwargs)
-    has_spec = tree_has_spec(config)
+    has_spec = any(config_spec(c) is not None for _, c in config_tree(config))
     fused = ATTN_IMPLEMENTATION if model_class_supports_sdpa(model_class, config) else FUSED_ATTN_IMPLEMENTATION
     if "attn_implementation" in kwargs:
         check_implementation(config, kwargs["attn_implementation"])
