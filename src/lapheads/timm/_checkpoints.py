@@ -265,8 +265,7 @@ def _make_entrypoint(base: str, k: int):
             _set_pretrained_cfg(model, dict(_pretrained_cfg(model), tag=None, hf_hub_id=None, url="", file=None))
         return model
 
-    entrypoint.__name__ = name
-    entrypoint.__qualname__ = name
+    entrypoint.__name__ = entrypoint.__qualname__ = name
     entrypoint.__module__ = _PACKAGE
     entrypoint.__doc__ = (
         f"timm {base} with the trailing {k} heads of every layer Laplacian (pretrained: only from a saved checkpoint)."

@@ -81,12 +81,9 @@ def _check_attention_call(
     del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
 
 
-_SPARSE_KWARGS = ("indices", "block_indices")
-
-
 def _refuse_sparse(module: Any, kwargs: dict) -> None:
     """Refuse sparse key selection handed to the function (DSA), with 0 Laplacian heads too."""
-    for name in _SPARSE_KWARGS:
+    for name in ("indices", "block_indices"):
         if kwargs.get(name) is not None:
             raise ConfigError(
                 f"{type(module).__name__}: sparse attention (`{name}`: each query attends to selected keys) is not "
@@ -98,9 +95,7 @@ def _refuse_sparse(module: Any, kwargs: dict) -> None:
 def _extras(module: Any, kwargs: dict) -> Extras:
     """The soft-cap, sinks and position bias of a call; sparse key selection is refused."""
     _refuse_sparse(module, kwargs)
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        sinks = kwargs.get("sinks")
+    sinks = next((kwargs[k] for k in ("s_aux", "sinks") if kwargs.get(k) is not None), None)
     return Extras(kwargs.get("softcap"), sinks, kwargs.get("position_bias"))
 
 
@@ -236,12 +231,10 @@ def laplacian_eager_attention_forward(
         if eager is not None:
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         heads: Any = LayerHeads((False,) * int(h))
-        any_lap = False
     else:
         heads = module_heads_operator(module, h)
-        any_lap = isinstance(heads, HeadMix) or heads.any
     extras = _extras(module, kwargs)
-    if any_lap:
+    if isinstance(heads, HeadMix) or heads.any:
         _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, is_causal)
     attention_mask = _mask_like(attention_mask, query)

@@ -296,21 +296,18 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
             kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if base == EAGER_ATTN_IMPLEMENTATION else fused
     elif has_spec:
         kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else fused
-    if not any(learnable(c) for _, c in config_tree(config)):
-        model = model_class.from_pretrained(path, **kwargs)
-        if has_spec and any(not e.cross for e in attention_modules(model)):
-            enable(model, _current_spec(model), eager=_runs_eager(model))
-        mark_config(model.config)
-        return model
-
+    learn = any(learnable(c) for _, c in config_tree(config))
     # transformers warns that lap_mix_* are unexpected keys (its freshly built model lacks them);
     # _load_mixing restores them right after, so that warning would be wrong here.
     level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity(_logging.ERROR)
+    hf_logging.set_verbosity(_logging.ERROR if learn else level)
     try:
         model = model_class.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(level)
-    _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    if learn:
+        _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    elif has_spec and any(not e.cross for e in attention_modules(model)):
+        enable(model, _current_spec(model), eager=_runs_eager(model))
     mark_config(model.config)
     return model
