@@ -188,8 +188,7 @@ def is_cross(module: Any) -> bool:
 
 def _module_mix(module: Any, h: int) -> HeadMix:
     """The ``(a, b)`` parameters of a module of a learnable-mixing model, or a ConfigError with the fix."""
-    a = getattr(module, MIX_PARAM_SUFFIXES[0], None)
-    b = getattr(module, MIX_PARAM_SUFFIXES[1], None)
+    a, b = (getattr(module, name, None) for name in MIX_PARAM_SUFFIXES)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ConfigError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no lap_mix_a / lap_mix_b, but "
