@@ -270,15 +270,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             torch.arange(padded.shape[1], device=padded.device)[None, :]
             >= torch.tensor(lengths, device=padded.device)[:, None]
         )
-        out, weights = self.forward(
-            padded,
-            padded,
-            padded,
-            key_padding_mask=pad,
-            need_weights=need_weights,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
+        # forward's own argument order: key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        out, weights = self.forward(padded, padded, padded, pad, need_weights, None, average_attn_weights, is_causal)
         nested = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), lengths)], layout=x.layout)
         return nested, weights  # weights (if any) stay padded: (N, [H,] L_max, L_max)
 
