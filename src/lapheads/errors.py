@@ -31,9 +31,7 @@ class RunFailed(LapheadsError):
     """A run that a sweep trained in a subprocess ended with an error (its own error line is quoted)."""
 
 
-# errno values of a full disk (ENOSPC) and of a used-up quota (EDQUOT); Rust libraries (safetensors)
-# report them as text, "... (os error 28)".
-_DISK_FULL_ERRNOS = (28, 122)
+# Rust libraries (safetensors) report a full disk (ENOSPC) or a used-up quota (EDQUOT) as text, "... (os error 28)".
 _DISK_FULL_TEXT = ("No space left on device", "Disk quota exceeded", "(os error 28)", "(os error 122)")
 
 

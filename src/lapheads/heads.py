@@ -103,11 +103,8 @@ def _parse_ablation(spec: str, name: str) -> tuple[tuple[float, float], int]:
     return (a, b), int(k)
 
 
-def _ablation_text(coef: tuple[float, float], k: int) -> str:
-    for word, ab in ABLATIONS.items():
-        if ab == coef:
-            return f"{word}:{k}"
-    return f"mix({coef[0]:g},{coef[1]:g}):{k}"
+def _is_learn(spec: Any) -> bool:
+    return isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn"
 
 
 def _is_int(x: Any) -> bool:
@@ -197,13 +194,11 @@ class LayerHeads:
         if isinstance(spec, HeadMix):
             raise ConfigError("a HeadMix is learnable mixing, not a fixed selection; pass it to laplacian_attention")
         if isinstance(spec, LaplacianHeads):
-            if spec.learnable:
-                spec.resolve(1, n_heads)  # raises the learnable-mixing error
-            if spec.kind not in ("k", "all", "none", "ablation"):
+            if spec.kind in ("per_layer_k", "per_layer_indices"):
                 raise ConfigError(
                     f"{spec!r} is per-layer; pass the selection of this layer (spec.resolve(n_layers, n_heads)[layer])"
                 )
-            return spec.resolve(1, n_heads)[0]
+            return spec.resolve(1, n_heads)[0]  # a learnable spec raises the learnable-mixing error
         if isinstance(spec, (list, tuple)) and spec and all(isinstance(x, bool) for x in spec):
             if len(spec) != n_heads:
                 raise ConfigError(
@@ -274,7 +269,7 @@ class LaplacianHeads:
         self.learn_init: Union[str, int, None] = None
         #: an ablation head's ``(a, b)`` and how many trailing heads get it (``kind == "ablation"``).
         self.ablation: Optional[tuple[tuple[float, float], int]] = None
-        if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
+        if _is_learn(spec):
             self.learn_init = _parse_learn(spec.strip().lower(), name)
             self.kind = "learn"
             self.spec = f"learn:{self.learn_init}"
@@ -286,7 +281,9 @@ class LaplacianHeads:
             else:
                 self.ablation = (coef, k)
                 self.kind = "ablation"
-                self.spec = _ablation_text(coef, k)
+                self.spec = next(
+                    (f"{w}:{k}" for w, ab in ABLATIONS.items() if ab == coef), f"mix({coef[0]:g},{coef[1]:g}):{k}"
+                )
                 return
         if isinstance(spec, str):
             s = spec.strip().lower()
@@ -364,12 +361,9 @@ class LaplacianHeads:
             assert self.ablation is not None
             coef, k = self.ablation
             return [LayerHeads(self._trailing(k, n_heads, None).flags, coef)] * n_layers
-        if self.kind == "all":
-            return [LayerHeads((True,) * n_heads)] * n_layers
-        if self.kind == "none":
-            return [LayerHeads((False,) * n_heads)] * n_layers
-        if self.kind == "k":
-            return [self._trailing(self.spec, n_heads, None)] * n_layers
+        if self.kind in ("k", "all", "none"):
+            k = {"all": n_heads, "none": 0}.get(self.kind, self.spec)
+            return [self._trailing(k, n_heads, None)] * n_layers
         if len(self.spec) != n_layers:
             raise ConfigError(
                 f"laplacian_heads={self.spec!r} has {len(self.spec)} per-layer entries but the model has "
@@ -520,8 +514,7 @@ HeadOperator = Union["LayerHeads", HeadMix]
 def layer_operator(module: torch.nn.Module) -> HeadOperator:
     """The head operator of a Laplacian attention module: its learnable mixing when it holds
     ``lap_mix_a`` / ``lap_mix_b``, else its fixed selection ``laplacian_selection``."""
-    a = module._parameters.get(MIX_PARAM_SUFFIXES[0])
-    b = module._parameters.get(MIX_PARAM_SUFFIXES[1])
+    a, b = (module._parameters.get(name) for name in MIX_PARAM_SUFFIXES)
     if a is not None and b is not None:
         return HeadMix(a, b)
     return cast(LayerHeads, cast(Any, module).laplacian_selection)
@@ -645,14 +638,12 @@ def mixing_table(model: torch.nn.Module) -> list[dict[str, Any]]:
     """
     rows = []
     for name, mod in model.named_modules():
-        a = mod._parameters.get(MIX_PARAM_SUFFIXES[0])
-        b = mod._parameters.get(MIX_PARAM_SUFFIXES[1])
+        a, b = (mod._parameters.get(n) for n in MIX_PARAM_SUFFIXES)
         if a is None or b is None:
             continue
         if hasattr(a, "full_tensor"):  # FSDP2 shards them as DTensors (a collective: every rank calls this)
             a, b = a.full_tensor(), b.full_tensor()
-        av = [float(x) for x in a.detach().float().cpu().tolist()]
-        bv = [float(x) for x in b.detach().float().cpu().tolist()]
+        av, bv = a.detach().float().cpu().tolist(), b.detach().float().cpu().tolist()
         rows.append(
             {"layer": name, "a": av, "b": bv, "laplacianness": [round(laplacianness(x, y), 6) for x, y in zip(av, bv)]}
         )
@@ -690,6 +681,4 @@ def learnable_spec(spec: Any) -> "LaplacianHeads | None":
     """The :class:`LaplacianHeads` of ``spec`` when it asks for learnable mixing, else None (no validation of fixed specs)."""
     if isinstance(spec, LaplacianHeads):
         return spec if spec.learnable else None
-    if isinstance(spec, str) and spec.strip().lower().split(":")[0].strip() == "learn":
-        return LaplacianHeads(spec)
-    return None
+    return LaplacianHeads(spec) if _is_learn(spec) else None

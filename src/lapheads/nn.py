@@ -1,16 +1,8 @@
-"""``torch.nn.MultiheadAttention`` with Laplacian heads.
+"""``torch.nn.MultiheadAttention`` with Laplacian heads: :class:`MultiheadAttention`, a drop-in with the
+same constructor, ``forward`` and ``state_dict`` keys, plus ``laplacian_heads`` (more: docs/integrations.md).
 
-:class:`MultiheadAttention` is a drop-in for ``torch.nn.MultiheadAttention``: same constructor,
-same ``forward`` signature and return values, same parameters and ``state_dict`` keys (so torch's
-weights load with ``load_state_dict`` and back), plus one keyword, ``laplacian_heads``, that
-turns the selected heads into Laplacian heads (output ``V - P V``, :mod:`lapheads.ops`).
-:meth:`MultiheadAttention.from_torch` converts an existing module, weights kept, for example
-``layer.self_attn`` of a ``torch.nn.TransformerEncoderLayer``.
-
-``need_weights=True`` returns the operator actually applied to V (``P`` for a standard head,
-``I - P`` for a Laplacian head). Masks follow torch (a boolean ``True`` means NOT allowed). Inside
-``TransformerEncoderLayer`` the heads stay active in every mode thanks to a no-op forward pre-hook:
-do not clear the module's pre-hooks.
+Masks follow torch (a boolean ``True`` means NOT allowed). Inside ``TransformerEncoderLayer`` the
+heads stay active in every mode thanks to a no-op forward pre-hook: do not clear the module's pre-hooks.
 """
 
 from __future__ import annotations
@@ -58,6 +50,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             ``lap_mix_a`` / ``lap_mix_b``; a fixed selection keeps exactly torch's parameters).
     """
 
+    laplacian_selection: LayerHeads
+
     def __init__(
         self,
         embed_dim: int,
@@ -77,9 +71,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ConfigError(f"num_heads={num_heads!r} must be a positive int")
         learn = learnable_spec(laplacian_heads)
-        selection = (
-            learn.init_selection(1, num_heads)[0] if learn is not None else LayerHeads.of(laplacian_heads, num_heads)
-        )
+        selection = LayerHeads.of(laplacian_heads, num_heads) if learn is None else learn
+        if learn is not None:
+            learn.init_selection(1, num_heads)  # a learnable k > num_heads is refused here too
         super().__init__(
             embed_dim,
             num_heads,
@@ -94,10 +88,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             dtype=dtype,
         )
         self.laplacian_heads = learn.spec if learn is not None else laplacian_heads
-        # plain attributes, not buffers: the state_dict keys stay exactly torch's
-        self.laplacian_selection: LayerHeads = selection
-        self.laplacian_learnable = learn is not None
-        set_layer_heads(self, selection if learn is None else learn, num_heads)
+        set_layer_heads(self, selection, num_heads)  # laplacian_selection, laplacian_learnable, lap_mix_a / _b
         # A module-level function, so deepcopy and pickling keep it.
         self.register_forward_pre_hook(_keep_torch_off_its_fast_path)
 
@@ -227,8 +218,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             k, v = torch.cat([bk, k], dim=2), torch.cat([bv, v], dim=2)
             extra += 1
         if self.add_zero_attn:
-            k = torch.cat([k.new_zeros(n, h, 1, hd), k], dim=2)
-            v = torch.cat([v.new_zeros(n, h, 1, hd), v], dim=2)
+            k, v = F.pad(k, (0, 0, 1, 0)), F.pad(v, (0, 0, 1, 0))  # a zero key and value in front
             extra += 1
         if mask is not None and extra:
             mask = F.pad(mask, (extra, 0))  # extra keys are visible to every query, as in torch
@@ -280,15 +270,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             torch.arange(padded.shape[1], device=padded.device)[None, :]
             >= torch.tensor(lengths, device=padded.device)[:, None]
         )
-        out, weights = self.forward(
-            padded,
-            padded,
-            padded,
-            key_padding_mask=pad,
-            need_weights=need_weights,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
+        # forward's own argument order: key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        out, weights = self.forward(padded, padded, padded, pad, need_weights, None, average_attn_weights, is_causal)
         nested = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out.unbind(), lengths)], layout=x.layout)
         return nested, weights  # weights (if any) stay padded: (N, [H,] L_max, L_max)
 

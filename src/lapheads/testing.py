@@ -70,10 +70,6 @@ def _step(name: str) -> Optional[int]:
 
 def faults_from_env() -> Optional[Callback]:
     """The faults the environment asks for (see the module docstring), or None when it asks for none."""
-    nan_at, crash_after = _step(NAN_AT_STEP), _step(CRASH_AFTER)
-    parts: list[Callback] = []
-    if nan_at is not None:
-        parts.append(NanLossAt(nan_at))
-    if crash_after is not None:
-        parts.append(CrashAfter(crash_after))
+    faults = ((NanLossAt, _step(NAN_AT_STEP)), (CrashAfter, _step(CRASH_AFTER)))
+    parts: list[Callback] = [fault(step) for fault, step in faults if step is not None]
     return None if not parts else parts[0] if len(parts) == 1 else _Both(parts)

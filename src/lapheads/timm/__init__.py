@@ -1,19 +1,11 @@
 """Laplacian heads in timm models (timm >= 1.0.23, unmodified).
 
-* :func:`create_model` is ``timm.create_model`` + :func:`convert` for any timm name it converts,
-  and the loader of saved Laplacian models (a file, ``local-dir:``, ``hf-hub:``): it takes the
-  heads from the checkpoint.
-* :func:`convert` turns every convertible attention module of a model into its Laplacian twin IN
-  PLACE, weights and ``state_dict`` keys kept (each converted layer adds one marker buffer,
-  ``lap_heads``); :func:`laplacian_head_counts` reads the heads back, :func:`skipped_attention_layers`
-  lists the layers left standard with the reason.
-* :class:`LaplacianAttention` is usable as ``attn_layer=`` of timm's ``VisionTransformer``;
-  ``LaplacianAttention.with_heads(k)`` carries one setting for every layer.
-* ``import lapheads.timm`` registers ``<timm name>_lap<k>`` with timm (the trailing k heads of
-  every layer Laplacian) for ``deit3_small_patch16_224`` (k = 1..6; the paper's "ViT-S-5L" is
-  ``_lap5``), ``deit3_base_patch16_224`` (1..12; "ViT-B-12L" is ``_lap12``) and
-  ``deit3_large_patch16_224`` (1..16). No weights exist for them: to start from DeiT-3 weights use
-  ``create_model("deit3_base_patch16_224", pretrained=True, laplacian_heads=12)``.
+:func:`create_model` is ``timm.create_model`` + :func:`convert`, and reloads saved Laplacian models
+(a file, ``local-dir:``, ``hf-hub:``) with their heads. :func:`convert` turns every convertible
+attention module into its Laplacian twin IN PLACE, weights and ``state_dict`` keys kept (plus one
+marker buffer, ``lap_heads``, per layer); :func:`skipped_attention_layers` says which stay standard.
+``import lapheads.timm`` registers ``<timm name>_lap<k>`` (:data:`VARIANT_BASES`: the trailing k heads
+of every layer Laplacian, no weights; the paper's "ViT-S-5L" is ``deit3_small_patch16_224_lap5``).
 """
 
 from __future__ import annotations
@@ -46,12 +38,7 @@ from ._layers import (
     LaplacianSwinV2WindowAttention,
     LaplacianSwinWindowAttention,
 )
-from ._layers import MARKER as MARKER
-from ._layers import MIX_LAPLACIAN as MIX_LAPLACIAN
-from ._layers import MIX_LEARNABLE as MIX_LEARNABLE
-from ._layers import MIX_STANDARD as MIX_STANDARD
 from ._layers import _heads_of as _heads_of  # noqa: F401 - reached by the tests
-from ._layers import describe_codes as describe_codes
 
 __all__ = [
     "LaplacianLayer",

@@ -39,12 +39,6 @@ def _split_lap_name(name: str) -> tuple[str, Optional[int]]:
     return name, None
 
 
-def _unknown_model(name: str) -> ConfigError:
-    close = difflib.get_close_matches(name, timm.list_models() + REGISTERED_MODELS, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models() for names"
-    return ConfigError(f"unknown timm model name {name!r}{hint}")
-
-
 def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any) -> nn.Module:
     """Create a timm model with Laplacian heads, or reload a saved one.
 
@@ -93,7 +87,9 @@ def create_model(name: str, laplacian_heads: HeadSpec = None, **timm_kwargs: Any
         laplacian_heads = k
     LaplacianHeads(laplacian_heads)  # validate the type before building anything
     if not timm.is_model(base):
-        raise _unknown_model(name)
+        close = difflib.get_close_matches(name, timm.list_models() + REGISTERED_MODELS, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models() for names"
+        raise ConfigError(f"unknown timm model name {name!r}{hint}")
     return _create(name, base, laplacian_heads, timm_kwargs, replaces=replaces)
 
 
@@ -102,8 +98,7 @@ _WEIGHT_SOURCE_KEYS = ("state_dict", "source", "file", "url", "hf_hub_id", "hf_h
 
 
 def _saved_model_config(name: str, cache_dir: Any = None) -> Optional[tuple[dict[str, Any], str, dict[str, Any]]]:
-    """``local-dir:PATH`` / ``hf-hub:REPO`` -> (pretrained_cfg, architecture, model_args) of its
-    ``config.json``, read by timm's own functions; any other name -> None."""
+    """``local-dir:PATH`` / ``hf-hub:REPO`` -> (pretrained_cfg, architecture, model_args) read by timm; else None."""
     if not name.startswith(("local-dir:", "hf-hub:", "hf_hub:")):
         return None
     source, ident = timm.models.parse_model_name(name)
@@ -125,8 +120,7 @@ def _cache(cache_dir: Any) -> dict[str, Any]:
 
 
 def _named_weights(cfg: dict[str, Any], cache_dir: Any = None) -> Optional[dict[str, torch.Tensor]]:
-    """The state dict ``cfg`` names (``state_dict``, a ``local-dir`` / ``hf-hub`` source, a ``file``), read by
-    timm's loaders; None for timm's registry weights (stock, never Laplacian)."""
+    """The state dict ``cfg`` names, read by timm's loaders; None for timm's registry weights (never Laplacian)."""
     if cfg.get("state_dict") is not None:
         return dict(cfg["state_dict"])
     if cfg.get("source") == "local-dir":
@@ -150,13 +144,8 @@ def _markers(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     }
 
 
-def _layer_codes(model: nn.Module) -> dict[str, list[int]]:
-    return {n: m.laplacian_codes() for n, m in laplacian_attention_layers(model) if isinstance(m, LaplacianLayer)}
-
-
 def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> Any:
-    """The selection that gives ``model``'s layers the checkpoint's heads: an int k when every layer
-    has its trailing k heads Laplacian, ``"learn"`` for learnable mixing, else per-layer indices."""
+    """The selection that rebuilds the checkpoint's heads: an int k if it can, ``"learn"``, else per-layer indices."""
     layers = laplacian_attention_layers(model)
     unknown = sorted(set(markers) - {n for n, _ in layers})
     if unknown:
@@ -233,7 +222,8 @@ def _create(
     spec: Any = laplacian_heads if laplacian_heads is not None else saved_spec
     try:
         convert(model, spec)
-        if laplacian_heads is None and markers and any(_layer_codes(model).get(n) != c for n, c in markers.items()):
+        codes = {n: m.laplacian_codes() for n, m in laplacian_attention_layers(model) if isinstance(m, LaplacianLayer)}
+        if laplacian_heads is None and markers and any(codes.get(n) != c for n, c in markers.items()):
             convert(model, _selection_from_markers(model, markers))
     except ConfigError as e:
         raise ConfigError(f"model {name!r}: {e}") from None
@@ -275,8 +265,7 @@ def _make_entrypoint(base: str, k: int):
             _set_pretrained_cfg(model, dict(_pretrained_cfg(model), tag=None, hf_hub_id=None, url="", file=None))
         return model
 
-    entrypoint.__name__ = name
-    entrypoint.__qualname__ = name
+    entrypoint.__name__ = entrypoint.__qualname__ = name
     entrypoint.__module__ = _PACKAGE
     entrypoint.__doc__ = (
         f"timm {base} with the trailing {k} heads of every layer Laplacian (pretrained: only from a saved checkpoint)."

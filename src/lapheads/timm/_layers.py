@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,7 @@ from ..errors import ConfigError
 from ..heads import LaplacianHeads, LayerHeads, laplacianness, layer_operator, nearer_laplacian, set_layer_heads
 from ..ops import laplacian_attention, laplacian_attention_reference
 
-_L = TypeVar("_L", bound="LaplacianLayer")
-
-#: timm attention class -> its Laplacian twin (filled by :func:`_converts`).
+#: timm attention class -> its Laplacian twin (filled as the twins are defined).
 LAPLACIAN_CLASSES: dict[type, type["LaplacianLayer"]] = {}
 
 #: name of the marker buffer of every converted layer: one int8 per head, the codes below.
@@ -43,17 +41,6 @@ def describe_codes(codes: list[int]) -> str:
         return f"learnable mixing of {len(codes)} heads"
     lap = [h for h, c in enumerate(codes) if c == MIX_LAPLACIAN]
     return f"Laplacian heads {lap} of {len(codes)}" if lap else f"no Laplacian head of {len(codes)}"
-
-
-def _converts(stock: type) -> Callable[[type[_L]], type[_L]]:
-    """Class decorator: register ``cls`` as the Laplacian twin of the timm class ``stock``."""
-
-    def register(cls: type[_L]) -> type[_L]:
-        cls.laplacian_stock_class = stock
-        LAPLACIAN_CLASSES[stock] = cls
-        return cls
-
-    return register
 
 
 def _heads_of(module: Any) -> int:
@@ -70,10 +57,20 @@ class LaplacianLayer(nn.Module):
 
         def __getattr__(self, name: str) -> Any: ...
 
-    #: the timm class this one converts (set by the registration).
-    laplacian_stock_class: type = nn.Module
     #: axis of the heads in timm's own attention matrix (``(..., H, N, N)``); read by references.
     laplacian_head_axis: int = -3
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        stock = cls.__bases__[-1]
+        if not issubclass(stock, LaplacianLayer):  # LaplacianX(LaplacianLayer or a mixin of it, X): the twin of X
+            LAPLACIAN_CLASSES[stock] = cls
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """timm's own forward while no head is Laplacian, else the subclass's ``_laplacian_forward``."""
+        if not self.laplacian_active:
+            return super().forward(*args, **kwargs)
+        return self._laplacian_forward(*args, **kwargs)
 
     @classmethod
     def laplacian_refusal(cls, module: nn.Module) -> Optional[str]:
@@ -140,16 +137,8 @@ class LaplacianLayer(nn.Module):
         self._sync_marker()
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
-    def _load_from_state_dict(
-        self,
-        state_dict: Any,
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        _, _, missing_keys, _, error_msgs = args  # local_metadata, strict, missing, unexpected, error messages
         # No marker: stock timm weights, the paper authors' checkpoints, files saved before the
         # marker existed: they load into any selection (retrofitting). A marker must match.
         key = prefix + MARKER
@@ -163,9 +152,7 @@ class LaplacianLayer(nn.Module):
                     f"layer has {describe_codes(own)}; load it into a model with the same heads "
                     "(lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
                 )
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        super()._load_from_state_dict(state_dict, prefix, *args)
         if saved is None and key in missing_keys:
             missing_keys.remove(key)
         self._sync_marker()  # the buffer follows the selection, never the file
@@ -183,37 +170,16 @@ class LaplacianLayer(nn.Module):
         """This layer's heads over ``q, k, v`` ``(..., H, N, D)``; ``attn_mask``: boolean (True = attend) or the
         summed additive biases (``is_causal`` wins over it on the eager path, timm's rule)."""
         drop = getattr(self, "attn_drop", None)
-        heads = layer_operator(self)
+        kw: dict[str, Any] = dict(laplacian_heads=layer_operator(self), is_causal=is_causal, scale=scale)
+        kw["dropout_p"] = getattr(drop, "p", 0.0) if (drop is not None and self.training) else 0.0
         if getattr(self, "fused_attn", True):
-            return laplacian_attention(
-                q,
-                k,
-                v,
-                laplacian_heads=heads,
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                scale=scale,
-                dropout_p=drop.p if (drop is not None and self.training) else 0.0,
-            )
+            return laplacian_attention(q, k, v, attn_mask=attn_mask, **kw)
         # Eager path: dropout acts on P only; a fully masked query row has P = 0, as when fused.
-        out, _ = laplacian_attention_reference(
-            q,
-            k,
-            v,
-            laplacian_heads=heads,
-            attn_mask=None if is_causal else attn_mask,
-            is_causal=is_causal,
-            scale=scale,
-            dropout_p=getattr(drop, "p", 0.0) if (drop is not None and self.training) else 0.0,
-        )
-        return out
+        return laplacian_attention_reference(q, k, v, attn_mask=None if is_causal else attn_mask, **kw)[0]
 
     def extra_repr(self) -> str:
-        base = super().extra_repr()
-        if self.laplacian_learnable:
-            mine = f"num_heads={_heads_of(self)}, laplacian_heads=learnable a I + b P"
-        else:
-            mine = f"num_heads={_heads_of(self)}, laplacian_heads={list(self.laplacian_selection.indices)}"
+        heads = "learnable a I + b P" if self.laplacian_learnable else list(self.laplacian_selection.indices)
+        base, mine = super().extra_repr(), f"num_heads={_heads_of(self)}, laplacian_heads={heads}"
         return f"{base}, {mine}" if base else mine
 
 
@@ -257,7 +223,6 @@ def _window_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], batch: int) -
     return full.expand(batch // nw, -1, -1, -1, -1).reshape(batch, h, n, n)
 
 
-@_converts(Attention)
 class LaplacianAttention(LaplacianLayer, Attention):
     """timm ``Attention`` whose selected heads output ``V - softmax(QK^T)V``; usable as ``attn_layer=``.
 
@@ -296,45 +261,33 @@ class LaplacianAttention(LaplacianLayer, Attention):
             cls._variants[key] = type(name, (cls,), {"default_laplacian_heads": spec.spec, "__module__": __name__})
         return cls._variants[key]
 
-    def forward(
+    def _laplacian_forward(
         self,
         x: torch.Tensor,
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
-        B, N, _ = x.shape
         gate_layer = getattr(self, "gate", None)  # timm >= 1.0.2x: optional sigmoid output gate
         gate = gate_layer(x).sigmoid() if gate_layer is not None else None
-        attn_dim = getattr(self, "attn_dim", self.num_heads * self.head_dim)
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        q, k, v = _split_heads(self.qkv(x), self.num_heads)
         q, k = self.q_norm(q), self.k_norm(k)
-        x = self._laplacian_attend(
-            q, k, v, attn_mask, is_causal=is_causal, scale=None if self.fused_attn else self.scale
-        )
-        x = x.transpose(1, 2).reshape(B, N, attn_dim)
-        x = self.norm(x)
+        scale = None if self.fused_attn else self.scale
+        x = self.norm(_merge_heads(self._laplacian_attend(q, k, v, attn_mask, is_causal=is_causal, scale=scale)))
         if gate is not None:
             x = x * gate
-        x = self.proj(x)
-        x = self.proj_drop(x)
-        return x
+        return self.proj_drop(self.proj(x))
 
 
 class _LaplacianRope(LaplacianLayer):
     """EVA's attention and ``AttentionRope``: RoPE on the non-prefix tokens, sub-LN, gate."""
 
-    def forward(
+    def _laplacian_forward(
         self,
         x: torch.Tensor,
         rope: Optional[torch.Tensor] = None,
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
         if self.qkv is not None:
@@ -359,23 +312,18 @@ class _LaplacianRope(LaplacianLayer):
         return self.proj_drop(self.proj(x))
 
 
-@_converts(EvaAttention)
 class LaplacianEvaAttention(_LaplacianRope, EvaAttention):
     """``timm.models.eva.EvaAttention`` with Laplacian heads (EVA, EVA-02, DINOv3, timm's RoPE ViTs)."""
 
 
-@_converts(AttentionRope)
 class LaplacianAttentionRope(_LaplacianRope, AttentionRope):
     """``timm.layers.AttentionRope`` with Laplacian heads (RoPE-ViT, EVA ``attn_type='rope'``, Qwen3 / DeepSeek ViT)."""
 
 
-@_converts(BeitAttention)
 class LaplacianBeitAttention(LaplacianLayer, BeitAttention):
     """``timm.models.beit.Attention`` with Laplacian heads: q/v biases, own and shared relative position bias."""
 
-    def forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, shared_rel_pos_bias=shared_rel_pos_bias)
+    def _laplacian_forward(self, x: torch.Tensor, shared_rel_pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = _split_heads(_biased_qkv(self, x), self.num_heads)
         bias = self._get_rel_pos_bias() if self.relative_position_bias_table is not None else None
         if shared_rel_pos_bias is not None:
@@ -384,13 +332,10 @@ class LaplacianBeitAttention(LaplacianLayer, BeitAttention):
         return self.proj_drop(self.proj(x))
 
 
-@_converts(SwinWindowAttention)
 class LaplacianSwinWindowAttention(LaplacianLayer, SwinWindowAttention):
     """Swin's ``WindowAttention`` with Laplacian heads: per window, relative position bias, shifted-window mask."""
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, mask=mask)
+    def _laplacian_forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = _split_heads(self.qkv(x), self.num_heads)
         bias = _window_mask(self._get_rel_pos_bias(), mask, x.shape[0])
         x = _merge_heads(
@@ -407,13 +352,10 @@ def _swinv2_position_bias(m: Any) -> torch.Tensor:
     return (16 * torch.sigmoid(bias)).unsqueeze(0)
 
 
-@_converts(SwinV2WindowAttention)
 class LaplacianSwinV2WindowAttention(LaplacianLayer, SwinV2WindowAttention):
     """Swin v2's ``WindowAttention`` with Laplacian heads: cosine attention, continuous position bias, window mask."""
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, mask=mask)
+    def _laplacian_forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = _split_heads(_biased_qkv(self, x), self.num_heads)
         logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # (H, 1, 1), timm's clamp
         q, k = F.normalize(q, dim=-1) * logit_scale, F.normalize(k, dim=-1)
@@ -422,13 +364,10 @@ class LaplacianSwinV2WindowAttention(LaplacianLayer, SwinV2WindowAttention):
         return self.proj_drop(self.proj(x))
 
 
-@_converts(RelPosAttention)
 class LaplacianRelPosAttention(LaplacianLayer, RelPosAttention):
     """``RelPosAttention`` (RelPos ViT) with Laplacian heads: its own ``rel_pos`` bias, else the shared one."""
 
-    def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, shared_rel_pos=shared_rel_pos)
+    def _laplacian_forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         q, k, v = _split_heads(self.qkv(x), self.num_heads)
         q, k = self.q_norm(q), self.k_norm(k)
         rel_pos: Any = self.rel_pos
@@ -439,7 +378,6 @@ class LaplacianRelPosAttention(LaplacianLayer, RelPosAttention):
         return self.proj_drop(self.proj(x))
 
 
-@_converts(MaskUnitAttention)
 class LaplacianMaskUnitAttention(LaplacianLayer, MaskUnitAttention):
     """Hiera's ``MaskUnitAttention`` with Laplacian heads, mask-unit or global (query-pooling layers are refused)."""
 
@@ -454,9 +392,7 @@ class LaplacianMaskUnitAttention(LaplacianLayer, MaskUnitAttention):
     def laplacian_head_axis(self) -> int:  # type: ignore[override]
         return -4 if self.use_mask_unit_attn else -3  # timm's (B, H, windows, N, N) vs (B, H, N, N)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x)
+    def _laplacian_forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
         if self.use_mask_unit_attn:
             windows = N // (self.q_stride * self.window_size)
@@ -470,13 +406,10 @@ class LaplacianMaskUnitAttention(LaplacianLayer, MaskUnitAttention):
         return self.proj(x)
 
 
-@_converts(LevitAttention)
 class LaplacianLevitAttention(LaplacianLayer, LevitAttention):
     """LeViT's ``Attention`` with Laplacian heads: learned attention biases, linear or conv layout."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x)
+    def _laplacian_forward(self, x: torch.Tensor) -> torch.Tensor:
         split = [self.key_dim, self.key_dim, self.val_dim]
         bias = self.get_attention_biases(x.device)  # (H, N, N)
         if self.use_conv:
@@ -495,32 +428,25 @@ class LaplacianLevitAttention(LaplacianLayer, LevitAttention):
 class _LaplacianPlainQKV(LaplacianLayer):
     """Attention that is one fused q/k/v projection, SDPA and an output projection (nothing else)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x)
+    def _laplacian_forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = _split_heads(self.qkv(x), self.num_heads)
         x = self.proj(_merge_heads(self._laplacian_attend(q, k, v, scale=None if self.fused_attn else self.scale)))
         drop = getattr(self, "proj_drop", None)
         return drop(x) if drop is not None else x
 
 
-@_converts(MetaFormerAttention)
 class LaplacianMetaFormerAttention(_LaplacianPlainQKV, MetaFormerAttention):
     """MetaFormer's ``Attention`` (CAFormer's attention stages) with Laplacian heads."""
 
 
-@_converts(DavitWindowAttention)
 class LaplacianDavitWindowAttention(_LaplacianPlainQKV, DavitWindowAttention):
     """DaViT's spatial ``WindowAttention`` with Laplacian heads (its channel attention stays standard)."""
 
 
-@_converts(MaxxVitAttention2d)
 class LaplacianMaxxVitAttention2d(LaplacianLayer, MaxxVitAttention2d):
     """MaxxViT's ``Attention2d`` (NCHW, CoAtNet-style blocks) with Laplacian heads."""
 
-    def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, shared_rel_pos=shared_rel_pos)
+    def _laplacian_forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, _, H, W = x.shape
         if self.head_first:
             q, k, v = self.qkv(x).view(B, self.num_heads, self.dim_head * 3, -1).chunk(3, dim=2)
@@ -533,13 +459,10 @@ class LaplacianMaxxVitAttention2d(LaplacianLayer, MaxxVitAttention2d):
         return self.proj_drop(self.proj(out.transpose(-1, -2).reshape(B, -1, H, W)))
 
 
-@_converts(MaxxVitAttentionCl)
 class LaplacianMaxxVitAttentionCl(LaplacianLayer, MaxxVitAttentionCl):
     """MaxxViT's channels-last ``AttentionCl`` (MaxViT's block and grid partitions) with Laplacian heads."""
 
-    def forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if not self.laplacian_active:
-            return super().forward(x, shared_rel_pos=shared_rel_pos)
+    def _laplacian_forward(self, x: torch.Tensor, shared_rel_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, shape = x.shape[0], x.shape[:-1]
         if self.head_first:
             q, k, v = self.qkv(x).view(B, -1, self.num_heads, self.dim_head * 3).transpose(1, 2).chunk(3, dim=3)

@@ -1,41 +1,29 @@
 """Laplacian heads for Hugging Face ``transformers`` (5.x) models, with no fork of the model code.
 
 ``import lapheads.transformers`` registers three attention implementations in transformers'
-``AttentionInterface``: ``"laplacian_sdpa"`` (:data:`ATTN_IMPLEMENTATION`, fused: one SDPA call
-per layer, then the head operator), ``"laplacian_fused"`` (:data:`FUSED_ATTN_IMPLEMENTATION`, the
-same for model classes without SDPA support: Gemma 2, GPT-OSS) and ``"laplacian_eager"``
-(:data:`EAGER_ATTN_IMPLEMENTATION`, which returns the operator as the attention weights). Every
-model whose attention modules dispatch through the interface gets Laplacian heads (decoders,
-encoders, vision towers, encoder-decoders: the transformers coverage table of the docs).
-
-* :func:`enable` sets ``config.laplacian_heads`` (for CLIP / SigLIP a dict per tower,
-  ``{"vision_config": 2, "text_config": 0}``), indexes the attention modules and switches the
-  attention implementation; call it before building the optimizer when the setting is learnable.
-* ``model.save_pretrained(path)`` writes the heads and the implementation into ``config.json``;
-  :func:`from_pretrained` loads any model class with its heads. A checkpoint with Laplacian heads
-  never loads silently as a standard model.
-* Generation with the dynamic KV cache is exact; a static cache is refused. Cross-attention
-  modules always use standard attention.
+``AttentionInterface``: :data:`ATTN_IMPLEMENTATION` (fused), :data:`FUSED_ATTN_IMPLEMENTATION` (the
+same for model classes without SDPA support) and :data:`EAGER_ATTN_IMPLEMENTATION` (returns the
+operator as the attention weights). :func:`enable` gives a model Laplacian heads;
+``save_pretrained`` writes them into ``config.json`` and :func:`from_pretrained` loads them back, never
+silently as a standard model. The dynamic KV cache is exact, a static one is refused, and
+cross-attention stays standard (more: docs/integrations.md).
 """
 
 from __future__ import annotations
 
 try:
-    import transformers as _transformers  # noqa: F401 - only to name the missing package
+    from transformers import AttentionInterface as _AttentionInterface  # noqa: F401 - transformers >= 5
 except ModuleNotFoundError as e:
     raise ModuleNotFoundError(
         "lapheads.transformers needs transformers, which is not installed: "
         "pip install 'transformers>=5' (or lapheads[train])",
         name=e.name,
     ) from None
-try:
-    from transformers import AttentionInterface as _AttentionInterface  # noqa: F401 - transformers >= 5
 except ImportError as e:  # pragma: no cover - transformers is a hard dependency
     raise ImportError("lapheads.transformers needs transformers >= 5.0 (pip install 'transformers>=5')") from e
 
 # reached by the tests under these names (not part of the public API, which is __all__)
 from ..heads import MIX_PARAM_SUFFIXES as MIX_PARAM_SUFFIXES
-from ..heads import LayerHeads as LayerHeads
 from ._attention import laplacian_eager_attention_forward, laplacian_sdpa_attention_forward, register_implementations
 from ._configs import check_implementation, fused_implementation, layer_selections, mark_config
 from ._extras import flex_softcap_pv as _flex_softcap_pv  # noqa: F401 - reached by the tests

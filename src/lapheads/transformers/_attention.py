@@ -67,11 +67,9 @@ def _check_attention_call(
         return
     if any(r() is attention_mask for r in _CHECKED_MASKS):
         return  # the same mask object is shared by every layer of one forward: check it once
-    m = (
-        attention_mask
-        if attention_mask.dtype == torch.bool
-        else attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    )
+    m = attention_mask
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
     # The newest query always sees its own (last) key slot in a cache that ends at the newest
     # token; a preallocated cache's last slot is empty and masked for every row of every batch.
     if not bool(m[..., -1, -1].any()):
@@ -83,12 +81,9 @@ def _check_attention_call(
     del _CHECKED_MASKS[:-4]  # full + sliding-window masks of one forward, with room to spare
 
 
-_SPARSE_KWARGS = ("indices", "block_indices")
-
-
 def _refuse_sparse(module: Any, kwargs: dict) -> None:
     """Refuse sparse key selection handed to the function (DSA), with 0 Laplacian heads too."""
-    for name in _SPARSE_KWARGS:
+    for name in ("indices", "block_indices"):
         if kwargs.get(name) is not None:
             raise ConfigError(
                 f"{type(module).__name__}: sparse attention (`{name}`: each query attends to selected keys) is not "
@@ -100,14 +95,11 @@ def _refuse_sparse(module: Any, kwargs: dict) -> None:
 def _extras(module: Any, kwargs: dict) -> Extras:
     """The soft-cap, sinks and position bias of a call; sparse key selection is refused."""
     _refuse_sparse(module, kwargs)
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        sinks = kwargs.get("sinks")
+    sinks = next((kwargs[k] for k in ("s_aux", "sinks") if kwargs.get(k) is not None), None)
     return Extras(kwargs.get("softcap"), sinks, kwargs.get("position_bias"))
 
 
-def _is_causal(module: Any, q_length: int, attention_mask: Optional[torch.Tensor], kwargs: dict) -> bool:
-    is_causal = kwargs.get("is_causal")
+def _is_causal(module: Any, q_length: int, attention_mask: Optional[torch.Tensor], is_causal: Optional[bool]) -> bool:
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # Same rule as transformers' sdpa path: only a multi-token query without a mask needs the flag.
     return bool(q_length > 1 and attention_mask is None and is_causal)
@@ -119,12 +111,8 @@ _EAGER_FUNCTIONS: dict[type, Optional[Callable]] = {}
 def _eager_function(cls: type) -> Optional[Callable]:
     """``eager_attention_forward`` of the modeling file that defines the module class (or a base)."""
     if cls not in _EAGER_FUNCTIONS:
-        fn = None
-        for klass in cls.__mro__:
-            fn = getattr(sys.modules.get(klass.__module__), "eager_attention_forward", None)
-            if callable(fn):
-                break
-        _EAGER_FUNCTIONS[cls] = fn
+        fns = (getattr(sys.modules.get(k.__module__), "eager_attention_forward", None) for k in cls.__mro__)
+        _EAGER_FUNCTIONS[cls] = next((fn for fn in fns if callable(fn)), None)
     return _EAGER_FUNCTIONS[cls]
 
 
@@ -152,17 +140,14 @@ def _stock_attention(
         )
     if attention_mask is not None and attention_mask.dtype == torch.bool:  # stock eager adds its mask
         attention_mask = additive(attention_mask, query.dtype, torch.finfo(query.dtype).min)
-    if attention_mask is None and _is_causal(module, query.shape[2], None, {"is_causal": is_causal}):
-        tq, tk = query.shape[2], key.shape[2]
-        attention_mask = additive(
-            causal_lower_right_mask(tq, tk, query.device), query.dtype, torch.finfo(query.dtype).min
-        )
+    if attention_mask is None and _is_causal(module, query.shape[2], None, is_causal):
+        causal = causal_lower_right_mask(query.shape[2], key.shape[2], query.device)
+        attention_mask = additive(causal, query.dtype, torch.finfo(query.dtype).min)
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _mask_like(attention_mask: Optional[torch.Tensor], query: torch.Tensor) -> Optional[torch.Tensor]:
-    """A float mask in the dtype of ``query``: eager_mask has the embeddings' dtype, while under
-    autocast the queries are bf16/fp16 and the operator takes a float mask only in the dtype of q."""
+    """A float mask in ``query``'s dtype: under autocast eager_mask stays float32, the operator needs q's dtype."""
     if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
         return attention_mask.to(query.dtype)
     return attention_mask
@@ -195,15 +180,13 @@ def laplacian_sdpa_attention_forward(
     Returns:
         ``(out, None)`` with ``out`` of shape ``(B, Tq, H, D)`` as transformers expects.
     """
-    if is_cross(module):
-        return _stock_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     h = query.shape[1]
-    heads = module_heads_operator(module, h)
-    if isinstance(heads, LayerHeads) and not heads.any:
+    heads = None if is_cross(module) else module_heads_operator(module, h)
+    if heads is None or (isinstance(heads, LayerHeads) and not heads.any):
         return _stock_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     extras = _extras(module, kwargs)
     _check_attention_call(module, query, key, attention_mask)
-    causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
+    causal = _is_causal(module, query.shape[2], attention_mask, is_causal)
     attention_mask = _mask_like(attention_mask, query)
     if extras.any:
         out = fused_extras(query, key, value, heads, attention_mask, causal, scaling, dropout, extras)
@@ -248,14 +231,12 @@ def laplacian_eager_attention_forward(
         if eager is not None:
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         heads: Any = LayerHeads((False,) * int(h))
-        any_lap = False
     else:
         heads = module_heads_operator(module, h)
-        any_lap = isinstance(heads, HeadMix) or heads.any
     extras = _extras(module, kwargs)
-    if any_lap:
+    if isinstance(heads, HeadMix) or heads.any:
         _check_attention_call(module, query, key, attention_mask)
-    causal = _is_causal(module, query.shape[2], attention_mask, {"is_causal": is_causal})
+    causal = _is_causal(module, query.shape[2], attention_mask, is_causal)
     attention_mask = _mask_like(attention_mask, query)
     out, op = laplacian_attention_reference(
         query,
@@ -274,16 +255,14 @@ def laplacian_eager_attention_forward(
     return out.transpose(1, 2).contiguous(), op
 
 
-def _laplacian_sdpa_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
-    """transformers' ``sdpa_mask`` plus the static-cache refusal (it sees the cache's sizes)."""
-    _check_mask_call(args, kwargs)
-    return sdpa_mask(*args, **kwargs)
+def _guarded_mask(mask_function: Callable) -> Callable:
+    """transformers' ``mask_function`` plus the static-cache refusal (it sees the cache's sizes)."""
 
+    def mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+        _check_mask_call(args, kwargs)
+        return mask_function(*args, **kwargs)
 
-def _laplacian_eager_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
-    """transformers' ``eager_mask`` plus the static-cache refusal."""
-    _check_mask_call(args, kwargs)
-    return eager_mask(*args, **kwargs)
+    return mask
 
 
 def _check_mask_call(args: tuple, kwargs: dict) -> None:
@@ -321,10 +300,11 @@ def guarded_sdpa_attention_forward(
 
 def register_implementations() -> None:
     """Register the three implementations under all their names, each with its mask function."""
+    sdpa, eager = _guarded_mask(sdpa_mask), _guarded_mask(eager_mask)
     functions = {
-        ATTN_IMPLEMENTATION: (laplacian_sdpa_attention_forward, _laplacian_sdpa_mask),
-        FUSED_ATTN_IMPLEMENTATION: (laplacian_sdpa_attention_forward, _laplacian_eager_mask),
-        EAGER_ATTN_IMPLEMENTATION: (laplacian_eager_attention_forward, _laplacian_eager_mask),
+        ATTN_IMPLEMENTATION: (laplacian_sdpa_attention_forward, sdpa),
+        FUSED_ATTN_IMPLEMENTATION: (laplacian_sdpa_attention_forward, eager),
+        EAGER_ATTN_IMPLEMENTATION: (laplacian_eager_attention_forward, eager),
     }
     for base, (attention, mask) in functions.items():
         for name in (base, saved_name(base, False), saved_name(base, True)):

@@ -82,10 +82,6 @@ def tree_any_laplacian(config: Any) -> bool:
     return any(any_laplacian(c) for _, c in config_tree(config))
 
 
-def tree_has_spec(config: Any) -> bool:
-    return any(config_spec(c) is not None for _, c in config_tree(config))
-
-
 def stock_name(model: PreTrainedModel) -> str:
     """The stock implementation of a model's layers without Laplacian heads: SDPA where every class supports it."""
     ok = all(getattr(m, "_supports_sdpa", True) for m in model.modules() if isinstance(m, PreTrainedModel))
@@ -110,21 +106,16 @@ def fused_implementation(model_or_config: Any) -> str:
 
 
 def model_class_supports_sdpa(model_class: Any, config: Any) -> bool:
-    cls = model_class
     mapping = getattr(model_class, "_model_mapping", None)
-    if mapping is not None:
-        try:
-            cls = mapping[type(config)]
-        except Exception:  # noqa: BLE001 - unknown to the auto class: let transformers report it
-            return fused_implementation(config) == ATTN_IMPLEMENTATION
-    if not getattr(cls, "_supports_sdpa", True):
-        return False
-    return fused_implementation(config) == ATTN_IMPLEMENTATION
+    try:
+        cls = model_class if mapping is None else mapping[type(config)]
+    except Exception:  # noqa: BLE001 - unknown to the auto class: let transformers report it
+        cls = None
+    return bool(getattr(cls, "_supports_sdpa", True)) and fused_implementation(config) == ATTN_IMPLEMENTATION
 
 
 def _saved_implementation(config: Any, needs_index: Optional[bool], fused: Optional[str]) -> Optional[str]:
-    """The ``attn_implementation`` to write to ``config.json`` for ``config`` (None: write nothing; an
-    invalid spec is left for the model to report)."""
+    """The ``attn_implementation`` ``config.json`` gets (None: none; an invalid spec is the model's to report)."""
     try:
         if not tree_any_laplacian(config):
             return None

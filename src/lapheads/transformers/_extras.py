@@ -7,6 +7,7 @@ import math
 from typing import Any, Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..heads import HeadMix, LayerHeads
@@ -38,15 +39,6 @@ def additive(mask: torch.Tensor, dtype: torch.dtype, fill: float) -> torch.Tenso
         torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, fill)
         if mask.dtype == torch.bool
         else mask.to(dtype)
-    )
-
-
-def flex_usable(query: torch.Tensor, dropout: float) -> bool:
-    """FlexAttention is a fused kernel only inside torch.compile, and CPU lowers no float64."""
-    return (
-        dropout == 0.0
-        and torch.compiler.is_compiling()
-        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
     )
 
 
@@ -131,11 +123,6 @@ def merged_mask(
     return causal_lower_right_mask(tq, tk, device) if still_causal else m
 
 
-def apply_heads(pv: torch.Tensor, value: torch.Tensor, heads: Union[LayerHeads, HeadMix]) -> torch.Tensor:
-    """``P V`` -> the layer's output by the head operator (``v_self``: the last ``Tq`` values, GQA broadcasts)."""
-    return heads.apply(pv, value[:, :, value.shape[2] - pv.shape[2] :, :])
-
-
 def fused_extras(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -152,11 +139,13 @@ def fused_extras(
     gqa = key.shape[1] != h
     if extras.softcap is not None:
         if extras.bias is None and extras.sinks is None:
-            if flex_usable(query, dropout):
+            # FlexAttention is a fused kernel only inside torch.compile, and CPU lowers no float64.
+            flex = dropout == 0.0 and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            if flex and torch.compiler.is_compiling():
                 pv = flex_softcap_pv(query, key, value, attention_mask, causal, scaling, extras.softcap)
             else:
                 pv = explicit_pv(query, key, value, attention_mask, causal, scaling, dropout, extras.softcap)
-            return apply_heads(pv, value, heads)
+            return heads.apply(pv, value[:, :, tk - tq :, :])  # v_self: the last Tq values (GQA broadcasts)
         out, _ = laplacian_attention_reference(
             query,
             key,
@@ -179,9 +168,7 @@ def fused_extras(
         bias = extras.bias.to(query.dtype)
         add = bias if add is None else add + bias
     if extras.sinks is not None:
-        zeros = key.new_zeros(key.shape[0], key.shape[1], 1, key.shape[3])
-        key = torch.cat([zeros, key], dim=2)
-        value = torch.cat([value.new_zeros(value.shape[0], value.shape[1], 1, value.shape[3]), value], dim=2)
+        key, value = F.pad(key, (0, 0, 1, 0)), F.pad(value, (0, 0, 1, 0))  # a zero key and value in front
         b = query.shape[0]
         base = (add if add is not None else query.new_zeros(1, 1, tq, tk)).expand(b, h, tq, tk)
         # one logit per head (GPT-OSS, shape (H,)) or per head and query (shape (B, H, Tq, 1))

@@ -55,23 +55,16 @@ class Entry:
 
 
 def _is_cross_module(name: str, module: Any) -> bool:
-    if getattr(module, "is_cross_attention", False) is True:
-        return True
-    if "cross" in type(module).__name__.lower():
-        return True
-    return any(_CROSS_NAME.search(part) for part in name.split("."))
+    by_name = any(_CROSS_NAME.search(part) for part in name.split("."))
+    return getattr(module, "is_cross_attention", False) is True or "cross" in type(module).__name__.lower() or by_name
 
 
 def _spec_config(tree: list[tuple[str, Any]], module_config: Any) -> tuple[str, Any]:
     """The saved config whose ``laplacian_heads`` applies to a module that sees ``module_config``."""
-    for path, c in tree:
-        if c is module_config:
-            return path, c
-    want = type(module_config)
-    for path, c in tree:  # a deep copy (T5's encoder / decoder stacks): the saved config of its class
-        if type(c) is want:
-            return path, c
-    return tree[0]
+    same = [(p, c) for p, c in tree if c is module_config]
+    # a deep copy (T5's encoder / decoder stacks): the saved config of its class
+    same += [(p, c) for p, c in tree if type(c) is type(module_config)]
+    return (same or tree)[0]
 
 
 def attention_modules(model: torch.nn.Module) -> list[Entry]:
@@ -195,8 +188,7 @@ def is_cross(module: Any) -> bool:
 
 def _module_mix(module: Any, h: int) -> HeadMix:
     """The ``(a, b)`` parameters of a module of a learnable-mixing model, or a ConfigError with the fix."""
-    a = getattr(module, MIX_PARAM_SUFFIXES[0], None)
-    b = getattr(module, MIX_PARAM_SUFFIXES[1], None)
+    a, b = (getattr(module, name, None) for name in MIX_PARAM_SUFFIXES)
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ConfigError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no lap_mix_a / lap_mix_b, but "

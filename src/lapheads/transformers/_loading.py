@@ -25,7 +25,6 @@ from ._configs import (
     learnable,
     mark_config,
     model_class_supports_sdpa,
-    tree_has_spec,
 )
 from ._indexing import Entry, attention_modules, module_heads, module_selection, plain_load_reproduces, write_index
 from ._names import ATTN_IMPLEMENTATION, BASE, EAGER_ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION
@@ -191,21 +190,18 @@ _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "subfolder"
 
 def _checkpoint_files(path: str, **hub: Any) -> list[str]:
     """The safetensors files of a checkpoint: a local directory, or a hub id resolved by transformers' ``cached_file``."""
-    if os.path.isdir(path):
 
-        def find(name: str) -> Optional[str]:
+    def find(name: str) -> Optional[str]:
+        if os.path.isdir(path):
             f = os.path.join(path, hub.get("subfolder") or "", name)
             return f if os.path.isfile(f) else None
-    else:
-
-        def find(name: str) -> Optional[str]:
-            return cached_file(
-                path,
-                name,
-                _raise_exceptions_for_missing_entries=False,
-                _raise_exceptions_for_connection_errors=False,
-                **hub,
-            )
+        return cached_file(
+            path,
+            name,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **hub,
+        )
 
     index = find("model.safetensors.index.json")
     if index:
@@ -291,7 +287,7 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     if not isinstance(config, PreTrainedConfig):
         config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads" or k in _HUB_KWARGS}
         config = AutoConfig.from_pretrained(config or path, **config_kwargs)
-    has_spec = tree_has_spec(config)
+    has_spec = any(config_spec(c) is not None for _, c in config_tree(config))
     fused = ATTN_IMPLEMENTATION if model_class_supports_sdpa(model_class, config) else FUSED_ATTN_IMPLEMENTATION
     if "attn_implementation" in kwargs:
         check_implementation(config, kwargs["attn_implementation"])
@@ -300,21 +296,18 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
             kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if base == EAGER_ATTN_IMPLEMENTATION else fused
     elif has_spec:
         kwargs["attn_implementation"] = EAGER_ATTN_IMPLEMENTATION if eager else fused
-    if not any(learnable(c) for _, c in config_tree(config)):
-        model = model_class.from_pretrained(path, **kwargs)
-        if has_spec and any(not e.cross for e in attention_modules(model)):
-            enable(model, _current_spec(model), eager=_runs_eager(model))
-        mark_config(model.config)
-        return model
-
+    learn = any(learnable(c) for _, c in config_tree(config))
     # transformers warns that lap_mix_* are unexpected keys (its freshly built model lacks them);
     # _load_mixing restores them right after, so that warning would be wrong here.
     level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity(_logging.ERROR)
+    hf_logging.set_verbosity(_logging.ERROR if learn else level)
     try:
         model = model_class.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(level)
-    _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    if learn:
+        _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    elif has_spec and any(not e.cross for e in attention_modules(model)):
+        enable(model, _current_spec(model), eager=_runs_eager(model))
     mark_config(model.config)
     return model

@@ -12,7 +12,6 @@ FUSED_ATTN_IMPLEMENTATION = "laplacian_fused"
 #: Name of the eager implementation that returns the operator as attention weights.
 EAGER_ATTN_IMPLEMENTATION = "laplacian_eager"
 LOAD_HINT = "import lapheads.transformers first"
-INDEX_HINT = "load with lapheads.transformers.from_pretrained"
 #: What ``config.json`` stores for a model that plain loading reproduces: the name plus the fix.
 SAVED_ATTN_IMPLEMENTATION = f"{ATTN_IMPLEMENTATION} ({LOAD_HINT})"
 #: The saved name of :data:`FUSED_ATTN_IMPLEMENTATION`.
@@ -20,11 +19,10 @@ SAVED_FUSED_ATTN_IMPLEMENTATION = f"{FUSED_ATTN_IMPLEMENTATION} ({LOAD_HINT})"
 #: The saved name of :data:`EAGER_ATTN_IMPLEMENTATION` (a model saved while using the eager path).
 SAVED_EAGER_ATTN_IMPLEMENTATION = f"{EAGER_ATTN_IMPLEMENTATION} ({LOAD_HINT})"
 #: What follows the implementation's name in ``config.json`` for a model that needs indexing.
-INDEXED_ATTN_IMPLEMENTATION_SUFFIX = f" ({INDEX_HINT})"
-BASE_NAMES = (ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION, EAGER_ATTN_IMPLEMENTATION)
+INDEXED_ATTN_IMPLEMENTATION_SUFFIX = " (load with lapheads.transformers.from_pretrained)"
 #: every name of ours (plain or saved) -> the plain name
 BASE: dict[str, str] = {}
-for _n in BASE_NAMES:
+for _n in (ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION, EAGER_ATTN_IMPLEMENTATION):
     BASE[_n] = BASE[f"{_n} ({LOAD_HINT})"] = BASE[f"{_n}{INDEXED_ATTN_IMPLEMENTATION_SUFFIX}"] = _n
 
 
