@@ -317,3 +317,18 @@ def test_torch_compile_fullgraph_and_reselection():
     out = compiled(x)
     assert not torch.allclose(out, before, atol=1e-3)
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_subclass_defined_elsewhere_does_not_replace_the_twin_convert_uses():
+    # convert() swaps in the class registered for timm's Attention; a user's own
+    # LaplacianLayer subclass of Attention must not take that place silently
+    before = dict(lt.LAPLACIAN_CLASSES)
+
+    class MyLaplacianAttention(lt.LaplacianLayer, Attention):
+        pass
+
+    assert lt.LAPLACIAN_CLASSES == before
+    assert lt.LAPLACIAN_CLASSES[Attention] is lt.LaplacianAttention
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32, patch_size=8)
+    lt.convert(model, 1)
+    assert {type(b.attn) for b in model.blocks} == {lt.LaplacianAttention}

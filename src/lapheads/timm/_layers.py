@@ -63,7 +63,9 @@ class LaplacianLayer(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         stock = cls.__bases__[-1]
-        if not issubclass(stock, LaplacianLayer):  # LaplacianX(LaplacianLayer or a mixin of it, X): the twin of X
+        # LaplacianX(LaplacianLayer or a mixin of it, X) here is the twin of X; a subclass written
+        # elsewhere (a user's) never replaces the twin that convert() uses
+        if cls.__module__ == __name__ and not issubclass(stock, LaplacianLayer):
             LAPLACIAN_CLASSES[stock] = cls
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
