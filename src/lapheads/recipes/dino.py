@@ -272,10 +272,8 @@ def dino_loss(
 def teacher_temperature(epoch: int, cfg: DinoLossConfig) -> float:
     """Linear warm-up ``warmup_teacher_temp -> teacher_temp`` over the first epochs, then constant."""
     w = cfg.warmup_teacher_temp_epochs
-    if w > 0 and epoch < w:
-        if w == 1:
-            return cfg.warmup_teacher_temp
-        return cfg.warmup_teacher_temp + (cfg.teacher_temp - cfg.warmup_teacher_temp) * epoch / (w - 1)
+    if epoch < w:  # epoch 0 of a one-epoch warm-up: the start value
+        return cfg.warmup_teacher_temp + (cfg.teacher_temp - cfg.warmup_teacher_temp) * epoch / max(w - 1, 1)
     return cfg.teacher_temp
 
 
@@ -293,8 +291,8 @@ def collapse_metrics(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"teacher_entropy": ent.detach(), "teacher_kl_uniform": kl.detach()}
 
 
-def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] = None) -> Any:
-    ds = build_image_dataset(spec, split, **(hf_options(spec, d.image_column, d.label_column) if d else {}))
+def _load_images(spec: str, split: str, what: str, d: DinoDataConfig) -> Any:
+    ds = build_image_dataset(spec, split, **hf_options(spec, d.image_column, d.label_column))
     if len(ds) == 0:
         raise DataError(f"{what}: data set {spec!r} split {split!r} is empty")
     return ds
@@ -348,8 +346,7 @@ class DinoTask(HeadsTask):
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
             self.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(self.teacher)
         self.teacher.load_state_dict(self.model.state_dict())
-        for p in self.teacher.parameters():
-            p.requires_grad_(False)
+        self.teacher.requires_grad_(False)
         self.center = torch.zeros(1, h.out_dim, device=self.device)
         self.laplacian_heads = getattr(student_bb, "laplacian_heads", LaplacianHeads(None)).to_config()
         self.embed_dim = dim

@@ -82,9 +82,7 @@ def resolve_any(spec: str, recipe: Optional[str] = None) -> str:
     Raises:
         ConfigError: no shipped config has that name, or several do (the message lists them).
     """
-    if recipe is not None:
-        return resolve_config(recipe, spec) or spec
-    return spec if _is_path(spec) else _shipped(spec, None)
+    return spec if _is_path(spec) else _shipped(spec, recipe)
 
 
 def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
@@ -95,6 +93,5 @@ def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
         ConfigError: ``spec`` is neither a file nor a shipped config of ``recipe`` (the message
             lists that recipe's shipped configs).
     """
-    if spec is None or _is_path(spec):
-        return spec  # a path (a missing one is reported by the YAML reader, naming the file)
-    return _shipped(spec, recipe)
+    # a path as given: a missing one is reported by the YAML reader, naming the file
+    return spec if spec is None or _is_path(spec) else _shipped(spec, recipe)
