@@ -444,9 +444,7 @@ class DinoTask(HeadsTask):
                 b_t.copy_(s_bufs[n])
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        state = {f"teacher.{k}": v for k, v in self.teacher.state_dict().items()}
-        state["center"] = self.center
-        return state
+        return {**{f"teacher.{k}": v for k, v in self.teacher.state_dict().items()}, "center": self.center}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         if "center" not in state:

@@ -229,13 +229,10 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
 
 def select_heads(costs: list[list[float]], k: int) -> list[list[int]]:
     """The ``k`` heads of lowest switch cost in each layer (ties: the higher index, i.e. trailing first)."""
-    out = []
     for i, row in enumerate(costs):
         if k > len(row):
             raise ConfigError(f"laplacian_heads={k} but layer {i} has {len(row)} heads")
-        order = sorted(range(len(row)), key=lambda h: (row[h], -h))
-        out.append(sorted(order[:k]))
-    return out
+    return [sorted(sorted(range(len(row)), key=lambda h: (row[h], -h))[:k]) for row in costs]
 
 
 def convert_heads(
