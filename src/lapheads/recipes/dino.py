@@ -215,11 +215,10 @@ class DINOHead(nn.Module):
                 layers.append(nn.GELU())
             layers.append(nn.Linear(hidden_dim, bottleneck_dim))
             self.mlp = nn.Sequential(*layers)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
+        for m in self.mlp.modules():
+            if isinstance(m, nn.Linear):  # all with a bias
                 nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+                nn.init.zeros_(m.bias)
         # The last layer keeps PyTorch's default init (as in DINO), then gets weight norm (dim 0:
         # one magnitude per prototype).
         self.last_layer = nn.utils.parametrizations.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))

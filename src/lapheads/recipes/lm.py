@@ -466,8 +466,7 @@ class LMTask(TextTask):
         recs = sample_prompts(model, self.tokenizer, self.cfg.samples.prompts, self.cfg.samples.max_new_tokens)
         if self.run_dir is not None and recs and self.info.is_main:
             with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-                for r in recs:
-                    f.write(json.dumps({"step": step, **r}) + "\n")
+                f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in recs))
         return recs
 
     def model_spec(self) -> dict:
