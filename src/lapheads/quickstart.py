@@ -1,10 +1,8 @@
 """``lapheads quickstart``: baseline vs Laplacian heads on data that needs no download, with a report.
 
-:data:`PLAN` is what it trains: the digits ViT (``classify/digits``) and the tiny language model (``lm/tiny``,
-shrunk) for k = 0 and k = all over seeds, each run an ordinary run directory under ``OUT/vision`` and ``OUT/lm``
-made by the sweep (:func:`lapheads.sweep.run_grid`), so it is resumable; then the geometry of every run and
-``OUT/report/``, whose scope paragraph is :data:`SCOPE`. ``--tiny``: the same pipeline with a handful of steps.
-Why the plan is what it is: docs/design/recipes.md.
+:data:`PLAN` is what it trains: ``classify/digits`` and a shrunk ``lm/tiny``, k = 0 and k = all over seeds, as
+resumable sweeps (:func:`lapheads.sweep.run_grid`) in ``OUT/vision`` and ``OUT/lm``; then the geometry of every
+run and ``OUT/report/``, whose scope paragraph is :data:`SCOPE` (the plan's reasons: docs/design/recipes.md).
 """
 
 from __future__ import annotations

@@ -16,24 +16,11 @@ from .engine.run import RunDir
 from .errors import ConfigError
 from .geometry.capture import analyze_model, save_geometry_json
 from .geometry.plots import plot_all
-from .recipes import Recipe, get_recipe, recipe_of_run
+from .recipes import get_recipe, recipe_of_run
 from .vision.backbones import timm_backbone
 
 #: Default minimum tokens per next-token class for language runs (``--min-count``).
 LM_MIN_COUNT = 5
-
-
-def _check_settings(recipe: Recipe, run: Path, include_prefix: bool, threshold: float, **counts: Optional[int]) -> None:
-    """Refuse settings this recipe cannot use, and ``counts`` below 1."""
-    if counts["seq_len"] is not None and recipe.kind == "vit":
-        raise ConfigError(f"--seq-len is for language runs; {run} is a `{recipe.name}` run (images)")
-    if include_prefix and recipe.kind == "hf":
-        raise ConfigError(f"--include-prefix is for vision runs (CLS/register tokens); {run} is a `{recipe.name}` run")
-    for name, v in counts.items():
-        if v is not None and v < 1:
-            raise ConfigError(f"{name}={v} must be >= 1")
-    if not 0 < threshold <= 1:
-        raise ConfigError(f"threshold={threshold} must be in (0, 1]")
 
 
 def analyze_run(
@@ -81,17 +68,20 @@ def analyze_run(
     batch_size = max(1, min(batch_size, max_items)) if max_items and batch_size >= 1 else batch_size
     run = RunDir(run_dir)
     recipe = recipe_of_run(run.path)
-    _check_settings(
-        recipe,
-        run.path,
-        include_prefix,
-        threshold,
-        max_items=max_items,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        min_count=min_count,
-        max_batches=max_batches,
+    if seq_len is not None and recipe.kind == "vit":
+        raise ConfigError(f"--seq-len is for language runs; {run.path} is a `{recipe.name}` run (images)")
+    if include_prefix and recipe.kind == "hf":
+        raise ConfigError(
+            f"--include-prefix is for vision runs (CLS/register tokens); {run.path} is a `{recipe.name}` run"
+        )
+    counts = dict(
+        max_items=max_items, batch_size=batch_size, seq_len=seq_len, min_count=min_count, max_batches=max_batches
     )
+    for name, v in counts.items():
+        if v is not None and v < 1:
+            raise ConfigError(f"{name}={v} must be >= 1")
+    if not 0 < threshold <= 1:
+        raise ConfigError(f"threshold={threshold} must be in (0, 1]")
     if not (run.final_dir / "model.json").is_file():
         raise ConfigError(f"{run.path} is not finished (no final/model.json); train it to the end first")
     if min_count is None:

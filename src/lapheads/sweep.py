@@ -1,14 +1,8 @@
 """``lapheads sweep``: one recipe over a grid of config values, Laplacian-head settings and seeds.
 
-::
-
-    lapheads sweep --config classify/digits --laplacian-heads 0,2,all --seeds 0,1,2 \\
-        --out runs/digits_sweep [--set data.epochs=5] [--analyze] \\
-        [--grid model.embed_dim=32,64 --grid data.fraction=0.25,1] [--point model.depth=2,train.max_steps=50]
-
-Every grid point is an ordinary run directory ``OUT/lap<k>_seed<s>`` (``<axis>=<value>__...__lap<k>_seed<s>``
-with config axes) made by the recipe's own ``lapheads train`` command. Resume, the settings check, ``--jobs``
-and ``--launcher slurm``: docs/reports.md; the design: docs/design/recipes.md.
+``lapheads sweep --config classify/digits --laplacian-heads 0,2,all --seeds 0,1,2 --out runs/digits_sweep
+[--grid model.embed_dim=32,64] [--point model.depth=2,train.max_steps=50]``: every grid point is an ordinary
+run directory ``OUT/[<axis>=<value>__...__]lap<k>_seed<s>`` made by ``lapheads train`` (docs/reports.md).
 """
 
 from __future__ import annotations
@@ -131,10 +125,9 @@ def design_points(
     grid: Sequence[tuple[str, Sequence[str]]] = (), points: Sequence[dict[str, str]] = ()
 ) -> list[dict[str, str]]:
     """The cross product of ``grid`` plus the explicit ``points``, each once, in that order."""
-    design: list[dict[str, str]] = []
-    if grid or not points:
-        keys = [k for k, _ in grid]
-        design = [dict(zip(keys, combo)) for combo in itertools.product(*[v for _, v in grid])]
+    keys = [k for k, _ in grid]
+    product = itertools.product(*[v for _, v in grid]) if grid or not points else ()
+    design = [dict(zip(keys, combo)) for combo in product]
     for p in points:
         if p not in design:
             design.append(dict(p))
@@ -142,11 +135,10 @@ def design_points(
 
 
 def parse_heads_list(text: str) -> list[str]:
-    """``"0,2,all"`` -> ``["0", "2", "all"]``, each a valid head setting given once.
+    """``"0,2,all"`` -> ``["0", "2", "all"]``, each a valid head setting (:func:`check_distinct_heads` refuses repeats).
 
     Raises:
-        ConfigError: an invalid setting, or two spellings of one setting (``0,none``: one run, so the
-            sweep would train it twice or stop half-way on its own directory).
+        ConfigError: empty, or an invalid setting.
     """
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -239,20 +231,6 @@ def plan_grid(
     return plan
 
 
-def refuse_changed(plan: Sequence[GridRun], out: Path, hint: str = SWEEP_HINT) -> None:
-    """One-line ConfigError listing the runs of ``plan`` made with other settings (if any)."""
-    changed = [r for r in plan if r.changes]
-    if not changed:
-        return
-    keys = sorted({k for r in changed for k in r.changes})
-    first = changed[0]
-    raise ConfigError(
-        f"{len(changed)} existing run(s) in {out} ({', '.join(r.path.name for r in changed)}) were made "
-        f"with other settings than this command's: {', '.join(keys)} (e.g. {first.path.name}: "
-        f"{describe_changes(first.existing, first.resolved, first.changes, limit=3)}); {hint}"
-    )
-
-
 def check_plan(
     plan: Sequence[GridRun],
     out: Path,
@@ -265,13 +243,19 @@ def check_plan(
     """The runs of ``plan`` to delete and train afresh, every one checked before the first goes.
 
     Raises:
-        ConfigError: existing runs were made with other settings and neither flag is given
-            (:func:`refuse_changed`).
+        ConfigError: existing runs were made with other settings and neither flag is given (one line).
         CheckpointError: a run to delete holds files that are not the run's own, the working directory
             or the ``config`` (:meth:`~lapheads.engine.run.RunDir.check_overwrite`).
     """
-    if not (overwrite or restart_changed):
-        refuse_changed(plan, out, hint)
+    changed = [r for r in plan if r.changes]
+    if changed and not (overwrite or restart_changed):
+        keys = sorted({k for r in changed for k in r.changes})
+        first = changed[0]
+        raise ConfigError(
+            f"{len(changed)} existing run(s) in {out} ({', '.join(r.path.name for r in changed)}) were made "
+            f"with other settings than this command's: {', '.join(keys)} (e.g. {first.path.name}: "
+            f"{describe_changes(first.existing, first.resolved, first.changes, limit=3)}); {hint}"
+        )
     restart = [r for r in plan if r.state != "new" and (overwrite or r.changes)]
     for r in restart:
         flag = "--overwrite" if overwrite else "--restart-changed"
@@ -335,10 +319,9 @@ def run_grid(
             if r.state == "done" and not quiet:
                 print(f"[sweep] {r.path.name}: finished, skipped")
         todo = [r for r in plan if r.state != "done"]
-        if launcher is not None:
-            if todo:
-                argvs = [(r.path, train_command(recipe, config, r)[5:], r.state == "partial") for r in todo]
-                submit_sweep(recipe, argvs, out, launcher, slurm_folder, wait=wait, quiet=quiet)
+        if launcher is not None and todo:
+            argvs = [(r.path, train_command(recipe, config, r)[5:], r.state == "partial") for r in todo]
+            submit_sweep(recipe, argvs, out, launcher, slurm_folder, wait=wait, quiet=quiet)
         elif jobs > 1 and len(todo) > 1:
             _train_in_subprocesses(recipe, config, todo, out, min(jobs, len(todo)), quiet)
         else:
@@ -379,15 +362,11 @@ def _train_in_subprocesses(
                 r = pending.pop(0)
                 log_path = logs / f"{r.path.name}.log"
                 cmd = train_command(recipe, config, r)
-                log = None
                 try:
+                    with open(log_path, "a") as head:
+                        head.write(f"# {' '.join(cmd[1:])}\n")
                     log = open(log_path, "a")
-                    log.write(f"# {' '.join(cmd[1:])}\n")
-                    log.flush()
                 except OSError as e:  # a full disk: this run fails in one line, the running ones end first
-                    if log is not None:
-                        with contextlib.suppress(OSError):
-                            log.close()
                     if not is_disk_full(e):
                         raise
                     full = DiskFullError(
@@ -432,7 +411,7 @@ def _train_in_subprocesses(
     finally:
         bar.close()
     if failed:
-        failed.sort(key=lambda f: [r.path for r in todo].index(f[0].path))  # the first in the plan's order
+        failed.sort(key=lambda f: todo.index(f[0]))  # the first in the plan's order
         r, log_path, line = failed[0]
         more = f" ({len(failed) - 1} more failed)" if len(failed) > 1 else ""
         raise RunFailed(

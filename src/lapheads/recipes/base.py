@@ -117,12 +117,11 @@ class HeadsTask(TrainTask):
 
 def mixing_rows(table: list[dict[str, Any]]) -> list[list[Any]]:
     """The rows ``[layer, head, a, b, laplacianness]`` of a ``lap_mix`` table (:func:`lapheads.heads.mixing_table`)."""
-    rows = []
-    for row in table:
-        lap = row.get("laplacianness") or [None] * len(row["a"])
-        for h, (a, b, ln) in enumerate(zip(row["a"], row["b"], lap)):
-            rows.append([row["layer"], h, a, b, ln])
-    return rows
+    return [
+        [row["layer"], h, a, b, ln]
+        for row in table
+        for h, (a, b, ln) in enumerate(zip(row["a"], row["b"], row.get("laplacianness") or [None] * len(row["a"])))
+    ]
 
 
 class Recipe(ABC):
@@ -187,12 +186,8 @@ class Recipe(ABC):
 
     def result_lines(self, result: dict, out: str | Path) -> list[str]:
         """What ``lapheads train <name>`` prints when :meth:`train` returns ``result``."""
-        lines = (
-            ["final: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())]
-            if result
-            else []
-        )
-        return lines + [f"run directory: {out}"]
+        final = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+        return ([f"final: {final}"] if result else []) + [f"run directory: {out}"]
 
     def read_config(self, run_dir: str | Path) -> Any:
         """The typed config of a run of this recipe (its ``config.yaml``)."""

@@ -201,11 +201,6 @@ def _datasets(cfg: ClassifyConfig):
     return train, val
 
 
-def _collate(items):
-    xs, ys = zip(*items)
-    return torch.stack(xs), torch.as_tensor(ys, dtype=torch.long)
-
-
 @torch.no_grad()
 def evaluate_classifier(
     model: nn.Module, dataset, transform, num_classes: int, batch_size: int, device: torch.device, max_items: int = 0
@@ -265,7 +260,9 @@ class ClassifyTask(HeadsTask):
             hflip=d.hflip,
         )
         self.eval_tf = eval_transform(cfg)
-        if (cfg.aug.mixup > 0 or cfg.aug.cutmix > 0) and d.batch_size % 2:
+        a = cfg.aug
+        mixing = a.mixup > 0 or a.cutmix > 0
+        if mixing and d.batch_size % 2:
             raise ConfigError(f"data.batch_size={d.batch_size} must be even for mixup/cutmix")
         self.model = build_model(cfg.model, self.num_classes).to(info.device)
         self.spe = steps_per_epoch(len(self.train_set), d.batch_size, info.world_size)
@@ -274,9 +271,8 @@ class ClassifyTask(HeadsTask):
                 f"data.train has {len(self.train_set)} images: fewer than one optimizer step of "
                 f"{d.batch_size * info.world_size * cfg.train.grad_accum}; lower data.batch_size"
             )
-        a = cfg.aug
         self.mixup = None
-        if a.mixup > 0 or a.cutmix > 0:
+        if mixing:
             self.mixup = Mixup(
                 mixup_alpha=a.mixup,
                 cutmix_alpha=a.cutmix,
@@ -333,7 +329,6 @@ class ClassifyTask(HeadsTask):
             rank=self.info.rank,
             world_size=self.info.world_size,
             num_workers=self.cfg.train.num_workers,
-            collate_fn=_collate,
             transform=lambda it: (self.train_tf(it[0]), it[1]),
         )
 
@@ -375,10 +370,7 @@ def model_spec(run_dir: str | Path) -> dict:
         f"is {run_dir} a finished classify run?",
         "the model description of a classify run",
         lambda spec: (
-            isinstance(spec, dict)
-            and isinstance(spec.get("model"), dict)
-            and isinstance(spec.get("num_classes"), int)
-            and not isinstance(spec.get("num_classes"), bool)
+            isinstance(spec, dict) and isinstance(spec.get("model"), dict) and type(spec.get("num_classes")) is int
         ),
         "must be an object with 'model' (a mapping) and 'num_classes' (an integer); the file is damaged or "
         "not from `lapheads train classify`",
@@ -388,9 +380,10 @@ def model_spec(run_dir: str | Path) -> dict:
 def load_model(run_dir: Path, weights: str = "model") -> nn.Module:
     """Rebuild a trained classifier from ``run_dir/final`` (``weights``: "model" or "ema")."""
     final = Path(run_dir) / "final"
-    spec_path = final / "model.json"
     spec = model_spec(run_dir)
-    model = build_model(from_dict(ModelConfig, spec["model"], prefix=f"{spec_path}: model."), spec["num_classes"])
+    model = build_model(
+        from_dict(ModelConfig, spec["model"], prefix=f"{final / 'model.json'}: model."), spec["num_classes"]
+    )
     path = final / f"{weights}.safetensors"
     load_weights(model, load_tensors(path), source=str(path))
     return model.eval()

@@ -215,11 +215,10 @@ class DINOHead(nn.Module):
                 layers.append(nn.GELU())
             layers.append(nn.Linear(hidden_dim, bottleneck_dim))
             self.mlp = nn.Sequential(*layers)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
+        for m in self.mlp.modules():
+            if isinstance(m, nn.Linear):  # all with a bias
                 nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+                nn.init.zeros_(m.bias)
         # The last layer keeps PyTorch's default init (as in DINO), then gets weight norm (dim 0:
         # one magnitude per prototype).
         self.last_layer = nn.utils.parametrizations.weight_norm(nn.Linear(bottleneck_dim, out_dim, bias=False))
@@ -272,10 +271,8 @@ def dino_loss(
 def teacher_temperature(epoch: int, cfg: DinoLossConfig) -> float:
     """Linear warm-up ``warmup_teacher_temp -> teacher_temp`` over the first epochs, then constant."""
     w = cfg.warmup_teacher_temp_epochs
-    if w > 0 and epoch < w:
-        if w == 1:
-            return cfg.warmup_teacher_temp
-        return cfg.warmup_teacher_temp + (cfg.teacher_temp - cfg.warmup_teacher_temp) * epoch / (w - 1)
+    if epoch < w:  # epoch 0 of a one-epoch warm-up: the start value
+        return cfg.warmup_teacher_temp + (cfg.teacher_temp - cfg.warmup_teacher_temp) * epoch / max(w - 1, 1)
     return cfg.teacher_temp
 
 
@@ -293,8 +290,8 @@ def collapse_metrics(probs: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"teacher_entropy": ent.detach(), "teacher_kl_uniform": kl.detach()}
 
 
-def _load_images(spec: str, split: str, what: str, d: Optional[DinoDataConfig] = None) -> Any:
-    ds = build_image_dataset(spec, split, **(hf_options(spec, d.image_column, d.label_column) if d else {}))
+def _load_images(spec: str, split: str, what: str, d: DinoDataConfig) -> Any:
+    ds = build_image_dataset(spec, split, **hf_options(spec, d.image_column, d.label_column))
     if len(ds) == 0:
         raise DataError(f"{what}: data set {spec!r} split {split!r} is empty")
     return ds
@@ -348,8 +345,7 @@ class DinoTask(HeadsTask):
             self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
             self.teacher = nn.SyncBatchNorm.convert_sync_batchnorm(self.teacher)
         self.teacher.load_state_dict(self.model.state_dict())
-        for p in self.teacher.parameters():
-            p.requires_grad_(False)
+        self.teacher.requires_grad_(False)
         self.center = torch.zeros(1, h.out_dim, device=self.device)
         self.laplacian_heads = getattr(student_bb, "laplacian_heads", LaplacianHeads(None)).to_config()
         self.embed_dim = dim
@@ -447,9 +443,7 @@ class DinoTask(HeadsTask):
                 b_t.copy_(s_bufs[n])
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        state = {f"teacher.{k}": v for k, v in self.teacher.state_dict().items()}
-        state["center"] = self.center
-        return state
+        return {**{f"teacher.{k}": v for k, v in self.teacher.state_dict().items()}, "center": self.center}
 
     def load_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         if "center" not in state:

@@ -207,11 +207,12 @@ def _corpus_fingerprint(paths: Optional[list[str]]) -> Any:
     return [[str(Path(p).resolve()), st.st_size, st.st_mtime_ns] for p, st in stats]
 
 
-def _documents(paths: Optional[list[str]], text_field: str, split: Any = None, hf: Any = None):
+def _documents(d: LMDataConfig, paths: Optional[list[str]], hf: Any, source: str):
     if hf is not None:  # (source, dataset) of an hf: corpus
-        return T.split_documents(T.read_hf_dataset(hf[1], text_field, f"hf:{hf[0]}"), split, f"hf:{hf[0]}")
-    docs = T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=text_field)
-    return T.split_documents(docs, split, "pydoc_data.topics" if paths is None else ", ".join(paths))
+        docs = T.read_hf_dataset(hf[1], d.text_field, source)
+    else:
+        docs = T.embedded_documents() if paths is None else T.iter_documents(paths, text_field=d.text_field)
+    return T.split_documents(docs, d.split_documents, source)
 
 
 def _hf_corpus(d: LMDataConfig) -> Optional[tuple[str, Any]]:
@@ -233,10 +234,6 @@ _LM_HINTS = {
 }
 
 
-def _default_cache() -> Path:
-    return Path(os.environ.get("LAPHEADS_CACHE", Path.home() / ".cache" / "lapheads")) / "lm"
-
-
 def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: bool = False) -> tuple[Any, Path]:
     """Resolve ``data`` to ``(tokenizer, shard_dir)``, building what is missing (rank 0 only).
 
@@ -244,7 +241,6 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         ConfigError / DataError: before any expensive work, for a missing path, an empty corpus,
             a shard directory without a tokenizer, or shards made with another tokenizer.
     """
-
     info = info or DistInfo()
     built_here = {
         k: getattr(d, k)
@@ -282,24 +278,22 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
         "tokenizer": tokenizer_hash(given_tok)
         if given_tok is not None
         else {"train": d.vocab_size, "max_chars": d.tokenizer_max_chars},
+        **built_here,  # settings added later enter the key only when set: existing caches keep their names
     }
-    key.update(built_here)  # settings added later enter the key only when set: existing caches keep their names
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(d.cache_dir) if d.cache_dir else _default_cache()
+    root = Path(d.cache_dir or Path(os.environ.get("LAPHEADS_CACHE", Path.home() / ".cache" / "lapheads")) / "lm")
     target = root / digest
     if info.is_main and not (target / "done.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=root))
         try:
-            if given_tok is None:
-                docs = _documents(paths, d.text_field, d.split_documents, hf)
-                if d.tokenizer_max_chars:
-                    docs = T.limit_chars(docs, d.tokenizer_max_chars)
+            tok = given_tok
+            if tok is None:
+                docs = _documents(d, paths, hf, source)
+                docs = T.limit_chars(docs, d.tokenizer_max_chars) if d.tokenizer_max_chars else docs
                 tok = train_tokenizer(docs, d.vocab_size, tmp / "tokenizer")
-            else:
-                tok = given_tok
             S.tokenize_to_shards(
-                _documents(paths, d.text_field, d.split_documents, hf),
+                _documents(d, paths, hf, source),
                 tok,
                 tmp / "shards",
                 val_fraction=d.val_fraction,
@@ -325,7 +319,6 @@ def prepare_data(d: LMDataConfig, info: Optional[DistInfo] = None, progress: boo
 def open_token_shards(shard_dir: Path, seq_len: int) -> tuple[Any, Any]:
     """The train and val :class:`TokenShards` of ``shard_dir``, each checked to hold at least one
     sequence of ``seq_len + 1`` tokens (input plus shifted target)."""
-
     shards = (TokenShards(shard_dir, "train"), TokenShards(shard_dir, "val"))
     for s in shards:
         if len(s) < seq_len + 1:
@@ -473,8 +466,7 @@ class LMTask(TextTask):
         recs = sample_prompts(model, self.tokenizer, self.cfg.samples.prompts, self.cfg.samples.max_new_tokens)
         if self.run_dir is not None and recs and self.info.is_main:
             with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-                for r in recs:
-                    f.write(json.dumps({"step": step, **r}) + "\n")
+                f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in recs))
         return recs
 
     def model_spec(self) -> dict:
@@ -546,7 +538,6 @@ def load_model(run_dir: str | Path, weights: str = "model", device: Any = "cpu",
         device: where to load the model.
         eager: use the eager attention implementation (returns the operator as attentions).
     """
-
     d = hf_dir(run_dir, weights)
     tok = load_tokenizer(d)
     model = lap_tf.from_pretrained(str(d), eager=eager).to(device).eval()

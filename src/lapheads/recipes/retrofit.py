@@ -207,7 +207,6 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
     ``model.config.laplacian_heads`` is restored afterwards. One forward pass over ``batches`` per
     head (plus one for the reference).
     """
-
     cfg = model.config
     n_layers, n_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
     old, old_impl = getattr(cfg, "laplacian_heads", None), cfg._attn_implementation
@@ -230,13 +229,10 @@ def switch_costs(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.T
 
 def select_heads(costs: list[list[float]], k: int) -> list[list[int]]:
     """The ``k`` heads of lowest switch cost in each layer (ties: the higher index, i.e. trailing first)."""
-    out = []
     for i, row in enumerate(costs):
         if k > len(row):
             raise ConfigError(f"laplacian_heads={k} but layer {i} has {len(row)} heads")
-        order = sorted(range(len(row)), key=lambda h: (row[h], -h))
-        out.append(sorted(order[:k]))
-    return out
+    return [sorted(sorted(range(len(row)), key=lambda h: (row[h], -h))[:k]) for row in costs]
 
 
 def convert_heads(
@@ -324,9 +320,6 @@ class RetrofitTask(LMTask):
     def total_steps(self) -> int:
         raise ConfigError("set train.max_steps (the N of the retrofit comparison)")
 
-    def on_step_start(self, step: int, total: int) -> None:
-        pass
-
     @torch.no_grad()
     def evaluate(self, model: nn.Module, ema_model: Optional[nn.Module], step: int) -> dict[str, float]:
         res = super().evaluate(model, ema_model, step)
@@ -344,8 +337,7 @@ class RetrofitTask(LMTask):
     def export_final(self, final_dir: Path, model: nn.Module, ema_model: Optional[nn.Module]) -> None:
         if self.cfg.method == "lora":
             model.save_pretrained(str(final_dir / "adapter"))  # the adapter alone (PEFT layout)
-            merged = copy.deepcopy(model).merge_and_unload()
-            export_hf(merged, self.tokenizer, final_dir / "hf")
+            export_hf(copy.deepcopy(model).merge_and_unload(), self.tokenizer, final_dir / "hf")
             if ema_model is not None:
                 export_hf(copy.deepcopy(ema_model).merge_and_unload(), self.tokenizer, final_dir / "hf_ema")
         else:
@@ -401,14 +393,8 @@ def summarize(out: str | Path, keys: Sequence[str] = ("val_loss", "val_bpb")) ->
     if base.is_file():
         rows["baseline_after_steps"] = json.loads(base.read_text())
     rows = {k: {m: v[m] for m in keys if m in v} for k, v in rows.items()}
-    res = {
-        "steps": spec["step"],
-        "method": spec["method"],
-        "original_laplacian_heads": spec["original_laplacian_heads"],
-        "laplacian_heads": spec["laplacian_heads"],
-        "select": spec["select"],
-        "metrics": rows,
-    }
+    keys = ("method", "original_laplacian_heads", "laplacian_heads", "select")
+    res = {"steps": spec["step"], **{k: spec[k] for k in keys}, "metrics": rows}
     (out / "retrofit.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     return res
 
@@ -446,14 +432,8 @@ class RetrofitRuns:
             runs.append((base, str(Path(out) / "baseline")))
         for i, (c, o) in enumerate(runs):
             # a baseline that never started (the retrofit run was stopped) starts afresh on --resume
-            super().train(
-                c,
-                o,
-                resume=resume and (i == 0 or Path(o).exists()),  # type: ignore[misc]
-                overwrite=overwrite,
-                reevaluate=reevaluate,
-            )
-        # rank 0 writes retrofit.json
+            resume_this = resume and (i == 0 or Path(o).exists())
+            super().train(c, o, resume=resume_this, overwrite=overwrite, reevaluate=reevaluate)  # type: ignore[misc]
         return summarize(out, self.summary_keys) if int(os.environ.get("RANK", "0")) == 0 else {}
 
     def final_result(self, out: str | Path) -> dict:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from ..data.jsonl import iter_jsonl
 from ..data.text import is_validation_document
@@ -183,10 +184,9 @@ def _render_all(
     out = []
     for n, msgs in convs:
         try:
-            ids, mask = render_chat(tokenizer, msgs, max_tokens=max_tokens)
+            out.append(render_chat(tokenizer, msgs, max_tokens=max_tokens))
         except DataError as e:
             raise DataError(f"{where}:{n}: {e}") from None
-        out.append((ids, mask))
     return out
 
 
@@ -205,16 +205,12 @@ def _targets(ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
 
 def collate_padded(convs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """One conversation per row, right-padded; returns input_ids, attention_mask, labels."""
-    pairs = [_targets(ids, m) for ids, m in convs]
-    T = max(len(x) for x, _ in pairs)
-    x = torch.full((len(pairs), T), pad_id, dtype=torch.long)
-    y = torch.full((len(pairs), T), -100, dtype=torch.long)
-    am = torch.zeros((len(pairs), T), dtype=torch.long)
-    for i, (xi, yi) in enumerate(pairs):
-        x[i, : len(xi)] = torch.tensor(xi)
-        y[i, : len(yi)] = torch.tensor(yi)
-        am[i, : len(xi)] = 1
-    return {"input_ids": x, "attention_mask": am, "labels": y}
+    xs, ys = zip(*[[torch.tensor(t, dtype=torch.long) for t in _targets(ids, m)] for ids, m in convs])
+    return {
+        "input_ids": pad_sequence(xs, batch_first=True, padding_value=pad_id),
+        "attention_mask": pad_sequence([torch.ones_like(x) for x in xs], batch_first=True),
+        "labels": pad_sequence(ys, batch_first=True, padding_value=-100),
+    }
 
 
 def collate_packed(
@@ -277,12 +273,10 @@ class SFTTask(TextTask):
         self.val_set: list[tuple[list[int], list[int]]] = []
         for where, convs in raw:
             rendered = _render_all(self.tokenizer, where, convs, row)
-            if d.val:
-                train = rendered
-            else:
-                train = [c for i, c in enumerate(rendered) if not is_validation_document(i, d.val_fraction)]
-                self.val_set += [c for i, c in enumerate(rendered) if is_validation_document(i, d.val_fraction)]
-            train = [c for c in train if any(c[1][1:])]  # nothing to learn without assistant tokens
+            held = [not d.val and is_validation_document(i, d.val_fraction) for i in range(len(rendered))]
+            self.val_set += [c for c, h in zip(rendered, held) if h]
+            # nothing to learn without assistant tokens
+            train = [c for c, h in zip(rendered, held) if not h and any(c[1][1:])]
             if not train:
                 raise DataError(
                     f"{where}: no training conversation with assistant tokens within data.seq_len="

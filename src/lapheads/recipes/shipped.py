@@ -34,24 +34,20 @@ class ShippedConfig:
     description: str
 
 
-def _describe(path: Path) -> tuple[Optional[str], str]:
-    """(the ``recipe:`` key or None, the first comment line) read from the text, without a YAML parser."""
-    recipe, first = None, ""
+def _describe(path: Path) -> ShippedConfig:
+    """The config in ``path``: its ``recipe:`` key and first comment line read from the text, without a YAML parser."""
+    recipe, first = "", ""
     for line in path.read_text(encoding="utf-8").splitlines():
         if not first and line.startswith("#"):
             first = line.lstrip("#").strip()
         if line.startswith("recipe:"):
-            recipe = line.split(":", 1)[1].split("#", 1)[0].strip().strip("'\"") or None
-    return recipe, first
+            recipe = line.split(":", 1)[1].split("#", 1)[0].strip().strip("'\"")
+    return ShippedConfig(f"{path.parent.name}/{path.stem}", recipe or path.parent.name, path, first)
 
 
 def shipped_configs() -> list[ShippedConfig]:
     """Every shipped config, sorted by name."""
-    out = []
-    for path in sorted(CONFIG_DIR.glob("*/*.yaml")):
-        recipe, first = _describe(path)
-        out.append(ShippedConfig(f"{path.parent.name}/{path.stem}", recipe or path.parent.name, path, first))
-    return out
+    return [_describe(path) for path in sorted(CONFIG_DIR.glob("*/*.yaml"))]
 
 
 def _is_path(spec: str) -> bool:
@@ -82,9 +78,7 @@ def resolve_any(spec: str, recipe: Optional[str] = None) -> str:
     Raises:
         ConfigError: no shipped config has that name, or several do (the message lists them).
     """
-    if recipe is not None:
-        return resolve_config(recipe, spec) or spec
-    return spec if _is_path(spec) else _shipped(spec, None)
+    return spec if _is_path(spec) else _shipped(spec, recipe)
 
 
 def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
@@ -95,6 +89,5 @@ def resolve_config(recipe: str, spec: Optional[str]) -> Optional[str]:
         ConfigError: ``spec`` is neither a file nor a shipped config of ``recipe`` (the message
             lists that recipe's shipped configs).
     """
-    if spec is None or _is_path(spec):
-        return spec  # a path (a missing one is reported by the YAML reader, naming the file)
-    return _shipped(spec, recipe)
+    # a path as given: a missing one is reported by the YAML reader, naming the file
+    return spec if spec is None or _is_path(spec) else _shipped(spec, recipe)
