@@ -1,7 +1,4 @@
-"""Crash-safe, verifiable checkpoints that cannot run code.
-
-Design notes: docs/design/engine.md (Checkpoints).
-"""
+"""Crash-safe, verifiable checkpoints that cannot run code (design notes: docs/design/engine.md, Checkpoints)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Typed configs: pydantic models filled from YAML files and ``--set key=value`` overrides.
-
-Design notes: docs/design/engine.md (Configs).
-"""
+Design notes: docs/design/engine.md (Configs)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """One-line messages for config validation errors: the full dotted key, the value, what is allowed.
-
-Used by :mod:`lapheads.engine.config`; design notes: docs/design/engine.md (Configs).
-"""
+Used by :mod:`lapheads.engine.config`; design notes: docs/design/engine.md (Configs)."""
 
 from __future__ import annotations
 
@@ -164,6 +162,15 @@ def _dotted(keys: str, loc: Iterable[Any]) -> str:
     return out.rstrip(".")
 
 
+_MUST = {  # pydantic error type (or its first word) -> what the value must be
+    "bool": "must be true or false",
+    "int": "must be an integer",
+    "float": "must be a number",
+    "finite_number": _NOT_FINITE,
+    "string_type": "must be a string",
+    **dict.fromkeys(["dict_type", "mapping_type"], "must be a mapping"),
+    **dict.fromkeys(["list_type", "tuple_type", "iterable_type"], "must be a list"),
+}
 _NAME_TAIL = re.compile(r"(?=[=.\[ ]|$)")
 
 
@@ -227,26 +234,14 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
             body = f"{where}={value!r} must have at least {ctx.get('min_length')} item(s)"
         else:
             body = f"{where}={value!r} must have at most {ctx.get('max_length')} item(s)"
-    elif kind.startswith("bool"):
-        body = f"{where}={shown} must be true or false"
-    elif kind.startswith("int"):
-        body = f"{where}={shown} must be an integer"
-    elif kind.startswith("float"):
-        body = f"{where}={shown} must be a number"
-    elif kind == "finite_number":
-        body = f"{where}={shown} {_NOT_FINITE}"
-    elif kind == "string_type":
-        body = f"{where}={shown} must be a string"
+    elif must := _MUST.get(kind) or _MUST.get(kind.partition("_")[0]):  # also bool_parsing, int_from_float, ...
+        body = f"{where}={shown} {must}"
     elif kind == "literal_error":
         allowed = list(typing.get_args(base)) if typing.get_origin(base) is typing.Literal else ctx.get("expected")
         body = f"{where}={shown} is not allowed; expected one of {allowed}"
     elif kind in ("model_type", "model_attributes_type", "dataclass_type", "dataclass_exact_type"):
         name = getattr(base, "__name__", None) or ctx.get("class_name", "the section's")
         body = f"{where} must be a mapping of {name} fields, got {value!r}"
-    elif kind in ("dict_type", "mapping_type"):
-        body = f"{where}={shown} must be a mapping"
-    elif kind in ("list_type", "tuple_type", "iterable_type"):
-        body = f"{where}={shown} must be a list"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or {
             k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx

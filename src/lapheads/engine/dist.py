@@ -1,7 +1,5 @@
 """Process-group helpers for torchrun and SLURM (DDP / FSDP2): gloo on CPU, nccl on GPU.
-
-Design notes: docs/design/engine.md (Multi-GPU).
-"""
+Design notes: docs/design/engine.md (Multi-GPU)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """FSDP2 for the engine (``train.parallel: fsdp``): sharding, Muon on shards, sharded checkpoints.
-
-Design notes: docs/design/engine.md (Multi-GPU).
-"""
+Design notes: docs/design/engine.md (Multi-GPU)."""
 
 from __future__ import annotations
 

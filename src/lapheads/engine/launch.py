@@ -1,7 +1,5 @@
 """Launch a training run on the engine (``lapheads train <recipe>``), and describe an interrupted one.
-
-Design notes: docs/design/engine.md (Launching a run).
-"""
+Design notes: docs/design/engine.md (Launching a run)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Stopping a run cleanly at a step boundary on SIGINT, SIGTERM and SLURM's SIGUSR1.
-
-Design notes: docs/design/engine.md (Signals).
-"""
+Design notes: docs/design/engine.md (Signals)."""
 
 from __future__ import annotations
 

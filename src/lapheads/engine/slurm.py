@@ -1,7 +1,5 @@
 """``--launcher slurm``: ``lapheads train`` and ``lapheads sweep`` on a SLURM cluster, through submitit.
-
-Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM).
-"""
+Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM)."""
 
 from __future__ import annotations
 

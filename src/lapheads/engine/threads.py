@@ -1,7 +1,4 @@
-"""How many CPU threads torch uses in a lapheads process.
-
-Design notes: docs/design/engine.md (Threads).
-"""
+"""How many CPU threads torch uses in a lapheads process (design notes: docs/design/engine.md, Threads)."""
 
 from __future__ import annotations
 

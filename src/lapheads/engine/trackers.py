@@ -1,7 +1,5 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow behind one small interface.
-
-Design notes: docs/design/engine.md (Trackers).
-"""
+Design notes: docs/design/engine.md (Trackers)."""
 
 from __future__ import annotations
 
@@ -81,24 +79,27 @@ def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", track
             )
     if "mlflow" in names:
         _check_mlflow_store(mlflow_tracking_uri)
-    if "wandb" in names and (tracker_dir or os.environ.get("WANDB_DIR")):
-        key = "train.tracker_dir" if tracker_dir else "WANDB_DIR"
-        _check_writable(tracker_dir or os.environ["WANDB_DIR"], key)
-
-
-def _mlflow_uri(configured: str) -> tuple[str, str]:
-    """``(tracking URI, where it comes from)``: ``configured``, else MLflow's own choice."""
-    if configured:
-        return configured, "train.mlflow_tracking_uri"
-    import mlflow
-
-    source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's default"
-    return mlflow.get_tracking_uri(), source
+    path, key = (tracker_dir, "train.tracker_dir") if tracker_dir else (os.environ.get("WANDB_DIR"), "WANDB_DIR")
+    if "wandb" in names and path:
+        target = Path(path).expanduser().absolute()
+        try:
+            check_out_dir(target, key)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{key}={path}: W&B cannot write its files there ({str(e).removeprefix(f'{key} {target} ')}); set {key} to a writable directory "
+                f"or unset it (then they go to the run directory)"
+            ) from None
 
 
 def _check_mlflow_store(configured: str) -> None:
     """One ConfigError line when the installed MLflow cannot open the store it would log to."""
-    uri, source = _mlflow_uri(configured)
+    if configured:
+        uri, source = configured, "train.mlflow_tracking_uri"
+    else:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+        source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's default"
     scheme = urlparse(uri).scheme.split("+")[0].lower()
     if scheme in _MLFLOW_DATABASES:
         missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
@@ -120,18 +121,6 @@ def _check_mlflow_store(configured: str) -> None:
                 "opt-out) or use a database, e.g. MLflow's default sqlite:///mlflow.db (leave "
                 "train.mlflow_tracking_uri and MLFLOW_TRACKING_URI unset)"
             )
-
-
-def _check_writable(path: str, key: str) -> None:
-    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in."""
-    target = Path(path).expanduser().absolute()
-    try:
-        check_out_dir(target, key)
-    except ConfigError as e:
-        raise ConfigError(
-            f"{key}={path}: W&B cannot write its files there ({str(e).removeprefix(f'{key} {target} ')}); set {key} to a writable directory "
-            f"or unset it (then they go to the run directory)"
-        ) from None
 
 
 def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:

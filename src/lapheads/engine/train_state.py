@@ -1,7 +1,5 @@
 """What a checkpoint of a training run holds, and how the trainer saves, restores and exports it.
-
-Design notes: docs/design/engine.md (Checkpoints).
-"""
+Design notes: docs/design/engine.md (Checkpoints)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The one training loop every recipe runs on: :class:`Trainer` and its :class:`TrainConfig`.
-
-Design notes: docs/design/engine.md (The training loop).
-"""
+Design notes: docs/design/engine.md (The training loop)."""
 
 from __future__ import annotations
 
