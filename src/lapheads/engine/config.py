@@ -49,11 +49,11 @@ _RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules 
 
 
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping which repeats a key, naming its full path and both lines.
-
-    Merge keys (``<<: *defaults``), YAML's explicit way to override, stay allowed."""
+    """``yaml.SafeLoader`` that refuses a mapping which repeats a key: a ConfigError naming its full path and
+    both lines. Merge keys (``<<: *defaults``), YAML's explicit way to override, stay allowed."""
 
     key_prefix = ""  # dotted path of the document inside a larger config (a ``--set`` value)
+    source = "YAML"  # what the text is, for messages
 
     def get_single_data(self) -> Any:
         node = self.get_single_node()
@@ -82,25 +82,15 @@ class StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key; construct_mapping reports it
                     earlier = key_node
                 if earlier is not key_node:
-                    raise DuplicateKeyError(name, earlier.start_mark, key_node.start_mark)
+                    a, b = earlier.start_mark, key_node.start_mark
+                    where = f"line {a.line + 1}, columns {a.column + 1} and {b.column + 1}"
+                    if a.line != b.line:
+                        where = f"lines {a.line + 1} and {b.line + 1}"
+                    raise ConfigError(
+                        f"{self.source}: key {name!r} is given twice ({where}); remove one of them "
+                        "(YAML would silently keep the last)"
+                    )
                 self._check_duplicates(value_node, name, seen_nodes)
-
-
-class DuplicateKeyError(yaml.constructor.ConstructorError):
-    """A YAML mapping gives the same key twice (raised by :class:`StrictLoader`)."""
-
-    def __init__(self, key: str, first: yaml.Mark, second: yaml.Mark):
-        self.key, self.first_line, self.second_line = key, first.line + 1, second.line + 1
-        where = (
-            f"lines {self.first_line} and {self.second_line}"
-            if self.first_line != self.second_line
-            else f"line {self.first_line}, columns {first.column + 1} and {second.column + 1}"
-        )
-        self.description = f"key {key!r} is given twice ({where})"
-        super().__init__(None, None, self.description, second)
-
-    def __str__(self) -> str:
-        return self.description
 
 
 def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
@@ -112,13 +102,11 @@ def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
     Raises:
         ConfigError: not valid YAML, or a mapping repeats a key."""
     loader = StrictLoader(text)
-    loader.key_prefix = key_prefix
+    loader.key_prefix, loader.source = key_prefix, source
     try:
         return loader.get_single_data()
-    except DuplicateKeyError as e:
-        raise ConfigError(
-            f"{source}: {e.description}; remove one of them (YAML would silently keep the last)"
-        ) from None
+    except ConfigError:  # a repeated key
+        raise
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
     except ValueError as e:  # int() of a scalar beyond Python's digit limit, e.g. a 5000-digit seed

@@ -103,13 +103,27 @@ def agree(info: DistInfo, outcome: Any) -> Any:
     return outcome
 
 
+def initialized() -> bool:
+    """Whether this process is in a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over the ranks (one all-reduce; ``value`` itself without a process group)."""
+    if not initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.barrier()
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if initialized() and dist.get_world_size() > 1:
         t = t.detach().clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()
@@ -117,5 +131,5 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def cleanup() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.destroy_process_group()

@@ -14,16 +14,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from . import dist as D
 
 __all__ = [
     "shard_model",
     "transformer_blocks",
     "enable_activation_checkpointing",
-    "is_sharded",
     "ShardedMuon",
     "muon_class",
     "plain_norm",
-    "nonfinite_anywhere",
     "full_state_dict",
     "meta_copy",
     "materialize",
@@ -94,11 +93,6 @@ def _is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether the model's parameters are DTensor shards (``fully_shard`` was applied)."""
-    return any(_is_dtensor(p) for p in model.parameters())
-
-
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
 
@@ -146,15 +140,6 @@ def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
     return cast(Any, norm).full_tensor() if _is_dtensor(norm) else norm
-
-
-def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
-    """Whether any rank saw a non-finite value in its shards (one all-reduce; every rank agrees)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return local_bad
-    flag = torch.tensor([int(local_bad)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -253,14 +238,12 @@ def lockstep(
 
     A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
     ``real=False`` (compute, then discard) while the others go on."""
-    if not sharded or not (dist.is_available() and dist.is_initialized()):
+    if not sharded or not D.initialized():
         for b in batches:
             yield b, True
         return
     items = list(batches)
-    n = torch.tensor([len(items)], dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
     for b in items:
         yield b, True
-    for _ in range(int(n.item()) - len(items)):
+    for _ in range(D.all_max(len(items), device) - len(items)):
         yield fallback(), False

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from .dist import DistInfo
+from .dist import all_max
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -72,10 +71,6 @@ class StopSignals:
             signal.signal(s, previous)
         self._previous = {}
 
-    def requested(self, info: DistInfo, device: torch.device) -> int:
+    def requested(self, device: torch.device) -> int:
         """The signal every rank agrees to stop on (0: none); one small all-reduce under torchrun."""
-        if not info.distributed:
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return all_max(self.signum, device)

@@ -250,17 +250,11 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARGV]) -> exit status``
-
-
 class TrainJob:
-    """What submitit runs (pickled) in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
+    """What submitit runs (pickled) in every task of a job: ``lapheads train RECIPE ARGV`` in this process."""
 
-    ``entry`` names the CLI's ``main`` (``module:function``), imported in the job.
-    """
-
-    def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False, entry: str = CLI_MAIN):
-        self.recipe, self.argv, self.out, self.resume, self.entry = recipe, list(argv), str(out), resume, entry
+    def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False):
+        self.recipe, self.argv, self.out, self.resume = recipe, list(argv), str(out), resume
 
     def command(self) -> list[str]:
         """The argv of this attempt: a requeued one drops ``--overwrite`` and resumes the run if it started."""
@@ -273,8 +267,7 @@ class TrainJob:
         return ["train", self.recipe, *argv]
 
     def __call__(self) -> int:
-        module, _, name = self.entry.partition(":")
-        main = getattr(importlib.import_module(module), name)
+        main = importlib.import_module("lapheads.cli").main  # imported by name: the CLI sits above the engine
         submitit = _submitit()
         job = submitit.JobEnvironment()
         env_from_slurm(job, apply=True)
@@ -311,7 +304,7 @@ class TrainJob:
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's preemption hook: the same run again, resumed from its newest checkpoint."""
         submitit = _submitit()
-        return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True, self.entry))
+        return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True))
 
     def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
         """Append this attempt to ``RUN_DIR/slurm.json`` once the directory holds a run."""

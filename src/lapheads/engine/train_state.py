@@ -9,7 +9,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -118,18 +118,6 @@ class Checkpointer:
             files["extra.safetensors"] = extra
         return files
 
-    def files(self, step: int, skipped: int) -> dict[str, Any]:
-        """The files of a single-file checkpoint (name -> content)."""
-        return {
-            **self._tensor_files(),
-            "state.pt": {
-                "step": step,
-                "skipped": skipped,
-                "optimizers": [o.state_dict() for o in self.optims],
-                "rng": self._gather_rngs(),  # every rank takes part
-            },
-        }
-
     def _refuse_nonfinite(self, step: int, name: Optional[str]) -> None:
         ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
         raise NonFiniteError(
@@ -142,10 +130,12 @@ class Checkpointer:
         if self.fsdp:
             self._save_sharded(step, skipped)
             return
-        files = self.files(step, skipped)
-        for name, t in files["model.safetensors"].items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                self._refuse_nonfinite(step, name)
+        optimizers = [o.state_dict() for o in self.optims]
+        state = {"step": step, "skipped": skipped, "optimizers": optimizers, "rng": self._gather_rngs()}
+        files = {**self._tensor_files(), "state.pt": state}
+        bad = self._local_nonfinite()  # the weights are the same on every rank
+        if bad is not None:
+            self._refuse_nonfinite(step, bad)
         if self.info.is_main:
             write_checkpoint(
                 self.run.ckpt_dir,
@@ -169,7 +159,7 @@ class Checkpointer:
     def _save_sharded(self, step: int, skipped: int) -> None:
         """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
         bad = self._local_nonfinite()
-        if F.nonfinite_anywhere(bad is not None, self.device):  # every rank stops, none writes
+        if D.all_max(bad is not None, self.device):  # every rank stops, none writes
             self._refuse_nonfinite(step, bad or "(on another rank)")
         rngs = self._gather_rngs()
         extra = self.task.extra_state()
@@ -288,22 +278,12 @@ class Checkpointer:
             )
         return 0, 0
 
-    def _export_model(self) -> Optional[nn.Module]:
-        """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
-        if not self.sharded:
-            return self.model if self.info.is_main else None
-        state = F.full_state_dict(self.model)  # collective: every rank takes part
-        if not self.info.is_main:
-            return None
-        assert self.export_skeleton is not None
-        return F.materialize(self.export_skeleton, state)
-
     def export_final(self, step: int, metrics: dict[str, Any]) -> None:
         """Write ``final/`` (every rank calls this; rank 0 writes): weights, EMA weights, ``model.json``,
         ``metrics.json`` and the task's files."""
-        model = self._export_model()
+        full = F.full_state_dict(self.model) if self.sharded else None  # collective: every rank takes part
         if self.info.is_main:
-            assert model is not None
+            model = self.model if full is None else F.materialize(cast(nn.Module, self.export_skeleton), full)
             ema = self.ema.module if self.ema is not None else None
             final = self.run.final_dir
             tmp = final.with_name(".final.tmp")

@@ -243,7 +243,7 @@ class Trainer:
         self.skipped = 0
         self._restored = False
         self._tb: Any = None  # the trackers of train.trackers (engine.trackers), started by the first _log
-        self._tb_purge_step: Optional[int] = None  # on resume: the checkpoint's step + 1 (see _trim_logs)
+        self._resumed_at: Optional[int] = None  # the checkpoint's step on resume
         if self.info.is_main:
             check_trackers(  # a missing package, a store MLflow cannot open: one line, now
                 [t for t in cfg.trackers if t != "tensorboard"],
@@ -274,31 +274,13 @@ class Trainer:
         rec = {k: _to_float(v) for k, v in record.items()}
         with open(self.run.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
-        self._start_trackers()
-        self._tb.log(rec)
-
-    def _start_trackers(self) -> None:
-        """Open the trackers once (rank 0); on resume they continue their runs and TensorBoard purges later events."""
-        if self._tb is None:
+        if self._tb is None:  # on resume the trackers continue their runs and TensorBoard purges later events
             cfg = self.cfg
-            self._tb = build_trackers(
-                cfg.trackers,
-                self.run.path,
-                {
-                    "project": cfg.tracker_project,
-                    "run_name": cfg.tracker_run_name,
-                    "dir": cfg.tracker_dir,
-                    "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
-                },
-                self.task.tables(),
-            )
-            self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
-
-    def _trim_logs(self, step: int) -> None:
-        """On resume, drop what a killed attempt logged after the checkpoint."""
-        if self.info.is_main:
-            self.run.trim_step_logs(step)
-        self._tb_purge_step = step + 1
+            options = {"project": cfg.tracker_project, "run_name": cfg.tracker_run_name, "dir": cfg.tracker_dir}
+            options["mlflow_tracking_uri"] = cfg.mlflow_tracking_uri
+            self._tb = build_trackers(cfg.trackers, self.run.path, options, self.task.tables())
+            self._tb.start(self._resumed_at)
+        self._tb.log(rec)
 
     def _first_nonfinite_grad(self) -> str:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -338,7 +320,9 @@ class Trainer:
         else:
             if not self._restored:
                 self.restore()
-            self._trim_logs(self.step)
+            if self.info.is_main:  # drop what a killed attempt logged after the checkpoint
+                self.run.trim_step_logs(self.step)
+            self._resumed_at = self.step
         params = [p for p in self.model.parameters() if p.requires_grad]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else contextlib.nullcontext()
         # disable=None: tqdm draws only when stderr is a terminal (no bars in logs and pipes)
@@ -357,7 +341,7 @@ class Trainer:
         stopped = resume and self._plateau_reached()  # a resumed run that had already stopped
         space_checked = False
         while self.step < self.total and not stopped:
-            signum = self.signals.requested(self.info, self.device)  # at a step boundary, never mid-step
+            signum = self.signals.requested(self.device)  # at a step boundary, never mid-step
             if signum:
                 bar.close()
                 raise self._interrupted(signum)
@@ -467,7 +451,7 @@ class Trainer:
             last_eval = self._evaluate()
         self.save_checkpoint()
         self.checkpoints.export_final(self.step, {k: _to_float(v) for k, v in last_eval.items()})
-        signum = self.signals.requested(self.info, self.device)
+        signum = self.signals.requested(self.device)
         if signum:  # the signal came during the final evaluation / export, which completed
             raise self._interrupted(signum, finished=True)
         return last_eval
