@@ -14,15 +14,6 @@ from typing import Any, Iterator
 
 from .errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
 
-__all__ = [
-    "check_out_dir",
-    "check_out_file",
-    "removed_on_failure",
-    "atomic_write",
-    "write_json",
-    "read_json",
-    "fsync_dir",
-]
 _RAISE: Any = object()  # read_json: a missing file is an error
 
 

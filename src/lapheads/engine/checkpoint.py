@@ -267,15 +267,12 @@ def _fsync_tree(root: Path) -> None:
             _fsync_dir(p)
 
 
-def commit_checkpoint(
-    ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None, run_id: Optional[str] = None
-) -> Path:
+def commit_checkpoint(ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, run_id: Optional[str] = None) -> Path:
     """Publish a complete temporary checkpoint directory: ``state.json`` (sizes, SHA-256 sums, ``run_id``),
     fsync, rename to ``step_X``, then move ``latest``; older checkpoints beyond ``keep`` are removed."""
     ckpt_dir = Path(ckpt_dir)
-    info = {"step": step, "time": time.time(), **(summary or {}), "run_id": run_id, "files": file_checksums(tmp)}
-    with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
-        f.write(json.dumps(info, indent=1, default=float))
+    info = {"step": step, "time": time.time(), "run_id": run_id, "files": file_checksums(tmp)}
+    (tmp / STATE_JSON).write_text(json.dumps(info, indent=1), encoding="utf-8")
     _fsync_tree(tmp)
     _fsync_dir(tmp)
     name = f"step_{step:08d}"
@@ -300,7 +297,6 @@ def write_checkpoint(
     step: int,
     files: Mapping[str, Any],
     keep: int = 2,
-    summary: Optional[dict] = None,
     run_id: Optional[str] = None,
     protect: Optional[str] = None,
 ) -> Path:
@@ -324,7 +320,7 @@ def write_checkpoint(
     with removed_on_failure(tmp, ckpt_dir, what, needed):
         tmp = begin_checkpoint(ckpt_dir, step)
         write_files(tmp, files)
-        return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary, run_id=run_id)
+        return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, run_id=run_id)
 
 
 def _check_safetensors_structure(path: Path) -> Optional[str]:

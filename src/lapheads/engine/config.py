@@ -220,8 +220,7 @@ def _dataclass_wrapper(cls: type) -> type[BaseModel]:
 
 
 def _parse_hooks(obj: Any, keys: str) -> None:
-    """Plain-dataclass configs: a field whose metadata has ``"parse"`` (``(value, key) -> value``) is
-    checked by it, with its full key."""
+    """Plain-dataclass configs: check each field whose metadata has ``"parse"`` (``(value, key) -> value``)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         parse = f.metadata.get("parse")
@@ -247,7 +246,7 @@ def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "",
     context = {_RUN_RULES: run_rules}
     try:
         if _is_model(cls):
-            return cls.model_validate(data, context=context)  # type: ignore[attr-defined]
+            return cls.model_validate(data, context=context)  # type: ignore[return-value]
         wrapper: Any = _dataclass_wrapper(cls)  # type: ignore[arg-type]
         obj = wrapper.model_validate({"value": data}, context=context).value
     except ValidationError as e:
@@ -422,11 +421,6 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _section(tp: Any) -> Optional[type[BaseModel]]:
-    base, _ = _unwrap(tp)
-    return base if _is_model(base) and base is tp else None
-
-
 def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> None:
     for name, f in cls.model_fields.items():
         key = prefix + name
@@ -435,9 +429,9 @@ def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> N
             if current is not None
             else (f.get_default(call_default_factory=True) if not f.is_required() else dataclasses.MISSING)
         )
-        section = _section(f.annotation)
+        section = f.annotation
         desc = _cell(f.description or "")
-        if section is not None:
+        if _is_model(section):
             rows.append(f"| `{key}` | section | | | {desc} |")
             _rows(section, value if isinstance(value, section) else None, key + ".", rows)
             continue
@@ -496,9 +490,6 @@ def number_arg(
 
 def flatten_config(d: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a nested config as dotted keys."""
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flatten_config(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): d}
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    return {key: v for k, sub in d.items() for key, v in flatten_config(sub, f"{prefix}{k}.").items()}

@@ -9,7 +9,7 @@ import operator
 import re
 import types
 import typing
-from typing import Annotated, Any, Iterable, Optional
+from typing import Annotated, Any, Iterable, Optional, TypeGuard
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -41,7 +41,7 @@ def _unwrap(tp: Any) -> tuple[Any, list]:
             return tp, meta
 
 
-def _is_model(tp: Any) -> bool:
+def _is_model(tp: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
@@ -203,22 +203,13 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
         return len(args) if typing.get_origin(b) is tuple and args and args[-1] is not Ellipsis else None
 
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        parent = _dotted(keys, loc[:-1])
-        hints = [
-            keys
-            + k
-            + (
-                f" (under {k.rpartition('.')[0] or 'the top level'}, not {parent or 'the top level'})"
-                if k.endswith(f".{loc[-1]}")
-                else ""
-            )
-            for k in suggest_keys(root, _dotted("", loc))
-        ]
-        meant = f"did you mean {' or '.join(hints)}? " if hints else ""  # the closest keys first
-        body = (
-            f"unknown config key {where}; {meant}allowed keys under {parent or 'the top level'}: "
-            f"{_field_names(steps[-2][0])}"
-        )
+        parent = _dotted(keys, loc[:-1]) or "the top level"
+        hints = []
+        for k in suggest_keys(root, _dotted("", loc)):  # the closest keys first
+            moved = f" (under {k.rpartition('.')[0] or 'the top level'}, not {parent})"  # same name, other section
+            hints.append(keys + k + (moved if k.endswith(f".{loc[-1]}") else ""))
+        meant = f"did you mean {' or '.join(hints)}? " if hints else ""
+        body = f"unknown config key {where}; {meant}allowed keys under {parent}: {_field_names(steps[-2][0])}"
     elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
         n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None
         body = (

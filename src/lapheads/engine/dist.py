@@ -32,13 +32,9 @@ class DistInfo:
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(requested)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local_rank)
-    return dev
+    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
 
 
 def env_from_slurm(job: Any = None, apply: bool = False) -> dict[str, str]:

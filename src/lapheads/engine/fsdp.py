@@ -16,24 +16,6 @@ from torch import nn
 from ..errors import CheckpointError, ConfigError
 from . import dist as D
 
-__all__ = [
-    "shard_model",
-    "transformer_blocks",
-    "enable_activation_checkpointing",
-    "ShardedMuon",
-    "muon_class",
-    "plain_norm",
-    "full_state_dict",
-    "meta_copy",
-    "materialize",
-    "save_sharded",
-    "load_sharded",
-    "is_sharded_checkpoint",
-    "consolidate",
-    "lockstep",
-    "DCP_DIR",
-]
-
 # torch.distributed's FSDP, DTensor and DCP modules take ~1 s to import: the functions import them when called.
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the DCP files (model + optimizer shards)
 

@@ -203,20 +203,15 @@ class RunLock:
             "command": shlex.join(sys.argv),
         }
         record = (json.dumps(info) + "\n").encode()
+        lock = cls(path, fd, created)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, record, 0)
         except OSError as e:  # a full disk: give the lock back, leave nothing behind, say so in one line
-            with contextlib.suppress(OSError):
-                os.unlink(lock_file)
-            os.close(fd)
-            for d in reversed(created):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+            lock.release()
             if is_disk_full(e):
                 raise DiskFullError(path, len(record), what=f"the writer lock {lock_file}") from None
             raise
-        lock = cls(path, fd, created)
         cls._held[key] = lock
         return lock
 

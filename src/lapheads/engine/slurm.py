@@ -206,8 +206,7 @@ def check_controller() -> None:
 
 @contextlib.contextmanager
 def _submission(folder: Path) -> Iterator[None]:
-    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line quoting it, and
-    the files submitit wrote for it removed (submitit's own print of sbatch's stderr is swallowed)."""
+    """The block that submits: a refusal of sbatch is one :class:`SubmissionFailed` line, its files removed."""
     try:
         with removed_on_failure(folder), contextlib.redirect_stderr(io.StringIO()):
             yield
@@ -311,31 +310,24 @@ class TrainJob:
         run = RunDir(self.out)
         if not run.exists():
             return
-        paths = job.paths
+        attempt = {
+            "event": event,
+            "time": _now(),
+            "job_id": job.job_id,
+            "array_job_id": job.array_job_id,
+            "array_task_id": job.array_task_id,
+            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "nodes": list(job.hostnames),
+            "num_tasks": job.num_tasks,
+            "stdout": str(job.paths.stdout),
+            "stderr": str(job.paths.stderr),
+            "argv": ["lapheads", *argv],
+        }
         try:
             data = run.read_json(RUN_RECORD, "the SLURM attempts of the run", missing={"attempts": []})
-        except LapheadsError as e:  # a record must never fail the run
-            print(f"[slurm] {e}; not recording this attempt", file=sys.stderr)
-            return
-        data["attempts"].append(
-            {
-                "event": event,
-                "time": _now(),
-                "job_id": job.job_id,
-                "array_job_id": job.array_job_id,
-                "array_task_id": job.array_task_id,
-                "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                "nodes": list(job.hostnames),
-                "num_tasks": job.num_tasks,
-                "stdout": str(paths.stdout),
-                "stderr": str(paths.stderr),
-                "argv": ["lapheads", *argv],
-            }
-        )
-        try:
-            run.write_json(RUN_RECORD, data)
+            run.write_json(RUN_RECORD, {**data, "attempts": [*data["attempts"], attempt]})
         except (OSError, LapheadsError) as e:  # a record must never fail the run
-            print(f"[slurm] could not write {run.path / RUN_RECORD}: {e}", file=sys.stderr)
+            print(f"[slurm] not recording this attempt in {run.path / RUN_RECORD}: {e}", file=sys.stderr)
 
 
 class JobFailed(RuntimeError):
@@ -459,7 +451,7 @@ def submit_train(
 class SweepJobs:
     """``SWEEP/slurm/jobs.json``: each point's current job and every earlier submission."""
 
-    def __init__(self, out: Path, folder: Optional[Path] = None):
+    def __init__(self, out: Path, folder: Optional[str | Path] = None):
         self.out = Path(out)
         self.folder = Path(folder) if folder else self.out / "slurm"
         self.path = self.out / "slurm" / JOBS_FILE
@@ -493,9 +485,8 @@ def submit_sweep(
         RunFailed: some points did not finish (the first one's last log line and log named).
         SubmissionFailed: sbatch refused the array job (its message; no file of the submission is left).
     """
-    records = SweepJobs(out, Path(folder) if folder else None)
-    queue = queue_states()
-    still = records.queued(queue)
+    records = SweepJobs(out, folder)
+    still = records.queued(queue_states())
     submit = [t for t in todo if t[0].name not in still]
     for path, _, _ in todo:
         if path.name in still and not quiet:
@@ -532,8 +523,7 @@ def submit_sweep(
     names = [path.name for path, _, _ in todo]
     seen: dict[str, str] = {}
     while True:
-        queue = queue_states()
-        live = {n: s for n, s in records.queued(queue).items() if n in names}
+        live = {n: s for n, s in records.queued(queue_states()).items() if n in names}
         if not quiet:
             for n in names:
                 now = "done" if RunDir(out / n).state() == "done" else live.get(n, "ended").lower()
@@ -606,21 +596,3 @@ def print_status(out: Path, names: Sequence[str]) -> int:
                 print(f"{'':<{width}}  | {line}")
     print(", ".join(f"{v} {k}" for k, v in collections.Counter(r["state"] for r in rows).items()))
     return 0
-
-
-__all__ = [
-    "LauncherConfig",
-    "TrainJob",
-    "JobFailed",
-    "SubmissionFailed",
-    "check_controller",
-    "add_launcher_args",
-    "launcher_config",
-    "split_launcher_argv",
-    "make_executor",
-    "submit_train",
-    "submit_sweep",
-    "sweep_status",
-    "print_status",
-    "queue_states",
-]

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["available_cpus", "busy_fraction", "busy_cpus", "choose_threads", "configure_threads"]
+__all__ = ["available_cpus", "busy_fraction", "choose_threads", "configure_threads"]
 
 
 def available_cpus() -> int:
@@ -59,11 +59,6 @@ def busy_fraction(window_s: float = 0.15) -> float:
         return 0.0
 
 
-def busy_cpus(window_s: float = 0.15) -> float:
-    """Of the cores this process may use, how many other processes keep busy (an estimate)."""
-    return available_cpus() * busy_fraction(window_s)
-
-
 def choose_threads(requested: int = 0, *, local_world_size: Optional[int] = None) -> tuple[int, str]:
     """``(threads, reason)``: the intra-op thread count for this process and a short phrase why.
 
@@ -84,7 +79,7 @@ def choose_threads(requested: int = 0, *, local_world_size: Optional[int] = None
     procs = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     cpus = available_cpus()
     share = max(1, cpus // max(1, procs))
-    free = max(0.0, cpus - busy_cpus())
+    free = max(0.0, cpus - cpus * busy_fraction())
     # round half up: a core that is half busy still gives a thread most of a core
     threads = max(1, min(share, math.floor(free / max(1, procs) + 0.5)))
     return threads, f"auto: {cpus} cores, {cpus - free:.1f} busy, {procs} process(es)"

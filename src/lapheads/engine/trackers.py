@@ -18,21 +18,6 @@ from urllib.parse import urlparse
 from ..errors import ConfigError, LapheadsError
 from ..outputs import check_out_dir, read_json, write_json
 
-__all__ = [
-    "TRACKERS",
-    "Tracker",
-    "TensorBoardTracker",
-    "WandbTracker",
-    "MlflowTracker",
-    "build_trackers",
-    "check_trackers",
-    "TrackerGroup",
-    "STATE_FILE",
-    "Table",
-    "WANDB_DEFAULTS",
-    "log_final",
-]
-
 #: tracker name -> (python module it needs, pip package, extra that installs it)
 TRACKERS: dict[str, tuple[str, str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard", "train"),
@@ -60,13 +45,9 @@ class Table(NamedTuple):
 
 
 def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
-    """Raise one ConfigError line when a chosen tracker could not log: its package is missing (naming
-    the package and the extra), MLflow cannot open its store, or W&B's directory cannot be written.
-
-    Args:
-        names: the trackers to check (callers leave ``tensorboard`` out: tolerated missing).
-        mlflow_tracking_uri: ``train.mlflow_tracking_uri``.
-        tracker_dir: ``train.tracker_dir``."""
+    """Raise one ConfigError line when a tracker of ``names`` (callers leave out ``tensorboard``, which may be
+    missing) could not log: its package is missing (naming the package and the extra), MLflow cannot open its
+    store (``train.mlflow_tracking_uri``), or W&B's directory (``train.tracker_dir``) cannot be written."""
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"train.trackers: unknown tracker {name!r}; expected some of {sorted(TRACKERS)}")
@@ -176,10 +157,7 @@ class Tracker:
 
 
 def _after_earlier_event_files(tb_dir: Path) -> None:
-    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
-
-    Event files are read in name order (``events.out.tfevents.<seconds>.<host>.<pid>...``), and two made
-    in the same second compare by pid as text, so the purge marker of a resume could erase the wrong steps."""
+    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one (design notes)."""
     stamps = []
     for f in Path(tb_dir).glob("events.out.tfevents.*"):
         parts = f.name.split(".")

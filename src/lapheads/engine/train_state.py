@@ -9,7 +9,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 import torch
@@ -35,8 +35,9 @@ from .checkpoint import (
     write_checkpoint,
     write_files,
 )
-from .run import RunDir
-from .train_task import TrainTask
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 
 def seed_everything(seed: int) -> None:
@@ -74,31 +75,16 @@ def set_rng_state(st: dict[str, Any], device: torch.device) -> None:
 
 
 class Checkpointer:
-    """Saves, restores and exports the state of one run's trainer.
+    """Saves, restores and exports the state of a :class:`~lapheads.engine.trainer.Trainer`: its model,
+    EMA (``timm.utils.ModelEmaV3``), optimizers and the task's extra state."""
 
-    ``ema`` is the ``timm.utils.ModelEmaV3`` of the weights or None; ``keep`` is
-    ``train.keep_checkpoints``; ``seed`` re-seeds the streams of a checkpoint resumed on another
-    world size; ``fsdp``: checkpoints are DCP shards; ``sharded``: the parameters are FSDP2 shards;
-    ``export_skeleton``: under FSDP on rank 0, a parameter-free copy of the model for ``final/``."""
-
-    def __init__(
-        self,
-        task: TrainTask,
-        run: RunDir,
-        info: D.DistInfo,
-        model: nn.Module,
-        optims: Sequence[torch.optim.Optimizer],
-        ema: Any,
-        keep: int,
-        seed: int,
-        fsdp: bool = False,
-        sharded: bool = False,
-        export_skeleton: Optional[nn.Module] = None,
-    ):
-        self.task, self.run, self.info, self.device = task, run, info, info.device
-        self.model, self.optims, self.ema = model, list(optims), ema
-        self.keep, self.seed, self.fsdp, self.sharded = keep, seed, fsdp, sharded
-        self.export_skeleton = export_skeleton
+    def __init__(self, trainer: Trainer):
+        t, cfg = trainer, trainer.cfg
+        self.task, self.run, self.info, self.device = t.task, t.run, t.info, t.info.device
+        self.model, self.optims, self.ema = t.model, list(t.optims), t.ema
+        self.keep, self.seed = cfg.keep_checkpoints, cfg.seed  # the seed re-seeds a run resumed on another world size
+        self.fsdp, self.sharded = cfg.parallel == "fsdp", t.sharded  # DCP checkpoints; FSDP2 shards
+        self.export_skeleton = t.export_skeleton  # under FSDP on rank 0: a parameter-free copy for final/
         self.last_step: Optional[int] = None  # step of the newest checkpoint written or loaded
 
     def _gather_rngs(self) -> list[Any]:

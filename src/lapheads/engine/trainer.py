@@ -188,13 +188,13 @@ class Trainer:
         )
         self.model = task.model
         self.sharded = False  # FSDP2 applied (parallel: fsdp with more than one process)
-        export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
+        self.export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if cfg.parallel == "fsdp":  # before the optimizers: they must hold the sharded parameters
             blocks = task.fsdp_blocks()  # also checks that the recipe supports FSDP
             if self.info.distributed:
-                export_skeleton = F.meta_copy(self.model) if self.info.is_main else None
+                self.export_skeleton = F.meta_copy(self.model) if self.info.is_main else None
                 F.shard_model(self.model, blocks, self.device, bf16=self.use_bf16, world_size=self.info.world_size)
                 self.sharded = task.sharded = True
         try:
@@ -225,19 +225,7 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=cfg.find_unused_parameters,
             )
-        self.checkpoints = Checkpointer(
-            task,
-            run,
-            self.info,
-            self.model,
-            self.optims,
-            self.ema,
-            keep=cfg.keep_checkpoints,
-            seed=cfg.seed,
-            fsdp=cfg.parallel == "fsdp",
-            sharded=self.sharded,
-            export_skeleton=export_skeleton,
-        )
+        self.checkpoints = Checkpointer(self)
         self.signals = StopSignals()
         self.step = 0
         self.skipped = 0
