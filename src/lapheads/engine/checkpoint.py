@@ -42,9 +42,7 @@ def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[i
         else:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        if isinstance(e, DiskFullError):
-            raise
-        if is_disk_full(e):
+        if is_disk_full(e) and not isinstance(e, DiskFullError):
             raise DiskFullError(directory, needed, what=what) from None
         raise
 

@@ -32,6 +32,7 @@ from ..errors import ConfigError
 from .config_errors import (
     _NOT_FINITE,
     _REFUSED,
+    _bounds,
     _constraints,
     _in_range,
     _is_model,
@@ -383,14 +384,10 @@ def _type_name(tp: Any) -> str:
         name = "any"
     elif origin is typing.Literal:
         name = " | ".join(json.dumps(a) for a in args)
-    elif origin is tuple:
-        name = (
-            f"list of {_type_name(args[0])}"
-            if args and args[-1] is Ellipsis
-            else "[" + ", ".join(_type_name(a) for a in args) + "]"
-        )
-    elif origin is list:
+    elif origin is list or (origin is tuple and args and args[-1] is Ellipsis):
         name = f"list of {_type_name(args[0]) if args else 'any'}"
+    elif origin is tuple:
+        name = "[" + ", ".join(_type_name(a) for a in args) + "]"
     elif origin is dict or base is dict:
         name = "mapping"
     else:
@@ -402,16 +399,13 @@ def _allowed(tp: Any, meta: list) -> str:
     base, inner = _unwrap(tp)
     c = _constraints(meta + inner)
     parts = []
-    bounds = {k: v for k, v in c.items() if k in ("ge", "gt", "le", "lt")}
-    if bounds:
-        parts.append(describe_range(**bounds))
+    if _bounds(c):
+        parts.append(describe_range(**_bounds(c)))
     origin, args = typing.get_origin(base), typing.get_args(base)
     if origin in (tuple, list) and args:
-        items = {k: v for k, v in _constraints(_unwrap(args[0])[1]).items() if k in ("ge", "gt", "le", "lt")}
-        if items and all(
-            _constraints(_unwrap(a)[1]) == _constraints(_unwrap(args[0])[1]) for a in args if a is not Ellipsis
-        ):
-            parts.append(f"items {describe_range(**items)}")
+        first = _constraints(_unwrap(args[0])[1])  # the items' range, when every item has the same
+        if _bounds(first) and all(_constraints(_unwrap(a)[1]) == first for a in args if a is not Ellipsis):
+            parts.append(f"items {describe_range(**_bounds(first))}")
     if "min_length" in c:
         parts.append(f"at least {c['min_length']} item(s)")
     return ", ".join(parts)

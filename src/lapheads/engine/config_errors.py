@@ -60,13 +60,11 @@ def _child(tp: Any, part: Any) -> tuple[Any, list]:
                 return Any, []
         if origin is dict and args:
             return args[1], []
-    elif isinstance(part, int):
-        if origin is tuple and args:
-            if args[-1] is Ellipsis:
-                return args[0], []
-            return (args[part], []) if part < len(args) else (Any, [])
-        if origin is list and args:
+    elif isinstance(part, int) and args:
+        if origin is list or (origin is tuple and args[-1] is Ellipsis):
             return args[0], []
+        if origin is tuple:
+            return (args[part], []) if part < len(args) else (Any, [])
     return Any, []
 
 
@@ -117,6 +115,10 @@ def _constraints(meta: Iterable[Any]) -> dict[str, Any]:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[name] = v
     return out
+
+
+def _bounds(constraints: dict[str, Any]) -> dict[str, Any]:
+    return {k: constraints[k] for k in ("ge", "gt", "le", "lt") if k in constraints}
 
 
 def describe_range(
@@ -212,11 +214,9 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
         body = f"unknown config key {where}; {meant}allowed keys under {parent}: {_field_names(steps[-2][0])}"
     elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
         n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None
-        body = (
-            f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items"
-            if n is not None
-            else f"{where} is required (it has no default)"
-        )
+        body = f"{where} is required (it has no default)"
+        if n is not None:
+            body = f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items"
     elif kind in ("too_long", "too_short"):
         n = fixed_tuple_length(tp)
         if n is not None:
@@ -234,10 +234,7 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
         name = getattr(base, "__name__", None) or ctx.get("class_name", "the section's")
         body = f"{where} must be a mapping of {name} fields, got {value!r}"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or {
-            k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx
-        }
-        body = f"{where}={shown} must be {describe_range(**bounds)}"
+        body = f"{where}={shown} must be {describe_range(**(_bounds(_constraints(meta)) or _bounds(ctx)))}"
     elif kind == _REFUSED:
         body = f"{where}={ctx['shown']} {ctx['detail']}"
     elif kind in ("value_error", "assertion_error"):

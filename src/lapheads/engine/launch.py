@@ -60,7 +60,7 @@ def launch(
             trainer.restore()
         started = True
         if info.is_main:
-            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True, same=same)
+            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
         D.barrier()
         return trainer.fit(resume=resume, reevaluate=reevaluate)
     except RunInterrupted:

@@ -152,13 +152,8 @@ class RunLock:
     _held: dict[Path, "RunLock"] = {}
 
     def __init__(self, path: Path, fd: int, created: list[Path]):
-        self.path, self._fd, self._created = path, fd, created
+        self.path, self._fd, self.created = path, fd, created  # created: the directories made for the lock
         self._count, self._pid = 1, os.getpid()
-
-    @property
-    def created_dir(self) -> bool:
-        """Whether acquiring the lock created the directory (it did not exist before)."""
-        return self.path in self._created
 
     @classmethod
     def acquire(cls, path: str | Path) -> "RunLock":
@@ -225,7 +220,7 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = -1
-        for d in reversed(self._created):  # deepest first; only those still empty
+        for d in reversed(self.created):  # deepest first; only those still empty
             with contextlib.suppress(OSError):
                 d.rmdir()
 
@@ -380,7 +375,7 @@ class RunDir:
         if overwrite:
             self.check_overwrite()
         if resume:
-            missing = not self.path.is_dir() or (self._lock is not None and self._lock.created_dir)
+            missing = not self.path.is_dir() or (self._lock is not None and self.path in self._lock.created)
             if not self.exists():
                 if missing or not self._only_leftovers():
                     raise CheckpointError(f"--resume: {self.path} is not a run directory (no config.yaml)")
@@ -419,21 +414,11 @@ class RunDir:
         return False
 
     def prepare(
-        self,
-        cfg: Any,
-        recipe: str,
-        *,
-        resume: bool,
-        overwrite: bool,
-        is_main: bool = True,
-        write: bool = True,
-        same: Optional[SameValue] = None,
+        self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, same: Optional[SameValue] = None
     ) -> bool:
-        """:meth:`check`, then (unless ``write=False``) write ``config.yaml`` and ``meta.json`` (the
-        caller holds :meth:`lock`); returns whether the run resumes."""
+        """:meth:`check`, then write ``config.yaml`` and ``meta.json`` (the caller holds :meth:`lock`);
+        returns whether the run resumes."""
         resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
-        if not is_main or not write:
-            return resume
         if not resume and self.path.is_dir():  # --overwrite, or leftovers of a killed start
             self.clear()
         self.path.mkdir(parents=True, exist_ok=True)

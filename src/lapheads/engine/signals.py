@@ -38,12 +38,9 @@ class RunInterrupted(KeyboardInterrupt):
         where = f"after step {self.step} of {self.run_dir}" if self.step is not None else f"in {self.run_dir}"
         if self.finished:
             where += " (the run had finished)"
-        ck = (
-            f"checkpoint {self.checkpoint} is complete"
-            if self.checkpoint is not None
-            else "no checkpoint yet, it restarts at step 0"
-        )
-        return f"{where}; {ck}"
+        if self.checkpoint is None:
+            return f"{where}; no checkpoint yet, it restarts at step 0"
+        return f"{where}; checkpoint {self.checkpoint} is complete"
 
 
 class StopSignals:

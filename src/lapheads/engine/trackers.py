@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 from ..errors import ConfigError, LapheadsError
 from ..outputs import check_out_dir, read_json, write_json
+from .config import flatten_config, load_yaml
 
 #: tracker name -> (python module it needs, pip package, extra that installs it)
 TRACKERS: dict[str, tuple[str, str, str]] = {
@@ -45,14 +46,14 @@ class Table(NamedTuple):
 
 
 def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
-    """Raise one ConfigError line when a tracker of ``names`` (callers leave out ``tensorboard``, which may be
-    missing) could not log: its package is missing (naming the package and the extra), MLflow cannot open its
-    store (``train.mlflow_tracking_uri``), or W&B's directory (``train.tracker_dir``) cannot be written."""
+    """Raise one ConfigError line when a tracker of ``names`` could not log: its package is missing (naming the
+    package and the extra; a missing ``tensorboard`` is tolerated), MLflow cannot open its store
+    (``train.mlflow_tracking_uri``), or W&B's directory (``train.tracker_dir``) cannot be written."""
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"train.trackers: unknown tracker {name!r}; expected some of {sorted(TRACKERS)}")
         module, package, extra = TRACKERS[name]
-        if importlib.util.find_spec(module) is None:
+        if name != "tensorboard" and importlib.util.find_spec(module) is None:
             raise ConfigError(
                 f"train.trackers includes {name!r} but its package is not installed (no module named "
                 f"{module!r}); install it with pip install {package} (or pip install "
@@ -158,11 +159,8 @@ class Tracker:
 
 def _after_earlier_event_files(tb_dir: Path) -> None:
     """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one (design notes)."""
-    stamps = []
-    for f in Path(tb_dir).glob("events.out.tfevents.*"):
-        parts = f.name.split(".")
-        if len(parts) > 3 and parts[3].isdigit():
-            stamps.append(int(parts[3]))
+    names = [f.name.split(".") for f in Path(tb_dir).glob("events.out.tfevents.*")]
+    stamps = [int(parts[3]) for parts in names if len(parts) > 3 and parts[3].isdigit()]
     while stamps and int(time.time()) <= max(stamps):
         time.sleep(0.05)
 
@@ -254,8 +252,6 @@ class MlflowTracker(Tracker):
     def start(self, resume_step: Optional[int]) -> None:
         from mlflow.tracking import MlflowClient
 
-        from .config import flatten_config
-
         # a resume continues in the store its run started in, unless train.mlflow_tracking_uri names one
         uri = self.options.get("mlflow_tracking_uri") or self.state.get("tracking_uri") or None
         self.client = MlflowClient(tracking_uri=uri)
@@ -307,24 +303,6 @@ class MlflowTracker(Tracker):
 _CLASSES: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-def _read_state(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = read_json(Path(run_dir) / STATE_FILE, missing={})
-    except LapheadsError:  # a damaged record: the trackers start new runs
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    p = Path(run_dir) / "config.yaml"
-    if not p.is_file():
-        return {}
-    from .config import load_yaml
-
-    data = load_yaml(p.read_text(encoding="utf-8"), str(p))
-    return data if isinstance(data, dict) else {}
-
-
 class TrackerGroup:
     """The trackers of one attempt: every call goes to each; a failing one is dropped with a line on stderr."""
 
@@ -374,15 +352,19 @@ def build_trackers(
     ``options``: ``project``, ``run_name``, ``dir`` and ``mlflow_tracking_uri`` as in ``train.*``;
     ``tables``: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`)."""
     check_trackers(
-        [n for n in names if n != "tensorboard"],
-        mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "",
-        tracker_dir=options.get("dir") or "",
+        names, mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "", tracker_dir=options.get("dir") or ""
     )
     if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
         names = [n for n in names if n != "tensorboard"]  # a dependency of lapheads[train]; tolerated missing
     run_dir = Path(run_dir)
-    state = _read_state(run_dir)
-    config = _read_config(run_dir)
+    try:
+        state = read_json(run_dir / STATE_FILE, missing={})
+    except LapheadsError:  # a damaged record: the trackers start new runs
+        state = {}
+    state = state if isinstance(state, dict) else {}
+    saved = run_dir / "config.yaml"
+    config = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) if saved.is_file() else {}
+    config = config if isinstance(config, dict) else {}
     trackers = []
     for name in dict.fromkeys(names):
         entry = state.setdefault(name, {}) if name != "tensorboard" else {}

@@ -120,11 +120,7 @@ class TrainConfig(ConfigModel):
 
     @run_rule
     def _trackers_installed(self) -> None:
-        check_trackers(  # one line naming the package and extra, the store or the directory
-            [t for t in self.trackers if t != "tensorboard"],
-            mlflow_tracking_uri=self.mlflow_tracking_uri,
-            tracker_dir=self.tracker_dir,
-        )
+        check_trackers(self.trackers, mlflow_tracking_uri=self.mlflow_tracking_uri, tracker_dir=self.tracker_dir)
 
     @rule
     def _until_plateau(self) -> None:
@@ -232,12 +228,8 @@ class Trainer:
         self._restored = False
         self._tb: Any = None  # the trackers of train.trackers (engine.trackers), started by the first _log
         self._resumed_at: Optional[int] = None  # the checkpoint's step on resume
-        if self.info.is_main:
-            check_trackers(  # a missing package, a store MLflow cannot open: one line, now
-                [t for t in cfg.trackers if t != "tensorboard"],
-                mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                tracker_dir=cfg.tracker_dir,
-            )
+        if self.info.is_main:  # a missing package, a store MLflow cannot open: one line, now
+            check_trackers(cfg.trackers, mlflow_tracking_uri=cfg.mlflow_tracking_uri, tracker_dir=cfg.tracker_dir)
 
     def restore(self) -> None:
         """Seed, then load the newest intact checkpoint (none yet: step 0); ``launch`` calls it before
@@ -246,13 +238,10 @@ class Trainer:
         self.step, self.skipped = self.checkpoints.restore()
         self._restored = True
 
-    def save_checkpoint(self) -> None:
-        self.checkpoints.save(self.step, self.skipped)
-
     def _interrupted(self, signum: int, finished: bool = False) -> RunInterrupted:
         """Checkpoint this step (unless that is done) and describe the stop."""
         if self.checkpoints.last_step != self.step:
-            self.save_checkpoint()
+            self.checkpoints.save(self.step, self.skipped)
         ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
         return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
 
@@ -424,7 +413,7 @@ class Trainer:
                     )
                     break
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total:
-                self.save_checkpoint()
+                self.checkpoints.save(self.step, self.skipped)
         bar.close()
         done_before = (
             [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step]
@@ -437,7 +426,7 @@ class Trainer:
             last_eval = {k: v for k, v in done_before[-1].items() if k not in ("step", "split")}
         else:
             last_eval = self._evaluate()
-        self.save_checkpoint()
+        self.checkpoints.save(self.step, self.skipped)
         self.checkpoints.export_final(self.step, {k: _to_float(v) for k, v in last_eval.items()})
         signum = self.signals.requested(self.device)
         if signum:  # the signal came during the final evaluation / export, which completed
