@@ -221,8 +221,7 @@ def lockstep(
     A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
     ``real=False`` (compute, then discard) while the others go on."""
     if not sharded or not D.initialized():
-        for b in batches:
-            yield b, True
+        yield from ((b, True) for b in batches)
         return
     items = list(batches)
     for b in items:

@@ -342,8 +342,7 @@ class Trainer:
                         loss, metrics = self.task.loss(self.ddp_model, batch, step)
                     for cb in self.callbacks:
                         loss = cb.on_loss(step, loss)
-                    if not torch.isfinite(loss.detach()):
-                        loss_finite = False
+                    loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().double().cpu() / cfg.grad_accum
                 for k, v in metrics.items():
