@@ -223,11 +223,8 @@ def estimate_bytes(files: Mapping[str, Any]) -> int:
 
 def file_checksums(directory: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``directory``."""
-    out = {}
-    for p in sorted(Path(directory).rglob("*")):
-        if p.is_file() and p.name != STATE_JSON:
-            out[p.relative_to(directory).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
-    return out
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file() and p.name != STATE_JSON)
+    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
 
 
 def make_room(ckpt_dir: Path, needed: int, keep: int, what: str, protect: Optional[str] = None) -> None:

@@ -270,9 +270,8 @@ class TrainJob:
         submitit = _submitit()
         job = submitit.JobEnvironment()
         env_from_slurm(job, apply=True)
-        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-        if cpus and "OMP_NUM_THREADS" not in os.environ:
-            os.environ["OMP_NUM_THREADS"] = cpus
+        if os.environ.get("SLURM_CPUS_PER_TASK"):
+            os.environ.setdefault("OMP_NUM_THREADS", os.environ["SLURM_CPUS_PER_TASK"])
         argv = self.command()
         main_rank = job.global_rank == 0
         if main_rank:

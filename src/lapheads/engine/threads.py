@@ -40,7 +40,7 @@ def _cpu_times() -> Optional[tuple[float, float]]:
         return None
     idle = fields[3] + fields[4]  # idle + iowait
     # guest time is already counted in user time; leave it out of the total
-    total = sum(fields[:8]) if len(fields) >= 8 else sum(fields)
+    total = sum(fields[:8])
     return total - idle, total
 
 
