@@ -296,10 +296,7 @@ def deep_merge(base: dict, over: Mapping) -> dict:
     """``over`` on top of ``base``, mapping by mapping (other values replace)."""
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = deep_merge(dict(out[k]), v)
-        else:
-            out[k] = v
+        out[k] = deep_merge(dict(out[k]), v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
 
 

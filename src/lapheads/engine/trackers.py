@@ -307,9 +307,7 @@ class TrackerGroup:
     """The trackers of one attempt: every call goes to each; a failing one is dropped with a line on stderr."""
 
     def __init__(self, trackers: Iterable[Tracker], run_dir: Path, state: dict[str, Any]):
-        self.trackers = list(trackers)
-        self.run_dir = Path(run_dir)
-        self.state = state
+        self.trackers, self.run_dir, self.state = list(trackers), Path(run_dir), state
 
     def _each(self, what: str, *args: Any) -> None:
         for t in list(self.trackers):
