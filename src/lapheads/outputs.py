@@ -1,29 +1,19 @@
 """Output paths every command checks before it works and cleans up after it fails; atomic writes.
-
-Design notes: docs/design/engine.md (Outputs).
-"""
+Design notes: docs/design/engine.md (Outputs)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 from .errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
 
-__all__ = [
-    "check_out_dir",
-    "check_out_file",
-    "removed_on_failure",
-    "atomic_write",
-    "write_json",
-    "read_json",
-    "fsync_dir",
-]
 _RAISE: Any = object()  # read_json: a missing file is an error
 
 
@@ -53,7 +43,7 @@ def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ConfigError(f"{flag} {p} is an existing file; give a directory (it holds several files)")
-    _check_can_create_in(_nearest_existing(p) if not p.exists() else p, p, flag)
+    _check_can_create_in(_nearest_existing(p), p, flag)
     return p
 
 
@@ -83,13 +73,8 @@ def removed_on_failure(path: str | os.PathLike, *, remove_new_entries: bool = Tr
     A directory the block created is removed entirely; in an existing one, the entries the block added
     (unless ``remove_new_entries=False``). ``KeyboardInterrupt`` / ``SystemExit`` keep everything."""
     p = Path(path)
-    created: Optional[Path] = None
-    if not p.exists():
-        created = p
-        for a in p.parents:  # the topmost ancestor that does not exist yet
-            if a.exists():
-                break
-            created = a
+    missing = list(itertools.takewhile(lambda a: not a.exists(), (p, *p.parents)))
+    created = missing[-1] if missing else None  # the topmost directory the block may create
     before = _entries(p) if created is None and remove_new_entries and p.is_dir() else None
     try:
         yield p

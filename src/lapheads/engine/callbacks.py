@@ -1,7 +1,5 @@
 """Callbacks: code outside the engine that watches or alters a training step.
-
-Design notes: docs/design/engine.md (Callbacks).
-"""
+Design notes: docs/design/engine.md (Callbacks)."""
 
 from __future__ import annotations
 

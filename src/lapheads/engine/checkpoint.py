@@ -1,7 +1,4 @@
-"""Crash-safe, verifiable checkpoints that cannot run code.
-
-Design notes: docs/design/engine.md (Checkpoints).
-"""
+"""Crash-safe, verifiable checkpoints that cannot run code (design notes: docs/design/engine.md, Checkpoints)."""
 
 from __future__ import annotations
 
@@ -45,9 +42,7 @@ def removed_on_failure(tmp: Path, directory: Path, what: str, needed: Optional[i
         else:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        if isinstance(e, DiskFullError):
-            raise
-        if is_disk_full(e):
+        if is_disk_full(e) and not isinstance(e, DiskFullError):
             raise DiskFullError(directory, needed, what=what) from None
         raise
 
@@ -228,11 +223,8 @@ def estimate_bytes(files: Mapping[str, Any]) -> int:
 
 def file_checksums(directory: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size": bytes, "sha256": hex}}`` of every file under ``directory``."""
-    out = {}
-    for p in sorted(Path(directory).rglob("*")):
-        if p.is_file() and p.name != STATE_JSON:
-            out[p.relative_to(directory).as_posix()] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
-    return out
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file() and p.name != STATE_JSON)
+    return {p.relative_to(directory).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
 
 
 def make_room(ckpt_dir: Path, needed: int, keep: int, what: str, protect: Optional[str] = None) -> None:
@@ -270,15 +262,12 @@ def _fsync_tree(root: Path) -> None:
             _fsync_dir(p)
 
 
-def commit_checkpoint(
-    ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, summary: Optional[dict] = None, run_id: Optional[str] = None
-) -> Path:
+def commit_checkpoint(ckpt_dir: Path, tmp: Path, step: int, keep: int = 2, run_id: Optional[str] = None) -> Path:
     """Publish a complete temporary checkpoint directory: ``state.json`` (sizes, SHA-256 sums, ``run_id``),
     fsync, rename to ``step_X``, then move ``latest``; older checkpoints beyond ``keep`` are removed."""
     ckpt_dir = Path(ckpt_dir)
-    info = {"step": step, "time": time.time(), **(summary or {}), "run_id": run_id, "files": file_checksums(tmp)}
-    with open(tmp / STATE_JSON, "w", encoding="utf-8") as f:
-        f.write(json.dumps(info, indent=1, default=float))
+    info = {"step": step, "time": time.time(), "run_id": run_id, "files": file_checksums(tmp)}
+    (tmp / STATE_JSON).write_text(json.dumps(info, indent=1), encoding="utf-8")
     _fsync_tree(tmp)
     _fsync_dir(tmp)
     name = f"step_{step:08d}"
@@ -303,7 +292,6 @@ def write_checkpoint(
     step: int,
     files: Mapping[str, Any],
     keep: int = 2,
-    summary: Optional[dict] = None,
     run_id: Optional[str] = None,
     protect: Optional[str] = None,
 ) -> Path:
@@ -327,7 +315,7 @@ def write_checkpoint(
     with removed_on_failure(tmp, ckpt_dir, what, needed):
         tmp = begin_checkpoint(ckpt_dir, step)
         write_files(tmp, files)
-        return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, summary=summary, run_id=run_id)
+        return commit_checkpoint(ckpt_dir, tmp, step, keep=keep, run_id=run_id)
 
 
 def _check_safetensors_structure(path: Path) -> Optional[str]:

@@ -1,7 +1,5 @@
 """Typed configs: pydantic models filled from YAML files and ``--set key=value`` overrides.
-
-Design notes: docs/design/engine.md (Configs).
-"""
+Design notes: docs/design/engine.md (Configs)."""
 
 from __future__ import annotations
 
@@ -34,6 +32,7 @@ from ..errors import ConfigError
 from .config_errors import (
     _NOT_FINITE,
     _REFUSED,
+    _bounds,
     _constraints,
     _in_range,
     _is_model,
@@ -51,11 +50,11 @@ _RUN_RULES = "lapheads.run_rules"  # validation-context flag: run the run rules 
 
 
 class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping which repeats a key, naming its full path and both lines.
-
-    Merge keys (``<<: *defaults``), YAML's explicit way to override, stay allowed."""
+    """``yaml.SafeLoader`` that refuses a mapping which repeats a key: a ConfigError naming its full path and
+    both lines. Merge keys (``<<: *defaults``), YAML's explicit way to override, stay allowed."""
 
     key_prefix = ""  # dotted path of the document inside a larger config (a ``--set`` value)
+    source = "YAML"  # what the text is, for messages
 
     def get_single_data(self) -> Any:
         node = self.get_single_node()
@@ -84,25 +83,15 @@ class StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key; construct_mapping reports it
                     earlier = key_node
                 if earlier is not key_node:
-                    raise DuplicateKeyError(name, earlier.start_mark, key_node.start_mark)
+                    a, b = earlier.start_mark, key_node.start_mark
+                    where = f"line {a.line + 1}, columns {a.column + 1} and {b.column + 1}"
+                    if a.line != b.line:
+                        where = f"lines {a.line + 1} and {b.line + 1}"
+                    raise ConfigError(
+                        f"{self.source}: key {name!r} is given twice ({where}); remove one of them "
+                        "(YAML would silently keep the last)"
+                    )
                 self._check_duplicates(value_node, name, seen_nodes)
-
-
-class DuplicateKeyError(yaml.constructor.ConstructorError):
-    """A YAML mapping gives the same key twice (raised by :class:`StrictLoader`)."""
-
-    def __init__(self, key: str, first: yaml.Mark, second: yaml.Mark):
-        self.key, self.first_line, self.second_line = key, first.line + 1, second.line + 1
-        where = (
-            f"lines {self.first_line} and {self.second_line}"
-            if self.first_line != self.second_line
-            else f"line {self.first_line}, columns {first.column + 1} and {second.column + 1}"
-        )
-        self.description = f"key {key!r} is given twice ({where})"
-        super().__init__(None, None, self.description, second)
-
-    def __str__(self) -> str:
-        return self.description
 
 
 def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
@@ -114,13 +103,11 @@ def load_yaml(text: str, source: str, key_prefix: str = "") -> Any:
     Raises:
         ConfigError: not valid YAML, or a mapping repeats a key."""
     loader = StrictLoader(text)
-    loader.key_prefix = key_prefix
+    loader.key_prefix, loader.source = key_prefix, source
     try:
         return loader.get_single_data()
-    except DuplicateKeyError as e:
-        raise ConfigError(
-            f"{source}: {e.description}; remove one of them (YAML would silently keep the last)"
-        ) from None
+    except ConfigError:  # a repeated key
+        raise
     except yaml.YAMLError as e:
         raise ConfigError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
     except ValueError as e:  # int() of a scalar beyond Python's digit limit, e.g. a 5000-digit seed
@@ -234,8 +221,7 @@ def _dataclass_wrapper(cls: type) -> type[BaseModel]:
 
 
 def _parse_hooks(obj: Any, keys: str) -> None:
-    """Plain-dataclass configs: a field whose metadata has ``"parse"`` (``(value, key) -> value``) is
-    checked by it, with its full key."""
+    """Plain-dataclass configs: check each field whose metadata has ``"parse"`` (``(value, key) -> value``)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         parse = f.metadata.get("parse")
@@ -261,7 +247,7 @@ def from_dict(cls: type[T], data: Optional[Mapping[str, Any]], prefix: str = "",
     context = {_RUN_RULES: run_rules}
     try:
         if _is_model(cls):
-            return cls.model_validate(data, context=context)  # type: ignore[attr-defined]
+            return cls.model_validate(data, context=context)  # type: ignore[return-value]
         wrapper: Any = _dataclass_wrapper(cls)  # type: ignore[arg-type]
         obj = wrapper.model_validate({"value": data}, context=context).value
     except ValidationError as e:
@@ -310,10 +296,7 @@ def deep_merge(base: dict, over: Mapping) -> dict:
     """``over`` on top of ``base``, mapping by mapping (other values replace)."""
     out = dict(base)
     for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = deep_merge(dict(out[k]), v)
-        else:
-            out[k] = v
+        out[k] = deep_merge(dict(out[k]), v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
 
 
@@ -398,14 +381,10 @@ def _type_name(tp: Any) -> str:
         name = "any"
     elif origin is typing.Literal:
         name = " | ".join(json.dumps(a) for a in args)
-    elif origin is tuple:
-        name = (
-            f"list of {_type_name(args[0])}"
-            if args and args[-1] is Ellipsis
-            else "[" + ", ".join(_type_name(a) for a in args) + "]"
-        )
-    elif origin is list:
+    elif origin is list or (origin is tuple and args and args[-1] is Ellipsis):
         name = f"list of {_type_name(args[0]) if args else 'any'}"
+    elif origin is tuple:
+        name = "[" + ", ".join(_type_name(a) for a in args) + "]"
     elif origin is dict or base is dict:
         name = "mapping"
     else:
@@ -417,16 +396,13 @@ def _allowed(tp: Any, meta: list) -> str:
     base, inner = _unwrap(tp)
     c = _constraints(meta + inner)
     parts = []
-    bounds = {k: v for k, v in c.items() if k in ("ge", "gt", "le", "lt")}
-    if bounds:
-        parts.append(describe_range(**bounds))
+    if _bounds(c):
+        parts.append(describe_range(**_bounds(c)))
     origin, args = typing.get_origin(base), typing.get_args(base)
     if origin in (tuple, list) and args:
-        items = {k: v for k, v in _constraints(_unwrap(args[0])[1]).items() if k in ("ge", "gt", "le", "lt")}
-        if items and all(
-            _constraints(_unwrap(a)[1]) == _constraints(_unwrap(args[0])[1]) for a in args if a is not Ellipsis
-        ):
-            parts.append(f"items {describe_range(**items)}")
+        first = _constraints(_unwrap(args[0])[1])  # the items' range, when every item has the same
+        if _bounds(first) and all(_constraints(_unwrap(a)[1]) == first for a in args if a is not Ellipsis):
+            parts.append(f"items {describe_range(**_bounds(first))}")
     if "min_length" in c:
         parts.append(f"at least {c['min_length']} item(s)")
     return ", ".join(parts)
@@ -434,11 +410,6 @@ def _allowed(tp: Any, meta: list) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _section(tp: Any) -> Optional[type[BaseModel]]:
-    base, _ = _unwrap(tp)
-    return base if _is_model(base) and base is tp else None
 
 
 def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> None:
@@ -449,9 +420,9 @@ def _rows(cls: type[BaseModel], current: Any, prefix: str, rows: list[str]) -> N
             if current is not None
             else (f.get_default(call_default_factory=True) if not f.is_required() else dataclasses.MISSING)
         )
-        section = _section(f.annotation)
+        section = f.annotation
         desc = _cell(f.description or "")
-        if section is not None:
+        if _is_model(section):
             rows.append(f"| `{key}` | section | | | {desc} |")
             _rows(section, value if isinstance(value, section) else None, key + ".", rows)
             continue
@@ -510,9 +481,6 @@ def number_arg(
 
 def flatten_config(d: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a nested config as dotted keys."""
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(flatten_config(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): d}
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    return {key: v for k, sub in d.items() for key, v in flatten_config(sub, f"{prefix}{k}.").items()}

@@ -1,7 +1,5 @@
 """One-line messages for config validation errors: the full dotted key, the value, what is allowed.
-
-Used by :mod:`lapheads.engine.config`; design notes: docs/design/engine.md (Configs).
-"""
+Used by :mod:`lapheads.engine.config`; design notes: docs/design/engine.md (Configs)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import operator
 import re
 import types
 import typing
-from typing import Annotated, Any, Iterable, Optional
+from typing import Annotated, Any, Iterable, Optional, TypeGuard
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -43,7 +41,7 @@ def _unwrap(tp: Any) -> tuple[Any, list]:
             return tp, meta
 
 
-def _is_model(tp: Any) -> bool:
+def _is_model(tp: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
@@ -62,13 +60,11 @@ def _child(tp: Any, part: Any) -> tuple[Any, list]:
                 return Any, []
         if origin is dict and args:
             return args[1], []
-    elif isinstance(part, int):
-        if origin is tuple and args:
-            if args[-1] is Ellipsis:
-                return args[0], []
-            return (args[part], []) if part < len(args) else (Any, [])
-        if origin is list and args:
+    elif isinstance(part, int) and args:
+        if origin is list or (origin is tuple and args[-1] is Ellipsis):
             return args[0], []
+        if origin is tuple:
+            return (args[part], []) if part < len(args) else (Any, [])
     return Any, []
 
 
@@ -121,6 +117,10 @@ def _constraints(meta: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
+def _bounds(constraints: dict[str, Any]) -> dict[str, Any]:
+    return {k: constraints[k] for k in ("ge", "gt", "le", "lt") if k in constraints}
+
+
 def describe_range(
     ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None, lt: Optional[float] = None
 ) -> str:
@@ -164,6 +164,15 @@ def _dotted(keys: str, loc: Iterable[Any]) -> str:
     return out.rstrip(".")
 
 
+_MUST = {  # pydantic error type (or its first word) -> what the value must be
+    "bool": "must be true or false",
+    "int": "must be an integer",
+    "float": "must be a number",
+    "finite_number": _NOT_FINITE,
+    "string_type": "must be a string",
+    **dict.fromkeys(["dict_type", "mapping_type"], "must be a mapping"),
+    **dict.fromkeys(["list_type", "tuple_type", "iterable_type"], "must be a list"),
+}
 _NAME_TAIL = re.compile(r"(?=[=.\[ ]|$)")
 
 
@@ -196,29 +205,18 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
         return len(args) if typing.get_origin(b) is tuple and args and args[-1] is not Ellipsis else None
 
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
-        parent = _dotted(keys, loc[:-1])
-        hints = [
-            keys
-            + k
-            + (
-                f" (under {k.rpartition('.')[0] or 'the top level'}, not {parent or 'the top level'})"
-                if k.endswith(f".{loc[-1]}")
-                else ""
-            )
-            for k in suggest_keys(root, _dotted("", loc))
-        ]
-        meant = f"did you mean {' or '.join(hints)}? " if hints else ""  # the closest keys first
-        body = (
-            f"unknown config key {where}; {meant}allowed keys under {parent or 'the top level'}: "
-            f"{_field_names(steps[-2][0])}"
-        )
+        parent = _dotted(keys, loc[:-1]) or "the top level"
+        hints = []
+        for k in suggest_keys(root, _dotted("", loc)):  # the closest keys first
+            moved = f" (under {k.rpartition('.')[0] or 'the top level'}, not {parent})"  # same name, other section
+            hints.append(keys + k + (moved if k.endswith(f".{loc[-1]}") else ""))
+        meant = f"did you mean {' or '.join(hints)}? " if hints else ""
+        body = f"unknown config key {where}; {meant}allowed keys under {parent}: {_field_names(steps[-2][0])}"
     elif kind in ("missing", "missing_argument", "missing_positional_only_argument"):
         n = fixed_tuple_length(steps[-2][0]) if len(steps) > 1 and loc and isinstance(loc[-1], int) else None
-        body = (
-            f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items"
-            if n is not None
-            else f"{where} is required (it has no default)"
-        )
+        body = f"{where} is required (it has no default)"
+        if n is not None:
+            body = f"{_dotted(keys, loc[:-1])}={value!r} must have {n} items"
     elif kind in ("too_long", "too_short"):
         n = fixed_tuple_length(tp)
         if n is not None:
@@ -227,31 +225,16 @@ def config_error(error: ValidationError, root: Any, prefix: str = "") -> Laphead
             body = f"{where}={value!r} must have at least {ctx.get('min_length')} item(s)"
         else:
             body = f"{where}={value!r} must have at most {ctx.get('max_length')} item(s)"
-    elif kind.startswith("bool"):
-        body = f"{where}={shown} must be true or false"
-    elif kind.startswith("int"):
-        body = f"{where}={shown} must be an integer"
-    elif kind.startswith("float"):
-        body = f"{where}={shown} must be a number"
-    elif kind == "finite_number":
-        body = f"{where}={shown} {_NOT_FINITE}"
-    elif kind == "string_type":
-        body = f"{where}={shown} must be a string"
+    elif must := _MUST.get(kind) or _MUST.get(kind.partition("_")[0]):  # also bool_parsing, int_from_float, ...
+        body = f"{where}={shown} {must}"
     elif kind == "literal_error":
         allowed = list(typing.get_args(base)) if typing.get_origin(base) is typing.Literal else ctx.get("expected")
         body = f"{where}={shown} is not allowed; expected one of {allowed}"
     elif kind in ("model_type", "model_attributes_type", "dataclass_type", "dataclass_exact_type"):
         name = getattr(base, "__name__", None) or ctx.get("class_name", "the section's")
         body = f"{where} must be a mapping of {name} fields, got {value!r}"
-    elif kind in ("dict_type", "mapping_type"):
-        body = f"{where}={shown} must be a mapping"
-    elif kind in ("list_type", "tuple_type", "iterable_type"):
-        body = f"{where}={shown} must be a list"
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        bounds = {k: v for k, v in _constraints(meta).items() if k in ("ge", "gt", "le", "lt")} or {
-            k: ctx[k] for k in ("ge", "gt", "le", "lt") if k in ctx
-        }
-        body = f"{where}={shown} must be {describe_range(**bounds)}"
+        body = f"{where}={shown} must be {describe_range(**(_bounds(_constraints(meta)) or _bounds(ctx)))}"
     elif kind == _REFUSED:
         body = f"{where}={ctx['shown']} {ctx['detail']}"
     elif kind in ("value_error", "assertion_error"):

@@ -1,7 +1,4 @@
-"""Deterministic, resumable batching for map-style data sets.
-
-Design notes: docs/design/engine.md (Data order).
-"""
+"""Deterministic, resumable batching for map-style data sets (design notes: docs/design/engine.md, Data order)."""
 
 from __future__ import annotations
 

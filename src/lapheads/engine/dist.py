@@ -1,7 +1,5 @@
 """Process-group helpers for torchrun and SLURM (DDP / FSDP2): gloo on CPU, nccl on GPU.
-
-Design notes: docs/design/engine.md (Multi-GPU).
-"""
+Design notes: docs/design/engine.md (Multi-GPU)."""
 
 from __future__ import annotations
 
@@ -34,13 +32,9 @@ class DistInfo:
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     if requested == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(requested)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", local_rank)
-    return dev
+    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
 
 
 def env_from_slurm(job: Any = None, apply: bool = False) -> dict[str, str]:
@@ -105,13 +99,27 @@ def agree(info: DistInfo, outcome: Any) -> Any:
     return outcome
 
 
+def initialized() -> bool:
+    """Whether this process is in a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over the ranks (one all-reduce; ``value`` itself without a process group)."""
+    if not initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.barrier()
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if initialized() and dist.get_world_size() > 1:
         t = t.detach().clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()
@@ -119,5 +127,5 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def cleanup() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.destroy_process_group()

@@ -1,7 +1,5 @@
 """FSDP2 for the engine (``train.parallel: fsdp``): sharding, Muon on shards, sharded checkpoints.
-
-Design notes: docs/design/engine.md (Multi-GPU).
-"""
+Design notes: docs/design/engine.md (Multi-GPU)."""
 
 from __future__ import annotations
 
@@ -16,26 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
-
-__all__ = [
-    "shard_model",
-    "transformer_blocks",
-    "enable_activation_checkpointing",
-    "is_sharded",
-    "ShardedMuon",
-    "muon_class",
-    "plain_norm",
-    "nonfinite_anywhere",
-    "full_state_dict",
-    "meta_copy",
-    "materialize",
-    "save_sharded",
-    "load_sharded",
-    "is_sharded_checkpoint",
-    "consolidate",
-    "lockstep",
-    "DCP_DIR",
-]
+from . import dist as D
 
 # torch.distributed's FSDP, DTensor and DCP modules take ~1 s to import: the functions import them when called.
 DCP_DIR = "dcp"  # sub-directory of a checkpoint holding the DCP files (model + optimizer shards)
@@ -96,11 +75,6 @@ def _is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether the model's parameters are DTensor shards (``fully_shard`` was applied)."""
-    return any(_is_dtensor(p) for p in model.parameters())
-
-
 class ShardedMuon(torch.optim.Muon):
     """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
 
@@ -148,15 +122,6 @@ def muon_class(params: Iterable[torch.Tensor]) -> type[torch.optim.Muon]:
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     """The full value of a gradient norm that ``clip_grad_norm_`` returned as a DTensor."""
     return cast(Any, norm).full_tensor() if _is_dtensor(norm) else norm
-
-
-def nonfinite_anywhere(local_bad: bool, device: torch.device) -> bool:
-    """Whether any rank saw a non-finite value in its shards (one all-reduce; every rank agrees)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return local_bad
-    flag = torch.tensor([int(local_bad)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -255,14 +220,11 @@ def lockstep(
 
     A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
     ``real=False`` (compute, then discard) while the others go on."""
-    if not sharded or not (dist.is_available() and dist.is_initialized()):
-        for b in batches:
-            yield b, True
+    if not sharded or not D.initialized():
+        yield from ((b, True) for b in batches)
         return
     items = list(batches)
-    n = torch.tensor([len(items)], dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
     for b in items:
         yield b, True
-    for _ in range(int(n.item()) - len(items)):
+    for _ in range(D.all_max(len(items), device) - len(items)):
         yield fallback(), False

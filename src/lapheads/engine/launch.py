@@ -1,7 +1,5 @@
 """Launch a training run on the engine (``lapheads train <recipe>``), and describe an interrupted one.
-
-Design notes: docs/design/engine.md (Launching a run).
-"""
+Design notes: docs/design/engine.md (Launching a run)."""
 
 from __future__ import annotations
 
@@ -62,7 +60,7 @@ def launch(
             trainer.restore()
         started = True
         if info.is_main:
-            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, is_main=True, same=same)
+            run.prepare(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
         D.barrier()
         return trainer.fit(resume=resume, reevaluate=reevaluate)
     except RunInterrupted:

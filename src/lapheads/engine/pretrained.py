@@ -1,8 +1,6 @@
 """Models from outside this project's runs, for analysis (``lapheads analyze --checkpoint``): a
 transformers checkpoint directory or a timm model name with a state dict.
-
-Design notes: docs/design/engine.md (Pretrained models).
-"""
+Design notes: docs/design/engine.md (Pretrained models)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Run directories: one layout (docs/runs.md) for every ``lapheads train ...`` command.
-
-Design notes: docs/design/engine.md (Run directories).
-"""
+Design notes: docs/design/engine.md (Run directories)."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import yaml
 
-from ..errors import CheckpointError, ConfigError, DiskFullError, is_disk_full
+from ..errors import CheckpointError, ConfigError, DiskFullError, LapheadsError, is_disk_full
 from ..outputs import atomic_write, check_out_dir, read_json, write_json
 from .config import flatten_config, load_yaml, to_dict
 from .trackers import STATE_FILE as TRACKERS_FILE
@@ -37,21 +35,8 @@ SWEEP_RECORD = "sweep_command.json"  # what makes a directory a sweep (lapheads 
 # analysis of ``lapheads.runs.analyze_run`` and a retrofit's comparison. --overwrite deletes these and
 # refuses anything else.
 RUN_ENTRIES = frozenset(
-    {
-        "config.yaml",
-        "meta.json",
-        "metrics.jsonl",
-        "samples.jsonl",
-        "tb",
-        "checkpoints",
-        "final",
-        LOCK_NAME,
-        "slurm.json",
-        TRACKERS_FILE,
-        "wandb",
-        "geometry",
-        "retrofit.json",
-    }
+    [LOCK_NAME, TRACKERS_FILE, *"config.yaml meta.json metrics.jsonl samples.jsonl tb checkpoints final".split()]
+    + "slurm.json wandb geometry retrofit.json".split()
 )
 NESTED_RUNS = frozenset({"baseline"})  # runs inside a run: a retrofit's baseline (its own entries checked too)
 _TMP = re.compile(r"\.(?P<name>.+)\.tmp-\d+")  # outputs.atomic_write's temporary file of NAME
@@ -112,20 +97,10 @@ def resume_config(out: str | Path, resume: bool) -> Optional[str]:
 
 # Keys that may differ between the original run and a --resume (they do not change the math).
 RESUME_MUTABLE = {
-    "train.max_steps",
-    "train.log_every",
-    "train.eval_every",
-    "train.ckpt_every",
-    "train.keep_checkpoints",
-    "train.progress",
-    "train.num_workers",
-    "train.device",
+    f"train.{key}"
+    for key in "max_steps log_every eval_every ckpt_every keep_checkpoints progress num_workers device".split()
     # where metrics are mirrored (engine.trackers), never what is trained
-    "train.trackers",
-    "train.tracker_project",
-    "train.tracker_run_name",
-    "train.tracker_dir",
-    "train.mlflow_tracking_uri",
+    + "trackers tracker_project tracker_run_name tracker_dir mlflow_tracking_uri".split()
 }
 # Keys that may differ on --resume with one warning line: CPU threads can change the last bits of sums.
 RESUME_WARN = {"train.threads"}
@@ -177,13 +152,8 @@ class RunLock:
     _held: dict[Path, "RunLock"] = {}
 
     def __init__(self, path: Path, fd: int, created: list[Path]):
-        self.path, self._fd, self._created = path, fd, created
+        self.path, self._fd, self.created = path, fd, created  # created: the directories made for the lock
         self._count, self._pid = 1, os.getpid()
-
-    @property
-    def created_dir(self) -> bool:
-        """Whether acquiring the lock created the directory (it did not exist before)."""
-        return self.path in self._created
 
     @classmethod
     def acquire(cls, path: str | Path) -> "RunLock":
@@ -228,20 +198,15 @@ class RunLock:
             "command": shlex.join(sys.argv),
         }
         record = (json.dumps(info) + "\n").encode()
+        lock = cls(path, fd, created)
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, record, 0)
         except OSError as e:  # a full disk: give the lock back, leave nothing behind, say so in one line
-            with contextlib.suppress(OSError):
-                os.unlink(lock_file)
-            os.close(fd)
-            for d in reversed(created):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
+            lock.release()
             if is_disk_full(e):
                 raise DiskFullError(path, len(record), what=f"the writer lock {lock_file}") from None
             raise
-        lock = cls(path, fd, created)
         cls._held[key] = lock
         return lock
 
@@ -255,7 +220,7 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = -1
-        for d in reversed(self._created):  # deepest first; only those still empty
+        for d in reversed(self.created):  # deepest first; only those still empty
             with contextlib.suppress(OSError):
                 d.rmdir()
 
@@ -278,28 +243,17 @@ def lock_dir(path: str | Path) -> Iterator[RunLock]:
         lock.release()
 
 
-def _is_run_dir(path: Path) -> bool:
-    """Whether ``path`` holds a run's ``config.yaml`` (one that names its recipe)."""
-    try:
-        data = load_yaml((path / "config.yaml").read_text(encoding="utf-8"), str(path / "config.yaml"))
-    except (OSError, UnicodeDecodeError, ConfigError):  # load_yaml: invalid YAML or a repeated key
-        return False
-    return isinstance(data, dict) and "recipe" in data
-
-
-def enclosing_run_dir(path: str | Path) -> Optional[Path]:
-    """The run directory ``path`` lies in (``path`` or its nearest parent holding a run), or None."""
+def lock_enclosing_run(path: str | Path) -> contextlib.AbstractContextManager:
+    """Hold the lock of the run directory ``path`` is in (``path`` or its nearest parent whose
+    ``config.yaml`` names a recipe), if any (no-op outside run directories)."""
     p = Path(path).absolute()
     for cand in (p, *p.parents):
-        if (cand / "config.yaml").is_file() and _is_run_dir(cand):
-            return cand
-    return None
-
-
-def lock_enclosing_run(path: str | Path) -> contextlib.AbstractContextManager:
-    """Hold the lock of the run directory ``path`` is in, if any (no-op outside run directories)."""
-    run = enclosing_run_dir(path)
-    return contextlib.nullcontext() if run is None else lock_dir(run)
+        try:
+            RunDir(cand).read_config()
+        except (OSError, UnicodeDecodeError, LapheadsError):  # no config.yaml, invalid YAML, no recipe
+            continue
+        return lock_dir(cand)
+    return contextlib.nullcontext()
 
 
 def _written_by_lapheads(name: str) -> bool:
@@ -317,15 +271,6 @@ def _foreign_entries(run: Path) -> list[str]:
         elif not _written_by_lapheads(c.name):
             out.append(c.name)
     return out
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
-def _is_start_leftover(name: str) -> bool:
-    """Files a start killed before ``config.yaml`` was complete can leave behind."""
-    return name == LOCK_NAME or name.startswith((".config.yaml.tmp-", ".meta.json.tmp-"))
 
 
 class RunDir:
@@ -371,7 +316,11 @@ class RunDir:
             self._lock = None
 
     def _only_leftovers(self) -> bool:
-        return self.path.is_dir() and all(_is_start_leftover(c.name) for c in self.path.iterdir())
+        """Whether the directory holds only what a start killed before ``config.yaml`` was complete left."""
+        leftovers = (".config.yaml.tmp-", ".meta.json.tmp-")
+        return self.path.is_dir() and all(
+            c.name == LOCK_NAME or c.name.startswith(leftovers) for c in self.path.iterdir()
+        )
 
     def check_overwrite(self, keep: Sequence[str | Path] = (), flag: str = "--overwrite") -> None:
         """Refuse (one :class:`CheckpointError` line), before anything is deleted, an ``--overwrite``
@@ -380,14 +329,14 @@ class RunDir:
             return
         where = self.path.resolve()
         cwd = Path.cwd().resolve()
-        if _inside(cwd, where):
+        if cwd.is_relative_to(where):
             what = "the current directory" if where == cwd else f"an ancestor of the current directory {cwd}"
             raise CheckpointError(
                 f"{flag} would delete {self.path}, {what}; {flag} only replaces a run directory "
                 f"below the one you are in: choose another --out"
             )
         for k in keep:
-            if _inside(Path(k).resolve(), where):
+            if Path(k).resolve().is_relative_to(where):
                 raise CheckpointError(
                     f"{flag} would delete {k}, which this command reads, with {self.path}: move it out of "
                     f"{self.path} first or choose another --out"
@@ -426,7 +375,7 @@ class RunDir:
         if overwrite:
             self.check_overwrite()
         if resume:
-            missing = not self.path.is_dir() or (self._lock is not None and self._lock.created_dir)
+            missing = not self.path.is_dir() or (self._lock is not None and self.path in self._lock.created)
             if not self.exists():
                 if missing or not self._only_leftovers():
                     raise CheckpointError(f"--resume: {self.path} is not a run directory (no config.yaml)")
@@ -465,21 +414,11 @@ class RunDir:
         return False
 
     def prepare(
-        self,
-        cfg: Any,
-        recipe: str,
-        *,
-        resume: bool,
-        overwrite: bool,
-        is_main: bool = True,
-        write: bool = True,
-        same: Optional[SameValue] = None,
+        self, cfg: Any, recipe: str, *, resume: bool, overwrite: bool, same: Optional[SameValue] = None
     ) -> bool:
-        """:meth:`check`, then (unless ``write=False``) write ``config.yaml`` and ``meta.json`` (the
-        caller holds :meth:`lock`); returns whether the run resumes."""
+        """:meth:`check`, then write ``config.yaml`` and ``meta.json`` (the caller holds :meth:`lock`);
+        returns whether the run resumes."""
         resume = self.check(cfg, recipe, resume=resume, overwrite=overwrite, same=same)
-        if not is_main or not write:
-            return resume
         if not resume and self.path.is_dir():  # --overwrite, or leftovers of a killed start
             self.clear()
         self.path.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,5 @@
 """Stopping a run cleanly at a step boundary on SIGINT, SIGTERM and SLURM's SIGUSR1.
-
-Design notes: docs/design/engine.md (Signals).
-"""
+Design notes: docs/design/engine.md (Signals)."""
 
 from __future__ import annotations
 
@@ -11,9 +9,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from .dist import DistInfo
+from .dist import all_max
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -41,12 +38,9 @@ class RunInterrupted(KeyboardInterrupt):
         where = f"after step {self.step} of {self.run_dir}" if self.step is not None else f"in {self.run_dir}"
         if self.finished:
             where += " (the run had finished)"
-        ck = (
-            f"checkpoint {self.checkpoint} is complete"
-            if self.checkpoint is not None
-            else "no checkpoint yet, it restarts at step 0"
-        )
-        return f"{where}; {ck}"
+        if self.checkpoint is None:
+            return f"{where}; no checkpoint yet, it restarts at step 0"
+        return f"{where}; checkpoint {self.checkpoint} is complete"
 
 
 class StopSignals:
@@ -74,10 +68,6 @@ class StopSignals:
             signal.signal(s, previous)
         self._previous = {}
 
-    def requested(self, info: DistInfo, device: torch.device) -> int:
+    def requested(self, device: torch.device) -> int:
         """The signal every rank agrees to stop on (0: none); one small all-reduce under torchrun."""
-        if not info.distributed:
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return all_max(self.signum, device)

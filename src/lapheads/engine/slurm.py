@@ -1,7 +1,5 @@
 """``--launcher slurm``: ``lapheads train`` and ``lapheads sweep`` on a SLURM cluster, through submitit.
-
-Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM).
-"""
+Usage: docs/slurm.md; design notes: docs/design/engine.md (SLURM)."""
 
 from __future__ import annotations
 
@@ -208,8 +206,7 @@ def check_controller() -> None:
 
 @contextlib.contextmanager
 def _submission(folder: Path) -> Iterator[None]:
-    """The block that submits: if sbatch refuses, one :class:`SubmissionFailed` line quoting it, and
-    the files submitit wrote for it removed (submitit's own print of sbatch's stderr is swallowed)."""
+    """The block that submits: a refusal of sbatch is one :class:`SubmissionFailed` line, its files removed."""
     try:
         with removed_on_failure(folder), contextlib.redirect_stderr(io.StringIO()):
             yield
@@ -252,17 +249,11 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-CLI_MAIN = "lapheads.cli:main"  # what a job runs: ``main(["train", RECIPE, *ARGV]) -> exit status``
-
-
 class TrainJob:
-    """What submitit runs (pickled) in every task of a job: ``lapheads train RECIPE ARGV`` in this process.
+    """What submitit runs (pickled) in every task of a job: ``lapheads train RECIPE ARGV`` in this process."""
 
-    ``entry`` names the CLI's ``main`` (``module:function``), imported in the job.
-    """
-
-    def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False, entry: str = CLI_MAIN):
-        self.recipe, self.argv, self.out, self.resume, self.entry = recipe, list(argv), str(out), resume, entry
+    def __init__(self, recipe: str, argv: Sequence[str], out: str | Path, resume: bool = False):
+        self.recipe, self.argv, self.out, self.resume = recipe, list(argv), str(out), resume
 
     def command(self) -> list[str]:
         """The argv of this attempt: a requeued one drops ``--overwrite`` and resumes the run if it started."""
@@ -275,14 +266,12 @@ class TrainJob:
         return ["train", self.recipe, *argv]
 
     def __call__(self) -> int:
-        module, _, name = self.entry.partition(":")
-        main = getattr(importlib.import_module(module), name)
+        main = importlib.import_module("lapheads.cli").main  # imported by name: the CLI sits above the engine
         submitit = _submitit()
         job = submitit.JobEnvironment()
         env_from_slurm(job, apply=True)
-        cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-        if cpus and "OMP_NUM_THREADS" not in os.environ:
-            os.environ["OMP_NUM_THREADS"] = cpus
+        if os.environ.get("SLURM_CPUS_PER_TASK"):
+            os.environ.setdefault("OMP_NUM_THREADS", os.environ["SLURM_CPUS_PER_TASK"])
         argv = self.command()
         main_rank = job.global_rank == 0
         if main_rank:
@@ -313,38 +302,31 @@ class TrainJob:
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's preemption hook: the same run again, resumed from its newest checkpoint."""
         submitit = _submitit()
-        return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True, self.entry))
+        return submitit.helpers.DelayedSubmission(TrainJob(self.recipe, self.argv, self.out, True))
 
     def _record(self, job: Any, event: str, argv: Sequence[str]) -> None:
         """Append this attempt to ``RUN_DIR/slurm.json`` once the directory holds a run."""
         run = RunDir(self.out)
         if not run.exists():
             return
-        paths = job.paths
+        attempt = {
+            "event": event,
+            "time": _now(),
+            "job_id": job.job_id,
+            "array_job_id": job.array_job_id,
+            "array_task_id": job.array_task_id,
+            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "nodes": list(job.hostnames),
+            "num_tasks": job.num_tasks,
+            "stdout": str(job.paths.stdout),
+            "stderr": str(job.paths.stderr),
+            "argv": ["lapheads", *argv],
+        }
         try:
             data = run.read_json(RUN_RECORD, "the SLURM attempts of the run", missing={"attempts": []})
-        except LapheadsError as e:  # a record must never fail the run
-            print(f"[slurm] {e}; not recording this attempt", file=sys.stderr)
-            return
-        data["attempts"].append(
-            {
-                "event": event,
-                "time": _now(),
-                "job_id": job.job_id,
-                "array_job_id": job.array_job_id,
-                "array_task_id": job.array_task_id,
-                "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                "nodes": list(job.hostnames),
-                "num_tasks": job.num_tasks,
-                "stdout": str(paths.stdout),
-                "stderr": str(paths.stderr),
-                "argv": ["lapheads", *argv],
-            }
-        )
-        try:
-            run.write_json(RUN_RECORD, data)
+            run.write_json(RUN_RECORD, {**data, "attempts": [*data["attempts"], attempt]})
         except (OSError, LapheadsError) as e:  # a record must never fail the run
-            print(f"[slurm] could not write {run.path / RUN_RECORD}: {e}", file=sys.stderr)
+            print(f"[slurm] not recording this attempt in {run.path / RUN_RECORD}: {e}", file=sys.stderr)
 
 
 class JobFailed(RuntimeError):
@@ -468,7 +450,7 @@ def submit_train(
 class SweepJobs:
     """``SWEEP/slurm/jobs.json``: each point's current job and every earlier submission."""
 
-    def __init__(self, out: Path, folder: Optional[Path] = None):
+    def __init__(self, out: Path, folder: Optional[str | Path] = None):
         self.out = Path(out)
         self.folder = Path(folder) if folder else self.out / "slurm"
         self.path = self.out / "slurm" / JOBS_FILE
@@ -502,9 +484,8 @@ def submit_sweep(
         RunFailed: some points did not finish (the first one's last log line and log named).
         SubmissionFailed: sbatch refused the array job (its message; no file of the submission is left).
     """
-    records = SweepJobs(out, Path(folder) if folder else None)
-    queue = queue_states()
-    still = records.queued(queue)
+    records = SweepJobs(out, folder)
+    still = records.queued(queue_states())
     submit = [t for t in todo if t[0].name not in still]
     for path, _, _ in todo:
         if path.name in still and not quiet:
@@ -541,8 +522,7 @@ def submit_sweep(
     names = [path.name for path, _, _ in todo]
     seen: dict[str, str] = {}
     while True:
-        queue = queue_states()
-        live = {n: s for n, s in records.queued(queue).items() if n in names}
+        live = {n: s for n, s in records.queued(queue_states()).items() if n in names}
         if not quiet:
             for n in names:
                 now = "done" if RunDir(out / n).state() == "done" else live.get(n, "ended").lower()
@@ -615,21 +595,3 @@ def print_status(out: Path, names: Sequence[str]) -> int:
                 print(f"{'':<{width}}  | {line}")
     print(", ".join(f"{v} {k}" for k, v in collections.Counter(r["state"] for r in rows).items()))
     return 0
-
-
-__all__ = [
-    "LauncherConfig",
-    "TrainJob",
-    "JobFailed",
-    "SubmissionFailed",
-    "check_controller",
-    "add_launcher_args",
-    "launcher_config",
-    "split_launcher_argv",
-    "make_executor",
-    "submit_train",
-    "submit_sweep",
-    "sweep_status",
-    "print_status",
-    "queue_states",
-]

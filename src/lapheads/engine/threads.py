@@ -1,7 +1,4 @@
-"""How many CPU threads torch uses in a lapheads process.
-
-Design notes: docs/design/engine.md (Threads).
-"""
+"""How many CPU threads torch uses in a lapheads process (design notes: docs/design/engine.md, Threads)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["available_cpus", "busy_fraction", "busy_cpus", "choose_threads", "configure_threads"]
+__all__ = ["available_cpus", "busy_fraction", "choose_threads", "configure_threads"]
 
 
 def available_cpus() -> int:
@@ -43,7 +40,7 @@ def _cpu_times() -> Optional[tuple[float, float]]:
         return None
     idle = fields[3] + fields[4]  # idle + iowait
     # guest time is already counted in user time; leave it out of the total
-    total = sum(fields[:8]) if len(fields) >= 8 else sum(fields)
+    total = sum(fields[:8])
     return total - idle, total
 
 
@@ -60,11 +57,6 @@ def busy_fraction(window_s: float = 0.15) -> float:
         return min(1.0, float(os.getloadavg()[0]) / (os.cpu_count() or 1))
     except (AttributeError, OSError):
         return 0.0
-
-
-def busy_cpus(window_s: float = 0.15) -> float:
-    """Of the cores this process may use, how many other processes keep busy (an estimate)."""
-    return available_cpus() * busy_fraction(window_s)
 
 
 def choose_threads(requested: int = 0, *, local_world_size: Optional[int] = None) -> tuple[int, str]:
@@ -87,7 +79,7 @@ def choose_threads(requested: int = 0, *, local_world_size: Optional[int] = None
     procs = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     cpus = available_cpus()
     share = max(1, cpus // max(1, procs))
-    free = max(0.0, cpus - busy_cpus())
+    free = max(0.0, cpus - cpus * busy_fraction())
     # round half up: a core that is half busy still gives a thread most of a core
     threads = max(1, min(share, math.floor(free / max(1, procs) + 0.5)))
     return threads, f"auto: {cpus} cores, {cpus - free:.1f} busy, {procs} process(es)"

@@ -1,7 +1,5 @@
 """Experiment trackers: TensorBoard, Weights & Biases and MLflow behind one small interface.
-
-Design notes: docs/design/engine.md (Trackers).
-"""
+Design notes: docs/design/engine.md (Trackers)."""
 
 from __future__ import annotations
 
@@ -19,21 +17,7 @@ from urllib.parse import urlparse
 
 from ..errors import ConfigError, LapheadsError
 from ..outputs import check_out_dir, read_json, write_json
-
-__all__ = [
-    "TRACKERS",
-    "Tracker",
-    "TensorBoardTracker",
-    "WandbTracker",
-    "MlflowTracker",
-    "build_trackers",
-    "check_trackers",
-    "TrackerGroup",
-    "STATE_FILE",
-    "Table",
-    "WANDB_DEFAULTS",
-    "log_final",
-]
+from .config import flatten_config, load_yaml
 
 #: tracker name -> (python module it needs, pip package, extra that installs it)
 TRACKERS: dict[str, tuple[str, str, str]] = {
@@ -62,18 +46,14 @@ class Table(NamedTuple):
 
 
 def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", tracker_dir: str = "") -> None:
-    """Raise one ConfigError line when a chosen tracker could not log: its package is missing (naming
-    the package and the extra), MLflow cannot open its store, or W&B's directory cannot be written.
-
-    Args:
-        names: the trackers to check (callers leave ``tensorboard`` out: tolerated missing).
-        mlflow_tracking_uri: ``train.mlflow_tracking_uri``.
-        tracker_dir: ``train.tracker_dir``."""
+    """Raise one ConfigError line when a tracker of ``names`` could not log: its package is missing (naming the
+    package and the extra; a missing ``tensorboard`` is tolerated), MLflow cannot open its store
+    (``train.mlflow_tracking_uri``), or W&B's directory (``train.tracker_dir``) cannot be written."""
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"train.trackers: unknown tracker {name!r}; expected some of {sorted(TRACKERS)}")
         module, package, extra = TRACKERS[name]
-        if importlib.util.find_spec(module) is None:
+        if name != "tensorboard" and importlib.util.find_spec(module) is None:
             raise ConfigError(
                 f"train.trackers includes {name!r} but its package is not installed (no module named "
                 f"{module!r}); install it with pip install {package} (or pip install "
@@ -81,24 +61,27 @@ def check_trackers(names: Sequence[str], *, mlflow_tracking_uri: str = "", track
             )
     if "mlflow" in names:
         _check_mlflow_store(mlflow_tracking_uri)
-    if "wandb" in names and (tracker_dir or os.environ.get("WANDB_DIR")):
-        key = "train.tracker_dir" if tracker_dir else "WANDB_DIR"
-        _check_writable(tracker_dir or os.environ["WANDB_DIR"], key)
-
-
-def _mlflow_uri(configured: str) -> tuple[str, str]:
-    """``(tracking URI, where it comes from)``: ``configured``, else MLflow's own choice."""
-    if configured:
-        return configured, "train.mlflow_tracking_uri"
-    import mlflow
-
-    source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's default"
-    return mlflow.get_tracking_uri(), source
+    path, key = (tracker_dir, "train.tracker_dir") if tracker_dir else (os.environ.get("WANDB_DIR"), "WANDB_DIR")
+    if "wandb" in names and path:
+        target = Path(path).expanduser().absolute()
+        try:
+            check_out_dir(target, key)
+        except ConfigError as e:
+            raise ConfigError(
+                f"{key}={path}: W&B cannot write its files there ({str(e).removeprefix(f'{key} {target} ')}); set {key} to a writable directory "
+                f"or unset it (then they go to the run directory)"
+            ) from None
 
 
 def _check_mlflow_store(configured: str) -> None:
     """One ConfigError line when the installed MLflow cannot open the store it would log to."""
-    uri, source = _mlflow_uri(configured)
+    if configured:
+        uri, source = configured, "train.mlflow_tracking_uri"
+    else:
+        import mlflow
+
+        uri = mlflow.get_tracking_uri()
+        source = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "MLflow's default"
     scheme = urlparse(uri).scheme.split("+")[0].lower()
     if scheme in _MLFLOW_DATABASES:
         missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
@@ -120,18 +103,6 @@ def _check_mlflow_store(configured: str) -> None:
                 "opt-out) or use a database, e.g. MLflow's default sqlite:///mlflow.db (leave "
                 "train.mlflow_tracking_uri and MLFLOW_TRACKING_URI unset)"
             )
-
-
-def _check_writable(path: str, key: str) -> None:
-    """One ConfigError line naming ``key`` when directory ``path`` cannot be made or written in."""
-    target = Path(path).expanduser().absolute()
-    try:
-        check_out_dir(target, key)
-    except ConfigError as e:
-        raise ConfigError(
-            f"{key}={path}: W&B cannot write its files there ({str(e).removeprefix(f'{key} {target} ')}); set {key} to a writable directory "
-            f"or unset it (then they go to the run directory)"
-        ) from None
 
 
 def _scalars(record: dict[str, Any]) -> tuple[str, int, dict[str, float]]:
@@ -187,15 +158,9 @@ class Tracker:
 
 
 def _after_earlier_event_files(tb_dir: Path) -> None:
-    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one.
-
-    Event files are read in name order (``events.out.tfevents.<seconds>.<host>.<pid>...``), and two made
-    in the same second compare by pid as text, so the purge marker of a resume could erase the wrong steps."""
-    stamps = []
-    for f in Path(tb_dir).glob("events.out.tfevents.*"):
-        parts = f.name.split(".")
-        if len(parts) > 3 and parts[3].isdigit():
-            stamps.append(int(parts[3]))
+    """Wait (at most a second) until a new TensorBoard event file sorts after every earlier one (design notes)."""
+    names = [f.name.split(".") for f in Path(tb_dir).glob("events.out.tfevents.*")]
+    stamps = [int(parts[3]) for parts in names if len(parts) > 3 and parts[3].isdigit()]
     while stamps and int(time.time()) <= max(stamps):
         time.sleep(0.05)
 
@@ -287,8 +252,6 @@ class MlflowTracker(Tracker):
     def start(self, resume_step: Optional[int]) -> None:
         from mlflow.tracking import MlflowClient
 
-        from .config import flatten_config
-
         # a resume continues in the store its run started in, unless train.mlflow_tracking_uri names one
         uri = self.options.get("mlflow_tracking_uri") or self.state.get("tracking_uri") or None
         self.client = MlflowClient(tracking_uri=uri)
@@ -340,31 +303,11 @@ class MlflowTracker(Tracker):
 _CLASSES: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-def _read_state(run_dir: Path) -> dict[str, Any]:
-    try:
-        data = read_json(Path(run_dir) / STATE_FILE, missing={})
-    except LapheadsError:  # a damaged record: the trackers start new runs
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    p = Path(run_dir) / "config.yaml"
-    if not p.is_file():
-        return {}
-    from .config import load_yaml
-
-    data = load_yaml(p.read_text(encoding="utf-8"), str(p))
-    return data if isinstance(data, dict) else {}
-
-
 class TrackerGroup:
     """The trackers of one attempt: every call goes to each; a failing one is dropped with a line on stderr."""
 
     def __init__(self, trackers: Iterable[Tracker], run_dir: Path, state: dict[str, Any]):
-        self.trackers = list(trackers)
-        self.run_dir = Path(run_dir)
-        self.state = state
+        self.trackers, self.run_dir, self.state = list(trackers), Path(run_dir), state
 
     def _each(self, what: str, *args: Any) -> None:
         for t in list(self.trackers):
@@ -407,15 +350,19 @@ def build_trackers(
     ``options``: ``project``, ``run_name``, ``dir`` and ``mlflow_tracking_uri`` as in ``train.*``;
     ``tables``: the record keys logged as tables (:meth:`lapheads.engine.Task.tables`)."""
     check_trackers(
-        [n for n in names if n != "tensorboard"],
-        mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "",
-        tracker_dir=options.get("dir") or "",
+        names, mlflow_tracking_uri=options.get("mlflow_tracking_uri") or "", tracker_dir=options.get("dir") or ""
     )
     if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
         names = [n for n in names if n != "tensorboard"]  # a dependency of lapheads[train]; tolerated missing
     run_dir = Path(run_dir)
-    state = _read_state(run_dir)
-    config = _read_config(run_dir)
+    try:
+        state = read_json(run_dir / STATE_FILE, missing={})
+    except LapheadsError:  # a damaged record: the trackers start new runs
+        state = {}
+    state = state if isinstance(state, dict) else {}
+    saved = run_dir / "config.yaml"
+    config = load_yaml(saved.read_text(encoding="utf-8"), str(saved)) if saved.is_file() else {}
+    config = config if isinstance(config, dict) else {}
     trackers = []
     for name in dict.fromkeys(names):
         entry = state.setdefault(name, {}) if name != "tensorboard" else {}

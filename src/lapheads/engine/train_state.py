@@ -1,7 +1,5 @@
 """What a checkpoint of a training run holds, and how the trainer saves, restores and exports it.
-
-Design notes: docs/design/engine.md (Checkpoints).
-"""
+Design notes: docs/design/engine.md (Checkpoints)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 import torch
@@ -37,8 +35,9 @@ from .checkpoint import (
     write_checkpoint,
     write_files,
 )
-from .run import RunDir
-from .train_task import TrainTask
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 
 def seed_everything(seed: int) -> None:
@@ -76,31 +75,16 @@ def set_rng_state(st: dict[str, Any], device: torch.device) -> None:
 
 
 class Checkpointer:
-    """Saves, restores and exports the state of one run's trainer.
+    """Saves, restores and exports the state of a :class:`~lapheads.engine.trainer.Trainer`: its model,
+    EMA (``timm.utils.ModelEmaV3``), optimizers and the task's extra state."""
 
-    ``ema`` is the ``timm.utils.ModelEmaV3`` of the weights or None; ``keep`` is
-    ``train.keep_checkpoints``; ``seed`` re-seeds the streams of a checkpoint resumed on another
-    world size; ``fsdp``: checkpoints are DCP shards; ``sharded``: the parameters are FSDP2 shards;
-    ``export_skeleton``: under FSDP on rank 0, a parameter-free copy of the model for ``final/``."""
-
-    def __init__(
-        self,
-        task: TrainTask,
-        run: RunDir,
-        info: D.DistInfo,
-        model: nn.Module,
-        optims: Sequence[torch.optim.Optimizer],
-        ema: Any,
-        keep: int,
-        seed: int,
-        fsdp: bool = False,
-        sharded: bool = False,
-        export_skeleton: Optional[nn.Module] = None,
-    ):
-        self.task, self.run, self.info, self.device = task, run, info, info.device
-        self.model, self.optims, self.ema = model, list(optims), ema
-        self.keep, self.seed, self.fsdp, self.sharded = keep, seed, fsdp, sharded
-        self.export_skeleton = export_skeleton
+    def __init__(self, trainer: Trainer):
+        t, cfg = trainer, trainer.cfg
+        self.task, self.run, self.info, self.device = t.task, t.run, t.info, t.info.device
+        self.model, self.optims, self.ema = t.model, list(t.optims), t.ema
+        self.keep, self.seed = cfg.keep_checkpoints, cfg.seed  # the seed re-seeds a run resumed on another world size
+        self.fsdp, self.sharded = cfg.parallel == "fsdp", t.sharded  # DCP checkpoints; FSDP2 shards
+        self.export_skeleton = t.export_skeleton  # under FSDP on rank 0: a parameter-free copy for final/
         self.last_step: Optional[int] = None  # step of the newest checkpoint written or loaded
 
     def _gather_rngs(self) -> list[Any]:
@@ -120,18 +104,6 @@ class Checkpointer:
             files["extra.safetensors"] = extra
         return files
 
-    def files(self, step: int, skipped: int) -> dict[str, Any]:
-        """The files of a single-file checkpoint (name -> content)."""
-        return {
-            **self._tensor_files(),
-            "state.pt": {
-                "step": step,
-                "skipped": skipped,
-                "optimizers": [o.state_dict() for o in self.optims],
-                "rng": self._gather_rngs(),  # every rank takes part
-            },
-        }
-
     def _refuse_nonfinite(self, step: int, name: Optional[str]) -> None:
         ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
         raise NonFiniteError(
@@ -144,10 +116,12 @@ class Checkpointer:
         if self.fsdp:
             self._save_sharded(step, skipped)
             return
-        files = self.files(step, skipped)
-        for name, t in files["model.safetensors"].items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                self._refuse_nonfinite(step, name)
+        optimizers = [o.state_dict() for o in self.optims]
+        state = {"step": step, "skipped": skipped, "optimizers": optimizers, "rng": self._gather_rngs()}
+        files = {**self._tensor_files(), "state.pt": state}
+        bad = self._local_nonfinite()  # the weights are the same on every rank
+        if bad is not None:
+            self._refuse_nonfinite(step, bad)
         if self.info.is_main:
             write_checkpoint(
                 self.run.ckpt_dir,
@@ -171,7 +145,7 @@ class Checkpointer:
     def _save_sharded(self, step: int, skipped: int) -> None:
         """DCP shards from every rank into rank 0's temporary directory, published after a barrier."""
         bad = self._local_nonfinite()
-        if F.nonfinite_anywhere(bad is not None, self.device):  # every rank stops, none writes
+        if D.all_max(bad is not None, self.device):  # every rank stops, none writes
             self._refuse_nonfinite(step, bad or "(on another rank)")
         rngs = self._gather_rngs()
         extra = self.task.extra_state()
@@ -290,22 +264,12 @@ class Checkpointer:
             )
         return 0, 0
 
-    def _export_model(self) -> Optional[nn.Module]:
-        """The unsharded trained model (on rank 0; None elsewhere); gathers the shards under FSDP."""
-        if not self.sharded:
-            return self.model if self.info.is_main else None
-        state = F.full_state_dict(self.model)  # collective: every rank takes part
-        if not self.info.is_main:
-            return None
-        assert self.export_skeleton is not None
-        return F.materialize(self.export_skeleton, state)
-
     def export_final(self, step: int, metrics: dict[str, Any]) -> None:
         """Write ``final/`` (every rank calls this; rank 0 writes): weights, EMA weights, ``model.json``,
         ``metrics.json`` and the task's files."""
-        model = self._export_model()
+        full = F.full_state_dict(self.model) if self.sharded else None  # collective: every rank takes part
         if self.info.is_main:
-            assert model is not None
+            model = self.model if full is None else F.materialize(cast(nn.Module, self.export_skeleton), full)
             ema = self.ema.module if self.ema is not None else None
             final = self.run.final_dir
             tmp = final.with_name(".final.tmp")

@@ -1,9 +1,8 @@
 """What a recipe hands to the engine's :class:`~lapheads.engine.trainer.Trainer`: a :class:`TrainTask`.
 
-The task says WHAT to train (model, optimizers, micro-batches, loss, evaluation, extra state to
-checkpoint, files to export); the trainer owns HOW. Its batches must be a pure function of
-``(seed, micro_step)`` so that a resumed run continues exactly where it stopped.
-"""
+The task says WHAT to train (model, optimizers, micro-batches, loss, evaluation, extra state to checkpoint,
+files to export); the trainer owns HOW. Batches that are a pure function of ``(seed, micro_step)`` let a
+resumed run continue exactly where it stopped."""
 
 from __future__ import annotations
 

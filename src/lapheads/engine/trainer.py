@@ -1,7 +1,5 @@
 """The one training loop every recipe runs on: :class:`Trainer` and its :class:`TrainConfig`.
-
-Design notes: docs/design/engine.md (The training loop).
-"""
+Design notes: docs/design/engine.md (The training loop)."""
 
 from __future__ import annotations
 
@@ -122,11 +120,7 @@ class TrainConfig(ConfigModel):
 
     @run_rule
     def _trackers_installed(self) -> None:
-        check_trackers(  # one line naming the package and extra, the store or the directory
-            [t for t in self.trackers if t != "tensorboard"],
-            mlflow_tracking_uri=self.mlflow_tracking_uri,
-            tracker_dir=self.tracker_dir,
-        )
+        check_trackers(self.trackers, mlflow_tracking_uri=self.mlflow_tracking_uri, tracker_dir=self.tracker_dir)
 
     @rule
     def _until_plateau(self) -> None:
@@ -190,13 +184,13 @@ class Trainer:
         )
         self.model = task.model
         self.sharded = False  # FSDP2 applied (parallel: fsdp with more than one process)
-        export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
+        self.export_skeleton: Optional[nn.Module] = None  # parameter-free copy for the final export
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if cfg.parallel == "fsdp":  # before the optimizers: they must hold the sharded parameters
             blocks = task.fsdp_blocks()  # also checks that the recipe supports FSDP
             if self.info.distributed:
-                export_skeleton = F.meta_copy(self.model) if self.info.is_main else None
+                self.export_skeleton = F.meta_copy(self.model) if self.info.is_main else None
                 F.shard_model(self.model, blocks, self.device, bf16=self.use_bf16, world_size=self.info.world_size)
                 self.sharded = task.sharded = True
         try:
@@ -227,31 +221,15 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=cfg.find_unused_parameters,
             )
-        self.checkpoints = Checkpointer(
-            task,
-            run,
-            self.info,
-            self.model,
-            self.optims,
-            self.ema,
-            keep=cfg.keep_checkpoints,
-            seed=cfg.seed,
-            fsdp=cfg.parallel == "fsdp",
-            sharded=self.sharded,
-            export_skeleton=export_skeleton,
-        )
+        self.checkpoints = Checkpointer(self)
         self.signals = StopSignals()
         self.step = 0
         self.skipped = 0
         self._restored = False
         self._tb: Any = None  # the trackers of train.trackers (engine.trackers), started by the first _log
-        self._tb_purge_step: Optional[int] = None  # on resume: the checkpoint's step + 1 (see _trim_logs)
-        if self.info.is_main:
-            check_trackers(  # a missing package, a store MLflow cannot open: one line, now
-                [t for t in cfg.trackers if t != "tensorboard"],
-                mlflow_tracking_uri=cfg.mlflow_tracking_uri,
-                tracker_dir=cfg.tracker_dir,
-            )
+        self._resumed_at: Optional[int] = None  # the checkpoint's step on resume
+        if self.info.is_main:  # a missing package, a store MLflow cannot open: one line, now
+            check_trackers(cfg.trackers, mlflow_tracking_uri=cfg.mlflow_tracking_uri, tracker_dir=cfg.tracker_dir)
 
     def restore(self) -> None:
         """Seed, then load the newest intact checkpoint (none yet: step 0); ``launch`` calls it before
@@ -260,13 +238,10 @@ class Trainer:
         self.step, self.skipped = self.checkpoints.restore()
         self._restored = True
 
-    def save_checkpoint(self) -> None:
-        self.checkpoints.save(self.step, self.skipped)
-
     def _interrupted(self, signum: int, finished: bool = False) -> RunInterrupted:
         """Checkpoint this step (unless that is done) and describe the stop."""
         if self.checkpoints.last_step != self.step:
-            self.save_checkpoint()
+            self.checkpoints.save(self.step, self.skipped)
         ck = latest_checkpoint(self.run.ckpt_dir) if self.info.is_main else None
         return RunInterrupted(signum, self.run.path, self.step, ck, finished=finished)
 
@@ -276,31 +251,13 @@ class Trainer:
         rec = {k: _to_float(v) for k, v in record.items()}
         with open(self.run.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
-        self._start_trackers()
-        self._tb.log(rec)
-
-    def _start_trackers(self) -> None:
-        """Open the trackers once (rank 0); on resume they continue their runs and TensorBoard purges later events."""
-        if self._tb is None:
+        if self._tb is None:  # on resume the trackers continue their runs and TensorBoard purges later events
             cfg = self.cfg
-            self._tb = build_trackers(
-                cfg.trackers,
-                self.run.path,
-                {
-                    "project": cfg.tracker_project,
-                    "run_name": cfg.tracker_run_name,
-                    "dir": cfg.tracker_dir,
-                    "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
-                },
-                self.task.tables(),
-            )
-            self._tb.start(None if self._tb_purge_step is None else self._tb_purge_step - 1)
-
-    def _trim_logs(self, step: int) -> None:
-        """On resume, drop what a killed attempt logged after the checkpoint."""
-        if self.info.is_main:
-            self.run.trim_step_logs(step)
-        self._tb_purge_step = step + 1
+            options = {"project": cfg.tracker_project, "run_name": cfg.tracker_run_name, "dir": cfg.tracker_dir}
+            options["mlflow_tracking_uri"] = cfg.mlflow_tracking_uri
+            self._tb = build_trackers(cfg.trackers, self.run.path, options, self.task.tables())
+            self._tb.start(self._resumed_at)
+        self._tb.log(rec)
 
     def _first_nonfinite_grad(self) -> str:
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -340,7 +297,9 @@ class Trainer:
         else:
             if not self._restored:
                 self.restore()
-            self._trim_logs(self.step)
+            if self.info.is_main:  # drop what a killed attempt logged after the checkpoint
+                self.run.trim_step_logs(self.step)
+            self._resumed_at = self.step
         params = [p for p in self.model.parameters() if p.requires_grad]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else contextlib.nullcontext()
         # disable=None: tqdm draws only when stderr is a terminal (no bars in logs and pipes)
@@ -359,7 +318,7 @@ class Trainer:
         stopped = resume and self._plateau_reached()  # a resumed run that had already stopped
         space_checked = False
         while self.step < self.total and not stopped:
-            signum = self.signals.requested(self.info, self.device)  # at a step boundary, never mid-step
+            signum = self.signals.requested(self.device)  # at a step boundary, never mid-step
             if signum:
                 bar.close()
                 raise self._interrupted(signum)
@@ -383,8 +342,7 @@ class Trainer:
                         loss, metrics = self.task.loss(self.ddp_model, batch, step)
                     for cb in self.callbacks:
                         loss = cb.on_loss(step, loss)
-                    if not torch.isfinite(loss.detach()):
-                        loss_finite = False
+                    loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
                     (loss / cfg.grad_accum).backward()
                 loss_sum += loss.detach().double().cpu() / cfg.grad_accum
                 for k, v in metrics.items():
@@ -454,7 +412,7 @@ class Trainer:
                     )
                     break
             if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < self.total:
-                self.save_checkpoint()
+                self.checkpoints.save(self.step, self.skipped)
         bar.close()
         done_before = (
             [r for r in self.run.metrics() if r.get("split") == "val" and r.get("step") == self.step]
@@ -467,9 +425,9 @@ class Trainer:
             last_eval = {k: v for k, v in done_before[-1].items() if k not in ("step", "split")}
         else:
             last_eval = self._evaluate()
-        self.save_checkpoint()
+        self.checkpoints.save(self.step, self.skipped)
         self.checkpoints.export_final(self.step, {k: _to_float(v) for k, v in last_eval.items()})
-        signum = self.signals.requested(self.info, self.device)
+        signum = self.signals.requested(self.device)
         if signum:  # the signal came during the final evaluation / export, which completed
             raise self._interrupted(signum, finished=True)
         return last_eval
