@@ -135,12 +135,11 @@ class Tracker:
 
     def _tables(self, record: dict[str, Any]) -> dict[str, tuple[list[Any], list[list[Any]]]]:
         """``{key: (columns, rows)}`` of the record's non-empty values that the task declared tables."""
-        out = {}
-        for key, table in self.tables.items():
-            rows = table.rows(record[key]) if record.get(key) else []
-            if rows:
-                out[key] = (list(table.columns), rows)
-        return out
+        return {
+            key: (list(table.columns), rows)
+            for key, table in self.tables.items()
+            if record.get(key) and (rows := table.rows(record[key]))
+        }
 
     def start(self, resume_step: Optional[int]) -> None:
         """Open the tracker's run; ``resume_step``: the checkpoint's step on a resume, else None."""
