@@ -192,10 +192,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             configure_threads()
         rc = fn(rest)
         return int(rc or 0)
-    except LapheadsError as e:
+    except (LapheadsError, NonFiniteError) as e:  # a non-finite guard stop is no input error: status 1
         if debug:
             raise
-        return _error_line(key, " ".join(str(e).split()), 2)
+        return _error_line(key, " ".join(str(e).split()), 1 if isinstance(e, NonFiniteError) else 2)
     except OSError as e:  # a full disk outside a run's own writes (a report, figures, geometry): one line
         from .errors import free_bytes, human_bytes, is_disk_full
 
@@ -212,11 +212,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if msg is None or debug:
             raise
         return _error_line(key, msg, 2)
-    except NonFiniteError as e:
-        # not the user's input, but still one clear line (the message names step and tensor)
-        if debug:
-            raise
-        return _error_line(key, " ".join(str(e).split()), 1)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line with the resume command
         from .engine.launch import describe_interrupt  # lazy, as above
 
@@ -251,8 +246,7 @@ def entry() -> int:
 
 
 def _spare_the_exit_collections() -> None:
-    """Let the interpreter exit without garbage-collecting every object the imports made (seconds with
-    torch loaded): collect the garbage that exists now, then freeze the survivors (``gc.freeze``)."""
+    """Exit without the shutdown collections of every object the imports made (seconds with torch loaded)."""
     gc.collect()
     gc.freeze()
 

@@ -87,16 +87,11 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
     """Width, heads, KV heads and head dim of ``cfg`` under nanochat's depth rule.
 
     Raises:
-        ConfigError: a non-positive value, or heads that do not divide the width / KV heads.
+        ConfigError: an odd head dim, or heads that do not divide the width / KV heads (the config's
+            fields are positive already).
     """
-    if not isinstance(cfg.depth, int) or cfg.depth < 1:
-        raise ConfigError(f"model.depth={cfg.depth!r} must be an integer >= 1")
     width = cfg.width if cfg.width is not None else 64 * cfg.depth
-    if width < 1:
-        raise ConfigError(f"model.width={width} must be >= 1")
     heads = cfg.n_heads if cfg.n_heads is not None else max(1, math.ceil(width / 128))
-    if heads < 1:
-        raise ConfigError(f"model.n_heads={heads} must be >= 1")
     if cfg.head_dim is None and width % heads:
         raise ConfigError(
             f"model.width={width} is not divisible by model.n_heads={heads}; "
@@ -106,10 +101,8 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
     if head_dim < 2 or head_dim % 2:
         raise ConfigError(f"model.head_dim={head_dim} must be an even number >= 2 (RoPE rotates pairs)")
     kv = cfg.n_kv_heads if cfg.n_kv_heads is not None else heads
-    if kv < 1 or heads % kv:
+    if heads % kv:
         raise ConfigError(f"model.n_kv_heads={kv} must divide model.n_heads={heads}")
-    if cfg.mlp_ratio < 1:
-        raise ConfigError(f"model.mlp_ratio={cfg.mlp_ratio} must be >= 1")
     return {
         "width": width,
         "n_heads": heads,

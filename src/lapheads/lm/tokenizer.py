@@ -102,20 +102,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Optional[str
             f"vocab_size={vocab_size!r} is too small: it must be an int >= {_MIN_VOCAB} "
             f"(256 byte symbols + {len(ALL_SPECIAL_TOKENS)} special tokens)"
         )
-    stats = {"docs": 0, "chars": 0}
+    docs = 0
 
     def _counted(it: Iterable[str]) -> Iterator[str]:
+        nonlocal docs
         for i, t in enumerate(it):
             if not isinstance(t, str):
                 raise DataError(f"document {i} of the tokenizer corpus is a {type(t).__name__}, not a str")
             if t:
-                stats["docs"] += 1
-                stats["chars"] += len(t)
+                docs += 1
                 yield t
 
     backend, trainer = _backend(vocab_size)
     backend.train_from_iterator(_counted(texts), trainer=trainer)
-    if stats["docs"] == 0:
+    if docs == 0:
         raise DataError("the tokenizer corpus is empty: no non-empty document was given")
     tok = _wrap(backend)
     if out_dir is not None:
@@ -253,26 +253,22 @@ def render_chat(
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     sp = {n: _special(tokenizer, n) for n in SPECIAL_TOKENS}
+
+    def add_between(name: str, text: str, m: int) -> None:  # <|name_start|> text <|name_end|>
+        add([sp[f"<|{name}_start|>"], *enc(text), sp[f"<|{name}_end|>"]], m)
+
     add([sp["<|bos|>"]], 0)
     for j, m in enumerate(msgs):
         parts = _content_parts(m["content"], j + offset, m["role"])
         if m["role"] == "user":
-            add([sp["<|user_start|>"]], 0)
-            add(enc(parts[0][1]), 0)
-            add([sp["<|user_end|>"]], 0)
+            add_between("user", parts[0][1], 0)
             continue
         add([sp["<|assistant_start|>"]], 0)
         for kind, text in parts:
             if kind == "text":
                 add(enc(text), 1)
-            elif kind == "python":
-                add([sp["<|python_start|>"]], 1)
-                add(enc(text), 1)
-                add([sp["<|python_end|>"]], 1)
             else:  # tool output comes from the interpreter at inference time: not trained on
-                add([sp["<|output_start|>"]], 0)
-                add(enc(text), 0)
-                add([sp["<|output_end|>"]], 0)
+                add_between("python" if kind == "python" else "output", text, int(kind == "python"))
         add([sp["<|assistant_end|>"]], 1)
     if add_generation_prompt:
         add([sp["<|assistant_start|>"]], 0)

@@ -269,29 +269,18 @@ def _release_uid(uid: Optional[int]) -> None:
 def _tasks_of_uid(uid: int, live_only: bool = True) -> list[tuple[int, int]]:
     """(pid, threads) of the processes whose real, effective or saved uid is ``uid``."""
     found = []
-    key = str(uid)
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status") as f:
-                text = f.read()
+                fields = dict(line.partition(":")[::2] for line in f)
         except OSError:
             continue
-        uids, state = _status_field(text, "Uid"), _status_field(text, "State")
-        threads = _status_field(text, "Threads")
-        if key in uids.split()[:3] and not (live_only and state.startswith("Z")):
-            found.append((int(name), int(threads or 1)))
+        zombie = fields.get("State", "").strip().startswith("Z")
+        if str(uid) in fields.get("Uid", "").split()[:3] and not (live_only and zombie):
+            found.append((int(name), int(fields.get("Threads") or 1)))
     return found
-
-
-def _status_field(text: str, name: str) -> str:
-    """The value of one ``Name:`` line of a ``/proc/<pid>/status`` text ("" if absent)."""
-    i = text.find(f"\n{name}:")
-    if i < 0:
-        return ""
-    j = text.find("\n", i + 1)
-    return text[i + len(name) + 2 : j if j >= 0 else len(text)].strip()
 
 
 def _kill_uid(uid: int, rounds: int = 200) -> int:
@@ -318,22 +307,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _prlimit_argv(
-    prlimit: str, timeout: float, memory_mb: int, nproc: int, max_file_mb: int, max_open_files: int
-) -> list[str]:
-    cpu = max(1, math.ceil(timeout))
-    return [
-        prlimit,
-        f"--cpu={cpu}:{cpu + 1}",
-        f"--as={int(memory_mb) << 20}",
-        f"--nproc={nproc}",
-        f"--nofile={max_open_files}",
-        f"--fsize={int(max_file_mb) << 20}",
-        "--core=0",
-        "--",
-    ]
 
 
 def run_code(
@@ -415,8 +388,9 @@ def _run(
         prlimit = st.prlimit or shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
         if prlimit is None:
             return _error(start, "prlimit (util-linux) not found: cannot set resource limits")
+        cpu = max(1, math.ceil(timeout))
         limits = {
-            "cpu_s": max(1, math.ceil(timeout)),
+            "cpu_s": cpu,
             "memory_mb": memory_mb,
             "max_processes": max_processes,
             "max_file_mb": max_file_mb,
@@ -424,7 +398,8 @@ def _run(
             "max_open_files": max_open_files,
             "timeout_s": timeout,
         }
-        argv = _prlimit_argv(prlimit, timeout, memory_mb, nproc, max_file_mb, max_open_files)
+        argv = [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={int(memory_mb) << 20}", f"--nproc={nproc}"]
+        argv += [f"--nofile={max_open_files}", f"--fsize={int(max_file_mb) << 20}", "--core=0", "--"]
         marker_r, marker_w = os.pipe()
         fds.append(marker_w)
         if st.available:
