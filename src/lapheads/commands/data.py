@@ -70,7 +70,6 @@ def _input_documents(args: argparse.Namespace) -> tuple[Iterable[str], Optional[
 
 def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads tokenizer train``: train a byte-level BPE tokenizer and save it."""
-
     ap = argparse.ArgumentParser(
         prog="lapheads tokenizer train",
         description="Train a byte-level BPE tokenizer (nanochat's special tokens + <|pad|>) and save it as a "
@@ -112,7 +111,6 @@ def _split_arg(text: str) -> Any:
 
 def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads data tokenize``: text/JSONL/parquet (or the embedded corpus) -> token shards."""
-
     ap = argparse.ArgumentParser(
         prog="lapheads data tokenize",
         description="Tokenize a corpus into BOS-prefixed uint16/uint32 token shards with a validation split "

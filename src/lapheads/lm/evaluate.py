@@ -90,16 +90,13 @@ def check_chat_tasks(
         seen[key] = name
         if path is None and key == "humaneval":
             path = builtin_humaneval_path()
-        if path is None:
-            if not allow_network:
-                raise ConfigError(
-                    f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network "
-                    "to read its Hub data set"
-                )
-            sources[name] = _HUB
-        else:
+        if path is None and not allow_network:
+            raise ConfigError(
+                f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network to read its Hub data set"
+            )
+        if path is not None:
             load_benchmark(name, path)  # validates the whole file, naming file:line
-            sources[name] = str(path)
+        sources[name] = _HUB if path is None else str(path)
         if key == "humaneval":
             require_sandbox(allow_unsafe_code)  # generated code needs the sandbox
     return sources
@@ -180,15 +177,9 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
     tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
-        raise ConfigError(
-            f"lm-eval task(s) {unknown} not found"
-            + (
-                f" in {include_path}, lapheads' chat tasks or lm-eval's built-in tasks"
-                if include_path
-                else " in lapheads' chat tasks or lm-eval's built-in tasks; pass --lm-eval-include DIR "
-                "for local task YAML files"
-            )
-        )
+        where = f"{include_path}, lapheads' chat tasks" if include_path else "lapheads' chat tasks"
+        hint = "" if include_path else "; pass --lm-eval-include DIR for local task YAML files"
+        raise ConfigError(f"lm-eval task(s) {unknown} not found in {where} or lm-eval's built-in tasks{hint}")
     return tm
 
 
@@ -409,15 +400,13 @@ def _chat_summary(task: str, metrics: dict[str, Any], samples: list[dict]) -> di
         out["accuracy"] = out["pass@1"]
         return out
     if task == chat_tasks.CHAT_TASKS["gsm8k"]:
-        answers = [s["filtered_resps"][0] or None for s in samples]
-        correct = int(sum(s["exact_match"] for s in samples))
         return {
             "metric": "accuracy",
             "accuracy": metrics["exact_match,final_number"],
-            "correct": correct,
+            "correct": int(sum(s["exact_match"] for s in samples)),
             "total": total,
             "baseline": 0.0,
-            "answers": answers,
+            "answers": [s["filtered_resps"][0] or None for s in samples],
         }
     # multiple choice: one (log-likelihood, is_greedy) per letter
     preds = [max(range(len(s["filtered_resps"])), key=lambda i, s=s: s["filtered_resps"][i][0]) for s in samples]

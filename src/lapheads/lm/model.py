@@ -1,9 +1,8 @@
 """NanoChat-architecture language models with k Laplacian heads, and nanochat's optimizers.
 
-The model is transformers' ``NanoChatForCausalLM`` with ``laplacian_heads`` in its config, shaped
-by nanochat's depth rule (:func:`resolve_shape`), initialised as nanochat (:func:`init_weights`) and
-trained with nanochat's Muon + AdamW (:func:`build_optimizers`) for nanochat's token budget
-(:func:`budget_steps`). The comparison with nanochat's ``gpt.py`` is in ``docs/design/lm.md``.
+transformers' ``NanoChatForCausalLM`` with ``laplacian_heads`` in its config, shaped by nanochat's depth rule
+(:func:`resolve_shape`), initialised (:func:`init_weights`), optimised (:func:`build_optimizers`) and
+budgeted (:func:`budget_steps`) as nanochat; the comparison with nanochat's ``gpt.py``: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -127,7 +126,6 @@ def build_config(
     Raises:
         ConfigError: shape errors, a vocabulary mismatch, or Laplacian heads that do not fit.
     """
-
     if cfg.vocab_size and cfg.vocab_size != vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.vocab_size} does not match the tokenizer's vocabulary of "
@@ -208,7 +206,6 @@ def build_model(
         init: apply :func:`init_weights` (off when weights are loaded next anyway).
         bos_token_id / eos_token_id / pad_token_id: special ids for ``generate()``.
     """
-
     check_lm_attention(cfg.attention, cfg.laplacian_heads)
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     model = NanoChatForCausalLM(config)

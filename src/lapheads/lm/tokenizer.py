@@ -65,7 +65,6 @@ def _backend(vocab_size: int):
 
 def _wrap(backend: Any):
     """Wrap a ``tokenizers.Tokenizer`` as a transformers fast tokenizer with our special tokens."""
-
     bos_id = backend.token_to_id("<|bos|>")
     # Prefix BOS on tokenizer(text); pairs get one BOS each (documents are BOS-delimited).
     backend.post_processor = processors.TemplateProcessing(
@@ -215,6 +214,7 @@ def render_chat(
         if m["role"] not in ("system", "user", "assistant"):
             raise DataError(f"messages[{i}] has unknown role {m['role']!r}; allowed: system, user, assistant")
     msgs = [dict(m) for m in messages]
+    offset = 0
     if msgs[0]["role"] == "system":
         if len(msgs) < 2 or msgs[1]["role"] != "user":
             raise DataError("messages[1] must be a user message after the system message at messages[0]")
@@ -224,8 +224,6 @@ def render_chat(
         # nanochat has no system turn: the system prompt is prepended to the first user message.
         msgs[1]["content"] = msgs[0]["content"] + "\n\n" + msgs[1]["content"]
         msgs, offset = msgs[1:], 1
-    else:
-        offset = 0
     for j, m in enumerate(msgs):
         want = "user" if j % 2 == 0 else "assistant"
         if m["role"] != want:

