@@ -1,12 +1,5 @@
-"""The ``lapheads`` command line.
-
-Commands are looked up in :data:`COMMANDS` and their modules (the :mod:`lapheads.commands` package)
-imported only when run. Errors caused by user input (:class:`lapheads.errors.LapheadsError`,
-argparse's own errors, a missing optional extra) are one line with exit status 2, a run stopped by
-the non-finite guard one line with status 1, Ctrl-C and SIGTERM one line with status 130 / 143;
-``--debug`` (anywhere on the line) shows the full traceback instead. ``--verbose`` (or
-``LAPHEADS_VERBOSE=1``) keeps the libraries' progress bars and warnings in log files and pipes.
-Design notes: ``docs/design/lm.md``.
+"""The ``lapheads`` command line: :data:`COMMANDS` names each command's function in :mod:`lapheads.commands`,
+imported only when it runs; errors are one line (``--debug``: the traceback). Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -90,13 +83,9 @@ _QUIET_ENV = {
 
 
 def quiet_libraries(verbose: bool, interactive: bool) -> None:
-    """Keep the libraries' progress bars, info logs and warnings out of log files and pipes.
-
-    Not ``interactive`` (stderr is no terminal) and not ``verbose``: the variables of
-    :data:`_QUIET_ENV` are set (child processes, such as sweep workers, inherit them) and warnings
-    raised outside lapheads are ignored; lapheads' own warnings and errors still print. ``verbose``
-    is handed to child processes as ``LAPHEADS_VERBOSE=1``.
-    """
+    """Unless ``verbose`` or ``interactive`` (stderr a terminal), keep the libraries' progress bars, info logs
+    and warnings out of log files and pipes (``docs/design/lm.md``); ``verbose`` reaches child processes as
+    ``LAPHEADS_VERBOSE=1``."""
     if verbose:
         os.environ["LAPHEADS_VERBOSE"] = "1"
         return
@@ -174,8 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             print(f"lapheads: error: unknown command {argv[0]!r}; run 'lapheads --help' for the list", file=sys.stderr)
         return 2
-    target, _ = COMMANDS[key]
-    mod_name, fn_name = target.split(":")
+    mod_name, fn_name = COMMANDS[key][0].split(":")
 
     def _argparse_error(parser: argparse.ArgumentParser, message: str):
         # argparse would print the whole usage block; one line naming the flag is the rule here
@@ -190,12 +178,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .engine.threads import configure_threads  # lazy: torch is imported only when a command runs
 
             configure_threads()
-        rc = fn(rest)
-        return int(rc or 0)
-    except LapheadsError as e:
+        return int(fn(rest) or 0)
+    except (LapheadsError, NonFiniteError) as e:  # a non-finite guard stop is no input error: status 1
         if debug:
             raise
-        return _error_line(key, " ".join(str(e).split()), 2)
+        return _error_line(key, " ".join(str(e).split()), 1 if isinstance(e, NonFiniteError) else 2)
     except OSError as e:  # a full disk outside a run's own writes (a report, figures, geometry): one line
         from .errors import free_bytes, human_bytes, is_disk_full
 
@@ -212,11 +199,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if msg is None or debug:
             raise
         return _error_line(key, msg, 2)
-    except NonFiniteError as e:
-        # not the user's input, but still one clear line (the message names step and tensor)
-        if debug:
-            raise
-        return _error_line(key, " ".join(str(e).split()), 1)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line with the resume command
         from .engine.launch import describe_interrupt  # lazy, as above
 
@@ -251,8 +233,7 @@ def entry() -> int:
 
 
 def _spare_the_exit_collections() -> None:
-    """Let the interpreter exit without garbage-collecting every object the imports made (seconds with
-    torch loaded): collect the garbage that exists now, then freeze the survivors (``gc.freeze``)."""
+    """Exit without the shutdown collections of every object the imports made (seconds with torch loaded)."""
     gc.collect()
     gc.freeze()
 

@@ -1,18 +1,8 @@
 """``lapheads analyze``: token geometry of timm / transformers checkpoints, with figures.
 
-Examples::
-
-    # a timm ViT on scikit-learn's digits (upscaled to the model's input size)
-    lapheads analyze --checkpoint vit_tiny_patch16_224 --weights vit.safetensors \\
-        --model-args img_size=32 patch_size=8 num_classes=10 --data digits --out geo/
-    # two transformers checkpoints side by side on Python's own pydoc corpus
-    lapheads analyze --checkpoint runs/base/hf --label k=0 --checkpoint runs/lap/hf --label k=all \\
-        --data pydoc --seq-len 256 --max-batches 20 --min-count 5 --out geo/
-
-Writes ``OUT/geometry.json`` (``{"runs": {label: analyze_model result}, "figures": [...]}``)
-and the PNG figures of :mod:`lapheads.geometry.plots` (several checkpoints share each figure).
-
-Design notes: ``docs/design/lm.md``.
+Writes ``OUT/geometry.json`` (``{"runs": {label: analyze_model result}, "figures": [...]}``) and the
+PNG figures of :mod:`lapheads.geometry.plots` (several checkpoints share each figure). Examples:
+``docs/geometry.md``; design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -198,10 +188,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _main_runs(args, layers)
     if args.max_items is not None:
         raise ConfigError("--max-items is for --run without --data; with --data use --max-batches")
-    if args.seq_len is None:
-        args.seq_len = 128
-    if args.min_count is None:
-        args.min_count = 1
+    args.seq_len = args.seq_len or 128  # 0 was refused above
+    args.min_count = args.min_count or 1
     model_args = _parse_kv(args.model_args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     labels = args.label or []
@@ -238,17 +226,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _print_layers(runs: dict[str, Any], threshold: float) -> None:
     """One summary line per run and layer."""
+    shown = [  # (section of a layer's result, key it needs, text)
+        ("anova", "frac_within_sequence", "within-seq {frac_within_sequence:.3f}"),
+        ("spectra", "k_mean", f"k{round(100 * threshold)} {{k_mean:.1f}}"),
+        ("cosine", "cosine_mean", "cos {cosine_mean:.3f}"),
+        ("nc_tokens", "nc1", "NC1 {nc1:.3g} CDNV {cdnv:.3g}"),
+    ]
     for label, res in runs.items():
         for lname, r in res["layers"].items():
-            a, sp, cs = r.get("anova", {}), r.get("spectra", {}), r.get("cosine", {})
-            nc = r.get("nc_tokens", {})
-            parts = [f"{label} {lname}:"]
-            if "frac_within_sequence" in a:
-                parts.append(f"within-seq {a['frac_within_sequence']:.3f}")
-            if "k_mean" in sp:
-                parts.append(f"k{round(100 * threshold)} {sp['k_mean']:.1f}")
-            if "cosine_mean" in cs:
-                parts.append(f"cos {cs['cosine_mean']:.3f}")
-            if "nc1" in nc:
-                parts.append(f"NC1 {nc['nc1']:.3g} CDNV {nc['cdnv']:.3g}")
-            print("  " + " ".join(parts))
+            parts = [text.format(**r[sec]) for sec, key, text in shown if key in r.get(sec, {})]
+            print("  " + " ".join([f"{label} {lname}:", *parts]))

@@ -45,10 +45,7 @@ def show_main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(list(argv or []))
     recipe = get_recipe(args.recipe)
     path = resolve_config(recipe.name, args.config)
-    if path is None and not args.overrides:
-        cfg = recipe.config_type()
-    else:
-        cfg = load_config(recipe.config_type, path, args.overrides, recipe=recipe.name, run_rules=False)
+    cfg = load_config(recipe.config_type, path, args.overrides, recipe=recipe.name, run_rules=False)
     print(yaml.safe_dump({"recipe": recipe.name, **to_dict(cfg)}, sort_keys=False), end="")
     return 0
 

@@ -48,7 +48,11 @@ def _add_text_options(ap: argparse.ArgumentParser) -> None:
 
 
 def _input_documents(args: argparse.Namespace) -> tuple[Iterable[str], Optional[int], str]:
-    """``(documents, number of documents or None, source)`` of ``--input`` (files or one ``hf:`` dataset)."""
+    """``(documents, number of documents or None, source)`` of ``--embedded`` or ``--input`` (files or ``hf:``)."""
+    if args.embedded:
+        from pydoc_data.topics import topics  # lazy: a 0.8 MB module, only for the embedded corpus
+
+        return embedded_documents(), len(topics), "pydoc_data.topics"
     hf = [p for p in args.input if text_data.hf_source(p) is not None]
     if not hf:
         check_inputs(args.input, text_field=args.text_field)
@@ -66,7 +70,6 @@ def _input_documents(args: argparse.Namespace) -> tuple[Iterable[str], Optional[
 
 def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads tokenizer train``: train a byte-level BPE tokenizer and save it."""
-
     ap = argparse.ArgumentParser(
         prog="lapheads tokenizer train",
         description="Train a byte-level BPE tokenizer (nanochat's special tokens + <|pad|>) and save it as a "
@@ -90,11 +93,7 @@ def tokenizer_main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(list(argv) if argv is not None else None)
 
     check_out_dir(args.out)
-    if args.embedded:
-        docs: Iterable[str] = text_data.embedded_documents()
-        source = "pydoc_data.topics"
-    else:
-        docs, _, source = _input_documents(args)
+    docs, _, source = _input_documents(args)
     if args.max_chars is not None:
         docs = text_data.limit_chars(docs, args.max_chars)
     with removed_on_failure(args.out):
@@ -112,7 +111,6 @@ def _split_arg(text: str) -> Any:
 
 def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
     """``lapheads data tokenize``: text/JSONL/parquet (or the embedded corpus) -> token shards."""
-
     ap = argparse.ArgumentParser(
         prog="lapheads data tokenize",
         description="Tokenize a corpus into BOS-prefixed uint16/uint32 token shards with a validation split "
@@ -156,14 +154,7 @@ def tokenize_main(argv: Optional[Sequence[str]] = None) -> int:
 
     check_out_dir(args.out)
     tok = load_tokenizer(args.tokenizer)
-    if args.embedded:
-        from pydoc_data.topics import topics  # lazy: a 0.8 MB module, only for the embedded corpus
-
-        docs: Iterable[str] = embedded_documents()
-        total: Optional[int] = len(topics)
-        source = "pydoc_data.topics"
-    else:
-        docs, total, source = _input_documents(args)
+    docs, total, source = _input_documents(args)
     if args.split_documents is not None:
         docs = split_documents(docs, args.split_documents, source)
         total = None

@@ -110,7 +110,6 @@ def lm_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_tasks: list, tm: Any) -> dict[str, Any]:
     """Load the run's model and run the chat tasks and lm-eval tasks (both through lm-eval); returns the report."""
-
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = lm_recipe.load_model(args.run, weights=args.weights, device=device)
     report: dict[str, Any] = {
@@ -128,9 +127,7 @@ def _evaluate(args: argparse.Namespace, chat_tasks: dict, sources: dict, lm_task
             allow_network=args.allow_network,
             sources=sources,
         )
-        report["chat"] = chat["chat"]
-        report["chat_lm_eval"] = chat["lm_eval"]
-        report["chat_tasks"] = dict(sources)
+        report.update(chat=chat["chat"], chat_lm_eval=chat["lm_eval"], chat_tasks=dict(sources))
         _print_chat(chat["chat"])
     if lm_tasks:
         res = run_lm_eval(

@@ -1,12 +1,8 @@
 """``lapheads lm-eval ...``: lm-evaluation-harness's own command line, with Laplacian heads registered.
 
-``lapheads lm-eval --model lapheads --model_args pretrained=runs/lm/final/hf --tasks arc_easy,mmlu,wikitext``
-``lapheads lm-eval run --model lapheads --model_args pretrained=RUN/final/hf --tasks humaneval --confirm_run_unsafe_code``
-``lapheads lm-eval ls tasks``
-
-Every argument is lm-eval's; the command imports :mod:`lapheads.transformers` (and registers
-``--model lapheads``, :class:`lapheads.lm.hflm.LapheadsHFLM`) and indexes lapheads' chat tasks
-first. Design notes: ``docs/design/lm.md``.
+Every argument is lm-eval's (``lapheads lm-eval --model lapheads --model_args pretrained=RUN/final/hf
+--tasks arc_easy``, ``lapheads lm-eval ls tasks``); lapheads' chat tasks are indexed too. Design notes:
+``docs/design/lm.md``.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def _setup(args: argparse.Namespace) -> tuple[nn.Module, dict, torch.device]:
 
 
 def _finish(args: argparse.Namespace, probe: str, meta: dict, res: dict) -> int:
-    out = {"probe": probe, "data": args.data, **{k: v for k, v in meta.items()}, **res}
+    out = {"probe": probe, "data": args.data, **meta, **res}
     path = Path(args.json) if args.json else (Path(args.run) if args.run else Path(".")) / f"eval_{probe}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1), encoding="utf-8")
@@ -67,8 +67,16 @@ def _finish(args: argparse.Namespace, probe: str, meta: dict, res: dict) -> int:
     return 0
 
 
-def _image_splits(args: argparse.Namespace) -> tuple[Any, Any]:
-    return build_image_dataset(args.data, args.train_split), build_image_dataset(args.data, args.val_split)
+def _image_features(args: argparse.Namespace, *extract: Any) -> tuple[Any, dict, Any]:
+    """Train and val features of the backbone (``extract``: the linear probe's n_last_blocks, avgpool);
+    returns ``(train split, meta, [ftr, ytr, fte, yte])``."""
+    train, val = (build_image_dataset(args.data, s) for s in (args.train_split, args.val_split))
+    bb, meta, dev = _setup(args)
+    if extract and not 1 <= extract[0] <= len(bb.blocks):
+        raise ConfigError(f"--n-last-blocks={extract[0]} must be in 1..{len(bb.blocks)} (the model's depth)")
+    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
+    feats = [t for ds in (train, val) for t in extract_features(bb, ds, tf, args.batch_size, dev, *extract)]
+    return train, meta, feats
 
 
 def knn_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -83,14 +91,8 @@ def knn_main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(list(argv or []))
     if args.temperature <= 0 or min(args.k) < 1:
         raise ConfigError(f"--temperature={args.temperature} must be > 0 and every --k >= 1")
-    train, val = _image_splits(args)
-    bb, meta, dev = _setup(args)
-    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
-    ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev)
-    fte, yte = extract_features(bb, val, tf, args.batch_size, dev)
-    res = knn_classify(
-        ftr, ytr, fte, yte, ks=args.k, temperature=args.temperature, num_classes=getattr(train, "num_classes", None)
-    )
+    train, meta, feats = _image_features(args)
+    res = knn_classify(*feats, ks=args.k, temperature=args.temperature, num_classes=getattr(train, "num_classes", None))
     return _finish(args, "knn", meta, res)
 
 
@@ -115,22 +117,13 @@ def linear_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(list(argv or []))
-    train, val = _image_splits(args)
-    bb, meta, dev = _setup(args)
-    if not 1 <= args.n_last_blocks <= len(bb.blocks):
-        raise ConfigError(f"--n-last-blocks={args.n_last_blocks} must be in 1..{len(bb.blocks)} (the model's depth)")
-    tf = EvalTransform(meta["img_size"], meta["mean"], meta["std"])
-    ftr, ytr = extract_features(bb, train, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
-    fte, yte = extract_features(bb, val, tf, args.batch_size, dev, args.n_last_blocks, args.avgpool)
+    train, meta, feats = _image_features(args, args.n_last_blocks, args.avgpool)
     res = linear_probe(
-        ftr,
-        ytr,
-        fte,
-        yte,
+        *feats,
         num_classes=getattr(train, "num_classes", None),
         **opts(args, "epochs lr optimizer weight_decay batch_size seed"),
     )
-    res.update(n_last_blocks=args.n_last_blocks, avgpool=args.avgpool, feature_dim=int(ftr.shape[1]))
+    res.update(n_last_blocks=args.n_last_blocks, avgpool=args.avgpool, feature_dim=int(feats[0].shape[1]))
     return _finish(args, "linear", meta, res)
 
 
@@ -154,12 +147,12 @@ def segment_main(argv: Optional[Sequence[str]] = None) -> int:
     p.set_defaults(batch_size=16)
     args = p.parse_args(list(argv or []))
     train = build_segmentation_dataset(args.data, "train", num_classes=args.num_classes)
-    val = build_segmentation_dataset(args.data, "val", num_classes=train.num_classes)
+    nc = train.num_classes
+    val = build_segmentation_dataset(args.data, "val", num_classes=nc)
     if args.max_images:
         train = torch.utils.data.Subset(train, list(range(min(args.max_images, len(train)))))
         val = torch.utils.data.Subset(val, list(range(min(args.max_images, len(val)))))
     bb, meta, dev = _setup(args)
-    nc = train.dataset.num_classes if isinstance(train, torch.utils.data.Subset) else train.num_classes
     if not -len(bb.blocks) <= args.layer < len(bb.blocks):
         raise ConfigError(f"--layer={args.layer} is outside the model's {len(bb.blocks)} blocks")
     res = segmentation_probe(

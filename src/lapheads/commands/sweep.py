@@ -1,8 +1,7 @@
 """``lapheads sweep``: a recipe over Laplacian-head settings, seeds and config axes, resumably, then a report.
 
-``--launcher slurm`` submits the unfinished points as one SLURM array job (:mod:`lapheads.engine.slurm`);
-every sweep records its command in ``OUT/sweep_command.json``, so ``lapheads sweep --status OUT`` lists
-its points and ``lapheads sweep --resume --out OUT`` continues it without repeating the flags.
+``--launcher slurm`` submits one SLURM array job; ``--status OUT`` and ``--resume --out OUT`` read the
+command every sweep records in ``OUT/sweep_command.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from . import opts, repeated
 COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lapheads sweep",
         allow_abbrev=False,
@@ -87,6 +86,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "with its log's last lines) and exit",
     )
     add_launcher_args(p, sweep=True)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
     argv = list(argv or [])
     args = p.parse_args(argv)
     if args.status:
@@ -189,13 +193,7 @@ def _read_command(out: Path) -> dict:
 
 def point_names(argv: Sequence[str]) -> list[str]:
     """The run directory names of the sweep ``argv`` (as run_grid names them), without loading configs."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--laplacian-heads", default="0,all")
-    p.add_argument("--seeds", default="0")
-    p.add_argument("--grid", action="append", default=[])
-    p.add_argument("--point", action="append", default=[])
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    args, _ = p.parse_known_args(list(argv))
+    args, _ = _parser().parse_known_args(list(argv))
     design = design_points(parse_grid(args.grid, args.overrides), [parse_point(x, args.overrides) for x in args.point])
     short = axis_names(sorted({k for d in design for k in d}))
     return [

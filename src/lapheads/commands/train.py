@@ -1,7 +1,6 @@
 """``lapheads train <recipe>``: parse the shared flags, load the recipe's config, train (or submit to SLURM).
 
-``--resume`` of a finished run reports it and exits 0; ``--reevaluate`` evaluates its final model
-again. Design notes: ``docs/design/lm.md``.
+Design notes (``--resume`` of a finished run, ``--reevaluate``): ``docs/design/lm.md``.
 """
 
 from __future__ import annotations

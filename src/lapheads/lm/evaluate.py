@@ -3,10 +3,8 @@
 ``lapheads eval lm --run runs/sft --tasks arc_easy=ARC-Easy-Test.jsonl,mmlu=mmlu.jsonl,gsm8k=gsm8k.jsonl,humaneval``
 ``lapheads eval lm --run runs/lm --lm-eval my_task --lm-eval-include tasks_dir/``
 
-Every task runs through ``lm_eval.simple_evaluate`` on one in-memory model wrapped as
-:class:`lapheads.lm.hflm.LapheadsHFLM`: the chat tasks of :mod:`lapheads.lm.tasks` with
-:func:`run_chat_tasks`, any other lm-eval task with :func:`run_lm_eval`. Nothing touches the network
-unless asked (``allow_network``). Design notes: ``docs/design/lm.md``.
+:func:`run_chat_tasks` runs the chat tasks of :mod:`lapheads.lm.tasks`, :func:`run_lm_eval` any other lm-eval
+task, both offline unless ``allow_network``. Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -92,27 +90,21 @@ def check_chat_tasks(
         seen[key] = name
         if path is None and key == "humaneval":
             path = builtin_humaneval_path()
-        if path is None:
-            if not allow_network:
-                raise ConfigError(
-                    f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network "
-                    "to read its Hub data set"
-                )
-            sources[name] = _HUB
-        else:
+        if path is None and not allow_network:
+            raise ConfigError(
+                f"task {name!r} needs a local JSONL (--tasks {name}=PATH), or --allow-network to read its Hub data set"
+            )
+        if path is not None:
             load_benchmark(name, path)  # validates the whole file, naming file:line
-            sources[name] = str(path)
+        sources[name] = _HUB if path is None else str(path)
         if key == "humaneval":
             require_sandbox(allow_unsafe_code)  # generated code needs the sandbox
     return sources
 
 
 def _offline() -> None:
-    """The hub and ``datasets`` offline, unless the user's environment says otherwise.
-
-    Both libraries read the variables when imported, and ``huggingface_hub`` usually already is, so
-    their module-level switches are set as well, to what the variables now say.
-    """
+    """The hub and ``datasets`` offline unless the environment says otherwise (variables and, for modules
+    imported already, their module-level switches)."""
     for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
 
@@ -154,8 +146,7 @@ def make_lm_eval_model(
 
 
 def _require_lm_eval(allow_network: bool = True) -> None:
-    """One clear line when the eval extra is missing (``HFLM`` imports ``accelerate`` when it builds a model);
-    then the hub and ``datasets`` offline unless ``allow_network``."""
+    """One clear line when the eval extra (lm-eval, ``accelerate``) is missing; offline unless ``allow_network``."""
     missing = [m for m in ("lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"lm-eval evaluation needs {' and '.join(missing)}; pip install 'lapheads[eval]'")
@@ -164,11 +155,8 @@ def _require_lm_eval(allow_network: bool = True) -> None:
 
 
 def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = None, allow_network: bool = False):
-    """lm-eval's ``TaskManager`` after checking that every task in ``tasks`` exists (no model needed).
-
-    It indexes :mod:`lapheads.lm.tasks` (the chat tasks) and ``include_path``; ``lapheads eval lm``
-    calls it before the model is loaded, so a typo in a task name or in ``--lm-eval-include`` costs
-    seconds, not an evaluation.
+    """lm-eval's ``TaskManager`` of :mod:`lapheads.lm.tasks` and ``include_path``, after checking that every
+    task in ``tasks`` exists (no model needed: ``lapheads eval lm`` calls it before loading one).
 
     Raises:
         ConfigError: an unknown task (the message says where lm-eval looked), a missing include dir, or
@@ -189,15 +177,9 @@ def lm_eval_task_manager(tasks: Sequence[str], include_path: Optional[str] = Non
     tm = TaskManager(include_path=paths)
     unknown = [t for t in tasks if t not in tm.all_tasks]
     if unknown:
-        raise ConfigError(
-            f"lm-eval task(s) {unknown} not found"
-            + (
-                f" in {include_path}, lapheads' chat tasks or lm-eval's built-in tasks"
-                if include_path
-                else " in lapheads' chat tasks or lm-eval's built-in tasks; pass --lm-eval-include DIR "
-                "for local task YAML files"
-            )
-        )
+        where = f"{include_path}, lapheads' chat tasks" if include_path else "lapheads' chat tasks"
+        hint = "" if include_path else "; pass --lm-eval-include DIR for local task YAML files"
+        raise ConfigError(f"lm-eval task(s) {unknown} not found in {where} or lm-eval's built-in tasks{hint}")
     return tm
 
 
@@ -272,19 +254,9 @@ def run_chat_tasks(
     model: Any,
     tokenizer: Any,
     tasks: dict[str, Optional[str]],
-    max_items: Optional[int] = None,
     batch_size: int = 8,
     max_new_tokens: int = 256,
-    num_samples: int = 1,
-    temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    seed: int = 0,
-    allow_unsafe_code: bool = False,
-    sandbox_timeout: float = 5.0,
-    sandbox_workers: int = 2,
-    bootstrap_iters: int = LM_EVAL_BOOTSTRAP_ITERS,
-    allow_network: bool = False,
-    sources: Optional[dict[str, str]] = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
     """Run the chat tasks of :mod:`lapheads.lm.tasks` on an in-memory model with lm-eval.
 
@@ -295,11 +267,11 @@ def run_chat_tasks(
         model, tokenizer: a transformers causal LM and its tokenizer (with the chat special tokens).
         tasks: ``--tasks`` name (``arc_easy``, ``arc_challenge``, ``mmlu``, ``gsm8k``, ``humaneval``,
             or a spelling such as ``ARC-Easy``) -> local JSONL path (None: see :func:`check_chat_tasks`).
-        max_items: at most this many documents per task (lm-eval's ``limit``: the first ones).
         batch_size: requests per forward pass / ``generate`` call.
         max_new_tokens: generation length (GSM8K, HumanEval).
-        num_samples, temperature, top_k, seed, allow_unsafe_code, sandbox_timeout, sandbox_workers,
-            bootstrap_iters, allow_network, sources: as :func:`evaluate_chat_lm`.
+        **kwargs: the options of :func:`evaluate_chat_lm` (``max_items``, ``num_samples``,
+            ``temperature``, ``top_k``, ``seed``, ``allow_unsafe_code``, ``sandbox_timeout``,
+            ``sandbox_workers``, ``bootstrap_iters``, ``allow_network``, ``sources``).
 
     Raises:
         ConfigError: as :func:`evaluate_chat_lm`, or a tokenizer without the chat special tokens.
@@ -307,27 +279,15 @@ def run_chat_tasks(
     """
     if batch_size < 1 or max_new_tokens < 1:
         raise ConfigError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
-    _check_sampling(num_samples, temperature)
-    sources = sources or check_chat_tasks(tasks, allow_network, allow_unsafe_code)
+    _check_sampling(kwargs.get("num_samples", 1), kwargs.get("temperature", 0.0))
+    kwargs["sources"] = kwargs.get("sources") or check_chat_tasks(
+        tasks, kwargs.get("allow_network", False), kwargs.get("allow_unsafe_code", False)
+    )
     _require_chat_tokens(tokenizer)
     lm = make_lm_eval_model(
         model, tokenizer, batch_size=batch_size, max_length=_UNTRUNCATED, max_gen_toks=max_new_tokens
     )
-    return evaluate_chat_lm(
-        lm,
-        tasks,
-        max_items=max_items,
-        num_samples=num_samples,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-        allow_unsafe_code=allow_unsafe_code,
-        sandbox_timeout=sandbox_timeout,
-        sandbox_workers=sandbox_workers,
-        bootstrap_iters=bootstrap_iters,
-        allow_network=allow_network,
-        sources=sources,
-    )
+    return evaluate_chat_lm(lm, tasks, **kwargs)
 
 
 def evaluate_chat_lm(
@@ -435,21 +395,18 @@ def _chat_summary(task: str, metrics: dict[str, Any], samples: list[dict]) -> di
             "statuses": dict(Counter(st for row in statuses for st in row)),
             "per_problem": {s["doc"]["task_id"]: c for s, c in zip(samples, passed)},
         }
-        for k in chat_tasks.PASS_KS:
-            if f"pass@{k},sandbox" in metrics:
-                out[f"pass@{k}"] = metrics[f"pass@{k},sandbox"]
+        reported = [k for k in chat_tasks.PASS_KS if f"pass@{k},sandbox" in metrics]
+        out.update({f"pass@{k}": metrics[f"pass@{k},sandbox"] for k in reported})
         out["accuracy"] = out["pass@1"]
         return out
     if task == chat_tasks.CHAT_TASKS["gsm8k"]:
-        answers = [s["filtered_resps"][0] or None for s in samples]
-        correct = int(sum(s["exact_match"] for s in samples))
         return {
             "metric": "accuracy",
             "accuracy": metrics["exact_match,final_number"],
-            "correct": correct,
+            "correct": int(sum(s["exact_match"] for s in samples)),
             "total": total,
             "baseline": 0.0,
-            "answers": answers,
+            "answers": [s["filtered_resps"][0] or None for s in samples],
         }
     # multiple choice: one (log-likelihood, is_greedy) per letter
     preds = [max(range(len(s["filtered_resps"])), key=lambda i, s=s: s["filtered_resps"][i][0]) for s in samples]

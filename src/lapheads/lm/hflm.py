@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
@@ -48,16 +48,8 @@ class LapheadsHFLM(HFLM):
         finally:
             self._encoding_rolling_document = False
 
-    def tok_encode(
-        self,
-        string: str,
-        add_special_tokens: Optional[bool] = None,
-        left_truncate_len: Optional[int] = None,
-        **kwargs: Any,
-    ) -> list[int]:
-        ids = super().tok_encode(
-            string, add_special_tokens=add_special_tokens, left_truncate_len=left_truncate_len, **kwargs
-        )
+    def tok_encode(self, string: str, *args: Any, **kwargs: Any) -> list[int]:
+        ids = super().tok_encode(string, *args, **kwargs)
         if self._encoding_rolling_document and ids[:1] == [self.prefix_token_id]:
             ids = ids[1:]  # lm-eval's prefix token is the document's BOS
         return ids

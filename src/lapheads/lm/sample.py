@@ -46,7 +46,6 @@ def generate_text(
     Raises:
         ConfigError: a negative temperature, a non-positive token count or top-k.
     """
-
     if not temperature >= 0 or max_new_tokens < 1 or num_samples < 1 or (top_k is not None and top_k < 1):
         raise ConfigError(
             f"need temperature >= 0 (got {temperature}), max_new_tokens >= 1 (got {max_new_tokens}), "

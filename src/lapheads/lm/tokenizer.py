@@ -65,7 +65,6 @@ def _backend(vocab_size: int):
 
 def _wrap(backend: Any):
     """Wrap a ``tokenizers.Tokenizer`` as a transformers fast tokenizer with our special tokens."""
-
     bos_id = backend.token_to_id("<|bos|>")
     # Prefix BOS on tokenizer(text); pairs get one BOS each (documents are BOS-delimited).
     backend.post_processor = processors.TemplateProcessing(
@@ -102,20 +101,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Optional[str
             f"vocab_size={vocab_size!r} is too small: it must be an int >= {_MIN_VOCAB} "
             f"(256 byte symbols + {len(ALL_SPECIAL_TOKENS)} special tokens)"
         )
-    stats = {"docs": 0, "chars": 0}
+    docs = 0
 
     def _counted(it: Iterable[str]) -> Iterator[str]:
+        nonlocal docs
         for i, t in enumerate(it):
             if not isinstance(t, str):
                 raise DataError(f"document {i} of the tokenizer corpus is a {type(t).__name__}, not a str")
             if t:
-                stats["docs"] += 1
-                stats["chars"] += len(t)
+                docs += 1
                 yield t
 
     backend, trainer = _backend(vocab_size)
     backend.train_from_iterator(_counted(texts), trainer=trainer)
-    if stats["docs"] == 0:
+    if docs == 0:
         raise DataError("the tokenizer corpus is empty: no non-empty document was given")
     tok = _wrap(backend)
     if out_dir is not None:
@@ -215,6 +214,7 @@ def render_chat(
         if m["role"] not in ("system", "user", "assistant"):
             raise DataError(f"messages[{i}] has unknown role {m['role']!r}; allowed: system, user, assistant")
     msgs = [dict(m) for m in messages]
+    offset = 0
     if msgs[0]["role"] == "system":
         if len(msgs) < 2 or msgs[1]["role"] != "user":
             raise DataError("messages[1] must be a user message after the system message at messages[0]")
@@ -224,8 +224,6 @@ def render_chat(
         # nanochat has no system turn: the system prompt is prepended to the first user message.
         msgs[1]["content"] = msgs[0]["content"] + "\n\n" + msgs[1]["content"]
         msgs, offset = msgs[1:], 1
-    else:
-        offset = 0
     for j, m in enumerate(msgs):
         want = "user" if j % 2 == 0 else "assistant"
         if m["role"] != want:
@@ -253,26 +251,22 @@ def render_chat(
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     sp = {n: _special(tokenizer, n) for n in SPECIAL_TOKENS}
+
+    def add_between(name: str, text: str, m: int) -> None:  # <|name_start|> text <|name_end|>
+        add([sp[f"<|{name}_start|>"], *enc(text), sp[f"<|{name}_end|>"]], m)
+
     add([sp["<|bos|>"]], 0)
     for j, m in enumerate(msgs):
         parts = _content_parts(m["content"], j + offset, m["role"])
         if m["role"] == "user":
-            add([sp["<|user_start|>"]], 0)
-            add(enc(parts[0][1]), 0)
-            add([sp["<|user_end|>"]], 0)
+            add_between("user", parts[0][1], 0)
             continue
         add([sp["<|assistant_start|>"]], 0)
         for kind, text in parts:
             if kind == "text":
                 add(enc(text), 1)
-            elif kind == "python":
-                add([sp["<|python_start|>"]], 1)
-                add(enc(text), 1)
-                add([sp["<|python_end|>"]], 1)
             else:  # tool output comes from the interpreter at inference time: not trained on
-                add([sp["<|output_start|>"]], 0)
-                add(enc(text), 0)
-                add([sp["<|output_end|>"]], 0)
+                add_between("python" if kind == "python" else "output", text, int(kind == "python"))
         add([sp["<|assistant_end|>"]], 1)
     if add_generation_prompt:
         add([sp["<|assistant_start|>"]], 0)

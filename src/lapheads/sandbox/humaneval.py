@@ -29,14 +29,6 @@ def build_humaneval_program(problem_prompt: str, completion: str, test: str, ent
 def check_program(
     problem_prompt: str, completion: str, test: str, entry_point: str, timeout: float = 5.0, **kwargs: Any
 ) -> ExecResult:
-    """Build the HumanEval program for one completion and run it in the sandbox.
-
-    Args:
-        problem_prompt: the problem's prompt.
-        completion: the model's continuation of the prompt.
-        test: the problem's ``check`` function source.
-        entry_point: the function under test.
-        timeout: wall-clock seconds.
-        **kwargs: passed to :func:`run_code`.
-    """
+    """Run :func:`build_humaneval_program`'s program for one completion with :func:`run_code`
+    (``timeout`` in wall-clock seconds, ``**kwargs`` its other limits)."""
     return run_code(build_humaneval_program(problem_prompt, completion, test, entry_point), timeout=timeout, **kwargs)

@@ -1,13 +1,10 @@
 """ARC, MMLU, GSM8K and HumanEval in the chat format, as lm-evaluation-harness tasks.
 
-The task YAML files of this directory (:data:`TASKS_DIR`, lm-eval's ``TaskManager(include_path=
-TASKS_DIR)``) define ``lapheads_chat_arc_easy``, ``lapheads_chat_arc_challenge``,
-``lapheads_chat_mmlu``, ``lapheads_chat_gsm8k`` and ``lapheads_chat_humaneval`` (tag
-``lapheads_chat``); their prompts, answer extraction, sandboxed execution and pass@k are the
-functions below, which the YAML names with ``!function lapheads.lm.tasks.<name>``.
-``lapheads eval lm --tasks`` runs them on local JSONL files (:mod:`lapheads.lm.evaluate`);
-``lapheads lm-eval --tasks lapheads_chat_mmlu`` runs them on the Hub data sets the YAML names.
-Why these and not lm-eval's own tasks, and how each is scored: ``docs/design/lm.md``.
+The YAML files of :data:`TASKS_DIR` define ``lapheads_chat_arc_easy``, ``lapheads_chat_arc_challenge``,
+``lapheads_chat_mmlu``, ``lapheads_chat_gsm8k`` and ``lapheads_chat_humaneval`` (tag ``lapheads_chat``)
+with the functions below (``!function lapheads.lm.tasks.<name>``). ``lapheads eval lm --tasks`` runs
+them on local JSONL files, ``lapheads lm-eval --tasks lapheads_chat_mmlu`` on the Hub data sets.
+Design notes: ``docs/design/lm.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ __all__ = [
     "PASS_KS",
     "SandboxOptions",
     "sandbox_options",
-    "current_sandbox_options",
     "chat_prompt",
     "render_multiple_choice",
     "extract_answer",
@@ -94,13 +90,9 @@ _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
 
 
 def extract_answer(text: str) -> Optional[str]:
-    """The final numeric answer of a GSM8K-style completion, normalised, or None.
+    """The final numeric answer of a GSM8K-style completion, normalised (:func:`normalize_number`), or None.
 
-    The first number after the last ``####`` when there is one, else the last number in the
-    text. Commas and ``$`` are removed and ``12.0`` becomes ``12`` (:func:`normalize_number`).
-
-    Args:
-        text: the model's completion.
+    The first number after the last ``####`` when there is one, else the last number in the text.
     """
     if "####" in text:
         nums = _NUMBER.findall(text.rsplit("####", 1)[1])
@@ -145,11 +137,6 @@ class SandboxOptions:
 
 
 _options = SandboxOptions()
-
-
-def current_sandbox_options() -> SandboxOptions:
-    """The options the HumanEval task uses now."""
-    return _options
 
 
 @contextmanager
@@ -219,10 +206,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def humaneval_docs(dataset: Any) -> Any:
-    """``process_docs``: the documents unchanged, after checking that their programs may run.
-
-    lm-eval reads the documents when it builds the task, before the model generates, so a
-    sandbox that cannot run is refused before any completion is made.
+    """``process_docs``: the documents unchanged, after checking that their programs may run (lm-eval
+    reads the documents before the model generates).
 
     Raises:
         SandboxUnavailableError: bubblewrap cannot run here and unsafe execution was not allowed.
@@ -243,11 +228,8 @@ def humaneval_doc_to_target(doc: dict) -> str:
 
 
 def humaneval_run_in_sandbox(resps: list[list[str]], docs: list[dict]) -> list[list[str]]:
-    """The ``sandbox`` filter: each completion's program run in :mod:`lapheads.sandbox`.
-
-    Every program of the task runs here, ``workers`` at a time; each completion becomes the
-    status of its run (``passed``, ``failed``, ``timeout``, ``output_limit`` or ``error``).
-    """
+    """The ``sandbox`` filter: each completion becomes the status of its program's sandboxed run
+    (:attr:`lapheads.sandbox.ExecResult.status`), the task's programs ``workers`` at a time."""
     opts = _options
     programs, owners = [], []
     for i, (texts, doc) in enumerate(zip(resps, docs)):
@@ -272,12 +254,10 @@ def humaneval_pass_at_k(doc: dict, results: Sequence[list[str]]) -> dict[str, fl
 
 # ------------------------------------------------------------------------------------- configs
 def chat_task_config(name: str, path: Optional[str] = None, repeats: Optional[int] = None) -> dict[str, Any]:
-    """The lm-eval config of chat task ``name`` (``arc_easy`` ... ``humaneval``), optionally on local data.
+    """The lm-eval config (for ``simple_evaluate(tasks=[...])``) of chat task ``name`` (``arc_easy`` ... ``humaneval``).
 
-    The task's own YAML; with ``path``, its data set is that local JSONL (``.jsonl`` or
-    ``.jsonl.gz``, in the public layouts :mod:`lapheads.data.benchmarks` reads) as the test split instead
-    of the Hub data set. ``repeats`` sets the samples per problem. The dictionary is what lm-eval's
-    ``simple_evaluate(tasks=[...])`` takes.
+    With ``path``, the test split is that local JSONL (``.jsonl[.gz]``, as :mod:`lapheads.data.benchmarks`
+    reads it) instead of the Hub data set; ``repeats`` sets the samples per problem.
 
     Raises:
         DataError: ``name`` is not a chat task.
