@@ -23,7 +23,6 @@ __all__ = [
     "TimmViTAdapter",
     "TransformersAdapter",
     "get_adapter",
-    "layer_name",
     "resolve_layers",
 ]
 
@@ -306,12 +305,6 @@ def resolve_layers(model: torch.nn.Module, kind: str, layers: Optional[Sequence[
     """``layers`` (block / hidden-state indices, module names; None = all for vit and hf) checked
     against the model, in canonical form; a :class:`ConfigError` names the valid choices."""
     return get_adapter(model, kind).resolve(layers)
-
-
-def layer_name(kind: str, l: Layer) -> str:
-    """The key of a layer in the result dict."""
-    cls = ADAPTERS.get(kind, ModelAdapter) if isinstance(kind, str) else ModelAdapter
-    return cls.layer_name(l)
 
 
 def _tokens(out: Any) -> torch.Tensor:

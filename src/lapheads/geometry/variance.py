@@ -19,6 +19,7 @@ class AnovaAccumulator(Accumulator):
     without classes, within vs between sequences."""
 
     _sum_names = ("n", "sum", "sumsq", "within", "seqterm", "n_seq", "class_count", "class_sum")
+    _extra_names = ("has_classes",)
 
     def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
@@ -48,17 +49,6 @@ class AnovaAccumulator(Accumulator):
         self.seqterm = self.seqterm + 2 * (d @ self.sum) + self.n * dd
         self.sum = self.sum + self.n * d
         self.class_sum = self.class_sum + self.class_count[:, None] * d
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"has_classes": self.has_classes}
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.has_classes = sd.get("has_classes")
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, AnovaAccumulator)
-        if self.has_classes is None:
-            self.has_classes = other.has_classes
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor, class_ids: Optional[torch.Tensor] = None) -> None:
