@@ -269,10 +269,8 @@ def plateau(
     moves = {"max": vals.max() - vals[0], "min": vals[0] - vals.min(), None: np.abs(vals - vals[0]).max()}[mode]
     if not moves > tol * abs(vals[0]):
         return Plateau("no", None, len(pts), None, stopped_at, first, tol, flat=True)
-    last = pts[-1][0]
-    start = last * (1.0 - window)  # training starts at step 0
-    inside = [i for i, (s, _) in enumerate(pts) if s >= start]
-    i0 = min(inside[0], len(pts) - 2)  # at least two points in the window
+    start = pts[-1][0] * (1.0 - window)  # training starts at step 0
+    i0 = min(next(i for i, (s, _) in enumerate(pts) if s >= start), len(pts) - 2)  # at least two points in the window
     s0, v0 = pts[i0]
     v1 = pts[-1][1]
     rel = abs(v1 - v0) / abs(v0) if v0 != 0 else (0.0 if v1 == v0 else math.inf)
@@ -290,13 +288,9 @@ def evals_without_improvement(values: Sequence[float], mode: str, min_rel_delta:
     """
     if mode not in ("min", "max"):
         raise ValueError(f"mode={mode!r} must be 'min' or 'max'")
-    best: Optional[float] = None
-    stale = 0
-    for v in values:
-        v = float(v)
-        if best is None:
-            best, stale = v, 0
-            continue
+    vals = [float(v) for v in values]
+    best, stale = (vals[0] if vals else 0.0), 0
+    for v in vals[1:]:
         margin = min_rel_delta * abs(best)
         better = v > best + margin if mode == "max" else v < best - margin
         if better:

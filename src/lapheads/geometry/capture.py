@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -16,31 +17,12 @@ import torch
 
 from ..errors import ConfigError, DataError
 from .accumulate import or_error
-from .adapters import (
-    ADAPTERS,
-    Classifier,
-    HooksAdapter,
-    Layer,
-    ModelAdapter,
-    TimmViTAdapter,
-    TransformersAdapter,
-    get_adapter,
-    resolve_layers,
-)
+from .adapters import ADAPTERS, Classifier, Layer, ModelAdapter, get_adapter, resolve_layers
 from .classes import ClassAccumulator, check_classifier
 from .streaming import GeometryAccumulator
 
-__all__ = [
-    "ADAPTERS",
-    "HooksAdapter",
-    "ModelAdapter",
-    "TimmViTAdapter",
-    "TransformersAdapter",
-    "analyze_model",
-    "get_adapter",
-    "resolve_layers",
-    "save_geometry_json",
-]
+# ADAPTERS, ModelAdapter and resolve_layers are re-exported for the tests and `lapheads analyze`
+__all__ = ["ADAPTERS", "ModelAdapter", "analyze_model", "resolve_layers", "save_geometry_json"]
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -71,8 +53,7 @@ def _flatten(
 
 @dataclass
 class _Plan:
-    """One analysis: what was resolved before the first forward pass, then the accumulators of the
-    first pass (per layer, and for the CLS token per layer) and its counts."""
+    """One analysis: its settings, then the first pass's accumulators (per layer, CLS per layer) and counts."""
 
     adapter: ModelAdapter
     layers: list[Layer]
@@ -102,9 +83,7 @@ class _Plan:
             p = next(iter(adapter.model.parameters()), None)
             device = p.device if p is not None else torch.device("cpu")
         with adapter.attached(layers):
-            for bi, batch in enumerate(batches):
-                if self.max_batches is not None and bi >= self.max_batches:
-                    break
+            for batch in itertools.islice(batches, self.max_batches):
                 inputs, labels, mask = adapter.split(batch)
                 with torch.no_grad():
                     res, mask, tok_cls = adapter.capture(_to(inputs, device), mask, layers)

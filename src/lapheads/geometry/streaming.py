@@ -76,12 +76,8 @@ class GeometryAccumulator(Accumulator):
         }
 
     def _children(self) -> dict[str, Accumulator]:
-        ch: dict[str, Accumulator] = {"anova": self.anova, "tokens": self.tokens, "seq_means": self.seq_means}
-        if self.spectra is not None:
-            ch["spectra"] = self.spectra
-        if self.cosine is not None:
-            ch["cosine"] = self.cosine
-        return ch
+        ch = {"anova": self.anova, "tokens": self.tokens, "seq_means": self.seq_means}
+        return {k: v for k, v in {**ch, "spectra": self.spectra, "cosine": self.cosine}.items() if v is not None}
 
     @property
     def n_batches(self) -> int:

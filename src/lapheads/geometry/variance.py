@@ -73,8 +73,7 @@ class AnovaAccumulator(Accumulator):
     def _update_prepared(
         self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor, cid: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Add shifted float64 rows (``sid`` dense 0..S-1, ``r`` squared row norms); returns the
-        per-sequence sums."""
+        """Add shifted float64 rows (``sid`` dense 0..S-1, ``r`` squared norms); returns per-sequence sums."""
         cnt = torch.bincount(sid, minlength=S).to(F64)
         ssum = segment_sum(y, sid, S)
         sq = (ssum * ssum).sum(1) / cnt

@@ -128,8 +128,7 @@ def what_was_run(groups: dict, flags: dict[str, Plateau]) -> str:
 def _recipe_section(
     recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, plateau_window: float, plateau_tol: float
 ) -> Section:
-    """The section of one recipe: what was run, its table and notes, its figures (drawn here) and
-    the suggested fixed selections of learned head mixing."""
+    """One recipe's section: what was run, table, notes, figures (drawn here), mixing suggestions."""
     figs = out / "figures"
     sec = Section(
         recipe,
@@ -270,17 +269,11 @@ def make_report(
     return Report(title, paragraphs, sections, _summary_json(summary, flags, cl, gcl))
 
 
-def build_report(
-    run_dirs: Sequence[str | Path],
-    out_dir: str | Path,
-    title: str = "lapheads report",
-    intro: str = "",
-    plateau_window: float = 0.2,
-    plateau_tol: float = 0.01,
-) -> dict[str, Path]:
+def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, **options: Any) -> dict[str, Path]:
     """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``
-    (arguments as :func:`make_report`); returns ``{"md": path, "html": path, "summary": path}``."""
-    report = make_report(run_dirs, out_dir, title, intro, plateau_window, plateau_tol)
+    (``options``: ``title``, ``intro``, ``plateau_window``, ``plateau_tol`` of :func:`make_report`);
+    returns ``{"md": path, "html": path, "summary": path}``."""
+    report = make_report(run_dirs, out_dir, **options)
     out = Path(out_dir)
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
     (out / "report.html").write_text(render_html(report, out), encoding="utf-8")
@@ -298,10 +291,8 @@ def _json_safe(x: Any) -> Any:
 
 
 def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl: Sequence[dict] = ()) -> dict:
-    """recipe -> setting -> {key: [mean, std, n], "runs": [names], "plateau": {run: {...}},
-    "at_chance": {run: why or None}, "comparisons": {key: {claim, verdict, diff, ci_low, ci_high,
-    t, df, p, seeds ...}} (vs k=0), and for grid runs "comparisons_by_grid_point": {point: {key:
-    {...}}} (:func:`grid_claims`)}."""
+    """recipe -> setting -> {key: [mean, std, n], "runs", "plateau", "at_chance", "comparisons" (vs k=0),
+    "comparisons_by_grid_point" (grid runs)}."""
 
     def entry(c: dict, comp: Any) -> dict:
         return {"claim": c["claim"], "want_lower": c["want_lower"], "convergence": c["convergence"], **comp.to_dict()}

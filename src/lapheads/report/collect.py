@@ -104,9 +104,7 @@ def run_value(run: dict, key: str) -> Optional[float]:
     """One run's number for a summary key: a final metric or a geometry key of :data:`GEOMETRY`."""
     if key in _GEO:
         where, section, field = _GEO[key]
-        geo = run["geometry"]
-        if not geo:
-            return None
+        geo = run["geometry"] or {}
         return geo_value(geo, last_block(geo) if where == "last" else _classifier_layer(geo), section, field)
     v = run["final"].get(key)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
@@ -171,9 +169,7 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
         out.setdefault(r["recipe"], {}).setdefault(r["label"], {"runs": []})["runs"].append(r)
     for recipe, groups in out.items():
         for g in groups.values():
-            for m in metrics_of(recipe):
-                g[m.key] = mean_std([run_value(r, m.key) for r in g["runs"]])
-            for key, *_ in GEOMETRY:
+            for key in [m.key for m in metrics_of(recipe)] + [k for k, *_ in GEOMETRY]:
                 g[key] = mean_std([run_value(r, key) for r in g["runs"]])
         out[recipe] = dict(sorted(groups.items(), key=lambda kv: LaplacianHeads.sort_key(kv[0])))
     return out

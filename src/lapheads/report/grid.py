@@ -128,8 +128,7 @@ def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list)
 def _grid_figure(
     rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any, path: Path
 ) -> Optional[Path]:
-    """Every panel against the x axis ``name`` (values ``xof(run index)``), one line per k and other-axis
-    values; None when the axis has fewer than two values or no panel has data."""
+    """Every panel against the x axis ``name`` (``xof(run index)``); None with < 2 x values or no data."""
     lines: dict[str, dict[Any, list[int]]] = {}
     for i, r in enumerate(rs):
         x = xof(i)
