@@ -184,7 +184,7 @@ def compare(
         c.verdict = "observed" if good else "opposite"
     else:
         c.verdict = "not resolved"
-        c.seeds_needed = seeds_needed(c.effect_size, alpha) if math.isfinite(c.effect_size) else None
+        c.seeds_needed = seeds_needed(c.effect_size, alpha)
     if min(a.size, b.size) < min_seeds:
         c.withhold("too few seeds", f"fewer than {min_seeds} seeds per setting")
     return c

@@ -193,11 +193,8 @@ class Accumulator:
         shape = self._shift_shape()
         if shape is not None:  # the shift of the lowest rank that has seen data
             sh = broadcast_from_lowest_rank(self.shift, shape, self.device, group)
-            if sh is not None:
-                if self.shift is None:
-                    self.shift = sh
-                elif not torch.equal(sh, self.shift):
-                    self._reshift(sh)
+            if sh is not None and (self.shift is None or not torch.equal(sh, self.shift)):
+                self._reshift(sh)
         for n in self._sum_names:
             dist.all_reduce(getattr(self, n), group=group)
         for ch in self._children().values():

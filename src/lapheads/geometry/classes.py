@@ -185,22 +185,17 @@ class ClassAccumulator(Accumulator):
         tol = float(evals.max()) * max(self.dim, C) * torch.finfo(F64).eps
         ok = evals > tol
         V = evecs[:, ok]
-        nc1 = float(((V.T @ sigma_w @ V).diagonal() / evals[ok]).sum()) / C
         norms = M.norm(dim=1)
         out.update(
-            {
-                "nc1": nc1,
-                "trace_sigma_w": float(sigma_w.trace()),
-                "trace_sigma_b": float(sigma_b.trace()),
-                "within_class_variance": float((var * cnt).sum() / cnt.sum()),
-                "nc2_equinorm": float(norms.std(unbiased=False) / norms.mean())
-                if float(norms.mean()) > 0
-                else float("nan"),
-                "nc2_equiangular_std": pair["cos_std"],
-                "nc2_equiangular_mean": pair["cos_mean"],
-                "nc2_equiangular_shift": pair["cos_shift"],
-                "nc2_etf_distance": pair["etf_distance"],
-            }
+            nc1=float(((V.T @ sigma_w @ V).diagonal() / evals[ok]).sum()) / C,
+            trace_sigma_w=float(sigma_w.trace()),
+            trace_sigma_b=float(sigma_b.trace()),
+            within_class_variance=float((var * cnt).sum() / cnt.sum()),
+            nc2_equinorm=float(norms.std(unbiased=False) / norms.mean()) if float(norms.mean()) > 0 else float("nan"),
+            nc2_equiangular_std=pair["cos_std"],
+            nc2_equiangular_mean=pair["cos_mean"],
+            nc2_equiangular_shift=pair["cos_shift"],
+            nc2_etf_distance=pair["etf_distance"],
         )
         if classifier is not None:
             W, _ = check_classifier(classifier, self.dim, keep)

@@ -11,7 +11,7 @@ import torch
 from ..errors import ConfigError, DataError
 from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
 
-__all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold"]
+__all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold", "global_spectrum"]
 
 
 def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
@@ -45,6 +45,14 @@ def k_for_threshold(ev: torch.Tensor, threshold: float) -> int:
         return 0
     cum = torch.cumsum(ev, 0) / tot
     return min(int(torch.searchsorted(cum, torch.tensor([threshold], dtype=cum.dtype))[0]) + 1, ev.numel())
+
+
+def global_spectrum(cov: torch.Tensor, threshold: float) -> dict[str, Any]:
+    """``global_k``, ``global_spectrum`` (descending eigenvalues) and ``global_curve`` of a covariance."""
+    ev = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0.0)
+    tot = float(ev.sum())
+    curve = (ev / tot).tolist() if tot > 0 else [0.0] * ev.numel()
+    return {"global_k": float(k_for_threshold(ev, threshold)), "global_spectrum": ev.tolist(), "global_curve": curve}
 
 
 class SpectraAccumulator(Accumulator):

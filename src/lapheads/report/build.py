@@ -99,9 +99,8 @@ def what_was_run(groups: dict, flags: dict[str, Plateau]) -> str:
     steps = [int(_steps(r)) for r in runs if _steps(r).isdigit()]
     if steps:
         parts.append(f"Optimizer steps per run: {_span(steps)}.")
-    evals = [flags[r["dir"]].points for r in runs]
-    parts.append(f"Validation points per run: {_span(evals)}.")
     status = [flags[r["dir"]] for r in runs]
+    parts.append(f"Validation points per run: {_span([f.points for f in status])}.")
     yes, flat = sum(f.status == "yes" for f in status), sum(f.flat for f in status)
     unknown = sum(f.status == "unknown" for f in status)
     plateau = f"Plateaued: {yes} of {len(runs)} runs"

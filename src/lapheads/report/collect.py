@@ -49,12 +49,9 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
     run = RunDir(run_dir)
     cfg = run.read_config()
     recipe = get_recipe(cfg["recipe"])
-    spec = recipe.heads(run.path)  # the recipe's one rule (SFT: its pretraining run's)
-    label = LaplacianHeads(spec).label()
-    if label == "none":
-        label = "k=0"
+    label = LaplacianHeads(recipe.heads(run.path)).label()  # the recipe's one rule (SFT: its pretraining run's)
     # another attention (diff, xsa) is its own group; standard attention is k=0
-    label = variant_label((cfg.get("model") or {}).get("attention", "laplacian"), label)
+    label = variant_label((cfg.get("model") or {}).get("attention", "laplacian"), "k=0" if label == "none" else label)
     final = run.final_dir / "metrics.json"
     records = run.metrics()
     finished = (run.final_dir / "model.json").is_file()

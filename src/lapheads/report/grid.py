@@ -61,12 +61,11 @@ def grid_sections(
         labels = sorted({r["label"] for r in rs})
         if not axes and len(labels) < 2:
             continue
-        key, metric_name = m.key, m.label
         flats = [flatten_config(c) for c in configs]
-        panels = [("metric", key, metric_name)] + GRID_MEASURES
+        panels = [("metric", m.key, m.label)] + GRID_MEASURES
         table = None
         if axes:
-            header = [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES]
+            header = [*axes, "Laplacian heads", "runs", m.label] + [p[2] for p in GRID_MEASURES]
             title = f"{recipe}: grid (mean ± std over seeds; geometry of the last block)"
             table = (title, Table(header, _grid_rows(rs, flats, axes, panels)))
         nh = {f.get("model.num_heads") for f in flats}
@@ -80,7 +79,7 @@ def grid_sections(
             path = figs / f"{recipe}_grid_{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png"
             fig = _grid_figure(rs, flats, axes, panels, name, xof, path)
             what = "k-ablation" if name == "Laplacian heads k" else "scaling"
-            about = f"{metric_name} and geometry (last block) against {name}, mean ± std over seeds"
+            about = f"{m.label} and geometry (last block) against {name}, mean ± std over seeds"
             if fig is not None:
                 made.append((fig, f"{recipe}: {what}: {about}"))
         if table is not None or made:
