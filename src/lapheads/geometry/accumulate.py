@@ -72,8 +72,7 @@ def or_error(compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D): a dense GEMM
-    for few segments, ``index_add_`` for many."""
+    """Per-segment float64 sums (S, D) of the rows of ``src`` (optionally weighted)."""
     if S <= 64:
         A = torch.zeros(S, src.shape[0], dtype=F64, device=src.device)
         A[sid, torch.arange(src.shape[0], device=src.device)] = 1.0 if weights is None else weights
@@ -203,16 +202,14 @@ class Accumulator:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: config, sums, shift and children (tensors on CPU)."""
-        sd: dict[str, Any] = {
+        return {
             "type": type(self).__name__,
             "config": self._config(),
             "shift": None if self.shift is None else self.shift.cpu().clone(),
+            **{n: getattr(self, n).detach().cpu().clone() for n in self._sum_names},
+            **{n: getattr(self, n) for n in self._extra_names},
+            "children": {k: ch.state_dict() for k, ch in self._children().items()},
         }
-        for n in self._sum_names:
-            sd[n] = getattr(self, n).detach().cpu().clone()
-        sd.update({n: getattr(self, n) for n in self._extra_names})
-        sd["children"] = {k: ch.state_dict() for k, ch in self._children().items()}
-        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> "Accumulator":
         """Restore from :meth:`state_dict`; the settings must match the saved ones."""

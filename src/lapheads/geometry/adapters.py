@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -243,18 +244,15 @@ class HooksAdapter(ModelAdapter):
     @contextlib.contextmanager
     def attached(self, layers: Sequence[Layer]) -> Iterator[None]:
         mods = dict(self.model.named_modules())
-        handles = []
-        for l in layers:
-
-            def hook(_m: Any, _i: Any, out: Any, name: Any = l) -> None:
-                self._store[name] = _tokens(out).detach()
-
-            handles.append(mods[l].register_forward_hook(hook))
+        handles = [mods[l].register_forward_hook(functools.partial(self._hook, l)) for l in layers]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _hook(self, name: Layer, _m: Any, _i: Any, out: Any) -> None:
+        self._store[name] = _tokens(out).detach()
 
     def capture(
         self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]

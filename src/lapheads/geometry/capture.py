@@ -21,7 +21,6 @@ from .adapters import ADAPTERS, Classifier, Layer, ModelAdapter, get_adapter, re
 from .classes import ClassAccumulator, check_classifier
 from .streaming import GeometryAccumulator
 
-# ADAPTERS, ModelAdapter and resolve_layers are re-exported for the tests and `lapheads analyze`
 __all__ = ["ADAPTERS", "ModelAdapter", "analyze_model", "resolve_layers", "save_geometry_json"]
 
 

@@ -21,8 +21,7 @@ def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
 
 
 def sequence_eigenvalues(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D)); through
-    the T x T Gram matrix when T < D, one ``eigvalsh`` call per sequence length."""
+    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D))."""
     out: list[Optional[torch.Tensor]] = [None] * len(seqs)
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
@@ -107,7 +106,7 @@ class SpectraAccumulator(Accumulator):
 class CosineAccumulator(Accumulator):
     """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences: for T
     unit vectors u_i, (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)) (a zero token has cosine 0;
-    sequences of one token are skipped). Sums, on ``device``, are kept around a reference cosine."""
+    sequences of one token are skipped), summed on ``device``."""
 
     _sum_names = ("n_seq", "cos_sum", "cos_sq")  # sums of 1, (c - shift) and (c - shift)^2
 

@@ -9,7 +9,6 @@ from typing import Any, Optional, Sequence
 from ..stats import Comparison, Plateau, compare
 from .collect import by_recipe, grid_points, main_metric, run_plateau, run_value, summarise
 
-# ----------------------------------------------------------------------------------- claims
 # (summary key, the claim predicts lower values with Laplacian heads, claim, how it is measured)
 CLAIMS = [
     (

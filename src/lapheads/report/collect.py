@@ -172,7 +172,6 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-# ------------------------------------------------------------------------------ grid points
 # keys that never define a grid axis: the k and seed axes, and what does not change the math
 _NOT_AXES = {"model.laplacian_heads", "model.attention", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
 

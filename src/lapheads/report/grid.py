@@ -158,8 +158,7 @@ def _grid_figure(
         if is_num and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
             ax.set_xscale("log")
         if not is_num:
-            ax.set_xticks(range(len(cats)))
-            ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
+            ax.set_xticks(range(len(cats)), [str(c).strip("'") for c in cats], rotation=30, fontsize=7)
         ax.set_xlabel(name)
         ax.set_title(plabel, fontsize=9)
     axs[0][0].legend(fontsize=7)
