@@ -26,9 +26,7 @@ class AnovaAccumulator(Accumulator):
         self.dim = int(dim)
         z = lambda *s: torch.zeros(*s, dtype=F64, device=self.device)  # noqa: E731
         self.n, self.sumsq, self.within, self.seqterm, self.n_seq = z(()), z(()), z(()), z(()), z(())
-        self.sum = z(self.dim)
-        self.class_count = z(0)
-        self.class_sum = z(0, self.dim)
+        self.sum, self.class_count, self.class_sum = z(self.dim), z(0), z(0, self.dim)
         self.has_classes: Optional[bool] = None
 
     def _config(self) -> dict[str, Any]:
