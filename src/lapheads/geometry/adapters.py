@@ -39,6 +39,7 @@ class ModelAdapter(ABC):
     ``inputs`` / a dict with ``pixel_values``; subclasses override what differs."""
 
     kind = ""
+    _head_method = ""  # the model's method that returns its own classifier head, if any
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -61,8 +62,9 @@ class ModelAdapter(ABC):
         return False
 
     def default_classifier(self) -> Optional[Classifier]:
-        """``(weight, bias)`` of the model's own head for ``classifier="auto"``, or None."""
-        return None
+        """``(weight, bias)`` of the model's own head (``_head_method``) for ``classifier="auto"``, or None."""
+        get = getattr(self.model, self._head_method, None) if self._head_method else None
+        return _linear(get()) if get is not None else None
 
     def num_classes(self) -> Optional[int]:
         """Initial class-table size when the caller gives none (None = grow from 0)."""
@@ -99,6 +101,7 @@ class TimmViTAdapter(ModelAdapter):
     """A timm VisionTransformer: blocks through ``forward_intermediates``, plus ``"pre_logits"``."""
 
     kind = "vit"
+    _head_method = "get_classifier"
 
     def resolve(self, layers: Optional[Sequence[Layer]]) -> list[Layer]:
         model = self.model
@@ -124,10 +127,6 @@ class TimmViTAdapter(ModelAdapter):
     def pooled(self, layer: Layer) -> bool:
         return layer == "pre_logits"
 
-    def default_classifier(self) -> Optional[Classifier]:
-        get = getattr(self.model, "get_classifier", None)
-        return _linear(get()) if get is not None else None
-
     def capture(
         self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
     ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -152,6 +151,7 @@ class TransformersAdapter(ModelAdapter):
     """A transformers model: ``hidden_states[i]``, classes are the next token ids."""
 
     kind = "hf"
+    _head_method = "get_output_embeddings"
 
     def n_layers(self) -> int:
         cfg = getattr(self.model, "config", None)
@@ -176,10 +176,6 @@ class TransformersAdapter(ModelAdapter):
 
     def default_classifier_layer(self) -> Layer:
         return self.n_layers()  # the last hidden state, after the final norm
-
-    def default_classifier(self) -> Optional[Classifier]:
-        get = getattr(self.model, "get_output_embeddings", None)
-        return _linear(get()) if get is not None else None
 
     def num_classes(self) -> Optional[int]:
         return int(getattr(self.model.config, "vocab_size", 0) or 0)  # the table of next-token ids

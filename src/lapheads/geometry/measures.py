@@ -166,9 +166,8 @@ def within_sequence_cosine(x: Any, sequence_ids: Any) -> dict[str, float]:
     A sequence of T tokens averages over its T (T - 1) ordered pairs i != j; single-token
     sequences are skipped; a zero token has cosine 0 with every other token.
     """
-    x, sid, _ = check_inputs(x, sequence_ids)
     acc = CosineAccumulator()
-    acc.update(x, sid)
+    acc.update(x, sequence_ids)
     return acc.compute()
 
 

@@ -296,6 +296,9 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
     def entry(c: dict, comp: Any) -> dict:
         return {"claim": c["claim"], "want_lower": c["want_lower"], "convergence": c["convergence"], **comp.to_dict()}
 
+    def matching(entries: Sequence[dict], rec: str, lb: str) -> list[tuple[dict, Any]]:
+        return [(c, comp) for c in entries if c["recipe"] == rec for comp in c["comparisons"] if comp.other == lb]
+
     out: dict[str, dict[str, Any]] = {}
     for rec, groups in summary.items():
         out[rec] = {}
@@ -313,18 +316,9 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
                 for r in g["runs"]
             }
             d["at_chance"] = {r["name"]: r.get("at_chance") for r in g["runs"]}
-            d["comparisons"] = {
-                c["key"]: entry(c, comp)
-                for c in cl
-                if c["recipe"] == rec
-                for comp in c["comparisons"]
-                if comp.other == lb
-            }
-            for c in gcl:
-                for comp in c["comparisons"]:
-                    if c["recipe"] == rec and comp.other == lb:
-                        d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})[c["key"]] = entry(
-                            c, comp
-                        )
+            d["comparisons"] = {c["key"]: entry(c, comp) for c, comp in matching(cl, rec, lb)}
+            for c, comp in matching(gcl, rec, lb):
+                by_point = d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})
+                by_point[c["key"]] = entry(c, comp)
             out[rec][lb] = d
     return out
