@@ -165,10 +165,8 @@ def compare(
     lower value for ``other``. With fewer than ``min_seeds`` seeds in a setting the test is
     computed but the verdict is ``"too few seeds"``."""
     a, b = _finite(baseline), _finite(other)
-    m0 = float(a.mean()) if a.size else math.nan
-    m1 = float(b.mean()) if b.size else math.nan
-    s0 = float(a.std(ddof=1)) if a.size > 1 else 0.0
-    s1 = float(b.std(ddof=1)) if b.size > 1 else 0.0
+    m0, m1 = (float(v.mean()) if v.size else math.nan for v in (a, b))
+    s0, s1 = (float(v.std(ddof=1)) if v.size > 1 else 0.0 for v in (a, b))
     c = Comparison(baseline_label, other_label, int(a.size), int(b.size), m0, m1, s0, s1, m1 - m0, "no data")
     if a.size == 0 or b.size == 0:
         return c
