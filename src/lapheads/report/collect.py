@@ -112,8 +112,7 @@ def run_plateau(run: dict, window: float = 0.2, tol: float = 0.01) -> Plateau:
     m = main_metric(run["recipe"])
     pts = [(r["step"], r[m.key]) for r in run["val"] if m and isinstance(r.get(m.key), (int, float))]
     mode = None if m is None else ("max" if m.higher_is_better else "min")
-    steps, values = [s for s, _ in pts], [v for _, v in pts]
-    return plateau(steps, values, window, tol, stopped_at=run.get("plateau_stop"), mode=mode)
+    return plateau([s for s, _ in pts], [v for _, v in pts], window, tol, stopped_at=run.get("plateau_stop"), mode=mode)
 
 
 def run_at_chance(run: dict) -> Optional[str]:
