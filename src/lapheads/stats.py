@@ -165,10 +165,8 @@ def compare(
     lower value for ``other``. With fewer than ``min_seeds`` seeds in a setting the test is
     computed but the verdict is ``"too few seeds"``."""
     a, b = _finite(baseline), _finite(other)
-    m0 = float(a.mean()) if a.size else math.nan
-    m1 = float(b.mean()) if b.size else math.nan
-    s0 = float(a.std(ddof=1)) if a.size > 1 else 0.0
-    s1 = float(b.std(ddof=1)) if b.size > 1 else 0.0
+    m0, m1 = (float(v.mean()) if v.size else math.nan for v in (a, b))
+    s0, s1 = (float(v.std(ddof=1)) if v.size > 1 else 0.0 for v in (a, b))
     c = Comparison(baseline_label, other_label, int(a.size), int(b.size), m0, m1, s0, s1, m1 - m0, "no data")
     if a.size == 0 or b.size == 0:
         return c
@@ -184,7 +182,7 @@ def compare(
         c.verdict = "observed" if good else "opposite"
     else:
         c.verdict = "not resolved"
-        c.seeds_needed = seeds_needed(c.effect_size, alpha) if math.isfinite(c.effect_size) else None
+        c.seeds_needed = seeds_needed(c.effect_size, alpha)
     if min(a.size, b.size) < min_seeds:
         c.withhold("too few seeds", f"fewer than {min_seeds} seeds per setting")
     return c
@@ -269,10 +267,8 @@ def plateau(
     moves = {"max": vals.max() - vals[0], "min": vals[0] - vals.min(), None: np.abs(vals - vals[0]).max()}[mode]
     if not moves > tol * abs(vals[0]):
         return Plateau("no", None, len(pts), None, stopped_at, first, tol, flat=True)
-    last = pts[-1][0]
-    start = last * (1.0 - window)  # training starts at step 0
-    inside = [i for i, (s, _) in enumerate(pts) if s >= start]
-    i0 = min(inside[0], len(pts) - 2)  # at least two points in the window
+    start = pts[-1][0] * (1.0 - window)  # training starts at step 0
+    i0 = min(next(i for i, (s, _) in enumerate(pts) if s >= start), len(pts) - 2)  # at least two points in the window
     s0, v0 = pts[i0]
     v1 = pts[-1][1]
     rel = abs(v1 - v0) / abs(v0) if v0 != 0 else (0.0 if v1 == v0 else math.inf)
@@ -290,13 +286,9 @@ def evals_without_improvement(values: Sequence[float], mode: str, min_rel_delta:
     """
     if mode not in ("min", "max"):
         raise ValueError(f"mode={mode!r} must be 'min' or 'max'")
-    best: Optional[float] = None
-    stale = 0
-    for v in values:
-        v = float(v)
-        if best is None:
-            best, stale = v, 0
-            continue
+    vals = [float(v) for v in values]
+    best, stale = (vals[0] if vals else 0.0), 0
+    for v in vals[1:]:
         margin = min_rel_delta * abs(best)
         better = v > best + margin if mode == "max" else v < best - margin
         if better:

@@ -8,15 +8,11 @@ only; plots (:mod:`lapheads.geometry.plots`, matplotlib) are imported only by th
 """
 
 from .capture import analyze_model, save_geometry_json
+from .classes import ClassAccumulator, NC4Accumulator
 from .measures import anova, cdnv, geometry, neural_collapse, pca_rgb, spectra, spectral_k99, within_sequence_cosine
-from .streaming import (
-    AnovaAccumulator,
-    ClassAccumulator,
-    CosineAccumulator,
-    GeometryAccumulator,
-    NC4Accumulator,
-    SpectraAccumulator,
-)
+from .sequences import CosineAccumulator, SpectraAccumulator
+from .streaming import GeometryAccumulator
+from .variance import AnovaAccumulator
 
 __all__ = [
     "anova",

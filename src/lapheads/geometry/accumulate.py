@@ -72,8 +72,7 @@ def or_error(compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def segment_sum(src: torch.Tensor, sid: torch.Tensor, S: int, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per-segment float64 sums of the rows of ``src`` (optionally weighted), (S, D): a dense GEMM
-    for few segments, ``index_add_`` for many."""
+    """Per-segment float64 sums (S, D) of the rows of ``src`` (optionally weighted)."""
     if S <= 64:
         A = torch.zeros(S, src.shape[0], dtype=F64, device=src.device)
         A[sid, torch.arange(src.shape[0], device=src.device)] = 1.0 if weights is None else weights
@@ -106,10 +105,11 @@ def broadcast_from_lowest_rank(
 
 class Accumulator:
     """Base class: a bag of float64 state tensors that are summed to merge. Subclasses list them in
-    ``_sum_names``, their settings (checked on merge / load) in ``_config()``, and move shifted sums
-    in ``_move_sums``."""
+    ``_sum_names`` (other state in ``_extra_names``), their settings (checked on merge / load) in
+    ``_config()``, and move shifted sums in ``_move_sums``."""
 
     _sum_names: tuple[str, ...] = ()
+    _extra_names: tuple[str, ...] = ()  # state that is not a sum: None until set, then kept on merge
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -119,14 +119,6 @@ class Accumulator:
 
     def _children(self) -> dict[str, "Accumulator"]:
         return {}
-
-    def _check_compatible(self, other: "Accumulator") -> None:
-        if type(other) is not type(self):
-            raise ConfigError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
-        if other._config() != self._config():
-            raise ConfigError(
-                f"cannot merge accumulators with different settings: {self._config()} vs {other._config()}"
-            )
 
     shift: Optional[torch.Tensor] = None
 
@@ -152,7 +144,12 @@ class Accumulator:
 
     def merge(self, other: "Accumulator") -> "Accumulator":
         """Add the sums of ``other`` (same type and settings) into ``self``; returns ``self``."""
-        self._check_compatible(other)
+        if type(other) is not type(self):
+            raise ConfigError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+        if other._config() != self._config():
+            raise ConfigError(
+                f"cannot merge accumulators with different settings: {self._config()} vs {other._config()}"
+            )
         if self.shift is None and other.shift is not None:
             self._reshift(other.shift.clone())
         if other.shift is not None and not torch.equal(self.shift, other.shift):
@@ -166,13 +163,12 @@ class Accumulator:
         for n in self._sum_names:
             a, b = getattr(self, n), getattr(other, n)
             setattr(self, n, a + b.to(a.device))
-        self._merge_extra(other)
+        for n in self._extra_names:
+            if getattr(self, n) is None:
+                setattr(self, n, getattr(other, n))
         for k, ch in self._children().items():
             ch.merge(other._children()[k])
         return self
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        """Hook for state that is not a plain sum (min/max)."""
 
     def copy(self) -> "Accumulator":
         new = type(self).__new__(type(self))
@@ -196,36 +192,24 @@ class Accumulator:
         shape = self._shift_shape()
         if shape is not None:  # the shift of the lowest rank that has seen data
             sh = broadcast_from_lowest_rank(self.shift, shape, self.device, group)
-            if sh is not None:
-                if self.shift is None:
-                    self.shift = sh
-                elif not torch.equal(sh, self.shift):
-                    self._reshift(sh)
+            if sh is not None and (self.shift is None or not torch.equal(sh, self.shift)):
+                self._reshift(sh)
         for n in self._sum_names:
             dist.all_reduce(getattr(self, n), group=group)
-        self._all_reduce_extra(group)
         for ch in self._children().values():
             ch.all_reduce(group)
         return self
 
-    def _all_reduce_extra(self, group: Any) -> None:
-        """Hook for state that is not a plain sum."""
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: config, sums, shift and children (tensors on CPU)."""
-        sd: dict[str, Any] = {
+        return {
             "type": type(self).__name__,
             "config": self._config(),
             "shift": None if self.shift is None else self.shift.cpu().clone(),
+            **{n: getattr(self, n).detach().cpu().clone() for n in self._sum_names},
+            **{n: getattr(self, n) for n in self._extra_names},
+            "children": {k: ch.state_dict() for k, ch in self._children().items()},
         }
-        for n in self._sum_names:
-            sd[n] = getattr(self, n).detach().cpu().clone()
-        sd.update(self._extra_state())
-        sd["children"] = {k: ch.state_dict() for k, ch in self._children().items()}
-        return sd
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
 
     def load_state_dict(self, sd: dict[str, Any]) -> "Accumulator":
         """Restore from :meth:`state_dict`; the settings must match the saved ones."""
@@ -236,13 +220,11 @@ class Accumulator:
         self.shift = None if sd["shift"] is None else sd["shift"].to(self.device, F64)
         for n in self._sum_names:
             setattr(self, n, sd[n].to(self.device).clone())
-        self._load_extra(sd)
+        for n in self._extra_names:
+            setattr(self, n, sd.get(n))
         for k, ch in self._children().items():
             ch.load_state_dict(sd["children"][k])
         return self
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        pass
 
     def _prep(self, x: torch.Tensor) -> torch.Tensor:
         """float64 copy of ``x`` minus the shift (set from the first batch's mean)."""

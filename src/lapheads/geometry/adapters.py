@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -23,7 +24,6 @@ __all__ = [
     "TimmViTAdapter",
     "TransformersAdapter",
     "get_adapter",
-    "layer_name",
     "resolve_layers",
 ]
 
@@ -39,6 +39,7 @@ class ModelAdapter(ABC):
     ``inputs`` / a dict with ``pixel_values``; subclasses override what differs."""
 
     kind = ""
+    _head_method = ""  # the model's method that returns its own classifier head, if any
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -61,8 +62,9 @@ class ModelAdapter(ABC):
         return False
 
     def default_classifier(self) -> Optional[Classifier]:
-        """``(weight, bias)`` of the model's own head for ``classifier="auto"``, or None."""
-        return None
+        """``(weight, bias)`` of the model's own head (``_head_method``) for ``classifier="auto"``, or None."""
+        get = getattr(self.model, self._head_method, None) if self._head_method else None
+        return _linear(get()) if get is not None else None
 
     def num_classes(self) -> Optional[int]:
         """Initial class-table size when the caller gives none (None = grow from 0)."""
@@ -99,6 +101,7 @@ class TimmViTAdapter(ModelAdapter):
     """A timm VisionTransformer: blocks through ``forward_intermediates``, plus ``"pre_logits"``."""
 
     kind = "vit"
+    _head_method = "get_classifier"
 
     def resolve(self, layers: Optional[Sequence[Layer]]) -> list[Layer]:
         model = self.model
@@ -124,10 +127,6 @@ class TimmViTAdapter(ModelAdapter):
     def pooled(self, layer: Layer) -> bool:
         return layer == "pre_logits"
 
-    def default_classifier(self) -> Optional[Classifier]:
-        get = getattr(self.model, "get_classifier", None)
-        return _linear(get()) if get is not None else None
-
     def capture(
         self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
     ) -> tuple[Captured, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -152,6 +151,7 @@ class TransformersAdapter(ModelAdapter):
     """A transformers model: ``hidden_states[i]``, classes are the next token ids."""
 
     kind = "hf"
+    _head_method = "get_output_embeddings"
 
     def n_layers(self) -> int:
         cfg = getattr(self.model, "config", None)
@@ -176,10 +176,6 @@ class TransformersAdapter(ModelAdapter):
 
     def default_classifier_layer(self) -> Layer:
         return self.n_layers()  # the last hidden state, after the final norm
-
-    def default_classifier(self) -> Optional[Classifier]:
-        get = getattr(self.model, "get_output_embeddings", None)
-        return _linear(get()) if get is not None else None
 
     def num_classes(self) -> Optional[int]:
         return int(getattr(self.model.config, "vocab_size", 0) or 0)  # the table of next-token ids
@@ -244,18 +240,15 @@ class HooksAdapter(ModelAdapter):
     @contextlib.contextmanager
     def attached(self, layers: Sequence[Layer]) -> Iterator[None]:
         mods = dict(self.model.named_modules())
-        handles = []
-        for l in layers:
-
-            def hook(_m: Any, _i: Any, out: Any, name: Any = l) -> None:
-                self._store[name] = _tokens(out).detach()
-
-            handles.append(mods[l].register_forward_hook(hook))
+        handles = [mods[l].register_forward_hook(functools.partial(self._hook, l)) for l in layers]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    def _hook(self, name: Layer, _m: Any, _i: Any, out: Any) -> None:
+        self._store[name] = _tokens(out).detach()
 
     def capture(
         self, inputs: Any, mask: Optional[torch.Tensor], layers: Sequence[Layer]
@@ -306,12 +299,6 @@ def resolve_layers(model: torch.nn.Module, kind: str, layers: Optional[Sequence[
     """``layers`` (block / hidden-state indices, module names; None = all for vit and hf) checked
     against the model, in canonical form; a :class:`ConfigError` names the valid choices."""
     return get_adapter(model, kind).resolve(layers)
-
-
-def layer_name(kind: str, l: Layer) -> str:
-    """The key of a layer in the result dict."""
-    cls = ADAPTERS.get(kind, ModelAdapter) if isinstance(kind, str) else ModelAdapter
-    return cls.layer_name(l)
 
 
 def _tokens(out: Any) -> torch.Tensor:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -16,34 +17,11 @@ import torch
 
 from ..errors import ConfigError, DataError
 from .accumulate import or_error
-from .adapters import (
-    ADAPTERS,
-    Classifier,
-    HooksAdapter,
-    Layer,
-    ModelAdapter,
-    TimmViTAdapter,
-    TransformersAdapter,
-    get_adapter,
-    layer_name,
-    resolve_layers,
-)
+from .adapters import ADAPTERS, Classifier, Layer, ModelAdapter, get_adapter, resolve_layers
 from .classes import ClassAccumulator, check_classifier
 from .streaming import GeometryAccumulator
 
-__all__ = [
-    "ADAPTERS",
-    "HooksAdapter",
-    "ModelAdapter",
-    "TimmViTAdapter",
-    "TransformersAdapter",
-    "analyze_model",
-    "get_adapter",
-    "iter_layer_tokens",
-    "layer_name",
-    "resolve_layers",
-    "save_geometry_json",
-]
+__all__ = ["ADAPTERS", "ModelAdapter", "analyze_model", "resolve_layers", "save_geometry_json"]
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -52,51 +30,6 @@ def _to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _to(v, device) for k, v in obj.items()}
     return obj
-
-
-def iter_layer_tokens(
-    model: torch.nn.Module,
-    batches: Iterable[Any],
-    kind: str,
-    layers: Sequence[Layer],
-    *,
-    include_prefix: bool = False,
-    max_batches: Optional[int] = None,
-    device: Optional[torch.device] = None,
-) -> Iterator[dict[str, Any]]:
-    """Yield, per batch, ``{"layers": {layer: (tokens (B,T,D), prefix (B,P,D) or None)},
-    "mask": (B,T) bool, "labels": (B,) or None, "token_classes": (B,T) or None, "batch_size": B}``
-    for the resolved ``layers`` of a model in eval mode; inputs go to ``device`` (default: the
-    model's). The prefix tokens are yielded apart whatever ``include_prefix`` says (only
-    :func:`analyze_model` applies it)."""
-    return _iter_tokens(get_adapter(model, kind), batches, layers, max_batches, device)
-
-
-def _iter_tokens(
-    adapter: ModelAdapter,
-    batches: Iterable[Any],
-    layers: Sequence[Layer],
-    max_batches: Optional[int],
-    device: Optional[torch.device],
-) -> Iterator[dict[str, Any]]:
-    if device is None:
-        p = next(iter(adapter.model.parameters()), None)
-        device = p.device if p is not None else torch.device("cpu")
-    with adapter.attached(layers):
-        for bi, batch in enumerate(batches):
-            if max_batches is not None and bi >= max_batches:
-                break
-            inputs, labels, mask = adapter.split(batch)
-            with torch.no_grad():
-                res, mask, tok_cls = adapter.capture(_to(inputs, device), mask, layers)
-            if mask is not None:
-                mask = _to(mask, device).bool()
-            if labels is not None:
-                labels = torch.as_tensor(labels)
-                if labels.dim() == 2:
-                    tok_cls, labels = labels, None
-            B = next(iter(res.values()))[0].shape[0]
-            yield {"layers": res, "mask": mask, "labels": labels, "token_classes": tok_cls, "batch_size": B}
 
 
 def _flatten(
@@ -119,8 +52,7 @@ def _flatten(
 
 @dataclass
 class _Plan:
-    """One analysis: what was resolved before the first forward pass, then the accumulators of the
-    first pass (per layer, and for the CLS token per layer) and its counts."""
+    """One analysis: its settings, then the first pass's accumulators (per layer, CLS per layer) and counts."""
 
     adapter: ModelAdapter
     layers: list[Layer]
@@ -143,7 +75,24 @@ class _Plan:
         return self.adapter.layer_name(layer)
 
     def tokens(self, batches: Iterable[Any], layers: Sequence[Layer]) -> Iterator[dict[str, Any]]:
-        return _iter_tokens(self.adapter, batches, layers, self.max_batches, self.device)
+        """Per batch: ``{"layers": {layer: (tokens (B,T,D), prefix (B,P,D) or None)}, "mask": (B,T) bool
+        or None, "labels": (B,) or None, "token_classes": (B,T) or None}``."""
+        adapter, device = self.adapter, self.device
+        if device is None:
+            p = next(iter(adapter.model.parameters()), None)
+            device = p.device if p is not None else torch.device("cpu")
+        with adapter.attached(layers):
+            for batch in itertools.islice(batches, self.max_batches):
+                inputs, labels, mask = adapter.split(batch)
+                with torch.no_grad():
+                    res, mask, tok_cls = adapter.capture(_to(inputs, device), mask, layers)
+                if mask is not None:
+                    mask = _to(mask, device).bool()
+                if labels is not None:
+                    labels = torch.as_tensor(labels)
+                    if labels.dim() == 2:
+                        tok_cls, labels = labels, None
+                yield {"layers": res, "mask": mask, "labels": labels, "token_classes": tok_cls}
 
 
 def analyze_model(
@@ -242,19 +191,17 @@ def analyze_model(
 def _resolve_classifier(plan: _Plan, classifier: Any) -> None:
     """Settle ``plan.classifier`` (weight, bias) and its layer before any forward pass."""
     adapter = plan.adapter
-    plan.auto_classifier = isinstance(classifier, str) and classifier == "auto"
     if isinstance(classifier, str):
         if classifier != "auto":
             raise ConfigError(f"classifier must be 'auto', None, (weight, bias) or nn.Linear; got {classifier!r}")
+        plan.auto_classifier = True
         classifier = adapter.default_classifier()
     elif isinstance(classifier, torch.nn.Linear):
         classifier = (classifier.weight.detach(), None if classifier.bias is None else classifier.bias.detach())
     plan.classifier = classifier
     if classifier is None:
         return
-    layer = plan.classifier_layer
-    if layer is None:
-        layer = adapter.default_classifier_layer()
+    layer = adapter.default_classifier_layer() if plan.classifier_layer is None else plan.classifier_layer
     plan.classifier_layer = adapter.resolve([layer])[0]
     if plan.classifier_layer not in plan.layers:
         plan.notes.append(f"classifier layer {plan.classifier_layer!r} not among the layers: NC3/NC4 skipped")

@@ -80,8 +80,8 @@ class ClassAccumulator(Accumulator):
     def _update_prepared(
         self, y: torch.Tensor, lab: Optional[torch.Tensor], r: torch.Tensor, ysum: torch.Tensor
     ) -> None:
-        """Add shifted float64 rows ``y`` with labels (None: all -1), squared norms ``r`` and column sum
-        ``ysum`` (one GEMM over all rows; unlabelled rows go to class 0 and are subtracted again)."""
+        """Add shifted float64 rows ``y`` (labels None: all -1; ``r`` squared norms, ``ysum`` column sum)."""
+        # one GEMM over all rows; unlabelled rows go to class 0 and are subtracted again
         if lab is None:
             lab = torch.full((y.shape[0],), -1, dtype=torch.int64, device=y.device)
         lab = lab.to(y.device)
@@ -118,15 +118,13 @@ class ClassAccumulator(Accumulator):
         self.s_unl += su
         self.q_unl.addmm_(yu.T, yu)
 
-    def covariance(self, labelled_only: bool = False) -> torch.Tensor:
+    def covariance(self) -> torch.Tensor:
         """Global (population) covariance of the tokens seen, float64 (D, D)."""
-        n = float(self.n_lab) + (0.0 if labelled_only else float(self.n_unl))
+        n = float(self.n_lab) + float(self.n_unl)
         if n == 0:
             raise DataError("no tokens were accumulated")
-        s = self.s_lab if labelled_only else self.s_lab + self.s_unl
-        q = self.q_lab if labelled_only else self.q_lab + self.q_unl
-        mu = s / n
-        return q / n - torch.outer(mu, mu)
+        mu = (self.s_lab + self.s_unl) / n
+        return (self.q_lab + self.q_unl) / n - torch.outer(mu, mu)
 
     def kept_classes(self) -> torch.Tensor:
         """Indices of classes with at least ``min_count`` tokens."""
@@ -187,22 +185,17 @@ class ClassAccumulator(Accumulator):
         tol = float(evals.max()) * max(self.dim, C) * torch.finfo(F64).eps
         ok = evals > tol
         V = evecs[:, ok]
-        nc1 = float(((V.T @ sigma_w @ V).diagonal() / evals[ok]).sum()) / C
         norms = M.norm(dim=1)
         out.update(
-            {
-                "nc1": nc1,
-                "trace_sigma_w": float(sigma_w.trace()),
-                "trace_sigma_b": float(sigma_b.trace()),
-                "within_class_variance": float((var * cnt).sum() / cnt.sum()),
-                "nc2_equinorm": float(norms.std(unbiased=False) / norms.mean())
-                if float(norms.mean()) > 0
-                else float("nan"),
-                "nc2_equiangular_std": pair["cos_std"],
-                "nc2_equiangular_mean": pair["cos_mean"],
-                "nc2_equiangular_shift": pair["cos_shift"],
-                "nc2_etf_distance": pair["etf_distance"],
-            }
+            nc1=float(((V.T @ sigma_w @ V).diagonal() / evals[ok]).sum()) / C,
+            trace_sigma_w=float(sigma_w.trace()),
+            trace_sigma_b=float(sigma_b.trace()),
+            within_class_variance=float((var * cnt).sum() / cnt.sum()),
+            nc2_equinorm=float(norms.std(unbiased=False) / norms.mean()) if float(norms.mean()) > 0 else float("nan"),
+            nc2_equiangular_std=pair["cos_std"],
+            nc2_equiangular_mean=pair["cos_mean"],
+            nc2_equiangular_shift=pair["cos_shift"],
+            nc2_etf_distance=pair["etf_distance"],
         )
         if classifier is not None:
             W, _ = check_classifier(classifier, self.dim, keep)
@@ -238,9 +231,7 @@ def check_classifier(classifier: Any, dim: int, keep: torch.Tensor) -> tuple[tor
 
 
 def _pairwise(M: torch.Tensor, var: torch.Tensor, tile: int) -> dict[str, float]:
-    """Tiled statistics over class pairs c < c' of centred means M (C, D) and variances var (C,):
-    CDNV (averaged over the pairs whose means differ; coincident pairs are counted), the
-    equiangularity of the cosines and the ETF distance."""
+    """Tiled CDNV (pairs whose means coincide counted apart), cosine equiangularity and ETF distance."""
     C = M.shape[0]
     sq = (M * M).sum(1)
     nrm = sq.sqrt()

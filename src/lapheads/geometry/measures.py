@@ -12,7 +12,7 @@ import torch
 from ..errors import ConfigError, DataError
 from .accumulate import F64, check_inputs
 from .classes import ClassAccumulator, check_classifier
-from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold
+from .sequences import CosineAccumulator, SpectraAccumulator, global_spectrum
 from .streaming import GeometryAccumulator
 from .variance import add_fractions, sequence_classes
 
@@ -143,11 +143,8 @@ def spectra(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, Any
     acc.update(x, sid)
     out = acc.compute()
     xc = x.to(F64) - x.to(F64).mean(0)
-    ev = torch.linalg.eigvalsh(xc.T @ xc / x.shape[0]).flip(0).clamp_min(0.0)
-    tot = float(ev.sum())
-    out["global_k"] = float(k_for_threshold(ev, acc.threshold))
-    out["global_curve"] = (ev / tot).tolist() if tot > 0 else [0.0] * x.shape[1]
-    return out
+    g = global_spectrum(xc.T @ xc / x.shape[0], acc.threshold)
+    return {**out, "global_k": g["global_k"], "global_curve": g["global_curve"]}
 
 
 def spectral_k99(x: Any, sequence_ids: Any, threshold: float = 0.99) -> dict[str, float]:
@@ -169,9 +166,8 @@ def within_sequence_cosine(x: Any, sequence_ids: Any) -> dict[str, float]:
     A sequence of T tokens averages over its T (T - 1) ordered pairs i != j; single-token
     sequences are skipped; a zero token has cosine 0 with every other token.
     """
-    x, sid, _ = check_inputs(x, sequence_ids)
     acc = CosineAccumulator()
-    acc.update(x, sid)
+    acc.update(x, sequence_ids)
     return acc.compute()
 
 

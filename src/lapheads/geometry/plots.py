@@ -112,11 +112,10 @@ def plot_spectra(results: Union[Runs, Mapping[str, Any]], out_dir: Union[str, Pa
     runs = _runs(results)
     fig, axes = _panels(len(runs))
     for ax, (label, res) in zip(axes[0], runs.items()):
-        layers = list(res["layers"])
         cmap = plt.get_cmap("viridis")
-        for i, l in enumerate(layers):
-            sp = res["layers"][l].get("spectra") or {}
-            c = cmap(i / max(1, len(layers) - 1))
+        for i, (l, lres) in enumerate(res["layers"].items()):
+            sp = lres.get("spectra") or {}
+            c = cmap(i / max(1, len(res["layers"]) - 1))
             for key, ls in (("sequence_curve", "-"), ("global_curve", ":")):
                 curve = [v for v in (sp.get(key) or []) if v and v > 0]
                 name = l if key == "sequence_curve" or "sequence_curve" not in sp else None

@@ -11,7 +11,7 @@ import torch
 from ..errors import ConfigError, DataError
 from .accumulate import F64, Accumulator, check_inputs, dense_ids, segment_sum
 
-__all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold"]
+__all__ = ["SpectraAccumulator", "CosineAccumulator", "sequence_eigenvalues", "k_for_threshold", "global_spectrum"]
 
 
 def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
@@ -21,8 +21,7 @@ def _group_sequences(x: torch.Tensor, sid: torch.Tensor) -> list[torch.Tensor]:
 
 
 def sequence_eigenvalues(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D)); through
-    the T x T Gram matrix when T < D, one ``eigvalsh`` call per sequence length."""
+    """Descending covariance eigenvalues of each (T, D) sequence (float64, length min(T, D))."""
     out: list[Optional[torch.Tensor]] = [None] * len(seqs)
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
@@ -45,6 +44,14 @@ def k_for_threshold(ev: torch.Tensor, threshold: float) -> int:
         return 0
     cum = torch.cumsum(ev, 0) / tot
     return min(int(torch.searchsorted(cum, torch.tensor([threshold], dtype=cum.dtype))[0]) + 1, ev.numel())
+
+
+def global_spectrum(cov: torch.Tensor, threshold: float) -> dict[str, Any]:
+    """``global_k``, ``global_spectrum`` (descending eigenvalues) and ``global_curve`` of a covariance."""
+    ev = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0.0)
+    tot = float(ev.sum())
+    curve = (ev / tot).tolist() if tot > 0 else [0.0] * ev.numel()
+    return {"global_k": float(k_for_threshold(ev, threshold)), "global_spectrum": ev.tolist(), "global_curve": curve}
 
 
 class SpectraAccumulator(Accumulator):
@@ -99,7 +106,7 @@ class SpectraAccumulator(Accumulator):
 class CosineAccumulator(Accumulator):
     """Mean pairwise cosine similarity between tokens of one sequence, averaged over sequences: for T
     unit vectors u_i, (||sum u||^2 - sum ||u_i||^2) / (T (T - 1)) (a zero token has cosine 0;
-    sequences of one token are skipped). Sums, on ``device``, are kept around a reference cosine."""
+    sequences of one token are skipped), summed on ``device``."""
 
     _sum_names = ("n_seq", "cos_sum", "cos_sq")  # sums of 1, (c - shift) and (c - shift)^2
 

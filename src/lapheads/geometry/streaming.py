@@ -1,6 +1,5 @@
-"""Streaming token geometry for one layer (:class:`GeometryAccumulator`), and the import path of every
-accumulator (re-exported from :mod:`.accumulate`, :mod:`.variance`, :mod:`.classes` and
-:mod:`.sequences`)."""
+"""Streaming token geometry for one layer: :class:`GeometryAccumulator`, built from the accumulators of
+:mod:`.variance`, :mod:`.classes` and :mod:`.sequences`."""
 
 from __future__ import annotations
 
@@ -9,22 +8,11 @@ from typing import Any, Optional
 import torch
 
 from .accumulate import F64, Accumulator, check_inputs, dense_ids, or_error
-from .classes import ClassAccumulator, NC4Accumulator
-from .sequences import CosineAccumulator, SpectraAccumulator, k_for_threshold, sequence_eigenvalues
+from .classes import ClassAccumulator
+from .sequences import CosineAccumulator, SpectraAccumulator, global_spectrum
 from .variance import AnovaAccumulator
 
-__all__ = [
-    "Accumulator",
-    "AnovaAccumulator",
-    "ClassAccumulator",
-    "NC4Accumulator",
-    "SpectraAccumulator",
-    "CosineAccumulator",
-    "GeometryAccumulator",
-    "check_inputs",
-    "k_for_threshold",
-    "sequence_eigenvalues",
-]
+__all__ = ["GeometryAccumulator"]
 
 
 class GeometryAccumulator(Accumulator):
@@ -76,12 +64,8 @@ class GeometryAccumulator(Accumulator):
         }
 
     def _children(self) -> dict[str, Accumulator]:
-        ch: dict[str, Accumulator] = {"anova": self.anova, "tokens": self.tokens, "seq_means": self.seq_means}
-        if self.spectra is not None:
-            ch["spectra"] = self.spectra
-        if self.cosine is not None:
-            ch["cosine"] = self.cosine
-        return ch
+        ch = {"anova": self.anova, "tokens": self.tokens, "seq_means": self.seq_means}
+        return {k: v for k, v in {**ch, "spectra": self.spectra, "cosine": self.cosine}.items() if v is not None}
 
     @property
     def n_batches(self) -> int:
@@ -136,15 +120,7 @@ class GeometryAccumulator(Accumulator):
         for key, acc, clf in (("nc_tokens", self.tokens, classifier), ("nc_sequence_means", self.seq_means, None)):
             if acc._n_classes_capacity():
                 res[key] = or_error(lambda acc=acc, clf=clf: acc.compute(clf))
-        cov = self.tokens.covariance()
-        ev = torch.linalg.eigvalsh(cov).flip(0).clamp_min(0.0)
-        tot = float(ev.sum())
-        spec: dict[str, Any] = {
-            "threshold": self.threshold,
-            "global_k": float(k_for_threshold(ev, self.threshold)),
-            "global_spectrum": ev.tolist(),
-            "global_curve": (ev / tot).tolist() if tot > 0 else [0.0] * self.dim,
-        }
+        spec = {"threshold": self.threshold, **global_spectrum(self.tokens.covariance(), self.threshold)}
         if self.spectra is not None:
             spec.update(or_error(self.spectra.compute))
         res["spectra"] = spec

@@ -19,15 +19,14 @@ class AnovaAccumulator(Accumulator):
     without classes, within vs between sequences."""
 
     _sum_names = ("n", "sum", "sumsq", "within", "seqterm", "n_seq", "class_count", "class_sum")
+    _extra_names = ("has_classes",)
 
     def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
         super().__init__(device)
         self.dim = int(dim)
         z = lambda *s: torch.zeros(*s, dtype=F64, device=self.device)  # noqa: E731
         self.n, self.sumsq, self.within, self.seqterm, self.n_seq = z(()), z(()), z(()), z(()), z(())
-        self.sum = z(self.dim)
-        self.class_count = z(0)
-        self.class_sum = z(0, self.dim)
+        self.sum, self.class_count, self.class_sum = z(self.dim), z(0), z(0, self.dim)
         self.has_classes: Optional[bool] = None
 
     def _config(self) -> dict[str, Any]:
@@ -48,17 +47,6 @@ class AnovaAccumulator(Accumulator):
         self.seqterm = self.seqterm + 2 * (d @ self.sum) + self.n * dd
         self.sum = self.sum + self.n * d
         self.class_sum = self.class_sum + self.class_count[:, None] * d
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"has_classes": self.has_classes}
-
-    def _load_extra(self, sd: dict[str, Any]) -> None:
-        self.has_classes = sd.get("has_classes")
-
-    def _merge_extra(self, other: "Accumulator") -> None:
-        assert isinstance(other, AnovaAccumulator)
-        if self.has_classes is None:
-            self.has_classes = other.has_classes
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, sequence_ids: torch.Tensor, class_ids: Optional[torch.Tensor] = None) -> None:
@@ -83,8 +71,7 @@ class AnovaAccumulator(Accumulator):
     def _update_prepared(
         self, y: torch.Tensor, sid: torch.Tensor, S: int, r: torch.Tensor, cid: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """Add shifted float64 rows (``sid`` dense 0..S-1, ``r`` squared row norms); returns the
-        per-sequence sums."""
+        """Add shifted float64 rows (``sid`` dense 0..S-1, ``r`` squared norms); returns per-sequence sums."""
         cnt = torch.bincount(sid, minlength=S).to(F64)
         ssum = segment_sum(y, sid, S)
         sq = (ssum * ssum).sum(1) / cnt

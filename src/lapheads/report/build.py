@@ -99,9 +99,8 @@ def what_was_run(groups: dict, flags: dict[str, Plateau]) -> str:
     steps = [int(_steps(r)) for r in runs if _steps(r).isdigit()]
     if steps:
         parts.append(f"Optimizer steps per run: {_span(steps)}.")
-    evals = [flags[r["dir"]].points for r in runs]
-    parts.append(f"Validation points per run: {_span(evals)}.")
     status = [flags[r["dir"]] for r in runs]
+    parts.append(f"Validation points per run: {_span([f.points for f in status])}.")
     yes, flat = sum(f.status == "yes" for f in status), sum(f.flat for f in status)
     unknown = sum(f.status == "unknown" for f in status)
     plateau = f"Plateaued: {yes} of {len(runs)} runs"
@@ -128,8 +127,7 @@ def what_was_run(groups: dict, flags: dict[str, Plateau]) -> str:
 def _recipe_section(
     recipe: str, groups: dict, flags: dict[str, Plateau], out: Path, plateau_window: float, plateau_tol: float
 ) -> Section:
-    """The section of one recipe: what was run, its table and notes, its figures (drawn here) and
-    the suggested fixed selections of learned head mixing."""
+    """One recipe's section: what was run, table, notes, figures (drawn here), mixing suggestions."""
     figs = out / "figures"
     sec = Section(
         recipe,
@@ -270,17 +268,11 @@ def make_report(
     return Report(title, paragraphs, sections, _summary_json(summary, flags, cl, gcl))
 
 
-def build_report(
-    run_dirs: Sequence[str | Path],
-    out_dir: str | Path,
-    title: str = "lapheads report",
-    intro: str = "",
-    plateau_window: float = 0.2,
-    plateau_tol: float = 0.01,
-) -> dict[str, Path]:
+def build_report(run_dirs: Sequence[str | Path], out_dir: str | Path, **options: Any) -> dict[str, Path]:
     """Write ``report.md``, ``report.html``, ``summary.json`` and ``figures/`` comparing ``run_dirs``
-    (arguments as :func:`make_report`); returns ``{"md": path, "html": path, "summary": path}``."""
-    report = make_report(run_dirs, out_dir, title, intro, plateau_window, plateau_tol)
+    (``options``: ``title``, ``intro``, ``plateau_window``, ``plateau_tol`` of :func:`make_report`);
+    returns ``{"md": path, "html": path, "summary": path}``."""
+    report = make_report(run_dirs, out_dir, **options)
     out = Path(out_dir)
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
     (out / "report.html").write_text(render_html(report, out), encoding="utf-8")
@@ -298,13 +290,14 @@ def _json_safe(x: Any) -> Any:
 
 
 def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl: Sequence[dict] = ()) -> dict:
-    """recipe -> setting -> {key: [mean, std, n], "runs": [names], "plateau": {run: {...}},
-    "at_chance": {run: why or None}, "comparisons": {key: {claim, verdict, diff, ci_low, ci_high,
-    t, df, p, seeds ...}} (vs k=0), and for grid runs "comparisons_by_grid_point": {point: {key:
-    {...}}} (:func:`grid_claims`)}."""
+    """recipe -> setting -> {key: [mean, std, n], "runs", "plateau", "at_chance", "comparisons" (vs k=0),
+    "comparisons_by_grid_point" (grid runs)}."""
 
     def entry(c: dict, comp: Any) -> dict:
         return {"claim": c["claim"], "want_lower": c["want_lower"], "convergence": c["convergence"], **comp.to_dict()}
+
+    def matching(entries: Sequence[dict], rec: str, lb: str) -> list[tuple[dict, Any]]:
+        return [(c, comp) for c in entries if c["recipe"] == rec for comp in c["comparisons"] if comp.other == lb]
 
     out: dict[str, dict[str, Any]] = {}
     for rec, groups in summary.items():
@@ -323,18 +316,9 @@ def _summary_json(summary: dict, flags: dict[str, Plateau], cl: list[dict], gcl:
                 for r in g["runs"]
             }
             d["at_chance"] = {r["name"]: r.get("at_chance") for r in g["runs"]}
-            d["comparisons"] = {
-                c["key"]: entry(c, comp)
-                for c in cl
-                if c["recipe"] == rec
-                for comp in c["comparisons"]
-                if comp.other == lb
-            }
-            for c in gcl:
-                for comp in c["comparisons"]:
-                    if c["recipe"] == rec and comp.other == lb:
-                        d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})[c["key"]] = entry(
-                            c, comp
-                        )
+            d["comparisons"] = {c["key"]: entry(c, comp) for c, comp in matching(cl, rec, lb)}
+            for c, comp in matching(gcl, rec, lb):
+                by_point = d.setdefault("comparisons_by_grid_point", {}).setdefault(c["point"], {})
+                by_point[c["key"]] = entry(c, comp)
             out[rec][lb] = d
     return out

@@ -9,7 +9,6 @@ from typing import Any, Optional, Sequence
 from ..stats import Comparison, Plateau, compare
 from .collect import by_recipe, grid_points, main_metric, run_plateau, run_value, summarise
 
-# ----------------------------------------------------------------------------------- claims
 # (summary key, the claim predicts lower values with Laplacian heads, claim, how it is measured)
 CLAIMS = [
     (
@@ -75,18 +74,17 @@ def comparisons(groups: dict, key: str, want_lower: bool) -> list[Comparison]:
 def _convergence_note(groups: dict, labels: Sequence[str], flags: dict[str, Plateau]) -> str:
     """Empty when every compared run had plateaued, else which had not (or are unknown)."""
     runs = [r for lb in labels for r in groups[lb]["runs"]]
-    names = [r["name"] for r in runs]
     no = [r["name"] for r in runs if flags[r["dir"]].status == "no"]
     unknown = [r["name"] for r in runs if flags[r["dir"]].status == "unknown"]
     parts = []
     if no:
         parts.append(
-            f"{len(no)} of {len(names)} runs compared had not plateaued ({', '.join(no)}): "
+            f"{len(no)} of {len(runs)} runs compared had not plateaued ({', '.join(no)}): "
             "this compares unconverged runs"
         )
     if unknown:
         parts.append(
-            f"convergence unknown for {len(unknown)} of {len(names)} runs (fewer than 3 validation "
+            f"convergence unknown for {len(unknown)} of {len(runs)} runs (fewer than 3 validation "
             "points; set train.eval_every)"
         )
     return "; ".join(parts)

@@ -49,12 +49,9 @@ def collect_run(run_dir: Path) -> dict[str, Any]:
     run = RunDir(run_dir)
     cfg = run.read_config()
     recipe = get_recipe(cfg["recipe"])
-    spec = recipe.heads(run.path)  # the recipe's one rule (SFT: its pretraining run's)
-    label = LaplacianHeads(spec).label()
-    if label == "none":
-        label = "k=0"
+    label = LaplacianHeads(recipe.heads(run.path)).label()  # the recipe's one rule (SFT: its pretraining run's)
     # another attention (diff, xsa) is its own group; standard attention is k=0
-    label = variant_label((cfg.get("model") or {}).get("attention", "laplacian"), label)
+    label = variant_label((cfg.get("model") or {}).get("attention", "laplacian"), "k=0" if label == "none" else label)
     final = run.final_dir / "metrics.json"
     records = run.metrics()
     finished = (run.final_dir / "model.json").is_file()
@@ -104,9 +101,7 @@ def run_value(run: dict, key: str) -> Optional[float]:
     """One run's number for a summary key: a final metric or a geometry key of :data:`GEOMETRY`."""
     if key in _GEO:
         where, section, field = _GEO[key]
-        geo = run["geometry"]
-        if not geo:
-            return None
+        geo = run["geometry"] or {}
         return geo_value(geo, last_block(geo) if where == "last" else _classifier_layer(geo), section, field)
     v = run["final"].get(key)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
@@ -117,8 +112,7 @@ def run_plateau(run: dict, window: float = 0.2, tol: float = 0.01) -> Plateau:
     m = main_metric(run["recipe"])
     pts = [(r["step"], r[m.key]) for r in run["val"] if m and isinstance(r.get(m.key), (int, float))]
     mode = None if m is None else ("max" if m.higher_is_better else "min")
-    steps, values = [s for s, _ in pts], [v for _, v in pts]
-    return plateau(steps, values, window, tol, stopped_at=run.get("plateau_stop"), mode=mode)
+    return plateau([s for s, _ in pts], [v for _, v in pts], window, tol, stopped_at=run.get("plateau_stop"), mode=mode)
 
 
 def run_at_chance(run: dict) -> Optional[str]:
@@ -171,15 +165,12 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
         out.setdefault(r["recipe"], {}).setdefault(r["label"], {"runs": []})["runs"].append(r)
     for recipe, groups in out.items():
         for g in groups.values():
-            for m in metrics_of(recipe):
-                g[m.key] = mean_std([run_value(r, m.key) for r in g["runs"]])
-            for key, *_ in GEOMETRY:
+            for key in [m.key for m in metrics_of(recipe)] + [k for k, *_ in GEOMETRY]:
                 g[key] = mean_std([run_value(r, key) for r in g["runs"]])
         out[recipe] = dict(sorted(groups.items(), key=lambda kv: LaplacianHeads.sort_key(kv[0])))
     return out
 
 
-# ------------------------------------------------------------------------------ grid points
 # keys that never define a grid axis: the k and seed axes, and what does not change the math
 _NOT_AXES = {"model.laplacian_heads", "model.attention", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
 

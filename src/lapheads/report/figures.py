@@ -64,7 +64,6 @@ def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, fl
     curve: one line per setting and grid point (``k=0 (embed_dim=32)``), runs without a curve left out."""
     runs = [r for g in groups.values() for r in g["runs"]]
     by_grid = grid_points(runs) if runs else {}
-    rank = {name: i for i, name in enumerate(by_grid)}  # axis order
     point_of = {r["dir"]: name for name, rs in by_grid.items() for r in rs}
     several = len(by_grid) > 1
     out = []
@@ -74,7 +73,7 @@ def curve_series(groups: dict, values: Any) -> list[tuple[str, list[dict[int, fl
             c = values(r)
             if c:
                 by_point.setdefault(point_of[r["dir"]], []).append(c)
-        for name in sorted(by_point, key=rank.__getitem__):
+        for name in (n for n in by_grid if n in by_point):  # axis order
             out.append((f"{label} ({name})" if several else str(label), by_point[name]))
     return out
 

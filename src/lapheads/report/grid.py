@@ -61,12 +61,11 @@ def grid_sections(
         labels = sorted({r["label"] for r in rs})
         if not axes and len(labels) < 2:
             continue
-        key, metric_name = m.key, m.label
         flats = [flatten_config(c) for c in configs]
-        panels = [("metric", key, metric_name)] + GRID_MEASURES
+        panels = [("metric", m.key, m.label)] + GRID_MEASURES
         table = None
         if axes:
-            header = [*axes, "Laplacian heads", "runs", metric_name] + [p[2] for p in GRID_MEASURES]
+            header = [*axes, "Laplacian heads", "runs", m.label] + [p[2] for p in GRID_MEASURES]
             title = f"{recipe}: grid (mean ± std over seeds; geometry of the last block)"
             table = (title, Table(header, _grid_rows(rs, flats, axes, panels)))
         nh = {f.get("model.num_heads") for f in flats}
@@ -80,7 +79,7 @@ def grid_sections(
             path = figs / f"{recipe}_grid_{re.sub(r'[^A-Za-z0-9._+-]+', '_', name)}.png"
             fig = _grid_figure(rs, flats, axes, panels, name, xof, path)
             what = "k-ablation" if name == "Laplacian heads k" else "scaling"
-            about = f"{metric_name} and geometry (last block) against {name}, mean ± std over seeds"
+            about = f"{m.label} and geometry (last block) against {name}, mean ± std over seeds"
             if fig is not None:
                 made.append((fig, f"{recipe}: {what}: {about}"))
         if table is not None or made:
@@ -128,8 +127,7 @@ def _grid_rows(rs: list[dict], flats: list[dict], axes: list[str], panels: list)
 def _grid_figure(
     rs: list[dict], flats: list[dict], axes: list[str], panels: list, name: str, xof: Any, path: Path
 ) -> Optional[Path]:
-    """Every panel against the x axis ``name`` (values ``xof(run index)``), one line per k and other-axis
-    values; None when the axis has fewer than two values or no panel has data."""
+    """Every panel against the x axis ``name`` (``xof(run index)``); None with < 2 x values or no data."""
     lines: dict[str, dict[Any, list[int]]] = {}
     for i, r in enumerate(rs):
         x = xof(i)
@@ -160,8 +158,7 @@ def _grid_figure(
         if is_num and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
             ax.set_xscale("log")
         if not is_num:
-            ax.set_xticks(range(len(cats)))
-            ax.set_xticklabels([str(c).strip("'") for c in cats], rotation=30, fontsize=7)
+            ax.set_xticks(range(len(cats)), [str(c).strip("'") for c in cats], rotation=30, fontsize=7)
         ax.set_xlabel(name)
         ax.set_title(plabel, fontsize=9)
     axs[0][0].legend(fontsize=7)
