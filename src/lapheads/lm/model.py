@@ -313,8 +313,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token, nanochat's / PaLM's estimate (arXiv 2204.02311, appendix B).
 
     ``6 * (params - embedding) + 12 * layers * heads * head_dim * seq_len``: forward + backward of
-    every matmul weight, plus the attention scores and the weighted sum of values. A Laplacian head
-    adds one subtraction per element of its output, which is below this resolution.
+    every matmul weight, plus the attention scores and the weighted sum of values.
     """
     c = model.config
     n = count_params(model, exclude_embedding=True)
