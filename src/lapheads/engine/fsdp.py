@@ -76,10 +76,7 @@ def _is_dtensor(x: Any) -> bool:
 
 
 class ShardedMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
-
-    The Nesterov update is all-gathered, orthogonalised with torch's Newton-Schulz iteration, and the
-    local shard applied; arguments, param groups and state are torch's."""
+    """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter; same arguments."""
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
