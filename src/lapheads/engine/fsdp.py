@@ -213,10 +213,7 @@ def consolidate(path: Path) -> dict[str, Any]:
 def lockstep(
     batches: Iterable[T], fallback: Callable[[], T], device: torch.device, sharded: bool
 ) -> Iterator[tuple[T, bool]]:
-    """``(batch, real)`` pairs, the same number on every rank when the model is sharded.
-
-    A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
-    ``real=False`` (compute, then discard) while the others go on."""
+    """``(batch, real)`` pairs, the same number on every rank when sharded (``fallback()`` with ``real=False``)."""
     if not sharded or not D.initialized():
         yield from ((b, True) for b in batches)
         return
