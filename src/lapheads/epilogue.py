@@ -22,11 +22,7 @@ LAPLACIAN = (1.0, -1.0)
 
 @dataclasses.dataclass(frozen=True)
 class Runs:
-    """Fixed per-head coefficients as runs: ``((start, end, a, b), ...)`` covering heads ``0..H-1``.
-
-    Consecutive heads with the same ``(a, b)`` share one run, so the trailing-k convention is two
-    runs (standard, then Laplacian) and "all Laplacian" one.
-    """
+    """Fixed per-head coefficients as runs of heads sharing ``(a, b)``: ``((start, end, a, b), ...)`` over 0..H-1."""
 
     runs: tuple[tuple[int, int, float, float], ...]
 

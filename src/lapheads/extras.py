@@ -1,8 +1,6 @@
 """Which optional extra of ``pip install lapheads[...]`` provides a missing module (the extras: docs/getting-started.md).
 
-``pip install lapheads`` brings the operator, head selection and the integrations with torch, numpy
-and safetensors only; the command line turns a missing module into one line naming the extra
-(:func:`missing_extra_message`), never an ImportError traceback.
+The command line turns a missing module into one line naming the extra (:func:`missing_extra_message`).
 """
 
 from __future__ import annotations

@@ -125,11 +125,9 @@ def is_count(spec: Any) -> bool:
 class LayerHeads:
     """The fixed head operator of ONE attention layer: ``flags[h]`` is True when head h is Laplacian.
 
-    A flagged head applies ``coef`` (``a I + b P``, Laplacian ``(1, -1)`` unless an ablation gives
-    another), the others are standard ``(0, 1)``. :meth:`apply` finishes the layer after SDPA,
-    :meth:`operator` gives the explicit matrix, as :class:`HeadMix` does for learnable ``(a, b)``.
-    Python bools, not a tensor, so every tracer records it as a constant (:meth:`mask` gives a
-    tensor). Frozen and hashable; build one with :meth:`LaplacianHeads.resolve` or :meth:`of`.
+    A flagged head applies ``coef`` (``a I + b P``), the others are standard ``(0, 1)``. :meth:`apply`
+    finishes the layer after SDPA, :meth:`operator` gives the explicit matrix. Frozen and hashable;
+    build one with :meth:`LaplacianHeads.resolve` or :meth:`of`.
 
     Args:
         flags: one bool per head (a list is turned into a tuple); at least one head.
@@ -574,8 +572,8 @@ def is_mix_param(name: str) -> bool:
 def param_groups(
     model: torch.nn.Module, lr: float, weight_decay: float, mix_lr_scale: float = 1.0
 ) -> list[dict[str, Any]]:
-    """Optimizer parameter groups that keep the learnable mixing out of weight decay (which would pull
-    every head towards ``(0, 0)``): ``torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.05))``.
+    """Parameter groups that keep the learnable mixing out of weight decay:
+    ``torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.05))``.
 
     Args:
         model: any module; its trainable parameters are split by name (:func:`is_mix_param`).

@@ -60,9 +60,6 @@ def heads_field(default: Any = DEFAULT_LAPLACIAN_HEADS, description: str = _HEAD
 
         laplacian_heads: HeadsSetting = heads_field()
 
-    A ``dataclasses.Field``, which pydantic models and plain dataclass configs
-    (:func:`lapheads.engine.config.from_dict` calls its ``parse`` metadata) both take.
-
     Raises:
         ConfigError: ``default`` is not a head setting (raised where the field is declared).
     """

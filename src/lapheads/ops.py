@@ -31,6 +31,13 @@ __all__ = [
 ]
 
 
+def _mask_like(mask: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float mask or bias in ``q``'s dtype (SDPA's rule: under autocast q is half, the mask float32)."""
+    if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+        return mask.to(q.dtype)
+    return mask
+
+
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> tuple[int, int]:
     if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
         raise ConfigError(
@@ -287,8 +294,7 @@ def laplacian_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager twin of :func:`laplacian_attention` that materialises the operator.
 
-    Scores ``q k^T * scale``, soft-capped, plus the bias and the mask; softmax (with the sinks),
-    dropout on P, the head operator. Beyond the arguments of :func:`laplacian_attention`:
+    Beyond the arguments of :func:`laplacian_attention`:
 
     Args:
         softcap: soft-capping (Gemma 2): the scores become ``softcap * tanh(s / softcap)``; > 0.

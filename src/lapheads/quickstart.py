@@ -7,8 +7,6 @@ run and ``OUT/report/``, whose scope paragraph is :data:`SCOPE` (the plan's reas
 
 from __future__ import annotations
 
-from pathlib import Path
-
 # Run lengths: the full quickstart takes ~6 minutes on 2 idle CPU cores (README); --tiny under a minute.
 # Every run evaluates along the way (train.eval_every) so the report has validation curves and
 # plateau flags (three or more eval points per run).
@@ -57,10 +55,3 @@ SCOPE = (
     "do not show. A gap here, or its absence, is not evidence for or against Laplacian heads at "
     "scale; `studies/scaling/` measures how it moves with width and training length at toy scale."
 )
-
-
-def recipes_dir() -> Path:
-    """The folder of the shipped recipe configs (``<group>/<name>.yaml``, :mod:`lapheads.recipes.shipped`)."""
-    from .recipes.shipped import CONFIG_DIR
-
-    return CONFIG_DIR

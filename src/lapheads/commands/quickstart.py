@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from ..engine.run import lock_dir
 from ..engine.threads import available_cpus
 from ..errors import ConfigError
-from ..quickstart import PLAN, SCOPE, recipes_dir
+from ..quickstart import PLAN, SCOPE
+from ..recipes.shipped import CONFIG_DIR
 from ..report import build_report
 from ..runs import analyze_run
 from ..sweep import check_plan, delete_runs, plan_grid, run_grid
@@ -43,9 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: expected a positive number of runs at once")
     plan = PLAN["tiny" if args.tiny else "full"]
-    rdir = recipes_dir()
     with lock_dir(args.out):
-        return _run(args, plan, rdir, Path(args.out))
+        return _run(args, plan, CONFIG_DIR, Path(args.out))
 
 
 def _run(args: argparse.Namespace, plan: dict, rdir: Path, out: Path) -> int:

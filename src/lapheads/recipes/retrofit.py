@@ -2,10 +2,8 @@
 
 ``lapheads train retrofit --config tiny --out runs/retro --set init_from=runs/lm_tiny``
 
-The pieces every retrofit shares (the ViT one too, :mod:`lapheads.recipes.retrofit_vit`) live here: the
-switch-cost rule, the conversion record, the LoRA wrapper, the baseline run and ``OUT/retrofit.json``. A head's
-switch cost is the validation loss with only that head Laplacian minus the unconverted model's; ``select: score``
-switches each layer's k heads of least cost.
+The switch-cost rule, the conversion record, the LoRA wrapper and the baseline run here are shared with
+:mod:`lapheads.recipes.retrofit_vit`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Run untrusted (model-written) Python code under bubblewrap, away from the host.
 
-``run_code(code, timeout=5)`` runs one program in fresh namespaces on a read-only view of the
-interpreter, with a private tmpfs, a seccomp filter and resource limits, and returns an
-:class:`ExecResult`; it never raises for what the program does. Where bubblewrap cannot run, nothing
-runs unless the caller opts in (``allow_unsafe=True``); :func:`sandbox_status` says why. Threat model
-and design: ``docs/sandbox.md``.
+``run_code(code, timeout=5)`` runs one program and returns an :class:`ExecResult`; it never raises for
+what the program does. Where bubblewrap cannot run, nothing runs unless the caller opts in
+(``allow_unsafe=True``); :func:`sandbox_status` says why. Threat model and design: ``docs/sandbox.md``.
 """
 
 from __future__ import annotations

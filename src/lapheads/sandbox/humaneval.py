@@ -1,8 +1,6 @@
 """HumanEval-style programs (prompt + completion + tests) run in the sandbox.
 
-A problem passes when its program reaches its end in :func:`lapheads.sandbox.run_code`; how a
-completion is split into prompt and body is the evaluator's business
-(:func:`lapheads.lm.tasks.humaneval_program`).
+A problem passes when its program reaches its end in :func:`lapheads.sandbox.run_code` (docs/sandbox.md).
 """
 
 from __future__ import annotations

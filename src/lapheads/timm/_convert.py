@@ -164,10 +164,8 @@ def _layer_selections(spec: LaplacianHeads, heads: list[int]) -> list[LayerHeads
 def convert(model: nn.Module, laplacian_heads: HeadSpec) -> nn.Module:
     """Turn the attention of a timm model into Laplacian attention, in place, keeping every weight.
 
-    Every module whose class is a key of :data:`LAPLACIAN_CLASSES` gets its Laplacian class; other
-    attention modules stay standard (:func:`skipped_attention_layers` says why). A learnable setting
-    (``"learn..."``) adds ``lap_mix_a`` / ``lap_mix_b`` to every converted layer (create the
-    optimizer after converting).
+    Attention of other classes stays standard (:func:`skipped_attention_layers` says why). A learnable
+    setting adds ``lap_mix_a`` / ``lap_mix_b`` to every converted layer: create the optimizer after.
 
     Args:
         model: a timm model with convertible attention (ViT, DeiT-3, EVA, DINOv3, BEiT, Swin, Hiera,

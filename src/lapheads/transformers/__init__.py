@@ -5,8 +5,7 @@
 same for model classes without SDPA support) and :data:`EAGER_ATTN_IMPLEMENTATION` (returns the
 operator as the attention weights). :func:`enable` gives a model Laplacian heads;
 ``save_pretrained`` writes them into ``config.json`` and :func:`from_pretrained` loads them back, never
-silently as a standard model. The dynamic KV cache is exact, a static one is refused, and
-cross-attention stays standard (more: docs/integrations.md).
+silently as a standard model (more: docs/integrations.md).
 """
 
 from __future__ import annotations

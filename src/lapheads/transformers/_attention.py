@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..errors import ConfigError
 from ..heads import HeadMix, LayerHeads
-from ..ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
+from ..ops import _mask_like, causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
 from ._configs import any_laplacian, config_spec
 from ._extras import Extras, additive, fused_extras
 from ._indexing import is_cross, module_heads_operator
@@ -144,13 +144,6 @@ def _stock_attention(
         causal = causal_lower_right_mask(query.shape[2], key.shape[2], query.device)
         attention_mask = additive(causal, query.dtype, torch.finfo(query.dtype).min)
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def _mask_like(attention_mask: Optional[torch.Tensor], query: torch.Tensor) -> Optional[torch.Tensor]:
-    """A float mask in ``query``'s dtype: under autocast eager_mask stays float32, the operator needs q's dtype."""
-    if attention_mask is not None and attention_mask.is_floating_point() and attention_mask.dtype != query.dtype:
-        return attention_mask.to(query.dtype)
-    return attention_mask
 
 
 def laplacian_sdpa_attention_forward(

@@ -137,9 +137,8 @@ def mark_config(
 ) -> PreTrainedConfig:
     """Make THIS config write the Laplacian ``attn_implementation`` to ``config.json``, or none.
 
-    Sets the plain attribute ``config.attn_implementation`` to the saved name of the implementation
-    the config runs, or removes it when the config tree has no Laplacian heads. Idempotent; returns
-    ``config``.
+    Sets (or, without Laplacian heads, removes) the plain attribute ``config.attn_implementation``;
+    returns ``config``.
 
     Args:
         config: a transformers config (anything else is returned untouched).

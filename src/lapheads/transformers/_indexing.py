@@ -70,10 +70,8 @@ def _spec_config(tree: list[tuple[str, Any]], module_config: Any) -> tuple[str, 
 def attention_modules(model: torch.nn.Module) -> list[Entry]:
     """Every attention module of ``model`` that dispatches through ``AttentionInterface``, indexed.
 
-    Each entry has the module's name, its stack (the nearest ``nn.ModuleList`` above it), whether it
-    is cross-attention (always standard), the config whose ``laplacian_heads`` applies and, for
-    self-attention, its index in the stack and the stack's size. Nothing is changed: :func:`enable`
-    writes these on the modules.
+    Each ``Entry`` has the module's name, its stack, whether it is cross-attention, the config
+    whose ``laplacian_heads`` applies and its index in the stack. Nothing is changed.
     """
     config = getattr(model, "config", None)
     tree = config_tree(config) if isinstance(config, PreTrainedConfig) else [("", config)]

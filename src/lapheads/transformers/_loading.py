@@ -120,12 +120,9 @@ def enable(
 ) -> Union[PreTrainedModel, PreTrainedConfig]:
     """Give a model (or a config before the model is built) Laplacian heads, in one call.
 
-    Indexes the model's attention modules (:func:`attention_modules`), sets ``laplacian_heads`` on
-    each config its self-attention modules read (validated now against each stack's shape) and
-    switches the attention implementation (:func:`fused_implementation`, or the eager one). A
-    learnable spec also registers ``lap_mix_a`` / ``lap_mix_b`` on every self-attention module;
-    create the optimizer after this call. A config alone gets no parameters and no indices: build
-    the model from it, then call ``enable(model, spec)``.
+    A learnable spec registers ``lap_mix_a`` / ``lap_mix_b`` on every self-attention module: create
+    the optimizer after this call. A config alone gets no parameters: build the model from it, then
+    call ``enable(model, spec)``.
 
     Args:
         model_or_config: a transformers ``PreTrainedModel`` or its config.
@@ -265,9 +262,7 @@ def _current_spec(model: PreTrainedModel) -> Any:
 def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
     """``model_class.from_pretrained`` with the Laplacian attention implementation by name, indexed.
 
-    Reads ``laplacian_heads`` from the saved config (or ``kwargs["config"]``), picks the fused
-    implementation for the class (:func:`fused_implementation`) or the eager one, then indexes the
-    attention modules (:func:`enable` with the loaded spec) and reads back learnable mixing.
+    The heads come from the saved config's ``laplacian_heads`` (or ``kwargs["config"]``).
 
     Args:
         path: a directory written by ``save_pretrained``, or a hub id (resolved like

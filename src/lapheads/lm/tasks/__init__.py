@@ -188,8 +188,6 @@ def humaneval_program(item: BenchmarkItem, completion: str) -> tuple[str, str]:
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k estimator (Chen et al., 2021): ``1 - C(n-c, k) / C(n, k)``.
 
-    Computed as a running product for numerical stability.
-
     Args:
         n: samples per problem.
         c: correct samples.
