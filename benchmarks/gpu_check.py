@@ -384,7 +384,7 @@ def resume_rows(device: torch.device, steps: int, budget: Budget) -> list[list[A
                 ],
             )
 
-        build = lambda c, i: R.build_task(c, i)  # noqa: E731
+        build = lambda c, i: R.LMTask(c, i)  # noqa: E731
         t0 = time.perf_counter()
         launch("lm", cfg(), build, str(root / "full"))
         shutil.copytree(root / "full", root / "resumed")

@@ -32,7 +32,7 @@ def tiny_lm_run(root: Path, laplacian_heads: str, steps: int) -> Path:
             "train.progress=false",
         ],
     )
-    launch("lm", cfg, lambda c, i: R.build_task(c, i), str(root / "lm"))
+    launch("lm", cfg, lambda c, i: R.LMTask(c, i), str(root / "lm"))
     return root / "lm"
 
 
@@ -51,7 +51,7 @@ def tiny_sft_run(root: Path, pretrained: Path, steps: int) -> Path:
             "train.progress=false",
         ],
     )
-    launch("sft", cfg, S.build_task, str(root / "sft"))
+    launch("sft", cfg, S.SFTTask, str(root / "sft"))
     return root / "sft"
 
 

@@ -50,8 +50,8 @@ def _dino_run(out: Path) -> Path:
         DinoDataConfig,
         DinoHeadConfig,
         DinoModelConfig,
+        DinoTask,
         KnnConfig,
-        build_task,
     )
 
     cfg = DinoConfig(
@@ -67,7 +67,7 @@ def _dino_run(out: Path) -> Path:
         epochs=1,
         train=TrainConfig(max_steps=2, progress=False, log_every=1),
     )
-    launch("dino", cfg, build_task, str(out))
+    launch("dino", cfg, DinoTask, str(out))
     return out
 
 
@@ -84,7 +84,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         None,
         [f"init_from={out['lm']}", "data.seq_len=96", "data.batch_size=4", "train.max_steps=2", "train.progress=false"],
     )
-    launch("sft", cfg, S.build_task, str(root / "sft"))
+    launch("sft", cfg, S.SFTTask, str(root / "sft"))
     out["sft"] = root / "sft"
     out["dino"] = _dino_run(root / "dino")
     return out

@@ -26,7 +26,6 @@ from lapheads.recipes.dino import (
     DinoTask,
     KnnConfig,
     MultiCropNet,
-    build_task,
     collapse_metrics,
     cosine,
     dino_loss,
@@ -76,7 +75,7 @@ def tiny_cfg(k=0, batch_size=256, **train) -> DinoConfig:
 
 
 def _run(out, cfg, resume=False):
-    return launch("dino", cfg, build_task, str(out), resume=resume)
+    return launch("dino", cfg, DinoTask, str(out), resume=resume)
 
 
 def test_head_weight_norm_roundtrips_through_safetensors(tmp_path):

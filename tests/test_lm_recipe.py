@@ -157,7 +157,7 @@ def test_tiny_lm_trains_and_exports(cache, tmp_path):
     task_holder = {}
 
     def build(c, info):
-        task_holder["t"] = R.build_task(c, info, run_dir=out)
+        task_holder["t"] = R.LMTask(c, info, run_dir=out)
         return task_holder["t"]
 
     launch("lm", cfg, build, str(out))
@@ -186,7 +186,7 @@ class _Crash(RuntimeError):
 def test_lm_exact_resume_after_crash(cache, tmp_path):
     cfg = _cfg(cache, "train.ckpt_every=3", "data.total_batch_tokens=1024")  # grad_accum 2
     ref = tmp_path / "ref"
-    launch("lm", cfg, lambda c, i: R.build_task(c, i), str(ref))
+    launch("lm", cfg, lambda c, i: R.LMTask(c, i), str(ref))
 
     class CrashTask(R.LMTask):
         def after_optimizer_step(self, step, total):
@@ -205,7 +205,7 @@ def test_lm_exact_resume_after_crash(cache, tmp_path):
     launch(
         "lm",
         _cfg(cache, "train.ckpt_every=3", "data.total_batch_tokens=1024"),
-        lambda c, i: R.build_task(c, i),
+        lambda c, i: R.LMTask(c, i),
         str(crashed),
         resume=True,
     )
@@ -219,7 +219,7 @@ def test_lm_exact_resume_after_crash(cache, tmp_path):
 
 def test_errors_before_training(cache, tmp_path):
     out = tmp_path / "run"
-    build = lambda c, i: R.build_task(c, i)  # noqa: E731
+    build = lambda c, i: R.LMTask(c, i)  # noqa: E731
     with pytest.raises(ConfigError, match="laplacian_heads"):
         launch("lm", _cfg(cache, "model.laplacian_heads=5"), build, str(out))
     with pytest.raises(ConfigError, match="vocab"):

@@ -88,15 +88,15 @@ def test_bad_chat_jsonl_names_file_and_line(pretrained, tmp_path):
         + "\n"
     )
     with pytest.raises(DataError, match=r"bad.jsonl:2:.*unknown role 'robot'"):
-        S.build_task(_sft_cfg(pretrained, f"data.sources=[{{path: {bad}}}]"), _info())
+        S.SFTTask(_sft_cfg(pretrained, f"data.sources=[{{path: {bad}}}]"), _info())
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DataError, match="empty.jsonl.*empty"):
-        S.build_task(_sft_cfg(pretrained, f"data.sources=[{{path: {empty}}}]"), _info())
+        S.SFTTask(_sft_cfg(pretrained, f"data.sources=[{{path: {empty}}}]"), _info())
     notjson = tmp_path / "nj.jsonl"
     notjson.write_text('{"messages": []}\n')
     with pytest.raises(DataError, match="nj.jsonl:1"):
-        S.build_task(_sft_cfg(pretrained, f"data.sources=[{{path: {notjson}}}]"), _info())
+        S.SFTTask(_sft_cfg(pretrained, f"data.sources=[{{path: {notjson}}}]"), _info())
     with pytest.raises(ConfigError, match="init_from"):
         load_config(S.SFTConfig, None, [])
 
@@ -125,7 +125,7 @@ def test_mixture_weights(pretrained, tmp_path):
         "data.val_fraction=0.0",
         f"data.val=[{a}]",
     )
-    task = S.build_task(cfg, _info())
+    task = S.SFTTask(cfg, _info())
     assert task.source_probs.tolist() == pytest.approx([0.75, 0.25])
     alpha = task.tokenizer.encode("alpha", add_special_tokens=False)[0]
     it = task.batches(0)
@@ -143,7 +143,7 @@ def test_mixture_weights(pretrained, tmp_path):
 @pytest.mark.parametrize("packing", [False, True])
 def test_sft_runs_from_pretrained(pretrained, tmp_path, packing):
     out = tmp_path / "sft"
-    launch("sft", _sft_cfg(pretrained, f"data.packing={str(packing).lower()}"), S.build_task, str(out))
+    launch("sft", _sft_cfg(pretrained, f"data.packing={str(packing).lower()}"), S.SFTTask, str(out))
     recs = RunDir(out).metrics()
     val = [r["val_loss"] for r in recs if r.get("split") == "val"]
     assert len(val) == 2 and val[-1] < val[0]

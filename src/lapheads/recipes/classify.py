@@ -359,10 +359,6 @@ class ClassifyTask(HeadsTask):
         }
 
 
-def build_task(cfg: ClassifyConfig, info: DistInfo) -> ClassifyTask:
-    return ClassifyTask(cfg, info)
-
-
 def model_spec(run_dir: str | Path) -> dict:
     """``final/model.json`` of a classify run, checked: ``model`` (a mapping) and ``num_classes``."""
     return read_model_json(

@@ -490,10 +490,6 @@ class DinoTask(HeadsTask):
         save_tensors(final_dir / "teacher_head.safetensors", self.teacher.head.state_dict())
 
 
-def build_task(cfg: DinoConfig, info: DistInfo) -> DinoTask:
-    return DinoTask(cfg, info)
-
-
 class DinoRecipe(Recipe):
     name = "dino"
     config_type = DinoConfig

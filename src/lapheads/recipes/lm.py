@@ -51,7 +51,6 @@ __all__ = [
     "SampleConfig",
     "LMConfig",
     "LMTask",
-    "build_task",
     "load_model",
     "token_bytes",
     "prepare_data",
@@ -505,10 +504,6 @@ def export_hf(model: nn.Module, tokenizer: Any, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-
-
-def build_task(cfg: LMConfig, info: DistInfo, run_dir: Optional[str | Path] = None) -> LMTask:
-    return LMTask(cfg, info, run_dir=run_dir)
 
 
 def hf_dir(run_dir: str | Path, weights: str = "model") -> Path:

@@ -52,7 +52,6 @@ __all__ = [
     "switch_costs",
     "select_heads",
     "with_lora",
-    "build_task",
     "load_model",
     "summarize",
     "RetrofitRuns",
@@ -369,10 +368,6 @@ def with_lora(
     )
     cfg = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=targets, task_type=task_type)
     return get_peft_model(model, cfg)
-
-
-def build_task(cfg: RetrofitConfig, info: DistInfo, run_dir: Optional[str | Path] = None) -> RetrofitTask:
-    return RetrofitTask(cfg, info, run_dir=run_dir)
 
 
 load_model = load_lm  # a finished retrofit run is read like a pretraining run (final/hf, LoRA merged)

@@ -43,7 +43,6 @@ __all__ = [
     "write_topics_qa",
     "collate_padded",
     "collate_packed",
-    "build_task",
     "SFTRecipe",
     "RECIPE",
 ]
@@ -371,10 +370,6 @@ class SFTTask(TextTask):
             "tokenizer_hash": tokenizer_hash(self.tokenizer),
             "laplacian_heads": getattr(self.model.config, "laplacian_heads", None),
         }
-
-
-def build_task(cfg: SFTConfig, info: DistInfo) -> SFTTask:
-    return SFTTask(cfg, info)
 
 
 class SFTRecipe(LMRecipe):
