@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 
-def _mask_like(mask: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
+def mask_like(mask: Optional[torch.Tensor], q: torch.Tensor) -> Optional[torch.Tensor]:
     """A float mask or bias in ``q``'s dtype (SDPA's rule: under autocast q is half, the mask float32)."""
     if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
         return mask.to(q.dtype)

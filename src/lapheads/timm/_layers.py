@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..heads import LaplacianHeads, LayerHeads, laplacianness, layer_operator, nearer_laplacian, set_layer_heads
-from ..ops import _mask_like, laplacian_attention, laplacian_attention_reference
+from ..ops import laplacian_attention, laplacian_attention_reference, mask_like
 
 #: timm attention class -> its Laplacian twin (filled as the twins are defined).
 LAPLACIAN_CLASSES: dict[type, type["LaplacianLayer"]] = {}
@@ -323,7 +323,7 @@ class LaplacianBeitAttention(LaplacianLayer, BeitAttention):
         bias = self._get_rel_pos_bias() if self.relative_position_bias_table is not None else None
         if shared_rel_pos_bias is not None:
             bias = shared_rel_pos_bias if bias is None else bias + shared_rel_pos_bias
-        x = _merge_heads(self._laplacian_attend(q, k, v, _mask_like(bias, q)))
+        x = _merge_heads(self._laplacian_attend(q, k, v, mask_like(bias, q)))
         return self.proj_drop(self.proj(x))
 
 
@@ -334,7 +334,7 @@ class LaplacianSwinWindowAttention(LaplacianLayer, SwinWindowAttention):
         q, k, v = _split_heads(self.qkv(x), self.num_heads)
         bias = _window_mask(self._get_rel_pos_bias(), mask, x.shape[0])
         x = _merge_heads(
-            self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=None if self.fused_attn else self.scale)
+            self._laplacian_attend(q, k, v, mask_like(bias, q), scale=None if self.fused_attn else self.scale)
         )
         return self.proj_drop(self.proj(x))
 
@@ -355,7 +355,7 @@ class LaplacianSwinV2WindowAttention(LaplacianLayer, SwinV2WindowAttention):
         logit_scale = torch.clamp(self.logit_scale, max=math.log(1.0 / 0.01)).exp()  # (H, 1, 1), timm's clamp
         q, k = F.normalize(q, dim=-1) * logit_scale, F.normalize(k, dim=-1)
         bias = _window_mask(_swinv2_position_bias(self), mask, x.shape[0])
-        x = _merge_heads(self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=1.0))
+        x = _merge_heads(self._laplacian_attend(q, k, v, mask_like(bias, q), scale=1.0))
         return self.proj_drop(self.proj(x))
 
 
@@ -368,7 +368,7 @@ class LaplacianRelPosAttention(LaplacianLayer, RelPosAttention):
         rel_pos: Any = self.rel_pos
         bias = rel_pos.get_bias() if rel_pos is not None else shared_rel_pos
         x = _merge_heads(
-            self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=None if self.fused_attn else self.scale)
+            self._laplacian_attend(q, k, v, mask_like(bias, q), scale=None if self.fused_attn else self.scale)
         )
         return self.proj_drop(self.proj(x))
 
@@ -410,12 +410,12 @@ class LaplacianLevitAttention(LaplacianLayer, LevitAttention):
         if self.use_conv:
             B, _, H, W = x.shape
             q, k, v = (t.transpose(-2, -1) for t in self.qkv(x).view(B, self.num_heads, -1, H * W).split(split, dim=2))
-            out = self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=self.scale)
+            out = self._laplacian_attend(q, k, v, mask_like(bias, q), scale=self.scale)
             x = out.transpose(-2, -1).reshape(B, -1, H, W)
         else:
             B, N, _ = x.shape
             q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, N, self.num_heads, -1).split(split, dim=3))
-            out = self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=self.scale)
+            out = self._laplacian_attend(q, k, v, mask_like(bias, q), scale=self.scale)
             x = out.transpose(1, 2).reshape(B, N, self.val_attn_dim)
         return self.proj(x)
 
@@ -450,7 +450,7 @@ class LaplacianMaxxVitAttention2d(LaplacianLayer, MaxxVitAttention2d):
         q, k, v = q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)  # (B, H, N, D)
         rel_pos: Any = self.rel_pos
         bias = rel_pos.get_bias() if rel_pos is not None else shared_rel_pos
-        out = self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=self.scale)
+        out = self._laplacian_attend(q, k, v, mask_like(bias, q), scale=self.scale)
         return self.proj_drop(self.proj(out.transpose(-1, -2).reshape(B, -1, H, W)))
 
 
@@ -465,5 +465,5 @@ class LaplacianMaxxVitAttentionCl(LaplacianLayer, MaxxVitAttentionCl):
             q, k, v = self.qkv(x).reshape(B, -1, 3, self.num_heads, self.dim_head).transpose(1, 3).unbind(2)
         rel_pos: Any = self.rel_pos
         bias = rel_pos.get_bias() if rel_pos is not None else shared_rel_pos
-        out = self._laplacian_attend(q, k, v, _mask_like(bias, q), scale=self.scale)
+        out = self._laplacian_attend(q, k, v, mask_like(bias, q), scale=self.scale)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(shape + (-1,))))

@@ -13,7 +13,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from ..errors import ConfigError
 from ..heads import HeadMix, LayerHeads
-from ..ops import _mask_like, causal_lower_right_mask, laplacian_attention, laplacian_attention_reference
+from ..ops import causal_lower_right_mask, laplacian_attention, laplacian_attention_reference, mask_like
 from ._configs import any_laplacian, config_spec
 from ._extras import Extras, additive, fused_extras
 from ._indexing import is_cross, module_heads_operator
@@ -180,7 +180,7 @@ def laplacian_sdpa_attention_forward(
     extras = _extras(module, kwargs)
     _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, is_causal)
-    attention_mask = _mask_like(attention_mask, query)
+    attention_mask = mask_like(attention_mask, query)
     if extras.any:
         out = fused_extras(query, key, value, heads, attention_mask, causal, scaling, dropout, extras)
     else:
@@ -230,7 +230,7 @@ def laplacian_eager_attention_forward(
     if isinstance(heads, HeadMix) or heads.any:
         _check_attention_call(module, query, key, attention_mask)
     causal = _is_causal(module, query.shape[2], attention_mask, is_causal)
-    attention_mask = _mask_like(attention_mask, query)
+    attention_mask = mask_like(attention_mask, query)
     out, op = laplacian_attention_reference(
         query,
         key,
