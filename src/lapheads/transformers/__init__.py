@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover - transformers is a hard dependency
 # reached by the tests under these names (not part of the public API, which is __all__)
 from ..heads import MIX_PARAM_SUFFIXES as MIX_PARAM_SUFFIXES
 from ._attention import laplacian_eager_attention_forward, laplacian_sdpa_attention_forward, register_implementations
-from ._configs import check_implementation, fused_implementation, layer_selections, mark_config
+from ._configs import check_implementation, fused_implementation, layer_selections
 from ._extras import flex_softcap_pv as _flex_softcap_pv  # noqa: F401 - reached by the tests
 from ._indexing import attention_modules, mixing_modules
 from ._loading import enable, from_pretrained
@@ -38,6 +38,8 @@ from ._names import (
     SAVED_FUSED_ATTN_IMPLEMENTATION,
     is_laplacian_implementation,
 )
+from ._registry import LaplacianCheckpointConfig, register_model_types
+from ._saving import mark_config
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -58,6 +60,8 @@ __all__ = [
     "layer_selections",
     "mixing_modules",
     "attention_modules",
+    "LaplacianCheckpointConfig",
 ]
 
 register_implementations()
+register_model_types()
