@@ -156,7 +156,15 @@ def ckpts(tmp_path_factory):
     saved = json.loads((llama_dir / "config.json").read_text())
     assert saved["model_type"] == "lapheads-llama", saved.get("model_type")
     return types.SimpleNamespace(
-        root=root, llama=llama_dir, old=old_dir, vit=root / "vit", clip=root / "clip", model=llama, tok=tok, ids=ids, want=want
+        root=root,
+        llama=llama_dir,
+        old=old_dir,
+        vit=root / "vit",
+        clip=root / "clip",
+        model=llama,
+        tok=tok,
+        ids=ids,
+        want=want,
     )
 
 
@@ -293,7 +301,9 @@ def test_with_lapheads_every_loader_gives_the_laplacian_model(ckpts):
     d, ids, want = str(ckpts.llama), ckpts.ids, ckpts.want
     loaded = {
         "lt.from_pretrained": lt.from_pretrained(d, dtype=torch.float64),
-        "lt.from_pretrained LlamaForCausalLM": lt.from_pretrained(d, model_class=tf.LlamaForCausalLM, dtype=torch.float64),
+        "lt.from_pretrained LlamaForCausalLM": lt.from_pretrained(
+            d, model_class=tf.LlamaForCausalLM, dtype=torch.float64
+        ),
         "AutoModelForCausalLM": tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64),
         "pipeline": tf.pipeline("text-generation", model=d, dtype=torch.float64).model,
     }
@@ -313,7 +323,9 @@ def test_with_lapheads_every_loader_gives_the_laplacian_model(ckpts):
     for impl in ("eager", "sdpa"):
         with pytest.raises(ConfigError, match="standard attention"):
             tf.AutoModelForCausalLM.from_pretrained(d, attn_implementation=impl)
-    std = tf.AutoModelForCausalLM.from_pretrained(d, laplacian_heads=0, attn_implementation="eager", dtype=torch.float64)
+    std = tf.AutoModelForCausalLM.from_pretrained(
+        d, laplacian_heads=0, attn_implementation="eager", dtype=torch.float64
+    )
     assert (_logits(std, ids) - want).abs().max() > 1e-3
 
 
@@ -331,6 +343,10 @@ def test_encoders_and_towers_load_with_lapheads(ckpts):
     assert text.config.laplacian_heads == 0
     config = tf.AutoConfig.from_pretrained(str(ckpts.clip))
     assert config.model_type == "clip" and config.vision_config.laplacian_heads == 2
+    # on disk every sub-config carries the refusal too: a concrete tower class reads its sub-config alone
+    saved = json.loads((ckpts.clip / "config.json").read_text())
+    assert saved["model_type"] == "lapheads-clip" and saved["vision_config"]["model_type"] == "clip_vision_model"
+    assert all(saved[k]["transformers_weights"].startswith(FIX) for k in ("vision_config", "text_config"))
 
 
 def test_checkpoint_of_the_release_before_still_loads(ckpts, tmp_path):
@@ -385,7 +401,9 @@ def test_peft_adapter_over_the_laplacian_base(ckpts, tmp_path):
     base = lt.from_pretrained(d, dtype=torch.float64)
     base_logits = _logits(base, ids)
     torch.manual_seed(1)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, task_type="CAUSAL_LM")
+    )
     want = _logits(model, ids)
     assert (want - base_logits).abs().max() > 1e-4  # the adapter changes the model
     model.save_pretrained(tmp_path / "adapter")

@@ -162,7 +162,7 @@ def write_card(directory: str, config: Any, where: Optional[str] = None, repo_id
         if not _replaceable(old):
             return False
         try:
-            tags = list(ModelCard(old, ignore_metadata_errors=True).data.tags or [])
+            tags = list(getattr(ModelCard(old, ignore_metadata_errors=True).data, "tags", None) or [])
         except ValueError:  # a metadata block that is not a mapping
             tags = []
     text = card_text(config, where or repo_id or directory, repo_id=repo_id, tags=tags)

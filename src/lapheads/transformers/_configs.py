@@ -10,13 +10,11 @@ from ..errors import ConfigError
 from ..heads import LaplacianHeads, LayerHeads, learnable_spec
 from ._names import (
     ATTN_IMPLEMENTATION,
-    BASE,
     EAGER_ATTN_IMPLEMENTATION,
     FUSED_ATTN_IMPLEMENTATION,
-    INDEXED_ATTN_IMPLEMENTATION_SUFFIX,
     is_laplacian_implementation,
-    saved_name,
 )
+
 
 def config_spec(config: Any) -> Any:
     return getattr(config, "laplacian_heads", None)

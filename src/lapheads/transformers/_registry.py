@@ -64,7 +64,7 @@ def register_model_type(base: str) -> None:
     """Register ``MODEL_TYPE_PREFIX + base`` (idempotent)."""
     name = MODEL_TYPE_PREFIX + base
     if name not in CONFIG_MAPPING:
-        AutoConfig.register(name, LaplacianCheckpointConfig, exist_ok=True)  # type: ignore[arg-type]
+        AutoConfig.register(name, LaplacianCheckpointConfig, exist_ok=True)
 
 
 def register_model_types() -> None:

@@ -14,7 +14,13 @@ from ..errors import ConfigError
 from ._card import remove_card, write_card
 from ._configs import fused_implementation, tree_any_laplacian
 from ._format import LOADER_FILE, LOADER_SOURCE, to_disk
-from ._names import BASE, EAGER_ATTN_IMPLEMENTATION, INDEXED_ATTN_IMPLEMENTATION_SUFFIX, is_laplacian_implementation, saved_name
+from ._names import (
+    BASE,
+    EAGER_ATTN_IMPLEMENTATION,
+    INDEXED_ATTN_IMPLEMENTATION_SUFFIX,
+    is_laplacian_implementation,
+    saved_name,
+)
 
 #: the config attribute that ``config.json`` serialises as ``"attn_implementation"``
 SAVED_KEY = "attn_implementation"
@@ -83,7 +89,7 @@ def _upload_config(self: Any, working_dir: Any, repo_id: str, *args: Any, **kwar
     return type(self).lapheads_base._upload_modified_files(self, working_dir, repo_id, *args, **kwargs)
 
 
-def _rebuild(base: type) -> Any:
+def _rebuild(base: Any) -> Any:
     """Unpickle (or deep-copy) a config of :func:`saving_class`: its class is rebuilt from the base class."""
     config = base.__new__(base)
     object.__setattr__(config, "__class__", saving_class(base))
