@@ -4,8 +4,9 @@
 ``AttentionInterface``: :data:`ATTN_IMPLEMENTATION` (fused), :data:`FUSED_ATTN_IMPLEMENTATION` (the
 same for model classes without SDPA support) and :data:`EAGER_ATTN_IMPLEMENTATION` (returns the
 operator as the attention weights). :func:`enable` gives a model Laplacian heads;
-``save_pretrained`` writes them into ``config.json`` and :func:`from_pretrained` loads them back, never
-silently as a standard model (more: docs/integrations.md).
+``save_pretrained`` / ``push_to_hub`` write a checkpoint that transformers alone refuses (its own model type,
+registered here for every model type transformers knows) and :func:`from_pretrained` loads it back, never
+silently as a standard model (more: docs/integrations.md, docs/sharing.md).
 """
 
 from __future__ import annotations
