@@ -83,8 +83,11 @@ def _load_call(config: Any, where: str) -> str:
 
     arch = (getattr(config, "architectures", None) or [None])[0]
     if arch is None or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type) == arch:
-        return f'model = lt.from_pretrained("{where}")'
-    return f'model = lt.from_pretrained("{where}", model_class=transformers.{arch})'
+        return f'import lapheads.transformers as lt\n\nmodel = lt.from_pretrained("{where}")'
+    return (
+        f"import transformers\nimport lapheads.transformers as lt\n\n"
+        f'model = lt.from_pretrained("{where}", model_class=transformers.{arch})'
+    )
 
 
 def card_text(config: Any, where: str, repo_id: Optional[str] = None, tags: Optional[list[str]] = None) -> str:
@@ -128,9 +131,6 @@ pip install lapheads
 ```
 
 ```python
-import transformers
-import lapheads.transformers as lt
-
 {_load_call(config, where)}
 ```
 
