@@ -111,12 +111,12 @@ def _token_major(x: torch.Tensor) -> bool:
 
 
 def _direct(pv: torch.Tensor, first: Optional[torch.Tensor], *others: torch.Tensor) -> bool:
-    """An out-of-place elementwise op over ``first`` (its first operand, or None: ``pv`` is), ``pv`` and ``others``
-    gives what :func:`_fresh_like` and ``out=`` give, with no buffer of its own: one dtype, ``pv`` dense
-    ``(..., T, H, D)`` and ``first`` in that order (an op lays its output out in the stride order of its first
-    operand, ties and broadcast dims by the next)."""
+    """Whether one out-of-place op over ``first`` (its first operand; None: ``pv`` is), ``pv`` and ``others``
+    returns what :func:`_fresh_like` filled by ``out=`` ops holds, dtype and layout: one dtype, ``pv`` dense
+    ``(..., T, H, D)`` and ``first`` in that stride order. (An op lays its output out in the stride order of its
+    first operand, taking broadcast dims from the next.)"""
     return (
-        all(t.dtype == pv.dtype for t in others if t is not None)
+        all(t.dtype == pv.dtype for t in others)
         and pv.transpose(-3, -2).is_contiguous()
         and (first is None or (first.dtype == pv.dtype and _token_major(first)))
     )
@@ -234,14 +234,14 @@ def _signs(runs: Runs, hkv: int, dtype: torch.dtype, device: torch.device) -> to
 
 def _times_b(dy: torch.Tensor, runs: Runs, hkv: int) -> Optional[torch.Tensor]:
     """``b_h dy`` per head by one op, with no buffer of its own, bit for bit what :func:`_write` gives run by run:
-    ``dy`` itself when every b is 1, ``-dy`` when every b is -1, ``dy`` times the per-head b when each is 1 or -1;
-    None for other b (0, or a mix of other values)."""
+    ``dy`` itself when every b is 1, ``-dy`` when every b is -1, ``dy`` times the per-head b when each is 1 or -1
+    (for a plain tensor: the cached signs must not meet a fake or distributed one); None otherwise."""
     bs = {b for _, _, _, b in runs.runs}
     if bs == {1.0}:
         return dy
     if len(bs) == 1 and 0.0 not in bs:
         return _write(None, dy, dy, 0.0, bs.pop())
-    if bs == {1.0, -1.0}:
+    if bs == {1.0, -1.0} and type(dy) is torch.Tensor and not traced():
         return (_grouped(dy, hkv) * _signs(runs, hkv, dy.dtype, dy.device)).flatten(-4, -3)
     return None
 
