@@ -189,7 +189,9 @@ def test_optimizer_groups_and_parameter_counts():
     ids = [id(p) for ps in g.values() for _, p in ps]
     assert len(ids) == len(set(ids)) == len(list(m.parameters()))
     assert sorted(n for n, _ in g["value_embedding"]) == ["model.value_embeds.1.weight", "model.value_embeds.3.weight"]
-    assert {n for n, _ in g["matrix"] if "ve_gate" in n} == {f"model.layers.{i}.self_attn.ve_gate.weight" for i in (1, 3)}
+    assert {n for n, _ in g["matrix"] if "ve_gate" in n} == {
+        f"model.layers.{i}.self_attn.ve_gate.weight" for i in (1, 3)
+    }
     adamw, _ = build_optimizers(m, LMOptimConfig(value_embedding_lr=0.15))
     lrs = {gr["name"]: gr["lr"] for gr in adamw.param_groups}
     assert lrs["value_embedding"] == pytest.approx(0.15 * (64 / 768) ** -0.5)

@@ -162,7 +162,10 @@ def test_nanochat2026_runs_at_tiny_size(tmp_path):
 def test_nanochat2026_lora_runs_at_tiny_size(tmp_path):
     base = tmp_path / "base"
     tiny = _tiny_lm(tmp_path / "cache")
-    tiny = [s for s in tiny if not s.startswith(("model.width", "model.n_heads"))] + ["model.width=60", "model.n_heads=15"]
+    tiny = [s for s in tiny if not s.startswith(("model.width", "model.n_heads"))] + [
+        "model.width=60",
+        "model.n_heads=15",
+    ]
     argv = ["train", "lm", "--config", "nanochat2026", "--out", str(base), "--set", "model.depth=2"]
     assert cli([*argv, "--set", "model.laplacian_heads=0", *_sets(tiny)]) == 0
     out = tmp_path / "lora"

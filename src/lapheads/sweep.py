@@ -34,7 +34,11 @@ SWEEP_HINT = "pass --restart-changed to train them afresh, --overwrite to restar
 
 
 # the axes a sweep sets itself (a retrofit's heads are the top-level `laplacian_heads`)
-RESERVED_AXES = {"model.laplacian_heads": "--laplacian-heads", "laplacian_heads": "--laplacian-heads", "train.seed": "--seeds"}
+RESERVED_AXES = {
+    "model.laplacian_heads": "--laplacian-heads",
+    "laplacian_heads": "--laplacian-heads",
+    "train.seed": "--seeds",
+}
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 

@@ -69,7 +69,9 @@ class Preset:
 
 
 def _read(path: Path) -> Preset:
-    first = next((ln.lstrip("#").strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.startswith("#")), "")
+    first = next(
+        (ln.lstrip("#").strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.startswith("#")), ""
+    )
     spec = from_dict(PresetSpec, read_yaml(path), prefix=f"{path}: ")
     preset = Preset(path.stem, first, path, spec)
     if len(set(spec.seeds)) != len(spec.seeds):
@@ -97,4 +99,3 @@ def load_preset(name: str) -> Preset:
             "describes them)"
         )
     return _read(path)
-

@@ -18,7 +18,6 @@ from ..outputs import read_json, write_json
 from ..recipes.shipped import resolve_any
 from ..report import build_report
 from ..runs import analyze_run
-from ..sweep_presets import load_preset, presets
 from ..sweep import (
     axis_names,
     design_points,
@@ -29,6 +28,7 @@ from ..sweep import (
     run_grid,
     run_name,
 )
+from ..sweep_presets import load_preset, presets
 from . import opts, repeated
 
 COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
@@ -163,8 +163,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_controller()
     with lock_dir(out):
         record = [a for a in argv if a not in ("--overwrite", "--restart-changed", "--resume", "--no-wait")]
-        # a preset is read again by name (its argv holds --preset); a config by the path it had
-        config = "" if args.preset else str(Path(args.config).absolute()) if Path(args.config).is_file() else args.config
+        config = str(Path(args.config).absolute()) if Path(args.config).is_file() else args.config
+        if args.preset:
+            config = ""  # a preset is read again by name (its argv holds --preset)
         recorded = (out / COMMAND_FILE).exists()
 
         def write_command() -> None:  # once the sweep is sure to run: a refused one changes nothing in OUT

@@ -139,9 +139,9 @@ class LapNanoChatAttention(NanoChatAttention):
         self.sliding_window = config.sliding_window if types[layer_idx] == SLIDING else None
         has_ve = layer_idx in (config.value_embedding_layers or [])
         channels = config.value_embedding_gate_channels
-        self.ve_gate = nn.Linear(channels, config.num_key_value_heads, bias=False) if has_ve else None
+        self.ve_gate = nn.Linear(channels, int(config.num_key_value_heads or 0), bias=False) if has_ve else None
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -213,9 +213,7 @@ class LapNanoChatModel(NanoChatModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [LapNanoChatDecoderLayer(config, i) for i in range(config.num_hidden_layers)]  # type: ignore[misc]
-        )
+        self.layers = nn.ModuleList([LapNanoChatDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = NanoChatRMSNorm(eps=config.rms_norm_eps)
         self.rotary_emb = NanoChatRotaryEmbedding(config=config)
         kv_width = config.num_key_value_heads * config.head_dim
@@ -227,11 +225,11 @@ class LapNanoChatModel(NanoChatModel):
 
     @merge_with_config_defaults
     @capture_outputs
-    def forward(  # type: ignore[override]
+    def forward(
         self,
-        input_ids: Optional[torch.LongTensor] = None,
+        input_ids: Optional[torch.Tensor] = None,
         attention_mask: Any = None,
-        position_ids: Optional[torch.LongTensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
         cache: Any = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
@@ -265,8 +263,7 @@ class LapNanoChatModel(NanoChatModel):
             ve = self.value_embeds[str(i)] if str(i) in self.value_embeds else None
             if ve is not None and input_ids is None:
                 raise ConfigError(
-                    "a NanoChat with value embeddings looks them up by token: call it with input_ids, "
-                    "not inputs_embeds"
+                    "a NanoChat with value embeddings looks them up by token: call it with input_ids, not inputs_embeds"
                 )
             hidden_states = layer(
                 hidden_states,
