@@ -202,3 +202,22 @@ def test_optimizer_groups_and_parameter_counts():
     assert count_params(m, exclude_embedding=True) == blocks + V * w
     keys = 9 + 64 + 9 + 64  # layers S L S L: a window of 8 tokens before the query, and the query
     assert flops_per_token(m, 64) == 6.0 * (blocks + V * w) + 12.0 * heads * 32 * keys
+
+
+def test_learnable_mixing_and_activation_checkpointing_with_both_features():
+    """Learnable head mixing registers on the new attention modules, and recomputing the blocks in backward
+    (value embeddings handed to them as arguments) gives the gradients of the plain backward."""
+    from lapheads.engine.fsdp import enable_activation_checkpointing, transformer_blocks
+
+    m = _model(laplacian_heads="learn:laplacian").float().train()
+    assert len(param_groups(m)["mix"]) == 2 * 4 and len(transformer_blocks(m)) == 4
+    ids = torch.randint(0, V, (2, 12))
+
+    def grads():
+        m.zero_grad()
+        m(input_ids=ids, use_cache=False).logits.square().mean().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    plain = grads()
+    enable_activation_checkpointing(m)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads()))
