@@ -303,6 +303,69 @@ def test_imports_follow_the_architecture_layers():
     )
 
 
+def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """``module -> modules it imports`` over every module of ``package`` (dotted names; a package is its
+    ``__init__``). Every import counts: at the top of a file, under ``TYPE_CHECKING`` or inside a function.
+    ``from pkg import name`` is an import of the module ``pkg.name`` where there is one, of ``pkg`` otherwise."""
+    import ast
+
+    mods = {}
+    for f in package.rglob("*.py"):
+        parts = list(f.relative_to(package.parent).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    root = package.name
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        pkg = m.split(".") if f.name == "__init__.py" else m.split(".")[:-1]
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == root):
+                base = pkg[: len(pkg) - (node.level - 1)] if node.level else []
+                target = base + (node.module.split(".") if node.module else [])
+                for a in node.names:
+                    sub = ".".join(target + [a.name])
+                    names.append(sub if sub in mods else ".".join(target))
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == root]
+            for n in names:
+                while n not in mods and "." in n:  # ``import pkg.mod.attr`` and the like: the module part
+                    n = n.rsplit(".", 1)[0]
+                if n != m and n in mods:
+                    graph[m].add(n)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (networkx, torch's own
+    dependency: strongly connected components of more than one module)."""
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in graph.items() for b in bs])
+    return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
+
+
+def test_no_import_cycle_anywhere_in_the_package():
+    cycles = import_cycles(module_graph())
+    assert not cycles, (
+        "modules of src/lapheads that import each other (move the shared part down, or hand the object "
+        "over as an argument):\n" + "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_the_cycle_check_sees_two_module_cycles_inside_a_package(tmp_path):
+    """The check itself: a ``TYPE_CHECKING`` import back, a function-level one and ``from . import`` all count."""
+    pkg = tmp_path / "demo"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .a import A\n")
+    (pkg / "sub" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    (pkg / "sub" / "b.py").write_text("from .a import A\n")
+    (pkg / "c.py").write_text("def f():\n    from . import d\n")
+    (pkg / "d.py").write_text("import demo.c\n")
+    (pkg / "e.py").write_text("from .sub import a\n")  # one way only: no cycle
+    assert import_cycles(module_graph(pkg)) == [["demo.c", "demo.d"], ["demo.sub.a", "demo.sub.b"]]
+
+
 def api_modules() -> tuple[set[str], set[str]]:
     """Modules named by ``::: module`` in docs/api/*.md, and those rendered with their submodules: the
     docs build's own reading of the pages (docs/griffe_rst.py), so the test and the site agree."""

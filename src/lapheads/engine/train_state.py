@@ -37,7 +37,8 @@ from .checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .run import RunDir
+    from .train_task import TrainTask
 
 
 def seed_everything(seed: int) -> None:
@@ -75,16 +76,30 @@ def set_rng_state(st: dict[str, Any], device: torch.device) -> None:
 
 
 class Checkpointer:
-    """Saves, restores and exports the state of a :class:`~lapheads.engine.trainer.Trainer`: its model,
-    EMA (``timm.utils.ModelEmaV3``), optimizers and the task's extra state."""
+    """Saves, restores and exports the state of a training run: its model, EMA (``timm.utils.ModelEmaV3``),
+    optimizers and the task's extra state. The :class:`~lapheads.engine.trainer.Trainer` builds it with
+    what it set up (the trainer is above this module, so it hands the parts over rather than itself)."""
 
-    def __init__(self, trainer: Trainer):
-        t, cfg = trainer, trainer.cfg
-        self.task, self.run, self.info, self.device = t.task, t.run, t.info, t.info.device
-        self.model, self.optims, self.ema = t.model, list(t.optims), t.ema
-        self.keep, self.seed = cfg.keep_checkpoints, cfg.seed  # the seed re-seeds a run resumed on another world size
-        self.fsdp, self.sharded = cfg.parallel == "fsdp", t.sharded  # DCP checkpoints; FSDP2 shards
-        self.export_skeleton = t.export_skeleton  # under FSDP on rank 0: a parameter-free copy for final/
+    def __init__(
+        self,
+        *,
+        task: TrainTask,
+        run: RunDir,
+        info: D.DistInfo,
+        model: nn.Module,
+        optims: list[torch.optim.Optimizer],
+        ema: Any,
+        keep: int,
+        seed: int,
+        fsdp: bool,
+        sharded: bool,
+        export_skeleton: Optional[nn.Module],
+    ):
+        self.task, self.run, self.info, self.device = task, run, info, info.device
+        self.model, self.optims, self.ema = model, list(optims), ema
+        self.keep, self.seed = keep, seed  # the seed re-seeds a run resumed on another world size
+        self.fsdp, self.sharded = fsdp, sharded  # DCP checkpoints; FSDP2 shards
+        self.export_skeleton = export_skeleton  # under FSDP on rank 0: a parameter-free copy for final/
         self.last_step: Optional[int] = None  # step of the newest checkpoint written or loaded
 
     def _gather_rngs(self) -> list[Any]:

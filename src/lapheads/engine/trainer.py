@@ -221,7 +221,19 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=cfg.find_unused_parameters,
             )
-        self.checkpoints = Checkpointer(self)
+        self.checkpoints = Checkpointer(
+            task=task,
+            run=run,
+            info=self.info,
+            model=self.model,
+            optims=self.optims,
+            ema=self.ema,
+            keep=cfg.keep_checkpoints,
+            seed=cfg.seed,
+            fsdp=cfg.parallel == "fsdp",
+            sharded=self.sharded,
+            export_skeleton=self.export_skeleton,
+        )
         self.signals = StopSignals()
         self.step = 0
         self.skipped = 0
