@@ -175,7 +175,8 @@ def test_save_and_load_keep_the_architecture(tmp_path):
     )
     R.export_hf(m, tok, tmp_path / "hf")
     saved = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert saved["model_type"] == "lapheads_nanochat" and saved["layer_types"][-1] == "full_attention"
+    assert saved["model_type"] == "lapheads-lapheads_nanochat"  # the sharing format (docs/sharing.md)
+    assert saved["layer_types"][-1] == "full_attention"
     loaded, _ = R.load_model(tmp_path / "hf")
     assert type(loaded) is LapNanoChatForCausalLM
     ids = torch.randint(0, len(tok), (1, 10))

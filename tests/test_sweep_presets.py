@@ -150,7 +150,12 @@ def test_nanochat2026_runs_at_tiny_size(tmp_path):
     runs = sorted(d.name for d in out.iterdir() if (d / "final" / "model.json").is_file())
     assert runs == sorted(f"depth={d}__lap{k}_seed0" for d in (12, 16, 20) for k in (0, 4))
     spec = json.loads((out / "depth=20__lap4_seed0" / "final" / "hf" / "config.json").read_text())
-    assert spec["model_type"] == "lapheads_nanochat" and spec["num_hidden_layers"] == 20
+    # config.json is in the sharing format (docs/sharing.md): lapheads' loader gives the nanochat model back
+    assert spec["model_type"] == "lapheads-lapheads_nanochat" and spec["num_hidden_layers"] == 20
+    from lapheads.recipes.lm import load_model
+
+    model, _ = load_model(out / "depth=20__lap4_seed0")
+    assert type(model).__name__ == "LapNanoChatForCausalLM" and model.config.laplacian_heads == 4
     assert spec["layer_types"].count("sliding_attention") == 15 and spec["sliding_window"] == 5
     assert spec["value_embedding_layers"] == list(range(1, 20, 2))
     samples = (out / "depth=20__lap4_seed0" / "samples.jsonl").read_text().splitlines()

@@ -121,7 +121,18 @@ def saving_class(base: type) -> type:
             "__reduce_ex__": _reduce_ex,
         }
         cls = _SAVING_CLASSES[base] = type(base.__name__, (base,), namespace)
+        _register_like(cls, base)
     return cls
+
+
+def _register_like(cls: type, base: type) -> None:
+    """Give ``cls`` the model classes that ``AutoModel...register`` gave ``base``: transformers finds its own
+    configs' models by class name, but a registered config's (e.g. lapheads' nanochat) by the class itself."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping in vars(modeling_auto).values():
+        if isinstance(mapping, modeling_auto._LazyAutoMapping) and base in mapping._extra_content:
+            mapping.register(cls, mapping._extra_content[base], exist_ok=True)
 
 
 def mark_config(
