@@ -212,13 +212,37 @@ def _write(o: Optional[torch.Tensor], p: torch.Tensor, s: torch.Tensor, a: float
     return torch.mul(p, b, out=o).add_(s, alpha=a)
 
 
+@functools.lru_cache(maxsize=4096)
+def _base(runs: Runs, group: int) -> Optional[tuple[float, float]]:
+    """The ``(a, b)`` one out-of-place op writes over every head before the other heads' slices are rewritten
+    in place, or None (the output is a fresh buffer written run by run).
+
+    That op allocates and writes the output at once, so a layer pays ``1 + m/H`` output-sized passes for it,
+    ``m`` the heads rewritten, against the fresh buffer's ``2`` (the allocation, then the writes), but writes
+    ``m/H`` of a pass more. One ``(a, b)`` for every head: the op alone (``m = 0``). Several, without GQA: the
+    ``(a, b)`` of the most heads (``b != 0``: an op with a ``b p`` term makes a new tensor). Under GQA the
+    fresh buffer stays: there an all-Laplacian backward adds only the group's sum into ``dv`` (``2/G`` of a
+    pass) and the rewrite would make a mixed layer write more than an all-Laplacian one."""
+    if len(runs.runs) > 1 and group > 1:
+        return None
+    heads: dict[tuple[float, float], int] = {}
+    for start, end, a, b in runs.runs:
+        if b != 0:
+            heads[(a, b)] = heads.get((a, b), 0) + end - start
+    return max(heads, key=heads.__getitem__) if heads else None  # ties: the first in head order
+
+
 def _fixed_forward(pv: torch.Tensor, vs: torch.Tensor, runs: Runs) -> torch.Tensor:
     hkv = vs.shape[-3]
     group = pv.shape[-3] // hkv
     p5, s5 = _grouped(pv, hkv), vs.unsqueeze(-3)
-    if len(runs.runs) == 1 and runs.runs[0][3] != 0 and _direct(pv, vs, vs):  # one op, its output the result
-        _, _, a, b = runs.runs[0]
-        return _write(None, p5, s5, a, b).flatten(-4, -3)
+    base = _base(runs, group)
+    if base is not None and _direct(pv, vs, vs):  # one op over every head, its output the result's buffer
+        o5 = _write(None, p5, s5, *base)
+        for g0, g1, j0, j1, a, b in _run_blocks(runs, group):
+            if (a, b) != base:
+                _write(o5[..., g0:g1, j0:j1, :, :], p5[..., g0:g1, j0:j1, :, :], s5[..., g0:g1, :, :, :], a, b)
+        return o5.flatten(-4, -3)
     out = _fresh_like(pv, vs)
     o5 = _grouped(out, hkv)
     for g0, g1, j0, j1, a, b in _run_blocks(runs, group):
