@@ -317,11 +317,9 @@ def _create(
                 f"({', '.join(left[:3])}); build the architecture it was saved from"
             )
         wrong = _disagreeing(model, markers, before) if keep else []
-        if wrong:  # the heads were rebuilt from these markers: what differs still is refused, never loaded
-            raise ConfigError(
-                f"model {name!r}: the heads of {', '.join(wrong[:3])} differ from the checkpoint's markers; "
-                "give laplacian_heads to choose the heads yourself"
-            )
+        if wrong:  # heads that differ from the checkpoint's (a _lap<k> name's k, or markers no setting rebuilds)
+            layer = cast(LaplacianLayer, model.get_submodule(wrong[0]))
+            raise ConfigError(f"model {name!r}: {layer.laplacian_mismatch(wrong[0], *markers[wrong[0]])}")
         model.load_state_dict({k: v for k, v in lap.items() if is_mix_param(k) and k in own}, strict=False)
     if loaded is not None:  # timm.models.load_checkpoint's strict load, into the converted model
         model.load_state_dict(

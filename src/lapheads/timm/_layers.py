@@ -170,6 +170,14 @@ class LaplacianLayer(nn.Module):
         """``(a, b)`` of this layer's fixed mixing heads; None when it has none."""
         return self.laplacian_selection.coef if MIX_FIXED in self.laplacian_codes() else None
 
+    def laplacian_mismatch(self, name: str, codes: list[int], coef: Optional[tuple[float, float]]) -> str:
+        """The refusal of a checkpoint whose marker (``codes``, ``coef``) describes other heads than this layer's."""
+        return (
+            f"{name or type(self).__name__}: the checkpoint has {describe_codes(codes, coef)} but this layer has "
+            f"{describe_codes(self.laplacian_codes(), self.laplacian_coef())}; load it into a model with the same "
+            "heads (lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
+        )
+
     def _register_marker(self) -> None:
         # A persistent buffer, so the key is in every state dict (torch.save, safetensors,
         # save_for_hf, distributed checkpoints) and a strict load into a stock timm layer refuses it.
@@ -225,11 +233,7 @@ class LaplacianLayer(nn.Module):
             # a code of its own, when such heads were marked Laplacian: it loads into the same fixed mixing
             before = old_format and codes == [MIX_LAPLACIAN if c == MIX_FIXED else c for c in own]
             if not before and (codes != own or (MIX_FIXED in own and coef != self.laplacian_coef())):
-                error_msgs.append(
-                    f"{prefix[:-1] or type(self).__name__}: the checkpoint has {describe_codes(codes, coef)} but "
-                    f"this layer has {describe_codes(own, self.laplacian_coef())}; load it into a model with the "
-                    "same heads (lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
-                )
+                error_msgs.append(self.laplacian_mismatch(prefix[:-1], codes, coef))
         super()._load_from_state_dict(state_dict, prefix, *args)
         for k in (key, prefix + COEF):
             if k not in state_dict and k in missing_keys:
