@@ -85,7 +85,9 @@ def test_timm_non_strict_load_refuses_the_anchor(tmp_path):
     would drop the markers; the anchor's shape is refused all the same."""
     path = tmp_path / "m.pth"
     torch.save(_model(2).state_dict(), path)
-    with pytest.raises(RuntimeError, match=r"size mismatch for blocks.0.attn.proj.weight: .* torch.Size\(\[1, 32, 32\]\)"):
+    with pytest.raises(
+        RuntimeError, match=r"size mismatch for blocks.0.attn.proj.weight: .* torch.Size\(\[1, 32, 32\]\)"
+    ):
         timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **ARCH)
 
 

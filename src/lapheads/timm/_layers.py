@@ -43,14 +43,14 @@ MIX_STANDARD, MIX_LAPLACIAN, MIX_LEARNABLE, MIX_FIXED = 0, 1, 2, 3
 
 def describe_codes(codes: list[int], coef: Optional[tuple[float, float]] = None) -> str:
     """A marker's codes in words: ``Laplacian heads [2, 3] of 4``, ``learnable mixing of 4 heads``,
-    ``heads [3] of 4 mixing 1 I + 0 P``, ``no Laplacian head of 4``."""
+    ``heads [3] of 4 mixing a I + b P with (a, b) = (1, 0)``, ``no Laplacian head of 4``."""
     if codes and all(c == MIX_LEARNABLE for c in codes):
         return f"learnable mixing of {len(codes)} heads"
     lap = [h for h, c in enumerate(codes) if c == MIX_LAPLACIAN]
     fixed = [h for h, c in enumerate(codes) if c == MIX_FIXED]
-    mix = "" if coef is None else f" mixing {coef[0]:g} I + {coef[1]:g} P"
-    parts = ([f"Laplacian heads {lap}"] if lap else []) + ([f"heads {fixed}{mix}"] if fixed else [])
-    return f"{' and '.join(parts)} of {len(codes)}" if parts else f"no Laplacian head of {len(codes)}"
+    mix = f" mixing a I + b P with (a, b) = ({coef[0]:g}, {coef[1]:g})" if fixed and coef is not None else ""
+    parts = ([f"Laplacian heads {lap}"] if lap else []) + ([f"heads {fixed}"] if fixed else [])
+    return f"{' and '.join(parts)} of {len(codes)}{mix}" if parts else f"no Laplacian head of {len(codes)}"
 
 
 def encode_coef(coef: tuple[float, float], device: Any = None) -> torch.Tensor:
