@@ -241,8 +241,9 @@ def _selection_from_markers(model: nn.Module, markers: dict[str, Marker]) -> Any
                 "the checkpoint's fixed mixing heads (an ablation) differ between layers or sit among Laplacian "
                 "heads, which no laplacian_heads setting rebuilds; give laplacian_heads and set the layers yourself"
             )
-        (a, b), k = coefs.pop(), ks.pop()
-        return f"mix({a!r},{b!r}):{k}"
+        coef = coefs.pop()
+        assert coef is not None
+        return f"mix({coef[0]!r},{coef[1]!r}):{ks.pop()}"
     if trailing:
         return ks.pop()
     return indices
