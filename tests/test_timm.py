@@ -184,7 +184,8 @@ def test_backward_pass_with_dropouts(fused):
 
 def test_state_dict_round_trip_between_plain_and_converted():
     """Stock weights load into a converted model (retrofitting); a converted state dict carries one
-    marker per layer (``lap_heads``) that a strict load into a stock model refuses."""
+    marker per layer (``lap_heads``) and each Laplacian layer's ``proj.weight`` with a leading axis of 1,
+    which a stock model refuses strictly or not; ``stock_state_dict`` gives the stock form."""
     plain = tiny_vit()
     conv = lt.convert(tiny_vit(), 2)
     torch.manual_seed(5)
@@ -193,9 +194,12 @@ def test_state_dict_round_trip_between_plain_and_converted():
     sd = conv.state_dict()
     assert set(sd) - set(plain.state_dict()) == {f"blocks.{i}.attn.lap_heads" for i in range(3)}
     assert sd["blocks.0.attn.lap_heads"].tolist() == [0, 0, 1, 1]
+    assert sd["blocks.0.attn.proj.weight"].shape == (1, *conv.blocks[0].attn.proj.weight.shape)
     with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"blocks.0.attn.lap_heads\""):
         plain.load_state_dict(sd, strict=True)
-    plain.load_state_dict({k: v for k, v in sd.items() if not k.endswith("lap_heads")}, strict=True)
+    with pytest.raises(RuntimeError, match=r"size mismatch for blocks.0.attn.proj.weight"):
+        plain.load_state_dict(sd, strict=False)  # the markers dropped, as timm's adapting loads do
+    plain.load_state_dict(lt.stock_state_dict(sd), strict=True)
     back = lt.convert(tiny_vit(), 2)
     back.load_state_dict(plain.state_dict(), strict=True)  # stock weights: no marker, any selection
     x = images()

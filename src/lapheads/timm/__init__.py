@@ -3,7 +3,9 @@
 :func:`create_model` is ``timm.create_model`` + :func:`convert`, and reloads saved Laplacian models
 (a file, ``local-dir:``, ``hf-hub:``) with their heads. :func:`convert` turns every convertible
 attention module into its Laplacian twin IN PLACE, weights and ``state_dict`` keys kept (plus one
-marker buffer, ``lap_heads``, per layer); :func:`skipped_attention_layers` says which stay standard.
+marker buffer, ``lap_heads``, per layer, and the output projection's weight saved with a leading axis
+of 1, which plain timm refuses); :func:`stock_state_dict` gives the weights in stock form;
+:func:`skipped_attention_layers` says which stay standard.
 ``import lapheads.timm`` registers ``<timm name>_lap<k>`` (:data:`VARIANT_BASES`: the trailing k heads
 of every layer Laplacian, no weights; the paper's "ViT-S-5L" is ``deit3_small_patch16_224_lap5``).
 """
@@ -18,7 +20,7 @@ except ModuleNotFoundError as e:
     ) from None
 
 from ._checkpoints import _LAPLACIAN_KEY as _LAPLACIAN_KEY  # noqa: F401 - reached by the tests
-from ._checkpoints import REGISTERED_MODELS, VARIANT_BASES, create_model, register_variants
+from ._checkpoints import REGISTERED_MODELS, VARIANT_BASES, create_model, register_variants, stock_state_dict
 from ._convert import REFUSED_CLASSES as REFUSED_CLASSES
 from ._convert import convert, laplacian_attention_layers, laplacian_head_counts, skipped_attention_layers
 from ._layers import (
@@ -58,6 +60,7 @@ __all__ = [
     "LAPLACIAN_CLASSES",
     "convert",
     "create_model",
+    "stock_state_dict",
     "laplacian_head_counts",
     "laplacian_attention_layers",
     "skipped_attention_layers",

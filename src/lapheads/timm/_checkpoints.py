@@ -6,16 +6,26 @@ import difflib
 import inspect
 import re
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import timm
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..heads import HeadSpec, LaplacianHeads
+from ..heads import HeadSpec, LaplacianHeads, is_mix_param
 from ._convert import convert, laplacian_attention_layers
-from ._layers import MARKER, MIX_LAPLACIAN, MIX_LEARNABLE, MIX_STANDARD, LaplacianLayer, _heads_of
+from ._layers import (
+    COEF,
+    MARKER,
+    MIX_FIXED,
+    MIX_LAPLACIAN,
+    MIX_LEARNABLE,
+    MIX_STANDARD,
+    LaplacianLayer,
+    _heads_of,
+    decode_coef,
+)
 
 #: timm base models that get registered ``_lap<k>`` variants, with their number of heads.
 VARIANT_BASES: dict[str, int] = {
@@ -25,8 +35,8 @@ VARIANT_BASES: dict[str, int] = {
 }
 _LAP_NAME = re.compile(r"^(?P<base>.+)_lap(?P<k>\d+)$")
 _PACKAGE = __name__.rpartition(".")[0]  # lapheads.timm, where the entrypoints live
-#: state-dict keys a stock timm model does not have (the marker, learnable mixing parameters).
-_LAPLACIAN_KEY = re.compile(rf"(?:^|\.)(?:{MARKER}|lap_mix_a|lap_mix_b)$")
+#: state-dict keys a stock timm model does not have (the marker, fixed and learnable mixing).
+_LAPLACIAN_KEY = re.compile(rf"(?:^|\.)(?:{MARKER}|{COEF}|lap_mix_a|lap_mix_b)$")
 #: every timm name registered by ``import lapheads.timm`` (filled by :func:`register_variants`).
 REGISTERED_MODELS: list[str] = []
 
@@ -135,17 +145,74 @@ def _named_weights(cfg: dict[str, Any], cache_dir: Any = None) -> Optional[dict[
     return None
 
 
-def _markers(state: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """Layer name -> marker codes of every marked layer of a state dict."""
-    return {
-        k[: -len(MARKER)].rstrip("."): [int(c) for c in v.tolist()]
-        for k, v in state.items()
-        if (k == MARKER or k.endswith("." + MARKER)) and isinstance(v, torch.Tensor)
-    }
+#: one layer's marker as a checkpoint holds it: the codes and the fixed mixing ``(a, b)`` (None without).
+Marker = tuple[list[int], Optional[tuple[float, float]]]
 
 
-def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> Any:
-    """The selection that rebuilds the checkpoint's heads: an int k if it can, ``"learn"``, else per-layer indices."""
+def _markers(state: dict[str, torch.Tensor]) -> dict[str, Marker]:
+    """Layer name -> marker of every marked layer of a state dict."""
+    out: dict[str, Marker] = {}
+    for k, v in state.items():
+        if (k == MARKER or k.endswith("." + MARKER)) and isinstance(v, torch.Tensor):
+            layer = k[: -len(MARKER)].rstrip(".")
+            coef = state.get(f"{layer}.{COEF}" if layer else COEF)
+            out[layer] = ([int(c) for c in v.tolist()], decode_coef(coef) if isinstance(coef, torch.Tensor) else None)
+    return out
+
+
+def _saved_anchors(state: dict[str, torch.Tensor], markers: dict[str, Marker]) -> dict[str, str]:
+    """Marked layer -> key of its anchor saved with a leading axis of 1 (see ``_layers.anchor_of``): under
+    the layer's ``proj.``, the tensor of two or more axes whose first has size 1 (a projection has more
+    than one output)."""
+    out = {}
+    for layer in markers:
+        head = f"{layer}.proj." if layer else "proj."
+        for k, v in state.items():
+            if k.startswith(head) and isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == 1:
+                out[layer] = k
+                break
+    return out
+
+
+def stock_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict of a model with Laplacian heads in the form a stock timm model loads: the markers and
+    mixing dropped, each layer's anchor (its output projection's weight, saved with a leading axis of 1 so
+    that plain timm refuses the file) back in its own shape. The stock model computes standard heads: use it
+    to compare, or to start from the weights on purpose.
+
+    Args:
+        state: ``model.state_dict()`` or a file's tensors (``timm.models.load_state_dict(path)``).
+
+    Returns:
+        a new dict; the tensors are the same (or views of them).
+    """
+    anchors = set(_saved_anchors(state, _markers(state)).values())
+    return {k: (v.squeeze(0) if k in anchors else v) for k, v in state.items() if not _LAPLACIAN_KEY.search(k)}
+
+
+def _agrees(layer: LaplacianLayer, saved: Marker, before: bool) -> bool:
+    """Whether a layer's heads are the ones a marker describes; ``before``: the file was written before fixed
+    mixing had a code of its own (its heads were marked Laplacian, see ``LaplacianLayer._load_from_state_dict``)."""
+    codes, coef = saved
+    own = layer.laplacian_codes()
+    if before and codes == [MIX_LAPLACIAN if c == MIX_FIXED else c for c in own]:
+        return True
+    return codes == own and (MIX_FIXED not in own or coef == layer.laplacian_coef())
+
+
+def _disagreeing(model: nn.Module, markers: dict[str, Marker], before: set[str]) -> list[str]:
+    """The marked layers whose heads are not the marker's (a marked layer the model lacks included)."""
+    layers = dict(laplacian_attention_layers(model))
+    return [
+        n
+        for n, m in markers.items()
+        if not isinstance(layers.get(n), LaplacianLayer) or not _agrees(cast(LaplacianLayer, layers[n]), m, n in before)
+    ]
+
+
+def _selection_from_markers(model: nn.Module, markers: dict[str, Marker]) -> Any:
+    """The selection that rebuilds the checkpoint's heads: an int k if it can, ``"learn"``, a fixed mixing
+    ``"mix(a,b):k"``, else per-layer indices."""
     layers = laplacian_attention_layers(model)
     unknown = sorted(set(markers) - {n for n, _ in layers})
     if unknown:
@@ -153,7 +220,7 @@ def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> 
             f"the checkpoint marks Laplacian layers this model does not have ({', '.join(unknown[:3])}); "
             "build the architecture it was saved from"
         )
-    codes = [markers.get(n, [MIX_STANDARD] * _heads_of(m)) for n, m in layers]
+    codes = [markers.get(n, ([MIX_STANDARD] * _heads_of(m), None))[0] for n, m in layers]
     learn = [all(c == MIX_LEARNABLE for c in cs) for cs in codes]
     if all(learn):
         return "learn"
@@ -162,9 +229,22 @@ def _selection_from_markers(model: nn.Module, markers: dict[str, list[int]]) -> 
             "the checkpoint has learnable mixing in some layers and fixed heads in others, which no "
             "laplacian_heads setting rebuilds; give laplacian_heads and load its mixing yourself"
         )
-    indices = [[h for h, c in enumerate(cs) if c == MIX_LAPLACIAN] for cs in codes]
+    fixed = [any(c == MIX_FIXED for c in cs) for cs in codes]
+    on = MIX_FIXED if any(fixed) else MIX_LAPLACIAN
+    indices = [[h for h, c in enumerate(cs) if c == on] for cs in codes]
     ks = {len(i) for i in indices}
-    if len(ks) == 1 and all(i == list(range(len(cs) - len(i), len(cs))) for i, cs in zip(indices, codes)):
+    trailing = len(ks) == 1 and all(i == list(range(len(cs) - len(i), len(cs))) for i, cs in zip(indices, codes))
+    if on == MIX_FIXED:
+        coefs = {markers[n][1] for (n, _), f in zip(layers, fixed) if f}
+        if not trailing or any(MIX_LAPLACIAN in cs for cs in codes) or len(coefs) != 1 or None in coefs:
+            raise ConfigError(
+                "the checkpoint's fixed mixing heads (an ablation) differ between layers or sit among Laplacian "
+                "heads, which no laplacian_heads setting rebuilds; give laplacian_heads and set the layers yourself"
+            )
+        coef = coefs.pop()
+        assert coef is not None
+        return f"mix({coef[0]!r},{coef[1]!r}):{ks.pop()}"
+    if trailing:
         return ks.pop()
     return indices
 
@@ -202,8 +282,7 @@ def _create(
     lap: dict[str, torch.Tensor] = {}
     if state is not None:  # the stock part loads through timm, the Laplacian part (markers, mixing) after converting
         lap = {k: v for k, v in state.items() if _LAPLACIAN_KEY.search(k)}
-        stock = {k: v for k, v in state.items() if k not in lap}
-        overlay = {**(overlay or {}), **dict.fromkeys(_WEIGHT_SOURCE_KEYS), "state_dict": stock}
+        overlay = {**(overlay or {}), **dict.fromkeys(_WEIGHT_SOURCE_KEYS), "state_dict": stock_state_dict(state)}
     model = timm.create_model(
         base,
         pretrained=pretrained,
@@ -218,33 +297,34 @@ def _create(
     if k is not None:  # a registered variant: its own name, whatever timm built it from
         _set_pretrained_cfg(model, dict(_pretrained_cfg(model), architecture=name))
     loaded = timm.models.load_state_dict(str(checkpoint_path)) if checkpoint_path else None
-    markers = _markers(loaded if loaded is not None else lap)
+    source = loaded if loaded is not None else (state or {})
+    markers = _markers(source)
+    anchors = _saved_anchors(source, markers)
+    before = {n for n, (codes, _) in markers.items() if any(codes) and n not in anchors}  # files of older releases
     spec: Any = laplacian_heads if laplacian_heads is not None else saved_spec
     try:
         convert(model, spec)
-        codes = {n: m.laplacian_codes() for n, m in laplacian_attention_layers(model) if isinstance(m, LaplacianLayer)}
-        if laplacian_heads is None and markers and any(codes.get(n) != c for n, c in markers.items()):
+        if laplacian_heads is None and markers and _disagreeing(model, markers, before):
             convert(model, _selection_from_markers(model, markers))
     except ConfigError as e:
         raise ConfigError(f"model {name!r}: {e}") from None
     own = model.state_dict()
     keep = not replaces
     if lap:
-        part = {k: v for k, v in lap.items() if k in own and (keep or not k.endswith(MARKER))}
         left = sorted(set(lap) - set(own))
         if keep and left:
             raise ConfigError(
                 f"model {name!r}: the checkpoint has Laplacian entries this model has no place for "
                 f"({', '.join(left[:3])}); build the architecture it was saved from"
             )
-        model.load_state_dict(part, strict=False)
+        wrong = _disagreeing(model, markers, before) if keep else []
+        if wrong:  # heads that differ from the checkpoint's (a _lap<k> name's k, or markers no setting rebuilds)
+            layer = cast(LaplacianLayer, model.get_submodule(wrong[0]))
+            raise ConfigError(f"model {name!r}: {layer.laplacian_mismatch(wrong[0], *markers[wrong[0]])}")
+        model.load_state_dict({k: v for k, v in lap.items() if is_mix_param(k) and k in own}, strict=False)
     if loaded is not None:  # timm.models.load_checkpoint's strict load, into the converted model
         model.load_state_dict(
-            {
-                k: v
-                for k, v in loaded.items()
-                if keep or not _LAPLACIAN_KEY.search(k) or (k in own and not k.endswith(MARKER))
-            },
+            {k: v for k, v in loaded.items() if keep or not _LAPLACIAN_KEY.search(k) or (k in own and is_mix_param(k))},
             strict=True,
         )
     return model

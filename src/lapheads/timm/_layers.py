@@ -23,6 +23,7 @@ from timm.models.swin_transformer_v2 import WindowAttention as SwinV2WindowAtten
 from timm.models.vision_transformer_relpos import RelPosAttention
 from torch import nn
 
+from ..epilogue import LAPLACIAN
 from ..errors import ConfigError
 from ..heads import LaplacianHeads, LayerHeads, laplacianness, layer_operator, nearer_laplacian, set_layer_heads
 from ..ops import laplacian_attention, laplacian_attention_reference, mask_like
@@ -32,15 +33,56 @@ LAPLACIAN_CLASSES: dict[type, type["LaplacianLayer"]] = {}
 
 #: name of the marker buffer of every converted layer: one int8 per head, the codes below.
 MARKER = "lap_heads"
-MIX_STANDARD, MIX_LAPLACIAN, MIX_LEARNABLE = 0, 1, 2
+#: name of the buffer of a layer with fixed mixing heads (an ablation): their ``(a, b)`` as the bit
+#: patterns of two float64 in an int64 tensor, so casting the model (``half()``, ``to(bfloat16)``)
+#: never rounds them.
+COEF = "lap_coef"
+#: marker codes: standard, Laplacian ``(1, -1)``, learnable mixing, fixed mixing ``(a, b)`` from :data:`COEF`.
+MIX_STANDARD, MIX_LAPLACIAN, MIX_LEARNABLE, MIX_FIXED = 0, 1, 2, 3
 
 
-def describe_codes(codes: list[int]) -> str:
-    """A marker's codes in words: ``Laplacian heads [4, 5] of 6``, ``learnable mixing``, ``no Laplacian head``."""
+def describe_codes(codes: list[int], coef: Optional[tuple[float, float]] = None) -> str:
+    """A marker's codes in words: ``Laplacian heads [2, 3] of 4``, ``learnable mixing of 4 heads``,
+    ``heads [3] of 4 mixing a I + b P with (a, b) = (1, 0)``, ``no Laplacian head of 4``."""
     if codes and all(c == MIX_LEARNABLE for c in codes):
         return f"learnable mixing of {len(codes)} heads"
     lap = [h for h, c in enumerate(codes) if c == MIX_LAPLACIAN]
-    return f"Laplacian heads {lap} of {len(codes)}" if lap else f"no Laplacian head of {len(codes)}"
+    fixed = [h for h, c in enumerate(codes) if c == MIX_FIXED]
+    mix = f" mixing a I + b P with (a, b) = ({coef[0]:g}, {coef[1]:g})" if fixed and coef is not None else ""
+    parts = ([f"Laplacian heads {lap}"] if lap else []) + ([f"heads {fixed}"] if fixed else [])
+    return f"{' and '.join(parts)} of {len(codes)}{mix}" if parts else f"no Laplacian head of {len(codes)}"
+
+
+def encode_coef(coef: tuple[float, float], device: Any = None) -> torch.Tensor:
+    """``(a, b)`` -> the :data:`COEF` buffer (float64 bit patterns as int64)."""
+    return torch.tensor(coef, dtype=torch.float64).view(torch.int64).to(device)
+
+
+def decode_coef(t: torch.Tensor) -> Optional[tuple[float, float]]:
+    """The :data:`COEF` buffer -> ``(a, b)``; None for a tensor that is no such buffer."""
+    if t.dtype != torch.int64 or tuple(t.shape) != (2,) or t.is_meta:
+        return None
+    a, b = t.detach().cpu().view(torch.float64).tolist()
+    return float(a), float(b)
+
+
+def anchor_of(module: nn.Module) -> Optional[str]:
+    """The state-dict key (below the layer) that a layer with Laplacian heads saves with a leading axis of 1:
+    the first parameter of its output projection ``proj`` (``proj.weight``; LeViT ``proj.1.linear.weight``)."""
+    proj = getattr(module, "proj", None)
+    name = next((n for n, _ in proj.named_parameters()), None) if isinstance(proj, nn.Module) else None
+    return None if name is None else f"proj.{name}"
+
+
+def _guard_state_dict(module: Any, state: Any, prefix: str, local_metadata: Any) -> None:
+    # A state-dict post hook: the anchor of a layer whose forward is not timm's is saved as a view of
+    # shape (1, *shape). torch refuses a shape mismatch even in a non-strict load, so a stock timm
+    # model (whose loaders drop unexpected keys such as the marker when they adapt a classifier)
+    # refuses the file instead of loading it standard. A view, so in-place updates through the
+    # state dict (timm's ModelEmaV3) still reach the parameter.
+    anchor = anchor_of(module) if module.laplacian_active else None
+    if anchor is not None and isinstance(state.get(prefix + anchor), torch.Tensor):
+        state[prefix + anchor] = state[prefix + anchor].unsqueeze(0)
 
 
 def _heads_of(module: Any) -> int:
@@ -97,6 +139,8 @@ class LaplacianLayer(nn.Module):
                 "Use lapheads.timm.convert(model, spec) to apply a per-layer selection to a model"
             )
         set_layer_heads(self, spec, _heads_of(self))
+        if MARKER in self._buffers:  # not yet during _init_laplacian
+            self._sync_marker()
 
     @property
     def num_laplacian_heads(self) -> int:
@@ -114,10 +158,25 @@ class LaplacianLayer(nn.Module):
         return self.laplacian_learnable or self.laplacian_selection.any
 
     def laplacian_codes(self) -> list[int]:
-        """This layer's heads as the marker stores them: per head 0 standard, 1 Laplacian, 2 learnable mixing."""
+        """This layer's heads as the marker stores them: per head 0 standard, 1 Laplacian, 2 learnable mixing,
+        3 fixed mixing ``a I + b P`` (an ablation; :meth:`laplacian_coef` gives ``(a, b)``)."""
         if self.laplacian_learnable:
             return [MIX_LEARNABLE] * _heads_of(self)
-        return [MIX_LAPLACIAN if f else MIX_STANDARD for f in self.laplacian_selection.flags]
+        sel = self.laplacian_selection
+        on = MIX_LAPLACIAN if sel.coef == LAPLACIAN else MIX_FIXED
+        return [on if f else MIX_STANDARD for f in sel.flags]
+
+    def laplacian_coef(self) -> Optional[tuple[float, float]]:
+        """``(a, b)`` of this layer's fixed mixing heads; None when it has none."""
+        return self.laplacian_selection.coef if MIX_FIXED in self.laplacian_codes() else None
+
+    def laplacian_mismatch(self, name: str, codes: list[int], coef: Optional[tuple[float, float]]) -> str:
+        """The refusal of a checkpoint whose marker (``codes``, ``coef``) describes other heads than this layer's."""
+        return (
+            f"{name or type(self).__name__}: the checkpoint has {describe_codes(codes, coef)} but this layer has "
+            f"{describe_codes(self.laplacian_codes(), self.laplacian_coef())}; load it into a model with the same "
+            "heads (lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
+        )
 
     def _register_marker(self) -> None:
         # A persistent buffer, so the key is in every state dict (torch.save, safetensors,
@@ -125,15 +184,22 @@ class LaplacianLayer(nn.Module):
         if MARKER not in self._buffers:
             device = next(self.parameters(), torch.empty(0)).device
             self.register_buffer(MARKER, torch.zeros(_heads_of(self), dtype=torch.int8, device=device))
+        if _guard_state_dict not in self._state_dict_hooks.values():
+            self.register_state_dict_post_hook(_guard_state_dict)
 
     def _sync_marker(self) -> None:
-        """Write the selection into the marker: a new tensor (no in-place write under inference mode), only
-        when the codes differ."""
+        """Write the selection into the marker (and the fixed mixing into :data:`COEF`, which exists only
+        then): new tensors (no in-place write under inference mode), only when the values differ."""
         codes = self.laplacian_codes()
         old = self._buffers[MARKER]
         assert old is not None
         if old.is_meta or old.tolist() != codes:
             self._buffers[MARKER] = torch.tensor(codes, dtype=torch.int8, device=old.device)
+        coef, saved = self.laplacian_coef(), self._buffers.get(COEF)
+        if coef is None:
+            self._buffers.pop(COEF, None)
+        elif saved is None or decode_coef(saved) != coef:
+            self._buffers[COEF] = encode_coef(coef, old.device)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         self._sync_marker()
@@ -141,6 +207,19 @@ class LaplacianLayer(nn.Module):
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         _, _, missing_keys, _, error_msgs = args  # local_metadata, strict, missing, unexpected, error messages
+        self._sync_marker()
+        # The anchor (see _guard_state_dict) loads in either shape: (1, *shape) as saved by a layer with
+        # Laplacian heads, or its own (stock timm weights, files written before the anchor was saved so).
+        # torch hands each module a copy of the state dict, so the entry is replaced in that copy only.
+        anchor = anchor_of(self)
+        saved_anchor = state_dict.get(prefix + anchor) if anchor is not None else None
+        old_format = False
+        if isinstance(saved_anchor, torch.Tensor) and anchor is not None:
+            own_shape = tuple(self.get_parameter(anchor).shape)
+            if tuple(saved_anchor.shape) == (1, *own_shape):
+                state_dict[prefix + anchor] = saved_anchor.squeeze(0)
+            else:
+                old_format = True
         # No marker: stock timm weights, the paper authors' checkpoints, files saved before the
         # marker existed: they load into any selection (retrofitting). A marker must match.
         key = prefix + MARKER
@@ -148,16 +227,18 @@ class LaplacianLayer(nn.Module):
         own = self.laplacian_codes()
         if isinstance(saved, torch.Tensor) and not saved.is_meta and saved.shape == (len(own),):
             codes = [int(c) for c in saved.tolist()]
-            if codes != own:
-                error_msgs.append(
-                    f"{prefix[:-1] or type(self).__name__}: the checkpoint has {describe_codes(codes)} but this "
-                    f"layer has {describe_codes(own)}; load it into a model with the same heads "
-                    "(lapheads.timm.create_model without laplacian_heads takes them from the checkpoint)"
-                )
+            saved_coef = state_dict.get(prefix + COEF)
+            coef = decode_coef(saved_coef) if isinstance(saved_coef, torch.Tensor) else None
+            # a file with Laplacian heads and an anchor of its own shape was written before fixed mixing had
+            # a code of its own, when such heads were marked Laplacian: it loads into the same fixed mixing
+            before = old_format and codes == [MIX_LAPLACIAN if c == MIX_FIXED else c for c in own]
+            if not before and (codes != own or (MIX_FIXED in own and coef != self.laplacian_coef())):
+                error_msgs.append(self.laplacian_mismatch(prefix[:-1], codes, coef))
         super()._load_from_state_dict(state_dict, prefix, *args)
-        if saved is None and key in missing_keys:
-            missing_keys.remove(key)
-        self._sync_marker()  # the buffer follows the selection, never the file
+        for k in (key, prefix + COEF):
+            if k not in state_dict and k in missing_keys:
+                missing_keys.remove(k)
+        self._sync_marker()  # the buffers follow the selection, never the file
 
     def _laplacian_attend(
         self,
