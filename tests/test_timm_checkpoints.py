@@ -197,11 +197,6 @@ def test_project_loader_takes_its_own_weights_and_refuses_other_heads():
         load_weights(model, {k: v for k, v in src.state_dict().items() if k != "blocks.1.attn.qkv.weight"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_weights compares shapes with model.state_dict(), where a Laplacian layer's proj.weight has a "
-    "leading axis of 1; it needs to let the layer's load hook take the stock shape (lapheads.engine.checkpoint)",
-)
 def test_project_loader_takes_stock_weights():
     """A stock timm state dict has no marker and loads into a Laplacian model (retrofitting)."""
     from lapheads.engine.checkpoint import load_weights

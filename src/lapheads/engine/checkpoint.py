@@ -104,6 +104,10 @@ def safe_torch_load(path: Path) -> Any:
         raise CheckpointError(f"{path} was refused by the safe loader (weights_only=True): {why}") from None
 
 
+def _fits(checkpoint: tuple[int, ...], model: tuple[int, ...]) -> bool:
+    return checkpoint == model or (model[:1] == (1,) and checkpoint == model[1:])
+
+
 def load_weights(
     module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str = "checkpoint", strict: bool = True
 ) -> None:
@@ -114,10 +118,12 @@ def load_weights(
     own = module.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
+    # an entry the model saves with a leading axis of one (lapheads.timm's marked projections) takes the
+    # plain shape too: the module's own load hook reads both, and refuses what does not fit
     shapes = [
         f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
         for k in own
-        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+        if k in state and not _fits(tuple(state[k].shape), tuple(own[k].shape))
     ]
 
     def refuse(missing: list[str]) -> CheckpointError:
