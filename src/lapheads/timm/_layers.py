@@ -79,9 +79,11 @@ def _guard_state_dict(module: Any, state: Any, prefix: str, local_metadata: Any)
     # shape (1, *shape). torch refuses a shape mismatch even in a non-strict load, so a stock timm
     # model (whose loaders drop unexpected keys such as the marker when they adapt a classifier)
     # refuses the file instead of loading it standard. A view, so in-place updates through the
-    # state dict (timm's ModelEmaV3) still reach the parameter.
+    # state dict (timm's ModelEmaV3) still reach the parameter. ``state_dict(keep_vars=True)`` (tracing,
+    # torch.jit) asks for the module's own parameters, not a file: those stay as they are.
     anchor = anchor_of(module) if module.laplacian_active else None
-    if anchor is not None and isinstance(state.get(prefix + anchor), torch.Tensor):
+    value = state.get(prefix + anchor) if anchor is not None else None
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         state[prefix + anchor] = state[prefix + anchor].unsqueeze(0)
 
 
