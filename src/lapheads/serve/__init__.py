@@ -16,4 +16,11 @@ def register_vllm() -> None:
     register()
 
 
-__all__ = ["register_vllm"]
+def register_sglang() -> None:
+    """SGLang's plugin hook: it refuses Laplacian models (imported by SGLang only)."""
+    from .sglang import register
+
+    register()
+
+
+__all__ = ["register_vllm", "register_sglang"]
