@@ -1,22 +1,35 @@
 """What the Laplacian heads add to one attention layer, counted op by op on the CPU (deterministic).
 
 A GPU step's cost beyond SDPA is memory traffic: every extra elementwise pass reads and writes an
-output-sized buffer. This script counts that traffic without a GPU: one layer's forward and
-backward run under a ``TorchDispatchMode`` that records every aten op and the bytes it writes
-(the bytes of its outputs, or of the tensors it mutates for in-place / ``out=`` ops), and under
-``saved_tensors_hooks`` that record the bytes autograd saves for the backward. Each setting is
-compared with k = 0 (plain SDPA) on the same layer:
+output-sized buffer. This script counts it without a GPU, two ways, each over one layer's forward
+and backward under a ``TorchDispatchMode`` (which sees every aten op: the module's, the backward
+formulas', AccumulateGrad's, and those inside the bodies of custom autograd Functions, forward and
+backward; not the scratch buffers a kernel allocates inside itself, e.g. SDPA's):
 
-* ``extra aten ops``: how many more aten calls, and which (the multiset difference);
-* ``extra bytes written``: as a share of the k = 0 layer's bytes written, and in output-sized passes
-  (one pass = the bytes of the attention output ``(B, H, T, D)``);
-* ``extra saved``: bytes saved for backward beyond k = 0, as a share of k = 0's.
+* ``bytes written`` (``_Written``): the bytes each op writes: its outputs, or the tensors it mutates
+  for in-place / ``out=`` ops; an allocation (``empty_like``, ...) writes nothing and counts 0; views
+  count nothing. Counted on the second step after a warm-up, gradients accumulating (``.grad +=``).
+  Beside it, ``saved_tensors_hooks`` record the bytes autograd saves for the backward.
+* ``output bytes`` (``_OutputBytes``, written apart from the first): the bytes of every tensor every
+  op returns, views and aliases excepted (an op whose schema marks its return as an alias, or whose
+  outputs all share an input's storage without writing: ``view``, ``slice``, ``transpose``,
+  ``expand``, ``_unsafe_view``, ...). In-place and ``out=`` ops count (their return is the tensor they
+  write), and so do allocations (new memory): a buffer made by ``empty_like`` and then filled by an
+  ``out=`` op counts twice, a buffer an out-of-place op returns once. Counted on a training step
+  after a warm-up with every gradient ``None`` (what ``optimizer.zero_grad()`` leaves), so
+  AccumulateGrad stores the gradients instead of adding them.
 
-Layers: timm ViT-S attention (``lapheads.timm.LaplacianAttention``, 384 wide, 6 heads, B=4,
-T=197) and one Hugging Face Llama decoder layer with 8 query / 2 key-value heads of 64
-(``LlamaModel`` with one layer, 512 wide, MLP 1408, B=2, T=256, built through
-``lapheads.transformers.enable``), float32. Settings: k=0, half the heads, all, arbitrary indices
-(``[0, 2]`` of 6 / ``[1, 4, 6]`` of 8), learnable mixing (``"learn:laplacian"``).
+Each setting is compared with k = 0 (plain SDPA) on the same layer: extra aten ops (how many, which:
+the multiset difference), extra bytes as a share of the k = 0 layer's, and in output-sized passes
+(one pass = the bytes of the attention output ``(B, H, T, D)``).
+
+Layers: timm ViT-S attention (``lapheads.timm.LaplacianAttention``, the class ``lapheads.timm.convert``
+gives ``vit_small_patch16_224``'s attention: 384 wide, 6 heads, qkv bias; B=4, T=197) and one Hugging
+Face Llama decoder layer with 8 query / 2 key-value heads of 64 (``LlamaModel`` with one layer, 512
+wide, MLP 1408, B=2, T=256, built through ``lapheads.transformers.enable``), float32. Settings: k=0,
+half the heads, all, arbitrary indices (``[0, 2]`` of 6 / ``[1, 4, 6]`` of 8), learnable mixing
+(``"learn:laplacian"``). The shares grow with the batch (the parameter gradients are a fixed part of
+the k = 0 layer's bytes): ``--vit-batch`` / ``--llama-batch`` change it.
 
 Usage: ``python benchmarks/epilogue.py`` (a Markdown section on stdout; ``--json PATH`` writes the
 rows; ``--quick`` changes nothing, the counts are exact and take seconds). ``measure()`` is what
@@ -29,7 +42,7 @@ import argparse
 import collections
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,7 +52,7 @@ from torch.utils._pytree import tree_flatten
 _ALLOCATE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
-class _Counter(TorchDispatchMode):
+class _Written(TorchDispatchMode):
     """Counts the aten ops that write memory and the bytes each writes (its outputs, or the arguments
     it mutates); views (``slice``, ``expand``, ``transpose``, ...) write nothing and are not counted."""
 
@@ -76,6 +89,45 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+class _OutputBytes(TorchDispatchMode):
+    """The bytes of every tensor every aten op returns, except an op's outputs that alias its inputs and
+    are not written (views); in-place ops count their return (what they write), allocations theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        returns = func._schema.returns
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        if not writes:
+            if any(r.alias_info is not None for r in returns):
+                return out  # a view by its schema
+            storages = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+            outputs = _tensors(out)
+            if outputs and all(t.untyped_storage().data_ptr() in storages for t in outputs):
+                return out  # an alias by its storage (``_unsafe_view``, ``alias``, ``detach``)
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in _tensors(out))
+        return out
+
+
+def _count_outputs(step: Callable[[], None], leaves: list[torch.Tensor]) -> dict[str, Any]:
+    for t in leaves:
+        t.grad = None
+    counter = _OutputBytes()
+    with counter:
+        step()
+    return {"ops": counter.ops, "bytes": counter.bytes}
+
+
 def _count(step: Callable[[], None]) -> dict[str, Any]:
     saved: dict[Any, int] = {}
 
@@ -84,17 +136,20 @@ def _count(step: Callable[[], None]) -> dict[str, Any]:
         saved[key] = t.numel() * t.element_size()
         return t
 
-    counter = _Counter()
+    counter = _Written()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
         step()
     return {"ops": counter.ops, "written": counter.written, "saved": sum(saved.values())}
 
 
-def _vit_layer(spec: Any) -> tuple[Callable[[], None], int]:
+Layer = tuple[Callable[[], None], int, list[torch.Tensor]]  # (one step, output bytes, leaves with gradients)
+
+
+def _vit_layer(spec: Any, b: int = 4) -> Layer:
     from lapheads.timm import LaplacianAttention
 
     torch.manual_seed(0)
-    b, t, dim, heads = 4, 197, 384, 6
+    t, dim, heads = 197, 384, 6
     if isinstance(spec, list):
         spec = spec[0]  # one layer: its head indices
     layer = LaplacianAttention(dim, heads, qkv_bias=True, laplacian_heads=spec)
@@ -104,7 +159,7 @@ def _vit_layer(spec: Any) -> tuple[Callable[[], None], int]:
     def step() -> None:
         layer(x).backward(g)
 
-    return step, b * heads * t * (dim // heads) * 4
+    return step, b * heads * t * (dim // heads) * 4, [*layer.parameters(), x]
 
 
 def _llama_model(spec: Any, heads: int = 8, kv: int = 2, layers: int = 1) -> Any:
@@ -128,21 +183,22 @@ def _llama_model(spec: Any, heads: int = 8, kv: int = 2, layers: int = 1) -> Any
     return model
 
 
-def _llama_layer(spec: Any) -> tuple[Callable[[], None], int]:
+def _llama_layer(spec: Any, b: int = 2) -> Layer:
     model = _llama_model(spec)
-    b, t, dim = 2, 256, 512
+    t, dim = 256, 512
     x = torch.randn(b, t, dim, requires_grad=True)
     g = torch.randn(b, t, dim)
 
     def step() -> None:
         model(inputs_embeds=x, use_cache=False).last_hidden_state.backward(g)
 
-    return step, b * 8 * t * 64 * 4
+    return step, b * 8 * t * 64 * 4, [*model.parameters(), x]
 
 
-LAYERS: dict[str, tuple[Callable[[Any], tuple[Callable[[], None], int]], int, list[int]]] = {
-    "timm ViT-S attention, B=4, T=197": (_vit_layer, 6, [0, 2]),
-    "HF Llama layer, 8 q / 2 kv heads, B=2, T=256": (_llama_layer, 8, [1, 4, 6]),
+#: name (with ``{b}`` for the batch) -> (builder, default batch, heads, the indices setting)
+LAYERS: dict[str, tuple[Callable[[Any, int], Layer], int, int, list[int]]] = {
+    "timm ViT-S attention, B={b}, T=197": (_vit_layer, 4, 6, [0, 2]),
+    "HF Llama layer, 8 q / 2 kv heads, B={b}, T=256": (_llama_layer, 2, 8, [1, 4, 6]),
 }
 
 
@@ -165,17 +221,21 @@ def _diff(ops: collections.Counter[str], base: collections.Counter[str]) -> str:
     return ", ".join(parts) or "-"
 
 
-def measure() -> list[dict[str, Any]]:
-    """One row per layer and setting: extra ops (count and names), extra bytes written and saved."""
+def measure(batches: Optional[list[Optional[int]]] = None) -> list[dict[str, Any]]:
+    """One row per layer and setting: extra ops (count and names), extra bytes written and saved, extra
+    output bytes; ``batches``: one batch size per layer of :data:`LAYERS` (None: its default)."""
     rows = []
-    for layer, (build, n_heads, indices) in LAYERS.items():
-        base = None
+    for i, (name, (build, default_b, n_heads, indices)) in enumerate(LAYERS.items()):
+        b = (batches[i] if batches else None) or default_b
+        layer = name.format(b=b)
+        base = base_out = None
         for label, spec in settings(n_heads, indices).items():
-            step, out_bytes = build(spec)
+            step, out_bytes, leaves = build(spec, b)
             step()  # warm-up: lazy initialisation (masks, caches) is not counted
             got = _count(step)
-            if base is None:
-                base = got
+            outs = _count_outputs(step, leaves)
+            if base is None or base_out is None:
+                base, base_out = got, outs
             extra_ops = sum(got["ops"].values()) - sum(base["ops"].values())
             rows.append(
                 {
@@ -188,6 +248,9 @@ def measure() -> list[dict[str, Any]]:
                     "extra_passes": (got["written"] - base["written"]) / out_bytes,
                     "extra_saved": (got["saved"] - base["saved"]) / base["saved"],
                     "extra_saved_passes": (got["saved"] - base["saved"]) / out_bytes,
+                    "extra_output_bytes": (outs["bytes"] - base_out["bytes"]) / base_out["bytes"],
+                    "extra_output_passes": (outs["bytes"] - base_out["bytes"]) / out_bytes,
+                    "output_what": _diff(outs["ops"], base_out["ops"]),
                 }
             )
     return rows
@@ -195,8 +258,9 @@ def measure() -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| layer | setting | extra aten ops | extra bytes written | output-sized passes | extra saved | what is extra |",
-        "|---|---|---|---|---|---|---|",
+        "| layer | setting | extra aten ops | extra bytes written | passes written | extra saved "
+        "| extra output bytes | output passes | what is extra |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     last = None
     for r in rows:
@@ -204,7 +268,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         last = r["layer"]
         lines.append(
             f"| {layer} | {r['setting']} | {r['extra_ops']:+d} | {100 * r['extra_written']:+.1f}% | "
-            f"{r['extra_passes']:+.2f} | {100 * r['extra_saved']:+.1f}% | {r['what']} |"
+            f"{r['extra_passes']:+.2f} | {100 * r['extra_saved']:+.1f}% | {100 * r['extra_output_bytes']:+.1f}% | "
+            f"{r['extra_output_passes']:+.2f} | {r['what']} |"
         )
     return "\n".join(lines)
 
@@ -213,13 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--quick", action="store_true", help="accepted for run_all.py: the counts are cheap and exact")
+    ap.add_argument("--vit-batch", type=int, help="batch of the ViT-S layer (default 4)")
+    ap.add_argument("--llama-batch", type=int, help="batch of the Llama layer (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    rows = measure()
+    rows = measure([args.vit_batch, args.llama_batch])
     print("## epilogue: what the heads add to one attention layer (op counts, CPU)\n")
     print(
-        "One layer's forward + backward beyond k = 0 (plain SDPA), counted op by op: bytes written by "
-        "every aten op, in output-sized passes, and bytes saved for backward (float32).\n"
+        "One layer's forward + backward beyond k = 0 (plain SDPA), counted op by op (float32): bytes written "
+        "by every aten op (allocations 0; gradients accumulating) and in output-sized passes, bytes saved for "
+        "backward, and the independent count: bytes of every op's outputs, views aside (allocations and "
+        "in-place ops included; gradients None before the step). What is extra: the ops beyond k = 0 of the "
+        "first count.\n"
     )
     print(table(rows))
     if args.json:

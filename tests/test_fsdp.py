@@ -43,7 +43,8 @@ def _overrides(cache: Path, parallel: str, steps: int = STEPS) -> list[str]:
         "data.vocab_size=400",
         "data.seq_len=32",
         f"data.batch_size={GLOBAL_BATCH}",
-        "data.eval_tokens=256",
+        # 3 evaluation batches of 4 x 32 tokens: one rank has a batch more (engine.fsdp.lockstep's fallback)
+        "data.eval_tokens=384",
         "model.depth=2",
         "model.width=64",
         "model.n_heads=4",
@@ -215,6 +216,19 @@ def test_two_process_fsdp_equals_one_process(fsdp_run, cache, tmp_path):
         _weights(fsdp_run / "final" / "model.safetensors"),
         atol=0,
     )
+    # the final evaluation (3 batches over 2 ranks, one a fallback) equals one process's over the same 12 windows
+    import numpy as np
+    import torch.nn.functional as F
+
+    from lapheads.data.shards import TokenShards
+
+    val = TokenShards(R.prepare_data(_config(fsdp_run, cache, "ddp").data)[1], "val")
+    w = torch.from_numpy(np.stack([val.tokens(j * 32, 33) for j in range(12)]))
+    with torch.no_grad():
+        nats = F.cross_entropy(model(w[:, :-1]).logits.float().transpose(1, 2), w[:, 1:])
+    final = json.loads((fsdp_run / "final" / "metrics.json").read_text())
+    assert final["val_tokens"] == 12 * 32
+    assert final["val_loss"] == pytest.approx(float(nats), rel=1e-5)
     samples = [json.loads(line) for line in (fsdp_run / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [STEPS]  # written once, by rank 0
     meta = json.loads((fsdp_run / "meta.json").read_text())

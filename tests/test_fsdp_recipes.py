@@ -311,6 +311,131 @@ def test_two_process_checkpoint_resumes_on_one_process(two_process, retro_one, p
     assert "data.total_batch_tokens=128" in str(e.value) and "\n" not in str(e.value)
 
 
+# --------------------------------------------------------------------------- the shipped tiny LM, as the CLI runs it
+TINY_STEPS, TINY_CKPT = 6, 3
+
+
+def _tiny_lm_cmd(out: Path, *extra: str) -> list[str]:
+    """``torchrun --nproc_per_node=2 -m lapheads.cli train lm --config .../tiny.yaml --out OUT --set ...``."""
+    from lapheads.recipes.shipped import CONFIG_DIR
+
+    sets = ["train.parallel=fsdp", f"train.max_steps={TINY_STEPS}", f"train.ckpt_every={TINY_CKPT}"]
+    sets += ["train.eval_every=0", "train.progress=false"]
+    args = ["train", "lm", "--config", str(CONFIG_DIR / "lm" / "tiny.yaml"), "--out", str(out)]
+    return torchrun(
+        "--nproc_per_node=2", "-m", "lapheads.cli", *args, *itertools.chain(*(("--set", s) for s in sets)), *extra
+    )
+
+
+def _run_cli(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    from _reliability_helpers import subprocess_env
+
+    # a collective left waiting by another rank fails within 20 s instead of gloo's default 30 min
+    return subprocess.run(
+        cmd, env=subprocess_env(LAPHEADS_DIST_TIMEOUT="20", **env), capture_output=True, text=True, timeout=300
+    )
+
+
+_REF_LAPLACIAN: dict[str, int] = {"k": 0}  # trailing Laplacian heads of the reference attention below
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Softmax attention written out (scores, mask, softmax, weighted sum), then ``V - PV`` on the trailing k heads."""
+    h, tq, tk = query.shape[1], query.shape[2], key.shape[2]
+    key, value = key.repeat_interleave(h // key.shape[1], 1), value.repeat_interleave(h // value.shape[1], 1)
+    scores = query @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = scores.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(tk - tq + 1), float("-inf"))
+    if attention_mask is not None:  # none without padding; kept general
+        bool_mask = attention_mask.dtype == torch.bool
+        scores = scores.masked_fill(~attention_mask, float("-inf")) if bool_mask else scores + attention_mask
+    p = torch.softmax(scores, dim=-1)
+    out = p @ value
+    k = _REF_LAPLACIAN["k"]
+    if k:
+        out = torch.cat([out[:, : h - k], value[:, h - k :, tk - tq :] - out[:, h - k :]], dim=1)
+    return out.transpose(1, 2).contiguous(), p
+
+
+@pytest.mark.slow
+def test_tiny_lm_cli_two_process_fsdp_resume_and_export(tmp_path):
+    """The shipped tiny LM (``recipes/configs/lm/tiny.yaml``) under ``torchrun --nproc_per_node=2 -m lapheads.cli
+    train lm ... --set train.parallel=fsdp``, 6 steps, checkpoints at 3 and 6; the same command crashing after
+    step 4 then ``--resume``-d from step 3 ends with the same weights and metrics. The final evaluation is
+    recomputed in one process from the exported model and the validation windows; the exported model keeps
+    its 2 Laplacian heads per layer (logits = an attention written out here).
+
+    The validation windows of this config make an odd number of evaluation batches, so one rank runs a
+    forward more than the other (lockstep's fallback batch): the sharded evaluation must agree on the count
+    before any forward, and drop the fallback from the sums."""
+    import math
+
+    import numpy as np
+    import torch.nn.functional as F
+    from _reliability_helpers import same_weights
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from lapheads.data.shards import TokenShards
+    from lapheads.engine.checkpoint import latest_checkpoint
+    from lapheads.recipes import lm as R
+    from lapheads.testing import CRASH_AFTER
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    r = _run_cli(_tiny_lm_cmd(ref))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert [p.name for p in sorted((ref / "checkpoints").glob("step_*"))] == ["step_00000003", "step_00000006"]
+    assert latest_checkpoint(ref / "checkpoints").name == "step_00000006"
+    # the same command, crashing after step 4 (before any checkpoint of it), then resumed from step 3
+    r = _run_cli(_tiny_lm_cmd(run), **{CRASH_AFTER: "4"})
+    assert r.returncode != 0 and "simulated crash after step 4" in r.stderr, r.stderr[-4000:]
+    assert latest_checkpoint(run / "checkpoints").name == "step_00000003" and not (run / "final").exists()
+    r = _run_cli(_tiny_lm_cmd(run, "--resume"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "resuming" in r.stdout + r.stderr and "from step 3" in r.stdout + r.stderr
+    assert same_weights(ref / "final" / "model.safetensors", run / "final" / "model.safetensors")
+    assert same_weights(ref / "final" / "hf" / "model.safetensors", run / "final" / "hf" / "model.safetensors")
+    final = json.loads((ref / "final" / "metrics.json").read_text())
+    assert json.loads((run / "final" / "metrics.json").read_text()) == final
+    assert [s["world_size"] for s in json.loads((run / "meta.json").read_text())["starts"]] == [2, 2]
+
+    # the final evaluation again, in this process: every validation window of the config, no ranks
+    cfg = R.LMRecipe().read_config(ref)
+    tok, shard_dir = R.prepare_data(cfg.data)  # the session cache the runs built
+    val, seq, bs = TokenShards(shard_dir, "val"), cfg.data.seq_len, cfg.data.eval_batch_size or cfg.data.batch_size
+    n_windows = min((val.num_tokens - 1) // seq, bs * max(1, cfg.data.eval_tokens // (bs * seq)))
+    assert math.ceil(n_windows / bs) % 2 == 1  # the 2 ranks get different numbers of batches
+    windows = torch.from_numpy(np.stack([val.tokens(j * seq, seq + 1) for j in range(n_windows)]))
+    x, y = windows[:, :-1], windows[:, 1:]
+    model, tok = R.load_model(ref)  # final/hf, the documented loader of LM runs
+    assert model.config.laplacian_heads == 2 and model.config._attn_implementation == "laplacian_sdpa"
+    with torch.no_grad():
+        nats = torch.cat(
+            [
+                F.cross_entropy(model(xb).logits.float().transpose(1, 2), yb, reduction="none").flatten()
+                for xb, yb in zip(x.split(bs), y.split(bs))
+            ]
+        )
+    nbytes = R.token_bytes(tok)[y.flatten()]
+    assert final["val_tokens"] == y.numel() == n_windows * seq
+    assert final["val_loss"] == pytest.approx(float(nats.double().mean()), rel=1e-5)
+    bpb = float((nats.double() * (nbytes > 0)).sum()) / (math.log(2) * int(nbytes.sum()))
+    assert final["val_bpb"] == pytest.approx(bpb, rel=1e-5)
+
+    # the exported model's logits are those of the written-out attention with the 2 trailing heads Laplacian
+    model = model.double()
+    with torch.no_grad():
+        got = model(x[:2]).logits
+        AttentionInterface.register("test_fsdp_tiny_reference", _reference_attention)
+        AttentionMaskInterface.register("test_fsdp_tiny_reference", sdpa_mask)
+        model.set_attn_implementation("test_fsdp_tiny_reference")
+        _REF_LAPLACIAN["k"] = 2
+        want = model(x[:2]).logits
+        _REF_LAPLACIAN["k"] = 0
+        standard = model(x[:2]).logits
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+    assert float((got - standard).abs().max()) > 1e-2  # the heads change the output: the check above can fail
+
+
 if __name__ == "__main__":  # the torchrun worker: OUT CACHE PRETRAINED
     out, cache_dir, pre = (Path(a) for a in sys.argv[1:4])
     _sft_recipe().train(_sft_config(pre, 2), out / "sft")

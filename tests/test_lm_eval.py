@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
 import torch
@@ -257,27 +258,39 @@ def test_lm_eval_hflm_gets_the_laplacian_model(run):
     assert lm.model.config.laplacian_heads == "all"
 
 
-def test_lm_eval_hflm_without_lapheads_fails_naming_the_fix(run):
-    """``lm_eval --model hf --model_args pretrained=RUN/final/hf`` never runs the model as standard attention."""
+def test_lm_eval_hflm_without_lapheads_fails_naming_the_fix(run, tmp_path):
+    """``lm_eval --model hf --model_args pretrained=RUN/final/hf`` never runs the model as standard attention:
+    transformers asks for trust_remote_code (the checkpoint's model type is lapheads' own), and with it the
+    loader file names lapheads when lapheads is not installed."""
     pytest.importorskip("accelerate")
     import os
     import subprocess
     import sys
 
+    from test_sharing import NO_LAPHEADS
+
+    hf = str(run / "final" / "hf")
     script = f"""
 import sys
 from lm_eval.models.huggingface import HFLM
-try:
-    HFLM(pretrained={str(run / "final" / "hf")!r}, device="cpu", batch_size=1)
-except Exception as e:
-    print("RAISED", type(e).__name__, e)
+for trust in (False, True):
+    if trust:
+{textwrap.indent(NO_LAPHEADS, "        ")}
+    try:
+        HFLM(pretrained={hf!r}, device="cpu", batch_size=1, trust_remote_code=trust)
+    except Exception as e:
+        print("RAISED", trust, type(e).__name__, e)
 print("LAPHEADS", any(m.split(".")[0] == "lapheads" for m in sys.modules))
 """
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "LAPHEADS False" in r.stdout
-    assert "RAISED" in r.stdout and "import lapheads.transformers" in r.stdout, r.stdout[-2000:]
+    assert "RAISED False ValueError" in r.stdout and "trust_remote_code=True" in r.stdout, r.stdout[-2000:]
+    assert "RAISED True ImportError this checkpoint has Laplacian heads" in r.stdout, r.stdout[-2000:]
 
 
 def test_eval_lm_waits_for_the_runs_writer_lock(run, tmp_path, capsys, monkeypatch):

@@ -48,7 +48,7 @@ def test_names_resolve_to_the_shipped_file_and_a_path_wins(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="classify/digits, dino/digits"):
         resolve_any("digits")  # two recipes ship a `digits`
     assert resolve_any("digits", "dino") == str(CONFIG_DIR / "dino" / "digits.yaml")
-    with pytest.raises(ConfigError, match="'nope'.*cifar100_vits, deit3_base_imagenet, digits"):
+    with pytest.raises(ConfigError, match="'nope'.*cifar100_vits, deit3_base_imagenet, deit3_large_imagenet, digits"):
         resolve_config("classify", "nope")
     monkeypatch.chdir(tmp_path)
     Path("digits").write_text("recipe: classify\n")

@@ -304,14 +304,17 @@ def test_save_and_reload_stays_laplacian(arch, tmp_path):
     # without lapheads too, with an identical state_dict
     assert _max_diff(got, want) < 1e-12
     assert _max_diff(got, stock) > 1e-4
-    if arch in ("gemma2", "gpt_oss"):  # decoders: plain loading reproduces them, under the no-"sdpa" name
+    # the concrete class reads config.json itself and refuses the checkpoint at load, lapheads imported or not
+    with pytest.raises(ValueError, match="this checkpoint has Laplacian heads"):
+        type(model).from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
+    if arch in ("gemma2", "gpt_oss"):  # decoders: a plain auto load reproduces them, under the no-"sdpa" name
         assert saved["attn_implementation"] == lt.SAVED_FUSED_ATTN_IMPLEMENTATION
         assert back.config._attn_implementation == lt.FUSED_ATTN_IMPLEMENTATION
-        plain = type(model).from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
-        assert _max_diff(_run(plain, inputs), want) < 1e-12
-    else:  # encoders, towers, encoder-decoders: a plain load refuses its first forward in one line naming the fix
+        plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager")
+        assert _max_diff(_run(plain.eval(), inputs), want) < 1e-12
+    else:  # encoders, towers, encoder-decoders: a plain auto load refuses its first forward in one line naming the fix
         assert saved["attn_implementation"] == lt.ATTN_IMPLEMENTATION + lt.INDEXED_ATTN_IMPLEMENTATION_SUFFIX
-        plain = type(model).from_pretrained(tmp_path, dtype=torch.float64, experts_implementation="eager").eval()
+        plain = tf.AutoModel.from_pretrained(tmp_path, dtype=torch.float64).eval()
         with pytest.raises(ConfigError, match="lapheads.transformers.from_pretrained") as refused:
             _run(plain, inputs)
         assert "\n" not in str(refused.value)
@@ -402,7 +405,7 @@ def test_decoders_load_with_the_fused_name_and_generate_with_a_cache(arch, tmp_p
     ).eval()
     assert back.config._attn_implementation == lt.FUSED_ATTN_IMPLEMENTATION
     with pytest.raises(ValueError, match="does not support an attention implementation through"):
-        type(model).from_pretrained(tmp_path, attn_implementation=lt.ATTN_IMPLEMENTATION)
+        tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=lt.ATTN_IMPLEMENTATION)
     back.generation_config.eos_token_id = None
     prompt = torch.randint(3, V, (1, 6), generator=torch.Generator().manual_seed(3))
     gen = back.generate(prompt, max_new_tokens=6, do_sample=False)  # past the sliding window of 4

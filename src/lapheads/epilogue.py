@@ -102,6 +102,26 @@ def _fresh_like(pv: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format).transpose(-3, -2)
 
 
+def _token_major(x: torch.Tensor) -> bool:
+    """``x`` ``(..., H, T, D)`` has its strides in the order ``(..., T, H, D)``, strictly decreasing (size-1 and
+    broadcast dims aside)."""
+    t = x.transpose(-3, -2)
+    strides = [st for st, n in zip(t.stride(), t.shape) if n > 1 and st != 0]
+    return all(x > y for x, y in zip(strides, strides[1:]))
+
+
+def _direct(pv: torch.Tensor, first: Optional[torch.Tensor], *others: torch.Tensor) -> bool:
+    """Whether one out-of-place op over ``first`` (its first operand; None: ``pv`` is), ``pv`` and ``others``
+    returns what :func:`_fresh_like` filled by ``out=`` ops holds, dtype and layout: one dtype, ``pv`` dense
+    ``(..., T, H, D)`` and ``first`` in that stride order. (An op lays its output out in the stride order of its
+    first operand, taking broadcast dims from the next.)"""
+    return (
+        all(t.dtype == pv.dtype for t in others)
+        and pv.transpose(-3, -2).is_contiguous()
+        and (first is None or (first.dtype == pv.dtype and _token_major(first)))
+    )
+
+
 _Block = tuple[int, int, torch.Tensor, Optional[torch.Tensor]]
 
 
@@ -170,48 +190,77 @@ def traced() -> bool:
     )
 
 
-def _write(o: torch.Tensor, p: torch.Tensor, s: torch.Tensor, a: float, b: float) -> None:
-    """``o = a s + b p`` in one pass where (a, b) allow it."""
+def _write(o: Optional[torch.Tensor], p: torch.Tensor, s: torch.Tensor, a: float, b: float) -> torch.Tensor:
+    """``a s + b p`` into ``o`` in one pass where (a, b) allow it; ``o=None`` (only for ``b != 0``): into a new
+    tensor, from the same ops."""
     if a == 0:
         if b == 1:
-            o.copy_(p)
-        elif b == -1:
-            torch.neg(p, out=o)
-        elif b == 0:
-            o.zero_()
-        else:
-            torch.mul(p, b, out=o)
-    elif b == 0:
-        torch.mul(s, a, out=o) if a != 1 else o.copy_(s.expand_as(o))
-    elif b == -1 and a == 1:
-        torch.sub(s, p, out=o)
-    elif b == 1:
-        torch.add(p, s, alpha=a, out=o)
-    else:
-        torch.mul(p, b, out=o)
-        o.add_(s, alpha=a)
+            return p.clone() if o is None else o.copy_(p)
+        if b == -1:
+            return torch.neg(p, out=o)
+        if b == 0:
+            assert o is not None
+            return o.zero_()
+        return torch.mul(p, b, out=o)
+    if b == 0:
+        assert o is not None
+        return torch.mul(s, a, out=o) if a != 1 else o.copy_(s.expand_as(o))
+    if b == -1 and a == 1:
+        return torch.sub(s, p, out=o)
+    if b == 1:
+        return torch.add(p, s, alpha=a, out=o)
+    return torch.mul(p, b, out=o).add_(s, alpha=a)
 
 
 def _fixed_forward(pv: torch.Tensor, vs: torch.Tensor, runs: Runs) -> torch.Tensor:
     hkv = vs.shape[-3]
     group = pv.shape[-3] // hkv
+    p5, s5 = _grouped(pv, hkv), vs.unsqueeze(-3)
+    if len(runs.runs) == 1 and runs.runs[0][3] != 0 and _direct(pv, vs, vs):  # one op, its output the result
+        _, _, a, b = runs.runs[0]
+        return _write(None, p5, s5, a, b).flatten(-4, -3)
     out = _fresh_like(pv, vs)
-    o5, p5, s5 = _grouped(out, hkv), _grouped(pv, hkv), vs.unsqueeze(-3)
+    o5 = _grouped(out, hkv)
     for g0, g1, j0, j1, a, b in _run_blocks(runs, group):
         _write(o5[..., g0:g1, j0:j1, :, :], p5[..., g0:g1, j0:j1, :, :], s5[..., g0:g1, :, :, :], a, b)
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _signs(runs: Runs, hkv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``b`` per head as an ``(H_kv, G, 1, 1)`` tensor (cached: one host-to-device copy per operator and device)."""
+    return torch.tensor(runs.vectors()[1], dtype=dtype, device=device).view(hkv, -1, 1, 1)
+
+
+def _times_b(dy: torch.Tensor, runs: Runs, hkv: int) -> Optional[torch.Tensor]:
+    """``b_h dy`` per head by one op, with no buffer of its own, bit for bit what :func:`_write` gives run by run:
+    ``dy`` itself when every b is 1, ``-dy`` when every b is -1, ``dy`` times the per-head b when each is 1 or -1
+    (for a plain tensor: the cached signs must not meet a fake or distributed one); None otherwise."""
+    bs = {b for _, _, _, b in runs.runs}
+    if bs == {1.0}:
+        return dy
+    if len(bs) == 1 and 0.0 not in bs:
+        return _write(None, dy, dy, 0.0, bs.pop())
+    if bs == {1.0, -1.0} and type(dy) is torch.Tensor and not traced():
+        return (_grouped(dy, hkv) * _signs(runs, hkv, dy.dtype, dy.device)).flatten(-4, -3)
+    return None
+
+
 def _fixed_backward(dy: torch.Tensor, runs: Runs, hkv: int) -> tuple[torch.Tensor, list[_Block]]:
-    """``d_pv`` (one pass) and the blocks ``a dy`` summed over the group, to add into ``dv``."""
+    """``d_pv`` (one pass, or none) and the blocks ``a dy`` summed over the group, to add into ``dv``."""
     group = dy.shape[-3] // hkv
-    d_pv = torch.empty_like(dy)
-    d5, y5 = _grouped(d_pv, hkv), _grouped(dy, hkv)
+    y5 = _grouped(dy, hkv)
+    d_pv = _times_b(dy, runs, hkv)
+    if d_pv is None:
+        d_pv = torch.empty_like(dy)
+        d5 = _grouped(d_pv, hkv)
+        for g0, g1, j0, j1, _, b in _run_blocks(runs, group):
+            y = y5[..., g0:g1, j0:j1, :, :]
+            _write(d5[..., g0:g1, j0:j1, :, :], y, y, 0.0, b)
     blocks: list[_Block] = []
-    for g0, g1, j0, j1, a, b in _run_blocks(runs, group):
-        y = y5[..., g0:g1, j0:j1, :, :]
-        _write(d5[..., g0:g1, j0:j1, :, :], y, y, 0.0, b)
+    for g0, g1, j0, j1, a, _ in _run_blocks(runs, group):
         if a != 0:
+            y = y5[..., g0:g1, j0:j1, :, :]
             t = y.squeeze(-3) if j1 - j0 == 1 else y.sum(-3)
             blocks.append((g0, g1, t if a == 1 else t * a, None))
     return d_pv, blocks
@@ -265,10 +314,13 @@ class _Fixed(torch.autograd.Function):
 def _mix_forward(pv: torch.Tensor, vs: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     hkv = vs.shape[-3]
     group = pv.shape[-3] // hkv
+    p5, a5, b5 = _grouped(pv, hkv), a.view(hkv, group, 1, 1), b.view(hkv, group, 1, 1)
+    if _direct(pv, None, vs, a, b):  # the product is the result's buffer
+        return torch.mul(p5, b5).addcmul_(vs.unsqueeze(-3), a5).flatten(-4, -3)
     out = _fresh_like(pv, vs, a, b)
     o5 = _grouped(out, hkv)
-    torch.mul(_grouped(pv, hkv), b.view(hkv, group, 1, 1), out=o5)
-    o5.addcmul_(vs.unsqueeze(-3), a.view(hkv, group, 1, 1))
+    torch.mul(p5, b5, out=o5)
+    o5.addcmul_(vs.unsqueeze(-3), a5)
     return out
 
 
@@ -311,10 +363,7 @@ class _Mix(torch.autograd.Function):
             d_pv, d_vs = _plain_backward(dy, a, b, hkv, ctx.tape)
             return d_pv, d_vs, d_a, d_b, None
         y5, a5 = _grouped(dy, hkv), a.view(hkv, group, 1, 1)
-        d_pv = None
-        if need_pv:
-            d_pv = torch.empty_like(dy)
-            torch.mul(y5, b.view(hkv, group, 1, 1), out=_grouped(d_pv, hkv))
+        d_pv = (y5 * b.view(hkv, group, 1, 1)).flatten(-4, -3) if need_pv else None
         d_vs = None
         if ctx.tape is not None:  # dv += a dy, one query head of each group at a time, in place
             ctx.tape.pending = (dy.shape[-2], [(0, hkv, y5[..., j, :, :], a5[:, j]) for j in range(group)])

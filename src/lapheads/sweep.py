@@ -33,7 +33,12 @@ from .recipes import get_recipe
 SWEEP_HINT = "pass --restart-changed to train them afresh, --overwrite to restart every run, or choose another --out"
 
 
-RESERVED_AXES = {"model.laplacian_heads": "--laplacian-heads", "train.seed": "--seeds"}
+# the axes a sweep sets itself (a retrofit's heads are the top-level `laplacian_heads`)
+RESERVED_AXES = {
+    "model.laplacian_heads": "--laplacian-heads",
+    "laplacian_heads": "--laplacian-heads",
+    "train.seed": "--seeds",
+}
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 
@@ -217,7 +222,7 @@ def plan_grid(
                 raise ConfigError(f"grid point {', '.join(point_sets)}: {e}") from None
         for k in heads:
             for seed in seeds:
-                sets = [f"model.laplacian_heads={k}", f"train.seed={seed}", *point_sets, *overrides]
+                sets = [f"{rec.heads_key}={k}", f"train.seed={seed}", *point_sets, *overrides]
                 path = out / run_name(k, seed, point, short)
                 run = GridRun(path, sets, RunDir(path).state())
                 if run.state != "new":

@@ -1,4 +1,4 @@
-"""``lapheads recipes``: the recipe configs that ship with the package, one line each."""
+"""``lapheads recipes``: the recipe configs and sweep presets that ship with the package, one line each."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 from typing import Optional, Sequence
 
 from ..recipes.shipped import shipped_configs
+from ..sweep_presets import presets
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -24,4 +25,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.paths:
             print(f"{'':<{width}}  {'':<{rwidth}}  {c.path}")
     print("\nuse one with: lapheads train RECIPE --config NAME (e.g. lapheads train classify --config digits)")
+    grids = presets()
+    if grids:
+        print("\nsweep presets (lapheads sweep --preset NAME --out DIR):")
+        pwidth = max(len(x.name) for x in grids)
+        for x in grids:
+            print(f"{x.name:<{pwidth}}  {x.n_runs():>3} runs of {x.spec.config}: {x.description}")
     return 0

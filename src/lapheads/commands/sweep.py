@@ -1,7 +1,7 @@
 """``lapheads sweep``: a recipe over Laplacian-head settings, seeds and config axes, resumably, then a report.
 
-``--launcher slurm`` submits one SLURM array job; ``--status OUT`` and ``--resume --out OUT`` read the
-command every sweep records in ``OUT/sweep_command.json``.
+``--preset NAME`` runs a shipped grid (``--list-presets``); ``--launcher slurm`` submits one SLURM array job;
+``--status OUT`` and ``--resume --out OUT`` read the command every sweep records in ``OUT/sweep_command.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..sweep import (
     run_grid,
     run_name,
 )
+from ..sweep_presets import load_preset, presets
 from . import opts, repeated
 
 COMMAND_FILE = "sweep_command.json"  # OUT/: the sweep's own argv (--status, --resume)
@@ -43,11 +44,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="recipe YAML (its top-level `recipe:` names the recipe)")
     p.add_argument("--recipe", help="recipe name when the YAML does not say it")
     p.add_argument(
-        "--laplacian-heads",
-        default="0,all",
-        help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all",
+        "--preset",
+        help="a shipped sweep (its config, head settings, seeds, axes and settings; --list-presets lists them); "
+        "--set adds settings, --laplacian-heads / --seeds replace its own",
     )
-    p.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
+    p.add_argument("--list-presets", action="store_true", help="list the shipped sweep presets and exit")
+    p.add_argument(
+        "--laplacian-heads",
+        help="comma-separated settings of model.laplacian_heads, e.g. 0,3,6 or 0,all (default 0,all)",
+    )
+    p.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default 0)")
     grid_help = "a config axis crossed with every other --grid, k and seed (repeatable), e.g. model.embed_dim=64,128"
     repeated(p, "--grid", grid_help, metavar="KEY=V1,V2")
     point_help = (
@@ -89,21 +95,59 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _list_presets() -> int:
+    found = presets()
+    width = max(len(x.name) for x in found)
+    for x in found:
+        print(f"{x.name:<{width}}  {x.n_runs():>3} runs  {x.spec.config}: {x.description}")
+    print("\nrun one with: lapheads sweep --preset NAME --out DIR [--set KEY=VALUE ...]")
+    return 0
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    """Fill ``args`` from ``--preset``: its config, axes and settings (``--set`` after them), and its head
+    settings and seeds unless given."""
+    given = [f for f, v in (("--config", args.config), ("--recipe", args.recipe)) if v]
+    given += [f for f, v in (("--grid", args.grid), ("--point", args.point)) if v]
+    if given:
+        raise ConfigError(
+            f"--preset {args.preset} sets the config and the axes itself; drop {', '.join(given)} "
+            "(or give the sweep's own flags without --preset)"
+        )
+    preset = load_preset(args.preset)
+    args.config = preset.config
+    args.grid, args.point = list(preset.spec.grid), list(preset.spec.points)
+    args.overrides = [*preset.spec.overrides, *args.overrides]
+    args.laplacian_heads = args.laplacian_heads or ",".join(preset.heads)
+    args.seeds = args.seeds or ",".join(str(s) for s in preset.seeds)
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """The sweep's own flags: a preset's, then the defaults of --laplacian-heads and --seeds."""
+    if args.preset:
+        _apply_preset(args)
+    args.laplacian_heads = args.laplacian_heads or "0,all"
+    args.seeds = args.seeds or "0"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     argv = list(argv or [])
     args = p.parse_args(argv)
+    if args.list_presets:
+        return _list_presets()
     if args.status:
         return _status(Path(args.status))
-    if args.resume and args.config is None:
+    if args.resume and args.config is None and args.preset is None:
         if args.out is None:
             raise ConfigError("--resume needs --out (the sweep directory)")
         argv = _recorded(Path(args.out), [a for a in argv if a != "--resume"])
         args = p.parse_args(argv)
+    _resolve(args)
     if args.config is None or args.out is None:
         raise ConfigError(
             "the following arguments are required: "
-            + ", ".join(f for f, v in (("--config", args.config), ("--out", args.out)) if v is None)
+            + ", ".join(f for f, v in (("--config or --preset", args.config), ("--out", args.out)) if v is None)
         )
     slurm = launcher_config(args)
     heads, seeds = parse_heads_list(args.laplacian_heads), parse_seeds(args.seeds)
@@ -120,6 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with lock_dir(out):
         record = [a for a in argv if a not in ("--overwrite", "--restart-changed", "--resume", "--no-wait")]
         config = str(Path(args.config).absolute()) if Path(args.config).is_file() else args.config
+        if args.preset:
+            config = ""  # a preset is read again by name (its argv holds --preset)
         recorded = (out / COMMAND_FILE).exists()
 
         def write_command() -> None:  # once the sweep is sure to run: a refused one changes nothing in OUT
@@ -154,7 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 with lock_dir(d):
                     analyze_run(d)
         if not args.no_report:
-            paths = build_report(dirs, out / "report", title=f"Sweep: {Path(args.config).name}")
+            name = f"preset {args.preset}" if args.preset else Path(args.config).name
+            paths = build_report(dirs, out / "report", title=f"Sweep: {name}")
             print(f"report: {paths['html']}")
     return 0
 
@@ -194,6 +241,7 @@ def _read_command(out: Path) -> dict:
 def point_names(argv: Sequence[str]) -> list[str]:
     """The run directory names of the sweep ``argv`` (as run_grid names them), without loading configs."""
     args, _ = _parser().parse_known_args(list(argv))
+    _resolve(args)
     design = design_points(parse_grid(args.grid, args.overrides), [parse_point(x, args.overrides) for x in args.point])
     short = axis_names(sorted({k for d in design for k in d}))
     return [

@@ -218,7 +218,10 @@ def lockstep(
         yield from ((b, True) for b in batches)
         return
     items = list(batches)
+    # the count is agreed before the first forward: all_max is itself a collective, and a rank that
+    # reached it while another still ran a sharded forward would pair it with that forward's all-gather
+    most = D.all_max(len(items), device)
     for b in items:
         yield b, True
-    for _ in range(D.all_max(len(items), device) - len(items)):
+    for _ in range(most - len(items)):
         yield fallback(), False

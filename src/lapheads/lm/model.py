@@ -1,6 +1,7 @@
 """NanoChat-architecture language models with k Laplacian heads, and nanochat's optimizers.
 
-transformers' ``NanoChatForCausalLM`` with ``laplacian_heads`` in its config, shaped by nanochat's depth rule
+transformers' ``NanoChatForCausalLM`` with ``laplacian_heads`` in its config (with value embeddings or sliding
+windows: :class:`lapheads.lm.nanochat.LapNanoChatForCausalLM`), shaped by nanochat's depth rule
 (:func:`resolve_shape`), initialised (:func:`init_weights`), optimised (:func:`build_optimizers`) and
 budgeted (:func:`budget_steps`) as nanochat; the comparison with nanochat's ``gpt.py``: ``docs/design/lm.md``.
 """
@@ -16,13 +17,21 @@ from torch import nn
 from transformers import NanoChatConfig, NanoChatForCausalLM
 
 from .. import transformers as lap_tf
-from ..engine.config import Beta, ConfigModel, Float, Int
+from ..engine.config import Beta, ConfigModel, Float, Int, Str, rule
 from ..engine.fsdp import muon_class  # ShardedMuon on FSDP2 shards: orthogonalises whole matrices
 from ..errors import ConfigError
 from ..heads import is_mix_param, learnable_spec
 from ..heads_config import HeadsSetting, heads_field
 from ..variants import Attention as VariantName
 from .attention import check_lm_attention, set_variant
+from .nanochat import (
+    SLIDING,
+    LapNanoChatConfig,
+    LapNanoChatForCausalLM,
+    default_short_window,
+    value_embedding_layers,
+    window_layer_types,
+)
 
 __all__ = [
     "LMModelConfig",
@@ -35,6 +44,7 @@ __all__ = [
     "build_optimizers",
     "muon_momentum",
     "count_params",
+    "budget_params",
     "flops_per_token",
     "budget_steps",
 ]
@@ -60,6 +70,23 @@ class LMModelConfig(ConfigModel):
         "self-attention); standard and xsa need laplacian_heads: 0 (diff: classify only, docs/heads.md)",
     )
     vocab_size: Int = Field(0, ge=0, description="0 = the tokenizer's vocabulary size; otherwise it must match it")
+    value_embeddings: bool = Field(
+        False,
+        description="nanochat's value embeddings: every other layer, the last included, adds a token embedding "
+        "to its values through a gate per head (docs/recipe-lm.md)",
+    )
+    window_pattern: Str = Field(
+        "L",
+        description="attention window per layer, tiled over the layers: L = full context, S = the last "
+        "short_window tokens; the last layer is always L (nanochat: SSSL)",
+    )
+    short_window: Int = Field(
+        0, ge=0, description="tokens before the query an S layer sees; 0 = data.seq_len / 4 rounded up to 128"
+    )
+
+    @rule
+    def _window_pattern(self) -> None:
+        window_layer_types(self.window_pattern, self.depth)  # the letters, before any model is built
 
 
 class LMOptimConfig(ConfigModel):
@@ -67,6 +94,9 @@ class LMOptimConfig(ConfigModel):
 
     matrix_lr: Float = Field(0.02, ge=0.0, description="Muon, hidden matrices of the blocks")
     embedding_lr: Float = Field(0.2, ge=0.0, description="AdamW, token embedding (times (width/768)^-0.5)")
+    value_embedding_lr: Float = Field(
+        0.1, ge=0.0, description="AdamW, value embeddings (times (width/768)^-0.5); nanochat: embedding_lr / 2"
+    )
     unembedding_lr: Float = Field(0.004, ge=0.0, description="AdamW, lm_head (times (width/768)^-0.5)")
     weight_decay: Float = Field(0.0, ge=0.0, description="AdamW and Muon (never on the learnable mixing)")
     mix_lr: Float = Field(
@@ -111,6 +141,25 @@ def resolve_shape(cfg: LMModelConfig) -> dict[str, int]:
     }
 
 
+def architecture(cfg: LMModelConfig, max_seq_len: int) -> dict[str, Any]:
+    """The :class:`~lapheads.lm.nanochat.LapNanoChatConfig` keys of ``cfg``'s value embeddings and windows
+    (empty when it has neither: the stock NanoChat)."""
+    types = window_layer_types(cfg.window_pattern, cfg.depth)
+    if not cfg.value_embeddings and SLIDING not in types:
+        return {}
+    window = cfg.short_window or default_short_window(max_seq_len)
+    return {
+        "value_embedding_layers": value_embedding_layers(cfg.depth) if cfg.value_embeddings else [],
+        "layer_types": types,
+        "sliding_window": window + 1 if SLIDING in types else None,  # transformers counts the query itself
+    }
+
+
+def config_class(cfg: LMModelConfig, max_seq_len: int) -> type:
+    """``NanoChatConfig``, or :class:`~lapheads.lm.nanochat.LapNanoChatConfig` for value embeddings / windows."""
+    return LapNanoChatConfig if architecture(cfg, max_seq_len) else NanoChatConfig
+
+
 def build_config(
     cfg: LMModelConfig, vocab_size: int, max_seq_len: int, *, bos_token_id: int = 0, eos_token_id: Any = None
 ):
@@ -136,7 +185,7 @@ def build_config(
     if max_seq_len < 1:
         raise ConfigError(f"max_seq_len={max_seq_len} must be >= 1")
     s = resolve_shape(cfg)
-    config = NanoChatConfig(
+    config = config_class(cfg, max_seq_len)(
         vocab_size=vocab_size,
         hidden_size=s["width"],
         intermediate_size=s["intermediate"],
@@ -153,6 +202,7 @@ def build_config(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=None,
+        **architecture(cfg, max_seq_len),
     )
     try:
         lap_tf.enable(config, cfg.laplacian_heads)
@@ -169,9 +219,7 @@ def init_weights(model: nn.Module) -> None:
     """nanochat's initialisation (``docs/design/lm.md``), in place."""
     for mod in model.modules():
         if isinstance(mod, nn.Linear):
-            fan_out, fan_in = mod.weight.shape
-            std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))  # arXiv 2310.17813
-            nn.init.normal_(mod.weight, mean=0.0, std=std)
+            nn.init.normal_(mod.weight, mean=0.0, std=_matrix_std(*mod.weight.shape))
             if mod.bias is not None:
                 nn.init.zeros_(mod.bias)
         elif isinstance(mod, nn.Embedding):
@@ -182,6 +230,17 @@ def init_weights(model: nn.Module) -> None:
     for layer in model.model.layers:
         nn.init.zeros_(layer.self_attn.o_proj.weight)
         nn.init.zeros_(layer.mlp.fc2.weight)
+        gate = getattr(layer.self_attn, "ve_gate", None)
+        if gate is not None:  # nanochat: small positive weights, every gate starts near 3 sigmoid(0) = 1.5
+            nn.init.uniform_(gate.weight, 0.0, 0.02)
+    v_shape = model.model.layers[0].self_attn.v_proj.weight.shape
+    for ve in getattr(model.model, "value_embeds", {}).values():  # the spread of the values they are added to
+        nn.init.normal_(ve.weight, mean=0.0, std=_matrix_std(*v_shape))
+
+
+def _matrix_std(fan_out: int, fan_in: int) -> float:
+    """nanochat's init std of a ``(fan_out, fan_in)`` matrix (arXiv 2310.17813)."""
+    return 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
 
 
 def build_model(
@@ -207,7 +266,7 @@ def build_model(
     """
     check_lm_attention(cfg.attention, cfg.laplacian_heads)
     config = build_config(cfg, vocab_size, max_seq_len, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    model = NanoChatForCausalLM(config)
+    model = (LapNanoChatForCausalLM if isinstance(config, LapNanoChatConfig) else NanoChatForCausalLM)(config)
     set_variant(model, cfg.attention)
     if learnable_spec(config.laplacian_heads) is not None:
         lap_tf.enable(model, config.laplacian_heads)  # registers lap_mix_a / lap_mix_b per layer
@@ -222,15 +281,25 @@ def build_model(
     return model
 
 
+#: where the value embeddings of a :class:`~lapheads.lm.nanochat.LapNanoChatForCausalLM` are
+VALUE_EMBEDDING_PREFIX = "model.value_embeds."
+
+
 def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Split the parameters as nanochat does: ``matrix`` (Muon), ``embedding``, ``lm_head`` (AdamW),
-    plus ``mix`` (AdamW, no weight decay): the learnable head mixing ``lap_mix_a`` / ``lap_mix_b``,
-    vectors that Muon must not take.
+    """Split the parameters as nanochat does: ``matrix`` (Muon; the blocks, value-embedding gates included),
+    ``embedding``, ``value_embedding``, ``lm_head`` (AdamW), plus ``mix`` (AdamW, no weight decay): the
+    learnable head mixing ``lap_mix_a`` / ``lap_mix_b``, vectors that Muon must not take.
 
     Raises:
         ConfigError: a parameter fits no group or a block parameter is not a 2D matrix (Muon cannot take it).
     """
-    groups: dict[str, list[tuple[str, nn.Parameter]]] = {"matrix": [], "embedding": [], "lm_head": [], "mix": []}
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {
+        "matrix": [],
+        "embedding": [],
+        "value_embedding": [],
+        "lm_head": [],
+        "mix": [],
+    }
     emb = model.get_input_embeddings().weight
     head = model.lm_head.weight
     for name, p in model.named_parameters():
@@ -242,6 +311,8 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
             groups["lm_head"].append((name, p))
         elif is_mix_param(name):
             groups["mix"].append((name, p))
+        elif name.startswith(VALUE_EMBEDDING_PREFIX):
+            groups["value_embedding"].append((name, p))
         elif name.startswith("model.layers."):
             if p.ndim != 2:
                 raise ConfigError(
@@ -273,6 +344,14 @@ def build_optimizers(
         {"params": [p for _, p in g["lm_head"]], "lr": cfg.unembedding_lr * scale, "name": "lm_head"},
         {"params": [p for _, p in g["embedding"]], "lr": cfg.embedding_lr * scale, "name": "embedding"},
     ]
+    if g["value_embedding"]:
+        adam_groups.append(
+            {
+                "params": [p for _, p in g["value_embedding"]],
+                "lr": cfg.value_embedding_lr * scale,
+                "name": "value_embedding",
+            }
+        )
     if g["mix"]:  # learnable mixing: scalars per head, never weight-decayed
         adam_groups.append({"params": [p for _, p in g["mix"]], "lr": cfg.mix_lr, "name": "mix", "weight_decay": 0.0})
     adamw = torch.optim.AdamW(
@@ -300,22 +379,38 @@ def muon_momentum(step: int, cfg: LMOptimConfig) -> float:
 
 
 def count_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
-    """Number of parameters (optionally without the input embedding, which costs no matmul FLOPs)."""
+    """Number of parameters (optionally without the input and value embeddings: lookups, no matmul FLOPs)."""
     n = sum(p.numel() for p in model.parameters())
     if exclude_embedding:
         n -= model.get_input_embeddings().weight.numel()
+        n -= sum(p.numel() for name, p in model.named_parameters() if name.startswith(VALUE_EMBEDDING_PREFIX))
     return n
+
+
+def budget_params(model: nn.Module, which: str = "all") -> int:
+    """The parameters a tokens-per-parameter budget counts: ``all``, or ``scaling``, nanochat's count since
+    2026 (the blocks' matrices and ``lm_head``; neither token nor value embeddings)."""
+    if which == "all":
+        return count_params(model)
+    if which != "scaling":
+        raise ConfigError(f"data.budget_params={which!r} must be all or scaling")
+    head = model.lm_head.weight
+    blocks = sum(p.numel() for name, p in model.named_parameters() if name.startswith("model.layers."))
+    return blocks + head.numel()
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token, nanochat's / PaLM's estimate (arXiv 2204.02311, appendix B).
 
-    ``6 * (params - embedding) + 12 * layers * heads * head_dim * seq_len``: forward + backward of
-    every matmul weight, plus the attention scores and the weighted sum of values.
+    ``6 * (params - embeddings) + 12 * heads * head_dim * sum over layers of min(window, seq_len)``: forward +
+    backward of every matmul weight, plus the attention scores and the weighted sum of values over the keys each
+    query sees (``seq_len`` in a full-context layer, at most the window in a sliding one).
     """
     c = model.config
     n = count_params(model, exclude_embedding=True)
-    return 6.0 * n + 12.0 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+    types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    keys = sum(min(c.sliding_window, seq_len) if t == SLIDING else seq_len for t in types)
+    return 6.0 * n + 12.0 * c.num_attention_heads * c.head_dim * keys
 
 
 def budget_steps(n_params: int, tokens_per_param: float, total_batch_tokens: int) -> int:

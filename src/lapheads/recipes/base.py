@@ -134,6 +134,8 @@ class Recipe(ABC):
     description: ClassVar[str] = ""
     default_config: ClassVar[Optional[str]] = None
     metrics: ClassVar[tuple[Metric, ...]] = ()  # the first is the main metric
+    #: the config key of the head setting a sweep's ``--laplacian-heads`` axis sets
+    heads_key: ClassVar[str] = "model.laplacian_heads"
 
     def chance(self, run_dir: str | Path) -> dict[str, float]:
         """``{metric key: value of a model that guesses}`` for the finished run in ``run_dir``

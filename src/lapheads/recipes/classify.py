@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional
 
@@ -21,7 +23,7 @@ from .. import timm as lap_timm
 from ..data.images import build_image_dataset, hf_options, subset
 from ..engine import TrainConfig
 from ..engine.checkpoint import load_tensors, load_weights
-from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, to_dict
+from ..engine.config import Beta, ConfigModel, Float, Int, Str, from_dict, rule, run_rule, to_dict
 from ..engine.data import epoch_batches, steps_per_epoch
 from ..engine.dist import DistInfo
 from ..errors import ConfigError
@@ -122,6 +124,12 @@ class OptimConfig(ConfigModel):
     name: Literal["adamw", "lamb", "sgd"] = Field("adamw", description="sgd: plain SGD with momentum `momentum`")
     lr: Float = Field(1e-3, description="learning rate per `lr_batch` images")
     lr_batch: Int = Field(1024, ge=0, description="linear scaling reference; 0 = use `lr` as is")
+    min_lr: Optional[Float] = Field(
+        None,
+        ge=0.0,
+        description="final lr as an absolute value (timm's --min-lr), whatever the batch; it sets "
+        "train.min_lr_ratio (give one of the two); null = train.min_lr_ratio decides",
+    )
     weight_decay: Float = Field(0.05, ge=0.0, description="decoupled weight decay (not on biases, norms, tokens)")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), strict=False, description="AdamW / Lamb betas")
     momentum: Float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
@@ -148,6 +156,52 @@ class ClassifyConfig(ConfigModel):
     @rule
     def _attention(self) -> None:
         check_attention(self.model.attention, self.model.laplacian_heads)
+
+    @run_rule
+    def _min_lr(self) -> None:
+        resolve_min_lr(self, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def resume_mutable(self) -> set[str]:
+        """Keys a ``--resume`` may change: ``train.min_lr_ratio`` with ``optim.min_lr`` (it follows the global
+        batch, so the absolute value stays when a run resumes on another number of processes)."""
+        return min_lr_mutable(self.optim)
+
+
+def scaled_lr(o: OptimConfig, global_batch: int) -> float:
+    """The base learning rate of ``o`` at ``global_batch`` images per optimizer step (linear scaling)."""
+    return o.lr * global_batch / o.lr_batch if o.lr_batch else o.lr
+
+
+def resolve_min_lr(cfg: Any, world_size: int) -> None:
+    """Derive ``cfg.train.min_lr_ratio`` from ``cfg.optim.min_lr`` (in place): the absolute value over the
+    batch-scaled lr. ``cfg``: a config with ``optim`` (:class:`OptimConfig`), ``data`` and ``train`` sections.
+
+    Raises:
+        ConfigError: the min lr is above the lr, or ``train.min_lr_ratio`` is set to another value than the
+            recipe's default and the one ``optim.min_lr`` gives.
+    """
+    o, d, t = cfg.optim, cfg.data, cfg.train
+    if o.min_lr is None:
+        return
+    default = type(cfg).model_fields["train"].default.min_lr_ratio
+    lr = scaled_lr(o, d.batch_size * world_size * t.grad_accum)
+    ratio = o.min_lr / lr if lr > 0 else math.inf
+    if ratio > 1.0:
+        raise ConfigError(
+            f"optim.min_lr={o.min_lr:g} is above the learning rate {lr:g} (optim.lr={o.lr:g} at "
+            f"{d.batch_size * world_size * t.grad_accum} images per step); lower optim.min_lr"
+        )
+    if t.min_lr_ratio != default and not math.isclose(t.min_lr_ratio, ratio, rel_tol=1e-9):
+        raise ConfigError(
+            f"optim.min_lr={o.min_lr:g} and train.min_lr_ratio={t.min_lr_ratio:g} are both given (the first "
+            f"means min_lr_ratio={ratio:g} here); give one of them"
+        )
+    t.min_lr_ratio = ratio
+
+
+def min_lr_mutable(o: OptimConfig) -> set[str]:
+    """``train.min_lr_ratio`` when ``o.min_lr`` derives it (a ``resume_mutable`` key), else nothing."""
+    return {"train.min_lr_ratio"} if o.min_lr is not None else set()
 
 
 def timm_kwargs(m: ModelConfig, num_classes: int) -> dict:
@@ -264,6 +318,7 @@ class ClassifyTask(HeadsTask):
         mixing = a.mixup > 0 or a.cutmix > 0
         if mixing and d.batch_size % 2:
             raise ConfigError(f"data.batch_size={d.batch_size} must be even for mixup/cutmix")
+        resolve_min_lr(cfg, info.world_size)  # also when built without load_config
         self.model = build_model(cfg.model, self.num_classes).to(info.device)
         self.spe = steps_per_epoch(len(self.train_set), d.batch_size, info.world_size)
         if self.spe < cfg.train.grad_accum:
@@ -294,7 +349,7 @@ class ClassifyTask(HeadsTask):
 
     def optimizers(self):
         o = self.cfg.optim
-        lr = o.lr * self.global_batch() / o.lr_batch if o.lr_batch else o.lr
+        lr = scaled_lr(o, self.global_batch())
         own_mix = o.mix_lr_scale != 1.0
         decay, no_decay, mix = [], [], []
         for n, p in self.model.named_parameters():

@@ -37,6 +37,7 @@ from ..lm.attention import apply_variant
 from ..lm.model import (
     LMModelConfig,
     LMOptimConfig,
+    budget_params,
     budget_steps,
     build_model,
     build_optimizers,
@@ -108,6 +109,11 @@ class LMDataConfig(ConfigModel):
     )
     tokens_per_param: Float = Field(
         20.0, gt=0.0, description="run length when train.max_steps is 0 (nanochat / Chinchilla: 20)"
+    )
+    budget_params: Literal["all", "scaling"] = Field(
+        "all",
+        description="the parameters tokens_per_param counts: all, or scaling = the blocks and lm_head "
+        "(nanochat since 2026, which leaves out the token and value embeddings)",
     )
     eval_tokens: Int = Field(
         2**20, ge=1, description="validation tokens per evaluation (fewer if the split is smaller)"
@@ -398,7 +404,8 @@ class LMTask(TextTask):
         return d.batch_size * d.seq_len * self.info.world_size * self.cfg.train.grad_accum
 
     def total_steps(self) -> int:
-        return budget_steps(self.n_params, self.cfg.data.tokens_per_param, self.total_batch_tokens())
+        d = self.cfg.data
+        return budget_steps(budget_params(self.model, d.budget_params), d.tokens_per_param, self.total_batch_tokens())
 
     def on_step_start(self, step: int, total: int) -> None:
         if self._muon is not None:  # nanochat's momentum warm-up: a pure function of the step

@@ -402,6 +402,8 @@ class RetrofitRuns:
 
     #: the metrics of ``retrofit.json`` (keys of the task's evaluation)
     summary_keys: tuple[str, ...] = ("val_loss", "val_bpb")
+    #: a retrofit's head setting is a top-level key (the heads it converts, per layer)
+    heads_key = "laplacian_heads"
 
     def heads(self, run_dir: str | Path) -> Any:
         """The heads after conversion (``final/model.json``), else the configured ones."""

@@ -8,6 +8,7 @@ The ``classify`` recipe plus what every retrofit shares (:mod:`lapheads.recipes.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -34,6 +35,8 @@ from .classify import (
     ModelConfig,
     OptimConfig,
     check_channels,
+    min_lr_mutable,
+    resolve_min_lr,
     timm_kwargs,
 )
 from .classify import load_model as load_classifier
@@ -111,6 +114,11 @@ class RetrofitViTConfig(RetrofitBase):
             raise ConfigError(f"init_from={self.init_from} is neither a run directory nor a checkpoint file")
         check_channels(self.model, self.data.mean, self.data.std)  # the model of the run, if it is one
         check_steps(self.train)
+        resolve_min_lr(self, int(os.environ.get("WORLD_SIZE", "1")))
+
+    def resume_mutable(self) -> set[str]:
+        """``train.min_lr_ratio`` when ``optim.min_lr`` derives it (see the classify recipe)."""
+        return min_lr_mutable(self.optim)
 
 
 def run_model_config(run_dir: str | Path) -> ModelConfig:

@@ -172,7 +172,9 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 # keys that never define a grid axis: the k and seed axes, and what does not change the math
-_NOT_AXES = {"model.laplacian_heads", "model.attention", "train.seed"} | (RESUME_MUTABLE - {"train.max_steps"})
+_NOT_AXES = {"model.laplacian_heads", "laplacian_heads", "model.attention", "train.seed"} | (
+    RESUME_MUTABLE - {"train.max_steps"}
+)
 
 
 def by_recipe(runs: Sequence[dict]) -> dict[str, list[dict]]:

@@ -4,8 +4,9 @@
 ``AttentionInterface``: :data:`ATTN_IMPLEMENTATION` (fused), :data:`FUSED_ATTN_IMPLEMENTATION` (the
 same for model classes without SDPA support) and :data:`EAGER_ATTN_IMPLEMENTATION` (returns the
 operator as the attention weights). :func:`enable` gives a model Laplacian heads;
-``save_pretrained`` writes them into ``config.json`` and :func:`from_pretrained` loads them back, never
-silently as a standard model (more: docs/integrations.md).
+``save_pretrained`` / ``push_to_hub`` write a checkpoint that transformers alone refuses (its own model type,
+registered here for every model type transformers knows) and :func:`from_pretrained` loads it back, never
+silently as a standard model (more: docs/integrations.md, docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ except ImportError as e:  # pragma: no cover - transformers is a hard dependency
 # reached by the tests under these names (not part of the public API, which is __all__)
 from ..heads import MIX_PARAM_SUFFIXES as MIX_PARAM_SUFFIXES
 from ._attention import laplacian_eager_attention_forward, laplacian_sdpa_attention_forward, register_implementations
-from ._configs import check_implementation, fused_implementation, layer_selections, mark_config
+from ._configs import check_implementation, fused_implementation, layer_selections
 from ._extras import flex_softcap_pv as _flex_softcap_pv  # noqa: F401 - reached by the tests
 from ._indexing import attention_modules, mixing_modules
 from ._loading import enable, from_pretrained
@@ -38,6 +39,8 @@ from ._names import (
     SAVED_FUSED_ATTN_IMPLEMENTATION,
     is_laplacian_implementation,
 )
+from ._registry import LaplacianCheckpointConfig, register_model_types
+from ._saving import mark_config
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -58,6 +61,8 @@ __all__ = [
     "layer_selections",
     "mixing_modules",
     "attention_modules",
+    "LaplacianCheckpointConfig",
 ]
 
 register_implementations()
+register_model_types()

@@ -1,4 +1,4 @@
-"""Configs: where the spec lives, how it resolves per layer, and what ``config.json`` says."""
+"""Configs: where the spec lives and how it resolves per layer (what ``config.json`` says: ``_saving``)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,10 @@ from ..errors import ConfigError
 from ..heads import LaplacianHeads, LayerHeads, learnable_spec
 from ._names import (
     ATTN_IMPLEMENTATION,
-    BASE,
     EAGER_ATTN_IMPLEMENTATION,
     FUSED_ATTN_IMPLEMENTATION,
-    INDEXED_ATTN_IMPLEMENTATION_SUFFIX,
     is_laplacian_implementation,
-    saved_name,
 )
-
-#: the config attribute that ``config.json`` serialises as ``"attn_implementation"``
-SAVED_KEY = "attn_implementation"
 
 
 def config_spec(config: Any) -> Any:
@@ -112,50 +106,6 @@ def model_class_supports_sdpa(model_class: Any, config: Any) -> bool:
     except Exception:  # noqa: BLE001 - unknown to the auto class: let transformers report it
         cls = None
     return bool(getattr(cls, "_supports_sdpa", True)) and fused_implementation(config) == ATTN_IMPLEMENTATION
-
-
-def _saved_implementation(config: Any, needs_index: Optional[bool], fused: Optional[str]) -> Optional[str]:
-    """The ``attn_implementation`` ``config.json`` gets (None: none; an invalid spec is the model's to report)."""
-    try:
-        if not tree_any_laplacian(config):
-            return None
-    except ConfigError:
-        return None
-    current = config.__dict__.get(SAVED_KEY)
-    current = current if is_laplacian_implementation(current) else None
-    if needs_index is None:
-        needs_index = current is not None and current.endswith(INDEXED_ATTN_IMPLEMENTATION_SUFFIX)
-    base = BASE.get(getattr(config, "_attn_implementation", None) or "")
-    if base is None:
-        previous = BASE.get(current or "")
-        base = fused or (previous if previous != EAGER_ATTN_IMPLEMENTATION else None) or fused_implementation(config)
-    return saved_name(base, needs_index)
-
-
-def mark_config(
-    config: PreTrainedConfig, needs_index: Optional[bool] = None, fused: Optional[str] = None
-) -> PreTrainedConfig:
-    """Make THIS config write the Laplacian ``attn_implementation`` to ``config.json``, or none.
-
-    Sets (or, without Laplacian heads, removes) the plain attribute ``config.attn_implementation``;
-    returns ``config``.
-
-    Args:
-        config: a transformers config (anything else is returned untouched).
-        needs_index: whether plain loading cannot reproduce the model (the name then says to load
-            it with :func:`lapheads.transformers.from_pretrained`); default: what the config's saved
-            name says.
-        fused: the fused name of the model (:func:`fused_implementation`); default: the saved one,
-            else the config's own.
-    """
-    if not isinstance(config, PreTrainedConfig):  # a stand-in config (a test's namespace): nothing to save
-        return config
-    name = _saved_implementation(config, needs_index, fused)
-    if name is None:
-        config.__dict__.pop(SAVED_KEY, None)
-    elif config.__dict__.get(SAVED_KEY) != name:
-        setattr(config, SAVED_KEY, name)
-    return config
 
 
 def check_implementation(config: Any, attn_implementation: Optional[str]) -> None:

@@ -13,8 +13,9 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..errors import ConfigError
 from ..heads import MIX_PARAM_SUFFIXES, HeadMix, LayerHeads
-from ._configs import config_spec, config_tree, layer_selections, learnable, mark_config, stock_name
+from ._configs import config_spec, config_tree, layer_selections, learnable, stock_name
 from ._names import INDEXED_ATTN_IMPLEMENTATION_SUFFIX
+from ._saving import mark_config
 
 _DISPATCHES: dict[type, bool] = {}
 _CROSS_NAME = re.compile(r"cross|encoder_attn|encdec", re.IGNORECASE)

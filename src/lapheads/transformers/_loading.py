@@ -23,11 +23,13 @@ from ._configs import (
     fused_implementation,
     layer_selections,
     learnable,
-    mark_config,
     model_class_supports_sdpa,
 )
+from ._format import WEIGHTS_KEY, is_laplacian_checkpoint, strip_config
 from ._indexing import Entry, attention_modules, module_heads, module_selection, plain_load_reproduces, write_index
-from ._names import ATTN_IMPLEMENTATION, BASE, EAGER_ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION
+from ._names import ATTN_IMPLEMENTATION, BASE, EAGER_ATTN_IMPLEMENTATION, FUSED_ATTN_IMPLEMENTATION, MODEL_TYPE_PREFIX
+from ._registry import register_model_type
+from ._saving import hook_push, mark_config
 
 
 def _specs_for(configs: list[tuple[str, Any]], laplacian_heads: Any, owner: str) -> dict[int, Any]:
@@ -178,6 +180,7 @@ def enable(
         n_heads = module_heads(e.module)
         if n_heads is not None:
             module_selection(e.module, n_heads)
+    hook_push(model)
     return model
 
 
@@ -259,6 +262,14 @@ def _current_spec(model: PreTrainedModel) -> Any:
     return {p: (s if s is not None else 0) for (p, _), s in zip(configs, specs)}
 
 
+class _OtherModelType(_logging.Filter):
+    """Drops transformers' warning that a concrete class reads a config of another model type: the type of a
+    checkpoint with Laplacian heads is its base type with a prefix, which that class builds exactly."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return f"a model of type `{MODEL_TYPE_PREFIX}" not in record.getMessage()
+
+
 def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **kwargs: Any) -> PreTrainedModel:
     """``model_class.from_pretrained`` with the Laplacian attention implementation by name, indexed.
 
@@ -279,9 +290,19 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
 
     model_class = model_class or AutoModelForCausalLM
     config = kwargs.get("config")
+    laplacian_format = False
     if not isinstance(config, PreTrainedConfig):
-        config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads" or k in _HUB_KWARGS}
-        config = AutoConfig.from_pretrained(config or path, **config_kwargs)
+        hub = {k: v for k, v in kwargs.items() if k in _HUB_KWARGS}
+        raw, _ = PreTrainedConfig.get_config_dict(config or path, **hub)
+        laplacian_format = is_laplacian_checkpoint(raw)
+        if laplacian_format:  # a model type registered after lapheads.transformers was imported
+            register_model_type(raw["model_type"][len(MODEL_TYPE_PREFIX) :])
+        config_kwargs = {k: v for k, v in kwargs.items() if k == "laplacian_heads"}
+        config = AutoConfig.from_pretrained(config or path, **hub, **config_kwargs)
+    if laplacian_format and not hasattr(model_class, "_model_mapping"):
+        # A concrete class reads config.json itself, and the file's weights name refuses it: the keyword
+        # overrides that name (transformers' own override of a config value), and strip_config removes it.
+        kwargs[WEIGHTS_KEY] = None
     has_spec = any(config_spec(c) is not None for _, c in config_tree(config))
     fused = ATTN_IMPLEMENTATION if model_class_supports_sdpa(model_class, config) else FUSED_ATTN_IMPLEMENTATION
     if "attn_implementation" in kwargs:
@@ -296,10 +317,15 @@ def from_pretrained(path: str, model_class: Any = None, eager: bool = False, **k
     # _load_mixing restores them right after, so that warning would be wrong here.
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(_logging.ERROR if learn else level)
+    quiet = _OtherModelType()
+    config_logger = _logging.getLogger("transformers.configuration_utils")
+    config_logger.addFilter(quiet)
     try:
         model = model_class.from_pretrained(path, **kwargs)
     finally:
+        config_logger.removeFilter(quiet)
         hf_logging.set_verbosity(level)
+    strip_config(model.config)
     if learn:
         _load_mixing(model, path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
     elif has_spec and any(not e.cross for e in attention_modules(model)):

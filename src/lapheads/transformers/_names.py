@@ -1,5 +1,7 @@
-"""The names of the Laplacian attention implementations: each is registered under its plain name and the two
-names ``config.json`` stores (plain loading reproduces the model, or it needs indexing)."""
+"""The names lapheads gives things in transformers: the Laplacian attention implementations (each registered under
+its plain name and the two names ``config.json`` stores: plain loading reproduces the model, or it needs indexing)
+and the names of a saved checkpoint with Laplacian heads (its model type, the loader file beside the weights, the
+line that plain transformers refuses it with)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,20 @@ def is_laplacian_implementation(name: Optional[str]) -> bool:
 def saved_name(base: str, needs_index: bool) -> str:
     """The name ``config.json`` stores for the implementation ``base`` (see the module docstring)."""
     return base + (INDEXED_ATTN_IMPLEMENTATION_SUFFIX if needs_index else f" ({LOAD_HINT})")
+
+
+#: What a checkpoint with Laplacian heads stores as ``model_type``: this prefix and the base model type
+#: (``"lapheads-llama"``), a model type that transformers alone does not know.
+MODEL_TYPE_PREFIX = "lapheads-"
+#: What a checkpoint with Laplacian heads stores in front of each name of ``architectures`` (``"LapheadsLlamaForCausalLM"``):
+#: tools that pick a model class by that name (inference servers, converters) find none.
+ARCHITECTURE_PREFIX = "Lapheads"
+#: The module saved beside the weights that ``auto_map["AutoConfig"]`` names (run with ``trust_remote_code=True``).
+LOADER_MODULE = "lapheads_loader"
+#: The class of :data:`LOADER_MODULE` that ``auto_map["AutoConfig"]`` names.
+LOADER_CLASS = "LaplacianCheckpointConfig"
+#: The fix that every plain transformers path prints for a checkpoint with Laplacian heads.
+REFUSAL = (
+    "this checkpoint has Laplacian heads (laplacian_heads in config.json), which transformers alone would run as "
+    "standard attention: pip install --upgrade lapheads, then load it with lapheads.transformers.from_pretrained(path)"
+)
