@@ -85,11 +85,13 @@ def reference_tokens(
     if standard:
         kwargs["laplacian_heads"] = 0
     model = lt.from_pretrained(path, **kwargs).to(device).eval()
+    # vLLM's ignore_eos generates past an end token without masking it; min_new_tokens would mask it instead
+    model.generation_config.eos_token_id = None
     out = []
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([prompt], device=device)
-            gen = model.generate(ids, do_sample=False, max_new_tokens=n_tokens, min_new_tokens=n_tokens)
+            gen = model.generate(ids, do_sample=False, max_new_tokens=n_tokens)
             out.append(gen[0, len(prompt) :].tolist())
     return out
 
