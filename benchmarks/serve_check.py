@@ -52,8 +52,9 @@ def parse_spec(text: str) -> Any:
 def build_model(path: Path, spec: Any, n_kv_heads: int, seed: int = 0) -> None:
     """A tiny random Llama (4 query heads of 32, ``n_kv_heads`` KV heads, 2 layers) with ``spec``, saved at
     ``path``; learnable mixing gets random ``a``, ``b`` (the initial values would hide a mixing left unloaded)."""
-    import lapheads.transformers as lt
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import lapheads.transformers as lt
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -102,7 +103,9 @@ def vllm_tokens(path: str, args: argparse.Namespace, model_impl: str) -> tuple[O
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if args.tp > 1:  # vLLM binds each CPU worker to a NUMA node by default; one core each instead
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+            env.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp))
+            )
     child = {
         "model": path,
         "model_impl": model_impl,
@@ -167,7 +170,10 @@ def check(args: argparse.Namespace) -> list[dict[str, Any]]:
                 std = reference_tokens(path, args.tokens, args.device, dtype, standard=True)
                 row["differs_from_standard"] = std != ref
                 if built and std == ref:
-                    row["ok"], row["note"] = False, "the heads do not change this model's tokens: the check proves nothing"
+                    row["ok"], row["note"] = (
+                        False,
+                        "the heads do not change this model's tokens: the check proves nothing",
+                    )
             if not args.reference_only:
                 got, error = vllm_tokens(path, args, args.model_impl)
                 row["vllm_matches"] = got == ref

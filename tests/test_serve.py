@@ -1,19 +1,19 @@
 """lapheads.serve without a serving engine: the head arithmetic of a tensor-parallel rank against explicit
 attention, the refusals, the plugin's entry points, and serve_check's reference steps.
 
-The engines themselves (vLLM's LLM, SGLang's Engine) are exercised in tests/test_serve_engines.py."""
+The engines themselves (vLLM's LLM) are exercised by benchmarks/serve_check.py (docs/serving.md)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
-from lapheads import ConfigError, HeadMix, LayerHeads, LaplacianHeads
+from lapheads import ConfigError, HeadMix, LaplacianHeads, LayerHeads
 from lapheads.serve import checks
 from lapheads.serve.rank_heads import apply_rank_heads, check_tensor_parallel, rank_selection
 
@@ -47,7 +47,11 @@ def rank_inputs(q, k, v, tp: int, rank: int):
     """What a vLLM rank holds: its query heads and the KV heads they read (one replicated head when tp > H_kv)."""
     h, hkv = q.shape[1], k.shape[1]
     qs = slice(rank * h // tp, (rank + 1) * h // tp)
-    ks = slice(rank * hkv // tp, (rank + 1) * hkv // tp) if hkv >= tp else slice(rank // (tp // hkv), rank // (tp // hkv) + 1)
+    ks = (
+        slice(rank * hkv // tp, (rank + 1) * hkv // tp)
+        if hkv >= tp
+        else slice(rank // (tp // hkv), rank // (tp // hkv) + 1)
+    )
     return q[:, qs], k[:, ks], v[:, ks], qs
 
 
@@ -164,8 +168,9 @@ def test_latent_attention_is_refused():
 
 
 def test_served_heads_reads_the_config_through_lapheads_transformers():
-    import lapheads.transformers as lt
     from transformers import LlamaConfig
+
+    import lapheads.transformers as lt
 
     def config(spec):
         c = LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
@@ -222,9 +227,10 @@ def test_importing_lapheads_serve_loads_no_engine_and_the_hook_needs_vllm():
 def test_the_sglang_hook_refuses_a_laplacian_config_and_passes_a_standard_one():
     import types
 
+    from transformers import LlamaConfig
+
     import lapheads.transformers as lt
     from lapheads.serve.sglang import refuse_laplacian
-    from transformers import LlamaConfig
 
     standard = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
     holder = types.SimpleNamespace(model_path="m", hf_config=standard, hf_text_config=standard)

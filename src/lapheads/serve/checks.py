@@ -112,7 +112,10 @@ def check_parallel(tensor: int, pipeline: int, decode_context: int, prefill_cont
     """
     if tensor < 1 or pipeline < 1:
         raise ConfigError(f"tensor_parallel_size={tensor}, pipeline_parallel_size={pipeline}: both must be >= 1")
-    for name, size in (("decode_context_parallel_size", decode_context), ("prefill_context_parallel_size", prefill_context)):
+    for name, size in (
+        ("decode_context_parallel_size", decode_context),
+        ("prefill_context_parallel_size", prefill_context),
+    ):
         if size != 1:
             raise ConfigError(
                 f"{name}={size} is not served by lapheads.serve (context parallelism splits a head's work "

@@ -26,8 +26,9 @@ def register() -> None:
     """The ``sglang.srt.plugins`` entry point: refuse Laplacian models when SGLang reads their config."""
     import pkgutil
 
-    import lapheads.transformers  # noqa: F401 - before SGLang reads a config: the Auto classes and attention names
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    import lapheads.transformers  # noqa: F401 - before SGLang reads a config: the Auto classes and attention names
 
     owner, _, name = MODEL_CONFIG_INIT.rpartition(".")
     getattr(pkgutil.resolve_name(owner), name)  # an SGLang without it: fail here, loudly in SGLang's log

@@ -64,10 +64,11 @@ def register() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
-    import lapheads.transformers  # noqa: F401 - before vLLM reads a config: the Auto classes and attention names
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from vllm.model_executor.models.registry import ModelRegistry
     from vllm.model_executor.models.transformers import base  # registers vLLM's "vllm" attention function
+
+    import lapheads.transformers  # noqa: F401 - before vLLM reads a config: the Auto classes and attention names
 
     ALL_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, laplacian_attention(ALL_ATTENTION_FUNCTIONS["vllm"]))
     for name in ("inspect_model_cls", "resolve_model_cls"):
@@ -133,7 +134,9 @@ def _guard_resolution(method: Callable[..., Any], inspect: bool) -> Callable[...
         if heads is not None:
             impl = model_impl(model_config.model_impl, heads)
             if str(getattr(model_config.model_impl, "value", model_config.model_impl)) != impl:
-                _log.info("laplacian_heads=%r: serving with model_impl=%r (vLLM's own code ignores them)", heads.spec, impl)
+                _log.info(
+                    "laplacian_heads=%r: serving with model_impl=%r (vLLM's own code ignores them)", heads.spec, impl
+                )
                 model_config.model_impl = impl
         result = method(architectures, model_config, *args, **kwargs)
         if heads is not None:
@@ -201,7 +204,7 @@ def prepare(model: Any) -> None:
     holders = {id(m) for m in mixing_modules(model.model)} if heads.learnable else set()
     for layer, (name, _) in sorted(model.attention_fusers.items()):
         module = model.get_submodule(name)
-        attn = getattr(module, "attn")
+        attn = module.attn
         entry = index.get(id(module))
         if entry is None or entry.layer != layer:
             raise ConfigError(

@@ -82,7 +82,9 @@ def _guard_state_dict(module: Any, state: Any, prefix: str, local_metadata: Any)
     # state dict (timm's ModelEmaV3) still reach the parameter. ``state_dict(keep_vars=True)`` (tracing,
     # torch.jit) asks for the module's own parameters, not a file: those stay as they are.
     anchor = anchor_of(module) if module.laplacian_active else None
-    value = state.get(prefix + anchor) if anchor is not None else None
+    if anchor is None:
+        return
+    value = state.get(prefix + anchor)
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         state[prefix + anchor] = state[prefix + anchor].unsqueeze(0)
 
